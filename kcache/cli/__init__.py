@@ -1,0 +1,37 @@
+"""The `kcache` command: click commands only. Each parses, calls the library, formats."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import click
+
+from kcache import __version__
+from kcache.cli.bundles_cmd import ls_cmd, show_cmd
+from kcache.cli.db_cmd import db_group
+from kcache.cli.fingerprint_cmd import fingerprint_cmd
+from kcache.cli.publish_cmd import publish_cmd
+from kcache.cli.restore_cmd import restore_cmd
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="kcache")
+@click.option("-v", "--verbose", count=True, help="More logging on stderr (-vv for debug).")
+def main(verbose: int) -> None:
+    """kcache: warm starts for GPU inference services.
+
+    Publish compiled-kernel caches (Inductor, Triton, CUDA, vLLM) after warmup; restore the bundle
+    that matches a pod's fingerprint before the model loads.
+
+    Defaults: store file://$KCACHE_HOME/store, index sqlite:///$KCACHE_HOME/index.db,
+    KCACHE_HOME=~/.cache/kcache.
+    """
+    level = logging.WARNING - 10 * verbose if verbose else logging.WARNING
+    if os.environ.get("KCACHE_DEBUG") == "1":
+        level = logging.DEBUG
+    logging.basicConfig(level=max(level, logging.DEBUG), format="kcache: %(levelname)s: %(message)s")
+
+
+for command in (fingerprint_cmd, publish_cmd, restore_cmd, ls_cmd, show_cmd, db_group):
+    main.add_command(command)

@@ -1,0 +1,95 @@
+"""`kcache ls` and `kcache show`: what the index holds."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import click
+
+from kcache import manifest as manifests
+from kcache.cli import format as fmt
+from kcache.cli.options import handle_errors, json_option, settings, store_options
+from kcache.index import Bundle, Index
+from kcache.store import manifest_key, open_store
+
+
+def _bundle_json(b: Bundle) -> dict:
+    return {**asdict(b), "created_at": b.created_at.isoformat(), "layers": list(b.layers)}
+
+
+@click.command("ls")
+@click.option("--key", metavar="KEY", help="Only bundles whose bundle key starts with KEY.")
+@click.option("--model", metavar="ID", help="Only bundles of this model id.")
+@click.option("--limit", type=click.IntRange(1), default=50, show_default=True)
+@store_options
+@json_option
+@handle_errors
+def ls_cmd(key, model, limit, store_url, index_url, s3_endpoint_url, as_json):
+    """List bundles, newest first.
+
+    \b
+    Examples:
+      kcache ls
+      kcache ls --model my-llm --json
+    """
+    index = Index.open(settings(store_url, index_url, s3_endpoint_url).index_url)
+    try:
+        bundles = index.list_bundles(bundle_key=key, model=model, limit=limit)
+    finally:
+        index.close()
+    if as_json:
+        click.echo(fmt.to_json([_bundle_json(b) for b in bundles]))
+        return
+    if not bundles:
+        click.echo("no bundles yet: run `kcache publish` after a warmup")
+        return
+    rows = [(b.id[:12], b.bundle_key, b.model or "-", b.files, fmt.size(b.bytes), fmt.when(b.created_at), b.status)
+            for b in bundles]  # fmt: skip
+    click.echo(fmt.table(["bundle", "bundle key", "model", "files", "size", "created (UTC)", "status"], rows))
+
+
+@click.command("show")
+@click.argument("bundle")
+@click.option("--files", "list_files", is_flag=True, help="Also list every file with its size and mode.")
+@store_options
+@json_option
+@handle_errors
+def show_cmd(bundle, list_files, store_url, index_url, s3_endpoint_url, as_json):
+    """Show one bundle: keys, facts, layers and (with --files) its files.
+
+    BUNDLE is a bundle id or an unambiguous prefix of it (as `kcache ls` prints).
+
+    \b
+    Example:
+      kcache show 3f2a9c01bd47 --files
+    """
+    cfg = settings(store_url, index_url, s3_endpoint_url)
+    index = Index.open(cfg.index_url)
+    try:
+        found = index.get_bundle(bundle)
+    finally:
+        index.close()
+    entries: tuple[manifests.Entry, ...] = ()
+    if list_files:
+        store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url)
+        entries = manifests.parse(store.get_bytes(manifest_key(found.id)), found.id).entries
+    if as_json:
+        doc = _bundle_json(found)
+        if list_files:
+            doc["entries"] = [{"path": e.path, "mode": e.mode, "size": e.size, "blob": e.blob} for e in entries]
+        click.echo(fmt.to_json(doc))
+        return
+    click.echo(f"bundle         {found.id}")
+    click.echo(f"bundle key     {found.bundle_key}")
+    click.echo(f"toolchain key  {found.toolchain_key}")
+    click.echo(f"workload key   {found.workload_key}")
+    click.echo(f"model          {found.model or '-'}")
+    click.echo(f"layers         {', '.join(found.layers) or '-'}")
+    click.echo(f"files          {found.files} ({fmt.size(found.bytes)})")
+    click.echo(f"created        {fmt.when(found.created_at)} UTC by {found.created_by}")
+    click.echo(f"status         {found.status}")
+    click.echo()
+    click.echo(fmt.table(["fact", "value"], sorted(found.facts.items())))
+    if list_files:
+        click.echo()
+        click.echo(fmt.table(["mode", "size", "path"], [(f"{e.mode:o}", e.size, e.path) for e in entries]))

@@ -1,0 +1,33 @@
+"""`kcache fingerprint`: this machine's facts and keys."""
+
+from __future__ import annotations
+
+import click
+
+from kcache.cli import format as fmt
+from kcache.cli.options import compute_fingerprint, fingerprint_options, handle_errors, json_option
+
+
+@click.command("fingerprint")
+@fingerprint_options
+@json_option
+@handle_errors
+def fingerprint_cmd(model, model_config, facts, extras, as_json):
+    """Print this machine's facts and the keys kcache files caches under.
+
+    Answers in well under a second and never imports torch or triton.
+
+    \b
+    Examples:
+      kcache fingerprint --model meta-llama/Llama-3.1-8B --json
+      kcache fingerprint --fact gpu.sm=sm_90 --fact gpu.name="NVIDIA H100 80GB HBM3"
+    """
+    fp = compute_fingerprint(model, model_config, facts, extras)
+    if as_json:
+        click.echo(fmt.to_json(fp.as_dict()))
+        return
+    click.echo(f"bundle key     {fp.bundle_key}")
+    click.echo(f"toolchain key  {fp.toolchain_key}")
+    click.echo(f"workload key   {fp.workload_key}")
+    click.echo()
+    click.echo(fmt.table(["fact", "value"], sorted(fp.facts.items())))

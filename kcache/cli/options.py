@@ -1,0 +1,81 @@
+"""Options shared by several commands, and the error boundary every command runs inside."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from kcache import config, fingerprint
+from kcache.cli.errors import describe
+from kcache.errors import KcacheError
+
+
+def fingerprint_options(fn):
+    """--model, --model-config, --fact, --extra: what describes the workload and overrides facts."""
+    fn = click.option("--extra", "extras", multiple=True, metavar="K=V",
+                      help="A workload fact of your own (e.g. --extra tp=2); becomes extra.K.")(fn)  # fmt: skip
+    fn = click.option("--fact", "facts", multiple=True, metavar="NAME=VALUE",
+                      help="Override a probed fact (e.g. --fact gpu.sm=sm_90), to describe another machine.")(fn)  # fmt: skip
+    fn = click.option("--model-config", type=click.Path(dir_okay=False, path_type=Path),
+                      help="The model's config.json; its content becomes part of the workload key.")(fn)  # fmt: skip
+    fn = click.option("--model", metavar="ID", envvar="KCACHE_MODEL",
+                      help="Model identity, e.g. meta-llama/Llama-3.1-8B@rev (env KCACHE_MODEL).")(fn)  # fmt: skip
+    return fn
+
+
+def store_options(fn):
+    fn = click.option("--s3-endpoint-url", metavar="URL",
+                      help="S3-compatible endpoint (env AWS_ENDPOINT_URL).")(fn)  # fmt: skip
+    fn = click.option("--index", "index_url", metavar="URL",
+                      help="SQLAlchemy URL of the index (env KCACHE_INDEX; default sqlite:///$KCACHE_HOME/index.db).")(fn)  # fmt: skip
+    fn = click.option("--store", "store_url", metavar="URL",
+                      help="file:///path or s3://bucket/prefix (env KCACHE_STORE; default file://$KCACHE_HOME/store).")(fn)  # fmt: skip
+    return fn
+
+
+def json_option(fn):
+    return click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")(fn)
+
+
+def compute_fingerprint(model, model_config, facts, extras) -> fingerprint.Fingerprint:
+    return fingerprint.collect(
+        model=model,
+        model_config=model_config,
+        extra=fingerprint.parse_assignments(extras, "--extra"),
+        overrides=fingerprint.parse_assignments(facts, "--fact"),
+    )
+
+
+def settings(store_url, index_url, s3_endpoint_url) -> config.Settings:
+    return config.resolve(store_url, index_url, s3_endpoint_url)
+
+
+def fail(exc: BaseException) -> "click.exceptions.Exit":
+    """Print a one-line error and hint; return the Exit to raise with the table's code."""
+    message, hint, code = describe(exc)
+    click.echo(f"kcache: error: {message}", err=True)
+    click.echo(f"  hint: {hint}", err=True)
+    return click.exceptions.Exit(code)
+
+
+def handle_errors(fn):
+    """Map KcacheError to a one-line message and exit code; tracebacks only with KCACHE_DEBUG=1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except KcacheError as exc:
+            if os.environ.get("KCACHE_DEBUG") == "1":
+                raise
+            raise fail(exc) from None
+
+    return wrapper
+
+
+def stderr_is_terminal() -> bool:
+    return sys.stderr.isatty()

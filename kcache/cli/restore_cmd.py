@@ -1,0 +1,86 @@
+"""`kcache restore`: the init container's step. Fail-open unless --strict."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import click
+
+from kcache.cli import format as fmt
+from kcache.cli.errors import describe
+from kcache.cli.options import compute_fingerprint, fingerprint_options, json_option, settings, store_options
+from kcache.errors import KcacheError
+from kcache.index import Index
+from kcache.restore import restore
+from kcache.store import open_store
+
+
+@click.command("restore")
+@click.option("--into", "root", required=True, type=click.Path(path_type=Path),
+              help="Restore root, e.g. an emptyDir shared with the model container.")  # fmt: skip
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
+              envvar="KCACHE_RESTORE_TIMEOUT", help="Seconds before giving up and starting cold.")  # fmt: skip
+@click.option("--strict", is_flag=True, help="Exit non-zero on a miss or an error instead of starting cold.")
+@click.option("--jobs", type=click.IntRange(1, 256), default=16, show_default=True, help="Parallel pack reads.")
+@fingerprint_options
+@store_options
+@json_option
+def restore_cmd(root, timeout, strict, jobs, model, model_config, facts, extras,
+                store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
+    """Lay the bundle that matches this machine into ROOT and write ROOT/kcache.env.
+
+    On a miss, ROOT still gets empty layer directories and kcache.env, so the cold pod's compile
+    lands where `kcache publish --from ROOT` will find it. Any failure prints one line and exits 0
+    (the pod starts cold) unless --strict. Never imports torch.
+
+    \b
+    Examples:
+      kcache restore --into /cache --model my-llm && . /cache/kcache.env
+      kcache restore --into /cache --strict --timeout 60 --json
+    """
+    started = time.perf_counter()
+    try:
+        fp = compute_fingerprint(model, model_config, facts, extras)
+        cfg = settings(store_url, index_url, s3_endpoint_url)
+        store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
+        index = Index.open(cfg.index_url)
+        try:
+            result = restore(store, index, fp, root, jobs=jobs, timeout=timeout)
+        finally:
+            index.close()
+    except KcacheError as exc:
+        if os.environ.get("KCACHE_DEBUG") == "1":
+            raise
+        _report_error(exc, strict, as_json, time.perf_counter() - started)
+        return
+    payload = {
+        "status": result.status, "bundle_key": result.bundle_key, "bundle_id": result.bundle_id,
+        "files": result.files, "bytes": result.bytes, "seconds": round(result.seconds, 4),
+        "reason": result.reason, "root": str(result.root), "env_file": str(result.env_file),
+        "layers": list(result.layers),
+    }  # fmt: skip
+    if as_json:
+        click.echo(fmt.to_json(payload))
+    elif result.status == "hit":
+        click.echo(f"kcache: hit: restored bundle {result.bundle_id[:12]} ({result.files} files, "
+                   f"{fmt.size(result.bytes)}) into {result.root} in {fmt.seconds(result.seconds)}; "
+                   f"source {result.env_file}")  # fmt: skip
+    else:
+        click.echo(f"kcache: miss: {result.reason} (key {result.bundle_key}); starting cold. "
+                   f"Source {result.env_file}, then `kcache publish --from {result.root}` after warmup.")  # fmt: skip
+    if strict and result.status != "hit":
+        raise click.exceptions.Exit(3)
+
+
+def _report_error(exc: KcacheError, strict: bool, as_json: bool, seconds: float) -> None:
+    message, hint, code = describe(exc)
+    if as_json:
+        click.echo(fmt.to_json({"status": "error", "bundle_id": None, "files": 0, "bytes": 0,
+                                "seconds": round(seconds, 4), "reason": message}))  # fmt: skip
+    action = "failing (--strict)" if strict else "starting cold"
+    click.echo(f"kcache: restore failed, {action}: {message}", err=True)
+    click.echo(f"  hint: {hint}", err=True)
+    if strict:
+        raise click.exceptions.Exit(code)

@@ -1,0 +1,94 @@
+"""Engines and schema upgrades for the index.
+
+SQLite (the embedded default) upgrades itself on first use; any other database must be upgraded
+on purpose with `kcache db upgrade`, so a fleet of pods never races to migrate production.
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib import resources
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, event, inspect, text
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError, SQLAlchemyError
+
+from kcache.errors import ConfigError, IndexDbError
+
+log = logging.getLogger(__name__)
+
+# The newest migration in migrations/versions; tests/index/test_migrations.py keeps the two in step.
+HEAD = "0001"
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for `url`; SQLite gets WAL, a busy timeout and foreign keys."""
+    try:
+        if url.startswith("sqlite:///"):
+            Path(url.removeprefix("sqlite:///")).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            engine = create_engine(url, connect_args={"timeout": 30})
+            event.listen(engine, "connect", _sqlite_pragmas)
+            return engine
+        return create_engine(url, pool_pre_ping=True)
+    except (ArgumentError, NoSuchModuleError) as exc:
+        raise ConfigError("index URL", url, f"not a usable SQLAlchemy URL ({exc})") from None
+    except ModuleNotFoundError as exc:
+        raise ConfigError("index URL", url, f"driver {exc.name!r} is not installed") from None
+    except OSError as exc:
+        raise IndexDbError(url, f"cannot create its directory: {exc.strerror}") from None
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The schema revision recorded in the database, or None for an empty one."""
+    with engine.connect() as conn:
+        if not inspect(conn).has_table("alembic_version"):
+            return None
+        return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+
+
+def upgrade(engine: Engine) -> tuple[str | None, str]:
+    """Apply every pending migration. Returns (revision before, revision after)."""
+    from alembic import command
+    from alembic.config import Config
+
+    before = current_revision(engine)
+    cfg = Config()
+    cfg.set_main_option("script_location", str(resources.files("kcache._migrations")))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "head")
+    return before, current_revision(engine) or ""
+
+
+def ensure_schema(engine: Engine, url: str) -> None:
+    """Make sure the schema is at HEAD: upgrade SQLite in place, refuse anything else."""
+    try:
+        revision = current_revision(engine)
+        if revision == HEAD:
+            return
+        if engine.dialect.name == "sqlite":
+            log.info("upgrading index %s from %s to %s", url, revision, HEAD)
+            try:
+                upgrade(engine)
+            except SQLAlchemyError:
+                # Another process may have migrated the same file a moment earlier.
+                if current_revision(engine) != HEAD:
+                    raise
+            return
+    except OperationalError as exc:
+        raise IndexDbError(url, f"cannot connect: {describe_error(exc)}") from None
+    except SQLAlchemyError as exc:
+        raise IndexDbError(url, describe_error(exc)) from None
+    raise IndexDbError(url, f"schema is at {revision or 'nothing'}, not {HEAD}: run `kcache db upgrade`")
+
+
+def describe_error(exc: Exception) -> str:
+    msg = str(getattr(exc, "orig", None) or exc)
+    return msg.strip().splitlines()[0] if msg.strip() else type(exc).__name__

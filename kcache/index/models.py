@@ -1,0 +1,73 @@
+"""SQL tables of the index. Rows point into the store; the store can rebuild them.
+
+    bundles  one row per published manifest (id = manifest id); the commit point of a publish
+    packs    one row per pack object; condemned_at is set by GC's first phase
+    blobs    content id -> the pack, offset and compressed length that hold it
+    events   restore/publish outcomes, the source of hit-rate and time-saved stats
+
+Schema changes go through a new Alembic migration in migrations/versions; a test checks that
+these models and the migrations agree.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import BigInteger, DateTime, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class BundleRow(Base):
+    __tablename__ = "bundles"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    bundle_key: Mapped[str] = mapped_column(String(64), index=True)
+    toolchain_key: Mapped[str] = mapped_column(String(64), index=True)
+    workload_key: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str | None] = mapped_column(String(512), index=True)
+    facts: Mapped[str] = mapped_column(Text)  # canonical JSON
+    layers: Mapped[str] = mapped_column(String(512))  # comma-separated layer names
+    files: Mapped[int] = mapped_column(Integer)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    created_by: Mapped[str] = mapped_column(String(256))
+    status: Mapped[str] = mapped_column(String(16), default="active")
+
+
+class PackRow(Base):
+    __tablename__ = "packs"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    condemned_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class BlobRow(Base):
+    __tablename__ = "blobs"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    pack_id: Mapped[str] = mapped_column(String(64), ForeignKey("packs.id"), index=True)
+    offset: Mapped[int] = mapped_column(BigInteger)
+    length: Mapped[int] = mapped_column(BigInteger)
+    size: Mapped[int] = mapped_column(BigInteger)
+
+
+class EventRow(Base):
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_kind_created", "kind", "created_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    kind: Mapped[str] = mapped_column(String(16))  # restore | publish
+    status: Mapped[str] = mapped_column(String(16))  # hit | miss | error | published
+    bundle_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    bundle_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    files: Mapped[int] = mapped_column(Integer, default=0)
+    bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -1,0 +1,157 @@
+"""Manifests: the sorted list of files a bundle restores, serialized canonically.
+
+A manifest is the bundle's whole truth: which layers it holds and, for every file, where it goes
+under the restore root, its mode and size, the SHA-256 of its content and where those bytes sit
+in the store (pack id, offset, compressed length). Restore needs nothing else, so a pod that can
+read the bucket but not the SQL index can still restore.
+
+    {"schema": 1, "bundle_key": ..., "toolchain_key": ..., "workload_key": ..., "facts": {...},
+     "layers": ["inductor", ...],
+     "entries": [[path, mode, size, blob, pack, offset, length], ...]}   # sorted by path
+
+The manifest id is the SHA-256 of those canonical bytes; it is also the bundle id.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from kcache import canonical
+from kcache.errors import IntegrityError, UnsafePath
+
+SCHEMA = 1
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+# Only permission bits travel: setuid/setgid/sticky from a shared store would be a gift to an attacker.
+MODE_MASK = 0o777
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One file of a bundle and where its bytes live."""
+
+    path: str  # POSIX, relative to the restore root, starting with the layer's directory
+    mode: int
+    size: int
+    blob: str  # SHA-256 of the uncompressed content
+    pack: str
+    offset: int
+    length: int  # compressed length inside the pack
+
+    def as_row(self) -> list:
+        return [self.path, self.mode, self.size, self.blob, self.pack, self.offset, self.length]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    bundle_key: str
+    toolchain_key: str
+    workload_key: str
+    facts: Mapping[str, str]
+    layers: tuple[str, ...]
+    entries: tuple[Entry, ...] = field(default=())
+
+    def to_bytes(self) -> bytes:
+        return canonical.dumps(
+            {
+                "schema": SCHEMA,
+                "bundle_key": self.bundle_key,
+                "toolchain_key": self.toolchain_key,
+                "workload_key": self.workload_key,
+                "facts": dict(self.facts),
+                "layers": list(self.layers),
+                "entries": [e.as_row() for e in self.entries],
+            }
+        )
+
+    @property
+    def id(self) -> str:
+        return canonical.sha256(self.to_bytes())
+
+    @property
+    def total_size(self) -> int:
+        return sum(e.size for e in self.entries)
+
+
+def build(
+    bundle_key: str,
+    toolchain_key: str,
+    workload_key: str,
+    facts: Mapping[str, str],
+    layers: Iterable[str],
+    entries: Iterable[Entry],
+) -> Manifest:
+    """A manifest with entries sorted by path and every path checked."""
+    ordered = tuple(sorted(entries, key=lambda e: e.path))
+    _check_entries(ordered)
+    return Manifest(bundle_key, toolchain_key, workload_key, dict(facts), tuple(sorted(set(layers))), ordered)
+
+
+def parse(data: bytes, expected_id: str) -> Manifest:
+    """Parse manifest bytes fetched from a store, verifying they hash to `expected_id`."""
+    actual = canonical.sha256(data)
+    if actual != expected_id:
+        raise IntegrityError("manifest", expected_id, f"content hashes to {actual}")
+    try:
+        doc = json.loads(data)
+        if doc.get("schema") != SCHEMA:
+            raise ValueError(f"schema {doc.get('schema')!r} is not {SCHEMA}")
+        entries = tuple(_entry_from_row(row) for row in doc["entries"])
+        manifest = Manifest(
+            str(doc["bundle_key"]),
+            str(doc["toolchain_key"]),
+            str(doc["workload_key"]),
+            {str(k): str(v) for k, v in doc["facts"].items()},
+            tuple(str(layer) for layer in doc["layers"]),
+            entries,
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise IntegrityError("manifest", expected_id, f"does not parse: {exc}") from None
+    _check_entries(entries)
+    return manifest
+
+
+def _entry_from_row(row: Any) -> Entry:
+    path, mode, size, blob, pack, offset, length = row
+    for name, value in (("mode", mode), ("size", size), ("offset", offset), ("length", length)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} of {path!r} is not a non-negative integer")
+    if not isinstance(path, str):
+        raise ValueError("path is not a string")
+    for name, value in (("blob", blob), ("pack", pack)):
+        if not isinstance(value, str) or not _HEX64.match(value):
+            raise ValueError(f"{name} of {path!r} is not a SHA-256 hex digest")
+    if mode & ~MODE_MASK:
+        raise ValueError(f"mode {mode:o} of {path!r} has bits beyond permissions")
+    return Entry(path, mode, size, blob, pack, offset, length)
+
+
+def _check_entries(entries: tuple[Entry, ...]) -> None:
+    seen: set[str] = set()
+    for entry in entries:
+        check_path(entry.path)
+        if entry.path in seen:
+            raise UnsafePath(entry.path, "appears twice in the manifest")
+        seen.add(entry.path)
+    # A file may not also be used as a directory ("a" and "a/b"): restore could not lay out both.
+    for entry in entries:
+        parts = entry.path.split("/")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in seen:
+                raise UnsafePath(entry.path, "a parent of this path is itself a file in the manifest")
+
+
+def check_path(path: str) -> str:
+    """Return `path` if it is a safe relative POSIX path, else raise UnsafePath."""
+    if not path:
+        raise UnsafePath(path, "empty path")
+    if "\x00" in path or "\\" in path:
+        raise UnsafePath(path, "contains a NUL byte or backslash")
+    if path.startswith("/"):
+        raise UnsafePath(path, "absolute paths are not allowed")
+    for part in path.split("/"):
+        if part in ("", ".", ".."):
+            raise UnsafePath(path, "empty, '.' or '..' components are not allowed")
+    return path

@@ -1,0 +1,204 @@
+"""Publish: collect the cache layers, upload what the store lacks, commit a bundle.
+
+The commit protocol (a crash at any step leaves only orphans for GC, never a broken bundle):
+
+    1. packs     new blobs packed and written to the store (create-if-absent)
+    2. rows      pack and blob rows in the index (insert-or-ignore)
+    3. manifest  written to the store under its own hash
+    4. bundle    the bundle row: the commit point; restore only sees committed bundles
+
+Dedup asks the index which blob ids it already has, so the hundredth identical pod uploads nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+from kcache import manifest as manifests
+from kcache.errors import IntegrityError, RootError
+from kcache.fingerprint import Fingerprint
+from kcache.index import BlobLocation, Bundle, Event, Index
+from kcache.packs import LARGE_FILE_BYTES, TARGET_PACK_BYTES, PackWriter
+from kcache.sources import FileInfo, Source
+from kcache.store import Store, manifest_key, pack_key
+
+log = logging.getLogger(__name__)
+_HASH_CHUNK = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Collected:
+    """A file found in a layer, with its path in the manifest and its content id."""
+
+    path: str
+    info: FileInfo
+    blob: str
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    bundle_key: str
+    bundle_id: str
+    created: bool  # False when this exact bundle was already published
+    layers: tuple[str, ...]
+    files: int
+    bytes: int
+    new_blobs: int
+    new_bytes: int  # uncompressed bytes of the blobs this publish uploaded
+    uploaded_bytes: int  # pack bytes sent to the store
+    packs: int
+    seconds: float
+
+
+def collect(sources: Iterable[Source], *, root: Path | None, env: Mapping[str, str]) -> list[tuple[Source, FileInfo]]:
+    """Every non-junk file of each layer: from ROOT's layout when `root` is given, else live dirs."""
+    found: list[tuple[Source, FileInfo]] = []
+    for source in sources:
+        dirs = [source.restore_dir(root)] if root is not None else source.live_dirs(env)
+        seen: set[str] = set()
+        for top in dirs:
+            if not top.is_dir():
+                continue
+            for info in source.walk(top):
+                if info.rel not in seen:  # merged directories (triton per device): first wins
+                    seen.add(info.rel)
+                    found.append((source, info))
+    return found
+
+
+def hash_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _hash_all(found: list[tuple[Source, FileInfo]], jobs: int) -> list[Collected]:
+    # hashlib releases the GIL on large buffers, so threads overlap reading and hashing.
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        digests = list(pool.map(lambda item: hash_file(item[1].path), found))
+    return [Collected(f"{src.subdir}/{info.rel}", info, blob) for (src, info), blob in zip(found, digests)]
+
+
+def _plan_packs(new: list[Collected]) -> list[list[Collected]]:
+    """Group new blobs into packs of about TARGET_PACK_BYTES; a large file gets a pack of its own."""
+    groups: list[list[Collected]] = []
+    current: list[Collected] = []
+    current_bytes = 0
+    for item in sorted(new, key=lambda c: c.path):
+        if item.info.size >= LARGE_FILE_BYTES:
+            groups.append([item])
+            continue
+        if current and current_bytes + item.info.size > TARGET_PACK_BYTES:
+            groups.append(current)
+            current, current_bytes = [], 0
+        current.append(item)
+        current_bytes += item.info.size
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _write_and_upload(group: list[Collected], store: Store, index: Index, workdir: Path) -> tuple[int, int]:
+    """Steps 1 and 2 for one pack. Returns (pack bytes written to the store, 0 if it was there)."""
+    writer = PackWriter(workdir)
+    try:
+        for item in group:
+            writer.add(item.blob, item.info.path, item.info.size)
+        pack = writer.finish()
+    except BaseException:
+        writer.discard()
+        raise
+    try:
+        written = store.put_file(pack_key(pack.id), pack.path)
+        index.add_pack(pack.id, pack.size, [BlobLocation(b.id, pack.id, b.offset, b.length, b.size) for b in pack.blobs])
+    finally:
+        pack.path.unlink(missing_ok=True)
+    return (pack.size if written else 0), len(pack.blobs)
+
+
+def publish(
+    store: Store,
+    index: Index,
+    fingerprint: Fingerprint,
+    sources: Iterable[Source],
+    *,
+    root: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    jobs: int = 8,
+    progress: Callable[[str], None] | None = None,
+) -> PublishResult:
+    """Publish this machine's caches (or ROOT's) as a bundle for `fingerprint`."""
+    started = time.perf_counter()
+    env = os.environ if env is None else env
+    sources = list(sources)
+    if root is not None and root.exists() and not root.is_dir():
+        raise RootError(str(root), "is not a directory")
+    note = progress or (lambda _msg: None)
+
+    found = collect(sources, root=root, env=env)
+    note(f"hashing {len(found)} files")
+    collected = _hash_all(found, jobs)
+    missing = index.find_missing(c.blob for c in collected)
+    new_by_blob = {c.blob: c for c in collected if c.blob in missing}
+    new = list(new_by_blob.values())
+    note(f"{len(new)} new blobs of {len(collected)} files")
+
+    uploaded = 0
+    groups = _plan_packs(new)
+    with tempfile.TemporaryDirectory(prefix="kcache-publish-") as tmp, ThreadPoolExecutor(max(1, jobs)) as pool:
+        for sent, _count in pool.map(lambda g: _write_and_upload(g, store, index, Path(tmp)), groups):
+            uploaded += sent
+
+    locations = index.locate(c.blob for c in collected)
+    lost = [c.path for c in collected if c.blob not in locations]
+    if lost:
+        raise IntegrityError("bundle", fingerprint.bundle_key, f"{len(lost)} blobs vanished from the index, e.g. {lost[0]}")
+    entries = [_entry(c, locations[c.blob]) for c in collected]
+    layers = sorted({src.name for src, _ in found})
+    manifest = manifests.build(
+        fingerprint.bundle_key, fingerprint.toolchain_key, fingerprint.workload_key,
+        fingerprint.facts, layers, entries,
+    )  # fmt: skip
+    store.put_bytes(manifest_key(manifest.id), manifest.to_bytes())
+    created = index.add_bundle(_bundle_row(manifest))
+    seconds = time.perf_counter() - started
+    result = PublishResult(
+        fingerprint.bundle_key, manifest.id, created, manifest.layers, len(entries), manifest.total_size,
+        len(new), sum(c.info.size for c in new), uploaded, len(groups), seconds,
+    )  # fmt: skip
+    index.record_event(Event("publish", "published" if created else "unchanged", fingerprint.bundle_key,
+                             manifest.id, len(entries), uploaded, seconds))  # fmt: skip
+    return result
+
+
+def _entry(c: Collected, where: BlobLocation) -> manifests.Entry:
+    return manifests.Entry(c.path, c.info.mode, c.info.size, c.blob, where.pack_id, where.offset, where.length)
+
+
+def _bundle_row(manifest: manifests.Manifest) -> Bundle:
+    return Bundle(
+        id=manifest.id,
+        bundle_key=manifest.bundle_key,
+        toolchain_key=manifest.toolchain_key,
+        workload_key=manifest.workload_key,
+        model=manifest.facts.get("model.id"),
+        facts=dict(manifest.facts),
+        layers=manifest.layers,
+        files=len(manifest.entries),
+        bytes=manifest.total_size,
+        created_at=datetime.now(timezone.utc),
+        created_by=socket.gethostname(),
+        status="active",
+    )

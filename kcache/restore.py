@@ -1,0 +1,325 @@
+"""Restore: lay the bundle that matches this fingerprint into ROOT, or say why not.
+
+    ROOT/
+      kcache.env                   exports for torch, Triton, CUDA, vLLM (written on hit and miss)
+      .kcache-state.json           outcome of the last restore: what `kcache ready` reads
+      inductor/ triton/ cuda/ vllm/ extra/<name>/
+      tmp/torchinductor_<user>/precompiled_headers/
+      .kcache-staging-<pid>-<rand>/  only while a restore runs
+
+Every blob is fetched into the staging directory and verified (size and SHA-256) before any
+layer moves; then each layer is swapped in with renames. A failure or timeout before the swap
+leaves ROOT as it was. Ranges of a pack that lie close together are fetched with one read.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from kcache import envfile
+from kcache import manifest as manifests
+from kcache import sources as layers
+from kcache.errors import IntegrityError, KcacheError, RestoreTimeout, RootError
+from kcache.fingerprint import Fingerprint
+from kcache.index import Event, Index
+from kcache.packs import unpack_to
+from kcache.store import Store, manifest_key, pack_key
+from kcache.streams import Window, read_exact, skip
+
+log = logging.getLogger(__name__)
+
+STAGING_PREFIX = ".kcache-staging-"
+STATE_FILE = ".kcache-state.json"
+COALESCE_GAP = 256 * 1024  # read through gaps smaller than this rather than issue another request
+MAX_RANGE = 16 * 1024 * 1024
+IN_MEMORY_BLOB = 4 * 1024 * 1024  # larger blobs are streamed through the decompressor
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    status: str  # hit | miss
+    bundle_key: str
+    bundle_id: str | None
+    root: Path
+    env_file: Path
+    layers: tuple[str, ...] = ()
+    files: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    reason: str = ""
+
+
+@dataclass
+class _Budget:
+    """Shared between the caller and the worker: once expired, the worker must not swap."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    expired: bool = False
+    swapping: bool = False
+
+
+class _Cancelled(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class _Range:
+    pack: str
+    start: int
+    end: int
+    entries: tuple[manifests.Entry, ...]
+
+
+def restore(
+    store: Store,
+    index: Index,
+    fingerprint: Fingerprint,
+    root: Path,
+    *,
+    jobs: int = 16,
+    timeout: float | None = None,
+) -> RestoreResult:
+    """Restore the newest bundle for `fingerprint` into `root`. Raises KcacheError on failure."""
+    started = time.perf_counter()
+    root = Path(root).absolute()
+    try:
+        result = _within(timeout, lambda budget: _restore(store, index, fingerprint, root, jobs, budget))
+    except KcacheError as exc:
+        _record(index, Event("restore", "error", fingerprint.bundle_key, None, 0, 0,
+                             time.perf_counter() - started, str(exc)))  # fmt: skip
+        _finish_quietly(root, fingerprint, str(exc))  # the pod starts cold, but with the right env
+        raise
+    _record(index, Event("restore", result.status, result.bundle_key, result.bundle_id,
+                         result.files, result.bytes, result.seconds, result.reason or None))  # fmt: skip
+    return result
+
+
+def _within(timeout: float | None, work) -> RestoreResult:
+    budget = _Budget()
+    if timeout is None:
+        return work(budget)
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = work(budget)
+        except BaseException as exc:  # handed to the caller's thread below
+            box["error"] = exc
+
+    worker = threading.Thread(target=run, name="kcache-restore", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    with budget.lock:
+        if worker.is_alive() and not budget.swapping:
+            budget.expired = True
+            raise RestoreTimeout(timeout)
+    worker.join()  # the swap had begun: it is a few renames, let it finish
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def _restore(store: Store, index: Index, fp: Fingerprint, root: Path, jobs: int, budget: _Budget) -> RestoreResult:
+    started = time.perf_counter()
+    _prepare_root(root)
+    bundle = index.newest_bundle(fp.bundle_key)
+    if bundle is None:
+        env_file = _finish(root, fp, [], "miss", "no bundle for this fingerprint")
+        return RestoreResult("miss", fp.bundle_key, None, root, env_file, seconds=time.perf_counter() - started,
+                             reason="no bundle published for this fingerprint")  # fmt: skip
+    manifest = manifests.parse(store.get_bytes(manifest_key(bundle.id)), bundle.id)
+    if manifest.bundle_key != fp.bundle_key:
+        raise IntegrityError("manifest", bundle.id, f"is for bundle key {manifest.bundle_key}, not {fp.bundle_key}")
+    sources = layers.for_manifest(manifest.layers)
+    staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=root))
+    try:
+        _fetch_all(store, manifest.entries, staging, jobs, budget)
+        with budget.lock:
+            if budget.expired:
+                raise _Cancelled()
+            budget.swapping = True
+        _swap(root, staging, sources)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    env_file = _finish(root, fp, manifest.layers, "hit", f"bundle {manifest.id}")
+    seconds = time.perf_counter() - started
+    return RestoreResult("hit", fp.bundle_key, manifest.id, root, env_file, manifest.layers,
+                         len(manifest.entries), manifest.total_size, seconds)  # fmt: skip
+
+
+def _prepare_root(root: Path) -> None:
+    if root.exists() and not root.is_dir():
+        raise RootError(str(root), "exists and is not a directory; pass an empty or kcache-managed directory")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RootError(str(root), f"cannot be created: {exc.strerror}") from None
+    for stale in root.glob(STAGING_PREFIX + "*"):
+        pid = stale.name.removeprefix(STAGING_PREFIX).split("-", 1)[0]
+        if not (pid.isdigit() and _alive(int(pid))):
+            shutil.rmtree(stale, ignore_errors=True)  # left by a restore that was killed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _plan_ranges(entries: tuple[manifests.Entry, ...]) -> list[_Range]:
+    """One read per run of nearby blobs in a pack; each blob fetched once, however many paths use it."""
+    firsts: dict[str, manifests.Entry] = {}
+    for entry in entries:
+        firsts.setdefault(entry.blob, entry)
+    by_pack: dict[str, list[manifests.Entry]] = defaultdict(list)
+    for entry in firsts.values():
+        by_pack[entry.pack].append(entry)
+    ranges: list[_Range] = []
+    for pack, items in by_pack.items():
+        items.sort(key=lambda e: e.offset)
+        group = [items[0]]
+        for entry in items[1:]:
+            end = group[-1].offset + group[-1].length
+            if entry.offset - end <= COALESCE_GAP and entry.offset + entry.length - group[0].offset <= MAX_RANGE:
+                group.append(entry)
+            else:
+                ranges.append(_Range(pack, group[0].offset, end, tuple(group)))
+                group = [entry]
+        ranges.append(_Range(pack, group[0].offset, group[-1].offset + group[-1].length, tuple(group)))
+    return ranges
+
+
+def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path, jobs: int, budget: _Budget) -> None:
+    stop = threading.Event()
+
+    def fetch(rng: _Range) -> None:
+        try:
+            _fetch_range(store, rng, staging, lambda: stop.is_set() or budget.expired)
+        except BaseException:
+            stop.set()  # the others stop at their next blob
+            raise
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = [pool.submit(fetch, rng) for rng in _plan_ranges(entries)]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    # Report the failure that stopped the others, not a sibling's cancellation.
+    for error in sorted(errors, key=lambda e: isinstance(e, _Cancelled)):
+        raise error
+    first_path = {}
+    for entry in entries:
+        origin = first_path.setdefault(entry.blob, entry.path)
+        if origin != entry.path:
+            _place(staging, entry, lambda out, origin=origin: _copy_from(staging / origin, out))
+
+
+def _fetch_range(store: Store, rng: _Range, staging: Path, cancelled) -> None:
+    with store.open_range(pack_key(rng.pack), rng.start, rng.end - rng.start) as stream:
+        position = rng.start
+        for entry in rng.entries:
+            if cancelled():
+                raise _Cancelled()
+            skip(stream, entry.offset - position, "pack", rng.pack)
+            if entry.length <= IN_MEMORY_BLOB:
+                body = io.BytesIO(read_exact(stream, entry.length, "pack", rng.pack))
+                _place(staging, entry, lambda out: unpack_to(body, entry.blob, entry.size, out))
+            else:
+                window = Window(stream, entry.length)
+                _place(staging, entry, lambda out: unpack_to(window, entry.blob, entry.size, out))
+                skip(window, window.remaining, "pack", rng.pack)
+            position = entry.offset + entry.length
+
+
+def _place(staging: Path, entry: manifests.Entry, fill) -> None:
+    dest = staging / entry.path  # manifest.parse already refused absolute paths and '..'
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest, "xb") as out:
+        fill(out)
+    os.chmod(dest, entry.mode)
+
+
+def _copy_from(source: Path, out) -> None:
+    with open(source, "rb") as f:
+        shutil.copyfileobj(f, out)
+
+
+def _swap(root: Path, staging: Path, sources: list[layers.Source]) -> None:
+    """Move each staged layer into place; the previous content goes into staging and is deleted with it."""
+    retired = staging / ".retired"
+    retired.mkdir()
+    for i, source in enumerate(sources):
+        staged = staging / source.subdir
+        if not staged.is_dir():
+            continue
+        target = source.restore_dir(root)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists() or target.is_symlink():
+            os.rename(target, retired / str(i))
+        os.rename(staged, target)
+
+
+def _finish(root: Path, fp: Fingerprint, layer_names, status: str, detail: str) -> Path:
+    """Create every layer directory, write kcache.env and the state file."""
+    exports = layers.all_exports(root, layer_names)
+    # Torch's own keys then carry the toolchain: a cache that reaches another machine by other
+    # means misses instead of running kernels built for another ISA.
+    exports["TORCH_COMPILE_CACHE_KEY_TAG"] = key_tag(fp)
+    for source in layers.BUILTIN:
+        source.restore_dir(root).mkdir(parents=True, exist_ok=True)
+    env_file = envfile.write(root, exports, f"kcache restore: {status}, {detail}")
+    _write_state(root, {"status": status, "bundle_key": fp.bundle_key, "detail": detail})
+    return env_file
+
+
+def key_tag(fp: Fingerprint) -> str:
+    return f"kcache-{fp.toolchain_key}"
+
+
+def _write_state(root: Path, state: dict) -> None:
+    state = {**state, "finished_at": datetime.now(timezone.utc).isoformat()}
+    fd, tmp = tempfile.mkstemp(prefix=".kcache-state-", dir=root)
+    with os.fdopen(fd, "w") as f:
+        json.dump(state, f, sort_keys=True)
+    os.chmod(tmp, 0o644)  # probes may run as another user than the init container
+    os.replace(tmp, root / STATE_FILE)
+
+
+def _finish_quietly(root: Path, fp: Fingerprint, reason: str) -> None:
+    try:
+        if root.is_dir():
+            _finish(root, fp, [], "error", reason)
+    except OSError as exc:
+        log.warning("cannot write kcache.env in %s: %s", root, exc)
+
+
+def read_state(root: Path) -> dict | None:
+    """The outcome of the last restore into `root`, or None if none finished there."""
+    try:
+        return json.loads((Path(root) / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _record(index: Index, event: Event) -> None:
+    try:
+        index.record_event(event)
+    except KcacheError as exc:  # stats are worth less than the pod's start
+        log.warning("cannot record restore event: %s", exc)
+

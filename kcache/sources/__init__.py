@@ -1,0 +1,57 @@
+"""The cache layers kcache carries. Add a layer here and nowhere else."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+from kcache.errors import ConfigError
+from kcache.sources.base import FileInfo, Source
+from kcache.sources.cuda import CudaSource
+from kcache.sources.extra import ExtraSource, parse_extra_dir
+from kcache.sources.inductor import InductorSource, PrecompiledHeaderSource
+from kcache.sources.triton import TritonSource
+from kcache.sources.vllm import VllmSource
+
+BUILTIN: tuple[Source, ...] = (
+    InductorSource(),
+    PrecompiledHeaderSource(),
+    TritonSource(),
+    CudaSource(),
+    VllmSource(),
+)
+
+__all__ = ["BUILTIN", "FileInfo", "Source", "ExtraSource", "select", "parse_extra_dir", "for_manifest"]
+
+
+def select(names: Iterable[str] | None = None, extras: Iterable[ExtraSource] = ()) -> list[Source]:
+    """The built-in layers named (all when `names` is None), then the user's extra directories."""
+    by_name = {s.name: s for s in BUILTIN}
+    if names is None:
+        chosen = list(BUILTIN)
+    else:
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            raise ConfigError("layer", ",".join(unknown), f"known layers: {', '.join(by_name)}")
+        chosen = [by_name[n] for n in names]
+    return chosen + list(extras)
+
+
+def for_manifest(layers: Iterable[str]) -> list[Source]:
+    """Sources for the layer names a manifest lists (extra:NAME included)."""
+    by_name = {s.name: s for s in BUILTIN}
+    result: list[Source] = []
+    for name in layers:
+        if name in by_name:
+            result.append(by_name[name])
+        elif name.startswith("extra:"):
+            result.append(ExtraSource(name.removeprefix("extra:")))
+    return result
+
+
+def all_exports(root: Path, layers: Iterable[str] = ()) -> dict[str, str]:
+    """Variables for the built-in layers plus any extra layers a bundle holds."""
+    exports: dict[str, str] = {}
+    for source in list(BUILTIN) + [s for s in for_manifest(layers) if isinstance(s, ExtraSource)]:
+        exports.update(source.exports(root))
+    return exports

@@ -1,0 +1,30 @@
+"""Triton's kernel cache: one directory per kernel (cubin, PTX, IRs, JSON metadata).
+
+    $TRITON_CACHE_DIR                      -> ROOT/triton
+    else <inductor cache>/triton/<device>  (where torch points Triton when the variable is unset)
+    else ~/.triton/cache                   (Triton's own default)
+
+Kernel directories are named by Triton's own hash, so the per-device copies torch keeps are the
+same kernels; they are merged into one directory and TRITON_CACHE_DIR points every device at it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+from kcache.sources.base import Source, home_dir
+from kcache.sources.inductor import inductor_dir
+
+
+class TritonSource(Source):
+    name = "triton"
+    subdir = "triton"
+    env_var = "TRITON_CACHE_DIR"
+
+    def live_dirs(self, env: Mapping[str, str]) -> list[Path]:
+        if env.get("TRITON_CACHE_DIR"):
+            return [Path(env["TRITON_CACHE_DIR"])]
+        under_inductor = inductor_dir(env) / "triton"
+        devices = sorted(under_inductor.iterdir()) if under_inductor.is_dir() else []
+        return [d for d in devices if d.is_dir()] + [home_dir(env) / ".triton" / "cache"]

@@ -1,0 +1,32 @@
+"""Store backends by URL scheme. `open_store(url)` is the only way the rest of kcache gets one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import urlparse
+
+from kcache.errors import ConfigError
+from kcache.store.base import Store, manifest_key, pack_key, ref_key
+
+__all__ = ["Store", "open_store", "pack_key", "manifest_key", "ref_key"]
+
+
+def open_store(url: str, *, endpoint_url: str | None = None, jobs: int = 16) -> Store:
+    """Open `file://PATH` or `s3://bucket/prefix`. A bare path means file://."""
+    parsed = urlparse(url)
+    if parsed.scheme in ("", "file"):
+        path = parsed.path if parsed.scheme else url
+        if parsed.netloc:
+            raise ConfigError("store URL", url, "use file:///absolute/path (three slashes)")
+        if not path:
+            raise ConfigError("store URL", url, "has no path")
+        from kcache.store.local import LocalStore
+
+        return LocalStore(Path(path).expanduser())
+    if parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise ConfigError("store URL", url, "has no bucket (expected s3://bucket/prefix)")
+        from kcache.store.s3 import S3Store
+
+        return S3Store(parsed.netloc, parsed.path.strip("/"), endpoint_url=endpoint_url, jobs=jobs)
+    raise ConfigError("store URL", url, f"unknown scheme {parsed.scheme!r}; use file:// or s3://")

@@ -1,0 +1,64 @@
+"""The store contract: a flat namespace of write-once objects, addressed by key.
+
+The store moves bytes and knows nothing of bundles or SQL. Keys are POSIX-like strings:
+
+    packs/<hh>/<pack-id>            packs (see kcache.packs)
+    manifests/<hh>/<manifest-id>    manifests (see kcache.manifest)
+    refs/<bundle-key>               pointer to the newest manifest of a bundle key
+
+Everything under packs/ and manifests/ is content-addressed: writing a key that already exists
+is a no-op that reports False, never an overwrite. Readers re-hash what they read.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import BinaryIO, Iterator, Protocol
+
+_KEY = re.compile(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*\Z")
+
+
+def pack_key(pack_id: str) -> str:
+    return f"packs/{pack_id[:2]}/{pack_id}"
+
+
+def manifest_key(manifest_id: str) -> str:
+    return f"manifests/{manifest_id[:2]}/{manifest_id}"
+
+
+def ref_key(bundle_key: str) -> str:
+    return f"refs/{bundle_key}"
+
+
+def is_valid_key(key: str) -> bool:
+    return bool(_KEY.match(key)) and ".." not in key.split("/")
+
+
+class Store(Protocol):
+    """What every backend provides. Methods raise kcache.errors.StoreError (or ObjectMissing)."""
+
+    url: str
+
+    def put_file(self, key: str, path: Path) -> bool:
+        """Store the file's bytes under `key` unless it exists. True if this call wrote it."""
+
+    def put_bytes(self, key: str, data: bytes) -> bool:
+        """Like put_file, for bytes in memory."""
+
+    def get_bytes(self, key: str) -> bytes:
+        """The whole object. Raises ObjectMissing if absent."""
+
+    def open_range(self, key: str, offset: int, length: int) -> BinaryIO:
+        """A stream of exactly `length` bytes starting at `offset`; the caller closes it."""
+
+    def size(self, key: str) -> int:
+        """Object size in bytes. Raises ObjectMissing if absent."""
+
+    def exists(self, key: str) -> bool: ...
+
+    def list(self, prefix: str) -> Iterator[str]:
+        """Keys under `prefix`, in no particular order."""
+
+    def delete(self, key: str) -> None:
+        """Remove `key`; absent keys are fine (deletes are idempotent)."""

@@ -1,0 +1,111 @@
+"""`file://PATH` backend: the embedded default, and the air-gapped one.
+
+Objects are plain files at PATH/<key>. A write goes to a temp sibling and is published with
+`os.link`, which fails if the key exists: create-if-absent is atomic, even between processes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+from kcache.errors import ObjectMissing, StoreError
+from kcache.store.base import is_valid_key
+from kcache.streams import Window
+
+
+class LocalStore:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.url = f"file://{self.root}"
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreError(self.url, "is a file, not a directory")
+
+    def _path(self, key: str) -> Path:
+        if not is_valid_key(key):
+            raise StoreError(self.url, f"invalid object key {key!r}")
+        return self.root / key
+
+    def put_file(self, key: str, path: Path) -> bool:
+        with open(path, "rb") as src:
+            return self._put(key, lambda dst: _copy(src, dst))
+
+    def put_bytes(self, key: str, data: bytes) -> bool:
+        return self._put(key, lambda dst: dst.write(data))
+
+    def _put(self, key: str, write) -> bool:
+        final = self._path(key)
+        if final.exists():
+            return False
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=final.parent)
+        except OSError as exc:
+            raise StoreError(self.url, f"cannot write {key}: {exc.strerror}") from None
+        try:
+            with os.fdopen(fd, "wb") as dst:
+                write(dst)
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.link(tmp, final)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise StoreError(self.url, f"cannot write {key}: {exc.strerror or exc}") from None
+        finally:
+            os.unlink(tmp)
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise ObjectMissing(self.url, key) from None
+        except OSError as exc:
+            raise StoreError(self.url, f"cannot read {key}: {exc.strerror}") from None
+
+    def open_range(self, key: str, offset: int, length: int) -> BinaryIO:
+        try:
+            f = open(self._path(key), "rb")
+        except FileNotFoundError:
+            raise ObjectMissing(self.url, key) from None
+        except OSError as exc:
+            raise StoreError(self.url, f"cannot read {key}: {exc.strerror}") from None
+        f.seek(offset)
+        return Window(f, length)
+
+    def size(self, key: str) -> int:
+        try:
+            return self._path(key).stat().st_size
+        except FileNotFoundError:
+            raise ObjectMissing(self.url, key) from None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str) -> Iterator[str]:
+        base = self.root / prefix if prefix else self.root
+        if not base.is_dir():
+            return
+        for dirpath, _dirs, files in os.walk(base):
+            rel = Path(dirpath).relative_to(self.root).as_posix()
+            for name in files:
+                if not name.startswith(".tmp-"):
+                    yield name if rel == "." else f"{rel}/{name}"
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                raise StoreError(self.url, f"cannot delete {key}: {exc.strerror}") from None
+
+
+def _copy(src: BinaryIO, dst: BinaryIO) -> None:
+    while chunk := src.read(1024 * 1024):
+        dst.write(chunk)

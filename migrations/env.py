@@ -1,0 +1,33 @@
+"""Alembic environment for kcache's index.
+
+kcache passes an open connection in `config.attributes["connection"]`; the alembic CLI passes a URL.
+"""
+
+from __future__ import annotations
+
+from alembic import context
+from sqlalchemy import engine_from_config, pool
+
+from kcache.index.models import Base
+
+config = context.config
+target_metadata = Base.metadata
+
+
+def _run(connection) -> None:
+    context.configure(
+        connection=connection,
+        target_metadata=target_metadata,
+        render_as_batch=connection.dialect.name == "sqlite",  # SQLite alters tables by copying
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+connection = config.attributes.get("connection")
+if connection is not None:
+    _run(connection)
+else:
+    engine = engine_from_config(config.get_section(config.config_ini_section, {}), prefix="sqlalchemy.", poolclass=pool.NullPool)
+    with engine.connect() as conn:
+        _run(conn)
