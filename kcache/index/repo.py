@@ -136,8 +136,9 @@ class Index:
             created_by=bundle.created_by, status=bundle.status,
         )  # fmt: skip
         with self._guard(), self._session() as s, s.begin():
-            result = s.execute(self._insert_ignore(BundleRow, [row]))
-            return result.rowcount == 1
+            # RETURNING, not rowcount: psycopg reports -1 for ON CONFLICT inserts.
+            stmt = self._insert_ignore(BundleRow, [row]).returning(BundleRow.id)
+            return s.connection().execute(stmt).first() is not None
 
     def newest_bundle(self, bundle_key: str) -> Bundle | None:
         """The newest active bundle for `bundle_key`: what restore lays down."""

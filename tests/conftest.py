@@ -1,0 +1,94 @@
+"""Shared fixtures: real stores, real SQLite and PostgreSQL indexes, an isolated KCACHE_HOME."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from kcache import fingerprint
+from kcache.index import Index
+from kcache.store.local import LocalStore
+
+PG_ADMIN_URL = os.environ.get("KCACHE_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+@pytest.fixture(autouse=True)
+def isolated_home(tmp_path, monkeypatch):
+    """No test reads or writes the user's ~/.cache/kcache or inherits their settings."""
+    home = tmp_path / "kcache-home"
+    monkeypatch.setenv("KCACHE_HOME", str(home))
+    for var in ("KCACHE_STORE", "KCACHE_INDEX", "KCACHE_MODEL", "AWS_ENDPOINT_URL", "KCACHE_DEBUG"):
+        monkeypatch.delenv(var, raising=False)
+    return home
+
+
+@pytest.fixture
+def store(tmp_path) -> LocalStore:
+    return LocalStore(tmp_path / "store")
+
+
+@pytest.fixture
+def sqlite_index(tmp_path):
+    index = Index.open(f"sqlite:///{tmp_path / 'index.db'}")
+    yield index
+    index.close()
+
+
+@pytest.fixture(scope="session")
+def pg_database():
+    """A fresh PostgreSQL database for this test run, dropped afterwards; skips if none answers."""
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    from sqlalchemy.exc import OperationalError
+
+    name = f"kcache_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    admin = sqlalchemy.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    except OperationalError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"PostgreSQL not reachable at {PG_ADMIN_URL}: {exc.orig}")
+    url = PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
+    yield url
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    admin.dispose()
+
+
+@pytest.fixture
+def pg_index(pg_database):
+    """An index on the run's PostgreSQL database, emptied before each test."""
+    from kcache.index.db import make_engine, upgrade
+    from kcache.index.models import Base
+
+    engine = make_engine(pg_database)
+    upgrade(engine)
+    with engine.begin() as conn:
+        for table in reversed(Base.metadata.sorted_tables):
+            conn.execute(table.delete())
+    index = Index(engine, pg_database)
+    yield index
+    index.close()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def index(request):
+    """Each index test runs on SQLite and on PostgreSQL."""
+    return request.getfixturevalue("sqlite_index" if request.param == "sqlite" else "pg_index")
+
+
+# A fixed fingerprint: tests about storage must not depend on the machine running them.
+FACTS = {
+    "os": "linux", "arch": "x86_64", "python": "3.11", "torch.version": "2.13.0+cpu",
+    "cpu.isa": "avx512", "cpu.model": "Test CPU", "cpu.threads": "2", "cxx.name": "g++",
+    "gpu.name": "none", "gpu.sm": "none", "gpu.count": "0", "gpu.driver": "none", "model.id": "test-model",
+}  # fmt: skip
+
+
+@pytest.fixture
+def fp() -> fingerprint.Fingerprint:
+    return fingerprint.compute(FACTS)

@@ -1,0 +1,78 @@
+"""Index queries, on SQLite and PostgreSQL alike."""
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from kcache.errors import NotFound
+from kcache.index import BlobLocation, Bundle, Event
+
+
+def blob(i: int) -> str:
+    return f"{i:064x}"
+
+
+def bundle(id_: str, key: str = "k1", *, at: datetime | None = None, model: str = "m") -> Bundle:
+    return Bundle(id_, key, "tk", "wk", model, {"os": "linux"}, ("inductor",), 1, 10,
+                  at or datetime.now(timezone.utc), "host", "active")  # fmt: skip
+
+
+def test_find_missing_and_locate(index):
+    ids = [blob(i) for i in range(1200)]  # more than one IN (...) chunk
+    assert index.find_missing(ids) == set(ids)
+    index.add_pack("p" * 64, 100, [BlobLocation(b, "p" * 64, i, 1, 2) for i, b in enumerate(ids[:700])])
+    assert index.find_missing(ids) == set(ids[700:])
+    where = index.locate([ids[5], ids[900]])
+    assert where == {ids[5]: BlobLocation(ids[5], "p" * 64, 5, 1, 2)}
+
+
+def test_first_pack_to_record_a_blob_wins(index):
+    index.add_pack("a" * 64, 10, [BlobLocation(blob(1), "a" * 64, 0, 5, 5)])
+    index.add_pack("b" * 64, 10, [BlobLocation(blob(1), "b" * 64, 3, 5, 5)])
+    assert index.locate([blob(1)])[blob(1)].pack_id == "a" * 64
+
+
+def test_newest_active_bundle_wins(index):
+    now = datetime.now(timezone.utc)
+    assert index.add_bundle(bundle("1" * 64, at=now - timedelta(hours=1)))
+    assert index.add_bundle(bundle("2" * 64, at=now))
+    assert index.add_bundle(bundle("3" * 64, key="other", at=now + timedelta(hours=1)))
+    assert index.newest_bundle("k1").id == "2" * 64
+    assert index.newest_bundle("nope") is None
+
+
+def test_same_manifest_twice_is_one_bundle(index):
+    assert index.add_bundle(bundle("4" * 64)) is True
+    assert index.add_bundle(bundle("4" * 64)) is False
+    assert index.count_bundles() == 1
+
+
+def test_get_bundle_by_prefix(index):
+    index.add_bundle(bundle("abcdef" + "0" * 58))
+    index.add_bundle(bundle("abcdee" + "0" * 58))
+    assert index.get_bundle("abcdef").id.startswith("abcdef")
+    with pytest.raises(NotFound):
+        index.get_bundle("abcde")  # too short
+    with pytest.raises(NotFound):
+        index.get_bundle("ffffff")
+
+
+def test_list_filters_and_orders(index):
+    now = datetime.now(timezone.utc)
+    index.add_bundle(bundle("1" * 64, at=now - timedelta(minutes=2), model="a"))
+    index.add_bundle(bundle("2" * 64, key="k2", at=now - timedelta(minutes=1), model="b"))
+    index.add_bundle(bundle("3" * 64, at=now, model="a"))
+    assert [b.id[0] for b in index.list_bundles()] == ["3", "2", "1"]
+    assert [b.id[0] for b in index.list_bundles(model="a")] == ["3", "1"]
+    assert [b.id[0] for b in index.list_bundles(bundle_key="k2")] == ["2"]
+    loaded = index.list_bundles(limit=1)[0]
+    assert loaded.facts == {"os": "linux"} and loaded.layers == ("inductor",)
+    assert loaded.created_at.tzinfo is not None
+
+
+def test_record_event(index):
+    index.record_event(Event("restore", "hit", "k", "b" * 64, 3, 100, 0.5))
+    from sqlalchemy import text
+
+    with index.engine.connect() as conn:
+        assert conn.execute(text("select kind, status, files from events")).all() == [("restore", "hit", 3)]

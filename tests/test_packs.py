@@ -1,0 +1,71 @@
+import io
+
+import pytest
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kcache import canonical, packs
+from kcache.errors import IntegrityError
+
+
+def _pack(tmp_path, contents: list[bytes]) -> packs.Pack:
+    writer = packs.PackWriter(tmp_path)
+    for i, data in enumerate(contents):
+        src = tmp_path / f"src{i}"
+        src.write_bytes(data)
+        writer.add(canonical.sha256(data), src, len(data))
+    return writer.finish()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.binary(max_size=5000), max_size=12))
+def test_pack_roundtrip_through_trailer(tmp_path_factory, contents):
+    tmp = tmp_path_factory.mktemp("pack")
+    pack = _pack(tmp, contents)
+    raw = pack.path.read_bytes()
+    assert pack.id == canonical.sha256(raw)
+    blobs = packs.parse_trailer(pack.id, raw, len(raw))
+    assert [b.id for b in blobs] == [canonical.sha256(c) for c in contents]
+    for blob, data in zip(blobs, contents):
+        out = io.BytesIO()
+        packs.unpack_to(io.BytesIO(raw[blob.offset : blob.offset + blob.length]), blob.id, blob.size, out)
+        assert out.getvalue() == data
+
+
+def test_file_changed_after_hashing_is_refused(tmp_path):
+    src = tmp_path / "f"
+    src.write_bytes(b"before")
+    writer = packs.PackWriter(tmp_path)
+    with pytest.raises(IntegrityError, match="changed"):
+        writer.add(canonical.sha256(b"other!"), src, 6)
+    writer.discard()
+
+
+def test_blob_that_decompresses_past_its_size_is_refused():
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * 1_000_000)
+    with pytest.raises(IntegrityError, match="past its declared"):
+        packs.unpack_to(io.BytesIO(bomb), canonical.sha256(b"\0" * 10), 10, io.BytesIO())
+
+
+def test_blob_with_wrong_content_is_refused():
+    frame = zstandard.ZstdCompressor().compress(b"evil")
+    with pytest.raises(IntegrityError, match="hashes to"):
+        packs.unpack_to(io.BytesIO(frame), canonical.sha256(b"good"), 4, io.BytesIO())
+
+
+def test_garbage_frame_is_refused():
+    with pytest.raises(IntegrityError):
+        packs.unpack_to(io.BytesIO(b"not zstd at all"), canonical.sha256(b"x"), 1, io.BytesIO())
+
+
+def test_trailer_with_offsets_past_the_body_is_refused():
+    trailer = canonical.dumps({"schema": 1, "blobs": [["a" * 64, 0, 999, 5]]})
+    tail = trailer + packs.FOOTER.pack(len(trailer)) + packs.MAGIC
+    with pytest.raises(IntegrityError, match="outside"):
+        packs.parse_trailer("p", tail, len(tail))
+
+
+def test_missing_footer_is_refused():
+    with pytest.raises(IntegrityError, match="footer"):
+        packs.parse_trailer("p", b"random bytes with no footer", 27)

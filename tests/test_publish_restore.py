@@ -1,0 +1,276 @@
+"""Publish then restore, end to end on the file:// store and a SQLite index."""
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from trees import read_tree, write_tree
+
+from kcache import envfile, fingerprint, sources
+from kcache import manifest as manifests
+from kcache.errors import IntegrityError, RestoreTimeout, RootError, UnsafePath
+from kcache.index import Bundle
+from kcache.publish import publish
+from kcache.restore import STAGING_PREFIX, read_state, restore
+from kcache.sources.base import torch_user
+from kcache.store import manifest_key, pack_key
+
+LAYERS = sources.select()
+
+
+def publish_tree(store, index, fp, root: Path):
+    return publish(store, index, fp, LAYERS, root=root, env={})
+
+
+def layer_dirs(root: Path) -> dict:
+    return {name: read_tree(root / name) for name in ("inductor", "triton", "cuda", "vllm")}
+
+
+# ---- arbitrary trees ---------------------------------------------------------------------------
+
+JUNK_LIKE = ("lock", "tmp", "pyc", "__pycache__")
+names = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs", "Cc"), blacklist_characters="/\\"), min_size=1, max_size=10
+).filter(lambda n: n not in (".", "..") and not n.startswith(".tmp") and not any(j in n for j in JUNK_LIKE))
+leaves = st.tuples(st.binary(max_size=3000), st.sampled_from([0o644, 0o755, 0o600, 0o444]))
+trees = st.recursive(leaves, lambda kids: st.dictionaries(names, kids, min_size=1, max_size=5), max_leaves=25)
+
+
+def flatten(node, prefix: str) -> dict:
+    if isinstance(node, tuple):
+        return {prefix: node}
+    out = {}
+    for name, child in node.items():
+        out.update(flatten(child, f"{prefix}/{name}"))
+    return out
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(inductor=st.dictionaries(names, trees, max_size=4), triton=st.dictionaries(names, trees, max_size=3))
+def test_any_tree_restores_byte_identical(tmp_path_factory, store, sqlite_index, fp, inductor, triton):
+    src = tmp_path_factory.mktemp("src")
+    files = {}
+    for layer, tree in (("inductor", inductor), ("triton", triton)):
+        for name, node in tree.items():
+            files.update(flatten(node, f"{layer}/{name}"))
+    write_tree(src, files)
+    result = publish_tree(store, sqlite_index, fp, src)
+    assert result.files == len(files)
+    dst = tmp_path_factory.mktemp("dst") / "root"
+    restored = restore(store, sqlite_index, fp, dst)
+    assert restored.status == "hit"
+    assert layer_dirs(dst) == layer_dirs(src)
+
+
+def test_large_file_beside_thousands_of_small_ones(tmp_path, store, sqlite_index, fp):
+    files = {f"inductor/k/{i:04d}.py": f"kernel {i}\n".encode() * (i % 7) for i in range(3000)}
+    files["triton/big/kernel.cubin"] = (os.urandom(17 * 1024 * 1024), 0o755)  # its own pack
+    write_tree(tmp_path / "src", files)
+    result = publish_tree(store, sqlite_index, fp, tmp_path / "src")
+    assert result.packs >= 2
+    restore(store, sqlite_index, fp, tmp_path / "dst")
+    assert layer_dirs(tmp_path / "dst") == layer_dirs(tmp_path / "src")
+
+
+# ---- dedup -------------------------------------------------------------------------------------
+
+
+def test_republish_uploads_nothing(tmp_path, store, sqlite_index, fp):
+    write_tree(tmp_path / "src", {"inductor/a": b"alpha", "inductor/b": b"beta", "triton/c": b"gamma"})
+    first = publish_tree(store, sqlite_index, fp, tmp_path / "src")
+    second = publish_tree(store, sqlite_index, fp, tmp_path / "src")
+    assert (first.new_blobs, first.created) == (3, True)
+    assert (second.new_blobs, second.uploaded_bytes, second.packs, second.created) == (0, 0, 0, False)
+    assert second.bundle_id == first.bundle_id
+    assert len(list(store.list("packs/"))) == 1
+
+
+def test_trees_that_share_files_share_blobs(tmp_path, store, sqlite_index, fp):
+    write_tree(tmp_path / "one", {"inductor/a": b"shared", "inductor/b": b"only one"})
+    write_tree(tmp_path / "two", {"inductor/a": b"shared", "inductor/c": b"only two", "inductor/d": b"shared"})
+    publish_tree(store, sqlite_index, fp, tmp_path / "one")
+    other = fingerprint.compute({**fp.facts, "model.id": "other"})
+    second = publish_tree(store, sqlite_index, other, tmp_path / "two")
+    assert second.new_blobs == 1 and second.files == 3
+
+
+# ---- what restore lays down --------------------------------------------------------------------
+
+
+def test_restore_writes_env_and_layout(tmp_path, store, sqlite_index, fp):
+    pch = f"tmp/torchinductor_{torch_user()}/precompiled_headers/abc/c10.h.gch"  # a restore root's layout
+    write_tree(tmp_path / "src", {"inductor/fxgraph/x": b"graph", pch: b"header", "extra/trt/timing.cache": b"t"})
+    layers = LAYERS + [sources.ExtraSource("trt")]
+    publish(store, sqlite_index, fp, layers, root=tmp_path / "src", env={})
+    root = tmp_path / "dst"
+    result = restore(store, sqlite_index, fp, root)
+    assert set(result.layers) == {"inductor", "inductor-pch", "extra:trt"}
+    assert (root / "tmp" / f"torchinductor_{torch_user()}" / "precompiled_headers" / "abc/c10.h.gch").read_bytes() == b"header"
+    assert (root / "extra/trt/timing.cache").read_bytes() == b"t"
+    env = envfile.read(root / "kcache.env")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(root / "inductor")
+    assert env["TRITON_CACHE_DIR"] == str(root / "triton")
+    assert env["CUDA_CACHE_PATH"] == str(root / "cuda")
+    assert env["VLLM_CACHE_ROOT"] == str(root / "vllm")
+    assert env["TMPDIR"] == str(root / "tmp")
+    assert env["KCACHE_EXTRA_TRT"] == str(root / "extra/trt")
+    assert env["TORCH_COMPILE_CACHE_KEY_TAG"].endswith(fp.toolchain_key)
+    assert read_state(root)["status"] == "hit"
+
+
+def test_miss_still_prepares_root(tmp_path, store, sqlite_index, fp):
+    result = restore(store, sqlite_index, fp, tmp_path / "dst")
+    assert result.status == "miss"
+    assert (tmp_path / "dst/inductor").is_dir() and (tmp_path / "dst/kcache.env").is_file()
+    assert read_state(tmp_path / "dst")["status"] == "miss"
+
+
+def test_other_cpu_isa_never_hits(tmp_path, store, sqlite_index, fp):
+    write_tree(tmp_path / "src", {"inductor/kernel.so": b"avx512 code"})
+    publish_tree(store, sqlite_index, fp, tmp_path / "src")
+    avx2 = fingerprint.compute({**fp.facts, "cpu.isa": "avx2"})
+    assert restore(store, sqlite_index, avx2, tmp_path / "dst").status == "miss"
+    assert read_tree(tmp_path / "dst/inductor") == {}
+
+
+def test_restore_replaces_previous_layer_content(tmp_path, store, sqlite_index, fp):
+    write_tree(tmp_path / "src", {"inductor/new": b"new"})
+    publish_tree(store, sqlite_index, fp, tmp_path / "src")
+    write_tree(tmp_path / "dst", {"inductor/stale": b"old", "unrelated/keep": b"mine"})
+    restore(store, sqlite_index, fp, tmp_path / "dst")
+    assert read_tree(tmp_path / "dst/inductor") == {"new": (b"new", 0o644)}
+    assert (tmp_path / "dst/unrelated/keep").read_bytes() == b"mine"
+
+
+def test_publish_from_live_directories(tmp_path, store, sqlite_index, fp):
+    inductor = tmp_path / "live-inductor"
+    write_tree(inductor, {"fxgraph/g": b"g", "locks/x.lock": b"", "triton/0/k/kernel.json": b"{}", "a.tmp": b"",
+                          "precompiled_headers/h.gch": b"pch"})  # fmt: skip
+    write_tree(tmp_path / "tmp" / f"torchinductor_{torch_user()}", {"precompiled_headers/h.gch": b"pch"})
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(inductor), "TMPDIR": str(tmp_path / "tmp"), "HOME": str(tmp_path / "home")}
+    result = publish(store, sqlite_index, fp, LAYERS, env=env)
+    bundle = sqlite_index.get_bundle(result.bundle_id)
+    paths = [e.path for e in manifests.parse(store.get_bytes(manifest_key(bundle.id)), bundle.id).entries]
+    assert paths == ["inductor-pch/h.gch", "inductor/fxgraph/g", "triton/k/kernel.json"]
+
+
+# ---- refusing bad input, leaving nothing half-done ---------------------------------------------
+
+
+def _published(tmp_path, store, index, fp):
+    write_tree(tmp_path / "src", {"inductor/a": b"A" * 1000, "inductor/b": b"B" * 1000})
+    return publish_tree(store, index, fp, tmp_path / "src")
+
+
+def _assert_untouched(root: Path):
+    assert read_tree(root / "inductor") == {"old": (b"previous", 0o644)}
+    assert not list(root.glob(STAGING_PREFIX + "*"))
+
+
+def test_corrupted_blob_is_detected_and_nothing_written(tmp_path, store, sqlite_index, fp):
+    _published(tmp_path, store, sqlite_index, fp)
+    (pack,) = store.list("packs/")
+    path = store.root / pack
+    data = bytearray(path.read_bytes())
+    data[20] ^= 0xFF
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(data))
+    write_tree(tmp_path / "dst", {"inductor/old": b"previous"})
+    with pytest.raises(IntegrityError):
+        restore(store, sqlite_index, fp, tmp_path / "dst")
+    _assert_untouched(tmp_path / "dst")
+    assert read_state(tmp_path / "dst")["status"] == "error"
+
+
+def test_manifest_with_unsafe_path_is_refused(tmp_path, store, sqlite_index, fp):
+    result = _published(tmp_path, store, sqlite_index, fp)
+    good = manifests.parse(store.get_bytes(manifest_key(result.bundle_id)), result.bundle_id)
+    evil_entries = [e.as_row() for e in good.entries]
+    evil_entries[0][0] = "inductor/../../escaped"
+    from kcache import canonical
+
+    data = canonical.dumps({"schema": 1, "bundle_key": fp.bundle_key, "toolchain_key": fp.toolchain_key,
+                            "workload_key": fp.workload_key, "facts": dict(fp.facts), "layers": ["inductor"],
+                            "entries": evil_entries})  # fmt: skip
+    evil_id = canonical.sha256(data)
+    store.put_bytes(manifest_key(evil_id), data)
+    from datetime import datetime, timedelta, timezone
+
+    sqlite_index.add_bundle(Bundle(evil_id, fp.bundle_key, fp.toolchain_key, fp.workload_key, None, {},
+                                   ("inductor",), 2, 2000, datetime.now(timezone.utc) + timedelta(hours=1),
+                                   "attacker", "active"))  # fmt: skip
+    write_tree(tmp_path / "dst", {"inductor/old": b"previous"})
+    with pytest.raises(UnsafePath):
+        restore(store, sqlite_index, fp, tmp_path / "dst")
+    _assert_untouched(tmp_path / "dst")
+    assert not (tmp_path / "escaped").exists()
+
+
+def test_root_that_is_a_file_is_refused(tmp_path, store, sqlite_index, fp):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(RootError, match="not a directory"):
+        restore(store, sqlite_index, fp, tmp_path / "file")
+
+
+class FailingStore:
+    """Wraps a store; the n-th range read raises, or blocks until released."""
+
+    def __init__(self, inner, *, fail_at: int | None = None, block: threading.Event | None = None):
+        self.inner, self.fail_at, self.block, self.reads = inner, fail_at, block, 0
+        self.url = inner.url
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def open_range(self, key, offset, length):
+        self.reads += 1
+        if self.block is not None:
+            self.block.wait()
+        if self.fail_at is not None and self.reads >= self.fail_at:
+            from kcache.errors import StoreError
+
+            raise StoreError(self.url, "injected failure")
+        return self.inner.open_range(key, offset, length)
+
+
+def test_interrupted_restore_leaves_old_content(tmp_path, store, sqlite_index, fp):
+    _published(tmp_path, store, sqlite_index, fp)
+    write_tree(tmp_path / "dst", {"inductor/old": b"previous"})
+    from kcache.errors import StoreError
+
+    with pytest.raises(StoreError, match="injected"):
+        restore(FailingStore(store, fail_at=1), sqlite_index, fp, tmp_path / "dst")
+    _assert_untouched(tmp_path / "dst")
+    assert restore(store, sqlite_index, fp, tmp_path / "dst").status == "hit"
+
+
+def test_timeout_gives_up_without_touching_root(tmp_path, store, sqlite_index, fp):
+    _published(tmp_path, store, sqlite_index, fp)
+    write_tree(tmp_path / "dst", {"inductor/old": b"previous"})
+    release = threading.Event()
+    try:
+        with pytest.raises(RestoreTimeout):
+            restore(FailingStore(store, block=release), sqlite_index, fp, tmp_path / "dst", timeout=0.3)
+    finally:
+        release.set()
+    assert read_tree(tmp_path / "dst/inductor") == {"old": (b"previous", 0o644)}
+
+
+def test_stale_staging_from_a_killed_restore_is_cleaned(tmp_path, store, sqlite_index, fp):
+    _published(tmp_path, store, sqlite_index, fp)
+    stale = tmp_path / "dst" / f"{STAGING_PREFIX}999999999-abc"
+    write_tree(stale, {"inductor/half": b"half"})
+    restore(store, sqlite_index, fp, tmp_path / "dst")
+    assert not stale.exists()
+
+
+def test_same_content_at_two_paths_is_fetched_once_and_laid_twice(tmp_path, store, sqlite_index, fp):
+    write_tree(tmp_path / "src", {"inductor/a": b"same", "inductor/sub/b": (b"same", 0o755)})
+    publish_tree(store, sqlite_index, fp, tmp_path / "src")
+    counting = FailingStore(store)
+    restore(counting, sqlite_index, fp, tmp_path / "dst")
+    assert counting.reads == 1
+    assert read_tree(tmp_path / "dst/inductor") == {"a": (b"same", 0o644), "sub/b": (b"same", 0o755)}
