@@ -20,7 +20,7 @@ def _bundle_json(b: Bundle) -> dict:
 @click.command("ls")
 @click.option("--key", metavar="KEY", help="Only bundles whose bundle key starts with KEY.")
 @click.option("--model", metavar="ID", help="Only bundles of this model id.")
-@click.option("--limit", type=click.IntRange(1), default=50, show_default=True)
+@click.option("--limit", type=click.IntRange(1), default=50, show_default=True, help="At most this many bundles.")
 @store_options
 @json_option
 @handle_errors

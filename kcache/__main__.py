@@ -1,0 +1,5 @@
+"""`python -m kcache` runs the CLI (the same as the `kcache` script)."""
+
+from kcache.cli import main
+
+main(prog_name="kcache")

@@ -1,0 +1,57 @@
+"""Each heavy dependency is imported by one part of kcache only (see STYLE.md)."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "kcache"
+
+# module prefix -> the only places (relative to kcache/) allowed to import it
+ALLOWED = {
+    "boto3": ("store/s3.py",),
+    "botocore": ("store/s3.py",),
+    "sqlalchemy": ("index/",),
+    "alembic": ("index/",),
+    "click": ("cli/",),
+    "torch": ("sources/", "workload.py", "torch.py"),
+    "triton": ("sources/", "torch.py"),
+}
+
+
+def imports(path: Path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name.split(".")[0], node
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module.split(".")[0], node
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_dependency_boundaries(path):
+    rel = path.relative_to(PACKAGE).as_posix()
+    for top, node in imports(path):
+        allowed = ALLOWED.get(top)
+        if allowed is not None:
+            assert rel.startswith(allowed), f"{rel}:{node.lineno} imports {top}; only {allowed} may"
+
+
+def test_torch_facing_modules_import_torch_lazily():
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:  # module level only
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            assert not any(n.split(".")[0] in ("torch", "triton") for n in names), f"{path} imports torch at import time"
+
+
+def test_library_never_prints():
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith("cli/") or rel == "workload.py":  # workload.py is a child-process entry point
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                assert node.func.id not in ("print", "exit"), f"{rel}:{node.lineno} calls {node.func.id}"
