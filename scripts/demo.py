@@ -105,7 +105,7 @@ def summary(steps: dict[str, Any]) -> dict[str, Any]:
 
 
 def print_summary(s: dict[str, Any], found: list[str]) -> None:
-    row = "  {:<22}{:>12}{:>12}"
+    row = "  {:<20}{:>15}{:>15}"
     print()
     print(row.format("", "cold pod-a", "warm pod-b"))
     print(row.format("first output (s)", f"{s['cold_seconds']:.2f}", f"{s['warm_seconds']:.2f}"))

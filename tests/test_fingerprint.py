@@ -73,7 +73,10 @@ ALL_AVX512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
         (ALL_AVX512 | {"avx512_vnni"}, {}, "avx512_vnni"),
         (ALL_AVX512, {}, "avx512"),
         (ALL_AVX512 - {"avx512bw"}, {}, "avx2"),
-        ({"avx2", "fma"}, {}, "avx2"),
+        (ALL_AVX512 | {"amx_tile"}, {}, "avx512"),  # AMX needs VNNI too
+        ({"avx2"}, {}, "avx2"),
+        (ALL_AVX512 | {"avx512_vnni", "amx_tile"}, {"ATEN_CPU_CAPABILITY": "avx512"}, "amx"),
+        (ALL_AVX512, {"TORCHINDUCTOR_VEC_ISA_OK": "0"}, "none"),
         ({"sse4_2"}, {}, "none"),
         (ALL_AVX512, {"ATEN_CPU_CAPABILITY": "avx2"}, "avx2"),
         (ALL_AVX512, {"ATEN_CPU_CAPABILITY": "default"}, "none"),
@@ -90,9 +93,37 @@ def test_settings_that_change_keys_are_facts_but_paths_are_not():
     assert facts == {"env.TORCHINDUCTOR_FREEZING": "1", "env.TORCH_COMPILE_THREADS": "4"}
 
 
-def test_threads_follow_omp_and_dynamic_threads():
-    assert f.probe_threads({"OMP_NUM_THREADS": "3"}) == {"cpu.threads": "3"}
-    assert f.probe_threads({"TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "1"}) == {"cpu.threads": "dynamic"}
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, 4),
+        ({"OMP_NUM_THREADS": "1"}, 1),
+        ({"OMP_NUM_THREADS": "3"}, 3),
+        ({"OMP_NUM_THREADS": "16"}, 4),  # capped at the machine's cores
+        ({"OMP_NUM_THREADS": "16", "MKL_DYNAMIC": "FALSE"}, 16),
+        ({"OMP_NUM_THREADS": "abc"}, 4),
+        ({"OMP_NUM_THREADS": "2,1"}, 2),
+        ({"MKL_NUM_THREADS": "1", "OMP_NUM_THREADS": "3"}, 1),  # MKL's own setting wins
+        ({"MKL_NUM_THREADS": "abc"}, 1),
+        ({"MKL_NUM_THREADS": "0", "OMP_NUM_THREADS": "2"}, 2),
+    ],
+)
+def test_thread_count_rule(env, expected):
+    assert f.default_threads(env, cores=4) == expected
+
+
+def test_dynamic_threads_leave_the_count_out():
+    assert f.probe_threads({"TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "1", "OMP_NUM_THREADS": "2"}) == {
+        "cpu.threads": "dynamic", "env.OMP_NUM_THREADS": "2"}
+
+
+@pytest.mark.parametrize("env", [{}, {"OMP_NUM_THREADS": "1"}, {"MKL_NUM_THREADS": "1"}])
+def test_thread_count_matches_torch(env):
+    pytest.importorskip("torch")
+    full = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")} | env
+    code = "import torch; print(torch.get_num_threads())"
+    out = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, check=True)
+    assert int(out.stdout) == f.default_threads(full)
 
 
 def test_replica_specific_values_never_reach_the_facts(monkeypatch, tmp_path):

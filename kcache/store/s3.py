@@ -1,0 +1,204 @@
+"""`s3://bucket/prefix` backend (boto3; the only module that imports it).
+
+    s3://bucket/prefix/packs/<hh>/<pack-id>
+                      /manifests/<hh>/<manifest-id>
+                      /refs/<bundle-key>
+
+Content-addressed objects are written with `If-None-Match: *`: a 412 (or a 409 from a racing
+conditional write) means the same bytes are already there, which is success. Reads are ranged
+GETs streamed to the caller. Retries with backoff, connect/read timeouts and the connection pool
+size are botocore configuration, not loops here. Any S3-compatible endpoint works through
+AWS_ENDPOINT_URL or --s3-endpoint-url; credentials come the usual boto3 way.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    NoCredentialsError,
+    ReadTimeoutError,
+)
+
+from kcache.errors import ObjectMissing, StoreError
+from kcache.store.base import is_valid_key
+from kcache.streams import Window
+
+log = logging.getLogger(__name__)
+
+MULTIPART_THRESHOLD = 64 * 1024 * 1024
+PART_SIZE = 16 * 1024 * 1024
+_MISSING = {"NoSuchKey", "404", "NotFound"}
+_EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
+
+
+class S3Store:
+    def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None, jobs: int = 16):
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.jobs = max(1, jobs)
+        config = Config(
+            max_pool_connections=self.jobs + 4,
+            retries={"max_attempts": 6, "mode": "adaptive"},
+            connect_timeout=float(os.environ.get("KCACHE_S3_CONNECT_TIMEOUT", "5")),
+            read_timeout=float(os.environ.get("KCACHE_S3_READ_TIMEOUT", "60")),
+            # Path-style works with every S3-compatible server (MinIO, Ceph, moto) behind an IP.
+            s3={"addressing_style": "path"} if endpoint_url else {},
+        )
+        try:
+            self.client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
+        except (BotoCoreError, ValueError) as exc:
+            raise StoreError(self.url, f"cannot create an S3 client: {exc}") from None
+
+    def _key(self, key: str) -> str:
+        if not is_valid_key(key):
+            raise StoreError(self.url, f"invalid object key {key!r}")
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _error(self, exc: Exception, key: str, action: str) -> StoreError:
+        """One kcache error for each way S3 says no."""
+        if isinstance(exc, ClientError):
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in _MISSING:
+                return ObjectMissing(self.url, key)
+            if code == "NoSuchBucket":
+                return StoreError(self.url, f"bucket {self.bucket!r} does not exist")
+            if code in ("AccessDenied", "AllAccessDisabled", "403") or status == 403:
+                return StoreError(self.url, f"access denied while trying to {action} {key}: check credentials and policy")
+            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"):
+                return StoreError(self.url, f"credentials rejected ({code})")
+            return StoreError(self.url, f"cannot {action} {key}: {code or status} {exc}")
+        if isinstance(exc, NoCredentialsError):
+            return StoreError(self.url, "no AWS credentials found (env, ~/.aws, or instance role)")
+        if isinstance(exc, EndpointConnectionError):
+            return StoreError(self.url, f"endpoint unreachable: {exc.kwargs.get('endpoint_url', exc)}")
+        if isinstance(exc, (ConnectTimeoutError, ReadTimeoutError)):
+            return StoreError(self.url, f"timed out trying to {action} {key}")
+        return StoreError(self.url, f"cannot {action} {key}: {exc}")
+
+    # ---- writes --------------------------------------------------------------------------------
+
+    def put_bytes(self, key: str, data: bytes) -> bool:
+        return self._put_single(key, io.BytesIO(data))
+
+    def put_file(self, key: str, path: Path) -> bool:
+        size = Path(path).stat().st_size
+        if size <= MULTIPART_THRESHOLD:
+            with open(path, "rb") as body:
+                return self._put_single(key, body)
+        return self._put_multipart(key, Path(path), size)
+
+    def _put_single(self, key: str, body: BinaryIO) -> bool:
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=body, IfNoneMatch="*")
+            return True
+        except ClientError as exc:
+            if _code(exc) in _EXISTS:
+                return False
+            raise self._error(exc, key, "write") from None
+        except BotoCoreError as exc:
+            raise self._error(exc, key, "write") from None
+
+    def _put_multipart(self, key: str, path: Path, size: int) -> bool:
+        full = self._key(key)
+        try:
+            upload = self.client.create_multipart_upload(Bucket=self.bucket, Key=full)["UploadId"]
+        except (ClientError, BotoCoreError) as exc:
+            raise self._error(exc, key, "write") from None
+
+        def send(number: int) -> dict:
+            offset = (number - 1) * PART_SIZE
+            with open(path, "rb") as f:
+                f.seek(offset)
+                body = f.read(min(PART_SIZE, size - offset))
+            etag = self.client.upload_part(Bucket=self.bucket, Key=full, UploadId=upload,
+                                           PartNumber=number, Body=body)["ETag"]  # fmt: skip
+            return {"PartNumber": number, "ETag": etag}
+
+        try:
+            with ThreadPoolExecutor(max_workers=min(self.jobs, 8)) as pool:
+                parts = list(pool.map(send, range(1, (size + PART_SIZE - 1) // PART_SIZE + 1)))
+            self.client.complete_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload,
+                                                  MultipartUpload={"Parts": parts}, IfNoneMatch="*")  # fmt: skip
+            return True
+        except ClientError as exc:
+            self._abort(full, upload)
+            if _code(exc) in _EXISTS:
+                return False
+            raise self._error(exc, key, "write") from None
+        except BotoCoreError as exc:
+            self._abort(full, upload)
+            raise self._error(exc, key, "write") from None
+
+    def _abort(self, full: str, upload: str) -> None:
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload)
+        except (ClientError, BotoCoreError) as exc:  # the bucket's lifecycle rule cleans up after us
+            log.warning("could not abort multipart upload of %s: %s", full, exc)
+
+    # ---- reads ---------------------------------------------------------------------------------
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+        except (ClientError, BotoCoreError) as exc:
+            raise self._error(exc, key, "read") from None
+
+    def open_range(self, key: str, offset: int, length: int) -> BinaryIO:
+        if length == 0:
+            return Window(io.BytesIO(b""), 0)
+        try:
+            body = self.client.get_object(
+                Bucket=self.bucket, Key=self._key(key), Range=f"bytes={offset}-{offset + length - 1}"
+            )["Body"]
+        except (ClientError, BotoCoreError) as exc:
+            raise self._error(exc, key, "read") from None
+        return Window(body, length)
+
+    def size(self, key: str) -> int:
+        try:
+            return int(self.client.head_object(Bucket=self.bucket, Key=self._key(key))["ContentLength"])
+        except (ClientError, BotoCoreError) as exc:
+            raise self._error(exc, key, "stat") from None
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.size(key)
+            return True
+        except ObjectMissing:
+            return False
+
+    def list(self, prefix: str) -> Iterator[str]:
+        full = self._key(prefix.rstrip("/")) + "/" if prefix else (self.prefix + "/" if self.prefix else "")
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
+                for obj in page.get("Contents", []):
+                    yield obj["Key"][strip:]
+        except (ClientError, BotoCoreError) as exc:
+            raise self._error(exc, prefix, "list") from None
+
+    def delete(self, key: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+        except (ClientError, BotoCoreError) as exc:
+            error = self._error(exc, key, "delete")
+            if not isinstance(error, ObjectMissing):
+                raise error from None
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
