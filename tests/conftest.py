@@ -25,6 +25,41 @@ def isolated_home(tmp_path, monkeypatch):
     return home
 
 
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3 HTTP endpoint (moto's server) on loopback, one per test session."""
+    from moto.server import ThreadedMotoServer
+
+    for var, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                       ("AWS_DEFAULT_REGION", "us-east-1")):  # fmt: skip
+        os.environ[var] = value
+    os.environ.pop("AWS_SESSION_TOKEN", None)
+    os.environ.pop("AWS_PROFILE", None)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint):
+    """A fresh bucket on the session's S3 endpoint; returns (store URL, endpoint)."""
+    import boto3
+
+    name = f"kcache-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=name)
+    return f"s3://{name}/cache", s3_endpoint
+
+
+@pytest.fixture
+def s3_store(s3_bucket):
+    from kcache.store import open_store
+
+    url, endpoint = s3_bucket
+    return open_store(url, endpoint_url=endpoint)
+
+
 @pytest.fixture
 def store(tmp_path) -> LocalStore:
     return LocalStore(tmp_path / "store")

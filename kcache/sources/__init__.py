@@ -21,7 +21,7 @@ BUILTIN: tuple[Source, ...] = (
     VllmSource(),
 )
 
-__all__ = ["BUILTIN", "FileInfo", "Source", "ExtraSource", "select", "parse_extra_dir", "for_manifest"]
+__all__ = ["BUILTIN", "FileInfo", "Source", "ExtraSource", "InductorSource", "select", "parse_extra_dir", "for_manifest"]
 
 
 def select(names: Iterable[str] | None = None, extras: Iterable[ExtraSource] = ()) -> list[Source]:

@@ -13,6 +13,8 @@ is a no-op that reports False, never an overwrite. Readers re-hash what they rea
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import BinaryIO, Iterator, Protocol
 
@@ -29,6 +31,13 @@ def manifest_key(manifest_id: str) -> str:
 
 def ref_key(bundle_key: str) -> str:
     return f"refs/{bundle_key}"
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    modified: datetime  # UTC
 
 
 def is_valid_key(key: str) -> bool:
@@ -57,8 +66,17 @@ class Store(Protocol):
 
     def exists(self, key: str) -> bool: ...
 
-    def list(self, prefix: str) -> Iterator[str]:
-        """Keys under `prefix`, in no particular order."""
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Objects under `prefix`, in no particular order."""
+
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        """(content, version) of a mutable object such as a ref, or None if absent."""
+
+    def put_if(self, key: str, data: bytes, version: str | None) -> bool:
+        """Compare-and-swap: write only if the object is still at `version` (None: still absent).
+
+        False when another writer got there first; the caller re-reads and decides again.
+        """
 
     def delete(self, key: str) -> None:
         """Remove `key`; absent keys are fine (deletes are idempotent)."""

@@ -7,13 +7,16 @@ Objects are plain files at PATH/<key>. A write goes to a temp sibling and is pub
 from __future__ import annotations
 
 import errno
+import fcntl
+import hashlib
 import os
 import tempfile
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from kcache.errors import ObjectMissing, StoreError
-from kcache.store.base import is_valid_key
+from kcache.store.base import ObjectInfo, is_valid_key
 from kcache.streams import Window
 
 
@@ -86,15 +89,44 @@ class LocalStore:
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
-    def list(self, prefix: str) -> Iterator[str]:
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
         base = self.root / prefix if prefix else self.root
         if not base.is_dir():
             return
         for dirpath, _dirs, files in os.walk(base):
             rel = Path(dirpath).relative_to(self.root).as_posix()
             for name in files:
-                if not name.startswith(".tmp-"):
-                    yield name if rel == "." else f"{rel}/{name}"
+                if name.startswith((".tmp-", ".lock-")):
+                    continue
+                try:
+                    st = os.stat(os.path.join(dirpath, name))
+                except FileNotFoundError:
+                    continue
+                key = name if rel == "." else f"{rel}/{name}"
+                yield ObjectInfo(key, st.st_size, datetime.fromtimestamp(st.st_mtime, timezone.utc))
+
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        try:
+            data = self._path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+        return data, hashlib.sha256(data).hexdigest()
+
+    def put_if(self, key: str, data: bytes, version: str | None) -> bool:
+        final = self._path(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        # A lock beside the object serializes compare-and-swap between processes on this host
+        # (and on NFS v4, which supports fcntl locks).
+        with open(final.parent / f".lock-{final.name}", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            current = self.get_versioned(key)
+            if (current[1] if current else None) != version:
+                return False
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=final.parent)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, final)
+            return True
 
     def delete(self, key: str) -> None:
         try:

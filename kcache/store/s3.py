@@ -32,7 +32,7 @@ from botocore.exceptions import (
 )
 
 from kcache.errors import ObjectMissing, StoreError
-from kcache.store.base import is_valid_key
+from kcache.store.base import ObjectInfo, is_valid_key
 from kcache.streams import Window
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class S3Store:
         self.jobs = max(1, jobs)
         config = Config(
             max_pool_connections=self.jobs + 4,
-            retries={"max_attempts": 6, "mode": "adaptive"},
+            retries={"max_attempts": int(os.environ.get("KCACHE_S3_MAX_ATTEMPTS", "6")), "mode": "adaptive"},
             connect_timeout=float(os.environ.get("KCACHE_S3_CONNECT_TIMEOUT", "5")),
             read_timeout=float(os.environ.get("KCACHE_S3_READ_TIMEOUT", "60")),
             # Path-style works with every S3-compatible server (MinIO, Ceph, moto) behind an IP.
@@ -181,15 +181,37 @@ class S3Store:
         except ObjectMissing:
             return False
 
-    def list(self, prefix: str) -> Iterator[str]:
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
         full = self._key(prefix.rstrip("/")) + "/" if prefix else (self.prefix + "/" if self.prefix else "")
         strip = len(self.prefix) + 1 if self.prefix else 0
         try:
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
                 for obj in page.get("Contents", []):
-                    yield obj["Key"][strip:]
+                    yield ObjectInfo(obj["Key"][strip:], int(obj["Size"]), obj["LastModified"])
         except (ClientError, BotoCoreError) as exc:
             raise self._error(exc, prefix, "list") from None
+
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+            return response["Body"].read(), response["ETag"]
+        except (ClientError, BotoCoreError) as exc:
+            error = self._error(exc, key, "read")
+            if isinstance(error, ObjectMissing):
+                return None
+            raise error from None
+
+    def put_if(self, key: str, data: bytes, version: str | None) -> bool:
+        condition = {"IfMatch": version} if version else {"IfNoneMatch": "*"}
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, **condition)
+            return True
+        except ClientError as exc:
+            if _code(exc) in _EXISTS or _code(exc) in _MISSING:  # someone else moved (or removed) it
+                return False
+            raise self._error(exc, key, "write") from None
+        except BotoCoreError as exc:
+            raise self._error(exc, key, "write") from None
 
     def delete(self, key: str) -> None:
         try:

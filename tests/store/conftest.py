@@ -3,9 +3,9 @@ import pytest
 from kcache.store import open_store
 
 
-@pytest.fixture(params=["file"])
+@pytest.fixture(params=["file", "s3"])
 def any_store(request, tmp_path):
-    """Every backend the conformance suite covers (s3 joins once it exists)."""
+    """Every backend the conformance suite covers."""
     if request.param == "file":
         return open_store(f"file://{tmp_path / 'store'}")
-    raise AssertionError(request.param)
+    return request.getfixturevalue("s3_store")

@@ -40,13 +40,30 @@ def test_missing_objects_raise_object_missing(any_store):
 def test_list_and_delete(any_store):
     for key in ("packs/aa/1", "packs/bb/2", "manifests/cc/3"):
         any_store.put_bytes(key, b"x")
-    assert sorted(any_store.list("packs/")) == ["packs/aa/1", "packs/bb/2"]
+    assert sorted(o.key for o in any_store.list("packs/")) == ["packs/aa/1", "packs/bb/2"]
     any_store.delete("packs/aa/1")
     any_store.delete("packs/aa/1")  # idempotent
-    assert sorted(any_store.list("packs/")) == ["packs/bb/2"]
+    assert sorted(o.key for o in any_store.list("packs/")) == ["packs/bb/2"]
 
 
 @pytest.mark.parametrize("key", ["../escape", "/abs", "a/../b", "a//b", ""])
 def test_invalid_keys_are_refused(any_store, key):
     with pytest.raises(StoreError):
         any_store.put_bytes(key, b"x")
+
+
+def test_list_reports_size_and_time(any_store):
+    any_store.put_bytes("manifests/ab/m", b"12345")
+    (info,) = any_store.list("manifests/")
+    assert (info.key, info.size) == ("manifests/ab/m", 5) and info.modified.tzinfo is not None
+
+
+def test_compare_and_swap(any_store):
+    assert any_store.get_versioned("refs/k") is None
+    assert any_store.put_if("refs/k", b"one", None) is True
+    assert any_store.put_if("refs/k", b"again", None) is False  # it exists now
+    data, version = any_store.get_versioned("refs/k")
+    assert data == b"one"
+    assert any_store.put_if("refs/k", b"two", version) is True
+    assert any_store.put_if("refs/k", b"stale", version) is False  # version moved on
+    assert any_store.get_versioned("refs/k")[0] == b"two"

@@ -1,0 +1,71 @@
+"""S3 specifics against a real HTTP endpoint: multipart, conditional writes, faults."""
+
+import socket
+
+import boto3
+import pytest
+from trees import read_tree, write_tree
+
+from kcache import sources
+from kcache.errors import ObjectMissing, StoreError
+from kcache.publish import publish
+from kcache.restore import restore
+from kcache.store import open_store, s3
+
+
+def test_multipart_upload_is_create_if_absent(s3_store, tmp_path, monkeypatch):
+    monkeypatch.setattr(s3, "MULTIPART_THRESHOLD", 6 * 1024 * 1024)
+    monkeypatch.setattr(s3, "PART_SIZE", 5 * 1024 * 1024)  # S3's minimum part size
+    big = tmp_path / "big"
+    big.write_bytes(bytes(range(256)) * (48 * 1024))  # 12 MiB: three parts
+    assert s3_store.put_file("packs/bb/big", big) is True
+    assert s3_store.size("packs/bb/big") == big.stat().st_size
+    with s3_store.open_range("packs/bb/big", 5 * 1024 * 1024 - 3, 6) as stream:
+        assert stream.read() == big.read_bytes()[5 * 1024 * 1024 - 3 : 5 * 1024 * 1024 + 3]
+    assert s3_store.put_file("packs/bb/big", big) is False
+
+
+def test_publish_and_restore_through_s3(s3_store, sqlite_index, fp, tmp_path):
+    files = {f"inductor/k/{i}.py": f"kernel {i}".encode() * 50 for i in range(300)}
+    files["triton/abc/kernel.cubin"] = (b"\x7fELF" * 1000, 0o755)
+    write_tree(tmp_path / "src", files)
+    first = publish(s3_store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={})
+    again = publish(s3_store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={})
+    assert first.new_blobs == 301 and again.uploaded_bytes == 0
+    result = restore(s3_store, sqlite_index, fp, tmp_path / "dst", jobs=8)
+    assert result.status == "hit"
+    assert read_tree(tmp_path / "dst/inductor") == read_tree(tmp_path / "src/inductor")
+    assert read_tree(tmp_path / "dst/triton") == read_tree(tmp_path / "src/triton")
+
+
+def test_missing_bucket_is_named(s3_endpoint):
+    store = open_store("s3://no-such-bucket-here/x", endpoint_url=s3_endpoint)
+    with pytest.raises(StoreError, match="does not exist"):
+        store.put_bytes("packs/aa/x", b"x")
+
+
+def test_missing_object(s3_store):
+    with pytest.raises(ObjectMissing):
+        s3_store.get_bytes("manifests/aa/nothing")
+
+
+def test_endpoint_down_is_a_clear_error(monkeypatch):
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("KCACHE_S3_CONNECT_TIMEOUT", "1")
+    monkeypatch.setenv("KCACHE_S3_MAX_ATTEMPTS", "1")
+    store = open_store("s3://bucket/p", endpoint_url=f"http://127.0.0.1:{port}")
+    with pytest.raises(StoreError, match="unreachable"):
+        store.get_bytes("manifests/aa/x")
+
+
+def test_prefixes_keep_stores_apart(s3_bucket):
+    url, endpoint = s3_bucket
+    a = open_store(url + "/a", endpoint_url=endpoint)
+    b = open_store(url + "/b", endpoint_url=endpoint)
+    a.put_bytes("packs/aa/1", b"a")
+    assert [o.key for o in a.list("packs/")] == ["packs/aa/1"] and list(b.list("packs/")) == []
+    raw = boto3.client("s3", endpoint_url=endpoint)
+    keys = [o["Key"] for o in raw.list_objects_v2(Bucket=url.split("/")[2])["Contents"]]
+    assert keys == ["cache/a/packs/aa/1"]
