@@ -3,6 +3,9 @@
     $KCACHE_HOME (default ~/.cache/kcache)
       store/      file:// store       (KCACHE_STORE, --store)
       index.db    SQLite index        (KCACHE_INDEX, --index)
+
+Restore reads refs from the store instead of an index when the index is `none`, or when none was
+named and the default SQLite file does not exist (a fresh pod with read access to the bucket).
 """
 
 from __future__ import annotations
@@ -19,6 +22,11 @@ class Settings:
     store_url: str
     index_url: str
     s3_endpoint_url: str | None
+    index_explicit: bool = False  # named by flag or environment, not the default
+
+    @property
+    def default_index_path(self) -> Path:
+        return self.home / "index.db"
 
 
 def resolve(
@@ -29,9 +37,11 @@ def resolve(
 ) -> Settings:
     env = os.environ if env is None else env
     home = Path(env.get("KCACHE_HOME") or Path.home() / ".cache" / "kcache").expanduser().absolute()
+    named_index = index or env.get("KCACHE_INDEX")
     return Settings(
         home=home,
         store_url=store or env.get("KCACHE_STORE") or f"file://{home / 'store'}",
-        index_url=index or env.get("KCACHE_INDEX") or f"sqlite:///{home / 'index.db'}",
+        index_url=named_index or f"sqlite:///{home / 'index.db'}",
         s3_endpoint_url=s3_endpoint_url or env.get("AWS_ENDPOINT_URL") or None,
+        index_explicit=bool(named_index),
     )

@@ -6,6 +6,7 @@ The commit protocol (a crash at any step leaves only orphans for GC, never a bro
     2. rows      pack and blob rows in the index (insert-or-ignore)
     3. manifest  written to the store under its own hash
     4. bundle    the bundle row: the commit point; restore only sees committed bundles
+    5. ref       refs/<bundle-key> moved forward (compare-and-swap) for pods without the index
 
 Dedup asks the index which blob ids it already has, so the hundredth identical pod uploads nothing.
 """
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from kcache import manifest as manifests
+from kcache import refs
 from kcache.errors import IntegrityError, RootError
 from kcache.fingerprint import Fingerprint
 from kcache.index import BlobLocation, Bundle, Event, Index
@@ -172,7 +174,11 @@ def publish(
         fingerprint.facts, layers, entries,
     )  # fmt: skip
     store.put_bytes(manifest_key(manifest.id), manifest.to_bytes())
-    created = index.add_bundle(_bundle_row(manifest))
+    row = _bundle_row(manifest)
+    created = index.add_bundle(row)
+    # After the commit point: pods without index access find the bundle through its ref.
+    if created or refs.read(store, row.bundle_key) is None:
+        refs.advance(store, refs.Ref(row.bundle_key, row.id, row.created_at))
     seconds = time.perf_counter() - started
     result = PublishResult(
         fingerprint.bundle_key, manifest.id, created, manifest.layers, len(entries), manifest.total_size,

@@ -27,13 +27,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Protocol
 
 from kcache import envfile
 from kcache import manifest as manifests
 from kcache import sources as layers
 from kcache.errors import IntegrityError, KcacheError, RestoreTimeout, RootError
 from kcache.fingerprint import Fingerprint
-from kcache.index import Event, Index
+from kcache.index import Event
 from kcache.packs import unpack_to
 from kcache.store import Store, manifest_key, pack_key
 from kcache.streams import Window, read_exact, skip
@@ -82,9 +83,17 @@ class _Range:
     entries: tuple[manifests.Entry, ...]
 
 
+class Catalog(Protocol):
+    """Where restore finds the newest bundle: the SQL index, or refs in the store (kcache.refs)."""
+
+    def newest_bundle(self, bundle_key: str): ...  # an object with .id (the manifest id), or None
+
+    def record_event(self, event: Event) -> None: ...
+
+
 def restore(
     store: Store,
-    index: Index,
+    index: Catalog,
     fingerprint: Fingerprint,
     root: Path,
     *,
@@ -131,7 +140,7 @@ def _within(timeout: float | None, work) -> RestoreResult:
     return box["result"]
 
 
-def _restore(store: Store, index: Index, fp: Fingerprint, root: Path, jobs: int, budget: _Budget) -> RestoreResult:
+def _restore(store: Store, index: Catalog, fp: Fingerprint, root: Path, jobs: int, budget: _Budget) -> RestoreResult:
     started = time.perf_counter()
     _prepare_root(root)
     bundle = index.newest_bundle(fp.bundle_key)
@@ -317,7 +326,7 @@ def read_state(root: Path) -> dict | None:
         return None
 
 
-def _record(index: Index, event: Event) -> None:
+def _record(index: Catalog, event: Event) -> None:
     try:
         index.record_event(event)
     except KcacheError as exc:  # stats are worth less than the pod's start

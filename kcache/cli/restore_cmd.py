@@ -12,7 +12,7 @@ from kcache.cli import format as fmt
 from kcache.cli.errors import describe
 from kcache.cli.options import compute_fingerprint, fingerprint_options, json_option, settings, store_options
 from kcache.errors import KcacheError
-from kcache.index import Index
+from kcache.catalog import open_for_restore
 from kcache.restore import restore
 from kcache.store import open_store
 
@@ -35,6 +35,9 @@ def restore_cmd(root, timeout, strict, jobs, model, model_config, facts, extras,
     lands where `kcache publish --from ROOT` will find it. Any failure prints one line and exits 0
     (the pod starts cold) unless --strict. Never imports torch.
 
+    With --index none (or no index named and no local one), the bundle is found through the
+    store's refs/, so the pod needs only read access to the bucket.
+
     \b
     Examples:
       kcache restore --into /cache --model my-llm && . /cache/kcache.env
@@ -45,7 +48,7 @@ def restore_cmd(root, timeout, strict, jobs, model, model_config, facts, extras,
         fp = compute_fingerprint(model, model_config, facts, extras)
         cfg = settings(store_url, index_url, s3_endpoint_url)
         store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
-        index = Index.open(cfg.index_url)
+        index = open_for_restore(cfg, store)
         try:
             result = restore(store, index, fp, root, jobs=jobs, timeout=timeout)
         finally:

@@ -1,0 +1,112 @@
+"""Restore through refs (no index access), and rebuilding the index from the store."""
+
+import json
+import threading
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from click.testing import CliRunner
+from trees import read_tree, write_tree
+
+from kcache import refs, sources
+from kcache.cli import main
+from kcache.index import Index
+from kcache.publish import publish
+from kcache.reindex import reindex
+from kcache.restore import restore
+from kcache.store import ref_key
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def test_refs_only_move_forward(store):
+    assert refs.advance(store, refs.Ref("k", "b" * 64, T0 + timedelta(seconds=10)))
+    assert not refs.advance(store, refs.Ref("k", "a" * 64, T0))  # a slower, older publisher
+    assert refs.read(store, "k").manifest == "b" * 64
+    assert refs.advance(store, refs.Ref("k", "c" * 64, T0 + timedelta(seconds=20)))
+    assert refs.read(store, "k").manifest == "c" * 64
+
+
+def test_racing_writers_leave_the_newest(any_store_kind, request):
+    store = request.getfixturevalue(any_store_kind)
+    start = threading.Barrier(8)
+
+    def publisher(i):
+        start.wait()
+        refs.advance(store, refs.Ref("race", f"{i:064x}", T0 + timedelta(seconds=i)))
+
+    threads = [threading.Thread(target=publisher, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert refs.read(store, "race").manifest == f"{7:064x}"
+
+
+@pytest.fixture(params=["store", "s3_store"])
+def any_store_kind(request):
+    return request.param
+
+
+def test_restore_through_refs_without_index(tmp_path, store, sqlite_index, fp):
+    write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"graph", "triton/k/k.json": b"{}"})
+    result = publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={})
+    restored = restore(store, refs.RefCatalog(store), fp, tmp_path / "dst")
+    assert (restored.status, restored.bundle_id) == ("hit", result.bundle_id)
+    assert read_tree(tmp_path / "dst/inductor") == read_tree(tmp_path / "src/inductor")
+
+
+def test_cli_restore_uses_refs_when_no_index_is_reachable(tmp_path, monkeypatch):
+    write_tree(tmp_path / "src", {"inductor/a": b"a"})
+    store_url = f"file://{tmp_path / 'shared-store'}"
+    runner = CliRunner()
+    out = runner.invoke(main, ["publish", "--from", str(tmp_path / "src"), "--store", store_url, "--json"],
+                        catch_exceptions=False)  # fmt: skip
+    bundle_id = json.loads(out.output)["bundle_id"]
+    monkeypatch.setenv("KCACHE_HOME", str(tmp_path / "fresh-pod-home"))  # no local index exists
+    out = runner.invoke(main, ["restore", "--into", str(tmp_path / "dst"), "--store", store_url, "--json"],
+                        catch_exceptions=False)  # fmt: skip
+    doc = json.loads(out.output)
+    assert (doc["status"], doc["bundle_id"]) == ("hit", bundle_id)
+    assert not (tmp_path / "fresh-pod-home" / "index.db").exists()
+    explicit = runner.invoke(main, ["restore", "--into", str(tmp_path / "dst2"), "--store", store_url,
+                                    "--index", "none", "--json"], catch_exceptions=False)  # fmt: skip
+    assert json.loads(explicit.output)["status"] == "hit"
+
+
+def test_reindex_rebuilds_what_publish_recorded(tmp_path, store, sqlite_index, fp):
+    write_tree(tmp_path / "src", {f"inductor/{i}": f"file {i}".encode() for i in range(50)})
+    result = publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={})
+    fresh = Index.open(f"sqlite:///{tmp_path / 'rebuilt.db'}")
+    rebuilt = reindex(store, fresh)
+    assert (rebuilt.packs, rebuilt.blobs, rebuilt.bundles, rebuilt.new_bundles) == (1, 50, 1, 1)
+    assert rebuilt.skipped == ()
+    bundle = fresh.newest_bundle(fp.bundle_key)
+    assert bundle.id == result.bundle_id and bundle.files == 50
+    from kcache import manifest as manifests
+    from kcache.store import manifest_key
+
+    blob_ids = [e.blob for e in manifests.parse(store.get_bytes(manifest_key(bundle.id)), bundle.id).entries]
+    assert fresh.locate(blob_ids) == sqlite_index.locate(blob_ids)
+    assert restore(store, fresh, fp, tmp_path / "dst").status == "hit"
+    again = reindex(store, fresh)
+    assert again.new_bundles == 0
+    fresh.close()
+
+
+def test_reindex_reports_a_damaged_pack_and_indexes_the_rest(tmp_path, store, sqlite_index, fp):
+    write_tree(tmp_path / "src", {"inductor/a": b"a"})
+    publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={})
+    store.put_bytes("packs/ff/" + "f" * 64, b"this is not a pack")
+    fresh = Index.open(f"sqlite:///{tmp_path / 'rebuilt.db'}")
+    rebuilt = reindex(store, fresh)
+    assert rebuilt.blobs == 1 and len(rebuilt.skipped) == 1 and "footer" in rebuilt.skipped[0]
+    fresh.close()
+
+
+def test_damaged_ref_is_an_integrity_error(store):
+    from kcache.errors import IntegrityError
+
+    store.put_if(ref_key("k"), b"{not json", None)
+    with pytest.raises(IntegrityError):
+        refs.read(store, "k")
