@@ -99,12 +99,16 @@ def restore(
     *,
     jobs: int = 16,
     timeout: float | None = None,
+    bundle_id: str | None = None,
 ) -> RestoreResult:
-    """Restore the newest bundle for `fingerprint` into `root`. Raises KcacheError on failure."""
+    """Restore the newest bundle for `fingerprint` (or the pinned `bundle_id`) into `root`.
+
+    A pinned bundle must still match the fingerprint. Raises KcacheError on failure.
+    """
     started = time.perf_counter()
     root = Path(root).absolute()
     try:
-        result = _within(timeout, lambda budget: _restore(store, index, fingerprint, root, jobs, budget))
+        result = _within(timeout, lambda budget: _restore(store, index, fingerprint, root, jobs, budget, bundle_id))
     except KcacheError as exc:
         _record(index, Event("restore", "error", fingerprint.bundle_key, None, 0, 0,
                              time.perf_counter() - started, str(exc)))  # fmt: skip
@@ -140,17 +144,19 @@ def _within(timeout: float | None, work) -> RestoreResult:
     return box["result"]
 
 
-def _restore(store: Store, index: Catalog, fp: Fingerprint, root: Path, jobs: int, budget: _Budget) -> RestoreResult:
+def _restore(
+    store: Store, index: Catalog, fp: Fingerprint, root: Path, jobs: int, budget: _Budget, pinned: str | None
+) -> RestoreResult:
     started = time.perf_counter()
     _prepare_root(root)
-    bundle = index.newest_bundle(fp.bundle_key)
-    if bundle is None:
+    manifest_id = pinned or getattr(index.newest_bundle(fp.bundle_key), "id", None)
+    if manifest_id is None:
         env_file = _finish(root, fp, [], "miss", "no bundle for this fingerprint")
         return RestoreResult("miss", fp.bundle_key, None, root, env_file, seconds=time.perf_counter() - started,
                              reason="no bundle published for this fingerprint")  # fmt: skip
-    manifest = manifests.parse(store.get_bytes(manifest_key(bundle.id)), bundle.id)
+    manifest = manifests.parse(store.get_bytes(manifest_key(manifest_id)), manifest_id)
     if manifest.bundle_key != fp.bundle_key:
-        raise IntegrityError("manifest", bundle.id, f"is for bundle key {manifest.bundle_key}, not {fp.bundle_key}")
+        raise IntegrityError("manifest", manifest_id, f"is for bundle key {manifest.bundle_key}, not {fp.bundle_key}")
     sources = layers.for_manifest(manifest.layers)
     staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=root))
     try:

@@ -22,12 +22,14 @@ from kcache.store import open_store
               help="Restore root, e.g. an emptyDir shared with the model container.")  # fmt: skip
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
               envvar="KCACHE_RESTORE_TIMEOUT", help="Seconds before giving up and starting cold.")  # fmt: skip
+@click.option("--bundle", "bundle_id", metavar="ID",
+              help="Pin this bundle (full id) instead of the newest; it must still match the fingerprint.")  # fmt: skip
 @click.option("--strict", is_flag=True, help="Exit non-zero on a miss or an error instead of starting cold.")
 @click.option("--jobs", type=click.IntRange(1, 256), default=16, show_default=True, help="Parallel pack reads.")
 @fingerprint_options
 @store_options
 @json_option
-def restore_cmd(root, timeout, strict, jobs, model, model_config, facts, extras,
+def restore_cmd(root, timeout, bundle_id, strict, jobs, model, model_config, facts, extras,
                 store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
     """Lay the bundle that matches this machine into ROOT and write ROOT/kcache.env.
 
@@ -50,7 +52,7 @@ def restore_cmd(root, timeout, strict, jobs, model, model_config, facts, extras,
         store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
         index = open_for_restore(cfg, store)
         try:
-            result = restore(store, index, fp, root, jobs=jobs, timeout=timeout)
+            result = restore(store, index, fp, root, jobs=jobs, timeout=timeout, bundle_id=bundle_id)
         finally:
             index.close()
     except KcacheError as exc:
