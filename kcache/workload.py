@@ -23,13 +23,13 @@ import time
 _MODULE_START = time.perf_counter()
 
 import argparse  # noqa: E402
-import getpass  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import re  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from typing import Any  # noqa: E402
+
+from kcache.sources.base import torch_user  # noqa: E402
 
 ARTIFACT_SUFFIXES = (".so", ".gch", ".pch")
 HEADS = 4
@@ -37,19 +37,9 @@ HEADS = 4
 Snapshot = dict[str, tuple[int, int]]
 
 
-def _username() -> str:
-    # Mirrors torch/_inductor/runtime/cache_dir_utils.py so we look where torch writes.
-    try:
-        name = getpass.getuser()
-    except (KeyError, ModuleNotFoundError, OSError):
-        getuid = getattr(os, "getuid", None)
-        name = f"uid_{getuid()}" if callable(getuid) else "unknown_user"
-    return re.sub(r'[\\/:*?"<>|]', "_", name)
-
-
 def default_cache_dir() -> str:
     """Torch's default Inductor cache dir: ``$TMPDIR/torchinductor_<user>``."""
-    return os.path.join(tempfile.gettempdir(), "torchinductor_" + _username())
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + torch_user())
 
 
 def inductor_cache_dir() -> str:

@@ -84,8 +84,8 @@ def torch_user() -> str:
     """The user name as torch puts it into its default cache directory names."""
     try:
         user = getpass.getuser()
-    except (KeyError, OSError):
-        user = "unknown"
+    except (KeyError, ModuleNotFoundError, OSError):  # torch's own fallback
+        user = f"uid_{os.getuid()}"
     return re.sub(r'[\\/:*?"<>|]', "_", user)
 
 

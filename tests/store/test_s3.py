@@ -69,3 +69,42 @@ def test_prefixes_keep_stores_apart(s3_bucket):
     raw = boto3.client("s3", endpoint_url=endpoint)
     keys = [o["Key"] for o in raw.list_objects_v2(Bucket=url.split("/")[2])["Contents"]]
     assert keys == ["cache/a/packs/aa/1"]
+
+
+def _publish_cli(tmp_path, url, endpoint):
+    import json
+
+    from click.testing import CliRunner
+
+    from kcache.cli import main
+
+    write_tree(tmp_path / "src", {f"inductor/{i}": f"content {i}".encode() * 100 for i in range(20)})
+    args = ["--store", url, "--s3-endpoint-url", endpoint, "--index", f"sqlite:///{tmp_path / 'i.db'}"]
+    out = CliRunner().invoke(main, ["publish", "--from", str(tmp_path / "src"), *args, "--json"], catch_exceptions=False)
+    return json.loads(out.output), args
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_damaged_pack_in_bucket_fails_open_without_partial_cache(tmp_path, s3_bucket, damage):
+    from click.testing import CliRunner
+
+    from kcache.cli import main
+
+    url, endpoint = s3_bucket
+    published, args = _publish_cli(tmp_path, url, endpoint)
+    store = open_store(url, endpoint_url=endpoint)
+    (pack,) = list(store.list("packs/"))
+    raw = boto3.client("s3", endpoint_url=endpoint)
+    bucket, key = url.split("/")[2], f"cache/{pack.key}"
+    if damage == "missing":
+        raw.delete_object(Bucket=bucket, Key=key)
+    else:
+        body = raw.get_object(Bucket=bucket, Key=key)["Body"].read()
+        raw.put_object(Bucket=bucket, Key=key, Body=body[:40])  # cut inside the blob frames
+    write_tree(tmp_path / "dst", {"inductor/old": b"previous"})
+    result = CliRunner().invoke(main, ["restore", "--into", str(tmp_path / "dst"), *args], catch_exceptions=False)
+    assert result.exit_code == 0 and "restore failed, starting cold" in result.stderr
+    assert "Traceback" not in result.output
+    assert read_tree(tmp_path / "dst/inductor") == {"old": (b"previous", 0o644)}
+    strict = CliRunner().invoke(main, ["restore", "--into", str(tmp_path / "dst"), "--strict", *args])
+    assert strict.exit_code in (4, 6)
