@@ -15,9 +15,7 @@ import xxhash
 
 def dumps(value: Any) -> bytes:
     """Serialize `value` canonically (sorted keys, compact, UTF-8, no NaN/Infinity)."""
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
 
 
 def xxh3(value: Any) -> str:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kcache.config import Settings
-from kcache.index import Index
 from kcache.refs import RefCatalog
 from kcache.store import Store
+
+if TYPE_CHECKING:
+    from kcache.index import Index
 
 NO_INDEX = "none"
 
@@ -15,5 +19,7 @@ def open_for_restore(settings: Settings, store: Store) -> Index | RefCatalog:
     if settings.index_url == NO_INDEX:
         return RefCatalog(store)
     if settings.index_explicit or settings.default_index_path.exists():
+        from kcache.index import Index  # SQLAlchemy costs ~0.3 s to import: only when needed
+
         return Index.open(settings.index_url)
     return RefCatalog(store)

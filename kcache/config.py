@@ -11,9 +11,9 @@ named and the default SQLite file does not exist (a fresh pod with read access t
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 
 @dataclass(frozen=True)

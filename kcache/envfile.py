@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import shlex
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 NAME = "kcache.env"
 

@@ -27,9 +27,9 @@ import platform
 import re
 import shutil
 import subprocess
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
 
 from kcache import canonical
 from kcache.errors import ConfigError
@@ -308,8 +308,12 @@ def pick_isa(arch: str, flags: set[str], env: Mapping[str, str]) -> str:
         vnni = avx512 and "avx512_vnni" in flags
         candidates = [
             name
-            for name, ok in (("amx", vnni and "amx_tile" in flags), ("avx512_vnni", vnni),
-                             ("avx512", avx512), ("avx2", "avx2" in flags))  # fmt: skip
+            for name, ok in (
+                ("amx", vnni and "amx_tile" in flags),
+                ("avx512_vnni", vnni),
+                ("avx512", avx512),
+                ("avx2", "avx2" in flags),
+            )  # fmt: skip
             if ok
         ]
         wanted = env.get("ATEN_CPU_CAPABILITY")

@@ -93,9 +93,7 @@ class PackWriter:
         self._blobs.append(PackedBlob(blob_id, offset, self._file.tell() - offset, size))
 
     def finish(self) -> Pack:
-        trailer = canonical.dumps(
-            {"schema": 1, "blobs": [[b.id, b.offset, b.length, b.size] for b in self._blobs]}
-        )
+        trailer = canonical.dumps({"schema": 1, "blobs": [[b.id, b.offset, b.length, b.size] for b in self._blobs]})
         self._file.write(trailer + FOOTER.pack(len(trailer)) + MAGIC)
         self._file.flush()
         size = self._file.tell()

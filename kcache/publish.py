@@ -19,20 +19,24 @@ import os
 import socket
 import tempfile
 import time
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from kcache import manifest as manifests
 from kcache import refs
 from kcache.errors import IntegrityError, RootError
 from kcache.fingerprint import Fingerprint
-from kcache.index import BlobLocation, Bundle, Event, Index
 from kcache.packs import LARGE_FILE_BYTES, TARGET_PACK_BYTES, PackWriter
+from kcache.records import BlobLocation, Bundle, Event
 from kcache.sources import FileInfo, Source
 from kcache.store import Store, manifest_key, pack_key
+
+if TYPE_CHECKING:  # the SQL layer loads only when a caller opens an index
+    from kcache.index import Index
 
 log = logging.getLogger(__name__)
 _HASH_CHUNK = 1024 * 1024
@@ -124,7 +128,9 @@ def _write_and_upload(group: list[Collected], store: Store, index: Index, workdi
         raise
     try:
         written = store.put_file(pack_key(pack.id), pack.path)
-        index.add_pack(pack.id, pack.size, [BlobLocation(b.id, pack.id, b.offset, b.length, b.size) for b in pack.blobs])
+        index.add_pack(
+            pack.id, pack.size, [BlobLocation(b.id, pack.id, b.offset, b.length, b.size) for b in pack.blobs]
+        )
     finally:
         pack.path.unlink(missing_ok=True)
     return (pack.size if written else 0), len(pack.blobs)
@@ -166,7 +172,9 @@ def publish(
     locations = index.locate(c.blob for c in collected)
     lost = [c.path for c in collected if c.blob not in locations]
     if lost:
-        raise IntegrityError("bundle", fingerprint.bundle_key, f"{len(lost)} blobs vanished from the index, e.g. {lost[0]}")
+        raise IntegrityError(
+            "bundle", fingerprint.bundle_key, f"{len(lost)} blobs vanished from the index, e.g. {lost[0]}"
+        )
     entries = [_entry(c, locations[c.blob]) for c in collected]
     layers = sorted({src.name for src, _ in found})
     manifest = manifests.build(

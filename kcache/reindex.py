@@ -11,12 +11,16 @@ from __future__ import annotations
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kcache import manifest as manifests
 from kcache import packs, refs
 from kcache.errors import IntegrityError, KcacheError
-from kcache.index import BlobLocation, Bundle, Index
+from kcache.records import BlobLocation, Bundle
 from kcache.store import Store
+
+if TYPE_CHECKING:  # the SQL layer loads only when a caller opens an index
+    from kcache.index import Index
 from kcache.store.base import ObjectInfo
 
 _TAIL = 256 * 1024  # most trailers fit; longer ones get a second read

@@ -34,8 +34,8 @@ from kcache import manifest as manifests
 from kcache import sources as layers
 from kcache.errors import IntegrityError, KcacheError, RestoreTimeout, RootError
 from kcache.fingerprint import Fingerprint
-from kcache.index import Event
 from kcache.packs import unpack_to
+from kcache.records import Event
 from kcache.store import Store, manifest_key, pack_key
 from kcache.streams import Window, read_exact, skip
 
@@ -241,8 +241,10 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
     first_path = {}
     for entry in entries:
         origin = first_path.setdefault(entry.blob, entry.path)
-        if origin != entry.path:
-            _place(staging, entry, lambda out, origin=origin: _copy_from(staging / origin, out))
+        if origin != entry.path:  # already verified when its first path was written
+            dest = _staged(staging, entry)
+            shutil.copyfile(staging / origin, dest)
+            os.chmod(dest, entry.mode)
 
 
 def _fetch_range(store: Store, rng: _Range, staging: Path, cancelled) -> None:
@@ -254,25 +256,26 @@ def _fetch_range(store: Store, rng: _Range, staging: Path, cancelled) -> None:
             skip(stream, entry.offset - position, "pack", rng.pack)
             if entry.length <= IN_MEMORY_BLOB:
                 body = io.BytesIO(read_exact(stream, entry.length, "pack", rng.pack))
-                _place(staging, entry, lambda out: unpack_to(body, entry.blob, entry.size, out))
+                _place(staging, entry, body)
             else:
                 window = Window(stream, entry.length)
-                _place(staging, entry, lambda out: unpack_to(window, entry.blob, entry.size, out))
+                _place(staging, entry, window)
                 skip(window, window.remaining, "pack", rng.pack)
             position = entry.offset + entry.length
 
 
-def _place(staging: Path, entry: manifests.Entry, fill) -> None:
-    dest = staging / entry.path  # manifest.parse already refused absolute paths and '..'
-    dest.parent.mkdir(parents=True, exist_ok=True)
+def _place(staging: Path, entry: manifests.Entry, frame) -> None:
+    """Decompress one blob's frame into its staged path, verified before the file is closed."""
+    dest = _staged(staging, entry)
     with open(dest, "xb") as out:
-        fill(out)
+        unpack_to(frame, entry.blob, entry.size, out)
     os.chmod(dest, entry.mode)
 
 
-def _copy_from(source: Path, out) -> None:
-    with open(source, "rb") as f:
-        shutil.copyfileobj(f, out)
+def _staged(staging: Path, entry: manifests.Entry) -> Path:
+    dest = staging / entry.path  # manifest.parse already refused absolute paths and '..'
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    return dest
 
 
 def _swap(root: Path, staging: Path, sources: list[layers.Source]) -> None:
@@ -337,4 +340,3 @@ def _record(index: Catalog, event: Event) -> None:
         index.record_event(event)
     except KcacheError as exc:  # stats are worth less than the pod's start
         log.warning("cannot record restore event: %s", exc)
-

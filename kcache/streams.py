@@ -27,7 +27,7 @@ class Window:
     def close(self) -> None:
         self._stream.close()
 
-    def __enter__(self) -> "Window":
+    def __enter__(self) -> Window:
         return self
 
     def __exit__(self, *exc) -> None:

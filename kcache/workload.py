@@ -155,9 +155,7 @@ def make_input(batch: int, seq: int, dim: int) -> Any:
     return torch.randn(batch, seq, dim, generator=generator)
 
 
-def run(
-    blocks: int = 4, dim: int = 256, seq: int = 64, batch: int = 2, start: float | None = None
-) -> dict[str, Any]:
+def run(blocks: int = 4, dim: int = 256, seq: int = 64, batch: int = 2, start: float | None = None) -> dict[str, Any]:
     """Compile and run the workload once; return the measurements described in the docstring.
 
     ``start`` defaults to this module's import time, which is right for a child process; callers

@@ -17,14 +17,21 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from kcache import envfile
 
 Payload = dict[str, Any]
-ISOLATED = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TMPDIR", "TORCH_COMPILE_CACHE_KEY_TAG",
-            "KCACHE_STORE", "KCACHE_INDEX")
+ISOLATED = (
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TRITON_CACHE_DIR",
+    "TMPDIR",
+    "TORCH_COMPILE_CACHE_KEY_TAG",
+    "KCACHE_STORE",
+    "KCACHE_INDEX",
+)
 STDERR_TAIL = 2000  # enough for a traceback's last frames without flooding the terminal
 
 

@@ -22,14 +22,21 @@ import json
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import _procs
 
 Say = Callable[[str], None]
-RUN_FIELDS = ("fxgraph_hit", "fxgraph_miss", "aotautograd_hit", "aotautograd_miss", "compiled_artifacts",
-              "output_checksum")
+RUN_FIELDS = (
+    "fxgraph_hit",
+    "fxgraph_miss",
+    "aotautograd_hit",
+    "aotautograd_miss",
+    "compiled_artifacts",
+    "output_checksum",
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -37,8 +44,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--blocks", type=int, default=4, help="transformer blocks (default 4)")
     parser.add_argument("--dim", type=int, default=256, help="model width (default 256)")
     parser.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
-    parser.add_argument("--home", type=Path,
-                        help="use this KCACHE_HOME instead of a fresh empty one (the first run may then hit)")
+    parser.add_argument(
+        "--home", type=Path, help="use this KCACHE_HOME instead of a fresh empty one (the first run may then hit)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work dir and print where it is")
     parser.add_argument("--json", action="store_true", help="print one JSON object; narration goes to stderr")
     return parser.parse_args(argv)
@@ -52,7 +60,9 @@ def run_steps(work: Path, home: Path, args: argparse.Namespace, say: Say) -> dic
     pod_a, pod_b = work / "pod-a", work / "pod-b"
 
     first, _ = _procs.restore(pod_a, model, base)
-    say(f"1/5 restore into pod-a: {first['status']} ({first.get('reason') or 'bundle ' + str(first['bundle_id'])[:12]})")
+    say(
+        f"1/5 restore into pod-a: {first['status']} ({first.get('reason') or 'bundle ' + str(first['bundle_id'])[:12]})"
+    )
     cold, cold_wall = _procs.run_workload(_procs.env_for(pod_a, base), *shape)
     say(f"2/5 cold workload in pod-a: first output after {cold['seconds']:.2f} s "
         f"({cold['compiled_artifacts']} compiled artifacts)")  # fmt: skip

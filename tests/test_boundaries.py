@@ -44,7 +44,9 @@ def test_torch_facing_modules_import_torch_lazily():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
-            assert not any(n.split(".")[0] in ("torch", "triton") for n in names), f"{path} imports torch at import time"
+            assert not any(n.split(".")[0] in ("torch", "triton") for n in names), (
+                f"{path} imports torch at import time"
+            )
 
 
 def test_library_never_prints():

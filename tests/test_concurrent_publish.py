@@ -4,7 +4,6 @@ import multiprocessing
 import traceback
 
 from sqlalchemy import text
-
 from trees import read_tree, write_tree
 
 from kcache import fingerprint, sources
@@ -61,7 +60,7 @@ def test_eight_concurrent_publishers(tmp_path, s3_bucket, pg_index, fp):
     store = open_store(store_url, endpoint_url=endpoint)
     bundle_of = {i: bundle_id for i, bundle_id, _ in outcomes}
     assert len(set(bundle_of.values())) == WRITERS  # different trees, different bundles
-    for i, bundle_id in bundle_of.items():
+    for bundle_id in bundle_of.values():
         manifest = manifests.parse(store.get_bytes(manifest_key(bundle_id)), bundle_id)
         assert all(store.exists(pack_key(p)) for p in {e.pack for e in manifest.entries})
 

@@ -41,7 +41,9 @@ def test_extra_and_model_config(tmp_path):
     moved.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
                                  "torch_dtype": "bfloat16", "_name_or_path": "/data/llama"}))  # fmt: skip
     wider = tmp_path / "wider.json"
-    wider.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "torch_dtype": "bfloat16"}))
+    wider.write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "torch_dtype": "bfloat16"})
+    )
     facts = f.workload_facts("llama", config, {"tp": "2"})
     assert facts["model.arch"] == "LlamaForCausalLM" and facts["model.dtype"] == "bfloat16"
     assert facts["extra.tp"] == "2"
@@ -114,7 +116,9 @@ def test_thread_count_rule(env, expected):
 
 def test_dynamic_threads_leave_the_count_out():
     assert f.probe_threads({"TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "1", "OMP_NUM_THREADS": "2"}) == {
-        "cpu.threads": "dynamic", "env.OMP_NUM_THREADS": "2"}
+        "cpu.threads": "dynamic",
+        "env.OMP_NUM_THREADS": "2",
+    }
 
 
 @pytest.mark.parametrize("env", [{}, {"OMP_NUM_THREADS": "1"}, {"MKL_NUM_THREADS": "1"}])

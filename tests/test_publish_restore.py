@@ -16,7 +16,7 @@ from kcache.index import Bundle
 from kcache.publish import publish
 from kcache.restore import STAGING_PREFIX, read_state, restore
 from kcache.sources.base import torch_user
-from kcache.store import manifest_key, pack_key
+from kcache.store import manifest_key
 
 LAYERS = sources.select()
 
@@ -112,7 +112,9 @@ def test_restore_writes_env_and_layout(tmp_path, store, sqlite_index, fp):
     root = tmp_path / "dst"
     result = restore(store, sqlite_index, fp, root)
     assert set(result.layers) == {"inductor", "inductor-pch", "extra:trt"}
-    assert (root / "tmp" / f"torchinductor_{torch_user()}" / "precompiled_headers" / "abc/c10.h.gch").read_bytes() == b"header"
+    assert (
+        root / "tmp" / f"torchinductor_{torch_user()}" / "precompiled_headers" / "abc/c10.h.gch"
+    ).read_bytes() == b"header"
     assert (root / "extra/trt/timing.cache").read_bytes() == b"t"
     env = envfile.read(root / "kcache.env")
     assert env["TORCHINDUCTOR_CACHE_DIR"] == str(root / "inductor")

@@ -8,12 +8,11 @@ import click
 
 from kcache import manifest as manifests
 from kcache.cli import format as fmt
-from kcache.cli.options import handle_errors, json_option, settings, store_options
-from kcache.index import Bundle, Index
+from kcache.cli.options import handle_errors, json_option, open_index, settings, store_options
 from kcache.store import manifest_key, open_store
 
 
-def _bundle_json(b: Bundle) -> dict:
+def _bundle_json(b) -> dict:
     return {**asdict(b), "created_at": b.created_at.isoformat(), "layers": list(b.layers)}
 
 
@@ -32,7 +31,7 @@ def ls_cmd(key, model, limit, store_url, index_url, s3_endpoint_url, as_json):
       kcache ls
       kcache ls --model my-llm --json
     """
-    index = Index.open(settings(store_url, index_url, s3_endpoint_url).index_url)
+    index = open_index(settings(store_url, index_url, s3_endpoint_url).index_url)
     try:
         bundles = index.list_bundles(bundle_key=key, model=model, limit=limit)
     finally:
@@ -64,7 +63,7 @@ def show_cmd(bundle, list_files, store_url, index_url, s3_endpoint_url, as_json)
       kcache show 3f2a9c01bd47 --files
     """
     cfg = settings(store_url, index_url, s3_endpoint_url)
-    index = Index.open(cfg.index_url)
+    index = open_index(cfg.index_url)
     try:
         found = index.get_bundle(bundle)
     finally:

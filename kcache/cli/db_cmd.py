@@ -5,7 +5,6 @@ from __future__ import annotations
 import click
 
 from kcache.cli.options import handle_errors, settings
-from kcache.index.db import make_engine, upgrade
 
 
 @click.group("db")
@@ -23,6 +22,8 @@ def upgrade_cmd(index_url):
     Example:
       kcache db upgrade --index postgresql+psycopg://kcache@db/kcache
     """
+    from kcache.index.db import make_engine, upgrade
+
     url = settings(None, index_url, None).index_url
     engine = make_engine(url)
     try:

@@ -15,11 +15,11 @@ from kcache.cli.options import (
     fingerprint_options,
     handle_errors,
     json_option,
+    open_index,
     settings,
     stderr_is_terminal,
     store_options,
 )
-from kcache.index import Index
 from kcache.publish import publish
 from kcache.store import open_store
 
@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 @click.option("--from", "root", type=click.Path(file_okay=False, path_type=Path),
               help="Publish the layout of a restore root (ROOT/inductor, ROOT/triton, ...) instead of "
                    "the live cache directories.")  # fmt: skip
-@click.option("--layers", metavar="A,B", help=f"Only these layers (default all: {', '.join(s.name for s in sources.BUILTIN)}).")
+@click.option(
+    "--layers", metavar="A,B", help=f"Only these layers (default all: {', '.join(s.name for s in sources.BUILTIN)})."
+)
 @click.option("--extra-dir", "extra_dirs", multiple=True, metavar="NAME=PATH",
               help="Also carry a directory of your own; restored to ROOT/extra/NAME.")  # fmt: skip
 @click.option("--jobs", type=click.IntRange(1, 256), default=8, show_default=True, help="Parallel hashing and uploads.")
@@ -54,7 +56,7 @@ def publish_cmd(root, layers, extra_dirs, jobs, model, model_config, facts, extr
     chosen = sources.select(layers.split(",") if layers else None, [sources.parse_extra_dir(s) for s in extra_dirs])
     cfg = settings(store_url, index_url, s3_endpoint_url)
     store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
-    index = Index.open(cfg.index_url)
+    index = open_index(cfg.index_url)
     try:
         note = (lambda msg: click.echo(f"kcache: {msg}", err=True)) if stderr_is_terminal() and not as_json else None
         result = publish(store, index, fp, chosen, root=root, jobs=jobs, progress=note)

@@ -7,8 +7,7 @@ from dataclasses import asdict
 import click
 
 from kcache.cli import format as fmt
-from kcache.cli.options import handle_errors, json_option, settings, store_options
-from kcache.index import Index
+from kcache.cli.options import handle_errors, json_option, open_index, settings, store_options
 from kcache.reindex import reindex
 from kcache.store import open_store
 
@@ -29,7 +28,7 @@ def reindex_cmd(jobs, store_url, index_url, s3_endpoint_url, as_json):
     """
     cfg = settings(store_url, index_url, s3_endpoint_url)
     store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
-    index = Index.open(cfg.index_url)
+    index = open_index(cfg.index_url)
     try:
         result = reindex(store, index, jobs=jobs)
     finally:

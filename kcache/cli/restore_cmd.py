@@ -8,11 +8,11 @@ from pathlib import Path
 
 import click
 
+from kcache.catalog import open_for_restore
 from kcache.cli import format as fmt
 from kcache.cli.errors import describe
 from kcache.cli.options import compute_fingerprint, fingerprint_options, json_option, settings, store_options
 from kcache.errors import KcacheError
-from kcache.catalog import open_for_restore
 from kcache.restore import restore
 from kcache.store import open_store
 

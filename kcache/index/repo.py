@@ -7,10 +7,9 @@ the first row for a blob wins, and every row points at a pack that was stored be
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Iterable, Iterator, Sequence
 
 from sqlalchemy import Engine, func, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -20,45 +19,9 @@ from sqlalchemy.orm import Session
 from kcache.errors import IndexDbError, NotFound
 from kcache.index.db import describe_error, ensure_schema, make_engine
 from kcache.index.models import BlobRow, BundleRow, EventRow, PackRow
+from kcache.records import BlobLocation, Bundle, Event
 
 _IN_CHUNK = 500  # bound on bind parameters per IN (...) query
-
-
-@dataclass(frozen=True)
-class Bundle:
-    id: str
-    bundle_key: str
-    toolchain_key: str
-    workload_key: str
-    model: str | None
-    facts: dict
-    layers: tuple[str, ...]
-    files: int
-    bytes: int
-    created_at: datetime
-    created_by: str
-    status: str
-
-
-@dataclass(frozen=True)
-class BlobLocation:
-    id: str
-    pack_id: str
-    offset: int
-    length: int
-    size: int
-
-
-@dataclass(frozen=True)
-class Event:
-    kind: str
-    status: str
-    bundle_key: str | None = None
-    bundle_id: str | None = None
-    files: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    reason: str | None = None
 
 
 def _now() -> datetime:
@@ -81,7 +44,7 @@ class Index:
         self.engine, self.url = engine, url
 
     @classmethod
-    def open(cls, url: str) -> "Index":
+    def open(cls, url: str) -> Index:
         engine = make_engine(url)
         ensure_schema(engine, url)
         return cls(engine, url)
@@ -162,9 +125,7 @@ class Index:
             raise NotFound("bundle" if not rows else "unique bundle with prefix", id_or_prefix)
         return _bundle(rows[0])
 
-    def list_bundles(
-        self, *, bundle_key: str | None = None, model: str | None = None, limit: int = 50
-    ) -> list[Bundle]:
+    def list_bundles(self, *, bundle_key: str | None = None, model: str | None = None, limit: int = 50) -> list[Bundle]:
         """Bundles newest first, optionally filtered by bundle key (or prefix) and model."""
         query = select(BundleRow).order_by(BundleRow.created_at.desc(), BundleRow.id).limit(limit)
         if bundle_key:

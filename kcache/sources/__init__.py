@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from kcache.errors import ConfigError
 from kcache.sources.base import FileInfo, Source
@@ -21,7 +21,16 @@ BUILTIN: tuple[Source, ...] = (
     VllmSource(),
 )
 
-__all__ = ["BUILTIN", "FileInfo", "Source", "ExtraSource", "InductorSource", "select", "parse_extra_dir", "for_manifest"]
+__all__ = [
+    "BUILTIN",
+    "FileInfo",
+    "Source",
+    "ExtraSource",
+    "InductorSource",
+    "select",
+    "parse_extra_dir",
+    "for_manifest",
+]
 
 
 def select(names: Iterable[str] | None = None, extras: Iterable[ExtraSource] = ()) -> list[Source]:

@@ -13,9 +13,9 @@ import logging
 import os
 import re
 import stat
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping
 
 log = logging.getLogger(__name__)
 

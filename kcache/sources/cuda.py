@@ -7,8 +7,8 @@ The driver version is a toolchain fact, so a restored ComputeCache always matche
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from kcache.sources.base import Source, home_dir
 

@@ -1,13 +1,13 @@
 """User-named directories (TensorRT timing caches, FlashInfer or DeepGEMM JIT dirs, ...).
 
-    --extra-dir NAME=PATH  -> ROOT/extra/NAME, exported as KCACHE_EXTRA_<NAME>
+--extra-dir NAME=PATH  -> ROOT/extra/NAME, exported as KCACHE_EXTRA_<NAME>
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from kcache.errors import ConfigError
 from kcache.sources.base import Source

@@ -1,10 +1,10 @@
 """Inductor's cache and its precompiled header: two layers, because torch keeps them apart.
 
-    $TORCHINDUCTOR_CACHE_DIR (default $TMPDIR/torchinductor_$USER)   -> ROOT/inductor
-        fxgraph/ aotautograd/ <hh>/*.so|*.cpp|*.py  dynamo/            carried
-        locks/ triton/ precompiled_headers/                           not carried here
-    $TMPDIR/torchinductor_$USER/precompiled_headers                   -> ROOT/tmp/torchinductor_$USER/precompiled_headers
-                                                                         (manifest paths: inductor-pch/...)
+    $TORCHINDUCTOR_CACHE_DIR (default $TMPDIR/torchinductor_$USER)  -> ROOT/inductor
+        fxgraph/ aotautograd/ <hh>/*.so|*.cpp|*.py  dynamo/           carried
+        locks/ triton/ precompiled_headers/                          not carried here
+    $TMPDIR/torchinductor_$USER/precompiled_headers
+        -> ROOT/tmp/torchinductor_$USER/precompiled_headers          (manifest paths: inductor-pch/...)
 
 Torch looks for the precompiled header under the temp dir whatever TORCHINDUCTOR_CACHE_DIR says,
 so the env file points TMPDIR into ROOT (an init container's /tmp is not the model container's).
@@ -12,8 +12,8 @@ so the env file points TMPDIR into ROOT (an init container's /tmp is not the mod
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from kcache.sources.base import COMMON_JUNK, Source, temp_dir, torch_user
 

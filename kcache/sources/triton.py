@@ -10,8 +10,8 @@ same kernels; they are merged into one directory and TRITON_CACHE_DIR points eve
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from kcache.sources.base import Source, home_dir
 from kcache.sources.inductor import inductor_dir

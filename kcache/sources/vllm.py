@@ -1,12 +1,12 @@
 """vLLM's cache root; its torch_compile_cache/<hash>/rank_<i>_<j>/ is all-or-nothing under vLLM's hash.
 
-    $VLLM_CACHE_ROOT (default $XDG_CACHE_HOME/vllm, else ~/.cache/vllm)  -> ROOT/vllm
+$VLLM_CACHE_ROOT (default $XDG_CACHE_HOME/vllm, else ~/.cache/vllm)  -> ROOT/vllm
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from kcache.sources.base import Source, home_dir
 

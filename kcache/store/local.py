@@ -11,9 +11,10 @@ import fcntl
 import hashlib
 import os
 import tempfile
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 from kcache.errors import ObjectMissing, StoreError
 from kcache.store.base import ObjectInfo, is_valid_key

@@ -16,9 +16,10 @@ from __future__ import annotations
 import io
 import logging
 import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 import boto3
 from botocore.config import Config
@@ -77,7 +78,9 @@ class S3Store:
             if code == "NoSuchBucket":
                 return StoreError(self.url, f"bucket {self.bucket!r} does not exist")
             if code in ("AccessDenied", "AllAccessDisabled", "403") or status == 403:
-                return StoreError(self.url, f"access denied while trying to {action} {key}: check credentials and policy")
+                return StoreError(
+                    self.url, f"access denied while trying to {action} {key}: check credentials and policy"
+                )
             if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"):
                 return StoreError(self.url, f"credentials rejected ({code})")
             return StoreError(self.url, f"cannot {action} {key}: {code or status} {exc}")

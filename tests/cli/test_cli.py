@@ -25,7 +25,9 @@ def commands(group: click.Group, prefix=()):
             yield prefix + (name,), command
 
 
-@pytest.mark.parametrize("path, command", list(commands(main)), ids=lambda v: " ".join(v) if isinstance(v, tuple) else "")
+@pytest.mark.parametrize(
+    "path, command", list(commands(main)), ids=lambda v: " ".join(v) if isinstance(v, tuple) else ""
+)
 def test_every_command_has_help_with_an_example(path, command):
     text = run(*path, "--help").output
     assert "Example" in text, f"kcache {' '.join(path)} --help has no example"

@@ -1,11 +1,12 @@
 """Models and migrations agree, and HEAD names the newest migration."""
 
+from importlib import resources
+
 import pytest
 from alembic.autogenerate import compare_metadata
+from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from alembic.config import Config
-from importlib import resources
 
 from kcache.errors import IndexDbError
 from kcache.index import Index
