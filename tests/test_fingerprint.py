@@ -141,12 +141,12 @@ def test_replica_specific_values_never_reach_the_facts(monkeypatch, tmp_path):
     assert str(tmp_path) not in json.dumps(fp2.as_dict())
 
 
-def test_fingerprint_cli_imports_neither_torch_nor_triton():
+def test_fingerprint_cli_imports_neither_torch_nor_triton_nor_heavy_libraries():
     code = (
         "import sys\n"
         "from kcache.cli import main\n"
         "try:\n    main(['fingerprint', '--json'])\nexcept SystemExit:\n    pass\n"
-        "print([m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')])\n"
+        "print([m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'sqlalchemy', 'boto3')])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     doc, loaded = out.splitlines()
