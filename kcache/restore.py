@@ -15,7 +15,6 @@ leaves ROOT as it was. Ranges of a pack that lie close together are fetched with
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import shutil
@@ -25,7 +24,6 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Protocol
 
@@ -35,6 +33,7 @@ from kcache import sources as layers
 from kcache.errors import IntegrityError, KcacheError, RestoreTimeout, RootError
 from kcache.fingerprint import Fingerprint
 from kcache.packs import unpack_to
+from kcache.readiness import RESTORE_MARKER, read_marker, write_marker
 from kcache.records import Event
 from kcache.store import Store, manifest_key, pack_key
 from kcache.streams import Window, read_exact, skip
@@ -42,7 +41,6 @@ from kcache.streams import Window, read_exact, skip
 log = logging.getLogger(__name__)
 
 STAGING_PREFIX = ".kcache-staging-"
-STATE_FILE = ".kcache-state.json"
 COALESCE_GAP = 256 * 1024  # read through gaps smaller than this rather than issue another request
 MAX_RANGE = 16 * 1024 * 1024
 IN_MEMORY_BLOB = 4 * 1024 * 1024  # larger blobs are streamed through the decompressor
@@ -302,21 +300,12 @@ def _finish(root: Path, fp: Fingerprint, layer_names, status: str, detail: str) 
     for source in layers.BUILTIN:
         source.restore_dir(root).mkdir(parents=True, exist_ok=True)
     env_file = envfile.write(root, exports, f"kcache restore: {status}, {detail}")
-    _write_state(root, {"status": status, "bundle_key": fp.bundle_key, "detail": detail})
+    write_marker(root, RESTORE_MARKER, {"status": status, "bundle_key": fp.bundle_key, "detail": detail})
     return env_file
 
 
 def key_tag(fp: Fingerprint) -> str:
     return f"kcache-{fp.toolchain_key}"
-
-
-def _write_state(root: Path, state: dict) -> None:
-    state = {**state, "finished_at": datetime.now(timezone.utc).isoformat()}
-    fd, tmp = tempfile.mkstemp(prefix=".kcache-state-", dir=root)
-    with os.fdopen(fd, "w") as f:
-        json.dump(state, f, sort_keys=True)
-    os.chmod(tmp, 0o644)  # probes may run as another user than the init container
-    os.replace(tmp, root / STATE_FILE)
 
 
 def _finish_quietly(root: Path, fp: Fingerprint, reason: str) -> None:
@@ -329,10 +318,7 @@ def _finish_quietly(root: Path, fp: Fingerprint, reason: str) -> None:
 
 def read_state(root: Path) -> dict | None:
     """The outcome of the last restore into `root`, or None if none finished there."""
-    try:
-        return json.loads((Path(root) / STATE_FILE).read_text())
-    except (OSError, ValueError):
-        return None
+    return read_marker(root, RESTORE_MARKER)
 
 
 def _record(index: Catalog, event: Event) -> None:
