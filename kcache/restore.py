@@ -30,7 +30,7 @@ from typing import Protocol
 from kcache import envfile
 from kcache import manifest as manifests
 from kcache import sources as layers
-from kcache.errors import IntegrityError, KcacheError, RestoreTimeout, RootError
+from kcache.errors import IntegrityError, KcacheError, RestoreTimeout, RootError, UnsafePath
 from kcache.fingerprint import Fingerprint
 from kcache.packs import unpack_to
 from kcache.readiness import RESTORE_MARKER, read_marker, write_marker
@@ -48,7 +48,7 @@ IN_MEMORY_BLOB = 4 * 1024 * 1024  # larger blobs are streamed through the decomp
 
 @dataclass(frozen=True)
 class RestoreResult:
-    status: str  # hit | miss
+    status: str  # hit | miss (| error, only in the marker written on failure)
     bundle_key: str
     bundle_id: str | None
     root: Path
@@ -108,12 +108,15 @@ def restore(
     try:
         result = _within(timeout, lambda budget: _restore(store, index, fingerprint, root, jobs, budget, bundle_id))
     except KcacheError as exc:
-        _record(index, Event("restore", "error", fingerprint.bundle_key, None, 0, 0,
-                             time.perf_counter() - started, str(exc)))  # fmt: skip
-        _finish_quietly(root, fingerprint, str(exc))  # the pod starts cold, but with the right env
+        seconds = time.perf_counter() - started
+        _record(index, Event("restore", "error", fingerprint.bundle_key, None, 0, 0, seconds, str(exc)))
+        failed = RestoreResult("error", fingerprint.bundle_key, None, root, root / envfile.NAME,
+                               seconds=seconds, reason=str(exc))  # fmt: skip
+        _finish_quietly(root, fingerprint, failed)  # the pod starts cold, but with the right env
         raise
     _record(index, Event("restore", result.status, result.bundle_key, result.bundle_id,
                          result.files, result.bytes, result.seconds, result.reason or None))  # fmt: skip
+    _write_state(result)
     return result
 
 
@@ -149,7 +152,7 @@ def _restore(
     _prepare_root(root)
     manifest_id = pinned or getattr(index.newest_bundle(fp.bundle_key), "id", None)
     if manifest_id is None:
-        env_file = _finish(root, fp, [], "miss", "no bundle for this fingerprint")
+        env_file = _write_env(root, fp, [], "miss, no bundle for this fingerprint")
         return RestoreResult("miss", fp.bundle_key, None, root, env_file, seconds=time.perf_counter() - started,
                              reason="no bundle published for this fingerprint")  # fmt: skip
     manifest = manifests.parse(store.get_bytes(manifest_key(manifest_id)), manifest_id)
@@ -166,7 +169,7 @@ def _restore(
         _swap(root, staging, sources)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    env_file = _finish(root, fp, manifest.layers, "hit", f"bundle {manifest.id}")
+    env_file = _write_env(root, fp, manifest.layers, f"hit, bundle {manifest.id}")
     seconds = time.perf_counter() - started
     return RestoreResult("hit", fp.bundle_key, manifest.id, root, env_file, manifest.layers,
                          len(manifest.entries), manifest.total_size, seconds)  # fmt: skip
@@ -284,35 +287,50 @@ def _swap(root: Path, staging: Path, sources: list[layers.Source]) -> None:
         staged = staging / source.subdir
         if not staged.is_dir():
             continue
-        target = source.restore_dir(root)
+        target = _inside(root, source.restore_dir(root))
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.exists() or target.is_symlink():
             os.rename(target, retired / str(i))
         os.rename(staged, target)
 
 
-def _finish(root: Path, fp: Fingerprint, layer_names, status: str, detail: str) -> Path:
-    """Create every layer directory, write kcache.env and the state file."""
+def _inside(root: Path, path: Path) -> Path:
+    """`path`, if no link already in ROOT (say ROOT/tmp -> /) carries it outside the root."""
+    if not path.parent.resolve().is_relative_to(root.resolve()):
+        raise UnsafePath(str(path.relative_to(root)), f"resolves outside {root} through a symbolic link")
+    return path
+
+
+def _write_env(root: Path, fp: Fingerprint, layer_names, comment: str) -> Path:
+    """Create every layer directory and write kcache.env."""
     exports = layers.all_exports(root, layer_names)
     # Torch's own keys then carry the toolchain: a cache that reaches another machine by other
     # means misses instead of running kernels built for another ISA.
     exports["TORCH_COMPILE_CACHE_KEY_TAG"] = key_tag(fp)
     for source in layers.BUILTIN:
-        source.restore_dir(root).mkdir(parents=True, exist_ok=True)
-    env_file = envfile.write(root, exports, f"kcache restore: {status}, {detail}")
-    write_marker(root, RESTORE_MARKER, {"status": status, "bundle_key": fp.bundle_key, "detail": detail})
-    return env_file
+        _inside(root, source.restore_dir(root)).mkdir(parents=True, exist_ok=True)
+    return envfile.write(root, exports, f"kcache restore: {comment}")
+
+
+def _write_state(result: RestoreResult) -> None:
+    """The restore marker: restore has finished, with what outcome (readiness and /metrics read it)."""
+    write_marker(result.root, RESTORE_MARKER, {
+        "status": result.status, "bundle_key": result.bundle_key, "bundle_id": result.bundle_id,
+        "files": result.files, "bytes": result.bytes, "seconds": round(result.seconds, 4),
+        "reason": result.reason, "layers": list(result.layers),
+    })  # fmt: skip
 
 
 def key_tag(fp: Fingerprint) -> str:
     return f"kcache-{fp.toolchain_key}"
 
 
-def _finish_quietly(root: Path, fp: Fingerprint, reason: str) -> None:
+def _finish_quietly(root: Path, fp: Fingerprint, failed: RestoreResult) -> None:
     try:
         if root.is_dir():
-            _finish(root, fp, [], "error", reason)
-    except OSError as exc:
+            _write_env(root, fp, [], f"error, {failed.reason}")
+            _write_state(failed)
+    except (OSError, KcacheError) as exc:
         log.warning("cannot write kcache.env in %s: %s", root, exc)
 
 

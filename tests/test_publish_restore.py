@@ -280,3 +280,16 @@ def test_same_content_at_two_paths_is_fetched_once_and_laid_twice(tmp_path, stor
     restore(counting, sqlite_index, fp, tmp_path / "dst")
     assert counting.reads == 1
     assert read_tree(tmp_path / "dst/inductor") == {"a": (b"same", 0o644), "sub/b": (b"same", 0o755)}
+
+
+def test_link_in_root_cannot_carry_a_layer_outside(tmp_path, store, sqlite_index, fp):
+    header = f"tmp/torchinductor_{torch_user()}/precompiled_headers/h.gch"
+    write_tree(tmp_path / "src", {"inductor/a": b"a", header: b"pch"})
+    publish_tree(store, sqlite_index, fp, tmp_path / "src")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "tmp").symlink_to(outside)
+    with pytest.raises(UnsafePath, match="outside"):
+        restore(store, sqlite_index, fp, tmp_path / "dst")
+    assert list(outside.rglob("*")) == []
