@@ -81,3 +81,11 @@ class RestoreTimeout(KcacheError):
     def __init__(self, seconds: float):
         self.seconds = seconds
         super().__init__(f"restore did not finish within {seconds:g} s")
+
+
+class SignatureError(KcacheError):
+    """A bundle is unsigned, or signed by no trusted key, where a signature is required."""
+
+    def __init__(self, bundle_id: str, why: str):
+        self.bundle_id, self.why = bundle_id, why
+        super().__init__(f"bundle {bundle_id[:12]}: {why}")

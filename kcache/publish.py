@@ -4,7 +4,7 @@ The commit protocol (a crash at any step leaves only orphans for GC, never a bro
 
     1. packs     new blobs packed and written to the store (create-if-absent)
     2. rows      pack and blob rows in the index (insert-or-ignore)
-    3. manifest  written to the store under its own hash
+    3. manifest  written to the store under its own hash, then its signature (when a key is set)
     4. bundle    the bundle row: the commit point; restore only sees committed bundles
     5. ref       refs/<bundle-key> moved forward (compare-and-swap) for pods without the index
 
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kcache import manifest as manifests
-from kcache import refs
+from kcache import refs, signing
 from kcache.errors import IntegrityError, RootError
 from kcache.fingerprint import Fingerprint
 from kcache.packs import LARGE_FILE_BYTES, TARGET_PACK_BYTES, PackWriter
@@ -146,6 +146,7 @@ def publish(
     env: Mapping[str, str] | None = None,
     jobs: int = 8,
     progress: Callable[[str], None] | None = None,
+    signing_key: signing.SigningKey | None = None,
 ) -> PublishResult:
     """Publish this machine's caches (or ROOT's) as a bundle for `fingerprint`."""
     started = time.perf_counter()
@@ -181,7 +182,10 @@ def publish(
         fingerprint.bundle_key, fingerprint.toolchain_key, fingerprint.workload_key,
         fingerprint.facts, layers, entries,
     )  # fmt: skip
-    store.put_bytes(manifest_key(manifest.id), manifest.to_bytes())
+    data = manifest.to_bytes()
+    store.put_bytes(manifest_key(manifest.id), data)
+    if signing_key is not None:  # before the commit point: a committed bundle is already signed
+        signing.sign(store, signing_key, manifest.bundle_key, manifest.id, len(data))
     row = _bundle_row(manifest)
     created = index.add_bundle(row)
     # After the commit point: pods without index access find the bundle through its ref.

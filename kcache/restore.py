@@ -27,10 +27,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from kcache import envfile
+from kcache import envfile, signing
 from kcache import manifest as manifests
 from kcache import sources as layers
-from kcache.errors import IntegrityError, KcacheError, RestoreTimeout, RootError, UnsafePath
+from kcache.errors import (
+    ConfigError,
+    IntegrityError,
+    KcacheError,
+    RestoreTimeout,
+    RootError,
+    SignatureError,
+    UnsafePath,
+)
 from kcache.fingerprint import Fingerprint
 from kcache.packs import unpack_to
 from kcache.readiness import RESTORE_MARKER, read_marker, write_marker
@@ -58,6 +66,7 @@ class RestoreResult:
     bytes: int = 0
     seconds: float = 0.0
     reason: str = ""
+    signed_by: str | None = None
 
 
 @dataclass
@@ -98,15 +107,23 @@ def restore(
     jobs: int = 16,
     timeout: float | None = None,
     bundle_id: str | None = None,
+    trusted: tuple[signing.TrustedKey, ...] = (),
+    require_signature: bool = False,
 ) -> RestoreResult:
     """Restore the newest bundle for `fingerprint` (or the pinned `bundle_id`) into `root`.
 
-    A pinned bundle must still match the fingerprint. Raises KcacheError on failure.
+    A pinned bundle must still match the fingerprint. With trusted keys, a signature that does
+    not verify is refused; with `require_signature`, so is an unsigned bundle. Raises KcacheError.
     """
+    if require_signature and not trusted:
+        raise ConfigError("--require-signature", "on", "needs at least one --trusted-key (or KCACHE_TRUSTED_KEYS)")
+    policy = _Policy(trusted, require_signature)
     started = time.perf_counter()
     root = Path(root).absolute()
     try:
-        result = _within(timeout, lambda budget: _restore(store, index, fingerprint, root, jobs, budget, bundle_id))
+        result = _within(
+            timeout, lambda budget: _restore(store, index, fingerprint, root, jobs, budget, bundle_id, policy)
+        )
     except KcacheError as exc:
         seconds = time.perf_counter() - started
         _record(index, Event("restore", "error", fingerprint.bundle_key, None, 0, 0, seconds, str(exc)))
@@ -145,8 +162,33 @@ def _within(timeout: float | None, work) -> RestoreResult:
     return box["result"]
 
 
+@dataclass(frozen=True)
+class _Policy:
+    trusted: tuple[signing.TrustedKey, ...]
+    required: bool
+
+    def check(self, store: Store, fp: Fingerprint, manifest_id: str, size: int) -> str | None:
+        """Who signed the manifest (None when no trusted key did and none is required)."""
+        if not self.trusted:
+            return None
+        signer = signing.verify(store, self.trusted, fp.bundle_key, manifest_id, size)
+        if signer is None and self.required:
+            names = ", ".join(k.name for k in self.trusted)
+            raise SignatureError(manifest_id, f"is not signed by a trusted key (trusted: {names})")
+        if signer is None:
+            log.warning("bundle %s is not signed by a trusted key; restoring it anyway", manifest_id[:12])
+        return signer
+
+
 def _restore(
-    store: Store, index: Catalog, fp: Fingerprint, root: Path, jobs: int, budget: _Budget, pinned: str | None
+    store: Store,
+    index: Catalog,
+    fp: Fingerprint,
+    root: Path,
+    jobs: int,
+    budget: _Budget,
+    pinned: str | None,
+    policy: _Policy,
 ) -> RestoreResult:
     started = time.perf_counter()
     _prepare_root(root)
@@ -155,9 +197,11 @@ def _restore(
         env_file = _write_env(root, fp, [], "miss, no bundle for this fingerprint")
         return RestoreResult("miss", fp.bundle_key, None, root, env_file, seconds=time.perf_counter() - started,
                              reason="no bundle published for this fingerprint")  # fmt: skip
-    manifest = manifests.parse(store.get_bytes(manifest_key(manifest_id)), manifest_id)
+    data = store.get_bytes(manifest_key(manifest_id))
+    manifest = manifests.parse(data, manifest_id)
     if manifest.bundle_key != fp.bundle_key:
         raise IntegrityError("manifest", manifest_id, f"is for bundle key {manifest.bundle_key}, not {fp.bundle_key}")
+    signer = policy.check(store, fp, manifest_id, len(data))
     sources = layers.for_manifest(manifest.layers)
     staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=root))
     try:
@@ -172,7 +216,7 @@ def _restore(
     env_file = _write_env(root, fp, manifest.layers, f"hit, bundle {manifest.id}")
     seconds = time.perf_counter() - started
     return RestoreResult("hit", fp.bundle_key, manifest.id, root, env_file, manifest.layers,
-                         len(manifest.entries), manifest.total_size, seconds)  # fmt: skip
+                         len(manifest.entries), manifest.total_size, seconds, signed_by=signer)  # fmt: skip
 
 
 def _prepare_root(root: Path) -> None:

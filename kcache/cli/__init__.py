@@ -11,6 +11,7 @@ from kcache import __version__
 from kcache.cli.bundles_cmd import ls_cmd, show_cmd
 from kcache.cli.db_cmd import db_group
 from kcache.cli.fingerprint_cmd import fingerprint_cmd
+from kcache.cli.keygen_cmd import keygen_cmd
 from kcache.cli.publish_cmd import publish_cmd
 from kcache.cli.reindex_cmd import reindex_cmd
 from kcache.cli.restore_cmd import restore_cmd
@@ -34,5 +35,5 @@ def main(verbose: int) -> None:
     logging.basicConfig(level=max(level, logging.DEBUG), format="kcache: %(levelname)s: %(message)s")
 
 
-for command in (fingerprint_cmd, publish_cmd, restore_cmd, ls_cmd, show_cmd, reindex_cmd, db_group):
+for command in (fingerprint_cmd, publish_cmd, restore_cmd, ls_cmd, show_cmd, reindex_cmd, keygen_cmd, db_group):
     main.add_command(command)

@@ -13,6 +13,7 @@ TABLE: tuple[tuple[type[Exception], int, str], ...] = (
     (errors.IndexDbError, 5, "check --index / KCACHE_INDEX; a new PostgreSQL index needs `kcache db upgrade`"),
     (errors.UnsafePath, 6, "the bundle is hostile or corrupt; do not restore it (re-publish from a clean cache)"),
     (errors.IntegrityError, 6, "the stored data is corrupt; re-publish the bundle from a good cache"),
+    (errors.SignatureError, 9, "sign with `kcache publish --signing-key`; trust the .pub with --trusted-key"),
     (errors.RootError, 7, "pass --into a directory kcache may create and own"),
     (errors.RestoreTimeout, 8, "raise --timeout, or check the store's bandwidth"),
     (errors.KcacheError, 1, "run with KCACHE_DEBUG=1 for a traceback"),

@@ -46,6 +46,26 @@ def store_options(fn):
     return _apply(fn, options)
 
 
+def load_signing_key(path):
+    """The private key to sign with, or None when signing is off."""
+    if not path:
+        return None
+    from kcache.signing import load_signing_key as load
+
+    return load(path)
+
+
+def load_trusted_keys(paths) -> tuple:
+    """Public keys from --trusted-key flags, else KCACHE_TRUSTED_KEYS (':'-separated paths)."""
+    if not paths:
+        paths = [p for p in os.environ.get("KCACHE_TRUSTED_KEYS", "").split(":") if p]
+    if not paths:
+        return ()
+    from kcache.signing import load_trusted_keys as load
+
+    return load(paths)
+
+
 def json_option(fn):
     return click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")(fn)
 

@@ -15,6 +15,7 @@ from kcache.cli.options import (
     fingerprint_options,
     handle_errors,
     json_option,
+    load_signing_key,
     open_index,
     settings,
     stderr_is_terminal,
@@ -35,12 +36,14 @@ log = logging.getLogger(__name__)
 )
 @click.option("--extra-dir", "extra_dirs", multiple=True, metavar="NAME=PATH",
               help="Also carry a directory of your own; restored to ROOT/extra/NAME.")  # fmt: skip
+@click.option("--signing-key", type=click.Path(dir_okay=False, path_type=Path), envvar="KCACHE_SIGNING_KEY",
+              help="Sign the manifest with this key from `kcache keygen` (env KCACHE_SIGNING_KEY).")  # fmt: skip
 @click.option("--jobs", type=click.IntRange(1, 256), default=8, show_default=True, help="Parallel hashing and uploads.")
 @fingerprint_options
 @store_options
 @json_option
 @handle_errors
-def publish_cmd(root, layers, extra_dirs, jobs, model, model_config, facts, extras,
+def publish_cmd(root, layers, extra_dirs, signing_key, jobs, model, model_config, facts, extras,
                 store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
     """Publish the compiled-kernel caches as a bundle for this machine's fingerprint.
 
@@ -54,12 +57,13 @@ def publish_cmd(root, layers, extra_dirs, jobs, model, model_config, facts, extr
     """
     fp = compute_fingerprint(model, model_config, facts, extras)
     chosen = sources.select(layers.split(",") if layers else None, [sources.parse_extra_dir(s) for s in extra_dirs])
+    key = load_signing_key(signing_key)
     cfg = settings(store_url, index_url, s3_endpoint_url)
     store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
     index = open_index(cfg.index_url)
     try:
         note = (lambda msg: click.echo(f"kcache: {msg}", err=True)) if stderr_is_terminal() and not as_json else None
-        result = publish(store, index, fp, chosen, root=root, jobs=jobs, progress=note)
+        result = publish(store, index, fp, chosen, root=root, jobs=jobs, progress=note, signing_key=key)
     finally:
         index.close()
     if as_json:

@@ -11,7 +11,14 @@ import click
 from kcache.catalog import open_for_restore
 from kcache.cli import format as fmt
 from kcache.cli.errors import describe
-from kcache.cli.options import compute_fingerprint, fingerprint_options, json_option, settings, store_options
+from kcache.cli.options import (
+    compute_fingerprint,
+    fingerprint_options,
+    json_option,
+    load_trusted_keys,
+    settings,
+    store_options,
+)
 from kcache.errors import KcacheError
 from kcache.restore import restore
 from kcache.store import open_store
@@ -24,13 +31,17 @@ from kcache.store import open_store
               envvar="KCACHE_RESTORE_TIMEOUT", help="Seconds before giving up and starting cold.")  # fmt: skip
 @click.option("--bundle", "bundle_id", metavar="ID",
               help="Pin this bundle (full id) instead of the newest; it must still match the fingerprint.")  # fmt: skip
+@click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="A .pub from `kcache keygen`; repeatable (env KCACHE_TRUSTED_KEYS, ':'-separated).")  # fmt: skip
+@click.option("--require-signature", is_flag=True, envvar="KCACHE_REQUIRE_SIGNATURE",
+              help="Refuse bundles not signed by a trusted key (env KCACHE_REQUIRE_SIGNATURE=1).")  # fmt: skip
 @click.option("--strict", is_flag=True, help="Exit non-zero on a miss or an error instead of starting cold.")
 @click.option("--jobs", type=click.IntRange(1, 256), default=16, show_default=True, help="Parallel pack reads.")
 @fingerprint_options
 @store_options
 @json_option
-def restore_cmd(root, timeout, bundle_id, strict, jobs, model, model_config, facts, extras,
-                store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
+def restore_cmd(root, timeout, bundle_id, trusted_keys, require_signature, strict, jobs,
+                model, model_config, facts, extras, store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
     """Lay the bundle that matches this machine into ROOT and write ROOT/kcache.env.
 
     On a miss, ROOT still gets empty layer directories and kcache.env, so the cold pod's compile
@@ -48,11 +59,13 @@ def restore_cmd(root, timeout, bundle_id, strict, jobs, model, model_config, fac
     started = time.perf_counter()
     try:
         fp = compute_fingerprint(model, model_config, facts, extras)
+        trusted = load_trusted_keys(trusted_keys)
         cfg = settings(store_url, index_url, s3_endpoint_url)
         store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
         index = open_for_restore(cfg, store)
         try:
-            result = restore(store, index, fp, root, jobs=jobs, timeout=timeout, bundle_id=bundle_id)
+            result = restore(store, index, fp, root, jobs=jobs, timeout=timeout, bundle_id=bundle_id,
+                             trusted=trusted, require_signature=require_signature)  # fmt: skip
         finally:
             index.close()
     except KcacheError as exc:
@@ -65,6 +78,7 @@ def restore_cmd(root, timeout, bundle_id, strict, jobs, model, model_config, fac
         "files": result.files, "bytes": result.bytes, "seconds": round(result.seconds, 4),
         "reason": result.reason, "root": str(result.root), "env_file": str(result.env_file),
         "layers": list(result.layers),
+        "signed_by": result.signed_by,
     }  # fmt: skip
     if as_json:
         click.echo(fmt.to_json(payload))

@@ -1,0 +1,125 @@
+"""Ed25519 signatures over manifests: whoever can write the store must not run code in every pod.
+
+    NAME.key   kcache-ed25519-private NAME <base64 seed>   (mode 0600; KCACHE_SIGNING_KEY)
+    NAME.pub   kcache-ed25519 NAME <base64 public key>     (KCACHE_TRUSTED_KEYS, ':'-separated)
+    store:     signatures/<manifest-id>/<NAME>              one object per signing key
+
+A signature covers canonical JSON of {bundle key, manifest id, manifest size}, so a valid manifest
+cannot be replayed under another bundle key. Keys are named so they can be rotated: a pod trusts
+a set of public keys and accepts a bundle signed by any of them.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from kcache import canonical
+from kcache.errors import ConfigError, ObjectMissing, SignatureError
+from kcache.store import Store
+
+PRIVATE_TAG = "kcache-ed25519-private"
+PUBLIC_TAG = "kcache-ed25519"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
+
+
+@dataclass(frozen=True)
+class SigningKey:
+    name: str
+    seed: bytes  # the 32-byte Ed25519 private seed
+
+
+@dataclass(frozen=True)
+class TrustedKey:
+    name: str
+    public: bytes  # the 32-byte Ed25519 public key
+
+
+def signature_key(manifest_id: str, key_name: str) -> str:
+    return f"signatures/{manifest_id}/{key_name}"
+
+
+def message(bundle_key: str, manifest_id: str, manifest_size: int) -> bytes:
+    return canonical.dumps({"schema": 1, "bundle_key": bundle_key, "manifest": manifest_id, "size": manifest_size})
+
+
+def generate(name: str, directory: Path) -> tuple[Path, Path]:
+    """Write NAME.key (0600) and NAME.pub into `directory`; refuse to overwrite either."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
+
+    if not _NAME.match(name):
+        raise ConfigError("key name", name, "use letters, digits, '.', '-' and '_'")
+    directory.mkdir(parents=True, exist_ok=True)
+    private, public = directory / f"{name}.key", directory / f"{name}.pub"
+    for path in (private, public):
+        if path.exists():
+            raise ConfigError("key file", str(path), "exists already; pick another name or move it away")
+    key = Ed25519PrivateKey.generate()
+    seed = key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+    pub = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{PRIVATE_TAG} {name} {base64.b64encode(seed).decode()}\n")
+    public.write_text(f"{PUBLIC_TAG} {name} {base64.b64encode(pub).decode()}\n")
+    return private, public
+
+
+def _read_key_file(path: Path, tag: str) -> tuple[str, bytes]:
+    try:
+        words = Path(path).read_text().split()
+    except OSError as exc:
+        raise ConfigError("key file", str(path), f"cannot be read: {exc.strerror}") from None
+    try:
+        if len(words) != 3 or words[0] != tag or not _NAME.match(words[1]):
+            raise ValueError
+        raw = base64.b64decode(words[2], validate=True)
+        if len(raw) != 32:
+            raise ValueError
+    except (ValueError, binascii.Error):
+        raise ConfigError("key file", str(path), f"is not a '{tag} NAME BASE64' key (see `kcache keygen`)") from None
+    return words[1], raw
+
+
+def load_signing_key(path: Path) -> SigningKey:
+    return SigningKey(*_read_key_file(path, PRIVATE_TAG))
+
+
+def load_trusted_keys(paths) -> tuple[TrustedKey, ...]:
+    return tuple(TrustedKey(*_read_key_file(Path(p), PUBLIC_TAG)) for p in paths)
+
+
+def sign(store: Store, key: SigningKey, bundle_key: str, manifest_id: str, manifest_size: int) -> None:
+    """Store this key's signature of the manifest (create-if-absent: signatures are deterministic)."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    signature = Ed25519PrivateKey.from_private_bytes(key.seed).sign(message(bundle_key, manifest_id, manifest_size))
+    store.put_bytes(signature_key(manifest_id, key.name), base64.b64encode(signature))
+
+
+def verify(store: Store, trusted: tuple[TrustedKey, ...], bundle_key: str, manifest_id: str, size: int) -> str | None:
+    """The name of a trusted key that signed this manifest, or None if none of them signed it.
+
+    A signature that is present but does not verify is an attack or corruption: SignatureError.
+    """
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    signed = message(bundle_key, manifest_id, size)
+    problems = []
+    for key in trusted:
+        try:
+            raw = base64.b64decode(store.get_bytes(signature_key(manifest_id, key.name)), validate=True)
+            Ed25519PublicKey.from_public_bytes(key.public).verify(raw, signed)
+            return key.name
+        except ObjectMissing:
+            continue
+        except (InvalidSignature, ValueError, binascii.Error):
+            problems.append(f"the signature by {key.name!r} does not verify")
+    if problems:
+        raise SignatureError(manifest_id, "; ".join(problems))
+    return None
