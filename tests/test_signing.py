@@ -52,7 +52,10 @@ def test_signed_bundle_restores_and_names_its_signer(tmp_path, store, sqlite_ind
 def test_rotation_trusts_either_key(tmp_path, store, sqlite_index, fp, keys):
     _publish(tmp_path, store, sqlite_index, fp, keys["prod-b"][0])
     trusted = (keys["prod-a"][1], keys["prod-b"][1])
-    assert restore(store, sqlite_index, fp, tmp_path / "dst", trusted=trusted, require_signature=True).signed_by == "prod-b"
+    assert (
+        restore(store, sqlite_index, fp, tmp_path / "dst", trusted=trusted, require_signature=True).signed_by
+        == "prod-b"
+    )
 
 
 def test_unsigned_bundle_is_refused_when_required(tmp_path, store, sqlite_index, fp, keys, caplog):
@@ -112,4 +115,3 @@ def test_cli_sign_and_verify(tmp_path, monkeypatch):
     monkeypatch.delenv("KCACHE_TRUSTED_KEYS")
     refused = runner.invoke(main, ["restore", "--into", str(tmp_path / "dst2"), "--require-signature", "--strict"])
     assert refused.exit_code == 2 and "trusted-key" in refused.stderr
-
