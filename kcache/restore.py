@@ -14,20 +14,17 @@ leaves ROOT as it was. Ranges of a pack that lie close together are fetched with
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import shutil
 import tempfile
 import threading
 import time
-from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from kcache import envfile, signing
+from kcache import envfile, fetch, signing
 from kcache import manifest as manifests
 from kcache import sources as layers
 from kcache.errors import (
@@ -43,15 +40,11 @@ from kcache.fingerprint import Fingerprint
 from kcache.packs import unpack_to
 from kcache.readiness import RESTORE_MARKER, read_marker, write_marker
 from kcache.records import Event
-from kcache.store import Store, manifest_key, pack_key
-from kcache.streams import Window, read_exact, skip
+from kcache.store import Store, manifest_key
 
 log = logging.getLogger(__name__)
 
 STAGING_PREFIX = ".kcache-staging-"
-COALESCE_GAP = 256 * 1024  # read through gaps smaller than this rather than issue another request
-MAX_RANGE = 16 * 1024 * 1024
-IN_MEMORY_BLOB = 4 * 1024 * 1024  # larger blobs are streamed through the decompressor
 
 
 @dataclass(frozen=True)
@@ -76,18 +69,6 @@ class _Budget:
     lock: threading.Lock = field(default_factory=threading.Lock)
     expired: bool = False
     swapping: bool = False
-
-
-class _Cancelled(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class _Range:
-    pack: str
-    start: int
-    end: int
-    entries: tuple[manifests.Entry, ...]
 
 
 class Catalog(Protocol):
@@ -208,7 +189,7 @@ def _restore(
         _fetch_all(store, manifest.entries, staging, jobs, budget)
         with budget.lock:
             if budget.expired:
-                raise _Cancelled()
+                raise fetch.Cancelled()
             budget.swapping = True
         _swap(root, staging, sources)
     finally:
@@ -244,45 +225,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _plan_ranges(entries: tuple[manifests.Entry, ...]) -> list[_Range]:
-    """One read per run of nearby blobs in a pack; each blob fetched once, however many paths use it."""
-    firsts: dict[str, manifests.Entry] = {}
-    for entry in entries:
-        firsts.setdefault(entry.blob, entry)
-    by_pack: dict[str, list[manifests.Entry]] = defaultdict(list)
-    for entry in firsts.values():
-        by_pack[entry.pack].append(entry)
-    ranges: list[_Range] = []
-    for pack, items in by_pack.items():
-        items.sort(key=lambda e: e.offset)
-        group = [items[0]]
-        for entry in items[1:]:
-            end = group[-1].offset + group[-1].length
-            if entry.offset - end <= COALESCE_GAP and entry.offset + entry.length - group[0].offset <= MAX_RANGE:
-                group.append(entry)
-            else:
-                ranges.append(_Range(pack, group[0].offset, end, tuple(group)))
-                group = [entry]
-        ranges.append(_Range(pack, group[0].offset, group[-1].offset + group[-1].length, tuple(group)))
-    return ranges
-
-
 def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path, jobs: int, budget: _Budget) -> None:
-    stop = threading.Event()
+    """Every blob into its staged path (verified), then the paths that share a blob as copies."""
 
-    def fetch(rng: _Range) -> None:
-        try:
-            _fetch_range(store, rng, staging, lambda: stop.is_set() or budget.expired)
-        except BaseException:
-            stop.set()  # the others stop at their next blob
-            raise
+    def place(entry: manifests.Entry, frame) -> None:
+        dest = _staged(staging, entry)
+        with open(dest, "xb") as out:
+            unpack_to(frame, entry.blob, entry.size, out)
+        os.chmod(dest, entry.mode)
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = [pool.submit(fetch, rng) for rng in _plan_ranges(entries)]
-    errors = [f.exception() for f in futures if f.exception() is not None]
-    # Report the failure that stopped the others, not a sibling's cancellation.
-    for error in sorted(errors, key=lambda e: isinstance(e, _Cancelled)):
-        raise error
+    fetch.fetch_blobs(store, entries, place, jobs=jobs, cancelled=lambda: budget.expired)
     first_path = {}
     for entry in entries:
         origin = first_path.setdefault(entry.blob, entry.path)
@@ -290,31 +242,6 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
             dest = _staged(staging, entry)
             shutil.copyfile(staging / origin, dest)
             os.chmod(dest, entry.mode)
-
-
-def _fetch_range(store: Store, rng: _Range, staging: Path, cancelled) -> None:
-    with store.open_range(pack_key(rng.pack), rng.start, rng.end - rng.start) as stream:
-        position = rng.start
-        for entry in rng.entries:
-            if cancelled():
-                raise _Cancelled()
-            skip(stream, entry.offset - position, "pack", rng.pack)
-            if entry.length <= IN_MEMORY_BLOB:
-                body = io.BytesIO(read_exact(stream, entry.length, "pack", rng.pack))
-                _place(staging, entry, body)
-            else:
-                window = Window(stream, entry.length)
-                _place(staging, entry, window)
-                skip(window, window.remaining, "pack", rng.pack)
-            position = entry.offset + entry.length
-
-
-def _place(staging: Path, entry: manifests.Entry, frame) -> None:
-    """Decompress one blob's frame into its staged path, verified before the file is closed."""
-    dest = _staged(staging, entry)
-    with open(dest, "xb") as out:
-        unpack_to(frame, entry.blob, entry.size, out)
-    os.chmod(dest, entry.mode)
 
 
 def _staged(staging: Path, entry: manifests.Entry) -> Path:

@@ -1,0 +1,98 @@
+"""Reading blobs out of packs: each blob once, neighbours coalesced into one ranged read.
+
+Restore and verify both read this way. A caller hands in `place(entry, frame)`, which consumes
+exactly one blob's compressed frame (restore decompresses it into a staged file, verify into
+nothing); both go through kcache.packs.unpack_to, which checks size and SHA-256.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from kcache.manifest import Entry
+from kcache.store import Store, pack_key
+from kcache.streams import Window, read_exact, skip
+
+COALESCE_GAP = 256 * 1024  # read through gaps smaller than this rather than issue another request
+MAX_RANGE = 16 * 1024 * 1024
+IN_MEMORY_BLOB = 4 * 1024 * 1024  # larger blobs are streamed through the decompressor
+
+Place = Callable[[Entry, BinaryIO], None]
+
+
+class Cancelled(Exception):
+    """A sibling failed or the caller's budget ran out; this worker stopped at a blob boundary."""
+
+
+@dataclass(frozen=True)
+class Range:
+    pack: str
+    start: int
+    end: int
+    entries: tuple[Entry, ...]
+
+
+def plan_ranges(entries: Iterable[Entry]) -> list[Range]:
+    """One read per run of nearby blobs in a pack; each blob once, however many paths use it."""
+    firsts: dict[str, Entry] = {}
+    for entry in entries:
+        firsts.setdefault(entry.blob, entry)
+    by_pack: dict[str, list[Entry]] = defaultdict(list)
+    for entry in firsts.values():
+        by_pack[entry.pack].append(entry)
+    ranges: list[Range] = []
+    for pack, items in by_pack.items():
+        items.sort(key=lambda e: e.offset)
+        group = [items[0]]
+        for entry in items[1:]:
+            end = group[-1].offset + group[-1].length
+            if entry.offset - end <= COALESCE_GAP and entry.offset + entry.length - group[0].offset <= MAX_RANGE:
+                group.append(entry)
+            else:
+                ranges.append(Range(pack, group[0].offset, end, tuple(group)))
+                group = [entry]
+        ranges.append(Range(pack, group[0].offset, group[-1].offset + group[-1].length, tuple(group)))
+    return ranges
+
+
+def fetch_blobs(
+    store: Store, entries: Iterable[Entry], place: Place, *, jobs: int = 16, cancelled: Callable[[], bool] = bool
+) -> None:
+    """Hand every distinct blob's frame to `place`, `jobs` ranges at a time; the first error wins."""
+    stop = threading.Event()
+
+    def worker(rng: Range) -> None:
+        try:
+            read_range(store, rng, place, lambda: stop.is_set() or cancelled())
+        except BaseException:
+            stop.set()  # the others stop at their next blob
+            raise
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = [pool.submit(worker, rng) for rng in plan_ranges(entries)]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    # Report the failure that stopped the others, not a sibling's cancellation.
+    for error in sorted(errors, key=lambda e: isinstance(e, Cancelled)):
+        raise error
+
+
+def read_range(store: Store, rng: Range, place: Place, cancelled: Callable[[], bool]) -> None:
+    with store.open_range(pack_key(rng.pack), rng.start, rng.end - rng.start) as stream:
+        position = rng.start
+        for entry in rng.entries:
+            if cancelled():
+                raise Cancelled()
+            skip(stream, entry.offset - position, "pack", rng.pack)
+            if entry.length <= IN_MEMORY_BLOB:
+                place(entry, io.BytesIO(read_exact(stream, entry.length, "pack", rng.pack)))
+            else:
+                window = Window(stream, entry.length)
+                place(entry, window)
+                skip(window, window.remaining, "pack", rng.pack)
+            position = entry.offset + entry.length
