@@ -1,29 +1,29 @@
 """Reading blobs out of packs: each blob once, neighbours coalesced into one ranged read.
 
 Restore and verify both read this way. A caller hands in `place(entry, frame)`, which consumes
-exactly one blob's compressed frame (restore decompresses it into a staged file, verify into
-nothing); both go through kcache.packs.unpack_to, which checks size and SHA-256.
+exactly one blob's compressed frame: bytes for a small blob, a stream for a large one (restore
+decompresses it into a staged file, verify into nothing); both go through
+kcache.packs.unpack_frame, which checks size and SHA-256.
 """
 
 from __future__ import annotations
 
-import io
+import queue
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import BinaryIO
 
 from kcache.manifest import Entry
 from kcache.store import Store, pack_key
-from kcache.streams import Window, read_exact, skip
+from kcache.streams import GuardedReader, Window, read_exact, skip
 
 COALESCE_GAP = 256 * 1024  # read through gaps smaller than this rather than issue another request
 MAX_RANGE = 16 * 1024 * 1024
 IN_MEMORY_BLOB = 4 * 1024 * 1024  # larger blobs are streamed through the decompressor
 
-Place = Callable[[Entry, BinaryIO], None]
+Place = Callable[[Entry, "bytes | BinaryIO"], None]
 
 
 class Cancelled(Exception):
@@ -64,33 +64,49 @@ def plan_ranges(entries: Iterable[Entry]) -> list[Range]:
 def fetch_blobs(
     store: Store, entries: Iterable[Entry], place: Place, *, jobs: int = 16, cancelled: Callable[[], bool] = bool
 ) -> None:
-    """Hand every distinct blob's frame to `place`, `jobs` ranges at a time; the first error wins."""
+    """Hand every distinct blob's frame to `place`, `jobs` ranges at a time; the first error wins.
+
+    Workers are daemon threads: a read hung on the network must not keep the process alive after
+    the caller gave up (a ThreadPoolExecutor's threads are joined at interpreter exit).
+    """
+    todo: queue.Queue[Range] = queue.Queue()
+    for rng in plan_ranges(entries):
+        todo.put(rng)
     stop = threading.Event()
+    errors: list[BaseException] = []
 
-    def worker(rng: Range) -> None:
-        try:
-            read_range(store, rng, place, lambda: stop.is_set() or cancelled())
-        except BaseException:
-            stop.set()  # the others stop at their next blob
-            raise
+    def worker() -> None:
+        while not stop.is_set():
+            try:
+                rng = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                read_range(store, rng, place, lambda: stop.is_set() or cancelled())
+            except BaseException as exc:  # handed to the caller below
+                errors.append(exc)
+                stop.set()  # the others stop at their next blob
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = [pool.submit(worker, rng) for rng in plan_ranges(entries)]
-    errors = [f.exception() for f in futures if f.exception() is not None]
+    threads = [threading.Thread(target=worker, daemon=True, name="kcache-fetch") for _ in range(max(1, jobs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     # Report the failure that stopped the others, not a sibling's cancellation.
     for error in sorted(errors, key=lambda e: isinstance(e, Cancelled)):
         raise error
 
 
 def read_range(store: Store, rng: Range, place: Place, cancelled: Callable[[], bool]) -> None:
-    with store.open_range(pack_key(rng.pack), rng.start, rng.end - rng.start) as stream:
+    key = pack_key(rng.pack)
+    with GuardedReader(store.open_range(key, rng.start, rng.end - rng.start), store.url, key) as stream:
         position = rng.start
         for entry in rng.entries:
             if cancelled():
                 raise Cancelled()
             skip(stream, entry.offset - position, "pack", rng.pack)
             if entry.length <= IN_MEMORY_BLOB:
-                place(entry, io.BytesIO(read_exact(stream, entry.length, "pack", rng.pack)))
+                place(entry, read_exact(stream, entry.length, "pack", rng.pack))
             else:
                 window = Window(stream, entry.length)
                 place(entry, window)

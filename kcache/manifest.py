@@ -108,7 +108,7 @@ def parse(data: bytes, expected_id: str) -> Manifest:
             tuple(str(layer) for layer in doc["layers"]),
             entries,
         )
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise IntegrityError("manifest", expected_id, f"does not parse: {exc}") from None
     _check_entries(entries)
     return manifest

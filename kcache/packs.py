@@ -17,6 +17,7 @@ import json
 import os
 import struct
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -120,12 +121,52 @@ def parse_trailer(pack_id: str, tail: bytes, pack_size: int) -> tuple[PackedBlob
     try:
         doc = json.loads(tail[-FOOTER_SIZE - trailer_len : -FOOTER_SIZE])
         blobs = tuple(PackedBlob(str(i), int(o), int(n), int(s)) for i, o, n, s in doc["blobs"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
         raise IntegrityError("pack", pack_id, f"trailer does not parse: {exc}") from None
     for blob in blobs:
         if blob.offset < 0 or blob.length < 0 or blob.size < 0 or blob.offset + blob.length > body_end:
             raise IntegrityError("pack", pack_id, f"blob {blob.id} lies outside the pack body")
     return blobs
+
+
+_local = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    # One per thread: a decompression context must not be shared between threads.
+    dctx = getattr(_local, "dctx", None)
+    if dctx is None:
+        dctx = _local.dctx = zstandard.ZstdDecompressor()
+    return dctx
+
+
+def unpack_bytes(frame: bytes, blob_id: str, size: int) -> bytes:
+    """Decompress one small blob held in memory, verifying size and SHA-256 (restore's fast path).
+
+    The frame's declared content size is checked before anything is allocated: zstd trusts it
+    over any output limit, so a hostile header could otherwise ask for gigabytes.
+    """
+    dctx = _decompressor()
+    try:
+        declared = zstandard.frame_content_size(frame)
+        if declared > size:
+            raise IntegrityError("blob", blob_id, f"decompresses past its declared {size} bytes")
+        data = dctx.decompress(frame, max_output_size=size + 1)
+    except zstandard.ZstdError as exc:
+        raise IntegrityError("blob", blob_id, f"is not a valid zstd frame: {exc}") from None
+    if len(data) != size:
+        raise IntegrityError("blob", blob_id, f"decompresses to {len(data)} bytes, expected {size}")
+    if hashlib.sha256(data).hexdigest() != blob_id:
+        raise IntegrityError("blob", blob_id, f"content hashes to {hashlib.sha256(data).hexdigest()}")
+    return data
+
+
+def unpack_frame(frame: bytes | BinaryIO, blob_id: str, size: int, dest: BinaryIO) -> None:
+    """A frame held in memory (small blobs) or a stream of one (large ones) into `dest`, verified."""
+    if isinstance(frame, bytes):
+        dest.write(unpack_bytes(frame, blob_id, size))
+    else:
+        unpack_to(frame, blob_id, size, dest)
 
 
 def unpack_to(stream: BinaryIO, blob_id: str, size: int, dest: BinaryIO) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import BinaryIO
 
-from kcache.errors import IntegrityError
+from kcache.errors import IntegrityError, StoreError
 
 
 class Window:
@@ -28,6 +28,28 @@ class Window:
         self._stream.close()
 
     def __enter__(self) -> Window:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class GuardedReader:
+    """A store stream whose I/O errors (a dropped NFS mount, a reset connection) become StoreError."""
+
+    def __init__(self, stream: BinaryIO, url: str, key: str):
+        self._stream, self._url, self._key = stream, url, key
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            return self._stream.read(n)
+        except OSError as exc:
+            raise StoreError(self._url, f"cannot read {self._key}: {exc.strerror or exc}") from None
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def __enter__(self) -> GuardedReader:
         return self
 
     def __exit__(self, *exc) -> None:

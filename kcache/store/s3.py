@@ -169,7 +169,7 @@ class S3Store:
             )["Body"]
         except (ClientError, BotoCoreError) as exc:
             raise self._error(exc, key, "read") from None
-        return Window(body, length)
+        return Window(_BodyReader(body, self, key), length)
 
     def size(self, key: str) -> int:
         try:
@@ -223,6 +223,22 @@ class S3Store:
             error = self._error(exc, key, "delete")
             if not isinstance(error, ObjectMissing):
                 raise error from None
+
+
+class _BodyReader:
+    """A response body whose mid-stream failures (timeouts, cut connections) are kcache errors."""
+
+    def __init__(self, body, store: S3Store, key: str):
+        self._body, self._store, self._key = body, store, key
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            return self._body.read(n)
+        except (BotoCoreError, OSError) as exc:
+            raise self._store._error(exc, self._key, "read") from None
+
+    def close(self) -> None:
+        self._body.close()
 
 
 def _code(exc: ClientError) -> str:

@@ -1,0 +1,34 @@
+"""The hash cache skips re-reading unchanged files and never serves a hash for changed ones."""
+
+import os
+
+from trees import write_tree
+
+from kcache import publish as publishing
+from kcache import sources
+from kcache.hashcache import HashCache, stat_key
+from kcache.publish import publish
+
+
+def test_unchanged_files_are_not_read_again(tmp_path, store, sqlite_index, fp, monkeypatch):
+    write_tree(tmp_path / "src", {f"inductor/{i}": f"kernel {i}".encode() for i in range(20)})
+    cache = HashCache(tmp_path / "hashes.db")
+    publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={}, hash_cache=cache)
+    reads = []
+    real = publishing.hash_file
+    monkeypatch.setattr(publishing, "hash_file", lambda path: reads.append(path) or real(path))
+    (tmp_path / "src/inductor/3").write_bytes(b"changed in place")
+    again = publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={}, hash_cache=cache)
+    assert [p.name for p in reads] == ["3"]
+    assert again.new_blobs == 1
+
+
+def test_a_rewrite_changes_the_key(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"one")
+    before = stat_key(path)
+    st = os.stat(path)
+    path.write_bytes(b"two")  # same size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # even with the old mtime put back
+    assert stat_key(path) != before  # ctime moved
+    assert stat_key(tmp_path / "missing") is None
