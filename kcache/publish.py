@@ -4,6 +4,7 @@ The commit protocol (a crash at any step leaves only orphans for GC, never a bro
 
     1. packs     new blobs packed and written to the store (create-if-absent)
     2. rows      pack and blob rows in the index (insert-or-ignore)
+    2b. revive  every pack the bundle names is un-condemned (GC's phase 1 may have condemned it)
     3. manifest  written to the store under its own hash, then its signature (when a key is set)
     4. bundle    the bundle row: the commit point; restore only sees committed bundles
     5. ref       refs/<bundle-key> moved forward (compare-and-swap) for pods without the index
@@ -30,6 +31,7 @@ from kcache import manifest as manifests
 from kcache import refs, signing
 from kcache.errors import IntegrityError, RootError
 from kcache.fingerprint import Fingerprint
+from kcache.hashcache import HashCache, stat_key
 from kcache.packs import LARGE_FILE_BYTES, TARGET_PACK_BYTES, PackWriter
 from kcache.records import BlobLocation, Bundle, Event
 from kcache.sources import FileInfo, Source
@@ -40,6 +42,7 @@ if TYPE_CHECKING:  # the SQL layer loads only when a caller opens an index
 
 log = logging.getLogger(__name__)
 _HASH_CHUNK = 1024 * 1024
+_REVIVE_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -90,10 +93,19 @@ def hash_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _hash_all(found: list[tuple[Source, FileInfo]], jobs: int) -> list[Collected]:
+def _hash_all(found: list[tuple[Source, FileInfo]], jobs: int, cache: HashCache | None) -> list[Collected]:
+    """SHA-256 of every file, from the hash cache where the file is unchanged since last time."""
+    keys = [stat_key(info.path) for _, info in found]
+    known = cache.lookup(k for k in keys if k) if cache else {}
+
+    def digest(i: int) -> str:
+        return known.get(keys[i]) or hash_file(found[i][1].path)
+
     # hashlib releases the GIL on large buffers, so threads overlap reading and hashing.
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        digests = list(pool.map(lambda item: hash_file(item[1].path), found))
+        digests = list(pool.map(digest, range(len(found))))
+    if cache:
+        cache.remember((k, d) for k, d in zip(keys, digests) if k and k not in known)
     return [Collected(f"{src.subdir}/{info.rel}", info, blob) for (src, info), blob in zip(found, digests)]
 
 
@@ -147,8 +159,13 @@ def publish(
     jobs: int = 8,
     progress: Callable[[str], None] | None = None,
     signing_key: signing.SigningKey | None = None,
+    compile_seconds: float | None = None,
+    hash_cache: HashCache | None = None,
 ) -> PublishResult:
-    """Publish this machine's caches (or ROOT's) as a bundle for `fingerprint`."""
+    """Publish this machine's caches (or ROOT's) as a bundle for `fingerprint`.
+
+    `compile_seconds` is the cold warmup the caller measured: what a hit on this bundle saves.
+    """
     started = time.perf_counter()
     env = os.environ if env is None else env
     sources = list(sources)
@@ -158,24 +175,8 @@ def publish(
 
     found = collect(sources, root=root, env=env)
     note(f"hashing {len(found)} files")
-    collected = _hash_all(found, jobs)
-    missing = index.find_missing(c.blob for c in collected)
-    new_by_blob = {c.blob: c for c in collected if c.blob in missing}
-    new = list(new_by_blob.values())
-    note(f"{len(new)} new blobs of {len(collected)} files")
-
-    uploaded = 0
-    groups = _plan_packs(new)
-    with tempfile.TemporaryDirectory(prefix="kcache-publish-") as tmp, ThreadPoolExecutor(max(1, jobs)) as pool:
-        for sent, _count in pool.map(lambda g: _write_and_upload(g, store, index, Path(tmp)), groups):
-            uploaded += sent
-
-    locations = index.locate(c.blob for c in collected)
-    lost = [c.path for c in collected if c.blob not in locations]
-    if lost:
-        raise IntegrityError(
-            "bundle", fingerprint.bundle_key, f"{len(lost)} blobs vanished from the index, e.g. {lost[0]}"
-        )
+    collected = _hash_all(found, jobs, hash_cache)
+    new, uploaded, pack_count, locations = _upload_until_revived(collected, store, index, jobs, note)
     entries = [_entry(c, locations[c.blob]) for c in collected]
     layers = sorted({src.name for src, _ in found})
     manifest = manifests.build(
@@ -186,7 +187,7 @@ def publish(
     store.put_bytes(manifest_key(manifest.id), data)
     if signing_key is not None:  # before the commit point: a committed bundle is already signed
         signing.sign(store, signing_key, manifest.bundle_key, manifest.id, len(data))
-    row = _bundle_row(manifest)
+    row = _bundle_row(manifest, compile_seconds)
     created = index.add_bundle(row)
     # After the commit point: pods without index access find the bundle through its ref.
     if created or refs.read(store, row.bundle_key) is None:
@@ -194,18 +195,48 @@ def publish(
     seconds = time.perf_counter() - started
     result = PublishResult(
         fingerprint.bundle_key, manifest.id, created, manifest.layers, len(entries), manifest.total_size,
-        len(new), sum(c.info.size for c in new), uploaded, len(groups), seconds,
+        len(new), sum(c.info.size for c in new), uploaded, pack_count, seconds,
     )  # fmt: skip
     index.record_event(Event("publish", "published" if created else "unchanged", fingerprint.bundle_key,
                              manifest.id, len(entries), uploaded, seconds))  # fmt: skip
     return result
 
 
+def _upload_until_revived(collected: list[Collected], store: Store, index: Index, jobs: int, note):
+    """Steps 1-2 for whatever the index lacks, then revive every pack the bundle will name.
+
+    GC may sweep a condemned pack between our lookup and the revive; its blob rows go with it,
+    so another round uploads those blobs afresh. Returns (new, bytes uploaded, packs, locations).
+    """
+    from kcache.index import lifecycle
+
+    new_all: list[Collected] = []
+    uploaded = packs = 0
+    for _ in range(_REVIVE_ROUNDS):
+        missing = index.find_missing(c.blob for c in collected)
+        new = list({c.blob: c for c in collected if c.blob in missing}.values())
+        note(f"{len(new)} new blobs of {len(collected)} files")
+        groups = _plan_packs(new)
+        with tempfile.TemporaryDirectory(prefix="kcache-publish-") as tmp, ThreadPoolExecutor(max(1, jobs)) as pool:
+            uploaded += sum(
+                sent for sent, _ in pool.map(lambda g: _write_and_upload(g, store, index, Path(tmp)), groups)
+            )
+        new_all += new
+        packs += len(groups)
+        locations = index.locate(c.blob for c in collected)
+        if not lifecycle.revive(index, {where.pack_id for where in locations.values()}):
+            lost = [c.path for c in collected if c.blob not in locations]
+            if lost:
+                raise IntegrityError("bundle", "", f"{len(lost)} blobs vanished from the index, e.g. {lost[0]}")
+            return new_all, uploaded, packs, locations
+    raise IntegrityError("bundle", "", f"packs kept disappearing under a running GC ({_REVIVE_ROUNDS} rounds)")
+
+
 def _entry(c: Collected, where: BlobLocation) -> manifests.Entry:
     return manifests.Entry(c.path, c.info.mode, c.info.size, c.blob, where.pack_id, where.offset, where.length)
 
 
-def _bundle_row(manifest: manifests.Manifest) -> Bundle:
+def _bundle_row(manifest: manifests.Manifest, compile_seconds: float | None = None) -> Bundle:
     return Bundle(
         id=manifest.id,
         bundle_key=manifest.bundle_key,
@@ -219,4 +250,5 @@ def _bundle_row(manifest: manifests.Manifest) -> Bundle:
         created_at=datetime.now(timezone.utc),
         created_by=socket.gethostname(),
         status="active",
+        compile_seconds=compile_seconds,
     )

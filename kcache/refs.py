@@ -1,6 +1,7 @@
 """Refs: `refs/<bundle-key>` names the newest manifest of a bundle key, in the store itself.
 
     refs/<bundle-key>  ->  {"schema": 1, "bundle_key": ..., "manifest": <id>, "created_at": <iso UTC>}
+    yanks/<bundle-id>  ->  why the bundle was yanked (present = never restore it)
 
 A pod that may read the bucket but not the SQL index restores through its ref. Publishers move
 a ref forward with compare-and-swap, and only forward: a slow publisher whose bundle is older
@@ -38,6 +39,11 @@ class Ref:
                                 "created_at": self.created_at.isoformat()})  # fmt: skip
 
 
+def yank_key(bundle_id: str) -> str:
+    """Marker object of a yanked bundle, so pods that restore through refs see the yank too."""
+    return f"yanks/{bundle_id}"
+
+
 def parse(data: bytes, bundle_key: str) -> Ref:
     try:
         doc = json.loads(data)
@@ -69,6 +75,25 @@ def advance(store: Store, ref: Ref) -> bool:
     return False
 
 
+def repoint(store: Store, bundle_key: str, away_from: str, to: Ref | None) -> bool:
+    """Move a ref that names `away_from` (yanked or deleted) to `to`, or remove it when `to` is None.
+
+    Unlike `advance` this may move backwards in time; it only acts while the ref still names
+    `away_from`, so a publish that moved it meanwhile wins.
+    """
+    key = ref_key(bundle_key)
+    for _ in range(_CAS_ATTEMPTS):
+        current = store.get_versioned(key)
+        if current is None or parse(current[0], bundle_key).manifest != away_from:
+            return False
+        if to is None:
+            store.delete(key)
+            return True
+        if store.put_if(key, to.to_bytes(), current[1]):
+            return True
+    return False
+
+
 class RefCatalog:
     """The part of the index restore needs, answered from refs: for pods without SQL access."""
 
@@ -76,7 +101,12 @@ class RefCatalog:
         self.store = store
 
     def newest_bundle(self, bundle_key: str) -> Ref | None:
+        """The ref's bundle; restore itself checks the yank marker, whichever catalog answered."""
         return read(self.store, bundle_key)
+
+    def newest_for_toolchain(self, toolchain_key: str) -> None:
+        """Refs are per bundle key: a pod without the index cannot look for a partial hit."""
+        return None
 
     def record_event(self, event) -> None:
         """Refs keep no statistics; a pod without the index has nowhere to record them."""

@@ -14,6 +14,7 @@ leaves ROOT as it was. Ranges of a pack that lie close together are fetched with
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from kcache import envfile, fetch, signing
+from kcache import envfile, fetch, refs, signing
 from kcache import manifest as manifests
 from kcache import sources as layers
 from kcache.errors import (
@@ -37,7 +38,7 @@ from kcache.errors import (
     UnsafePath,
 )
 from kcache.fingerprint import Fingerprint
-from kcache.packs import unpack_to
+from kcache.packs import unpack_frame
 from kcache.readiness import RESTORE_MARKER, read_marker, write_marker
 from kcache.records import Event
 from kcache.store import Store, manifest_key
@@ -45,11 +46,14 @@ from kcache.store import Store, manifest_key
 log = logging.getLogger(__name__)
 
 STAGING_PREFIX = ".kcache-staging-"
+# Layers keyed by their own content (kernel source, graph hash): safe to share between workloads
+# that run on one toolchain. vLLM's cache and user directories are keyed by the workload itself.
+PARTIAL_LAYERS = ("inductor", "inductor-pch", "triton", "cuda")
 
 
 @dataclass(frozen=True)
 class RestoreResult:
-    status: str  # hit | miss (| error, only in the marker written on failure)
+    status: str  # hit | partial (--fallback toolchain) | miss (| error, only in the marker written on failure)
     bundle_key: str
     bundle_id: str | None
     root: Path
@@ -69,12 +73,15 @@ class _Budget:
     lock: threading.Lock = field(default_factory=threading.Lock)
     expired: bool = False
     swapping: bool = False
+    staging: Path | None = None  # removed by the caller on expiry: a hung worker may never return
 
 
 class Catalog(Protocol):
     """Where restore finds the newest bundle: the SQL index, or refs in the store (kcache.refs)."""
 
     def newest_bundle(self, bundle_key: str): ...  # an object with .id (the manifest id), or None
+
+    def newest_for_toolchain(self, toolchain_key: str): ...  # same, for --fallback toolchain
 
     def record_event(self, event: Event) -> None: ...
 
@@ -90,21 +97,30 @@ def restore(
     bundle_id: str | None = None,
     trusted: tuple[signing.TrustedKey, ...] = (),
     require_signature: bool = False,
+    fallback: str | None = None,
 ) -> RestoreResult:
     """Restore the newest bundle for `fingerprint` (or the pinned `bundle_id`) into `root`.
 
     A pinned bundle must still match the fingerprint. With trusted keys, a signature that does
-    not verify is refused; with `require_signature`, so is an unsigned bundle. Raises KcacheError.
+    not verify is refused; with `require_signature`, so is an unsigned bundle. With
+    fallback="toolchain", a miss restores the kernel layers of the newest bundle built on the same
+    toolchain (status "partial"). Raises KcacheError.
     """
+    if fallback not in (None, "toolchain"):
+        raise ConfigError("--fallback", str(fallback), "the only fallback is 'toolchain'")
     if require_signature and not trusted:
         raise ConfigError("--require-signature", "on", "needs at least one --trusted-key (or KCACHE_TRUSTED_KEYS)")
     policy = _Policy(trusted, require_signature)
     started = time.perf_counter()
     root = Path(root).absolute()
     try:
-        result = _within(
-            timeout, lambda budget: _restore(store, index, fingerprint, root, jobs, budget, bundle_id, policy)
-        )
+        try:
+            result = _within(
+                timeout,
+                lambda budget: _restore(store, index, fingerprint, root, jobs, budget, bundle_id, policy, fallback),
+            )
+        except OSError as exc:  # the disk, not the bundle: ENOSPC, EACCES, a read-only volume
+            raise _root_error(root, exc) from exc
     except KcacheError as exc:
         seconds = time.perf_counter() - started
         _record(index, Event("restore", "error", fingerprint.bundle_key, None, 0, 0, seconds, str(exc)))
@@ -116,6 +132,12 @@ def restore(
                          result.files, result.bytes, result.seconds, result.reason or None))  # fmt: skip
     _write_state(result)
     return result
+
+
+def _root_error(root: Path, exc: OSError) -> RootError:
+    if exc.errno == errno.ENOSPC:
+        return RootError(str(root), "no space left on device while staging the bundle; give the volume more room")
+    return RootError(str(root), f"cannot write {exc.filename or root}: {exc.strerror or exc}")
 
 
 def _within(timeout: float | None, work) -> RestoreResult:
@@ -136,6 +158,8 @@ def _within(timeout: float | None, work) -> RestoreResult:
     with budget.lock:
         if worker.is_alive() and not budget.swapping:
             budget.expired = True
+            if budget.staging is not None:
+                shutil.rmtree(budget.staging, ignore_errors=True)
             raise RestoreTimeout(timeout)
     worker.join()  # the swap had begun: it is a few renames, let it finish
     if "error" in box:
@@ -148,11 +172,11 @@ class _Policy:
     trusted: tuple[signing.TrustedKey, ...]
     required: bool
 
-    def check(self, store: Store, fp: Fingerprint, manifest_id: str, size: int) -> str | None:
+    def check(self, store: Store, bundle_key: str, manifest_id: str, size: int) -> str | None:
         """Who signed the manifest (None when no trusted key did and none is required)."""
         if not self.trusted:
             return None
-        signer = signing.verify(store, self.trusted, fp.bundle_key, manifest_id, size)
+        signer = signing.verify(store, self.trusted, bundle_key, manifest_id, size)
         if signer is None and self.required:
             names = ", ".join(k.name for k in self.trusted)
             raise SignatureError(manifest_id, f"is not signed by a trusted key (trusted: {names})")
@@ -170,23 +194,67 @@ def _restore(
     budget: _Budget,
     pinned: str | None,
     policy: _Policy,
+    fallback: str | None = None,
 ) -> RestoreResult:
     started = time.perf_counter()
     _prepare_root(root)
-    manifest_id = pinned or getattr(index.newest_bundle(fp.bundle_key), "id", None)
+    manifest_id, partial, miss_reason = _choose(store, index, fp, pinned, fallback)
     if manifest_id is None:
-        env_file = _write_env(root, fp, [], "miss, no bundle for this fingerprint")
+        env_file = _write_env(root, fp, [], f"miss, {miss_reason}")
         return RestoreResult("miss", fp.bundle_key, None, root, env_file, seconds=time.perf_counter() - started,
-                             reason="no bundle published for this fingerprint")  # fmt: skip
+                             reason=miss_reason)  # fmt: skip
     data = store.get_bytes(manifest_key(manifest_id))
     manifest = manifests.parse(data, manifest_id)
-    if manifest.bundle_key != fp.bundle_key:
+    if partial and manifest.toolchain_key != fp.toolchain_key:
+        raise IntegrityError(
+            "manifest", manifest_id, f"is for toolchain {manifest.toolchain_key}, not {fp.toolchain_key}"
+        )
+    if not partial and manifest.bundle_key != fp.bundle_key:
         raise IntegrityError("manifest", manifest_id, f"is for bundle key {manifest.bundle_key}, not {fp.bundle_key}")
-    signer = policy.check(store, fp, manifest_id, len(data))
-    sources = layers.for_manifest(manifest.layers)
+    signer = policy.check(store, manifest.bundle_key, manifest_id, len(data))
+    _check_layers(manifest)
+    layer_names = tuple(n for n in manifest.layers if n in PARTIAL_LAYERS) if partial else manifest.layers
+    entries = tuple(e for e in manifest.entries if not partial or e.path.split("/", 1)[0] in PARTIAL_LAYERS)
+    _lay_out(store, root, entries, layers.for_manifest(layer_names), jobs, budget)
+    env_file = _write_env(root, fp, layer_names, f"{'partial' if partial else 'hit'}, bundle {manifest.id}")
+    reason = (
+        f"kernel layers of bundle {manifest.id[:12]}, built on this toolchain for another workload" if partial else ""
+    )
+    return RestoreResult("partial" if partial else "hit", fp.bundle_key, manifest.id, root, env_file, layer_names,
+                         len(entries), sum(e.size for e in entries), time.perf_counter() - started, reason,
+                         signer)  # fmt: skip
+
+
+def _check_layers(manifest: manifests.Manifest) -> None:
+    """Every file must lie in one of the bundle's layers: nothing may land beside them in ROOT."""
+    prefixes = tuple(source.subdir + "/" for source in layers.for_manifest(manifest.layers))
+    for entry in manifest.entries:
+        if not entry.path.startswith(prefixes):
+            raise UnsafePath(entry.path, "belongs to no layer of the bundle that this kcache knows")
+
+
+def _choose(store: Store, index: Catalog, fp: Fingerprint, pinned: str | None, fallback: str | None):
+    """(manifest id or None, partial?, why not) for this fingerprint."""
+    manifest_id = pinned or getattr(index.newest_bundle(fp.bundle_key), "id", None)
+    partial = False
+    if manifest_id is None and fallback == "toolchain":
+        manifest_id = getattr(index.newest_for_toolchain(fp.toolchain_key), "id", None)
+        partial = manifest_id is not None
+    if manifest_id is None:
+        return None, False, "no bundle published for this fingerprint"
+    # The index's word is not enough: a yank marker in the store stops the bundle everywhere.
+    if store.exists(refs.yank_key(manifest_id)):
+        return None, False, f"bundle {manifest_id[:12]} is yanked"
+    return manifest_id, partial, ""
+
+
+def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jobs: int, budget: _Budget) -> None:
+    """Fetch and verify everything into staging, then swap the layers in (unless time ran out)."""
     staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=root))
+    with budget.lock:
+        budget.staging = staging
     try:
-        _fetch_all(store, manifest.entries, staging, jobs, budget)
+        _fetch_all(store, entries, staging, jobs, budget)
         with budget.lock:
             if budget.expired:
                 raise fetch.Cancelled()
@@ -194,10 +262,6 @@ def _restore(
         _swap(root, staging, sources)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    env_file = _write_env(root, fp, manifest.layers, f"hit, bundle {manifest.id}")
-    seconds = time.perf_counter() - started
-    return RestoreResult("hit", fp.bundle_key, manifest.id, root, env_file, manifest.layers,
-                         len(manifest.entries), manifest.total_size, seconds, signed_by=signer)  # fmt: skip
 
 
 def _prepare_root(root: Path) -> None:
@@ -227,35 +291,50 @@ def _alive(pid: int) -> bool:
 
 def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path, jobs: int, budget: _Budget) -> None:
     """Every blob into its staged path (verified), then the paths that share a blob as copies."""
+    files = staging / "files"
+    # Directories once up front: per-file mkdir calls cost more than the writes on small caches.
+    for directory in sorted({(files / e.path).parent for e in entries}):
+        directory.mkdir(parents=True, exist_ok=True)
+    umask = _umask()
+
+    def lay(entry: manifests.Entry, write) -> None:
+        path = files / entry.path  # manifest.parse already refused absolute paths and '..'
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, entry.mode), "wb") as out:
+            write(out)
+        if entry.mode & umask:  # the umask took bits the manifest asks for
+            os.chmod(path, entry.mode)
 
     def place(entry: manifests.Entry, frame) -> None:
-        dest = _staged(staging, entry)
-        with open(dest, "xb") as out:
-            unpack_to(frame, entry.blob, entry.size, out)
-        os.chmod(dest, entry.mode)
+        lay(entry, lambda out: unpack_frame(frame, entry.blob, entry.size, out))
 
     fetch.fetch_blobs(store, entries, place, jobs=jobs, cancelled=lambda: budget.expired)
-    first_path = {}
+    first_path: dict[str, str] = {}
     for entry in entries:
         origin = first_path.setdefault(entry.blob, entry.path)
         if origin != entry.path:  # already verified when its first path was written
-            dest = _staged(staging, entry)
-            shutil.copyfile(staging / origin, dest)
-            os.chmod(dest, entry.mode)
+            with open(files / origin, "rb") as src:
+                lay(entry, lambda out, src=src: shutil.copyfileobj(src, out))
 
 
-def _staged(staging: Path, entry: manifests.Entry) -> Path:
-    dest = staging / entry.path  # manifest.parse already refused absolute paths and '..'
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    return dest
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask would race with other threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o777  # unknown: always chmod
 
 
 def _swap(root: Path, staging: Path, sources: list[layers.Source]) -> None:
     """Move each staged layer into place; the previous content goes into staging and is deleted with it."""
-    retired = staging / ".retired"
+    # Staged files live under staging/files and retired layers under staging/retired, so no
+    # manifest path can collide with the retirement directory.
+    retired = staging / "retired"
     retired.mkdir()
     for i, source in enumerate(sources):
-        staged = staging / source.subdir
+        staged = staging / "files" / source.subdir
         if not staged.is_dir():
             continue
         target = _inside(root, source.restore_dir(root))
@@ -279,7 +358,10 @@ def _write_env(root: Path, fp: Fingerprint, layer_names, comment: str) -> Path:
     # means misses instead of running kernels built for another ISA.
     exports["TORCH_COMPILE_CACHE_KEY_TAG"] = key_tag(fp)
     for source in layers.BUILTIN:
-        _inside(root, source.restore_dir(root)).mkdir(parents=True, exist_ok=True)
+        place = _inside(root, source.restore_dir(root))
+        if place.is_symlink() and not place.exists():
+            place.unlink()  # a dangling link would make every run fail: replace it with a directory
+        place.mkdir(parents=True, exist_ok=True)
     return envfile.write(root, exports, f"kcache restore: {comment}")
 
 

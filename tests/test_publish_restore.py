@@ -293,3 +293,13 @@ def test_link_in_root_cannot_carry_a_layer_outside(tmp_path, store, sqlite_index
     with pytest.raises(UnsafePath, match="outside"):
         restore(store, sqlite_index, fp, tmp_path / "dst")
     assert list(outside.rglob("*")) == []
+
+
+def test_publish_from_root_keeps_extra_layers_a_restore_laid_down(tmp_path, store, sqlite_index, fp):
+    from click.testing import CliRunner
+
+    from kcache.cli import main
+
+    write_tree(tmp_path / "root", {"inductor/a": b"a", "extra/trt/timing.cache": b"t"})
+    out = CliRunner().invoke(main, ["publish", "--from", str(tmp_path / "root"), "--json"], catch_exceptions=False)
+    assert "extra:trt" in out.output

@@ -21,6 +21,7 @@ from kcache.cli.options import (
     stderr_is_terminal,
     store_options,
 )
+from kcache.hashcache import HashCache
 from kcache.publish import publish
 from kcache.store import open_store
 
@@ -38,12 +39,14 @@ log = logging.getLogger(__name__)
               help="Also carry a directory of your own; restored to ROOT/extra/NAME.")  # fmt: skip
 @click.option("--signing-key", type=click.Path(dir_okay=False, path_type=Path), envvar="KCACHE_SIGNING_KEY",
               help="Sign the manifest with this key from `kcache keygen` (env KCACHE_SIGNING_KEY).")  # fmt: skip
+@click.option("--compile-seconds", type=click.FloatRange(min=0), metavar="S",
+              help="Seconds the cold warmup took; `kcache stats` counts this minus restore time as saved.")  # fmt: skip
 @click.option("--jobs", type=click.IntRange(1, 256), default=8, show_default=True, help="Parallel hashing and uploads.")
 @fingerprint_options
 @store_options
 @json_option
 @handle_errors
-def publish_cmd(root, layers, extra_dirs, signing_key, jobs, model, model_config, facts, extras,
+def publish_cmd(root, layers, extra_dirs, signing_key, compile_seconds, jobs, model, model_config, facts, extras,
                 store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
     """Publish the compiled-kernel caches as a bundle for this machine's fingerprint.
 
@@ -56,16 +59,21 @@ def publish_cmd(root, layers, extra_dirs, signing_key, jobs, model, model_config
       kcache publish --from /cache --model my-llm --json # what `restore --into /cache` laid out
     """
     fp = compute_fingerprint(model, model_config, facts, extras)
-    chosen = sources.select(layers.split(",") if layers else None, [sources.parse_extra_dir(s) for s in extra_dirs])
+    names = layers.split(",") if layers else None
+    extras = [sources.parse_extra_dir(s) for s in extra_dirs]
+    chosen = sources.in_root(root, names, extras) if root else sources.select(names, extras)
     key = load_signing_key(signing_key)
     cfg = settings(store_url, index_url, s3_endpoint_url)
     store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
     index = open_index(cfg.index_url)
+    hashes = HashCache(cfg.home / "hashcache.db")
     try:
         note = (lambda msg: click.echo(f"kcache: {msg}", err=True)) if stderr_is_terminal() and not as_json else None
-        result = publish(store, index, fp, chosen, root=root, jobs=jobs, progress=note, signing_key=key)
+        result = publish(store, index, fp, chosen, root=root, jobs=jobs, progress=note, signing_key=key,
+                         compile_seconds=compile_seconds, hash_cache=hashes)  # fmt: skip
     finally:
         index.close()
+        hashes.close()
     if as_json:
         click.echo(fmt.to_json(asdict(result)))
         return

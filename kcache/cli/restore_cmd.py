@@ -19,7 +19,6 @@ from kcache.cli.options import (
     settings,
     store_options,
 )
-from kcache.errors import KcacheError
 from kcache.restore import restore
 from kcache.store import open_store
 
@@ -35,12 +34,15 @@ from kcache.store import open_store
               help="A .pub from `kcache keygen`; repeatable (env KCACHE_TRUSTED_KEYS, ':'-separated).")  # fmt: skip
 @click.option("--require-signature", is_flag=True, envvar="KCACHE_REQUIRE_SIGNATURE",
               help="Refuse bundles not signed by a trusted key (env KCACHE_REQUIRE_SIGNATURE=1).")  # fmt: skip
+@click.option("--fallback", type=click.Choice(["toolchain"]),
+              help="On a miss, restore the kernel layers (inductor, triton, cuda) of the newest bundle built "
+                   "on this toolchain for another workload.")  # fmt: skip
 @click.option("--strict", is_flag=True, help="Exit non-zero on a miss or an error instead of starting cold.")
 @click.option("--jobs", type=click.IntRange(1, 256), default=16, show_default=True, help="Parallel pack reads.")
 @fingerprint_options
 @store_options
 @json_option
-def restore_cmd(root, timeout, bundle_id, trusted_keys, require_signature, strict, jobs,
+def restore_cmd(root, timeout, bundle_id, trusted_keys, require_signature, fallback, strict, jobs,
                 model, model_config, facts, extras, store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
     """Lay the bundle that matches this machine into ROOT and write ROOT/kcache.env.
 
@@ -65,10 +67,10 @@ def restore_cmd(root, timeout, bundle_id, trusted_keys, require_signature, stric
         index = open_for_restore(cfg, store)
         try:
             result = restore(store, index, fp, root, jobs=jobs, timeout=timeout, bundle_id=bundle_id,
-                             trusted=trusted, require_signature=require_signature)  # fmt: skip
+                             trusted=trusted, require_signature=require_signature, fallback=fallback)  # fmt: skip
         finally:
             index.close()
-    except KcacheError as exc:
+    except Exception as exc:  # noqa: BLE001 - an init container must never crash-loop on a kcache bug
         if os.environ.get("KCACHE_DEBUG") == "1":
             raise
         _report_error(exc, strict, as_json, time.perf_counter() - started)
@@ -82,18 +84,19 @@ def restore_cmd(root, timeout, bundle_id, trusted_keys, require_signature, stric
     }  # fmt: skip
     if as_json:
         click.echo(fmt.to_json(payload))
-    elif result.status == "hit":
-        click.echo(f"kcache: hit: restored bundle {result.bundle_id[:12]} ({result.files} files, "
+    elif result.status in ("hit", "partial"):
+        what = "partial hit: restored the kernel layers of" if result.status == "partial" else "hit: restored"
+        click.echo(f"kcache: {what} bundle {result.bundle_id[:12]} ({result.files} files, "
                    f"{fmt.size(result.bytes)}) into {result.root} in {fmt.seconds(result.seconds)}; "
                    f"source {result.env_file}")  # fmt: skip
     else:
         click.echo(f"kcache: miss: {result.reason} (key {result.bundle_key}); starting cold. "
                    f"Source {result.env_file}, then `kcache publish --from {result.root}` after warmup.")  # fmt: skip
-    if strict and result.status != "hit":
+    if strict and result.status == "miss":
         raise click.exceptions.Exit(3)
 
 
-def _report_error(exc: KcacheError, strict: bool, as_json: bool, seconds: float) -> None:
+def _report_error(exc: Exception, strict: bool, as_json: bool, seconds: float) -> None:
     message, hint, code = describe(exc)
     if as_json:
         click.echo(fmt.to_json({"status": "error", "bundle_id": None, "files": 0, "bytes": 0,

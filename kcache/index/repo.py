@@ -33,7 +33,7 @@ def _bundle(row: BundleRow) -> Bundle:
     return Bundle(
         row.id, row.bundle_key, row.toolchain_key, row.workload_key, row.model,
         json.loads(row.facts), tuple(filter(None, row.layers.split(","))),
-        row.files, row.bytes, created, row.created_by, row.status,
+        row.files, row.bytes, created, row.created_by, row.status, row.compile_seconds,
     )  # fmt: skip
 
 
@@ -96,7 +96,7 @@ class Index:
             workload_key=bundle.workload_key, model=bundle.model,
             facts=json.dumps(bundle.facts, sort_keys=True), layers=",".join(bundle.layers),
             files=bundle.files, bytes=bundle.bytes, created_at=bundle.created_at,
-            created_by=bundle.created_by, status=bundle.status,
+            created_by=bundle.created_by, status=bundle.status, compile_seconds=bundle.compile_seconds,
         )  # fmt: skip
         with self._guard(), self._session() as s, s.begin():
             # RETURNING, not rowcount: psycopg reports -1 for ON CONFLICT inserts.
@@ -108,6 +108,18 @@ class Index:
         query = (
             select(BundleRow)
             .where(BundleRow.bundle_key == bundle_key, BundleRow.status == "active")
+            .order_by(BundleRow.created_at.desc(), BundleRow.id)
+            .limit(1)
+        )
+        with self._guard(), self._session() as s:
+            row = s.scalars(query).first()
+            return _bundle(row) if row else None
+
+    def newest_for_toolchain(self, toolchain_key: str) -> Bundle | None:
+        """The newest active bundle built on this toolchain, whatever its workload (--fallback toolchain)."""
+        query = (
+            select(BundleRow)
+            .where(BundleRow.toolchain_key == toolchain_key, BundleRow.status == "active")
             .order_by(BundleRow.created_at.desc(), BundleRow.id)
             .limit(1)
         )

@@ -1,0 +1,144 @@
+"""Operator commands: `kcache yank`, `kcache verify`, `kcache gc`."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict
+from datetime import timedelta
+
+import click
+
+from kcache.cli import format as fmt
+from kcache.cli.options import handle_errors, json_option, open_index, settings, store_options
+from kcache.errors import ConfigError
+from kcache.store import open_store
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])\Z")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+def parse_duration(text: str, flag: str) -> timedelta:
+    """'90s', '15m', '6h', '7d', '2w'."""
+    match = _DURATION.match(text.strip())
+    if not match:
+        raise ConfigError(flag, text, "expected a number and a unit: s, m, h, d or w (e.g. 7d)")
+    return timedelta(**{_UNITS[match.group(2)]: float(match.group(1))})
+
+
+def _open(store_url, index_url, s3_endpoint_url):
+    cfg = settings(store_url, index_url, s3_endpoint_url)
+    return open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url), open_index(cfg.index_url)
+
+
+@click.command("yank")
+@click.argument("bundle")
+@click.option("--undo", is_flag=True, help="Make a yanked bundle restorable again.")
+@click.option("--reason", default="", help="Why, kept in the store beside the yank.")
+@store_options
+@json_option
+@handle_errors
+def yank_cmd(bundle, undo, reason, store_url, index_url, s3_endpoint_url, as_json):
+    """Stop a bundle from ever being restored again (pods restore the previous one, or start cold).
+
+    \b
+    Examples:
+      kcache yank 3f2a9c01bd47 --reason "NaNs on H100 after driver 560"
+      kcache yank 3f2a9c01bd47 --undo
+    """
+    from kcache.yank import unyank, yank
+
+    store, index = _open(store_url, index_url, s3_endpoint_url)
+    try:
+        changed = unyank(store, index, bundle) if undo else yank(store, index, bundle, reason)
+    finally:
+        index.close()
+    if as_json:
+        click.echo(fmt.to_json({"bundle_id": changed.id, "status": "active" if undo else "yanked"}))
+    else:
+        click.echo(f"kcache: bundle {changed.id[:12]} is {'active again' if undo else 'yanked'}")
+
+
+@click.command("verify")
+@click.option("--read-data", is_flag=True, help="Also fetch every blob and re-hash it.")
+@click.option("--subset", metavar="N/T", default="1/1", help="With --read-data, only the N-th of T slices of packs.")
+@click.option("--jobs", type=click.IntRange(1, 256), default=16, show_default=True, help="Parallel pack reads.")
+@store_options
+@json_option
+@handle_errors
+def verify_cmd(read_data, subset, jobs, store_url, index_url, s3_endpoint_url, as_json):
+    """Check that every bundle's blobs exist (and, with --read-data, hash to their ids).
+
+    Exits 1 when anything is wrong, listing each problem.
+
+    \b
+    Examples:
+      kcache verify
+      kcache verify --read-data --subset 3/7    # a seventh of the packs, e.g. one slice per night
+    """
+    from kcache.verify import parse_subset, verify
+
+    part = parse_subset(subset)
+    store, index = _open(store_url, index_url, s3_endpoint_url)
+    try:
+        result = verify(store, index, read_data=read_data, subset=part, jobs=jobs)
+    finally:
+        index.close()
+    if as_json:
+        click.echo(fmt.to_json(asdict(result)))
+    else:
+        read = f", read {result.blobs_read} blobs ({fmt.size(result.bytes_read)})" if read_data else ""
+        click.echo(f"kcache: checked {result.bundles} bundles over {result.packs} packs{read}: "
+                   f"{len(result.problems) or 'no'} problems")  # fmt: skip
+        for problem in result.problems:
+            click.echo(f"  {problem}", err=True)
+    if result.problems:
+        raise click.exceptions.Exit(1)
+
+
+@click.command("gc")
+@click.option("--keep-last", type=click.IntRange(0), default=3, show_default=True,
+              help="Newest active bundles kept per bundle key, however old.")  # fmt: skip
+@click.option("--older-than", default="7d", show_default=True, help="Only bundles older than this are deleted.")
+@click.option("--grace", default="6h", show_default=True,
+              help="A condemned pack is deleted only after this long, so running publishes can revive it.")  # fmt: skip
+@click.option("--dry-run", is_flag=True, help="Print the plan and the bytes it would free; change nothing.")
+@store_options
+@json_option
+@handle_errors
+def gc_cmd(keep_last, older_than, grace, dry_run, store_url, index_url, s3_endpoint_url, as_json):
+    """Delete old bundles and the packs nobody needs, in two phases that are safe while publishes run.
+
+    A first run condemns unreferenced packs; a run after --grace deletes those still condemned.
+
+    \b
+    Examples:
+      kcache gc --dry-run
+      kcache gc --keep-last 2 --older-than 14d --grace 12h
+    """
+    from kcache import gc
+
+    policy = gc.Policy(keep_last, parse_duration(older_than, "--older-than"), parse_duration(grace, "--grace"))
+    store, index = _open(store_url, index_url, s3_endpoint_url)
+    try:
+        plan = gc.plan(store, index, policy)
+        result = None if dry_run else gc.execute(store, index, plan)
+    finally:
+        index.close()
+    summary = {
+        "dry_run": dry_run, "bundles_to_delete": [b.id for b in plan.delete_bundles],
+        "packs_to_condemn": len(plan.condemn), "packs_to_delete": len(plan.sweep),
+        "packs_in_grace": len(plan.waiting), "orphans": [o.key for o in plan.orphans],
+        "bytes_to_free": plan.bytes_freed, "result": asdict(result) if result else None,
+    }  # fmt: skip
+    if as_json:
+        click.echo(fmt.to_json(summary))
+        return
+    verb = "would" if dry_run else "will"
+    click.echo(f"kcache gc plan: delete {len(plan.delete_bundles)} bundles; condemn {len(plan.condemn)} packs; "
+               f"delete {len(plan.sweep)} condemned packs and {len(plan.orphans)} orphan objects "
+               f"({verb} free {fmt.size(plan.bytes_freed)}); {len(plan.waiting)} packs wait out --grace")  # fmt: skip
+    for bundle in plan.delete_bundles:
+        click.echo(f"  bundle {bundle.id[:12]} {bundle.model or '-'} {fmt.when(bundle.created_at)} {bundle.status}")
+    if result:
+        click.echo(f"kcache gc: deleted {result.bundles_deleted} bundles, {result.packs_deleted} packs, "
+                   f"{result.orphans_deleted} orphans; freed {fmt.size(result.bytes_freed)}")  # fmt: skip

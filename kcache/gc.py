@@ -1,0 +1,140 @@
+"""Garbage collection in two phases, safe while publishes run. Plan first; execute the plan.
+
+    retain   per bundle key, the newest --keep-last active bundles, plus every bundle younger than
+             --older-than; everything else is deleted (row, ref, signatures, manifest)
+    mark     the packs that retained bundles' manifests name
+    condemn  phase 1: packs nobody references get condemned_at = now
+    sweep    phase 2: packs condemned more than --grace ago and still condemned lose their rows,
+             then their objects (a publish that reused one revived it: see index/lifecycle.py)
+    orphans  objects with no row at all (a publish that crashed) older than --grace are deleted
+
+Deletion runs in the reverse order of publish: rows before objects, so no committed bundle ever
+points at a missing pack.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING
+
+from kcache import manifest as manifests
+from kcache import refs
+from kcache.records import Bundle
+from kcache.store import Store, manifest_key, pack_key
+from kcache.store.base import ObjectInfo
+
+if TYPE_CHECKING:
+    from kcache.index import Index
+    from kcache.index.lifecycle import PackInfo
+
+
+@dataclass(frozen=True)
+class Policy:
+    keep_last: int = 3
+    older_than: timedelta = timedelta(days=7)
+    grace: timedelta = timedelta(hours=6)
+
+
+@dataclass(frozen=True)
+class Plan:
+    now: datetime
+    policy: Policy
+    delete_bundles: tuple[Bundle, ...]
+    condemn: tuple[PackInfo, ...]  # unreferenced, not condemned yet
+    sweep: tuple[PackInfo, ...]  # unreferenced, condemned before now - grace
+    waiting: tuple[PackInfo, ...]  # unreferenced, condemned within the grace period
+    orphans: tuple[ObjectInfo, ...]  # objects without rows, older than the grace period
+
+    @property
+    def bytes_freed(self) -> int:
+        return sum(p.size for p in self.sweep) + sum(o.size for o in self.orphans)
+
+
+@dataclass(frozen=True)
+class Result:
+    bundles_deleted: int
+    packs_condemned: int
+    packs_deleted: int
+    orphans_deleted: int
+    bytes_freed: int
+
+
+def plan(store: Store, index: Index, policy: Policy, now: datetime | None = None) -> Plan:
+    from kcache.index import lifecycle
+
+    now = now or datetime.now(timezone.utc)
+    bundles = lifecycle.all_bundles(index)
+    doomed = _expired(bundles, policy, now)
+    retained = [b for b in bundles if b.id not in {d.id for d in doomed}]
+    referenced = {e.pack for b in retained for e in _manifest(store, b.id).entries}
+    unreferenced = [p for p in lifecycle.packs(index) if p.id not in referenced]
+    cutoff = now - policy.grace
+    sweep = tuple(p for p in unreferenced if p.condemned_at and _utc(p.condemned_at) < cutoff)
+    waiting = tuple(p for p in unreferenced if p.condemned_at and _utc(p.condemned_at) >= cutoff)
+    condemn = tuple(p for p in unreferenced if p.condemned_at is None)
+    known = {p.id for p in lifecycle.packs(index)} | {b.id for b in retained} | {b.id for b in doomed}
+    orphans = tuple(_orphans(store, known, cutoff))
+    return Plan(now, policy, tuple(doomed), condemn, sweep, waiting, orphans)
+
+
+def execute(store: Store, index: Index, gc_plan: Plan) -> Result:
+    from kcache.index import lifecycle
+
+    for bundle in gc_plan.delete_bundles:
+        _delete_bundle(store, index, bundle)
+    lifecycle.condemn(index, (p.id for p in gc_plan.condemn), gc_plan.now)
+    swept = lifecycle.delete_condemned(index, (p.id for p in gc_plan.sweep), gc_plan.now - gc_plan.policy.grace)
+    for pack_id in swept:
+        store.delete(pack_key(pack_id))
+    for orphan in gc_plan.orphans:
+        store.delete(orphan.key)
+    freed = sum(p.size for p in gc_plan.sweep if p.id in swept) + sum(o.size for o in gc_plan.orphans)
+    return Result(len(gc_plan.delete_bundles), len(gc_plan.condemn), len(swept), len(gc_plan.orphans), freed)
+
+
+def _expired(bundles: list[Bundle], policy: Policy, now: datetime) -> list[Bundle]:
+    """Bundles neither among their key's newest `keep_last` active ones nor younger than `older_than`."""
+    by_key: dict[str, list[Bundle]] = defaultdict(list)
+    for bundle in bundles:  # newest first
+        by_key[bundle.bundle_key].append(bundle)
+    doomed = []
+    for group in by_key.values():
+        kept = {b.id for b in [b for b in group if b.status == "active"][: policy.keep_last]}
+        doomed += [b for b in group if b.id not in kept and _utc(b.created_at) < now - policy.older_than]
+    return doomed
+
+
+def _delete_bundle(store: Store, index: Index, bundle: Bundle) -> None:
+    """Row first (restores stop seeing it), then the ref, then the objects."""
+    from kcache.index import lifecycle
+
+    lifecycle.delete_bundle(index, bundle.id)
+    newest = index.newest_bundle(bundle.bundle_key)
+    refs.repoint(store, bundle.bundle_key, bundle.id,
+                 refs.Ref(newest.bundle_key, newest.id, newest.created_at) if newest else None)  # fmt: skip
+    for signature in store.list(f"signatures/{bundle.id}"):
+        store.delete(signature.key)
+    store.delete(refs.yank_key(bundle.id))
+    store.delete(manifest_key(bundle.id))
+
+
+def _manifest(store: Store, bundle_id: str) -> manifests.Manifest:
+    return manifests.parse(store.get_bytes(manifest_key(bundle_id)), bundle_id)
+
+
+def _orphans(store: Store, known: set[str], cutoff: datetime):
+    """Packs and manifests no row names, and signatures of manifests no row names, older than cutoff."""
+    for prefix in ("packs/", "manifests/", "signatures/"):
+        for info in store.list(prefix):
+            owner = info.key.split("/")[2] if prefix != "signatures/" else info.key.split("/")[1]
+            if owner not in known and _utc(info.modified) < cutoff:
+                yield info
+
+
+def _utc(ts: datetime) -> datetime:
+    return ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)
+
+
+

@@ -1,0 +1,152 @@
+"""Two-phase GC: plans, condemns, sweeps after the grace period, and never loses a live blob."""
+
+import json
+import threading
+from datetime import datetime, timedelta, timezone
+
+from click.testing import CliRunner
+from trees import read_tree, write_tree
+
+from kcache import fingerprint, gc, sources
+from kcache.cli import main
+from kcache.index import lifecycle
+from kcache.publish import publish
+from kcache.restore import restore
+from kcache.store import manifest_key, pack_key
+
+LAYERS = sources.select()
+POLICY = gc.Policy(keep_last=1, older_than=timedelta(days=7), grace=timedelta(hours=6))
+
+
+def _publish(tmp_path, store, index, fp, content: bytes, name: str):
+    write_tree(tmp_path / name, {"inductor/kernel.so": content, f"inductor/{name}.py": name.encode()})
+    return publish(store, index, fp, LAYERS, root=tmp_path / name, env={})
+
+
+def _packs_of(store, bundle_id):
+    from kcache import manifest as manifests
+
+    return {e.pack for e in manifests.parse(store.get_bytes(manifest_key(bundle_id)), bundle_id).entries}
+
+
+def test_expired_bundles_go_and_their_packs_follow_after_grace(tmp_path, store, index, fp):
+    old = _publish(tmp_path, store, index, fp, b"old kernel" * 100, "v1")
+    new = _publish(tmp_path, store, index, fp, b"new kernel" * 100, "v2")
+    old_packs = _packs_of(store, old.bundle_id) - _packs_of(store, new.bundle_id)
+    later = datetime.now(timezone.utc) + timedelta(days=8)
+
+    first = gc.plan(store, index, POLICY, now=later)
+    assert [b.id for b in first.delete_bundles] == [old.bundle_id]
+    assert first.sweep == () and first.bytes_freed == 0
+    gc.execute(store, index, first)
+    assert not store.exists(manifest_key(old.bundle_id))
+    assert all(store.exists(pack_key(p)) for p in old_packs)  # condemned, not yet deleted
+
+    second = gc.plan(store, index, POLICY, now=later + timedelta(hours=1))
+    assert {p.id for p in second.waiting} == old_packs and second.sweep == ()  # still in grace
+    third = gc.plan(store, index, POLICY, now=later + timedelta(hours=7))
+    assert {p.id for p in third.sweep} == old_packs and third.bytes_freed > 0
+    result = gc.execute(store, index, third)
+    assert result.packs_deleted == len(old_packs)
+    assert not any(store.exists(pack_key(p)) for p in old_packs)
+    assert restore(store, index, fp, tmp_path / "dst").bundle_id == new.bundle_id
+
+
+def test_publish_that_reuses_a_condemned_pack_saves_it(tmp_path, store, sqlite_index, fp):
+    old = _publish(tmp_path, store, sqlite_index, fp, b"shared kernel" * 100, "v1")
+    _publish(tmp_path, store, sqlite_index, fp, b"other kernel" * 100, "v2")
+    condemned = _packs_of(store, old.bundle_id)
+    later = datetime.now(timezone.utc) + timedelta(days=8)
+    gc.execute(store, sqlite_index, gc.plan(store, sqlite_index, POLICY, now=later))
+    stale_sweep = gc.plan(store, sqlite_index, POLICY, now=later + timedelta(hours=7))
+    assert {p.id for p in stale_sweep.sweep} >= condemned
+
+    other_model = fingerprint.compute({**fp.facts, "model.id": "reuser"})
+    reuse = _publish(tmp_path, store, sqlite_index, other_model, b"shared kernel" * 100, "v3")
+    assert reuse.new_blobs == 1  # only its own .py file: the kernel came from the condemned pack
+    gc.execute(store, sqlite_index, stale_sweep)  # a plan made before the publish revived the pack
+    assert all(store.exists(pack_key(p)) for p in _packs_of(store, reuse.bundle_id))
+    dst = tmp_path / "dst"
+    restore(store, sqlite_index, other_model, dst)
+    assert read_tree(dst / "inductor")["kernel.so"][0] == b"shared kernel" * 100
+
+
+class PausingIndex:
+    """An index that stops a publish right after it has located its blobs."""
+
+    def __init__(self, inner):
+        self.inner, self.located, self.go_on = inner, threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def locate(self, blob_ids):
+        where = self.inner.locate(blob_ids)
+        if not self.located.is_set():
+            self.located.set()
+            assert self.go_on.wait(60)
+        return where
+
+
+def test_gc_sweeping_under_a_running_publish_never_breaks_its_bundle(tmp_path, store, sqlite_index, fp):
+    _publish(tmp_path, store, sqlite_index, fp, b"shared kernel" * 100, "v1")
+    _publish(tmp_path, store, sqlite_index, fp, b"other kernel" * 100, "v2")
+    later = datetime.now(timezone.utc) + timedelta(days=8)
+    gc.execute(store, sqlite_index, gc.plan(store, sqlite_index, POLICY, now=later))
+
+    other_model = fingerprint.compute({**fp.facts, "model.id": "racer"})
+    write_tree(tmp_path / "v3", {"inductor/kernel.so": b"shared kernel" * 100})
+    pausing = PausingIndex(sqlite_index)
+    box = {}
+    publisher = threading.Thread(target=lambda: box.update(r=publish(store, pausing, other_model, LAYERS,
+                                                                     root=tmp_path / "v3", env={})))  # fmt: skip
+    publisher.start()
+    assert pausing.located.wait(60)
+    # The publisher found the kernel in a condemned pack; GC now sweeps that pack away.
+    swept = gc.execute(store, sqlite_index, gc.plan(store, sqlite_index, POLICY, now=later + timedelta(hours=7)))
+    assert swept.packs_deleted >= 1
+    pausing.go_on.set()
+    publisher.join(60)
+    result = box["r"]
+    assert result.new_blobs == 1  # re-uploaded after finding its pack gone
+    assert all(store.exists(pack_key(p)) for p in _packs_of(store, result.bundle_id))
+    restore(store, sqlite_index, other_model, tmp_path / "dst")
+    assert read_tree(tmp_path / "dst/inductor") == {"kernel.so": (b"shared kernel" * 100, 0o644)}
+
+
+def test_orphans_are_deleted_only_after_grace(tmp_path, store, sqlite_index, fp):
+    store.put_bytes(pack_key("e" * 64), b"a pack whose publisher crashed before its row")
+    soon = gc.plan(store, sqlite_index, POLICY)
+    assert soon.orphans == ()
+    later = gc.plan(store, sqlite_index, POLICY, now=datetime.now(timezone.utc) + timedelta(hours=7))
+    assert [o.key for o in later.orphans] == [pack_key("e" * 64)]
+    gc.execute(store, sqlite_index, later)
+    assert not store.exists(pack_key("e" * 64))
+
+
+def test_cli_dry_run_changes_nothing(tmp_path):
+    runner = CliRunner()
+    for name, content in (("v1", b"one"), ("v2", b"two")):
+        write_tree(tmp_path / name, {"inductor/k": content})
+        runner.invoke(main, ["publish", "--from", str(tmp_path / name)], catch_exceptions=False)
+    args = ["gc", "--keep-last", "1", "--older-than", "0s", "--grace", "0s"]
+    dry = runner.invoke(main, args + ["--dry-run", "--json"], catch_exceptions=False)
+    planned = json.loads(dry.output)
+    assert len(planned["bundles_to_delete"]) == 1 and planned["result"] is None
+    listed = json.loads(runner.invoke(main, ["ls", "--json"]).output)
+    assert len(listed) == 2
+    done = runner.invoke(main, args, catch_exceptions=False)
+    assert done.exit_code == 0 and "deleted 1 bundles" in done.output
+    assert len(json.loads(runner.invoke(main, ["ls", "--json"]).output)) == 1
+    bad = runner.invoke(main, ["gc", "--older-than", "soon"])
+    assert bad.exit_code == 2 and "unit" in bad.stderr
+
+
+def test_lifecycle_revive_reports_gone_packs(sqlite_index):
+    from kcache.records import BlobLocation
+
+    sqlite_index.add_pack("a" * 64, 1, [BlobLocation("1" * 64, "a" * 64, 0, 1, 1)])
+    now = datetime.now(timezone.utc)
+    lifecycle.condemn(sqlite_index, ["a" * 64], now - timedelta(hours=1))
+    assert lifecycle.revive(sqlite_index, ["a" * 64, "b" * 64]) == {"b" * 64}
+    assert lifecycle.delete_condemned(sqlite_index, ["a" * 64], now) == set()  # revived: survives
