@@ -20,6 +20,7 @@ class Bundle:
     created_at: datetime
     created_by: str
     status: str
+    compile_seconds: float | None = None  # the cold compile a hit saves, as measured at publish
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,8 @@ class BundleRow(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     created_by: Mapped[str] = mapped_column(String(256))
     status: Mapped[str] = mapped_column(String(16), default="active")
+    # Cold warmup/compile seconds the publisher measured; what a hit on this bundle saves.
+    compile_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class PackRow(Base):

@@ -1,0 +1,115 @@
+"""`kcache explain`: why this machine hits or misses, and which facts separate it from a bundle."""
+
+from __future__ import annotations
+
+import click
+
+from kcache import explain
+from kcache.cli import format as fmt
+from kcache.cli.options import (
+    compute_fingerprint,
+    fingerprint_options,
+    handle_errors,
+    json_option,
+    open_index,
+    settings,
+    store_options,
+)
+
+# How many of the newest bundles to compare (and as many again of this model): the nearest
+# bundle is almost always recent, and comparing facts is cheap.
+SCAN = 500
+ABSENT = "(absent)"
+
+
+@click.command("explain")
+@click.option("--limit", type=click.IntRange(1), default=3, show_default=True,
+              help="On a miss, show this many of the nearest bundles.")  # fmt: skip
+@fingerprint_options
+@store_options
+@json_option
+@handle_errors
+def explain_cmd(limit, model, model_config, facts, extras, store_url, index_url, s3_endpoint_url, as_json):
+    """Explain a hit or a miss: this machine's facts and keys, and on a miss the nearest bundles.
+
+    For each near bundle, lists the facts that differ (this machine's value, the bundle's value),
+    split into toolchain and workload facts, with a one-line verdict. The answer to "why did my
+    pod start cold?". Pass the same --model/--fact/--extra as the restore did.
+
+    \b
+    Examples:
+      kcache explain --model my-llm
+      kcache explain --model my-llm --fact cpu.isa=avx512 --json
+    """
+    fp = compute_fingerprint(model, model_config, facts, extras)
+    index = open_index(settings(store_url, index_url, s3_endpoint_url).index_url)
+    try:
+        bundles = index.list_bundles(limit=SCAN)
+        bundles += index.list_bundles(model=fp.facts.get("model.id"), limit=SCAN)
+        newest = index.newest_bundle(fp.bundle_key)  # may be older than the scanned window
+        if newest is not None:
+            bundles.append(newest)
+    finally:
+        index.close()
+    result = explain.explain(fp.facts, bundles, limit=limit)
+    if as_json:
+        click.echo(fmt.to_json(_as_json(result)))
+        return
+    click.echo(f"bundle key     {fp.bundle_key}")
+    click.echo(f"toolchain key  {fp.toolchain_key}")
+    click.echo(f"workload key   {fp.workload_key}")
+    click.echo()
+    click.echo(fmt.table(["fact", "value"], sorted(fp.facts.items())))
+    click.echo()
+    if result.hit is not None:
+        b = result.hit
+        click.echo(f"hit: bundle {b.id[:12]} ({b.files} files, {fmt.size(b.bytes)}, created {fmt.when(b.created_at)} "
+                   f"UTC by {b.created_by}) matches; `kcache restore` lays it down.")  # fmt: skip
+        return
+    if not result.nearest:
+        click.echo("miss: the index holds no bundles; run `kcache publish` after a warmup")
+        return
+    click.echo(f"miss: no active bundle for bundle key {fp.bundle_key}; nearest of {result.considered} bundles:")
+    for n, cand in enumerate(result.nearest, 1):
+        b = cand.bundle
+        click.echo()
+        click.echo(f"{n}. bundle {b.id[:12]}  model {b.model or '-'}  created {fmt.when(b.created_at)} UTC  "
+                   f"{b.status}  {len(cand.differences)} fact(s) differ")  # fmt: skip
+        rows = [(d.group, d.name, _value(d.here), _value(d.bundle)) for d in cand.differences]
+        if rows:
+            table = fmt.table(["group", "fact", "this machine", "bundle"], rows)
+            click.echo("\n".join("   " + line for line in table.splitlines()))
+        click.echo(f"   verdict: {cand.verdict}")
+
+
+def _value(v: str | None) -> str:
+    return ABSENT if v is None else v
+
+
+def _bundle(b) -> dict:
+    return {
+        "id": b.id, "bundle_key": b.bundle_key, "toolchain_key": b.toolchain_key, "workload_key": b.workload_key,
+        "model": b.model, "created_at": b.created_at.isoformat(), "created_by": b.created_by, "status": b.status,
+        "files": b.files, "bytes": b.bytes, "compile_seconds": b.compile_seconds,
+    }  # fmt: skip
+
+
+def _as_json(result: explain.Explanation) -> dict:
+    nearest = [
+        {
+            "bundle": _bundle(c.bundle),
+            "verdict": c.verdict,
+            "differences": {
+                group: [{"fact": d.name, "here": d.here, "bundle": d.bundle} for d in c.group(group)]
+                for group in (explain.TOOLCHAIN, explain.WORKLOAD)
+            },
+        }
+        for c in result.nearest
+    ]
+    return {
+        **result.fingerprint.as_dict(),
+        "status": "hit" if result.hit else "miss",
+        "hit": _bundle(result.hit) if result.hit else None,
+        "considered": result.considered,
+        "nearest": nearest,
+    }

@@ -1,0 +1,140 @@
+"""Explain: why this machine's fingerprint hits or misses, and which stored bundle came closest.
+
+    this machine's facts ──► keys ──► an active bundle with our bundle key? ──► hit
+                                              │ no
+                                              ▼
+    every candidate bundle: the facts that differ (ours vs its), split toolchain / workload
+    ranked by how many facts differ, then newest first ──► nearest few, each with a verdict
+
+A miss is only ever caused by a differing fact (or a bundle that is no longer active), so naming
+the facts answers "why did my pod start cold?" without anyone reading hashes. Pure: takes facts
+and Bundle records, runs no queries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from kcache import fingerprint
+from kcache.records import Bundle
+
+TOOLCHAIN, WORKLOAD = "toolchain", "workload"
+_VALUE_IN_VERDICT = 40  # characters of a fact value quoted in a verdict (cxx.version is long)
+
+# Why a differing fact causes a miss, most decisive first: the verdict names the first that applies.
+# A name ending in "." is a prefix.
+_REASONS: tuple[tuple[str, str], ...] = (
+    ("cpu.isa", "kernels built for another ISA are never restored (they give NaNs or corrupt the heap)"),
+    ("gpu.sm", "kernels are compiled for one GPU architecture"),
+    ("gpu.name", "Inductor's keys contain the GPU name"),
+    ("arch", "kernels are machine code for one CPU architecture"),
+    ("os", "kernels are built for one operating system"),
+    ("libc", "kernels link against one C library"),
+    ("python", "caches are keyed by the Python version"),
+    ("torch.path", "compiled kernels link with absolute paths into the torch install"),
+    ("torch.", "torch's cache keys contain its version and build"),
+    ("triton.", "Triton's cache keys contain its version"),
+    ("gpu.driver", "the CUDA JIT cache is valid for one driver version"),
+    ("gpu.count", "the bundle was built for another GPU count"),
+    ("cxx.", "the C++ compiler is part of Inductor's keys"),
+    (
+        "cpu.threads",
+        "Inductor bakes the thread count into CPU kernels (TORCHINDUCTOR_CPP_DYNAMIC_THREADS=1 takes it out)",
+    ),  # fmt: skip
+    ("cpu.", "kernels were built for another CPU"),
+    ("env.", "this setting changes the code torch generates"),
+    ("model.", "a different model compiles different kernels"),
+    ("workload.", "different compile options compile different kernels"),
+    ("extra.", "the --extra workload facts differ"),
+)
+
+
+@dataclass(frozen=True)
+class FactDiff:
+    """One fact on which this machine and a bundle disagree; None means absent on that side."""
+
+    name: str
+    here: str | None
+    bundle: str | None
+
+    @property
+    def group(self) -> str:
+        return WORKLOAD if fingerprint.is_workload_fact(self.name) else TOOLCHAIN
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A stored bundle, and how it differs from this machine."""
+
+    bundle: Bundle
+    differences: tuple[FactDiff, ...]  # toolchain first, then workload; by name within each
+    verdict: str
+
+    def group(self, name: str) -> tuple[FactDiff, ...]:
+        return tuple(d for d in self.differences if d.group == name)
+
+
+@dataclass(frozen=True)
+class Explanation:
+    fingerprint: fingerprint.Fingerprint
+    hit: Bundle | None  # the newest active bundle with our bundle key: what restore would lay down
+    nearest: tuple[Candidate, ...]  # empty on a hit
+    considered: int  # bundles compared
+
+
+def diff_facts(here: Mapping[str, str], there: Mapping[str, str]) -> tuple[FactDiff, ...]:
+    """Every fact whose value differs, including facts present on one side only."""
+    names = {n for n in here.keys() | there.keys() if here.get(n) != there.get(n)}
+    ordered = sorted(names, key=lambda n: (fingerprint.is_workload_fact(n), n))
+    return tuple(FactDiff(n, here.get(n), there.get(n)) for n in ordered)
+
+
+def reason(name: str) -> str:
+    return _REASONS[_rank(name)][1] if _rank(name) < len(_REASONS) else "every toolchain fact must match exactly"
+
+
+def _rank(name: str) -> int:
+    for i, (pattern, _) in enumerate(_REASONS):
+        if name == pattern or (pattern.endswith(".") and name.startswith(pattern)):
+            return i
+    return len(_REASONS)
+
+
+def verdict(diffs: tuple[FactDiff, ...], bundle: Bundle, bundle_key: str) -> str:
+    """One line: the most decisive differing fact and why it means a miss."""
+    if not diffs:
+        if bundle.bundle_key != bundle_key:
+            return "same facts but another bundle key: published by a kcache with another fingerprint schema"
+        if bundle.status != "active":
+            return f"same bundle key, but the bundle is {bundle.status}: restore uses active bundles only"
+        return "identical: restore would use this bundle"
+    first = min(diffs, key=lambda d: (_rank(d.name), d.name))
+    more = f" and {len(diffs) - 1} more fact{'s' if len(diffs) > 2 else ''}" if len(diffs) > 1 else ""
+    return f"differs in {first.name} ({_quote(first.here, 'here')}, {_quote(first.bundle, 'in bundle')}){more}: " + (
+        reason(first.name)
+    )
+
+
+def _quote(value: str | None, side: str) -> str:
+    if value is None:
+        return f"absent {side}"
+    short = value if len(value) <= _VALUE_IN_VERDICT else value[: _VALUE_IN_VERDICT - 3] + "..."
+    return f"{short} {side}"
+
+
+def explain(facts: Mapping[str, str], bundles: Iterable[Bundle], *, limit: int = 3) -> Explanation:
+    """Compare this machine's facts with stored bundles: the hit, or the `limit` nearest bundles."""
+    fp = fingerprint.compute(facts)
+    unique = list({b.id: b for b in bundles}.values())
+    matching = [b for b in unique if b.bundle_key == fp.bundle_key and b.status == "active"]
+    hit = max(matching, key=lambda b: (b.created_at, b.id), default=None)
+    if hit is not None:
+        return Explanation(fp, hit, (), len(unique))
+    candidates = []
+    for b in unique:
+        diffs = diff_facts(fp.facts, b.facts)
+        candidates.append(Candidate(b, diffs, verdict(diffs, b, fp.bundle_key)))
+    # Fewest differences first; among equals the newest, which is what a re-publish would replace.
+    candidates.sort(key=lambda c: (len(c.differences), -c.bundle.created_at.timestamp(), c.bundle.id))
+    return Explanation(fp, None, tuple(candidates[:limit]), len(unique))

@@ -1,0 +1,158 @@
+"""Explain: which facts separate this machine from the stored bundles, and the CLI that says so."""
+
+import json
+from dataclasses import replace
+from datetime import datetime, timedelta, timezone
+
+from click.testing import CliRunner
+from hypothesis import given
+from hypothesis import strategies as st
+from trees import write_tree
+
+from kcache import fingerprint, sources
+from kcache.cli import main
+from kcache.explain import TOOLCHAIN, WORKLOAD, FactDiff, diff_facts, explain
+from kcache.index import Bundle, Index
+from kcache.publish import publish
+from kcache.store.local import LocalStore
+
+T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
+FACTS = {
+    "os": "linux", "arch": "x86_64", "python": "3.11", "torch.version": "2.13.0+cpu", "cpu.isa": "avx512",
+    "cpu.threads": "2", "cxx.name": "g++", "gpu.sm": "none", "model.id": "test-model",
+}  # fmt: skip
+
+
+def bundle(facts: dict, *, age_days: float = 0, status: str = "active", id: str | None = None) -> Bundle:
+    fp = fingerprint.compute(facts)
+    return Bundle(id or f"{fp.bundle_key}{age_days}", fp.bundle_key, fp.toolchain_key, fp.workload_key,
+                  facts.get("model.id"), dict(facts), ("inductor",), 1, 10, T0 - timedelta(days=age_days),
+                  "builder", status)  # fmt: skip
+
+
+# ---- diff logic --------------------------------------------------------------------------------
+
+
+def test_diff_names_each_side_groups_and_orders_toolchain_first():
+    here = {"cpu.isa": "avx2", "model.id": "a", "extra.tp": "2", "os": "linux", "env.TORCHINDUCTOR_X": "1"}
+    there = {"cpu.isa": "avx512", "model.id": "b", "os": "linux", "gpu.sm": "sm_90"}
+    assert diff_facts(here, there) == (
+        FactDiff("cpu.isa", "avx2", "avx512"),
+        FactDiff("env.TORCHINDUCTOR_X", "1", None),  # set here only
+        FactDiff("gpu.sm", None, "sm_90"),  # the bundle's publisher had a GPU
+        FactDiff("extra.tp", "2", None),
+        FactDiff("model.id", "a", "b"),
+    )
+    assert [d.group for d in diff_facts(here, there)] == [TOOLCHAIN] * 3 + [WORKLOAD] * 2
+
+
+fact_names = st.sampled_from(sorted(FACTS) + ["extra.tp", "env.TORCHINDUCTOR_FOO", "model.dtype", "cxx.version"])
+fact_maps = st.dictionaries(fact_names, st.sampled_from(["a", "b", "none", ""]), max_size=12)
+
+
+@given(here=fact_maps, there=fact_maps)
+def test_diff_is_exactly_the_disagreeing_facts(here, there):
+    diffs = diff_facts(here, there)
+    assert (diffs == ()) == (here == there)
+    patched = {k: v for k, v in there.items()}
+    for d in diffs:  # applying the differences to the bundle's facts gives this machine's facts
+        assert d.here != d.bundle
+        if d.here is None:
+            del patched[d.name]
+        else:
+            patched[d.name] = d.here
+        assert d.group == (WORKLOAD if fingerprint.is_workload_fact(d.name) else TOOLCHAIN)
+    assert patched == here
+    assert {d.name for d in diff_facts(there, here)} == {d.name for d in diffs}
+
+
+def test_exact_match_is_a_hit_with_no_candidates():
+    older, newer = bundle(FACTS, age_days=2), bundle(FACTS, age_days=1)
+    result = explain(FACTS, [older, newer, bundle({**FACTS, "cpu.isa": "avx2"})])
+    assert result.hit == newer and result.nearest == () and result.considered == 3
+
+
+def test_ranking_fewest_differences_then_newest():
+    one_old = bundle({**FACTS, "cpu.threads": "8"}, age_days=5)
+    one_new = bundle({**FACTS, "python": "3.12"}, age_days=1)
+    two = bundle({**FACTS, "python": "3.12", "cpu.isa": "avx2"}, age_days=0)
+    three = bundle({**FACTS, "model.id": "other", "os": "darwin", "arch": "arm64"}, age_days=0)
+    result = explain(FACTS, [three, two, one_old, one_new], limit=3)
+    assert result.hit is None
+    assert [c.bundle for c in result.nearest] == [one_new, one_old, two]
+    assert [len(c.differences) for c in result.nearest] == [1, 1, 2]
+
+
+def test_verdict_names_the_most_decisive_fact():
+    result = explain(FACTS, [bundle({**FACTS, "cpu.isa": "avx2", "cpu.threads": "8", "model.id": "x"})])
+    (cand,) = result.nearest
+    assert cand.verdict.startswith("differs in cpu.isa (avx512 here, avx2 in bundle) and 2 more facts: ")
+    assert "another ISA are never restored" in cand.verdict
+    assert [d.name for d in cand.group(TOOLCHAIN)] == ["cpu.isa", "cpu.threads"]
+    assert [d.name for d in cand.group(WORKLOAD)] == ["model.id"]
+
+
+def test_verdict_for_facts_on_one_side_and_unknown_facts():
+    missing = {k: v for k, v in FACTS.items() if k != "cxx.name"}
+    (cand,) = explain(FACTS, [bundle(missing)]).nearest
+    assert (
+        cand.verdict == "differs in cxx.name (g++ here, absent in bundle): the C++ compiler is part of Inductor's keys"
+    )
+    (cand,) = explain(FACTS, [bundle({**FACTS, "zz.new": "1"})]).nearest
+    assert cand.verdict.endswith("every toolchain fact must match exactly")
+    assert "absent here" in cand.verdict
+
+
+def test_a_yanked_bundle_with_our_key_is_not_a_hit():
+    yanked = bundle(FACTS, status="yanked")
+    result = explain(FACTS, [yanked])
+    assert result.hit is None
+    assert result.nearest[0].differences == () and "yanked" in result.nearest[0].verdict
+
+
+def test_same_facts_under_another_key_blames_the_schema():
+    other = replace(bundle(FACTS), bundle_key="f" * 32)
+    assert "fingerprint schema" in explain(FACTS, [other]).nearest[0].verdict
+
+
+# ---- the CLI against a real index ----------------------------------------------------------------
+
+
+def run(*args):
+    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_cli_explains_a_hit_and_a_miss_on_cpu_isa(tmp_path):
+    store_url, index_url = f"file://{tmp_path / 'store'}", f"sqlite:///{tmp_path / 'index.db'}"
+    write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"graph", "triton/k/kernel.cubin": b"\x7fELF"})
+    # Published from this machine's probed facts, as `kcache publish` would, with the ISA pinned.
+    fp = fingerprint.collect(model="m", overrides={"cpu.isa": "avx512"})
+    index = Index.open(index_url)
+    try:
+        published = publish(LocalStore(tmp_path / "store"), index, fp, sources.select(), root=tmp_path / "src", env={})
+    finally:
+        index.close()
+    where = ("--store", store_url, "--index", index_url, "--model", "m")
+
+    hit = json.loads(run("explain", *where, "--fact", "cpu.isa=avx512", "--json"))
+    assert hit["status"] == "hit" and hit["hit"]["id"] == published.bundle_id and hit["nearest"] == []
+    assert hit["bundle_key"] == fp.bundle_key and hit["facts"]["cpu.isa"] == "avx512"
+    assert "hit: bundle " + published.bundle_id[:12] in run("explain", *where, "--fact", "cpu.isa=avx512")
+
+    miss = json.loads(run("explain", *where, "--fact", "cpu.isa=avx2", "--json"))
+    assert miss["status"] == "miss" and miss["hit"] is None
+    (near,) = miss["nearest"]
+    assert near["bundle"]["id"] == published.bundle_id
+    assert near["differences"] == {"toolchain": [{"fact": "cpu.isa", "here": "avx2", "bundle": "avx512"}],
+                                   "workload": []}  # fmt: skip
+    assert near["verdict"].startswith("differs in cpu.isa (avx2 here, avx512 in bundle): kernels built for another ISA")
+
+    text = run("explain", *where, "--fact", "cpu.isa=avx2")
+    assert "miss: no active bundle" in text and "verdict: differs in cpu.isa (avx2 here, avx512 in bundle)" in text
+
+
+def test_cli_explain_on_an_empty_index(tmp_path):
+    out = run("explain", "--index", f"sqlite:///{tmp_path / 'i.db'}", "--model", "m")
+    assert "the index holds no bundles" in out
