@@ -30,6 +30,7 @@ import tempfile  # noqa: E402
 from typing import Any  # noqa: E402
 
 from kcache.sources.base import torch_user  # noqa: E402
+from kcache.torch import counters as inductor_counters  # noqa: E402
 
 ARTIFACT_SUFFIXES = (".so", ".gch", ".pch")
 HEADS = 4
@@ -85,18 +86,6 @@ def artifact_snapshot(dirs: list[str]) -> Snapshot:
 def count_changed(before: Snapshot, after: Snapshot) -> int:
     """Number of artifacts that are new in ``after`` or differ in size or mtime."""
     return sum(1 for path, stat in after.items() if before.get(path) != stat)
-
-
-def inductor_counters() -> dict[str, int]:
-    """Torch's cache counters for this process (key names checked against torch 2.13.0)."""
-    from torch._dynamo.utils import counters
-
-    return {
-        "fxgraph_hit": int(counters["inductor"]["fxgraph_cache_hit"]),
-        "fxgraph_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
-        "aotautograd_hit": int(counters["aot_autograd"]["autograd_cache_hit"]),
-        "aotautograd_miss": int(counters["aot_autograd"]["autograd_cache_miss"]),
-    }
 
 
 def _block_class() -> type:

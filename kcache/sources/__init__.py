@@ -10,6 +10,7 @@ from kcache.sources.base import FileInfo, Source
 from kcache.sources.cuda import CudaSource
 from kcache.sources.extra import ExtraSource, parse_extra_dir
 from kcache.sources.inductor import InductorSource, PrecompiledHeaderSource
+from kcache.sources.megacache import MegacacheSource
 from kcache.sources.triton import TritonSource
 from kcache.sources.vllm import VllmSource
 
@@ -19,6 +20,7 @@ BUILTIN: tuple[Source, ...] = (
     TritonSource(),
     CudaSource(),
     VllmSource(),
+    MegacacheSource(),
 )
 
 __all__ = [
@@ -44,6 +46,16 @@ def select(names: Iterable[str] | None = None, extras: Iterable[ExtraSource] = (
             raise ConfigError("layer", ",".join(unknown), f"known layers: {', '.join(by_name)}")
         chosen = [by_name[n] for n in names]
     return chosen + list(extras)
+
+
+def in_root(root: Path, names: Iterable[str] | None = None, extras: Iterable[ExtraSource] = ()) -> list[Source]:
+    """Layers to read from a restore root: the chosen built-ins, the extras named, and every
+    extra directory a restore laid down under ROOT/extra/ (publish --from must not drop them)."""
+    extras = list(extras)
+    named = {e.name for e in extras}
+    extra_dir = Path(root) / "extra"
+    found = sorted(p.name for p in extra_dir.iterdir() if p.is_dir()) if extra_dir.is_dir() else []
+    return select(names, extras + [ExtraSource(n) for n in found if f"extra:{n}" not in named])
 
 
 def for_manifest(layers: Iterable[str]) -> list[Source]:

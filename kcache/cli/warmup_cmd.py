@@ -1,0 +1,206 @@
+"""`kcache warmup` (send every profile's shape before users do) and `kcache prebake` (+ publish)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import click
+
+from kcache import profiles as profile_files
+from kcache import warmup
+from kcache.cli import format as fmt
+from kcache.cli.options import (
+    compute_fingerprint,
+    fingerprint_options,
+    handle_errors,
+    json_option,
+    load_signing_key,
+    open_index,
+    settings,
+    stderr_is_terminal,
+    store_options,
+)
+from kcache.errors import ConfigError
+from kcache.prebake import ChildWarmup, ServerWarmup, prebake
+from kcache.store import open_store
+
+PROFILES_HELP = """\b
+Profiles file (YAML or TOML):
+  profiles:                      [[profiles]]
+    - name: chat                 name = "chat"
+      batch_size: 1              batch_size = 1
+      input_tokens: 512          input_tokens = 512
+      output_tokens: 64          output_tokens = 64
+      repeats: 3                 repeats = 3      # optional, default 1
+"""
+
+
+def target_options(fn):
+    defaults = ", ".join(f"{p.name} {p.batch_size}x{p.input_tokens}->{p.output_tokens} x{p.repeats}"
+                         for p in profile_files.DEFAULTS)  # fmt: skip
+    options = (
+        click.option("--entrypoint", metavar="MODULE:FUNCTION",
+                     help="Call FUNCTION(batch_size, input_tokens, output_tokens) in-process per run."),
+        click.option("--url", metavar="URL",
+                     help="An OpenAI-compatible server (vLLM, SGLang, TGI), e.g. http://127.0.0.1:8000."),
+        click.option("--profiles", "profiles_file", type=click.Path(dir_okay=False, path_type=Path),
+                     envvar="KCACHE_WARMUP_PROFILES",
+                     help=f"YAML/TOML profiles file (env KCACHE_WARMUP_PROFILES; default: {defaults})."),
+        click.option("--parallel", type=click.IntRange(1, 64), default=1, show_default=True,
+                     help="Profiles run at once (singles still finish before batches)."),
+        click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=300.0,
+                     show_default=True, help="Seconds one HTTP request may take (--url)."),
+        click.option("--wait-timeout", type=click.FloatRange(min=0), default=600.0, show_default=True,
+                     help="Seconds to wait for the server's /health (or /v1/models) to answer 200 (--url)."),
+        click.option("--served-model", metavar="NAME",
+                     help="The `model` field of requests (--url; default: the first of /v1/models)."),
+    )  # fmt: skip
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _profiles(path: Path | None) -> tuple[profile_files.Profile, ...]:
+    return profile_files.load(path) if path else profile_files.DEFAULTS
+
+
+def _check_target(entrypoint: str | None, url: str | None) -> None:
+    if bool(entrypoint) == bool(url):
+        raise ConfigError("target", entrypoint or url or "", "pass exactly one of --entrypoint and --url")
+
+
+def _http(url, request_timeout, wait_timeout, served_model) -> warmup.HttpTarget:
+    return warmup.HttpTarget(url, request_timeout=request_timeout, wait_timeout=wait_timeout, served_model=served_model)
+
+
+def _note():
+    return (lambda msg: click.echo(f"kcache: {msg}", err=True)) if stderr_is_terminal() else None
+
+
+@click.command("warmup", epilog=PROFILES_HELP)
+@target_options
+@click.option("--root", type=click.Path(file_okay=False, path_type=Path), envvar="KCACHE_ROOT",
+              help="Write the readiness marker ROOT/.kcache-warmup.json (env KCACHE_ROOT). "
+                   "Without it no marker is written.")  # fmt: skip
+@json_option
+@handle_errors
+def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_timeout, served_model, root, as_json):
+    """Send every warmup profile's shape once, singles first, then batches by size.
+
+    Reports each profile's first latency (the compile) and steady-state median. Exits 1 if any
+    profile failed or the server never became healthy; the marker then says "failed". With
+    --entrypoint, a process that imported torch also saves torch's Mega-Cache to
+    $KCACHE_MEGACACHE when that is set (ROOT/kcache.env sets it).
+
+    \b
+    Examples:
+      kcache warmup --url http://127.0.0.1:8000 --root /cache
+      kcache warmup --entrypoint myservice.warm:run --profiles profiles.yaml --json
+    """
+    _check_target(entrypoint, url)
+    chosen = _profiles(profiles_file)
+    if entrypoint:
+        target = warmup.load_entrypoint(entrypoint)
+        report = warmup.run(target, chosen, parallel=parallel, progress=_note(), probe=warmup.torch_counters)
+        report = warmup.save_megacache(report)
+    else:
+        report = warmup.run(_http(url, request_timeout, wait_timeout, served_model), chosen,
+                            parallel=parallel, progress=_note())  # fmt: skip
+    marker = warmup.write_marker(root, report) if root else None
+    if as_json:
+        click.echo(fmt.to_json({**warmup.to_dict(report), "marker": str(marker) if marker else None}))
+    else:
+        _print_report(report)
+        click.echo(f"kcache: marker {marker}" if marker else "kcache: no readiness marker (no --root)")
+    if report.status != "ok":
+        raise click.exceptions.Exit(1)
+
+
+def _print_report(report: warmup.WarmupReport) -> None:
+    rows = [
+        (r.profile.name, f"{r.profile.batch_size}x{r.profile.input_tokens}->{r.profile.output_tokens}",
+         f"{len(r.latencies)}/{r.profile.repeats}", _secs(r.first), _secs(r.steady),
+         "ok" if r.ok else f"FAILED: {r.error}")
+        for r in report.results
+    ]  # fmt: skip
+    if rows:
+        click.echo(fmt.table(("profile", "shape", "runs", "first", "steady", "result"), rows))
+    if report.counters:
+        c = report.counters
+        click.echo(f"torch caches: fx graph {c['fxgraph_hit']} hit / {c['fxgraph_miss']} miss, "
+                   f"aot autograd {c['aotautograd_hit']} hit / {c['aotautograd_miss']} miss")  # fmt: skip
+    verdict = "ok" if report.status == "ok" else "FAILED"
+    click.echo(f"kcache: warmup of {report.target}: {verdict}, {len(report.results)} profiles "
+               f"in {fmt.seconds(report.seconds)}")  # fmt: skip
+    if report.error:
+        click.echo(f"kcache: error: {report.error}", err=True)
+    for r in report.failed:
+        click.echo(f"kcache: profile {r.profile.name} failed: {r.error}", err=True)
+
+
+def _secs(value: float | None) -> str:
+    return "-" if value is None else fmt.seconds(value)
+
+
+@click.command("prebake", epilog=PROFILES_HELP)
+@target_options
+@click.option("--root", required=True, type=click.Path(file_okay=False, path_type=Path), envvar="KCACHE_ROOT",
+              help="Work directory (env KCACHE_ROOT): restored into, warmed up against, published from.")  # fmt: skip
+@click.option("--signing-key", type=click.Path(dir_okay=False, path_type=Path), envvar="KCACHE_SIGNING_KEY",
+              help="Sign the manifest with this key from `kcache keygen` (env KCACHE_SIGNING_KEY).")  # fmt: skip
+@click.option("--jobs", type=click.IntRange(1, 256), default=8, show_default=True, help="Parallel transfers.")
+@fingerprint_options
+@store_options
+@json_option
+@handle_errors
+def prebake_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_timeout, served_model, root,
+                signing_key, jobs, model, model_config, facts, extras,
+                store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
+    """Warm up, then publish: the build-pipeline step that ships warm caches.
+
+    With --entrypoint: restore into ROOT (a miss just lays it out), run the warmup in a child
+    process with ROOT/kcache.env applied, then publish ROOT. With --url: the server must already
+    run with ROOT's environment (`kcache restore --into ROOT`, then `. ROOT/kcache.env` before
+    starting it); prebake warms it up and publishes ROOT. Nothing is published if a profile fails.
+    Use --fact to publish from a CPU-only builder under the production machine's fingerprint.
+
+    \b
+    Examples:
+      kcache prebake --root /build/cache --entrypoint myservice.warm:run --model my-llm
+      kcache prebake --root /cache --url http://127.0.0.1:8000 --model my-llm --fact gpu.sm=sm_90
+    """
+    _check_target(entrypoint, url)
+    if entrypoint:
+        if profiles_file:
+            _profiles(profiles_file)  # fail here, before the restore, on a bad file
+        warmer = ChildWarmup(entrypoint, profiles_file, parallel)
+    else:
+        warmer = ServerWarmup(_http(url, request_timeout, wait_timeout, served_model), _profiles(profiles_file),
+                              parallel)  # fmt: skip
+    fp = compute_fingerprint(model, model_config, facts, extras)
+    key = load_signing_key(signing_key)
+    cfg = settings(store_url, index_url, s3_endpoint_url)
+    store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
+    index = open_index(cfg.index_url)
+    try:
+        note = None if as_json else _note()
+        result = prebake(store, index, fp, root, warmer, jobs=jobs, progress=note, signing_key=key)
+    finally:
+        index.close()
+    if as_json:
+        click.echo(fmt.to_json({
+            "restore": asdict(result.restore) if result.restore else None,
+            "warmup": warmup.to_dict(result.warmup),
+            "publish": asdict(result.publish) if result.publish else None,
+        }))  # fmt: skip
+    else:
+        _print_report(result.warmup)
+        if result.publish:
+            p = result.publish
+            verb = "published" if p.created else "unchanged (already published)"
+            click.echo(f"kcache: {verb} bundle {p.bundle_id[:12]} for key {p.bundle_key}: {p.files} files, "
+                       f"{fmt.size(p.bytes)}; {p.new_blobs} new blobs in {fmt.seconds(p.seconds)}")  # fmt: skip
+    if result.publish is None:
+        click.echo("kcache: warmup failed; nothing was published", err=True)
+        raise click.exceptions.Exit(1)

@@ -1,0 +1,144 @@
+"""Prebake: the build-pipeline step. Restore into ROOT, warm up against ROOT, publish from ROOT.
+
+    ROOT/                       (--root; a build workspace or an emptyDir)
+      kcache.env                written by restore; the warmup runs with these exports
+      inductor/ tmp/ triton/ cuda/ vllm/ megacache/ extra/<name>/
+      .kcache-state.json        restore's marker
+      .kcache-warmup.json       warmup's marker
+
+With an entrypoint, the compile must land in ROOT, and torch fixes some of its directories early:
+TORCHINDUCTOR_CACHE_DIR is read when first needed, but the precompiled-header directory comes from
+$TMPDIR when torch._inductor.codecache is imported, and Python's tempfile remembers the temp dir
+from its first use (TORCH_FACTS.md). Setting os.environ in this process would be right only if
+nothing had touched torch or tempfile yet, which a CLI process cannot promise. So the warmup runs
+in a child process, `python -m kcache warmup --entrypoint ... --root ROOT --json`, started with
+ROOT/kcache.env applied to its environment:
+every import in it sees ROOT's variables from the first line, this process never imports torch,
+and a crash or a leaked thread in the user's code cannot take publish down with it. The child also
+saves torch's Mega-Cache into ROOT/megacache (kcache.env exports KCACHE_MEGACACHE).
+
+With a server URL, the server is the one compiling, so it must already run with ROOT's
+environment: prebake then needs an existing ROOT/kcache.env (`kcache restore --into ROOT`, then
+start the server after `. ROOT/kcache.env`) and does not restore again, which would swap
+directories under the running server.
+
+The fingerprint comes from this process, with --fact overrides describing the production machine,
+so a CPU-only builder can publish under the key that production will compute for itself.
+Publish runs only when every profile succeeded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from kcache import envfile, readiness, sources, warmup
+from kcache.errors import ConfigError, KcacheError
+from kcache.fingerprint import Fingerprint
+from kcache.profiles import Profile
+from kcache.publish import PublishResult, publish
+from kcache.restore import RestoreResult, restore
+from kcache.signing import SigningKey
+from kcache.store import Store
+
+if TYPE_CHECKING:
+    from kcache.index import Index
+
+
+class WarmupChildFailed(KcacheError):
+    """The warmup child process ended without a report (it printed its error on stderr)."""
+
+    def __init__(self, returncode: int):
+        self.returncode = returncode
+        super().__init__(f"the warmup process exited with code {returncode} and no report; see its error above")
+
+
+class Warmer(Protocol):
+    needs_restore: bool  # prebake lays ROOT out first (False: ROOT must already be laid out)
+
+    def warm(self, root: Path, progress: Callable[[str], None]) -> warmup.WarmupReport: ...
+
+
+@dataclass(frozen=True)
+class ChildWarmup:
+    """An entrypoint, warmed up in a child process that runs with ROOT/kcache.env."""
+
+    entrypoint: str
+    profiles_file: Path | None = None  # None: the default profiles
+    parallel: int = 1
+    env: Mapping[str, str] | None = None  # the child's base environment (default: this process's)
+    needs_restore: bool = True
+
+    def command(self, root: Path) -> list[str]:
+        cmd = [sys.executable, "-m", "kcache", "warmup", "--entrypoint", self.entrypoint, "--root", str(root),
+               "--parallel", str(self.parallel), "--json"]  # fmt: skip
+        return cmd + (["--profiles", str(Path(self.profiles_file).absolute())] if self.profiles_file else [])
+
+    def warm(self, root: Path, progress: Callable[[str], None]) -> warmup.WarmupReport:
+        env = {**(os.environ if self.env is None else self.env), **envfile.read(root / envfile.NAME)}
+        progress(f"warming up {self.entrypoint} in a child process with {root / envfile.NAME}")
+        # stderr is inherited: the child's progress and errors reach the user directly.
+        done = subprocess.run(self.command(root), env=env, stdout=subprocess.PIPE, text=True)
+        lines = done.stdout.strip().splitlines()
+        try:
+            return warmup.from_dict(json.loads(lines[-1]))
+        except (IndexError, ValueError, KeyError, TypeError):
+            raise WarmupChildFailed(done.returncode) from None
+
+
+@dataclass(frozen=True)
+class ServerWarmup:
+    """A running OpenAI-compatible server that was started with ROOT/kcache.env."""
+
+    target: warmup.HttpTarget
+    profiles: tuple[Profile, ...]
+    parallel: int = 1
+    needs_restore: bool = False
+
+    def warm(self, root: Path, progress: Callable[[str], None]) -> warmup.WarmupReport:
+        report = warmup.run(self.target, self.profiles, parallel=self.parallel, progress=progress)
+        warmup.write_marker(root, report)
+        return report
+
+
+@dataclass(frozen=True)
+class PrebakeResult:
+    restore: RestoreResult | None  # None when ROOT was laid out beforehand (server mode)
+    warmup: warmup.WarmupReport
+    publish: PublishResult | None  # None when warmup failed: nothing is published
+
+
+def prebake(
+    store: Store,
+    index: Index,
+    fingerprint: Fingerprint,
+    root: Path,
+    warmer: Warmer,
+    *,
+    jobs: int = 8,
+    progress: Callable[[str], None] | None = None,
+    signing_key: SigningKey | None = None,
+) -> PrebakeResult:
+    root = Path(root).absolute()
+    note = progress or (lambda _msg: None)
+    restored = None
+    if warmer.needs_restore:
+        restored = restore(store, index, fingerprint, root, jobs=jobs)
+        note(f"restore: {restored.status} ({restored.files} files)")
+    elif not (root / envfile.NAME).is_file():
+        raise ConfigError("--root", str(root), "has no kcache.env: run `kcache restore --into ROOT` and start "
+                                               "the server after `. ROOT/kcache.env` first")  # fmt: skip
+    report = warmer.warm(root, note)
+    if report.status != "ok":
+        return PrebakeResult(restored, report, None)
+    # After a cold start, the warmup's time is what a hit on this bundle saves (`kcache stats`).
+    cold = (readiness.read_marker(root, readiness.RESTORE_MARKER) or {}).get("status") == "miss"
+    published = publish(store, index, fingerprint, sources.in_root(root), root=root, jobs=jobs, progress=note,
+                        signing_key=signing_key, compile_seconds=report.seconds if cold else None)  # fmt: skip
+    return PrebakeResult(restored, report, published)

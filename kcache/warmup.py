@@ -1,0 +1,352 @@
+"""Warmup: send every profile's shape once so that compiles happen before users arrive.
+
+Order: single requests (batch size 1) first, in the profiles' order, then batches by batch size.
+A single request is what a readiness probe or the first user sends, and it compiles the smallest
+graphs; batches then grow the shapes one step at a time. With `parallel` > 1 the profiles of
+each phase run on a thread pool, but every single-request profile still finishes before the
+first batch starts.
+
+Two targets:
+
+* `CallableTarget`: `module:function`, called in this process as fn(batch_size, input_tokens,
+  output_tokens). torch.compile is not thread-safe while compiling: use parallel > 1 only if
+  the function is.
+* `HttpTarget`: an OpenAI-compatible server (vLLM, SGLang, TGI). It waits for GET /health (a
+  404 there falls back to GET /v1/models), then sends a batch of B as B concurrent POSTs to
+  /v1/completions, each with one prompt of about `input_tokens` tokens and max_tokens =
+  `output_tokens`. Concurrent single-prompt requests rather than one request with a list of
+  prompts: every server accepts them, and they reach the server's batcher the way real traffic
+  does. Each prompt starts with a unique number so that prefix caching cannot shorten it.
+
+Each profile's first run (the compile) and the median of its later runs (the steady state) are
+reported; a profile whose run raises is failed with the error and the others still run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import statistics
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from kcache import readiness
+from kcache.errors import ConfigError, KcacheError
+from kcache.profiles import Profile
+
+log = logging.getLogger(__name__)
+
+Counters = Mapping[str, int]
+
+
+class Target(Protocol):
+    name: str
+
+    def prepare(self) -> None:
+        """Block until the target can take requests; raise KcacheError if it never can."""
+
+    def __call__(self, profile: Profile) -> None:
+        """Run one request (or one batch) of the profile's shape; raise on failure."""
+
+
+class ServerUnavailable(KcacheError):
+    """The warmup server did not become healthy in time."""
+
+    def __init__(self, url: str, seconds: float, why: str):
+        self.url, self.seconds, self.why = url, seconds, why
+        super().__init__(f"{url} was not healthy within {seconds:g} s: {why}")
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    profile: Profile
+    ok: bool
+    latencies: tuple[float, ...]  # seconds per completed run, in order
+    error: str = ""
+    counters: Counters | None = None  # torch cache counters during this profile (sequential runs only)
+
+    @property
+    def first(self) -> float | None:
+        return self.latencies[0] if self.latencies else None
+
+    @property
+    def steady(self) -> float | None:
+        """Median of the runs after the first (the first one compiles); the first if it ran alone."""
+        later = self.latencies[1:]
+        return statistics.median(later) if later else self.first
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    status: str  # ok | failed
+    target: str
+    seconds: float
+    results: tuple[ProfileResult, ...]
+    error: str = ""  # the target never became usable
+    counters: Counters | None = None  # torch cache counters of the whole process, if torch ran here
+    megacache: str | None = None  # the Mega-Cache blob written after warmup
+
+    @property
+    def failed(self) -> tuple[ProfileResult, ...]:
+        return tuple(r for r in self.results if not r.ok)
+
+
+def schedule(profiles: Iterable[Profile]) -> tuple[tuple[Profile, ...], tuple[Profile, ...]]:
+    """(single-request profiles in the given order, batch profiles by batch size then length)."""
+    profiles = list(profiles)
+    singles = tuple(p for p in profiles if p.batch_size == 1)
+    batches = sorted((p for p in profiles if p.batch_size > 1), key=lambda p: (p.batch_size, p.input_tokens))
+    return singles, tuple(batches)
+
+
+def run(
+    target: Target,
+    profiles: Iterable[Profile],
+    *,
+    parallel: int = 1,
+    progress: Callable[[str], None] | None = None,
+    probe: Callable[[], Counters | None] | None = None,
+) -> WarmupReport:
+    """Run every profile against `target` in schedule order. Never raises for a failing profile.
+
+    `probe` returns cache counters (e.g. torch's) so each sequential profile reports what it hit.
+    """
+    started = time.perf_counter()
+    note = progress or (lambda _msg: None)
+    try:
+        target.prepare()
+    except KcacheError as exc:
+        return WarmupReport("failed", target.name, time.perf_counter() - started, (), error=str(exc))
+    results: list[ProfileResult] = []
+    for phase in schedule(profiles):
+        if parallel <= 1:
+            results += [_run_profile(target, p, note, probe) for p in phase]
+        else:
+            with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="kcache-warmup") as pool:
+                results += list(pool.map(lambda p: _run_profile(target, p, note, None), phase))
+    status = "ok" if all(r.ok for r in results) else "failed"
+    counters = probe() if probe else None
+    return WarmupReport(status, target.name, time.perf_counter() - started, tuple(results), counters=counters)
+
+
+def _run_profile(target: Target, profile: Profile, note, probe) -> ProfileResult:
+    before = probe() if probe else None
+    latencies: list[float] = []
+    error = ""
+    for i in range(profile.repeats):
+        note(f"{profile.name}: run {i + 1}/{profile.repeats}")
+        t0 = time.perf_counter()
+        try:
+            target(profile)
+        except Exception as exc:  # the target is user code or a server: any failure fails the profile
+            error = describe(exc)
+            break
+        latencies.append(time.perf_counter() - t0)
+    after = probe() if probe else None
+    delta = {k: v - (before or {}).get(k, 0) for k, v in after.items()} if after is not None else None
+    return ProfileResult(profile, not error, tuple(latencies), error, delta)
+
+
+def describe(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, KcacheError) else f"{type(exc).__name__}: {exc}"
+
+
+# ---- in-process target ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CallableTarget:
+    name: str
+    fn: Callable[[int, int, int], Any]
+
+    def prepare(self) -> None:
+        pass
+
+    def __call__(self, profile: Profile) -> None:
+        self.fn(profile.batch_size, profile.input_tokens, profile.output_tokens)
+
+
+def load_entrypoint(spec: str) -> CallableTarget:
+    """`module:function`, looked up like uvicorn does: the current directory first on sys.path."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError("--entrypoint", spec, "expected module:function")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError("--entrypoint", spec, f"cannot import {module_name}: {exc}") from None
+    fn: Any = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+    if not callable(fn):
+        raise ConfigError("--entrypoint", spec, f"{module_name} has no callable {attr}")
+    return CallableTarget(spec, fn)
+
+
+def torch_counters() -> Counters | None:
+    """Torch's cache counters when the entrypoint has imported torch; None otherwise (never imports it)."""
+    if "torch" not in sys.modules:
+        return None
+    from kcache.torch import counters
+
+    return counters()
+
+
+def save_megacache(report: WarmupReport, env: Mapping[str, str] | None = None) -> WarmupReport:
+    """After an in-process warmup: write torch's Mega-Cache to $KCACHE_MEGACACHE if both are there."""
+    env = os.environ if env is None else env
+    if "torch" not in sys.modules or not env.get("KCACHE_MEGACACHE"):
+        return report
+    from kcache import torch as ktorch
+
+    saved = ktorch.save_megacache(ktorch.megacache_path(env=env))
+    return replace(report, megacache=str(saved.path)) if saved else report
+
+
+# ---- HTTP target ---------------------------------------------------------------------------------
+
+# Common English words that most BPE vocabularies hold as one token each (with a leading space).
+_WORDS = ("time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world", "school")
+
+
+def prompt(tokens: int, nonce: int) -> str:
+    """About `tokens` tokens; the leading number makes each prompt's prefix unique."""
+    words = [str(nonce)] + [_WORDS[i % len(_WORDS)] for i in range(max(0, tokens - 2))]
+    return " ".join(words)
+
+
+class HttpTarget:
+    """An OpenAI-compatible completions server; see the module docstring for the request shape."""
+
+    def __init__(self, url: str, *, request_timeout: float = 120.0, wait_timeout: float = 600.0,
+                 served_model: str | None = None, poll_interval: float = 0.5):  # fmt: skip
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError("--url", url, "expected http://host:port")
+        self.name = self.url = url.rstrip("/")
+        self.request_timeout, self.wait_timeout, self.poll_interval = request_timeout, wait_timeout, poll_interval
+        self.model = served_model
+        self._nonce = 0
+        self._lock = threading.Lock()
+
+    def prepare(self) -> None:
+        deadline = time.monotonic() + self.wait_timeout
+        why = "no answer"
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                if self._healthy(max(0.1, min(remaining, self.request_timeout, 10.0))):
+                    break
+                why = "health endpoint answered but not 200"
+            except (OSError, ValueError) as exc:
+                why = _http_error(exc, self.request_timeout)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ServerUnavailable(self.url, self.wait_timeout, why)
+            time.sleep(min(self.poll_interval, remaining))  # a retry interval, not synchronisation
+        if self.model is None:
+            self.model = self._first_model()
+
+    def _healthy(self, timeout: float) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as response:
+                return response.status == 200
+        except urllib.error.HTTPError as exc:
+            if exc.code not in (404, 405):
+                raise
+        with urllib.request.urlopen(self.url + "/v1/models", timeout=timeout) as response:
+            return response.status == 200
+
+    def _first_model(self) -> str | None:
+        """The first served model's id; None lets the server use its default."""
+        try:
+            with urllib.request.urlopen(self.url + "/v1/models", timeout=self.request_timeout) as response:
+                data = json.load(response).get("data") or []
+            return str(data[0]["id"]) if data else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.info("no model list at %s/v1/models (%s); requests name no model", self.url, exc)
+            return None
+
+    def __call__(self, profile: Profile) -> None:
+        with self._lock:
+            first, self._nonce = self._nonce, self._nonce + profile.batch_size
+        if profile.batch_size == 1:
+            self._complete(profile, first)
+            return
+        with ThreadPoolExecutor(max_workers=profile.batch_size, thread_name_prefix="kcache-http") as pool:
+            for future in [pool.submit(self._complete, profile, first + i) for i in range(profile.batch_size)]:
+                future.result()  # the first failure fails the batch
+
+    def _complete(self, profile: Profile, nonce: int) -> None:
+        body: dict[str, Any] = {"prompt": prompt(profile.input_tokens, nonce),
+                                "max_tokens": profile.output_tokens, "temperature": 0}  # fmt: skip
+        if self.model:
+            body["model"] = self.model
+        request = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=self.request_timeout) as response:
+                answer = json.load(response)
+        except (OSError, ValueError) as exc:
+            raise WarmupRequestError(_http_error(exc, self.request_timeout)) from None
+        if not isinstance(answer, dict) or not answer.get("choices"):
+            raise WarmupRequestError(f"answer has no choices: {str(answer)[:200]}")
+
+
+class WarmupRequestError(KcacheError):
+    """One warmup request failed; the message is what the report shows (the profile fails, not the run)."""
+
+
+def _http_error(exc: BaseException, timeout: float) -> str:
+    if isinstance(exc, urllib.error.HTTPError):
+        detail = exc.read(300).decode("utf-8", "replace").strip()
+        return f"HTTP {exc.code} {exc.reason}" + (f": {detail}" if detail else "")
+    reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    if isinstance(reason, TimeoutError):
+        return f"no answer within {timeout:g} s (--request-timeout)"
+    return f"{type(reason).__name__}: {reason}"
+
+
+# ---- reports ---------------------------------------------------------------------------------------
+
+
+def to_dict(report: WarmupReport) -> dict[str, Any]:
+    """The report as JSON-ready data (raw seconds), also the readiness marker's content."""
+    doc = asdict(report)
+    doc["profiles"] = [
+        {**asdict(r.profile), "ok": r.ok, "first_s": r.first, "steady_s": r.steady,
+         "latencies_s": list(r.latencies), "error": r.error, "counters": r.counters}
+        for r in report.results
+    ]  # fmt: skip
+    del doc["results"]
+    return doc
+
+
+def from_dict(doc: Mapping[str, Any]) -> WarmupReport:
+    """Inverse of `to_dict` (a child process's report)."""
+    fields = ("name", "batch_size", "input_tokens", "output_tokens", "repeats")
+    results = tuple(
+        ProfileResult(
+            Profile(**{k: p[k] for k in fields}), p["ok"], tuple(p["latencies_s"]), p["error"], p.get("counters")
+        )  # fmt: skip
+        for p in doc["profiles"]
+    )
+    return WarmupReport(doc["status"], doc["target"], doc["seconds"], results, doc.get("error", ""),
+                        doc.get("counters"), doc.get("megacache"))  # fmt: skip
+
+
+def write_marker(root: Path, report: WarmupReport) -> Path:
+    """ROOT/.kcache-warmup.json: readiness turns green only on status "ok"."""
+    Path(root).mkdir(parents=True, exist_ok=True)
+    return readiness.write_marker(Path(root), readiness.WARMUP_MARKER, to_dict(report))

@@ -1,0 +1,98 @@
+"""A small OpenAI-compatible server on 127.0.0.1, port 0, for warmup tests.
+
+Speaks just enough of vLLM's API: GET /health, GET /v1/models, POST /v1/completions. Behaviour is
+set per instance: `fail_status` answers completions with that status, `hold` makes completions
+wait on a threading.Event (released by `close`), `unhealthy` answers /health 503 that many times
+before 200 (-1: forever), `no_health` answers /health 404 like a server without it, and
+`compile_into` writes one file per new request shape there, as a compiling server would.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+
+class OpenAIServer:
+    MODEL = "tiny-test-model"
+
+    def __init__(self, *, fail_status: int | None = None, hold: bool = False, unhealthy: int = 0,
+                 no_health: bool = False, compile_into: Path | None = None):  # fmt: skip
+        self.fail_status, self.hold, self.unhealthy, self.no_health = fail_status, hold, unhealthy, no_health
+        self.compile_into = compile_into
+        self.release = threading.Event()
+        self.completions: list[dict] = []  # request bodies, in arrival order
+        self.health_checks = 0
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def __enter__(self) -> OpenAIServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.release.set()  # let held handlers finish so shutdown does not wait on them
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+    def _handler(self):
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:  # keep test output clean
+                pass
+
+            def _send(self, status: int, doc: dict) -> None:
+                body = json.dumps(doc).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up (a timeout test)
+                    pass
+
+            def do_GET(self) -> None:
+                if self.path == "/health":
+                    with owner._lock:
+                        owner.health_checks += 1
+                        sick = owner.unhealthy < 0 or owner.health_checks <= owner.unhealthy
+                    if owner.no_health:
+                        self._send(404, {"error": "not found"})
+                    else:
+                        self._send(503 if sick else 200, {})
+                elif self.path == "/v1/models":
+                    self._send(200, {"object": "list", "data": [{"id": owner.MODEL, "object": "model"}]})
+                else:
+                    self._send(404, {"error": "not found"})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with owner._lock:
+                    owner.completions.append(body)
+                    if owner.compile_into is not None:
+                        shape = f"{len(body['prompt'].split())}-{body['max_tokens']}"
+                        (owner.compile_into / f"kernel-{shape}.so").write_text(shape)
+                if owner.hold:
+                    owner.release.wait()
+                if owner.fail_status:
+                    self._send(owner.fail_status, {"error": {"message": "engine exploded"}})
+                    return
+                text = " x" * int(body["max_tokens"])
+                self._send(200, {"object": "text_completion", "model": body.get("model"),
+                                 "choices": [{"index": 0, "text": text, "finish_reason": "length"}]})  # fmt: skip
+
+        return Handler

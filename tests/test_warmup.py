@@ -1,0 +1,234 @@
+"""`kcache warmup` and `kcache prebake` against real targets: in-process callables, a child
+process, and a real HTTP server on 127.0.0.1 (tests/openai_server.py)."""
+
+import json
+import os
+import statistics
+import threading
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from openai_server import OpenAIServer
+
+from kcache import envfile, readiness, warmup
+from kcache.cli import main
+from kcache.profiles import Profile
+
+TESTS = Path(__file__).resolve().parent
+
+PROFILES = """\
+profiles:
+  - {name: batch-8, batch_size: 8, input_tokens: 16, output_tokens: 2}
+  - {name: one-a, batch_size: 1, input_tokens: 32, output_tokens: 4, repeats: 3}
+  - {name: batch-2, batch_size: 2, input_tokens: 64, output_tokens: 3, repeats: 2}
+  - {name: one-b, batch_size: 1, input_tokens: 8, output_tokens: 1}
+"""
+ORDER = ["one-a", "one-b", "batch-2", "batch-8"]
+
+# ---- entrypoints (module:function targets for the tests below) ----------------------------------
+
+CALLS: list[tuple[int, int, int]] = []
+
+
+def record(batch_size, input_tokens, output_tokens):
+    CALLS.append((batch_size, input_tokens, output_tokens))
+
+
+def fail_on_batches(batch_size, input_tokens, output_tokens):
+    if batch_size > 1:
+        raise RuntimeError(f"out of memory at batch {batch_size}")
+
+
+def write_kernel(batch_size, input_tokens, output_tokens):
+    """Stands in for a compile: writes into the Inductor cache dir this process was started with."""
+    cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    (cache / f"kernel-{batch_size}x{input_tokens}.so").write_text(os.environ["TMPDIR"])
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def cli(*args, code=0):
+    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    assert result.exit_code == code, result.output
+    return result
+
+
+@pytest.fixture
+def profiles_file(tmp_path):
+    path = tmp_path / "profiles.yaml"
+    path.write_text(PROFILES)
+    return path
+
+
+# ---- ordering and in-process entrypoints ---------------------------------------------------------
+
+
+def test_schedule_runs_singles_first_then_batches_by_size():
+    ps = [Profile("b8", 8, 1, 1), Profile("s1", 1, 9, 1), Profile("b2", 2, 5, 1), Profile("s2", 1, 3, 1),
+          Profile("b2-short", 2, 1, 1)]  # fmt: skip
+    singles, batches = warmup.schedule(ps)
+    assert [p.name for p in singles] == ["s1", "s2"]  # singles keep the file's order
+    assert [p.name for p in batches] == ["b2-short", "b2", "b8"]
+
+
+def test_entrypoint_is_called_in_schedule_order_with_repeats(profiles_file, tmp_path):
+    CALLS.clear()
+    out = cli("warmup", "--entrypoint", "test_warmup:record", "--profiles", str(profiles_file), "--json")
+    report = json.loads(out.output)
+    assert CALLS == [(1, 32, 4)] * 3 + [(1, 8, 1)] + [(2, 64, 3)] * 2 + [(8, 16, 2)]
+    assert [p["name"] for p in report["profiles"]] == ORDER
+    assert report["status"] == "ok" and report["marker"] is None
+    one_a = report["profiles"][0]
+    assert len(one_a["latencies_s"]) == 3 and one_a["first_s"] == one_a["latencies_s"][0]
+    assert one_a["steady_s"] == statistics.median(one_a["latencies_s"][1:])
+
+
+def test_first_is_the_compile_and_steady_the_median_of_the_rest():
+    p = Profile("p", 1, 1, 1, 4)
+    assert warmup.ProfileResult(p, True, (9.0, 1.0, 3.0, 2.0)).steady == 2.0
+    assert warmup.ProfileResult(p, True, (9.0, 1.0, 3.0, 2.0)).first == 9.0
+    assert warmup.ProfileResult(p, True, (5.0,)).steady == 5.0
+    assert warmup.ProfileResult(p, False, (), "boom").steady is None
+
+
+def test_failing_profile_is_reported_and_others_still_run(profiles_file, tmp_path):
+    out = cli("warmup", "--entrypoint", "test_warmup:fail_on_batches", "--profiles", str(profiles_file),
+              "--root", str(tmp_path / "root"), code=1)  # fmt: skip
+    assert "profile batch-2 failed: RuntimeError: out of memory at batch 2" in out.output
+    assert "profile batch-8 failed: RuntimeError: out of memory at batch 8" in out.output
+    marker = readiness.read_marker(tmp_path / "root", readiness.WARMUP_MARKER)
+    assert marker["status"] == "failed"
+    assert [(p["name"], p["ok"]) for p in marker["profiles"]] == [
+        ("one-a", True), ("one-b", True), ("batch-2", False), ("batch-8", False)]  # fmt: skip
+
+
+def test_parallel_runs_profiles_together_but_singles_before_batches():
+    together = threading.Barrier(2, timeout=10)  # passes only if both singles run at the same time
+    events: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    def fn(batch_size, input_tokens, output_tokens):
+        with lock:
+            events.append(("start", batch_size))
+        if batch_size == 1:
+            together.wait()
+        with lock:
+            events.append(("end", batch_size))
+
+    ps = [Profile("b4", 4, 1, 1), Profile("s1", 1, 1, 1), Profile("s2", 1, 2, 1), Profile("b2", 2, 1, 1)]
+    report = warmup.run(warmup.CallableTarget("fn", fn), ps, parallel=2)
+    assert report.status == "ok", report
+    first_batch = min(i for i, (kind, size) in enumerate(events) if kind == "start" and size > 1)
+    last_single = max(i for i, (kind, size) in enumerate(events) if kind == "end" and size == 1)
+    assert last_single < first_batch
+
+
+def test_bad_entrypoints_are_config_errors():
+    assert "expected module:function" in cli("warmup", "--entrypoint", "nocolon", code=2).output
+    assert "cannot import" in cli("warmup", "--entrypoint", "no_such_module_x:f", code=2).output
+    assert "has no callable" in cli("warmup", "--entrypoint", "test_warmup:nothing", code=2).output
+    assert "exactly one of" in cli("warmup", code=2).output
+
+
+# ---- HTTP target ---------------------------------------------------------------------------------
+
+
+def test_http_warmup_sends_every_shape_and_writes_marker(profiles_file, tmp_path):
+    root = tmp_path / "root"
+    with OpenAIServer() as server:
+        out = cli("warmup", "--url", server.url, "--profiles", str(profiles_file), "--root", str(root), "--json")
+    report = json.loads(out.output)
+    assert report["status"] == "ok" and [p["name"] for p in report["profiles"]] == ORDER
+    assert len(server.completions) == 3 * 1 + 1 + 2 * 2 + 8  # batch_size requests per run
+    assert all(c["model"] == OpenAIServer.MODEL for c in server.completions)
+    assert [(len(c["prompt"].split()), c["max_tokens"]) for c in server.completions[:4]] == [
+        (31, 4)] * 3 + [(7, 1)]  # fmt: skip
+    assert len({c["prompt"].split()[0] for c in server.completions}) == len(server.completions)  # unique prefixes
+    assert sorted(c["max_tokens"] for c in server.completions[-8:]) == [2] * 8
+    marker = readiness.read_marker(root, readiness.WARMUP_MARKER)
+    assert marker["status"] == "ok" and marker["target"] == server.url and "finished_at" in marker
+
+
+def test_http_500_fails_the_profile_with_the_error(tmp_path):
+    with OpenAIServer(fail_status=500) as server:
+        out = cli("warmup", "--url", server.url, "--root", str(tmp_path), code=1)
+    assert "profile single-short failed: HTTP 500" in out.output and "engine exploded" in out.output
+    assert readiness.read_marker(tmp_path, readiness.WARMUP_MARKER)["status"] == "failed"
+    assert len(server.completions) == 1 + 1 + 4 + 8 + 16  # each profile stops at its first failure
+
+
+def test_http_request_timeout_fails_the_profile(tmp_path, profiles_file):
+    with OpenAIServer(hold=True) as server:
+        out = cli("warmup", "--url", server.url, "--profiles", str(profiles_file), "--request-timeout", "0.3",
+                  "--json", code=1)  # fmt: skip
+    report = json.loads(out.output)
+    assert report["status"] == "failed"
+    assert all("no answer within 0.3 s" in p["error"] for p in report["profiles"])
+
+
+def test_health_wait_polls_until_healthy():
+    with OpenAIServer(unhealthy=3) as server:
+        target = warmup.HttpTarget(server.url, wait_timeout=30, poll_interval=0.01)
+        report = warmup.run(target, [Profile("p", 1, 4, 1)])
+    assert report.status == "ok" and server.health_checks == 4
+
+
+def test_health_falls_back_to_models_when_there_is_no_health_endpoint():
+    with OpenAIServer(no_health=True) as server:
+        report = warmup.run(warmup.HttpTarget(server.url, wait_timeout=5), [Profile("p", 1, 4, 1)])
+    assert report.status == "ok" and server.health_checks == 1
+
+
+def test_unhealthy_server_fails_after_wait_timeout(tmp_path):
+    with OpenAIServer(unhealthy=-1) as server:
+        out = cli("warmup", "--url", server.url, "--wait-timeout", "0.2", "--root", str(tmp_path), code=1)
+    assert "was not healthy within 0.2 s: HTTP 503" in out.output
+    assert not server.completions
+    assert readiness.read_marker(tmp_path, readiness.WARMUP_MARKER)["status"] == "failed"
+
+
+# ---- prebake -------------------------------------------------------------------------------------
+
+
+def test_prebake_entrypoint_runs_in_a_child_with_root_env_and_publishes(tmp_path, profiles_file, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    root = tmp_path / "A"
+    out = cli("prebake", "--root", str(root), "--entrypoint", "test_warmup:write_kernel", "--profiles",
+              str(profiles_file), "--model", "m", "--json")  # fmt: skip
+    doc = json.loads(out.output)
+    assert doc["restore"]["status"] == "miss"
+    assert doc["warmup"]["status"] == "ok" and doc["warmup"]["counters"] is None  # no torch in that child
+    # The child ran with ROOT's environment: kernels landed in ROOT/inductor, TMPDIR was ROOT/tmp.
+    assert (root / "inductor/kernel-8x16.so").read_text() == str(root / "tmp")
+    assert doc["publish"]["files"] == 4 and doc["publish"]["created"]
+    assert readiness.read_marker(root, readiness.WARMUP_MARKER)["status"] == "ok"
+    restored = json.loads(cli("restore", "--into", str(tmp_path / "B"), "--model", "m", "--json").output)
+    assert restored["status"] == "hit" and (tmp_path / "B/inductor/kernel-1x32.so").is_file()
+
+
+def test_prebake_publishes_nothing_when_warmup_fails(tmp_path, monkeypatch, isolated_home):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    out = cli("prebake", "--root", str(tmp_path / "A"), "--entrypoint", "test_warmup:fail_on_batches", code=1)
+    assert "nothing was published" in out.output
+    assert not list((isolated_home / "store").glob("manifests/*/*"))
+
+
+def test_prebake_child_without_report_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    out = cli("prebake", "--root", str(tmp_path / "A"), "--entrypoint", "test_warmup:missing", code=1)
+    assert "exited with code 2 and no report" in out.output
+
+
+def test_prebake_url_needs_a_laid_out_root_then_publishes_what_the_server_compiled(tmp_path, profiles_file):
+    root = tmp_path / "A"
+    with OpenAIServer() as server:
+        assert "has no kcache.env" in cli("prebake", "--root", str(root), "--url", server.url, code=2).output
+    cli("restore", "--into", str(root), "--model", "m")
+    exports = envfile.read(root / "kcache.env")
+    with OpenAIServer(compile_into=Path(exports["TORCHINDUCTOR_CACHE_DIR"])) as server:
+        doc = json.loads(cli("prebake", "--root", str(root), "--url", server.url, "--profiles", str(profiles_file),
+                             "--model", "m", "--json").output)  # fmt: skip
+    assert doc["restore"] is None and doc["warmup"]["status"] == "ok"
+    assert doc["publish"]["files"] == 4  # one kernel per request shape
