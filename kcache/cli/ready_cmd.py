@@ -1,0 +1,48 @@
+"""`kcache ready`: the exec readiness probe. Reads two small markers; imports nothing heavy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from kcache import readiness
+from kcache.cli import format as fmt
+from kcache.cli.options import json_option
+
+
+def root_option(fn):
+    return click.option(
+        "--root", required=True, envvar="KCACHE_ROOT", type=click.Path(file_okay=False, path_type=Path),
+        help="The restore root (`kcache restore --into`) holding the markers (env KCACHE_ROOT).",
+    )(fn)  # fmt: skip
+
+
+@click.command("ready")
+@root_option
+@json_option
+def ready_cmd(root, as_json):
+    """Exit 0 when the pod may take traffic, else 1 with one line saying why.
+
+    Ready means restore has finished (hit, miss or error: a cold pod must still serve) and
+    `kcache warmup` completed with status ok. Fast enough for an exec readiness probe.
+
+    \b
+    Examples:
+      kcache ready --root /kcache
+      KCACHE_ROOT=/kcache kcache ready --json
+    """
+    state = readiness.check(root)
+    restore = (state.restore or {}).get("status")
+    warmup = (state.warmup or {}).get("status")
+    if as_json:
+        click.echo(fmt.to_json({"ready": state.ready, "reason": state.reason, "restore": restore,
+                                "warmup": warmup, "root": str(root)}))  # fmt: skip
+    elif state.ready:
+        seconds = (state.warmup or {}).get("seconds")
+        took = f" in {fmt.seconds(seconds)}" if isinstance(seconds, (int, float)) else ""
+        click.echo(f"kcache: ready: restore {restore}, warmup ok{took}")
+    else:
+        click.echo(f"kcache: not ready: {state.reason} (root {root})")
+    if not state.ready:
+        raise click.exceptions.Exit(1)

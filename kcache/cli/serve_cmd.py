@@ -1,0 +1,51 @@
+"""`kcache serve`: /healthz, /readyz and /metrics over HTTP, until SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import click
+
+from kcache.cli.options import handle_errors
+from kcache.cli.ready_cmd import root_option
+from kcache.serve import make_server, serve_until
+
+
+def host_port_options(*, port_help: str, port_required: bool):
+    def apply(fn):
+        fn = click.option("--host", default="127.0.0.1", show_default=True,
+                          help="Address to bind; 0.0.0.0 lets the kubelet reach it.")(fn)  # fmt: skip
+        return click.option("--port", type=click.IntRange(0, 65535), required=port_required, help=port_help)(fn)
+
+    return apply
+
+
+def stop_on_signals() -> threading.Event:
+    """An event that SIGTERM (the kubelet stopping the pod) and SIGINT set."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda _signum, _frame: stop.set())
+    return stop
+
+
+@click.command("serve")
+@root_option
+@host_port_options(port_help="TCP port (0 picks a free one; the line printed at start names it).", port_required=True)
+@handle_errors
+def serve_cmd(root, host, port):
+    """Serve /healthz, /readyz (200 or 503, JSON reason) and /metrics (Prometheus) for ROOT.
+
+    /readyz follows the same rule as `kcache ready`; /metrics exposes the restore outcome, warmup
+    time and status, readiness, and compiles seen after ready (`kcache watch`). Stops cleanly on
+    SIGTERM.
+
+    \b
+    Examples:
+      kcache serve --root /kcache --port 9400 --host 0.0.0.0
+      curl -s localhost:9400/metrics | grep kcache_
+    """
+    server = make_server(root, host, port)
+    stop = stop_on_signals()
+    click.echo(f"kcache: serving /healthz /readyz /metrics on http://{host}:{server.port} for {root}")
+    serve_until(server, stop)

@@ -1,0 +1,127 @@
+"""`kcache watch`: count (and publish) cache files compiled after the pod became ready."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import click
+
+from kcache.cli import format as fmt
+from kcache.cli.options import (
+    compute_fingerprint,
+    fingerprint_options,
+    handle_errors,
+    json_option,
+    open_index,
+    settings,
+    store_options,
+)
+from kcache.cli.ready_cmd import root_option
+from kcache.cli.serve_cmd import host_port_options, stop_on_signals
+from kcache.publish import publish
+from kcache.serve import make_server, start_in_thread
+from kcache.store import open_store
+from kcache.watch import Publisher, Step, Watcher
+
+
+class Duration(click.ParamType):
+    """`90`, `90s`, `10m`, `1h` -> seconds."""
+
+    name = "duration"
+    _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600}
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)):
+            return float(value)
+        match = re.fullmatch(r"(\d+(?:\.\d*)?)\s*([smh]?)", str(value).strip())
+        if not match or float(match[1]) <= 0:
+            self.fail(f"{value!r} is not a duration such as 30s, 10m or 1h", param, ctx)
+        return float(match[1]) * self._UNITS[match[2]]
+
+
+def _publisher(root: Path, fingerprint_args, store_args) -> Publisher:
+    """Publishes ROOT's layers as a bundle for this pod's fingerprint; the index is opened per publish."""
+    fp = compute_fingerprint(*fingerprint_args)
+    cfg = settings(*store_args)
+    store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url)
+
+    def publish_delta(layers):
+        index = open_index(cfg.index_url)
+        try:
+            return publish(store, index, fp, layers, root=root)
+        finally:
+            index.close()
+
+    return publish_delta
+
+
+@click.command("watch")
+@root_option
+@click.option("--interval", type=Duration(), default="30s", show_default=True, metavar="DURATION",
+              help="How often to scan the cache directories.")  # fmt: skip
+@click.option("--publish-every", type=Duration(), metavar="DURATION",
+              help="Publish new cache files at most this often (e.g. 10m); uploads only new blobs.")  # fmt: skip
+@click.option("--once", is_flag=True, help="Scan once (taking the baseline if the pod just became ready) and exit.")
+@host_port_options(port_help="Also serve /healthz, /readyz and /metrics on this port (as `kcache serve`).",
+                   port_required=False)  # fmt: skip
+@fingerprint_options
+@store_options
+@json_option
+@handle_errors
+def watch_cmd(root, interval, publish_every, once, host, port, model, model_config, facts, extras,
+              store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
+    """Notice cache files that appear after the pod became ready: shapes warmup did not cover.
+
+    Waits for readiness (as `kcache ready`), records the cache files present then, and on each
+    scan logs every new file with its layer and counts them in ROOT/.kcache-watch.json, which
+    /metrics exposes. With --publish-every, publishes the delta (the store keeps only new blobs)
+    under the same fingerprint flags as `kcache restore`, and once more on SIGTERM.
+
+    \b
+    Examples:
+      kcache watch --root /kcache --publish-every 10m --model my-llm --port 9400 --host 0.0.0.0
+      kcache watch --root /kcache --once --json
+    """
+    publisher = None
+    if publish_every is not None:
+        publisher = _publisher(root, (model, model_config, facts, extras), (store_url, index_url, s3_endpoint_url))
+    watcher = Watcher(root, publisher=publisher, publish_every=publish_every)
+    if once:
+        _report(watcher.step(publish_now=True), as_json)
+        return
+    server = make_server(root, host, port) if port is not None else None
+    stop = stop_on_signals()
+    if server is not None:
+        start_in_thread(server)
+        click.echo(f"kcache: serving /healthz /readyz /metrics on http://{host}:{server.port} for {root}")
+    click.echo(f"kcache: watching {root} every {fmt.seconds(interval)}"
+               + (f", publishing every {fmt.seconds(publish_every)}" if publisher else ""))  # fmt: skip
+    try:
+        watcher.run(stop, interval)
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+
+def _report(step: Step, as_json: bool) -> None:
+    if as_json:
+        click.echo(fmt.to_json({
+            "ready": step.ready, "reason": step.reason,
+            "new_files": [{"layer": f.layer, "path": f.rel, "size": f.size} for f in step.new],
+            "published": step.published.bundle_id if step.published else None,
+            "publish_error": step.publish_error or None,
+        }))  # fmt: skip
+    elif not step.ready:
+        click.echo(f"kcache: not ready yet ({step.reason}); nothing to watch")
+    else:
+        click.echo(f"kcache: {len(step.new)} cache files appeared after ready")
+        for f in step.new:
+            click.echo(f"  {f.layer}  {f.rel}  {fmt.size(f.size)}")
+        if step.published:
+            click.echo(f"kcache: published bundle {step.published.bundle_id[:12]} "
+                       f"({step.published.new_blobs} new blobs)")  # fmt: skip
+    if step.publish_error:
+        click.echo(f"kcache: publish failed: {step.publish_error}", err=True)
+        raise click.exceptions.Exit(1)

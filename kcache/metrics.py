@@ -1,0 +1,130 @@
+"""Prometheus text exposition (format 0.0.4) of what the markers under a restore root say.
+
+    kcache_ready                                 1 when `kcache ready` would exit 0
+    kcache_restore_info{status,bundle_key}       1; status is hit | miss | error
+    kcache_restore_files / _bytes / _seconds     when the restore marker carries them
+    kcache_warmup_info{status}                   1; status is ok | failed
+    kcache_warmup_seconds, kcache_warmup_profiles
+    kcache_jit_files_after_ready{layer}          files that appeared after ready (kcache watch)
+    kcache_jit_bytes_after_ready{layer}
+    kcache_watch_baseline_files, kcache_watch_publishes_total, kcache_watch_publish_errors_total
+
+A series whose marker is absent is left out rather than reported as zero: "no restore yet" and
+"restored nothing" are different answers. Rendering is pure; `collect` only reads the markers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from kcache import readiness
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass(frozen=True)
+class Sample:
+    labels: tuple[tuple[str, str], ...]
+    value: float
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    kind: str  # gauge | counter
+    help: str
+    samples: tuple[Sample, ...]
+
+
+def family(name: str, kind: str, help_: str, *samples: tuple[Mapping[str, str], float]) -> Family:
+    return Family(name, kind, help_, tuple(Sample(tuple(sorted(labels.items())), float(v)) for labels, v in samples))
+
+
+def render(families: Iterable[Family]) -> str:
+    lines: list[str] = []
+    for fam in families:
+        lines.append(f"# HELP {fam.name} {_escape_help(fam.help)}")
+        lines.append(f"# TYPE {fam.name} {fam.kind}")
+        for sample in fam.samples:
+            labels = ",".join(f'{k}="{_escape_label(v)}"' for k, v in sample.labels)
+            lines.append(
+                f"{fam.name}{{{labels}}} {_number(sample.value)}" if labels else f"{fam.name} {_number(sample.value)}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _escape_label(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if value.is_integer() else repr(value)
+
+
+def collect(root: Path) -> list[Family]:
+    """Every family the markers under `root` support right now."""
+    state = readiness.check(root)
+    families = [family("kcache_ready", "gauge", "1 when restore finished and warmup completed ok.",
+                       ({}, 1 if state.ready else 0))]  # fmt: skip
+    families += _restore(state.restore)
+    families += _warmup(state.warmup)
+    families += _watch(readiness.read_marker(root, readiness.WATCH_MARKER))
+    return families
+
+
+def _numeric(doc: Mapping, field: str) -> float | None:
+    value = doc.get(field)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _restore(doc: dict | None) -> list[Family]:
+    if doc is None:
+        return []
+    labels = {"status": str(doc.get("status", "unknown")), "bundle_key": str(doc.get("bundle_key", ""))}
+    result = [family("kcache_restore_info", "gauge", "Outcome of the last restore into this root.", (labels, 1))]
+    for field, help_ in (("files", "Files the last restore laid down."),
+                         ("bytes", "Bytes the last restore laid down."),
+                         ("seconds", "Seconds the last restore took.")):  # fmt: skip
+        value = _numeric(doc, field)
+        if value is not None:
+            result.append(family(f"kcache_restore_{field}", "gauge", help_, ({}, value)))
+    return result
+
+
+def _warmup(doc: dict | None) -> list[Family]:
+    if doc is None:
+        return []
+    result = [
+        family("kcache_warmup_info", "gauge", "Outcome of warmup.", ({"status": str(doc.get("status", "unknown"))}, 1))
+    ]
+    seconds = _numeric(doc, "seconds")
+    if seconds is not None:
+        result.append(family("kcache_warmup_seconds", "gauge", "Seconds warmup took.", ({}, seconds)))
+    if isinstance(doc.get("profiles"), list):
+        result.append(family("kcache_warmup_profiles", "gauge", "Warmup profiles run.", ({}, len(doc["profiles"]))))
+    return result
+
+
+def _watch(doc: dict | None) -> list[Family]:
+    if doc is None:
+        return []
+    files, sizes = doc.get("new_files") or {}, doc.get("new_bytes") or {}
+    return [
+        family("kcache_jit_files_after_ready", "gauge",
+               "Cache files that appeared after the pod became ready: shapes warmup did not cover.",
+               *(({"layer": layer}, count) for layer, count in sorted(files.items()))),
+        family("kcache_jit_bytes_after_ready", "gauge", "Bytes of those files.",
+               *(({"layer": layer}, size) for layer, size in sorted(sizes.items()))),
+        family("kcache_watch_baseline_files", "gauge", "Cache files present when the pod became ready.",
+               ({}, int(doc.get("baseline_files", 0)))),
+        family("kcache_watch_publishes_total", "counter", "Delta publishes by kcache watch.",
+               ({}, int(doc.get("publishes", 0)))),
+        family("kcache_watch_publish_errors_total", "counter", "Delta publishes that failed.",
+               ({}, int(doc.get("publish_errors", 0)))),
+    ]  # fmt: skip

@@ -1,0 +1,220 @@
+"""Watch: notice cache files that appear after the pod became ready, count them, publish them.
+
+    ROOT/.kcache-watch-baseline.json  the cache files present when the pod became ready (taken once)
+    ROOT/.kcache-watch.json           WATCH_MARKER, rewritten when it changes:
+        {"baseline_files": N, "new_files": {layer: count}, "new_bytes": {layer: bytes},
+         "files": [[layer, path], ...] (at most MAX_LISTED), "publishes": N, "publish_errors": N,
+         "last_publish": {"bundle_id", "created", "new_blobs", "uploaded_bytes"} | null}
+
+Every file that appears after ready is a kernel compiled on the hot path: a shape warmup did not
+cover. The baseline is the files present once readiness holds, less those modified after the
+later of the restore and warmup markers, so a compile between "ready" and the first scan still
+counts as new. It is kept on disk, so a restarted sidecar (or `--once`) compares with the same
+moment. Scanning is a pure function of the tree and the baseline; the loop adds the clock, the
+publish cadence and a stop event.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kcache import readiness
+from kcache.errors import KcacheError
+from kcache.publish import PublishResult
+from kcache.sources import Source, in_root
+
+log = logging.getLogger(__name__)
+
+BASELINE_MARKER = ".kcache-watch-baseline.json"
+MAX_LISTED = 200  # the marker lists this many new files; the counts are always complete
+
+Publisher = Callable[[list[Source]], PublishResult]
+
+
+@dataclass(frozen=True)
+class CacheFile:
+    layer: str
+    rel: str  # POSIX path inside the layer directory
+    size: int
+    mtime: float
+
+
+@dataclass(frozen=True)
+class Baseline:
+    files: frozenset[tuple[str, str]]  # (layer, rel)
+
+
+@dataclass(frozen=True)
+class Step:
+    ready: bool
+    reason: str = ""  # why not ready yet
+    new: tuple[CacheFile, ...] = ()  # every file not in the baseline
+    fresh: tuple[CacheFile, ...] = ()  # those the previous steps had not reported
+    published: PublishResult | None = None
+    publish_error: str = ""
+
+
+def layers_under(root: Path) -> list[Source]:
+    """The built-in layers, plus each extra layer a restore laid down under ROOT/extra/."""
+    return in_root(root)
+
+
+def listing(root: Path, layers: list[Source]) -> list[CacheFile]:
+    """Every non-junk regular file of each layer under ROOT."""
+    found = []
+    for source in layers:
+        top = source.restore_dir(Path(root))
+        if top.is_dir():
+            for info in source.walk(top):
+                try:
+                    mtime = info.path.stat().st_mtime
+                except FileNotFoundError:
+                    continue
+                found.append(CacheFile(source.name, info.rel, info.size, mtime))
+    return found
+
+
+def snapshot(root: Path, layers: list[Source], ready_at: float | None = None) -> Baseline:
+    """The files present now; with `ready_at` (epoch seconds), less those modified after it."""
+    return Baseline(
+        frozenset((f.layer, f.rel) for f in listing(root, layers) if ready_at is None or f.mtime <= ready_at)
+    )
+
+
+def scan(root: Path, baseline: Baseline, layers: list[Source]) -> tuple[CacheFile, ...]:
+    """Files under ROOT that are not in the baseline, sorted by layer and path."""
+    new = [f for f in listing(root, layers) if (f.layer, f.rel) not in baseline.files]
+    return tuple(sorted(new, key=lambda f: (f.layer, f.rel)))
+
+
+def ready_time(root: Path) -> float | None:
+    """When the pod became ready: the later of the restore and warmup markers' mtimes."""
+    try:
+        return max((Path(root) / name).stat().st_mtime for name in (readiness.RESTORE_MARKER, readiness.WARMUP_MARKER))
+    except FileNotFoundError:
+        return None
+
+
+def load_baseline(root: Path) -> Baseline | None:
+    """The saved baseline, unless a restore finished after it was taken (a reused root)."""
+    try:
+        if (Path(root) / BASELINE_MARKER).stat().st_mtime < (Path(root) / readiness.RESTORE_MARKER).stat().st_mtime:
+            return None
+    except FileNotFoundError:
+        return None
+    doc = readiness.read_marker(root, BASELINE_MARKER)
+    if doc is None or not isinstance(doc.get("files"), list):
+        return None
+    return Baseline(frozenset((str(layer), str(rel)) for layer, rel in doc["files"]))
+
+
+def save_baseline(root: Path, baseline: Baseline) -> None:
+    readiness.write_marker(root, BASELINE_MARKER, {"files": sorted(baseline.files)})
+
+
+class Watcher:
+    """Scans ROOT once per `step`; publishes the delta at most every `publish_every` seconds."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        publisher: Publisher | None = None,
+        publish_every: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.root = Path(root)
+        self._publisher, self._every, self._clock = publisher, publish_every, clock
+        self._baseline: Baseline | None = None
+        self._since_publish = 0.0
+        self._published: set[tuple[str, str]] = set()
+        previous = readiness.read_marker(self.root, readiness.WATCH_MARKER) or {}
+        # Counters survive a restart of the sidecar; the list only keeps the log from repeating itself.
+        self._publishes = int(previous.get("publishes", 0))
+        self._errors = int(previous.get("publish_errors", 0))
+        self._last_publish = previous.get("last_publish")
+        self._reported = {(str(a), str(b)) for a, b in previous.get("files", [])}
+        self._written: dict | None = None
+
+    def step(self, *, publish_now: bool = False) -> Step:
+        if self._baseline is None:
+            self._baseline = load_baseline(self.root)
+            if self._baseline is None:
+                state = readiness.check(self.root)
+                if not state.ready:
+                    return Step(False, state.reason)
+                self._baseline = snapshot(self.root, layers_under(self.root), ready_time(self.root))
+                save_baseline(self.root, self._baseline)
+                log.info("ready: watching %d cache files under %s", len(self._baseline.files), self.root)
+            self._since_publish = self._clock()
+        layers = layers_under(self.root)
+        new = scan(self.root, self._baseline, layers)
+        fresh = tuple(f for f in new if (f.layer, f.rel) not in self._reported)
+        for f in fresh:
+            log.warning("compiled after ready (warmup did not cover it): layer %s file %s (%d bytes)",
+                        f.layer, f.rel, f.size)  # fmt: skip
+        self._reported.update((f.layer, f.rel) for f in fresh)
+        published, error = self._maybe_publish(new, layers, publish_now)
+        self._write_marker(new, layers)
+        return Step(True, "", new, fresh, published, error)
+
+    def run(self, stop, interval: float) -> None:
+        """Step every `interval` seconds until `stop` (a threading.Event) is set; then publish what remains."""
+        while True:
+            self._step_logged()
+            if stop.wait(interval):
+                break
+        if self._publisher is not None and self._baseline is not None:
+            self._step_logged(publish_now=True)  # the pod is going away: keep what it compiled
+
+    def _step_logged(self, **kwargs) -> Step | None:
+        try:
+            return self.step(**kwargs)
+        except (OSError, KcacheError) as exc:  # the sidecar outlives a bad scan; the next one retries
+            log.warning("watch step failed: %s", exc)
+            return None
+
+    def _maybe_publish(self, new, layers, publish_now: bool) -> tuple[PublishResult | None, str]:
+        pending = {(f.layer, f.rel) for f in new} - self._published
+        if self._publisher is None or not pending:
+            return None, ""
+        due = self._every is not None and self._clock() - self._since_publish >= self._every
+        if not (publish_now or due):
+            return None, ""
+        self._since_publish = self._clock()
+        try:
+            result = self._publisher(layers)
+        except (KcacheError, OSError) as exc:  # store or index away, a file unreadable: retry when next due
+            self._errors += 1
+            log.warning("publishing %d new files failed: %s", len(pending), exc)
+            return None, str(exc)
+        self._published.update(pending)
+        self._publishes += 1
+        self._last_publish = {"bundle_id": result.bundle_id, "created": result.created,
+                              "new_blobs": result.new_blobs, "uploaded_bytes": result.uploaded_bytes}  # fmt: skip
+        log.info("published %d files compiled after ready: bundle %s, %d new blobs",
+                 len(pending), result.bundle_id[:12], result.new_blobs)  # fmt: skip
+        return result, ""
+
+    def _write_marker(self, new: tuple[CacheFile, ...], layers: list[Source]) -> None:
+        counts = {s.name: 0 for s in layers}
+        sizes = {s.name: 0 for s in layers}
+        for f in new:
+            counts[f.layer] = counts.get(f.layer, 0) + 1
+            sizes[f.layer] = sizes.get(f.layer, 0) + f.size
+        doc = {
+            "baseline_files": len(self._baseline.files) if self._baseline else 0,
+            "new_files": counts,
+            "new_bytes": sizes,
+            "files": [[f.layer, f.rel] for f in new[:MAX_LISTED]],
+            "publishes": self._publishes,
+            "publish_errors": self._errors,
+            "last_publish": self._last_publish,
+        }
+        if doc != self._written:  # unchanged scans leave the file (and its finished_at) alone
+            readiness.write_marker(self.root, readiness.WATCH_MARKER, doc)
+            self._written = doc

@@ -1,0 +1,197 @@
+"""The Kubernetes examples are wired the way kcache needs them: one volume, one root, one fingerprint."""
+
+import shlex
+from pathlib import Path
+
+import click
+import pytest
+
+from kcache import envfile, sources
+from kcache.cli import main
+from kcache.refs import RefCatalog
+from kcache.restore import restore
+from kcache.store.local import LocalStore
+
+yaml = pytest.importorskip("yaml")
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "k8s"
+FILES = sorted(EXAMPLES.glob("*.yaml"))
+FINGERPRINT_FLAGS = ("--model", "--model-config", "--fact", "--facts-file", "--extra")
+PENDING = {"warmup", "prebake"}  # commands a parallel change adds; checked as soon as they are registered
+KEY_TAG = "TORCH_COMPILE_CACHE_KEY_TAG"
+
+
+def documents():
+    return [(path.name, doc) for path in FILES for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def pod_specs():
+    for name, doc in documents():
+        if doc["kind"] in ("Deployment", "Job"):
+            yield name, doc["kind"], doc["spec"]["template"]["spec"]
+
+
+def containers(spec):
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+def kcache_calls(container) -> list[list[str]]:
+    """The argument lists of every `kcache ...` the container runs (directly or in `sh -c`)."""
+    command, args = container.get("command"), [str(a) for a in container.get("args", [])]
+    if command is None and "kcache" in container["image"]:  # the image's ENTRYPOINT is kcache
+        return [args]
+    if command == ["kcache"]:
+        return [args]
+    if command in (["sh", "-c"], ["/bin/sh", "-c"]):
+        return _shell_calls(" ".join(args))
+    return []
+
+
+def _shell_calls(script: str) -> list[list[str]]:
+    calls = []
+    for line in script.replace("\\\n", " ").splitlines():
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        segment: list[str] = []
+        for token in list(lexer) + [";"]:
+            if token in (";", "&&", "||", "&", "|"):
+                if segment and segment[0] == "exec":
+                    segment = segment[1:]
+                if segment and segment[0] == "kcache":
+                    calls.append(segment[1:])
+                segment = []
+            else:
+                segment.append(token)
+    return calls
+
+
+def resolve(args: list[str]) -> tuple[list[str], click.Command | None, list[str]]:
+    """(command path, click command or None if unknown, remaining args)."""
+    command, path = main, []
+    while isinstance(command, click.Group) and args and not args[0].startswith("-"):
+        path.append(args[0])
+        command, args = command.commands.get(args[0]), args[1:]
+        if command is None:
+            return path, None, args
+    return path, command, args
+
+
+def option(args: list[str], flag: str) -> list[str]:
+    values = [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
+    return values + [a.split("=", 1)[1] for a in args if a.startswith(flag + "=")]
+
+
+def mount_of(container, volume: str) -> str | None:
+    return next((m["mountPath"] for m in container.get("volumeMounts", []) if m["name"] == volume), None)
+
+
+def deployment():
+    (spec,) = [spec for _, kind, spec in pod_specs() if kind == "Deployment"]
+    (init,) = [c for c in spec["initContainers"] if any(resolve(a)[0] == ["restore"] for a in kcache_calls(c))]
+    (restore_args,) = [a for a in kcache_calls(init) if resolve(a)[0] == ["restore"]]
+    (model,) = [c for c in spec["containers"] if not kcache_calls(c)]
+    return spec, init, restore_args, model
+
+
+def test_every_document_parses_and_is_a_known_kind():
+    docs = documents()
+    assert {doc["kind"] for _, doc in docs} >= {"Deployment", "Job", "Secret", "ConfigMap"}
+    for name, doc in docs:
+        assert doc["apiVersion"] and doc["metadata"]["name"], name
+
+
+def test_init_and_model_containers_share_the_restore_root():
+    spec, init, restore_args, model = deployment()
+    (root,) = option(restore_args, "--into")
+    volume = next(m["name"] for m in init["volumeMounts"] if m["mountPath"] == root)
+    assert "emptyDir" in next(v for v in spec["volumes"] if v["name"] == volume)
+    for container in spec["containers"]:
+        assert mount_of(container, volume) == root, container["name"]
+    assert option(restore_args, "--timeout") == ["120"]
+
+
+def test_model_container_env_matches_what_kcache_env_exports(tmp_path, fp):
+    _, _, restore_args, model = deployment()
+    (root,) = option(restore_args, "--into")
+    env = {e["name"]: e.get("value") for e in model.get("env", [])}
+    for name, value in sources.all_exports(Path(root)).items():
+        assert env.get(name) == value, f"{model['name']} should set {name}={value}"
+    # What a real restore writes (a miss here) is the source of truth, the key tag aside.
+    restore(LocalStore(tmp_path / "store"), RefCatalog(LocalStore(tmp_path / "store")), fp, tmp_path / "root")
+    written = envfile.read(tmp_path / "root" / envfile.NAME)
+    assert written[KEY_TAG].startswith("kcache-")
+    for name, value in written.items():
+        if name != KEY_TAG:
+            assert env.get(name) == value.replace(str(tmp_path / "root"), root), name
+    assert KEY_TAG not in env, "the key tag comes from kcache.env: a fixed value would go stale"
+    script = " ".join(model.get("command", []) + model.get("args", []))
+    sourced, started = script.find(f". {root}/{envfile.NAME}"), script.find("exec vllm serve")
+    assert 0 <= sourced < started, "the model must source kcache.env before the server starts"
+
+
+def test_readiness_probe_asks_kcache_about_the_same_root():
+    spec, _, restore_args, model = deployment()
+    (root,) = option(restore_args, "--into")
+    probe = model["readinessProbe"]
+    if "exec" in probe:
+        args = probe["exec"]["command"]
+        assert args[:2] == ["kcache", "ready"] and option(args, "--root") == [root]
+        return
+    assert probe["httpGet"]["path"] == "/readyz"
+    servers = [args for c in spec["containers"] for args in kcache_calls(c)
+               if resolve(args)[0] in (["serve"], ["watch"]) and option(args, "--port")]  # fmt: skip
+    (server,) = [a for a in servers if option(a, "--port") == [str(probe["httpGet"]["port"])]]
+    assert option(server, "--root") == [root]
+    assert option(server, "--host") == ["0.0.0.0"], "the kubelet probes the pod IP, not the sidecar's loopback"
+
+
+def test_watch_sidecar_publishes_under_the_restore_fingerprint():
+    spec, _, restore_args, _ = deployment()
+    (watch,) = [a for c in spec["containers"] for a in kcache_calls(c) if resolve(a)[0] == ["watch"]]
+    assert option(watch, "--publish-every") and option(watch, "--root") == option(restore_args, "--into")
+    calls = [a for _, _, s in pod_specs() for c in containers(s) for a in kcache_calls(c)]
+    publishing = [a for a in calls if resolve(a)[0] in (["restore"], ["watch"], ["prebake"])]
+    assert len(publishing) == 3
+
+    def fingerprint_args(args):
+        return sorted((flag, value) for flag in FINGERPRINT_FLAGS for value in option(args, flag))
+
+    assert fingerprint_args(restore_args)
+    for args in publishing:
+        assert fingerprint_args(args) == fingerprint_args(restore_args), resolve(args)[0]
+
+
+def test_store_and_credentials_come_from_the_same_places():
+    def settings(container):
+        env = {e["name"]: e.get("value") or e["valueFrom"]["secretKeyRef"]["key"] for e in container.get("env", [])}
+        store = [v for a in kcache_calls(container) for v in option(a, "--store")] or [env.get("KCACHE_STORE")]
+        return store[0], env.get("KCACHE_INDEX"), env.get("AWS_SECRET_ACCESS_KEY")
+
+    users = [c for _, _, s in pod_specs() for c in containers(s) if kcache_calls(c)]
+    assert len(users) == 3 and len({settings(c) for c in users}) == 1
+    assert settings(users[0])[0].startswith("s3://")
+
+
+CALLS = [(f"{name}:{c['name']}", args) for name, _, s in pod_specs() for c in containers(s) for args in kcache_calls(c)]
+
+
+@pytest.mark.parametrize("where, args", CALLS, ids=[w for w, _ in CALLS])
+def test_kcache_flags_exist(where, args):
+    path, command, rest = resolve(args)
+    if command is None and path[0] in PENDING:
+        pytest.skip(f"kcache {' '.join(path)} is not registered yet")
+    assert command is not None, f"{where}: no command kcache {' '.join(path)}"
+    known = {opt for param in command.params for opt in param.opts}
+    flags = [a.split("=", 1)[0] for a in rest if a.startswith("--")]
+    assert flags and all(f in known for f in flags), f"{where}: unknown {set(flags) - known}"
+    # and click accepts the whole line (types, ranges, required options)
+    command.make_context(" ".join(path), list(rest), resilient_parsing=False).close()
+
+
+def test_facts_files_are_mounted_where_kcache_reads_them():
+    for name, _, spec in pod_specs():
+        for container in containers(spec):
+            mounts = [m["mountPath"] for m in container.get("volumeMounts", [])]
+            for args in kcache_calls(container):
+                for path in option(args, "--facts-file"):
+                    assert any(path.startswith(m.rstrip("/") + "/") for m in mounts), f"{name}:{container['name']}"

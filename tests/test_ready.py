@@ -1,0 +1,69 @@
+"""`kcache ready`: exit codes and one-line reasons for each marker state, and a light import."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from kcache.cli import main
+from kcache.readiness import RESTORE_MARKER, WARMUP_MARKER, write_marker
+
+
+def ready(*args, env=None):
+    return CliRunner().invoke(main, ["ready", *args], env=env, catch_exceptions=False)
+
+
+def mark(root, restore=None, warmup=None):
+    root.mkdir(parents=True, exist_ok=True)
+    if restore:
+        write_marker(root, RESTORE_MARKER, {"status": restore, "bundle_key": "k", "detail": ""})
+    if warmup:
+        write_marker(root, WARMUP_MARKER, {"status": warmup, "seconds": 12.5, "profiles": []})
+
+
+@pytest.mark.parametrize(
+    "restore, warmup, code, says",
+    [
+        (None, None, 1, "not ready: restore has not finished"),
+        (None, "ok", 1, "not ready: restore has not finished"),
+        ("hit", None, 1, "not ready: warmup has not completed"),
+        ("hit", "failed", 1, "not ready: warmup failed"),
+        ("hit", "ok", 0, "ready: restore hit, warmup ok in 12.50 s"),
+        ("miss", "ok", 0, "ready: restore miss"),  # a cold pod must still serve
+        ("error", "ok", 0, "ready: restore error"),
+    ],
+)
+def test_exit_code_and_reason(tmp_path, restore, warmup, code, says):
+    mark(tmp_path / "root", restore, warmup)
+    result = ready("--root", str(tmp_path / "root"))
+    assert result.exit_code == code
+    assert says in result.output and len(result.output.splitlines()) == 1
+
+
+def test_missing_root_is_not_ready(tmp_path):
+    result = ready("--root", str(tmp_path / "nowhere"))
+    assert result.exit_code == 1 and "restore has not finished" in result.output
+
+
+def test_root_from_environment_and_json(tmp_path):
+    mark(tmp_path, "miss", "failed")
+    result = ready("--json", env={"KCACHE_ROOT": str(tmp_path)})
+    assert result.exit_code == 1
+    assert json.loads(result.output) == {"ready": False, "reason": "warmup failed", "restore": "miss",
+                                         "warmup": "failed", "root": str(tmp_path)}  # fmt: skip
+
+
+def test_probe_imports_nothing_heavy(tmp_path):
+    mark(tmp_path, "hit", "ok")
+    code = (
+        "import sys\n"
+        "from kcache.cli import main\n"
+        f"try:\n    main(['ready', '--root', {str(tmp_path)!r}])\nexcept SystemExit as e:\n    print(e.code)\n"
+        "heavy = {'torch', 'triton', 'sqlalchemy', 'boto3', 'botocore'}\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    line, exit_code, loaded = out.splitlines()
+    assert line.startswith("kcache: ready") and exit_code == "0" and loaded == "[]"

@@ -1,0 +1,128 @@
+"""`kcache serve`: real HTTP on 127.0.0.1 port 0, Prometheus text that parses, a clean SIGTERM."""
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+from click.testing import CliRunner
+
+from kcache import metrics
+from kcache.cli import main
+from kcache.readiness import RESTORE_MARKER, WARMUP_MARKER, WATCH_MARKER, write_marker
+from kcache.serve import make_server, start_in_thread
+
+# name{labels} value, as the 0.0.4 text format writes a sample (no timestamps here)
+SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
+
+
+def get(url):
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.headers["Content-Type"], response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers["Content-Type"], exc.read().decode()
+
+
+def parse(text):
+    """{(name, labels): value} for every sample; asserts every line is a comment or a sample."""
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("# HELP ") or line.startswith("# TYPE "):
+            continue
+        match = SAMPLE.match(line)
+        assert match, f"not a sample line: {line!r}"
+        samples[(match[1], match[2] or "")] = float(match[4])
+    return samples
+
+
+@pytest.fixture
+def served(tmp_path):
+    server = make_server(tmp_path, "127.0.0.1", 0)
+    start_in_thread(server)
+    yield tmp_path, f"http://127.0.0.1:{server.port}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_healthz_and_unknown_paths(served):
+    _, url = served
+    assert get(url + "/healthz")[0] == 200
+    assert get(url + "/nope")[0] == 404
+
+
+def test_readyz_turns_green_when_the_markers_say_so(served):
+    root, url = served
+    code, ctype, body = get(url + "/readyz")
+    assert code == 503 and ctype == "application/json"
+    assert json.loads(body)["reason"] == "restore has not finished"
+
+    write_marker(root, RESTORE_MARKER, {"status": "miss", "bundle_key": "k", "detail": ""})
+    code, _, body = get(url + "/readyz")
+    assert code == 503 and json.loads(body)["reason"] == "warmup has not completed"
+
+    write_marker(root, WARMUP_MARKER, {"status": "ok", "seconds": 3.5, "profiles": []})
+    code, _, body = get(url + "/readyz")
+    assert code == 200 and json.loads(body) == {"ready": True, "reason": "", "restore": "miss", "warmup": "ok"}
+
+
+def test_metrics_parse_and_carry_the_required_series(served):
+    root, url = served
+    code, ctype, text = get(url + "/metrics")
+    assert code == 200 and ctype.startswith("text/plain; version=0.0.4")
+    assert parse(text) == {("kcache_ready", ""): 0.0}  # nothing finished: no made-up zeros
+
+    write_marker(root, RESTORE_MARKER, {"status": "hit", "bundle_key": "abc", "bundle_id": "b1",
+                                        "files": 12, "bytes": 4096, "seconds": 1.25})  # fmt: skip
+    write_marker(root, WARMUP_MARKER, {"status": "ok", "seconds": 7.5, "profiles": [{"name": "a"}, {"name": "b"}]})
+    write_marker(root, WATCH_MARKER, {"baseline_files": 12, "new_files": {"inductor": 2, "triton": 0},
+                                      "new_bytes": {"inductor": 300, "triton": 0}, "publishes": 1,
+                                      "publish_errors": 0})  # fmt: skip
+    samples = parse(get(url + "/metrics")[2])
+    assert samples[("kcache_ready", "")] == 1
+    assert samples[("kcache_restore_info", '{bundle_key="abc",status="hit"}')] == 1
+    assert samples[("kcache_restore_files", "")] == 12
+    assert samples[("kcache_restore_bytes", "")] == 4096
+    assert samples[("kcache_restore_seconds", "")] == 1.25
+    assert samples[("kcache_warmup_info", '{status="ok"}')] == 1
+    assert samples[("kcache_warmup_seconds", "")] == 7.5
+    assert samples[("kcache_warmup_profiles", "")] == 2
+    assert samples[("kcache_jit_files_after_ready", '{layer="inductor"}')] == 2
+    assert samples[("kcache_jit_files_after_ready", '{layer="triton"}')] == 0
+    assert samples[("kcache_watch_publishes_total", "")] == 1
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", get(url + "/metrics")[2], re.M))
+    assert types["kcache_watch_publishes_total"] == "counter" and types["kcache_ready"] == "gauge"
+
+
+def test_label_values_and_help_are_escaped():
+    text = metrics.render([metrics.family("x_info", "gauge", "a \\ b\nc", ({"v": 'q"\\\n'}, 1))])
+    assert "# HELP x_info a \\\\ b\\nc" in text
+    assert parse(text) == {("x_info", '{v="q\\"\\\\\\n"}'): 1}
+
+
+def test_serve_command_binds_port_zero_and_stops_on_sigterm(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "kcache", "serve", "--port", "0", "--root", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        line = proc.stdout.readline()  # blocks until the server has bound its port
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)", line)[1])
+        assert get(f"http://127.0.0.1:{port}/healthz")[0] == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_port_in_use_is_a_one_line_error(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        result = CliRunner().invoke(main, ["serve", "--port", str(taken.getsockname()[1]), "--root", str(tmp_path)])
+    assert result.exit_code == 2 and "kcache: error:" in result.stderr and "Traceback" not in result.output

@@ -1,0 +1,258 @@
+"""`kcache watch`: files compiled after ready are found by layer, counted, and published as a delta."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+
+import pytest
+from click.testing import CliRunner
+from trees import write_tree
+
+from kcache import manifest as manifests
+from kcache import metrics, sources
+from kcache.cli import main
+from kcache.cli.watch_cmd import Duration
+from kcache.errors import StoreError
+from kcache.publish import publish
+from kcache.readiness import RESTORE_MARKER, WARMUP_MARKER, WATCH_MARKER, read_marker, write_marker
+from kcache.store import manifest_key
+from kcache.watch import BASELINE_MARKER, Watcher, layers_under, ready_time, scan, snapshot
+
+RESTORED = {"inductor/fxgraph/aa/g1": b"graph", "triton/k1/k.cubin": b"\x7fELF1", "cuda/entry": b"sass"}
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def make_ready(root, files=RESTORED):
+    write_tree(root, files)
+    write_marker(root, RESTORE_MARKER, {"status": "hit", "bundle_key": "k"})
+    write_marker(root, WARMUP_MARKER, {"status": "ok", "seconds": 1.0, "profiles": []})
+    ready = ready_time(root)
+    for rel in files:  # restored and warmed before ready, as on a real pod
+        os.utime(root / rel, (ready - 5, ready - 5))
+
+
+def test_scan_finds_new_files_by_layer_and_ignores_junk(tmp_path):
+    make_ready(tmp_path)
+    layers = layers_under(tmp_path)
+    baseline = snapshot(tmp_path, layers, ready_time(tmp_path))
+    assert {layer for layer, _ in baseline.files} == {"inductor", "triton", "cuda"}
+    write_tree(tmp_path, {
+        "inductor/fxgraph/bb/g2": b"new graph",
+        "inductor/fxgraph/bb/g2.lock": b"",
+        "inductor/locks/x": b"",  # belongs to no layer's content
+        "triton/k2/k.cubin.tmp.123": b"partial",
+        "triton/k2/__pycache__/m.pyc": b"",
+        "kcache.env": b"# not a cache file",
+    })  # fmt: skip
+    found = scan(tmp_path, baseline, layers)
+    assert [(f.layer, f.rel, f.size) for f in found] == [("inductor", "fxgraph/bb/g2", 9)]
+
+
+def test_files_written_after_ready_but_before_the_baseline_still_count(tmp_path):
+    make_ready(tmp_path)
+    ready = ready_time(tmp_path)
+    write_tree(tmp_path, {"triton/k9/k.cubin": b"hot path"})
+    os.utime(tmp_path / "triton/k9/k.cubin", (ready + 3, ready + 3))
+    layers = layers_under(tmp_path)
+    found = scan(tmp_path, snapshot(tmp_path, layers, ready), layers)
+    assert [(f.layer, f.rel) for f in found] == [("triton", "k9/k.cubin")]
+
+
+def test_extra_layers_are_watched(tmp_path):
+    make_ready(tmp_path, {**RESTORED, "extra/trt/timing.cache": b"t"})
+    layers = layers_under(tmp_path)
+    assert "extra:trt" in [s.name for s in layers]
+    baseline = snapshot(tmp_path, layers)
+    write_tree(tmp_path, {"extra/trt/more.cache": b"m"})
+    assert [(f.layer, f.rel) for f in scan(tmp_path, baseline, layers)] == [("extra:trt", "more.cache")]
+
+
+def test_waits_for_ready_then_counts_and_survives_a_restart(tmp_path, caplog):
+    watcher = Watcher(tmp_path)
+    step = watcher.step()
+    assert not step.ready and step.reason == "restore has not finished"
+    assert read_marker(tmp_path, WATCH_MARKER) is None
+
+    make_ready(tmp_path)
+    assert watcher.step().new == ()
+    assert (tmp_path / BASELINE_MARKER).exists()
+    doc = read_marker(tmp_path, WATCH_MARKER)
+    assert doc["baseline_files"] == 3 and doc["new_files"]["inductor"] == 0
+
+    write_tree(tmp_path, {"inductor/fxgraph/cc/g3": b"hot"})
+    with caplog.at_level("WARNING", logger="kcache.watch"):
+        step = watcher.step()
+    assert [(f.layer, f.rel) for f in step.fresh] == [("inductor", "fxgraph/cc/g3")]
+    assert "layer inductor file fxgraph/cc/g3" in caplog.text
+    doc = read_marker(tmp_path, WATCH_MARKER)
+    assert doc["new_files"]["inductor"] == 1 and doc["new_bytes"]["inductor"] == 3
+    assert doc["files"] == [["inductor", "fxgraph/cc/g3"]]
+    assert watcher.step().fresh == ()  # reported once
+
+    restarted = Watcher(tmp_path).step()  # a restarted sidecar compares with the same moment
+    assert [f.rel for f in restarted.new] == ["fxgraph/cc/g3"] and restarted.fresh == ()
+
+    samples = metrics.render(metrics.collect(tmp_path))
+    assert 'kcache_jit_files_after_ready{layer="inductor"} 1' in samples
+
+
+def test_a_newer_restore_invalidates_a_saved_baseline(tmp_path):
+    make_ready(tmp_path)
+    Watcher(tmp_path).step()
+    baseline_mtime = (tmp_path / BASELINE_MARKER).stat().st_mtime
+    os.utime(tmp_path / RESTORE_MARKER, (baseline_mtime + 60, baseline_mtime + 60))  # a later pod's restore
+    write_tree(tmp_path, {"inductor/fxgraph/dd/g4": b"restored by the later pod"})
+    os.utime(tmp_path / "inductor/fxgraph/dd/g4", (baseline_mtime, baseline_mtime))
+    assert Watcher(tmp_path).step().new == ()
+
+
+@pytest.fixture
+def published_root(tmp_path, store, sqlite_index, fp):
+    """ROOT as a restore of a published bundle laid it down, and ready."""
+    root = tmp_path / "root"
+    make_ready(root)
+    first = publish(store, sqlite_index, fp, sources.BUILTIN, root=root)
+    return root, first
+
+
+def test_publish_every_publishes_only_the_delta_when_due(published_root, store, sqlite_index, fp):
+    root, first = published_root
+    clock = Clock()
+    calls = []
+
+    def publisher(layers):
+        calls.append(clock.now)
+        return publish(store, sqlite_index, fp, layers, root=root)
+
+    watcher = Watcher(root, publisher=publisher, publish_every=600, clock=clock)
+    assert watcher.step().published is None  # baseline; nothing new
+    write_tree(root, {"triton/k7/k.cubin": b"compiled on the hot path"})
+    clock.now += 300
+    assert watcher.step().published is None and calls == []  # not due yet
+    clock.now += 301
+    result = watcher.step().published
+    assert result is not None and result.created and result.new_blobs == 1 and result.files == first.files + 1
+    entries = manifests.parse(store.get_bytes(manifest_key(result.bundle_id)), result.bundle_id).entries
+    assert "triton/k7/k.cubin" in {e.path for e in entries}
+    clock.now += 601
+    assert watcher.step().published is None and len(calls) == 1  # nothing new since: no publish
+    doc = read_marker(root, WATCH_MARKER)
+    assert doc["publishes"] == 1 and doc["last_publish"]["bundle_id"] == result.bundle_id
+
+
+def test_a_failed_publish_is_counted_and_retried(published_root):
+    root, _ = published_root
+    clock = Clock()
+    outcomes = [StoreError("s3://b", "unreachable")]
+
+    def publisher(layers):
+        if outcomes:
+            raise outcomes.pop()
+        return "published"
+
+    watcher = Watcher(root, publisher=publisher, publish_every=10, clock=clock)
+    watcher.step()
+    write_tree(root, {"cuda/new": b"x"})
+    clock.now += 11
+    step = watcher.step()
+    assert "unreachable" in step.publish_error and read_marker(root, WATCH_MARKER)["publish_errors"] == 1
+    assert watcher.step().published is None  # not due again yet
+    clock.now += 11
+    with pytest.raises(AttributeError):  # the stand-in result has no bundle_id: the retry did call publish
+        watcher.step()
+
+
+def test_run_stops_on_the_event_and_publishes_what_remains(published_root, store, sqlite_index, fp):
+    root, _ = published_root
+    write_tree(root, {"inductor/fxgraph/ee/g5": b"late"})  # after ready, never due within the run
+    os.utime(root / "inductor/fxgraph/ee/g5", (ready_time(root) + 1,) * 2)
+    published = []
+
+    def publisher(layers):
+        published.append(publish(store, sqlite_index, fp, layers, root=root))
+        return published[-1]
+
+    stop = threading.Event()
+    stop.set()
+    Watcher(root, publisher=publisher, publish_every=3600).run(stop, interval=3600)
+    assert len(published) == 1 and published[0].new_blobs == 1
+
+
+def test_run_in_a_thread_ends_when_stopped(tmp_path):
+    stop = threading.Event()
+    worker = threading.Thread(target=Watcher(tmp_path).run, args=(stop, 3600))
+    worker.start()
+    stop.set()
+    worker.join(timeout=30)
+    assert not worker.is_alive()
+
+
+def run(*args):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_cli_once_then_publish_and_restore_elsewhere(tmp_path):
+    root = tmp_path / "root"
+    store = f"file://{tmp_path / 'store'}"
+    index = f"sqlite:///{tmp_path / 'index.db'}"
+    assert "not ready yet" in run("watch", "--root", str(root), "--once").output
+    restored = run("restore", "--into", str(root), "--model", "m", "--store", store, "--index", index)
+    assert "miss" in restored.output
+    write_tree(root, RESTORED)  # the cold pod compiled these during warmup
+    write_marker(root, WARMUP_MARKER, {"status": "ok", "seconds": 1.0, "profiles": []})
+    for rel in RESTORED:
+        os.utime(root / rel, (ready_time(root) - 1,) * 2)
+    assert "0 cache files appeared after ready" in run("watch", "--root", str(root), "--once").output
+
+    write_tree(root, {"vllm/torch_compile_cache/h/rank_0_0/x": b"late"})
+    out = run("watch", "--root", str(root), "--once", "--json", "--publish-every", "10m",
+              "--model", "m", "--store", store, "--index", index)  # fmt: skip
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.output)
+    assert doc["new_files"] == [{"layer": "vllm", "path": "torch_compile_cache/h/rank_0_0/x", "size": 4}]
+    assert doc["published"]
+
+    again = run("restore", "--into", str(tmp_path / "next"), "--model", "m", "--store", store, "--index", index)
+    assert "hit" in again.output
+    assert (tmp_path / "next/vllm/torch_compile_cache/h/rank_0_0/x").read_bytes() == b"late"
+
+
+@pytest.mark.parametrize("text, seconds", [("90", 90), ("30s", 30), ("10m", 600), ("1h", 3600), ("0.5s", 0.5)])
+def test_durations(text, seconds):
+    assert Duration().convert(text, None, None) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "0", "-1m", "10d", "m"])
+def test_bad_durations(text):
+    result = CliRunner().invoke(main, ["watch", "--root", "/tmp", "--once", "--interval", text])
+    assert result.exit_code == 2 and "duration" in result.output
+
+
+def test_watch_command_serves_and_stops_on_sigterm(tmp_path):
+    make_ready(tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kcache", "watch", "--root", str(tmp_path), "--interval", "1h", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)", proc.stdout.readline())[1])
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=10) as response:
+            assert response.status == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
