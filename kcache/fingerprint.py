@@ -114,15 +114,39 @@ def collect(
     overrides: Mapping[str, str] | None = None,
     env: Mapping[str, str] | None = None,
     probes: Iterable[Callable[[Mapping[str, str]], dict[str, str]]] | None = None,
+    facts_file: Path | None = None,
 ) -> Fingerprint:
-    """Probe this machine, add the workload, apply overrides, and compute the keys."""
+    """Probe this machine, add the workload, apply overrides, and compute the keys.
+
+    With `facts_file` (what `kcache fingerprint --json` printed on the machine that runs the
+    model), nothing is probed: an init container without torch, g++ or a GPU then computes the
+    model container's fingerprint. Workload flags and overrides still apply on top.
+    """
     env = os.environ if env is None else env
     facts: dict[str, str] = {}
-    for probe in PROBES if probes is None else probes:
-        facts.update(probe(env))
-    facts.update(workload_facts(model, model_config, extra or {}))
+    if facts_file is not None:
+        facts.update(load_facts_file(Path(facts_file)))
+    else:
+        for probe in PROBES if probes is None else probes:
+            facts.update(probe(env))
+    if facts_file is None or model or model_config or extra:
+        facts.update(workload_facts(model, model_config, extra or {}))
     facts.update(overrides or {})
     return compute(facts)
+
+
+def load_facts_file(path: Path) -> dict[str, str]:
+    """Facts from `kcache fingerprint --json` output, or a flat JSON object of name -> value."""
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError("--facts-file", str(path), f"cannot be read: {exc.strerror}") from None
+    except ValueError as exc:
+        raise ConfigError("--facts-file", str(path), f"is not JSON: {exc}") from None
+    facts = doc.get("facts", doc) if isinstance(doc, dict) else None
+    if not isinstance(facts, dict) or not all(isinstance(v, str) for v in facts.values()):
+        raise ConfigError("--facts-file", str(path), "expected `kcache fingerprint --json` output or {name: value}")
+    return {str(k): v for k, v in facts.items()}
 
 
 # ---- workload ---------------------------------------------------------------------------------

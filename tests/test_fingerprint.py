@@ -162,3 +162,33 @@ def test_torch_facts_are_read_without_importing_it():
                                              check=True).stdout)  # fmt: skip
     facts = f.probe_torch(os.environ)
     assert facts["torch.version"] == version and facts["torch.git"] == git
+
+
+def test_facts_file_reproduces_another_machines_fingerprint(tmp_path):
+    from click.testing import CliRunner
+
+    from kcache.cli import main
+
+    there = f.compute({**BASE, "torch.version": "2.13.0+cu128", "gpu.sm": "sm_90"})
+    path = tmp_path / "facts.json"
+    path.write_text(json.dumps(there.as_dict()))
+
+    def no_probing(env):
+        raise AssertionError("a facts file must replace probing")
+
+    assert f.collect(facts_file=path, probes=[no_probing]) == there
+    other_model = f.collect(facts_file=path, model="other", probes=[no_probing])
+    assert other_model.toolchain_key == there.toolchain_key and other_model.facts["model.id"] == "other"
+    out = CliRunner().invoke(main, ["fingerprint", "--json"], env={"KCACHE_FACTS_FILE": str(path)})
+    assert json.loads(out.output)["bundle_key"] == there.bundle_key
+    flat = tmp_path / "flat.json"
+    flat.write_text(json.dumps(dict(there.facts)))
+    assert f.collect(facts_file=flat, probes=[no_probing]) == there
+
+
+@pytest.mark.parametrize("content", ["[1]", '{"facts": {"a": 1}}', "not json"])
+def test_bad_facts_file_is_a_config_error(tmp_path, content):
+    path = tmp_path / "facts.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match="facts-file"):
+        f.collect(facts_file=path)

@@ -10,11 +10,18 @@ import click
 from kcache import __version__
 from kcache.cli.bundles_cmd import ls_cmd, show_cmd
 from kcache.cli.db_cmd import db_group
+from kcache.cli.explain_cmd import explain_cmd
 from kcache.cli.fingerprint_cmd import fingerprint_cmd
 from kcache.cli.keygen_cmd import keygen_cmd
+from kcache.cli.operate_cmd import gc_cmd, verify_cmd, yank_cmd
 from kcache.cli.publish_cmd import publish_cmd
+from kcache.cli.ready_cmd import ready_cmd
 from kcache.cli.reindex_cmd import reindex_cmd
 from kcache.cli.restore_cmd import restore_cmd
+from kcache.cli.serve_cmd import serve_cmd
+from kcache.cli.stats_cmd import stats_cmd
+from kcache.cli.warmup_cmd import prebake_cmd, warmup_cmd
+from kcache.cli.watch_cmd import watch_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -35,5 +42,7 @@ def main(verbose: int) -> None:
     logging.basicConfig(level=max(level, logging.DEBUG), format="kcache: %(levelname)s: %(message)s")
 
 
-for command in (fingerprint_cmd, publish_cmd, restore_cmd, ls_cmd, show_cmd, reindex_cmd, keygen_cmd, db_group):
+for command in (fingerprint_cmd, publish_cmd, restore_cmd, ls_cmd, show_cmd, reindex_cmd, keygen_cmd, db_group,
+                ready_cmd, serve_cmd, watch_cmd, warmup_cmd, prebake_cmd, explain_cmd, stats_cmd,
+                yank_cmd, verify_cmd, gc_cmd):  # fmt: skip
     main.add_command(command)

@@ -21,12 +21,22 @@ def fingerprint_options(fn):
                      help="Model identity, e.g. meta-llama/Llama-3.1-8B@rev (env KCACHE_MODEL)."),
         click.option("--model-config", type=click.Path(dir_okay=False, path_type=Path),
                      help="The model's config.json; its content becomes part of the workload key."),
+        click.option("--facts-file", type=click.Path(dir_okay=False, path_type=Path), expose_value=False,
+                     callback=_remember_facts_file, envvar="KCACHE_FACTS_FILE",
+                     help="Facts of the machine that runs the model (`kcache fingerprint --json` there); "
+                          "nothing is probed (env KCACHE_FACTS_FILE)."),
         click.option("--fact", "facts", multiple=True, metavar="NAME=VALUE",
                      help="Override a probed fact (e.g. --fact gpu.sm=sm_90), to describe another machine."),
         click.option("--extra", "extras", multiple=True, metavar="K=V",
                      help="A workload fact of your own (e.g. --extra tp=2); becomes extra.K."),
     )  # fmt: skip
     return _apply(fn, options)
+
+
+def _remember_facts_file(ctx: click.Context, _param, value):
+    # Not a parameter of each command: every command that fingerprints gets it through the context.
+    ctx.meta["kcache.facts_file"] = value
+    return value
 
 
 def _apply(fn, options):
@@ -71,11 +81,13 @@ def json_option(fn):
 
 
 def compute_fingerprint(model, model_config, facts, extras) -> fingerprint.Fingerprint:
+    facts_file = click.get_current_context().meta.get("kcache.facts_file")
     return fingerprint.collect(
         model=model,
         model_config=model_config,
         extra=fingerprint.parse_assignments(extras, "--extra"),
         overrides=fingerprint.parse_assignments(facts, "--fact"),
+        facts_file=facts_file,
     )
 
 

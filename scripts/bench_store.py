@@ -1,0 +1,573 @@
+"""Benchmark (not a test): kcache's packed store against `aws s3 sync` and a local tar|zstd floor.
+
+    python scripts/bench_store.py [--files 20000] [--repeats 3] [--quick] [--json] [--keep]
+
+Two trees, each laid out like a restore root (ROOT/inductor, ROOT/triton, ROOT/tmp/...):
+
+    synthetic   --files files of 1-16 KiB (log-uniform) plus a few files of several MiB, about
+                150 MB at the defaults; half random bytes, half repetitive kernel-like text, so
+                zstd finds roughly what it finds in real caches. A copy 4x smaller is restored too,
+                to show that restore's peak memory does not grow with the bundle.
+    inductor    a real Inductor cache: `python -m kcache.workload` with TORCHINDUCTOR_CACHE_DIR and
+                TMPDIR inside ROOT (skipped when torch is not importable)
+
+Each repeat uses a fresh bucket, fresh SQLite indexes and fresh target directories, against one
+moto S3 server that runs as a separate process on 127.0.0.1. Every operation is timed as a whole
+child process (wall clock), because that is what a pod's init container pays:
+
+    publish / republish   kcache publish to s3:// into an empty store, then again unchanged
+    restore               kcache restore from s3:// into a fresh dir
+    sync-up / sync-down   aws s3 sync ROOT s3://bucket/sync/ and back into a fresh dir
+    tar-create / -extract tar -cf - | zstd -T0 and zstd -dc | tar -xf - on local disk: the floor
+    publish-file / restore-file   the same kcache commands against a file:// store
+
+Every restored tree is compared with its source (all paths and sizes, a sample of SHA-256s), so a
+fast but wrong restore cannot win. Scratch space lives in one temp dir, removed unless --keep:
+
+    kcache-bench-store-XXXX/
+      trees/<tree>/         sources, pruned to exactly what `kcache publish --from` carries
+      out/<tree>-<op>-<n>/  restore targets, removed after verification
+      files/                file:// stores, indexes, tar.zst archives
+      home/                 KCACHE_HOME, so no user store or index leaks in
+      moto.log              the S3 server's request log
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import boto3
+
+from kcache import publish as publishing
+from kcache import sources
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+# Inherited cache locations or kcache settings would point children past the scratch dir.
+ISOLATED = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TMPDIR", "TORCH_COMPILE_CACHE_KEY_TAG",
+            "KCACHE_STORE", "KCACHE_INDEX", "KCACHE_HOME", "AWS_ENDPOINT_URL", "AWS_PROFILE")  # fmt: skip
+RESTORE_EXTRAS = {"kcache.env", ".kcache-state.json"}  # written by restore, not part of the bundle
+HASH_SAMPLE = 200
+SEED = 20240611
+# (label, numerator op, denominator op, bound, "min": ratio must reach bound, "max": stay at or below)
+TARGETS = (("aws-sync-down / kcache-restore", "sync-down", "restore", 20.0, "min"),
+           ("aws-sync-up / kcache-publish", "sync-up", "publish", 20.0, "min"),
+           ("kcache-restore-file / tar-zstd-extract", "restore-file", "tar-extract", 1.5, "max"),
+           ("republish / publish", "republish", "publish", 0.1, "max"))  # fmt: skip
+
+
+class BenchError(Exception):
+    """A step failed or produced a wrong tree; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class Run:
+    seconds: float  # wall clock of the whole child process
+    maxrss: int  # bytes, the child's peak resident set (from wait4)
+    stdout: str
+
+
+@dataclass(frozen=True)
+class Tree:
+    name: str
+    root: Path
+    listing: dict[str, int]  # relative path -> size, exactly what kcache carries
+    sample: tuple[str, ...]  # paths whose SHA-256 is compared after every restore
+    note: str = ""
+
+
+# ---- child processes ---------------------------------------------------------------------------
+
+
+def run_child(argv: list[str], env: dict[str, str]) -> Run:
+    """Run argv to completion; wall seconds and peak RSS come from this one child (os.wait4)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        started = time.perf_counter()
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+        _pid, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - started
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, so Popen must not wait
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+    if proc.returncode != 0:
+        raise BenchError(f"`{' '.join(argv)}` exited {proc.returncode}\n{stdout[-2000:]}\n{stderr[-2000:]}")
+    return Run(seconds, usage.ru_maxrss * 1024, stdout)  # ru_maxrss is KiB on Linux
+
+
+def last_json(run: Run, argv: list[str]) -> dict:
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        raise BenchError(f"`{' '.join(argv)}` printed no JSON: {run.stdout[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def tool(name: str) -> str:
+    """The tool installed next to this interpreter (same venv as kcache), else the one on PATH."""
+    beside = Path(sys.executable).with_name(name)
+    found = str(beside) if beside.is_file() else shutil.which(name)
+    if found is None:
+        raise BenchError(f"`{name}` not found next to {sys.executable} or on PATH (pip install -e '.[bench]')")
+    return found
+
+
+def base_env(work: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ISOLATED}
+    env.update(CREDENTIALS, KCACHE_HOME=str(work / "home"))
+    return env
+
+
+# ---- the S3 server -----------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_up(url: str, proc: subprocess.Popen, tries: int = 150) -> None:
+    for _ in range(tries):
+        if proc.poll() is not None:
+            raise BenchError(f"moto server exited with {proc.returncode} before answering")
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except urllib.error.HTTPError:
+            return  # any HTTP answer means it is serving
+        except OSError:
+            time.sleep(0.1)
+    raise BenchError(f"moto server at {url} did not answer after {tries} tries")
+
+
+@contextmanager
+def moto_server(work: Path, env: dict[str, str]) -> Iterator[str]:
+    """A moto S3 server in its own process, so its CPU and GIL are not the client's."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(work / "moto.log", "wb") as log:
+        argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        try:
+            wait_until_up(url, proc)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def s3_client(endpoint: str):
+    session = boto3.session.Session(
+        aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        region_name=CREDENTIALS["AWS_DEFAULT_REGION"],
+    )
+    return session.client("s3", endpoint_url=endpoint)
+
+
+def drop_bucket(client, bucket: str) -> None:
+    """Empty and delete a repeat's bucket so moto's memory stays flat across repeats (untimed)."""
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+    client.delete_bucket(Bucket=bucket)
+
+
+# ---- trees -------------------------------------------------------------------------------------
+
+
+def text_corpus(rng: random.Random) -> bytes:
+    """Kernel-like source lines: repetitive structure with varying numbers, as in Triton/C++ code."""
+    ops = ("tl.load", "tl.store", "tl.where", "tl.maximum", "libdevice.exp", "tl.sum")
+    lines = []
+    for i in range(6000):
+        op = rng.choice(ops)
+        lines.append(f"    tmp{i % 97} = {op}(in_ptr{rng.randrange(4)} + (x{rng.randrange(3)} + "
+                     f"{rng.randrange(4096)}*r0_1), xmask, eviction_policy='evict_last')\n")  # fmt: skip
+    return "".join(lines).encode()
+
+
+def content(rng: random.Random, size: int, corpus: bytes) -> bytes:
+    """About half random bytes (like machine code) and half corpus text, in runs of 256 B-2 KiB."""
+    parts, total = [], 0
+    while total < size:
+        run = rng.randrange(256, 2048)
+        if rng.random() < 0.5:
+            parts.append(rng.randbytes(run))
+        else:
+            start = rng.randrange(len(corpus) - run)
+            parts.append(corpus[start : start + run])
+        total += run
+    return b"".join(parts)[:size]
+
+
+def build_synthetic(root: Path, files: int, seed: int) -> None:
+    """60% Inductor-like files under inductor/<hh>/, 40% Triton kernel dirs of four files each."""
+    rng = random.Random(seed)
+    corpus = text_corpus(rng)
+    for i in range(files):
+        name = hashlib.sha256(f"{seed}-{i}".encode()).hexdigest()
+        if i % 5 < 3:
+            path = root / "inductor" / name[:2] / f"c{name[2:40]}{rng.choice(('.py', '.cpp', '.so', '.json'))}"
+        else:
+            kernel = hashlib.sha256(f"{seed}-k{i // 4}".encode()).hexdigest()
+            path = root / "triton" / kernel / f"triton_poi_fused_{i}{('.cubin', '.json', '.ptx', '.ttir')[i % 4]}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content(rng, int(1024 * 16 ** rng.random()), corpus))
+    # Compiled wrappers and autotune blobs of several MiB; their count scales with the tree.
+    for i in range(max(1, files // 4000)):
+        path = root / "inductor" / "aotautograd" / f"large_{i}.so"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content(rng, rng.randrange(4, 12) * 1024 * 1024, corpus))
+
+
+def build_inductor(root: Path, env: dict[str, str], quick: bool) -> str:
+    """Compile kcache.workload once with its caches inside ROOT; returns a note, "" on success."""
+    probe = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True)
+    if probe.returncode != 0:
+        return "skipped: torch is not importable"
+    (root / "tmp").mkdir(parents=True)
+    child = dict(env, TORCHINDUCTOR_CACHE_DIR=str(root / "inductor"), TMPDIR=str(root / "tmp"))
+    argv = [sys.executable, "-m", "kcache.workload", "--json"] + (["--blocks", "1"] if quick else [])
+    run = run_child(argv, child)
+    return f"workload compiled in {run.seconds:.1f}s"
+
+
+def prune_to_carried(root: Path) -> dict[str, int]:
+    """Delete what publish would not carry (locks, temp files, other TMPDIR debris).
+
+    Then every tool moves exactly the same files, and a restored tree must equal the source.
+    """
+    carried = {}
+    for source, info in publishing.collect(sources.select(), root=root, env=os.environ):
+        path = source.restore_dir(root) / info.rel
+        carried[path.relative_to(root).as_posix()] = info.size
+    for rel in set(listing(root)) - set(carried):
+        (root / rel).unlink()
+    return carried
+
+
+def listing(root: Path, skip: frozenset[str] | set[str] = frozenset()) -> dict[str, int]:
+    found = {}
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            path = Path(dirpath) / name
+            rel = path.relative_to(root).as_posix()
+            if rel not in skip:
+                found[rel] = path.lstat().st_size
+    return found
+
+
+def make_tree(name: str, root: Path, note: str = "") -> Tree:
+    carried = prune_to_carried(root)
+    rng = random.Random(SEED)
+    largest = sorted(carried, key=carried.get)[-5:]  # the streamed path must be checked too
+    sample = sorted(set(rng.sample(sorted(carried), min(HASH_SAMPLE, len(carried)))) | set(largest))
+    return Tree(name, root, carried, tuple(sample), note)
+
+
+def sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def verify(tree: Tree, restored: Path, label: str) -> None:
+    """Same paths, same sizes, same sampled hashes as the source, or BenchError."""
+    got = listing(restored, skip=RESTORE_EXTRAS)
+    if got != tree.listing:
+        missing = set(tree.listing) - set(got)
+        extra = set(got) - set(tree.listing)
+        wrong = [p for p in set(got) & set(tree.listing) if got[p] != tree.listing[p]]
+        raise BenchError(f"{label}: {len(missing)} missing, {len(extra)} extra, {len(wrong)} wrong-size files "
+                         f"(e.g. {sorted(missing | extra)[:3] or wrong[:3]})")  # fmt: skip
+    bad = [p for p in tree.sample if sha256(tree.root / p) != sha256(restored / p)]
+    if bad:
+        raise BenchError(f"{label}: {len(bad)} of {len(tree.sample)} sampled files differ, e.g. {bad[0]}")
+
+
+# ---- one repeat --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ctx:
+    work: Path
+    env: dict[str, str]
+    endpoint: str
+    kcache: str
+    aws: str
+
+
+def kcache_run(
+    ctx: Ctx, verb: str, tree: Tree, store: str, index: Path, target: Path | None = None
+) -> tuple[dict, Run]:
+    # --strict: kcache restore is fail-open, and a cold start must not be timed as a fast restore.
+    if verb == "publish":
+        where = ["--from", str(tree.root)]
+    else:
+        where = ["--into", str(target), "--strict", "--timeout", "3600"]
+    argv = [ctx.kcache, verb, *where, "--store", store, "--index", f"sqlite:///{index}",
+            "--s3-endpoint-url", ctx.endpoint, "--model", f"bench-{tree.name}", "--json"]  # fmt: skip
+    run = run_child(argv, ctx.env)
+    return last_json(run, argv), run
+
+
+def sample(run: Run, **extra) -> dict:
+    return {"seconds": run.seconds, "maxrss": run.maxrss, **extra}
+
+
+def kcache_s3(ctx: Ctx, tree: Tree, bucket: str, n: int) -> dict[str, dict]:
+    """First publish into an empty bucket, republish unchanged, restore into a fresh dir."""
+    store, index = f"s3://{bucket}/kcache", ctx.work / "files" / f"{tree.name}-s3-{n}.db"
+    first, run1 = kcache_run(ctx, "publish", tree, store, index)
+    again, run2 = kcache_run(ctx, "publish", tree, store, index)
+    target = ctx.work / "out" / f"{tree.name}-restore-{n}"
+    got, run3 = kcache_run(ctx, "restore", tree, store, index, target)
+    if got.get("status") != "hit" or got.get("files") != len(tree.listing):
+        raise BenchError(f"{tree.name}: restore said {got}")
+    verify(tree, target, f"{tree.name} kcache restore (s3)")
+    shutil.rmtree(target)
+    return {"publish": sample(run1, uploaded_bytes=first["uploaded_bytes"], packs=first["packs"]),
+            "republish": sample(run2, uploaded_bytes=again["uploaded_bytes"], new_blobs=again["new_blobs"]),
+            "restore": sample(run3)}  # fmt: skip
+
+
+def aws_sync(ctx: Ctx, tree: Tree, bucket: str, n: int) -> dict[str, dict]:
+    remote = f"s3://{bucket}/sync/"
+    common = ["--endpoint-url", ctx.endpoint, "--only-show-errors"]
+    up = run_child([ctx.aws, "s3", "sync", str(tree.root), remote, *common], ctx.env)
+    target = ctx.work / "out" / f"{tree.name}-sync-{n}"
+    down = run_child([ctx.aws, "s3", "sync", remote, str(target), *common], ctx.env)
+    verify(tree, target, f"{tree.name} aws s3 sync down")
+    shutil.rmtree(target)
+    return {"sync-up": sample(up), "sync-down": sample(down)}
+
+
+def tar_zstd(ctx: Ctx, tree: Tree, n: int) -> dict[str, dict]:
+    archive = ctx.work / "files" / f"{tree.name}-{n}.tar.zst"
+    target = ctx.work / "out" / f"{tree.name}-tar-{n}"
+    target.mkdir(parents=True)
+    shell = ["bash", "-o", "pipefail", "-c"]
+    create = run_child(shell + [f"tar -C '{tree.root}' -cf - . | zstd -T0 -q -o '{archive}'"], ctx.env)
+    extract = run_child(shell + [f"zstd -dc '{archive}' | tar -C '{target}' -xf -"], ctx.env)
+    verify(tree, target, f"{tree.name} tar|zstd extract")
+    shutil.rmtree(target)
+    packed = archive.stat().st_size
+    archive.unlink()
+    return {"tar-create": sample(create, archive_bytes=packed), "tar-extract": sample(extract)}
+
+
+def kcache_file(ctx: Ctx, tree: Tree, n: int) -> dict[str, dict]:
+    """kcache against a local file:// store: the same disk as the tar|zstd floor."""
+    store_dir = ctx.work / "files" / f"{tree.name}-store-{n}"
+    index = ctx.work / "files" / f"{tree.name}-file-{n}.db"
+    _, pub = kcache_run(ctx, "publish", tree, f"file://{store_dir}", index)
+    target = ctx.work / "out" / f"{tree.name}-restore-file-{n}"
+    _, run = kcache_run(ctx, "restore", tree, f"file://{store_dir}", index, target)
+    verify(tree, target, f"{tree.name} kcache restore (file)")
+    shutil.rmtree(target)
+    shutil.rmtree(store_dir)
+    return {"publish-file": sample(pub), "restore-file": sample(run)}
+
+
+def one_repeat(ctx: Ctx, tree: Tree, n: int) -> dict[str, dict]:
+    client = s3_client(ctx.endpoint)
+    bucket = f"bench-{tree.name}-{n}"
+    client.create_bucket(Bucket=bucket)
+    try:
+        found = kcache_s3(ctx, tree, bucket, n)
+        found.update(aws_sync(ctx, tree, bucket, n))
+    finally:
+        drop_bucket(client, bucket)
+    found.update(tar_zstd(ctx, tree, n))
+    found.update(kcache_file(ctx, tree, n))
+    return found
+
+
+def measure(ctx: Ctx, tree: Tree, repeats: int, step) -> dict[str, list[dict]]:
+    """`step(ctx, tree, n)` once per repeat; its samples gathered per operation."""
+    samples: dict[str, list[dict]] = {}
+    for n in range(repeats):
+        started = time.perf_counter()
+        for op, found in step(ctx, tree, n).items():
+            samples.setdefault(op, []).append(found)
+        print(f"bench: {tree.name} repeat {n + 1}/{repeats} done in {time.perf_counter() - started:.1f}s",
+              file=sys.stderr)  # fmt: skip
+    return samples
+
+
+def rss_repeat(ctx: Ctx, tree: Tree, n: int) -> dict[str, dict]:
+    """Only publish and restore: the smaller tree exists to compare restore's peak memory."""
+    client = s3_client(ctx.endpoint)
+    bucket = f"bench-{tree.name}-{n}"
+    client.create_bucket(Bucket=bucket)
+    try:
+        found = kcache_s3(ctx, tree, bucket, n)
+    finally:
+        drop_bucket(client, bucket)
+    return found
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def median(samples: list[dict], key: str = "seconds") -> float:
+    return statistics.median(s[key] for s in samples)
+
+
+def ratios(results: dict[str, dict[str, list[dict]]]) -> list[dict]:
+    rows = []
+    for tree, ops in results.items():
+        if "sync-up" not in ops:
+            continue
+        for label, num, den, bound, kind in TARGETS:
+            value = median(ops[num]) / median(ops[den])
+            ok = value >= bound if kind == "min" else value <= bound
+            target = f"{'>=' if kind == 'min' else '<='} {bound:g}"
+            rows.append({"tree": tree, "ratio": label, "value": value, "target": target, "ok": ok})
+        uploaded = max(s["uploaded_bytes"] for s in ops["republish"])
+        rows.append({"tree": tree, "ratio": "republish uploaded bytes", "value": uploaded, "target": "== 0",
+                     "ok": uploaded == 0})  # fmt: skip
+    return rows
+
+
+def print_report(trees: dict[str, Tree], results: dict, rows: list[dict], rss: dict) -> None:
+    print(f"{'tree':<18} {'files':>6} {'MB':>7}  {'operation':<13} {'median s':>9} {'min s':>8} {'max s':>8} "
+          f"{'peak RSS MiB':>12}")  # fmt: skip
+    for name, ops in results.items():
+        tree = trees[name]
+        size = sum(tree.listing.values()) / 1e6
+        for op, samples in ops.items():
+            rss_mib = max(s["maxrss"] for s in samples) / 2**20
+            secs = [s["seconds"] for s in samples]
+            print(f"{name:<18} {len(tree.listing):>6} {size:>7.1f}  {op:<13} {median(samples):>9.3f} "
+                  f"{min(secs):>8.3f} {max(secs):>8.3f} {rss_mib:>12.0f}")  # fmt: skip
+    print()
+    for row in rows:
+        value = f"{row['value']:.3f}" if isinstance(row["value"], float) else str(row["value"])
+        verdict = "ok" if row["ok"] else "MISSED"
+        print(f"{row['tree']:<18} {row['ratio']:<40} {value:>10}  target {row['target']:<7} {verdict}")
+    print()
+    for name, peak in rss.items():
+        tree = trees[name]
+        print(f"restore peak RSS  {name:<18} {len(tree.listing):>6} files {sum(tree.listing.values()) / 1e6:>7.1f} MB  "
+              f"{peak / 2**20:>6.0f} MiB")  # fmt: skip
+    if {"synthetic", "synthetic-quarter"} <= set(rss):
+        print(f"restore peak RSS  synthetic / synthetic-quarter = {rss['synthetic'] / rss['synthetic-quarter']:.2f} "
+              "(flat means memory does not grow with the bundle)")  # fmt: skip
+    for name, tree in trees.items():
+        if tree.note:
+            print(f"note: {name}: {tree.note}")
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--files", type=int, default=20000, help="small files in the synthetic tree (default 20000)")
+    parser.add_argument("--repeats", type=int, default=3, help="samples per operation, medians reported (default 3)")
+    parser.add_argument("--quick", action="store_true", help="a fast check: 2000 files, 1 repeat, a 1-block workload")
+    parser.add_argument("--no-inductor", action="store_true", help="skip the real Inductor tree")
+    parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                        help="print one JSON object instead of the table; with PATH, write it there and "
+                             "print the table too")  # fmt: skip
+    parser.add_argument("--keep", action="store_true", help="keep the scratch directory and print its path")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.files, args.repeats = 2000, 1
+    return args
+
+
+def check_tools() -> dict[str, str]:
+    missing = [t for t in ("tar", "zstd", "bash") if shutil.which(t) is None]
+    if missing:
+        raise BenchError(f"missing {', '.join(missing)}: apt-get install {' '.join(missing)}")
+    return {"kcache": tool("kcache"), "aws": tool("aws")}
+
+
+def build_trees(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str, Tree]:
+    trees = {}
+    for name, files in (("synthetic", args.files), ("synthetic-quarter", max(1, args.files // 4))):
+        root = work / "trees" / name
+        build_synthetic(root, files, SEED + files)
+        trees[name] = make_tree(name, root)
+    if not args.no_inductor:
+        root = work / "trees" / "inductor"
+        note = build_inductor(root, env, args.quick)
+        if (root / "inductor").is_dir():
+            trees["inductor"] = make_tree("inductor", root, note)
+        else:
+            print(f"bench: inductor tree {note}", file=sys.stderr)
+    return trees
+
+
+def run_all(args: argparse.Namespace, work: Path, tools: dict[str, str]) -> dict:
+    env = base_env(work)
+    (work / "files").mkdir(parents=True)
+    trees = build_trees(args, work, env)
+    with moto_server(work, env) as endpoint:
+        ctx = Ctx(work, env, endpoint, tools["kcache"], tools["aws"])
+        results = {}
+        for name, tree in trees.items():
+            step = rss_repeat if name == "synthetic-quarter" else one_repeat
+            results[name] = measure(ctx, tree, args.repeats, step)
+    rss = {name: max(s["maxrss"] for s in results[name]["restore"]) for name in results}
+    return {"trees": trees, "results": results, "ratios": ratios(results), "rss": rss}
+
+
+def write_json(args: argparse.Namespace, tools: dict[str, str], out: dict) -> None:
+    trees = {n: {"files": len(t.listing), "bytes": sum(t.listing.values()), "note": t.note}
+             for n, t in out["trees"].items()}  # fmt: skip
+    text = json.dumps({"args": vars(args), "tools": tools, "trees": trees, "results": out["results"],
+                       "ratios": out["ratios"], "restore_peak_rss": out["rss"]}, sort_keys=True)  # fmt: skip
+    if args.json == "-":
+        print(text)
+    else:
+        Path(args.json).write_text(text + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    tools = check_tools()
+    work = Path(tempfile.mkdtemp(prefix="kcache-bench-store-"))
+    try:
+        out = run_all(args, work, tools)
+    except BenchError as exc:
+        print(f"bench: failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if args.keep:
+            print(f"bench: scratch kept in {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        write_json(args, tools, out)
+    if args.json != "-":
+        print_report(out["trees"], out["results"], out["ratios"], out["rss"])
+    return 0 if all(r["ok"] for r in out["ratios"]) else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
