@@ -139,7 +139,7 @@ def test_cli_dry_run_changes_nothing(tmp_path):
     assert done.exit_code == 0 and "deleted 1 bundles" in done.output
     assert len(json.loads(runner.invoke(main, ["ls", "--json"]).output)) == 1
     bad = runner.invoke(main, ["gc", "--older-than", "soon"])
-    assert bad.exit_code == 2 and "unit" in bad.stderr
+    assert bad.exit_code == 2 and "duration" in bad.stderr
 
 
 def test_lifecycle_revive_reports_gone_packs(sqlite_index):

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from sqlalchemy import update
 from trees import write_tree
 
-from kcache import fingerprint, sources, stats
+from kcache import durations, fingerprint, sources, stats
 from kcache.cli import main
 from kcache.errors import ConfigError
 from kcache.index import Event
@@ -21,13 +21,13 @@ from kcache.publish import publish
     [("90s", 90), ("30m", 1800), ("12h", 43200), ("7d", 604800), ("2w", 1209600), ("1d12h", 129600), ("1.5h", 5400)],
 )
 def test_parse_duration(text, seconds):
-    assert stats.parse_duration(text) == timedelta(seconds=seconds)
+    assert durations.parse(text, "--since") == timedelta(seconds=seconds)
 
 
 @pytest.mark.parametrize("text", ["", "7", "d", "7 days", "-1d", "1d 2h", "7y"])
 def test_parse_duration_rejects(text):
     with pytest.raises(ConfigError, match="duration"):
-        stats.parse_duration(text)
+        durations.parse(text, "--since")
 
 
 @pytest.fixture

@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict
-from datetime import timedelta
 
 import click
 
+from kcache import durations
 from kcache.cli import format as fmt
 from kcache.cli.options import handle_errors, json_option, open_index, settings, store_options
-from kcache.errors import ConfigError
 from kcache.store import open_store
-
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])\Z")
-_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
-
-
-def parse_duration(text: str, flag: str) -> timedelta:
-    """'90s', '15m', '6h', '7d', '2w'."""
-    match = _DURATION.match(text.strip())
-    if not match:
-        raise ConfigError(flag, text, "expected a number and a unit: s, m, h, d or w (e.g. 7d)")
-    return timedelta(**{_UNITS[match.group(2)]: float(match.group(1))})
 
 
 def _open(store_url, index_url, s3_endpoint_url):
@@ -117,7 +104,7 @@ def gc_cmd(keep_last, older_than, grace, dry_run, store_url, index_url, s3_endpo
     """
     from kcache import gc
 
-    policy = gc.Policy(keep_last, parse_duration(older_than, "--older-than"), parse_duration(grace, "--grace"))
+    policy = gc.Policy(keep_last, durations.parse(older_than, "--older-than"), durations.parse(grace, "--grace"))
     store, index = _open(store_url, index_url, s3_endpoint_url)
     try:
         plan = gc.plan(store, index, policy)

@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 import click
 
-from kcache import stats
+from kcache import durations, stats
 from kcache.cli import format as fmt
 from kcache.cli.options import handle_errors, json_option, open_index, settings, store_options
 
@@ -32,7 +32,7 @@ def stats_cmd(since, model, store_url, index_url, s3_endpoint_url, as_json):
       kcache stats --since 7d
       kcache stats --since 24h --model my-llm --json
     """
-    window = stats.parse_duration(since) if since else None
+    window = durations.parse(since, "--since") if since else None
     index = open_index(settings(store_url, index_url, s3_endpoint_url).index_url)
     try:
         result = stats.summarize(index, window=window, model=model)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import click
 
+from kcache import durations
 from kcache.cli import format as fmt
 from kcache.cli.options import (
     compute_fingerprint,
@@ -19,6 +19,7 @@ from kcache.cli.options import (
 )
 from kcache.cli.ready_cmd import root_option
 from kcache.cli.serve_cmd import host_port_options, stop_on_signals
+from kcache.errors import ConfigError
 from kcache.publish import publish
 from kcache.serve import make_server, start_in_thread
 from kcache.store import open_store
@@ -26,18 +27,18 @@ from kcache.watch import Publisher, Step, Watcher
 
 
 class Duration(click.ParamType):
-    """`90`, `90s`, `10m`, `1h` -> seconds."""
+    """`90`, `90s`, `10m`, `1h` -> seconds (kcache.durations' rules; a bare number is seconds)."""
 
     name = "duration"
-    _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600}
 
     def convert(self, value, param, ctx):
         if isinstance(value, (int, float)):
             return float(value)
-        match = re.fullmatch(r"(\d+(?:\.\d*)?)\s*([smh]?)", str(value).strip())
-        if not match or float(match[1]) <= 0:
-            self.fail(f"{value!r} is not a duration such as 30s, 10m or 1h", param, ctx)
-        return float(match[1]) * self._UNITS[match[2]]
+        try:
+            return durations.parse(value, param.opts[0] if param else "duration", bare_seconds=True,
+                                   positive=True).total_seconds()  # fmt: skip
+        except ConfigError as exc:
+            self.fail(f"{value!r} is not a duration such as 30s, 10m or 1h ({exc.why})", param, ctx)
 
 
 def _publisher(root: Path, fingerprint_args, store_args) -> Publisher:

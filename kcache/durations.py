@@ -1,0 +1,27 @@
+"""Durations on the command line: `90s`, `30m`, `12h`, `7d`, `2w`, or combinations like `1d12h`."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+from kcache.errors import ConfigError
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_PART = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+_BARE = re.compile(r"\d+(?:\.\d+)?")
+
+
+def parse(text: str, flag: str, *, bare_seconds: bool = False, positive: bool = False) -> timedelta:
+    """A duration; with `bare_seconds` a plain number means seconds; with `positive` zero is refused."""
+    compact = str(text).strip().lower()
+    if bare_seconds and _BARE.fullmatch(compact):
+        seconds = float(compact)
+    else:
+        parts = _PART.findall(compact)
+        if not parts or "".join(n + u for n, u in parts) != compact:
+            raise ConfigError(flag, str(text), "expected a duration such as 30s, 10m, 12h, 7d or 1d12h")
+        seconds = sum(float(n) * _UNITS[u] for n, u in parts)
+    if positive and seconds <= 0:
+        raise ConfigError(flag, str(text), "the duration must be longer than zero")
+    return timedelta(seconds=seconds)
