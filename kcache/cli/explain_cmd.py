@@ -6,6 +6,7 @@ import click
 
 from kcache import explain
 from kcache.cli import format as fmt
+from kcache.cli.fingerprint_cmd import echo_fingerprint
 from kcache.cli.options import (
     compute_fingerprint,
     fingerprint_options,
@@ -55,11 +56,7 @@ def explain_cmd(limit, model, model_config, facts, extras, store_url, index_url,
     if as_json:
         click.echo(fmt.to_json(_as_json(result)))
         return
-    click.echo(f"bundle key     {fp.bundle_key}")
-    click.echo(f"toolchain key  {fp.toolchain_key}")
-    click.echo(f"workload key   {fp.workload_key}")
-    click.echo()
-    click.echo(fmt.table(["fact", "value"], sorted(fp.facts.items())))
+    echo_fingerprint(fp)
     click.echo()
     if result.hit is not None:
         b = result.hit

@@ -26,6 +26,11 @@ def fingerprint_cmd(model, model_config, facts, extras, as_json):
     if as_json:
         click.echo(fmt.to_json(fp.as_dict()))
         return
+    echo_fingerprint(fp)
+
+
+def echo_fingerprint(fp) -> None:
+    """Keys, then facts, as `kcache fingerprint` and `kcache explain` print them."""
     click.echo(f"bundle key     {fp.bundle_key}")
     click.echo(f"toolchain key  {fp.toolchain_key}")
     click.echo(f"workload key   {fp.workload_key}")
