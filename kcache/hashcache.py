@@ -24,7 +24,11 @@ def stat_key(path: Path) -> str | None:
         st = os.stat(path)
     except OSError:
         return None
-    text = f"{os.path.abspath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}"
+    return key_for(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
+def key_for(path: Path, size: int, mtime_ns: int, ctime_ns: int, ino: int) -> str:
+    text = f"{os.path.abspath(path)}\0{size}\0{mtime_ns}\0{ctime_ns}\0{ino}"
     return xxhash.xxh3_128_hexdigest(text.encode("utf-8", "surrogateescape"))
 
 

@@ -14,6 +14,7 @@ The manifest id is the SHA-256 of those canonical bytes; it is also the bundle i
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -54,7 +55,8 @@ class Manifest:
     layers: tuple[str, ...]
     entries: tuple[Entry, ...] = field(default=())
 
-    def to_bytes(self) -> bytes:
+    @functools.cached_property
+    def _bytes(self) -> bytes:
         return canonical.dumps(
             {
                 "schema": SCHEMA,
@@ -67,9 +69,12 @@ class Manifest:
             }
         )
 
-    @property
+    def to_bytes(self) -> bytes:
+        return self._bytes
+
+    @functools.cached_property
     def id(self) -> str:
-        return canonical.sha256(self.to_bytes())
+        return canonical.sha256(self._bytes)
 
     @property
     def total_size(self) -> int:

@@ -31,7 +31,7 @@ from kcache import manifest as manifests
 from kcache import refs, signing
 from kcache.errors import IntegrityError, RootError
 from kcache.fingerprint import Fingerprint
-from kcache.hashcache import HashCache, stat_key
+from kcache.hashcache import HashCache, key_for
 from kcache.packs import LARGE_FILE_BYTES, TARGET_PACK_BYTES, PackWriter
 from kcache.records import BlobLocation, Bundle, Event
 from kcache.sources import FileInfo, Source
@@ -95,17 +95,18 @@ def hash_file(path: Path) -> str:
 
 def _hash_all(found: list[tuple[Source, FileInfo]], jobs: int, cache: HashCache | None) -> list[Collected]:
     """SHA-256 of every file, from the hash cache where the file is unchanged since last time."""
-    keys = [stat_key(info.path) for _, info in found]
-    known = cache.lookup(k for k in keys if k) if cache else {}
-
-    def digest(i: int) -> str:
-        return known.get(keys[i]) or hash_file(found[i][1].path)
-
+    keys = [key_for(i.path, i.size, i.mtime_ns, i.ctime_ns, i.ino) for _, i in found] if cache else []
+    digests: list[str | None] = [None] * len(found)
+    if cache:
+        known = cache.lookup(keys)
+        digests = [known.get(k) for k in keys]
+    todo = [i for i, d in enumerate(digests) if d is None]
     # hashlib releases the GIL on large buffers, so threads overlap reading and hashing.
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        digests = list(pool.map(digest, range(len(found))))
-    if cache:
-        cache.remember((k, d) for k, d in zip(keys, digests) if k and k not in known)
+        for i, digest in zip(todo, pool.map(lambda i: hash_file(found[i][1].path), todo)):
+            digests[i] = digest
+    if cache and todo:
+        cache.remember((keys[i], digests[i]) for i in todo)
     return [Collected(f"{src.subdir}/{info.rel}", info, blob) for (src, info), blob in zip(found, digests)]
 
 

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 # Names that are never worth carrying: lock files, atomic-write temporaries, bytecode.
 COMMON_JUNK = ("*.lock", "*.tmp", "*.tmp.*", ".tmp*", "__pycache__", "*.pyc")
+_JUNK_RE: dict[tuple[str, ...], re.Pattern] = {}  # compiled once per junk list
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,10 @@ class FileInfo:
     path: Path  # absolute path on this machine
     mode: int
     size: int
+    # What the hash cache keys on (kcache.hashcache), taken from the walk's own lstat.
+    mtime_ns: int = 0
+    ctime_ns: int = 0
+    ino: int = 0
 
 
 class Source:
@@ -55,29 +60,38 @@ class Source:
 
     def is_junk(self, rel: str) -> bool:
         parts = rel.split("/")
-        if parts[0] in self.foreign:
-            return True
-        return any(fnmatch.fnmatchcase(part, pattern) for part in parts for pattern in self.junk)
+        return parts[0] in self.foreign or any(self._junk_name(part) for part in parts)
+
+    def _junk_name(self, name: str) -> bool:
+        pattern = _JUNK_RE.get(self.junk)
+        if pattern is None:
+            pattern = _JUNK_RE[self.junk] = re.compile("|".join(fnmatch.translate(p) for p in self.junk))
+        return pattern.match(name) is not None
 
     def walk(self, top: Path) -> Iterator[FileInfo]:
         """Regular files under `top` that are not junk. Links are skipped: they could point anywhere."""
         for dirpath, dirs, files in os.walk(top):
-            base = Path(dirpath)
-            rel_dir = base.relative_to(top).as_posix()
-            prefix = "" if rel_dir == "." else rel_dir + "/"
-            dirs[:] = sorted(d for d in dirs if not self.is_junk(prefix + d) and not (base / d).is_symlink())
+            rel_dir = os.path.relpath(dirpath, top)
+            prefix = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
+            # Directory names are checked as we descend, so a file only needs its own name checked.
+            dirs[:] = sorted(
+                d for d in dirs
+                if not self._junk_name(d) and not (not prefix and d in self.foreign)
+                and not os.path.islink(os.path.join(dirpath, d))
+            )  # fmt: skip
             for name in sorted(files):
-                rel = prefix + name
-                if self.is_junk(rel):
+                if self._junk_name(name) or (not prefix and name in self.foreign):
                     continue
+                path = os.path.join(dirpath, name)
                 try:
-                    st = (base / name).lstat()
+                    st = os.lstat(path)
                 except FileNotFoundError:
                     continue  # removed while we walked: a temp file of a running compile
                 if not stat.S_ISREG(st.st_mode):
-                    log.warning("skipping %s: not a regular file", base / name)
+                    log.warning("skipping %s: not a regular file", path)
                     continue
-                yield FileInfo(rel, base / name, stat.S_IMODE(st.st_mode) & 0o777, st.st_size)
+                yield FileInfo(prefix + name, Path(path), stat.S_IMODE(st.st_mode) & 0o777, st.st_size,
+                               st.st_mtime_ns, st.st_ctime_ns, st.st_ino)  # fmt: skip
 
 
 def torch_user() -> str:
