@@ -137,12 +137,7 @@ def collect(
 
 def load_facts_file(path: Path) -> dict[str, str]:
     """Facts from `kcache fingerprint --json` output, or a flat JSON object of name -> value."""
-    try:
-        doc = json.loads(path.read_text())
-    except OSError as exc:
-        raise ConfigError("--facts-file", str(path), f"cannot be read: {exc.strerror}") from None
-    except ValueError as exc:
-        raise ConfigError("--facts-file", str(path), f"is not JSON: {exc}") from None
+    doc = _read_json(path, "--facts-file")
     facts = doc.get("facts", doc) if isinstance(doc, dict) else None
     if not isinstance(facts, dict) or not all(isinstance(v, str) for v in facts.values()):
         raise ConfigError("--facts-file", str(path), "expected `kcache fingerprint --json` output or {name: value}")
@@ -160,13 +155,17 @@ def workload_facts(model: str | None, config_path: Path | None, extra: Mapping[s
     return facts
 
 
-def _model_config_facts(path: Path) -> dict[str, str]:
+def _read_json(path: Path, flag: str):
     try:
-        config = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except OSError as exc:
-        raise ConfigError("--model-config", str(path), f"cannot be read: {exc.strerror}") from None
+        raise ConfigError(flag, str(path), f"cannot be read: {exc.strerror}") from None
     except ValueError as exc:
-        raise ConfigError("--model-config", str(path), f"is not JSON: {exc}") from None
+        raise ConfigError(flag, str(path), f"is not JSON: {exc}") from None
+
+
+def _model_config_facts(path: Path) -> dict[str, str]:
+    config = _read_json(path, "--model-config")
     if not isinstance(config, dict):
         raise ConfigError("--model-config", str(path), "is not a JSON object")
     kept = {k: v for k, v in config.items() if k not in _CONFIG_VOLATILE}
