@@ -6,7 +6,7 @@ and the wall seconds the whole process took, measured from just before it was st
 
     kcache restore --into ROOT --json   -> ({"status": ...}, wall)
     kcache publish --from ROOT --json   -> ({"bundle_id": ...}, wall)
-    python -m kcache.workload --json    -> ({"seconds": ..., "fxgraph_hit": ...}, wall)
+    python -m kcache.torch.workload --json    -> ({"seconds": ..., "fxgraph_hit": ...}, wall)
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def env_for(root: Path, base: Mapping[str, str]) -> dict[str, str]:
 
 
 def workload_argv(blocks: int, dim: int, seq: int) -> list[str]:
-    return [sys.executable, "-m", "kcache.workload", "--blocks", str(blocks), "--dim", str(dim),
+    return [sys.executable, "-m", "kcache.torch.workload", "--blocks", str(blocks), "--dim", str(dim),
             "--seq", str(seq), "--json"]  # fmt: skip
 
 

@@ -2,7 +2,7 @@
 
     python scripts/bench_coldstart.py [--repeats 3] [--blocks 4] [--dim 256] [--seq 64] [--json] [--keep]
 
-Each sample is a fresh process running ``kcache.workload`` (``torch.compile`` of a small
+Each sample is a fresh process running ``kcache.torch.workload`` (``torch.compile`` of a small
 transformer on CPU). Scenarios, in the order they run:
 
     cold      empty cache dir, fresh TMPDIR: full compile, ISA probes, precompiled header
@@ -25,14 +25,14 @@ only in what the directories hold:
       cold-N/ kcache-N/ mega-save/ mega-N/   one root per sample, removed when done
       mega.bin      the Mega-Cache blob
 
-The Mega-Cache child is this script itself (``--child save|load``), so kcache/workload.py stays
+The Mega-Cache child is this script itself (``--child save|load``), so kcache/torch/workload.py stays
 free of benchmark hooks.
 """
 
 import time
 
 # Taken before the other imports so the Mega-Cache child's "first output" is measured like the
-# workload's own (kcache.workload does the same at its top).
+# workload's own (kcache.torch.workload does the same at its top).
 _START = time.perf_counter()
 
 import argparse  # noqa: E402
@@ -66,7 +66,7 @@ class Sample:
 
 def child_main(mode: str, blob: Path, blocks: int, dim: int, seq: int) -> int:
     """Run the workload in this process, saving or loading a Mega-Cache blob around it."""
-    from kcache import workload
+    from kcache.torch import workload
 
     dirs = workload.artifact_dirs()
     before = workload.artifact_snapshot(dirs)  # before the load, so anything it compiles counts

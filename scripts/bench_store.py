@@ -8,7 +8,7 @@ Two trees, each laid out like a restore root (ROOT/inductor, ROOT/triton, ROOT/t
                 150 MB at the defaults; half random bytes, half repetitive kernel-like text, so
                 zstd finds roughly what it finds in real caches. A copy 4x smaller is restored too,
                 to show that restore's peak memory does not grow with the bundle.
-    inductor    a real Inductor cache: `python -m kcache.workload` with TORCHINDUCTOR_CACHE_DIR and
+    inductor    a real Inductor cache: `python -m kcache.torch.workload` with TORCHINDUCTOR_CACHE_DIR and
                 TMPDIR inside ROOT (skipped when torch is not importable)
 
 Each repeat uses a fresh bucket, fresh SQLite indexes and fresh target directories, against one
@@ -243,13 +243,13 @@ def build_synthetic(root: Path, files: int, seed: int) -> None:
 
 
 def build_inductor(root: Path, env: dict[str, str], quick: bool) -> str:
-    """Compile kcache.workload once with its caches inside ROOT; returns a note, "" on success."""
+    """Compile kcache.torch.workload once with its caches inside ROOT; returns a note, "" on success."""
     probe = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True)
     if probe.returncode != 0:
         return "skipped: torch is not importable"
     (root / "tmp").mkdir(parents=True)
     child = dict(env, TORCHINDUCTOR_CACHE_DIR=str(root / "inductor"), TMPDIR=str(root / "tmp"))
-    argv = [sys.executable, "-m", "kcache.workload", "--json"] + (["--blocks", "1"] if quick else [])
+    argv = [sys.executable, "-m", "kcache.torch.workload", "--json"] + (["--blocks", "1"] if quick else [])
     run = run_child(argv, child)
     return f"workload compiled in {run.seconds:.1f}s"
 

@@ -9,7 +9,7 @@ Two "pods" are two fresh directories under one temporary work dir:
       pod-a/    restore (miss) -> cold workload compiles here -> publish --from pod-a
       pod-b/    restore (hit)  -> warm workload reads the restored cache
 
-Every step is a fresh process (the kcache CLI, then ``python -m kcache.workload``) with the
+Every step is a fresh process (the kcache CLI, then ``python -m kcache.torch.workload``) with the
 exports of ROOT/kcache.env, exactly as a model container would source them. The demo fails
 (exit 1) unless the warm run was a full hit: no graph or autograd misses, no compiled artifacts,
 and the same output checksum as the cold run. A step that breaks exits 2.

@@ -14,8 +14,8 @@ ALLOWED = {
     "sqlalchemy": ("index/",),
     "alembic": ("index/",),
     "click": ("cli/",),
-    "torch": ("sources/", "workload.py", "torch.py"),
-    "triton": ("sources/", "torch.py"),
+    "torch": ("sources/", "torch/"),
+    "triton": ("sources/", "torch/"),
 }
 
 
@@ -52,7 +52,7 @@ def test_torch_facing_modules_import_torch_lazily():
 def test_library_never_prints():
     for path in PACKAGE.rglob("*.py"):
         rel = path.relative_to(PACKAGE).as_posix()
-        if rel.startswith("cli/") or rel == "workload.py":  # workload.py is a child-process entry point
+        if rel.startswith("cli/") or rel == "torch/workload.py":  # a child-process entry point
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):

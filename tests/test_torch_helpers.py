@@ -42,12 +42,12 @@ _MODEL = None
 
 
 def tiny(batch_size, input_tokens, output_tokens):
-    """Warmup entrypoint: one forward pass of a 1-block, 64-wide kcache.workload model at the
+    """Warmup entrypoint: one forward pass of a 1-block, 64-wide kcache.torch.workload model at the
     profile's (batch, tokens) shape; a prefill only, so output_tokens is not used."""
     global _MODEL
     import torch
 
-    from kcache import workload
+    from kcache.torch import workload
 
     if _MODEL is None:
         _MODEL = torch.compile(workload.build_model(blocks=1, dim=DIM), dynamic=False)

@@ -28,7 +28,7 @@ def kcache(*args, env):
 
 def workload(root: Path, base_env: dict) -> dict:
     env = {**base_env, **envfile.read(root / "kcache.env")}
-    out = subprocess.run([sys.executable, "-m", "kcache.workload", *TINY, "--json"], env=env,
+    out = subprocess.run([sys.executable, "-m", "kcache.torch.workload", *TINY, "--json"], env=env,
                          capture_output=True, text=True, check=True)  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])
 

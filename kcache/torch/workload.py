@@ -2,7 +2,7 @@
 
 kcache claims a restored cache makes a process start fast *and* skip the compiler. This module is
 the measuring stick for that claim: run it as a child process
-(``python -m kcache.workload [--blocks N] [--dim D] [--seq S] [--batch B] [--json]``) and it
+(``python -m kcache.torch.workload [--blocks N] [--dim D] [--seq S] [--batch B] [--json]``) and it
 compiles a small transformer on CPU with Inductor, then reports
 
 * ``seconds``: time to first output, measured from the top of this module so that the cost of
@@ -183,7 +183,7 @@ def format_summary(result: dict[str, Any]) -> str:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m kcache.workload",
+        prog="python -m kcache.torch.workload",
         description="Compile a small transformer with torch.compile and report cache behaviour.",
     )
     parser.add_argument("--blocks", type=int, default=4, help="transformer blocks (default 4)")
