@@ -1,11 +1,13 @@
 """Restore: lay the bundle that matches this fingerprint into ROOT, or say why not.
 
     ROOT/
-      kcache.env                   exports for torch, Triton, CUDA, vLLM (written on hit and miss)
+      kcache.env                   exports for torch, Triton, CUDA, vLLM (written on hit, miss, error)
       .kcache-state.json           outcome of the last restore: what `kcache ready` reads
-      inductor/ triton/ cuda/ vllm/ extra/<name>/
+      inductor/ triton/ cuda/ vllm/ megacache/ extra/<name>/
       tmp/torchinductor_<user>/precompiled_headers/
-      .kcache-staging-<pid>-<rand>/  only while a restore runs
+      .kcache-staging-<pid>-<rand>/  only while a restore runs:
+          files/<manifest path>      verified blobs, laid out as the manifest says
+          retired/<n>                the layers the swap replaced, deleted with the staging dir
 
 Every blob is fetched into the staging directory and verified (size and SHA-256) before any
 layer moves; then each layer is swapped in with renames. A failure or timeout before the swap
