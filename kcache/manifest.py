@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,7 @@ _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 MODE_MASK = 0o777
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a 20k-file bundle holds 20k of these during restore
 class Entry:
     """One file of a bundle and where its bytes live."""
 
@@ -131,7 +132,7 @@ def _entry_from_row(row: Any) -> Entry:
             raise ValueError(f"{name} of {path!r} is not a SHA-256 hex digest")
     if mode & ~MODE_MASK:
         raise ValueError(f"mode {mode:o} of {path!r} has bits beyond permissions")
-    return Entry(path, mode, size, blob, pack, offset, length)
+    return Entry(path, mode, size, blob, sys.intern(pack), offset, length)  # many entries share a pack
 
 
 def _check_entries(entries: tuple[Entry, ...]) -> None:
