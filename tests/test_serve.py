@@ -4,13 +4,12 @@ import json
 import re
 import signal
 import socket
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 
 import pytest
 from click.testing import CliRunner
+from served import kcache_server
 
 from kcache import metrics
 from kcache.cli import main
@@ -106,18 +105,10 @@ def test_label_values_and_help_are_escaped():
 
 
 def test_serve_command_binds_port_zero_and_stops_on_sigterm(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "kcache", "serve", "--port", "0", "--root", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        line = proc.stdout.readline()  # blocks until the server has bound its port
-        port = int(re.search(r"http://127\.0\.0\.1:(\d+)", line)[1])
+    with kcache_server("serve", "--port", "0", "--root", str(tmp_path)) as (proc, port):
         assert get(f"http://127.0.0.1:{port}/healthz")[0] == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0, proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_port_in_use_is_a_one_line_error(tmp_path):

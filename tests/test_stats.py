@@ -120,21 +120,13 @@ def test_cli_publish_records_compile_seconds(tmp_path):
 
 
 def test_an_index_at_0001_upgrades_and_old_bundles_have_no_estimate(tmp_path, fp):
-    from importlib import resources
-
-    from alembic import command
-    from alembic.config import Config
-
     from kcache.index import Index
-    from kcache.index.db import HEAD, current_revision, make_engine
+    from kcache.index.db import HEAD, current_revision, make_engine, upgrade
 
     url = f"sqlite:///{tmp_path / 'old.db'}"
     engine = make_engine(url)
-    cfg = Config()
-    cfg.set_main_option("script_location", str(resources.files("kcache._migrations")))
+    upgrade(engine, "0001")
     with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "0001")
         conn.exec_driver_sql(
             "INSERT INTO bundles (id, bundle_key, toolchain_key, workload_key, model, facts, layers, files, bytes,"
             " created_at, created_by, status) VALUES ('b1b1b1', 'k', 't', 'w', 'm', '{}', 'inductor', 1, 2,"

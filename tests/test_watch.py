@@ -2,15 +2,13 @@
 
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import urllib.request
 
 import pytest
 from click.testing import CliRunner
+from served import kcache_server
 from trees import write_tree
 
 from kcache import manifest as manifests
@@ -242,17 +240,9 @@ def test_bad_durations(text):
 
 def test_watch_command_serves_and_stops_on_sigterm(tmp_path):
     make_ready(tmp_path)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kcache", "watch", "--root", str(tmp_path), "--interval", "1h", "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        port = int(re.search(r"http://127\.0\.0\.1:(\d+)", proc.stdout.readline())[1])
+    args = ("watch", "--root", str(tmp_path), "--interval", "1h", "--port", "0")
+    with kcache_server(*args) as (proc, port):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=10) as response:
             assert response.status == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0, proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

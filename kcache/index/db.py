@@ -53,8 +53,8 @@ def current_revision(engine: Engine) -> str | None:
         return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
 
 
-def upgrade(engine: Engine) -> tuple[str | None, str]:
-    """Apply every pending migration. Returns (revision before, revision after)."""
+def upgrade(engine: Engine, target: str = "head") -> tuple[str | None, str]:
+    """Apply pending migrations up to `target`. Returns (revision before, revision after)."""
     from alembic import command
     from alembic.config import Config
 
@@ -63,7 +63,7 @@ def upgrade(engine: Engine) -> tuple[str | None, str]:
     cfg.set_main_option("script_location", str(resources.files("kcache._migrations")))
     with engine.begin() as conn:
         cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "head")
+        command.upgrade(cfg, target)
     return before, current_revision(engine) or ""
 
 
