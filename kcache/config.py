@@ -6,14 +6,32 @@
 
 Restore reads refs from the store instead of an index when the index is `none`, or when none was
 named and the default SQLite file does not exist (a fresh pod with read access to the bucket).
+
+Every URL kcache shows a person goes through `redact_url` first: index URLs carry database
+passwords and S3 URLs can carry keys, and both end up in pod logs.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+MASK = "***"
+
+# Environment variables per setting, first set wins. boto3 lets the service-specific
+# AWS_ENDPOINT_URL_S3 override AWS_ENDPOINT_URL; kcache passes the endpoint to boto3 itself, so it
+# must apply the same order or it would override what the user set for S3.
+ENV = {
+    "home": ("KCACHE_HOME",),
+    "store": ("KCACHE_STORE",),
+    "index": ("KCACHE_INDEX",),
+    "endpoint": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
+}
+DEFAULT = "default"
 
 
 @dataclass(frozen=True)
@@ -23,10 +41,14 @@ class Settings:
     index_url: str
     s3_endpoint_url: str | None
     index_explicit: bool = False  # named by flag or environment, not the default
+    origins: tuple[tuple[str, str], ...] = ()  # (setting, "flag --store" / "env KCACHE_STORE" / "default")
 
     @property
     def default_index_path(self) -> Path:
         return self.home / "index.db"
+
+    def origin(self, name: str) -> str:
+        return dict(self.origins).get(name, DEFAULT)
 
 
 def resolve(
@@ -34,14 +56,64 @@ def resolve(
     index: str | None = None,
     s3_endpoint_url: str | None = None,
     env: Mapping[str, str] | None = None,
+    *,
+    origins: Mapping[str, str] | None = None,
 ) -> Settings:
+    """Settings from explicit values (origin "flag" unless `origins` names another), else env, else defaults."""
     env = os.environ if env is None else env
-    home = Path(env.get("KCACHE_HOME") or Path.home() / ".cache" / "kcache").expanduser().absolute()
-    named_index = index or env.get("KCACHE_INDEX")
+    given = {"store": store, "index": index, "endpoint": s3_endpoint_url}
+    values: dict[str, str | None] = {}
+    found: dict[str, str] = {}
+    for name in ("home", *given):
+        values[name], found[name] = _lookup(name, given.get(name), env, origins or {})
+    home = Path(values["home"] or Path.home() / ".cache" / "kcache").expanduser().absolute()
+    if home.exists() and not home.is_dir():
+        raise _config_error("KCACHE_HOME", str(home), "is not a directory")
     return Settings(
         home=home,
-        store_url=store or env.get("KCACHE_STORE") or f"file://{home / 'store'}",
-        index_url=named_index or f"sqlite:///{home / 'index.db'}",
-        s3_endpoint_url=s3_endpoint_url or env.get("AWS_ENDPOINT_URL") or None,
-        index_explicit=bool(named_index),
+        store_url=values["store"] or f"file://{home / 'store'}",
+        index_url=values["index"] or f"sqlite:///{home / 'index.db'}",
+        s3_endpoint_url=values["endpoint"] or None,
+        index_explicit=bool(values["index"]),
+        origins=tuple(found.items()),
     )
+
+
+def _lookup(name: str, value: str | None, env: Mapping[str, str], origins: Mapping[str, str]):
+    if value:
+        return value, origins.get(name, "flag")
+    for var in ENV[name]:
+        if env.get(var):
+            return env[var], f"env {var}"
+    return None, DEFAULT
+
+
+def _config_error(what: str, value: str, why: str):
+    from kcache.errors import ConfigError  # errors.py imports this module for redaction
+
+    return ConfigError(what, value, why)
+
+
+_SECRET_PARAM = re.compile(r"pass|secret|token|key|sig|credential|auth", re.IGNORECASE)
+_QUERY_ITEM = re.compile(r"([^&=;]+)=([^&;]*)")
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>()\[\]]+")
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password and secret-looking query values replaced by ***."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return _URL.sub(lambda m: m.group(0).split("://")[0] + "://" + MASK, url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, host = netloc.rpartition("@")
+        user, has_password, _ = userinfo.partition(":")
+        netloc = f"{user}:{MASK}@{host}" if has_password else netloc
+    query = _QUERY_ITEM.sub(lambda m: f"{m[1]}={MASK}" if _SECRET_PARAM.search(m[1]) else m[0], parts.query)
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def redact_text(text: str) -> str:
+    """`text` with every URL in it redacted (error messages quote the URLs they failed on)."""
+    return _URL.sub(lambda m: redact_url(m.group(0)), text)

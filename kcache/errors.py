@@ -1,10 +1,13 @@
 """Exceptions kcache raises. Each carries fields; the CLI turns them into one-line messages.
 
 The library never prints or exits: callers catch these types. `cli/errors.py` holds the one
-table that maps each type to a message, a hint and an exit code.
+table that maps each type to a message, a hint and an exit code. Messages never carry a URL's
+password: the types that quote a URL or a value redact it (the fields keep the real one).
 """
 
 from __future__ import annotations
+
+from kcache.config import redact_text, redact_url
 
 
 class KcacheError(Exception):
@@ -16,7 +19,7 @@ class ConfigError(KcacheError):
 
     def __init__(self, what: str, value: str, why: str):
         self.what, self.value, self.why = what, value, why
-        super().__init__(f"{what} {value!r}: {why}")
+        super().__init__(f"{what} {redact_text(value)!r}: {why}")
 
 
 class StoreError(KcacheError):
@@ -24,7 +27,7 @@ class StoreError(KcacheError):
 
     def __init__(self, url: str, why: str):
         self.url, self.why = url, why
-        super().__init__(f"store {url}: {why}")
+        super().__init__(f"store {redact_url(url)}: {redact_text(why)}")
 
 
 class ObjectMissing(StoreError):
@@ -40,7 +43,7 @@ class IndexDbError(KcacheError):
 
     def __init__(self, url: str, why: str):
         self.url, self.why = url, why
-        super().__init__(f"index {url}: {why}")
+        super().__init__(f"index {redact_url(url)}: {redact_text(why)}")
 
 
 class IntegrityError(KcacheError):

@@ -137,14 +137,14 @@ def test_cli_explains_a_hit_and_a_miss_on_cpu_isa(tmp_path):
     where = ("--store", store_url, "--index", index_url, "--model", "m")
 
     hit = json.loads(run("explain", *where, "--fact", "cpu.isa=avx512", "--json"))
-    assert hit["status"] == "hit" and hit["hit"]["id"] == published.bundle_id and hit["nearest"] == []
+    assert hit["status"] == "hit" and hit["hit"]["bundle_id"] == published.bundle_id and hit["nearest"] == []
     assert hit["bundle_key"] == fp.bundle_key and hit["facts"]["cpu.isa"] == "avx512"
     assert "hit: bundle " + published.bundle_id[:12] in run("explain", *where, "--fact", "cpu.isa=avx512")
 
     miss = json.loads(run("explain", *where, "--fact", "cpu.isa=avx2", "--json"))
     assert miss["status"] == "miss" and miss["hit"] is None
     (near,) = miss["nearest"]
-    assert near["bundle"]["id"] == published.bundle_id
+    assert near["bundle"]["bundle_id"] == published.bundle_id
     assert near["differences"] == {"toolchain": [{"fact": "cpu.isa", "here": "avx2", "bundle": "avx512"}],
                                    "workload": []}  # fmt: skip
     assert near["verdict"].startswith("differs in cpu.isa (avx2 here, avx512 in bundle): kernels built for another ISA")

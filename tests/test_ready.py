@@ -8,7 +8,10 @@ import pytest
 from click.testing import CliRunner
 
 from kcache.cli import main
+from kcache.cli.errors import ExitCode
 from kcache.readiness import RESTORE_MARKER, WARMUP_MARKER, write_marker
+
+NOT_READY = ExitCode.NOT_READY
 
 
 def ready(*args, env=None):
@@ -26,10 +29,10 @@ def mark(root, restore=None, warmup=None):
 @pytest.mark.parametrize(
     "restore, warmup, code, says",
     [
-        (None, None, 1, "not ready: restore has not finished"),
-        (None, "ok", 1, "not ready: restore has not finished"),
-        ("hit", None, 1, "not ready: warmup has not completed"),
-        ("hit", "failed", 1, "not ready: warmup failed"),
+        (None, None, NOT_READY, "not ready: restore has not finished"),
+        (None, "ok", NOT_READY, "not ready: restore has not finished"),
+        ("hit", None, NOT_READY, "not ready: warmup has not completed"),
+        ("hit", "failed", NOT_READY, "not ready: warmup failed"),
         ("hit", "ok", 0, "ready: restore hit, warmup ok in 12.50 s"),
         ("miss", "ok", 0, "ready: restore miss"),  # a cold pod must still serve
         ("error", "ok", 0, "ready: restore error"),
@@ -44,13 +47,13 @@ def test_exit_code_and_reason(tmp_path, restore, warmup, code, says):
 
 def test_missing_root_is_not_ready(tmp_path):
     result = ready("--root", str(tmp_path / "nowhere"))
-    assert result.exit_code == 1 and "restore has not finished" in result.output
+    assert result.exit_code == NOT_READY and "restore has not finished" in result.output
 
 
 def test_root_from_environment_and_json(tmp_path):
     mark(tmp_path, "miss", "failed")
     result = ready("--json", env={"KCACHE_ROOT": str(tmp_path)})
-    assert result.exit_code == 1
+    assert result.exit_code == NOT_READY
     assert json.loads(result.output) == {"ready": False, "reason": "warmup failed", "restore": "miss",
                                          "warmup": "failed", "root": str(tmp_path)}  # fmt: skip
 

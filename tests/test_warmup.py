@@ -13,6 +13,7 @@ from openai_server import OpenAIServer
 
 from kcache import envfile, readiness, warmup
 from kcache.cli import main
+from kcache.cli.errors import ExitCode
 from kcache.profiles import Profile
 
 TESTS = Path(__file__).resolve().parent
@@ -95,7 +96,7 @@ def test_first_is_the_compile_and_steady_the_median_of_the_rest():
 
 def test_failing_profile_is_reported_and_others_still_run(profiles_file, tmp_path):
     out = cli("warmup", "--entrypoint", "test_warmup:fail_on_batches", "--profiles", str(profiles_file),
-              "--root", str(tmp_path / "root"), code=1)  # fmt: skip
+              "--root", str(tmp_path / "root"), code=ExitCode.WARMUP)  # fmt: skip
     assert "profile batch-2 failed: RuntimeError: out of memory at batch 2" in out.output
     assert "profile batch-8 failed: RuntimeError: out of memory at batch 8" in out.output
     marker = readiness.read_marker(tmp_path / "root", readiness.WARMUP_MARKER)
@@ -153,7 +154,7 @@ def test_http_warmup_sends_every_shape_and_writes_marker(profiles_file, tmp_path
 
 def test_http_500_fails_the_profile_with_the_error(tmp_path):
     with OpenAIServer(fail_status=500) as server:
-        out = cli("warmup", "--url", server.url, "--root", str(tmp_path), code=1)
+        out = cli("warmup", "--url", server.url, "--root", str(tmp_path), code=ExitCode.WARMUP)
     assert "profile single-short failed: HTTP 500" in out.output and "engine exploded" in out.output
     assert readiness.read_marker(tmp_path, readiness.WARMUP_MARKER)["status"] == "failed"
     assert len(server.completions) == 1 + 1 + 4 + 8 + 16  # each profile stops at its first failure
@@ -162,7 +163,7 @@ def test_http_500_fails_the_profile_with_the_error(tmp_path):
 def test_http_request_timeout_fails_the_profile(tmp_path, profiles_file):
     with OpenAIServer(hold=True) as server:
         out = cli("warmup", "--url", server.url, "--profiles", str(profiles_file), "--request-timeout", "0.3",
-                  "--json", code=1)  # fmt: skip
+                  "--json", code=ExitCode.WARMUP)  # fmt: skip
     report = json.loads(out.output)
     assert report["status"] == "failed"
     assert all("no answer within 0.3 s" in p["error"] for p in report["profiles"])
@@ -183,7 +184,7 @@ def test_health_falls_back_to_models_when_there_is_no_health_endpoint():
 
 def test_unhealthy_server_fails_after_wait_timeout(tmp_path):
     with OpenAIServer(unhealthy=-1) as server:
-        out = cli("warmup", "--url", server.url, "--wait-timeout", "0.2", "--root", str(tmp_path), code=1)
+        out = cli("warmup", "--url", server.url, "--wait-timeout", "0.2", "--root", str(tmp_path), code=ExitCode.WARMUP)
     assert "was not healthy within 0.2 s: HTTP 503" in out.output
     assert not server.completions
     assert readiness.read_marker(tmp_path, readiness.WARMUP_MARKER)["status"] == "failed"
@@ -210,14 +211,15 @@ def test_prebake_entrypoint_runs_in_a_child_with_root_env_and_publishes(tmp_path
 
 def test_prebake_publishes_nothing_when_warmup_fails(tmp_path, monkeypatch, isolated_home):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    out = cli("prebake", "--root", str(tmp_path / "A"), "--entrypoint", "test_warmup:fail_on_batches", code=1)
+    out = cli("prebake", "--root", str(tmp_path / "A"), "--entrypoint", "test_warmup:fail_on_batches",
+              code=ExitCode.WARMUP)  # fmt: skip
     assert "nothing was published" in out.output
     assert not list((isolated_home / "store").glob("manifests/*/*"))
 
 
 def test_prebake_child_without_report_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    out = cli("prebake", "--root", str(tmp_path / "A"), "--entrypoint", "test_warmup:missing", code=1)
+    out = cli("prebake", "--root", str(tmp_path / "A"), "--entrypoint", "test_warmup:missing", code=ExitCode.WARMUP)
     assert "exited with code 2 and no report" in out.output
 
 

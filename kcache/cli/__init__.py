@@ -9,11 +9,14 @@ import click
 
 from kcache import __version__
 from kcache.cli.bundles_cmd import ls_cmd, show_cmd
+from kcache.cli.config_cmd import config_cmd
 from kcache.cli.db_cmd import db_group
+from kcache.cli.errors import epilog
 from kcache.cli.explain_cmd import explain_cmd
 from kcache.cli.fingerprint_cmd import fingerprint_cmd
 from kcache.cli.keygen_cmd import keygen_cmd
 from kcache.cli.operate_cmd import gc_cmd, verify_cmd, yank_cmd
+from kcache.cli.options import KcacheGroup
 from kcache.cli.publish_cmd import publish_cmd
 from kcache.cli.ready_cmd import ready_cmd
 from kcache.cli.reindex_cmd import reindex_cmd
@@ -22,9 +25,11 @@ from kcache.cli.serve_cmd import serve_cmd
 from kcache.cli.stats_cmd import stats_cmd
 from kcache.cli.warmup_cmd import prebake_cmd, warmup_cmd
 from kcache.cli.watch_cmd import watch_cmd
+from kcache.config import redact_text
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=KcacheGroup, epilog=epilog(),
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})  # fmt: skip
 @click.version_option(__version__, prog_name="kcache")
 @click.option("-v", "--verbose", count=True, help="More logging on stderr (-vv for debug).")
 def main(verbose: int) -> None:
@@ -34,15 +39,25 @@ def main(verbose: int) -> None:
     that matches a pod's fingerprint before the model loads.
 
     Defaults: store file://$KCACHE_HOME/store, index sqlite:///$KCACHE_HOME/index.db,
-    KCACHE_HOME=~/.cache/kcache.
+    KCACHE_HOME=~/.cache/kcache; `kcache config` shows what is in effect and why. Errors print one
+    line and a hint (a traceback only with KCACHE_DEBUG=1).
     """
     level = logging.WARNING - 10 * verbose if verbose else logging.WARNING
     if os.environ.get("KCACHE_DEBUG") == "1":
         level = logging.DEBUG
-    logging.basicConfig(level=max(level, logging.DEBUG), format="kcache: %(levelname)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(RedactingFormatter("kcache: %(levelname)s: %(message)s"))
+    logging.basicConfig(level=max(level, logging.DEBUG), handlers=[handler])
+
+
+class RedactingFormatter(logging.Formatter):
+    """Log lines quote URLs (store, index, endpoint); their passwords stay out of pod logs."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_text(super().format(record))
 
 
 for command in (fingerprint_cmd, publish_cmd, restore_cmd, ls_cmd, show_cmd, reindex_cmd, keygen_cmd, db_group,
                 ready_cmd, serve_cmd, watch_cmd, warmup_cmd, prebake_cmd, explain_cmd, stats_cmd,
-                yank_cmd, verify_cmd, gc_cmd):  # fmt: skip
+                yank_cmd, verify_cmd, gc_cmd, config_cmd):  # fmt: skip
     main.add_command(command)

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import click
 
 from kcache import manifest as manifests
 from kcache.cli import format as fmt
 from kcache.cli.options import handle_errors, json_option, open_index, settings, store_options
 from kcache.store import manifest_key, open_store
-
-
-def _bundle_json(b) -> dict:
-    return {**asdict(b), "created_at": b.created_at.isoformat(), "layers": list(b.layers)}
 
 
 @click.command("ls")
@@ -37,7 +31,7 @@ def ls_cmd(key, model, limit, store_url, index_url, s3_endpoint_url, as_json):
     finally:
         index.close()
     if as_json:
-        click.echo(fmt.to_json([_bundle_json(b) for b in bundles]))
+        click.echo(fmt.to_json([fmt.bundle_json(b) for b in bundles]))
         return
     if not bundles:
         click.echo("no bundles yet: run `kcache publish` after a warmup")
@@ -73,7 +67,7 @@ def show_cmd(bundle, list_files, store_url, index_url, s3_endpoint_url, as_json)
         store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url)
         entries = manifests.parse(store.get_bytes(manifest_key(found.id)), found.id).entries
     if as_json:
-        doc = _bundle_json(found)
+        doc = fmt.bundle_json(found)
         if list_files:
             doc["entries"] = [{"path": e.path, "mode": e.mode, "size": e.size, "blob": e.blob} for e in entries]
         click.echo(fmt.to_json(doc))

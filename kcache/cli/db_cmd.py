@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 
-from kcache.cli.options import handle_errors, settings
+from kcache import config
+from kcache.cli import format as fmt
+from kcache.cli.options import env_option, json_option, settings
 
 
 @click.group("db")
@@ -13,24 +15,25 @@ def db_group():
 
 
 @db_group.command("upgrade")
-@click.option("--index", "index_url", metavar="URL", help="SQLAlchemy URL (env KCACHE_INDEX).")
-@handle_errors
-def upgrade_cmd(index_url):
+@env_option("--index", "index_url", metavar="URL", envvar=config.ENV["index"],
+            help="SQLAlchemy URL of the index (default sqlite:///$KCACHE_HOME/index.db).")  # fmt: skip
+@json_option
+def upgrade_cmd(index_url, as_json):
     """Apply every pending migration to the index (SQLite upgrades itself; PostgreSQL needs this).
 
     \b
     Example:
       kcache db upgrade --index postgresql+psycopg://kcache@db/kcache
     """
-    from kcache.index.db import make_engine, upgrade
+    from kcache.index.db import upgrade_url
 
     url = settings(None, index_url, None).index_url
-    engine = make_engine(url)
-    try:
-        before, after = upgrade(engine)
-    finally:
-        engine.dispose()
-    if before == after:
-        click.echo(f"index {url} is up to date (revision {after})")
+    before, after = upgrade_url(url)
+    shown = config.redact_url(url)
+    if as_json:
+        click.echo(fmt.to_json({"status": "ok", "index": shown, "before": before, "after": after,
+                                "upgraded": before != after}))  # fmt: skip
+    elif before == after:
+        click.echo(f"index {shown} is up to date (revision {after})")
     else:
-        click.echo(f"index {url} upgraded from {before or 'empty'} to {after}")
+        click.echo(f"index {shown} upgraded from {before or 'empty'} to {after}")

@@ -1,30 +1,102 @@
-"""The one table that turns kcache's exceptions into a message, a hint and an exit code."""
+"""The one table that turns every exception into a message, a hint and an exit code.
+
+Every command runs inside one boundary (`cli.options.KcacheGroup`): an error kcache raised on
+purpose is looked up here; anything else is a bug in kcache (exit 70). The messages pass through
+`config.redact_text`, so a URL's password never reaches a terminal, a log or a JSON reason.
+"""
 
 from __future__ import annotations
 
-from kcache import errors
-from kcache.profiles import ProfileError
+from enum import IntEnum
 
-# Most specific first: the first matching type wins.
-TABLE: tuple[tuple[type[Exception], int, str], ...] = (
-    (ProfileError, 2, "fix the profiles file where the message points; `kcache warmup --help` shows the format"),
-    (errors.ConfigError, 2, "check the flag or environment variable named above (see --help)"),
-    (errors.NotFound, 3, "`kcache ls` lists the bundles the index knows"),
-    (errors.ObjectMissing, 4, "the store lost an object the index names; re-publish the bundle"),
-    (errors.StoreError, 4, "check the store URL, that it exists and that you may read and write it"),
-    (errors.IndexDbError, 5, "check --index / KCACHE_INDEX; a new PostgreSQL index needs `kcache db upgrade`"),
-    (errors.UnsafePath, 6, "the bundle is hostile or corrupt; do not restore it (re-publish from a clean cache)"),
-    (errors.IntegrityError, 6, "the stored data is corrupt; re-publish the bundle from a good cache"),
-    (errors.SignatureError, 9, "sign with `kcache publish --signing-key`; trust the .pub with --trusted-key"),
-    (errors.RootError, 7, "pass --into a directory kcache may create and own"),
-    (errors.RestoreTimeout, 8, "raise --timeout, or check the store's bandwidth"),
-    (errors.KcacheError, 1, "run with KCACHE_DEBUG=1 for a traceback"),
+from kcache import errors
+from kcache.config import redact_text
+from kcache.fetch import Cancelled
+from kcache.prebake import WarmupChildFailed
+from kcache.profiles import ProfileError
+from kcache.warmup import ServerUnavailable, WarmupRequestError
+
+
+class ExitCode(IntEnum):
+    """What `kcache` exits with; EXIT_MEANINGS says what each means (README.md and `kcache --help` show it)."""
+
+    OK = 0
+    ERROR = 1
+    USAGE = 2
+    NOT_FOUND = 3
+    STORE = 4
+    INDEX = 5
+    CORRUPT = 6
+    ROOT = 7
+    TIMEOUT = 8
+    SIGNATURE = 9
+    MISS = 10
+    NOT_READY = 11
+    PROBLEMS = 12
+    WARMUP = 13
+    PUBLISH = 14
+    BUG = 70
+
+
+BUG_HINT = "this is a bug in kcache; run with KCACHE_DEBUG=1 for a traceback and report it"
+
+# Most specific first: the first matching type wins. tests/cli/test_errors.py checks that every
+# exception class kcache defines has a row of its own.
+TABLE: tuple[tuple[type[Exception], ExitCode, str], ...] = (
+    (ProfileError, ExitCode.USAGE, "fix the profiles file where shown; `kcache warmup --help` has the format"),
+    (errors.ConfigError, ExitCode.USAGE, "check the flag or environment variable named above (see `kcache config`)"),
+    (errors.NotFound, ExitCode.NOT_FOUND, "`kcache ls` lists the bundles the index knows"),
+    (errors.ObjectMissing, ExitCode.STORE, "the store lost an object the index names; re-publish the bundle"),
+    (errors.StoreError, ExitCode.STORE, "check the store URL, that it exists and that you may read and write it"),
+    (errors.IndexDbError, ExitCode.INDEX, "check --index / KCACHE_INDEX; PostgreSQL needs `kcache db upgrade`"),
+    (errors.UnsafePath, ExitCode.CORRUPT, "the bundle is hostile or corrupt; re-publish it from a clean cache"),
+    (errors.IntegrityError, ExitCode.CORRUPT, "the stored data is corrupt; re-publish the bundle from a good cache"),
+    (errors.SignatureError, ExitCode.SIGNATURE, "sign with `publish --signing-key`; trust the .pub with --trusted-key"),
+    (errors.RootError, ExitCode.ROOT, "pass --into a directory kcache may create and own"),
+    (errors.RestoreTimeout, ExitCode.TIMEOUT, "raise --timeout, or check the store's bandwidth"),
+    (ServerUnavailable, ExitCode.WARMUP, "check that the server at --url starts, or raise --wait-timeout"),
+    (WarmupRequestError, ExitCode.WARMUP, "the server answered the warmup request with an error; see its log"),
+    (WarmupChildFailed, ExitCode.WARMUP, "fix the --entrypoint error printed above (try `kcache warmup` alone)"),
+    (Cancelled, ExitCode.BUG, BUG_HINT),  # internal to fetch (a worker stopped early): never meant to escape
+    (errors.KcacheError, ExitCode.ERROR, "run with KCACHE_DEBUG=1 for a traceback"),
 )
 
 
-def describe(exc: Exception) -> tuple[str, str, int]:
-    """(message, hint, exit code) for an exception kcache raised."""
-    for kind, code, hint in TABLE:
-        if isinstance(exc, kind):
-            return str(exc), hint, code
-    return f"{type(exc).__name__}: {exc}", "this is a bug in kcache; run with KCACHE_DEBUG=1 and report it", 70
+def row(exc: BaseException) -> tuple[type[Exception], ExitCode, str] | None:
+    """The table's row for `exc`, or None when kcache did not expect it."""
+    return next((r for r in TABLE if isinstance(exc, r[0])), None)
+
+
+def describe(exc: BaseException) -> tuple[str, str, int]:
+    """(message, hint, exit code) for any exception; secrets in the message are redacted."""
+    found = row(exc)
+    if found is None:
+        return redact_text(f"{type(exc).__name__}: {exc}"), BUG_HINT, ExitCode.BUG
+    return redact_text(str(exc)), found[2], found[1]
+
+
+def epilog() -> str:
+    """The exit-code table for `kcache --help`."""
+    lines = ["\b", "Exit codes:"]
+    lines += [f"  {code.value:>3}  {EXIT_MEANINGS[code]}" for code in ExitCode]
+    return "\n".join(lines)
+
+
+EXIT_MEANINGS = {
+    ExitCode.OK: "done (a restore that starts cold is done too, unless --strict)",
+    ExitCode.ERROR: "a kcache error without a code of its own",
+    ExitCode.USAGE: "a flag, environment value or file kcache cannot use",
+    ExitCode.NOT_FOUND: "the bundle or fact named does not exist",
+    ExitCode.STORE: "the store cannot be read or written, or lost an object",
+    ExitCode.INDEX: "the SQL index cannot be opened, upgraded or queried",
+    ExitCode.CORRUPT: "stored data does not verify or names unsafe paths",
+    ExitCode.ROOT: "the restore root or a cache directory cannot be used",
+    ExitCode.TIMEOUT: "restore ran past --timeout (with --strict)",
+    ExitCode.SIGNATURE: "unsigned, or signed by no trusted key",
+    ExitCode.MISS: "restore --strict found no bundle for this fingerprint",
+    ExitCode.NOT_READY: "kcache ready: the pod may not take traffic yet",
+    ExitCode.PROBLEMS: "verify or reindex found problems",
+    ExitCode.WARMUP: "warmup failed (prebake then publishes nothing)",
+    ExitCode.PUBLISH: "watch could not publish the new cache files",
+    ExitCode.BUG: "an unexpected error: a bug in kcache, please report it",
+}

@@ -84,11 +84,8 @@ def _value(v: str | None) -> str:
 
 
 def _bundle(b) -> dict:
-    return {
-        "id": b.id, "bundle_key": b.bundle_key, "toolchain_key": b.toolchain_key, "workload_key": b.workload_key,
-        "model": b.model, "created_at": b.created_at.isoformat(), "created_by": b.created_by, "status": b.status,
-        "files": b.files, "bytes": b.bytes, "compile_seconds": b.compile_seconds,
-    }  # fmt: skip
+    return fmt.bundle_json(b, fields=("bundle_key", "toolchain_key", "workload_key", "model", "created_at",
+                                      "created_by", "status", "files", "bytes", "compile_seconds"))  # fmt: skip
 
 
 def _as_json(result: explain.Explanation) -> dict:

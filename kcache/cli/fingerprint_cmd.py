@@ -5,13 +5,12 @@ from __future__ import annotations
 import click
 
 from kcache.cli import format as fmt
-from kcache.cli.options import compute_fingerprint, fingerprint_options, handle_errors, json_option
+from kcache.cli.options import compute_fingerprint, fingerprint_options, json_option
 
 
 @click.command("fingerprint")
 @fingerprint_options
 @json_option
-@handle_errors
 def fingerprint_cmd(model, model_config, facts, extras, as_json):
     """Print this machine's facts and the keys kcache files caches under.
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
@@ -29,6 +30,14 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def bundle_json(b, *, fields: Iterable[str] | None = None) -> dict:
+    """A bundle as every command's --json names it: `bundle_id` (never `id`), times in ISO 8601.
+    `fields`: only these (besides bundle_id)."""
+    doc = {**asdict(b), "created_at": b.created_at.isoformat(), "layers": list(b.layers)}
+    doc["bundle_id"] = doc.pop("id")
+    return doc if fields is None else {"bundle_id": doc["bundle_id"], **{f: doc[f] for f in fields}}
 
 
 def to_json(value: Any) -> str:

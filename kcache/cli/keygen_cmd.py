@@ -6,15 +6,16 @@ from pathlib import Path
 
 import click
 
-from kcache.cli.options import handle_errors
+from kcache.cli import format as fmt
+from kcache.cli.options import json_option
 
 
 @click.command("keygen")
 @click.argument("name")
 @click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
               show_default=True, help="Where to write NAME.key (mode 0600) and NAME.pub.")  # fmt: skip
-@handle_errors
-def keygen_cmd(name, directory):
+@json_option
+def keygen_cmd(name, directory, as_json):
     """Make a named Ed25519 key pair: NAME.key signs, NAME.pub verifies.
 
     Keys are named so they can be rotated: publish with the new key, trust both .pub files
@@ -29,4 +30,7 @@ def keygen_cmd(name, directory):
     from kcache.signing import generate
 
     private, public = generate(name, directory)
-    click.echo(f"kcache: wrote {private} (keep it secret) and {public} (give it to pods)")
+    if as_json:
+        click.echo(fmt.to_json({"status": "ok", "name": name, "private_key": str(private), "public_key": str(public)}))
+    else:
+        click.echo(f"kcache: wrote {private} (keep it secret) and {public} (give it to pods)")

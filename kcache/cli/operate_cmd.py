@@ -8,6 +8,7 @@ import click
 
 from kcache import durations
 from kcache.cli import format as fmt
+from kcache.cli.errors import ExitCode
 from kcache.cli.options import handle_errors, json_option, open_index, settings, store_options
 from kcache.store import open_store
 
@@ -55,7 +56,7 @@ def yank_cmd(bundle, undo, reason, store_url, index_url, s3_endpoint_url, as_jso
 def verify_cmd(read_data, subset, jobs, store_url, index_url, s3_endpoint_url, as_json):
     """Check that every bundle's blobs exist (and, with --read-data, hash to their ids).
 
-    Exits 1 when anything is wrong, listing each problem.
+    Exits 12 when anything is wrong, listing each problem.
 
     \b
     Examples:
@@ -79,7 +80,7 @@ def verify_cmd(read_data, subset, jobs, store_url, index_url, s3_endpoint_url, a
         for problem in result.problems:
             click.echo(f"  {problem}", err=True)
     if result.problems:
-        raise click.exceptions.Exit(1)
+        raise click.exceptions.Exit(ExitCode.PROBLEMS)
 
 
 @click.command("gc")

@@ -1,30 +1,39 @@
-"""Options shared by several commands, and the error boundary every command runs inside."""
+"""Options shared by several commands, opening store and index, and the error boundary around all of them."""
 
 from __future__ import annotations
 
 import functools
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from kcache import config, fingerprint
+from kcache.catalog import NO_INDEX
+from kcache.cli import format as fmt
 from kcache.cli.errors import describe
-from kcache.errors import KcacheError
+from kcache.errors import ConfigError
+
+# Every option that an environment variable can set names it the same way in --help: click's
+# "[env var: NAME]" (show_envvar).
+env_option = functools.partial(click.option, show_envvar=True)
 
 
 def fingerprint_options(fn):
     """--model, --model-config, --fact, --extra: what describes the workload and overrides facts."""
     options = (
-        click.option("--model", metavar="ID", envvar="KCACHE_MODEL",
-                     help="Model identity, e.g. meta-llama/Llama-3.1-8B@rev (env KCACHE_MODEL)."),
+        env_option("--model", metavar="ID", envvar="KCACHE_MODEL",
+                   help="Model identity, e.g. meta-llama/Llama-3.1-8B@rev."),
         click.option("--model-config", type=click.Path(dir_okay=False, path_type=Path),
                      help="The model's config.json; its content becomes part of the workload key."),
-        click.option("--facts-file", type=click.Path(dir_okay=False, path_type=Path), expose_value=False,
-                     callback=_remember_facts_file, envvar="KCACHE_FACTS_FILE",
-                     help="Facts of the machine that runs the model (`kcache fingerprint --json` there); "
-                          "nothing is probed (env KCACHE_FACTS_FILE)."),
+        env_option("--facts-file", type=click.Path(dir_okay=False, path_type=Path), expose_value=False,
+                   callback=_remember_facts_file, envvar="KCACHE_FACTS_FILE",
+                   help="Facts of the machine that runs the model (`kcache fingerprint --json` there); "
+                        "nothing is probed."),
         click.option("--fact", "facts", multiple=True, metavar="NAME=VALUE",
                      help="Override a probed fact (e.g. --fact gpu.sm=sm_90), to describe another machine."),
         click.option("--extra", "extras", multiple=True, metavar="K=V",
@@ -45,15 +54,28 @@ def _apply(fn, options):
     return fn
 
 
-def store_options(fn):
+def store_options(fn=None, *, index_none: bool = False):
+    """--store, --index, --s3-endpoint-url. `index_none`: the command works from the store's refs/
+    alone (restore), so --index none is offered; everywhere else it is refused (`open_index`)."""
+    if fn is None:
+        return functools.partial(store_options, index_none=index_none)
+    none = ", or 'none' to find bundles through the store's refs/" if index_none else ""
     options = (
-        click.option("--store", "store_url", metavar="URL",
-                     help="file:///path or s3://bucket/prefix (env KCACHE_STORE; default $KCACHE_HOME/store)."),
-        click.option("--index", "index_url", metavar="URL",
-                     help="SQLAlchemy URL of the index, or 'none' (env KCACHE_INDEX; default $KCACHE_HOME/index.db)."),
-        click.option("--s3-endpoint-url", metavar="URL", help="S3-compatible endpoint (env AWS_ENDPOINT_URL)."),
+        env_option("--store", "store_url", metavar="URL", envvar=config.ENV["store"],
+                   help="file:///path or s3://bucket/prefix (default $KCACHE_HOME/store)."),
+        env_option("--index", "index_url", metavar="URL", envvar=config.ENV["index"],
+                   help=f"SQLAlchemy URL of the index{none} (default sqlite:///$KCACHE_HOME/index.db)."),
+        env_option("--s3-endpoint-url", metavar="URL", envvar=list(config.ENV["endpoint"]),
+                   help="S3-compatible endpoint; AWS_ENDPOINT_URL_S3 wins over AWS_ENDPOINT_URL, as in boto3."),
     )  # fmt: skip
     return _apply(fn, options)
+
+
+def root_option(fn):
+    return env_option(
+        "--root", required=True, envvar="KCACHE_ROOT", type=click.Path(file_okay=False, path_type=Path),
+        help="The restore root (`kcache restore --into`) holding the markers.",
+    )(fn)  # fmt: skip
 
 
 def load_signing_key(path):
@@ -77,7 +99,15 @@ def load_trusted_keys(paths) -> tuple:
 
 
 def json_option(fn):
-    return click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")(fn)
+    return click.option("--json", "as_json", is_flag=True, callback=_remember_json,
+                        help="Print one JSON object for scripts (an error too: status, error, hint, exit_code)."
+                        )(fn)  # fmt: skip
+
+
+def _remember_json(ctx: click.Context, _param, value):
+    # The error boundary runs outside the command; it learns the output format through the context.
+    ctx.meta["kcache.json"] = value
+    return value
 
 
 def compute_fingerprint(model, model_config, facts, extras) -> fingerprint.Fingerprint:
@@ -94,36 +124,99 @@ def compute_fingerprint(model, model_config, facts, extras) -> fingerprint.Finge
 def open_index(url: str):
     """The SQL index. Imported here, not at the top: SQLAlchemy costs ~0.3 s that
     `kcache fingerprint` and a refs-only restore never need to pay."""
+    if url == NO_INDEX:
+        raise ConfigError("--index", url, "this command needs an index; only `kcache restore` works from refs/")
     from kcache.index import Index
 
     return Index.open(url)
 
 
+@contextmanager
+def opened(cfg: config.Settings, *, store: bool = True, index: bool = True, jobs: int = 16) -> Iterator[tuple]:
+    """(store, index) for one command, either None when not asked for; the index is closed at the end."""
+    from kcache.store import open_store
+
+    the_store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs) if store else None
+    the_index = open_index(cfg.index_url) if index else None
+    try:
+        yield the_store, the_index
+    finally:
+        if the_index is not None:
+            the_index.close()
+
+
+# Which command parameter sets which setting, for `origin`.
+SETTING_PARAMS = {"store": "store_url", "index": "index_url", "endpoint": "s3_endpoint_url"}
+
+
 def settings(store_url, index_url, s3_endpoint_url) -> config.Settings:
-    return config.resolve(store_url, index_url, s3_endpoint_url)
+    origins = {name: where for name, param in SETTING_PARAMS.items() if (where := origin(param))}
+    return config.resolve(store_url, index_url, s3_endpoint_url, origins=origins)
 
 
-def fail(exc: BaseException) -> click.exceptions.Exit:
-    """Print a one-line error and hint; return the Exit to raise with the table's code."""
+def origin(param_name: str) -> str | None:
+    """ "flag --x" or "env VAR" for a parameter of the running command, None when it was not given."""
+    ctx = click.get_current_context(silent=True)
+    param = next((p for p in ctx.command.params if p.name == param_name), None) if ctx else None
+    if param is None:
+        return None
+    source = ctx.get_parameter_source(param_name)
+    if source is ParameterSource.COMMANDLINE:
+        return f"flag {param.opts[0]}"
+    if source is ParameterSource.ENVIRONMENT:
+        names = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or ())
+        return next((f"env {name}" for name in names if os.environ.get(name)), "env")
+    return None
+
+
+def report(exc: BaseException, as_json: bool) -> click.exceptions.Exit:
+    """Print one error (a JSON object on stdout under --json, always a line and a hint on stderr);
+    return the Exit to raise with the table's code."""
     message, hint, code = describe(exc)
+    if as_json:
+        click.echo(fmt.to_json({"status": "error", "error": message, "hint": hint, "exit_code": int(code)}))
     click.echo(f"kcache: error: {message}", err=True)
     click.echo(f"  hint: {hint}", err=True)
     return click.exceptions.Exit(code)
 
 
-def handle_errors(fn):
-    """Map KcacheError to a one-line message and exit code; tracebacks only with KCACHE_DEBUG=1."""
+def debugging() -> bool:
+    return os.environ.get("KCACHE_DEBUG") == "1"
 
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+
+class KcacheGroup(click.Group):
+    """The one error boundary: whatever a command raises leaves through the table in cli/errors.py."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta.setdefault("kcache.argv", list(args))  # --json, for errors raised before it is parsed
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: click.Context):
         try:
-            return fn(*args, **kwargs)
-        except KcacheError as exc:
-            if os.environ.get("KCACHE_DEBUG") == "1":
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except click.ClickException as exc:  # a usage error: click prints it, unless --json asks for JSON
+            if not wants_json(ctx):
                 raise
-            raise fail(exc) from None
+            click.echo(fmt.to_json({"status": "error", "error": exc.format_message(), "hint": "see --help",
+                                    "exit_code": exc.exit_code}))  # fmt: skip
+            exc.show()
+            raise click.exceptions.Exit(exc.exit_code) from None
+        except Exception as exc:
+            if debugging():
+                raise
+            raise report(exc, wants_json(ctx)) from None
 
-    return wrapper
+
+def wants_json(ctx: click.Context) -> bool:
+    return bool(ctx.meta.get("kcache.json")) or "--json" in ctx.meta.get("kcache.argv", ())
+
+
+def handle_errors(fn):
+    """No longer needed: `KcacheGroup` is the boundary for every command. Kept (as a no-op) only until
+    the commands still decorated with it stop using it."""
+    return fn
 
 
 def stderr_is_terminal() -> bool:

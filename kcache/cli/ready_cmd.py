@@ -2,27 +2,21 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from kcache import readiness
 from kcache.cli import format as fmt
-from kcache.cli.options import json_option
+from kcache.cli.errors import ExitCode
+from kcache.cli.options import json_option, root_option
 
-
-def root_option(fn):
-    return click.option(
-        "--root", required=True, envvar="KCACHE_ROOT", type=click.Path(file_okay=False, path_type=Path),
-        help="The restore root (`kcache restore --into`) holding the markers (env KCACHE_ROOT).",
-    )(fn)  # fmt: skip
+__all__ = ["ready_cmd", "root_option"]  # watch and serve import root_option from here
 
 
 @click.command("ready")
 @root_option
 @json_option
 def ready_cmd(root, as_json):
-    """Exit 0 when the pod may take traffic, else 1 with one line saying why.
+    """Exit 0 when the pod may take traffic, else 11 (not ready) with one line saying why.
 
     Ready means restore has finished (hit, miss or error: a cold pod must still serve) and
     `kcache warmup` completed with status ok. Fast enough for an exec readiness probe.
@@ -45,4 +39,4 @@ def ready_cmd(root, as_json):
     else:
         click.echo(f"kcache: not ready: {state.reason} (root {root})")
     if not state.ready:
-        raise click.exceptions.Exit(1)
+        raise click.exceptions.Exit(ExitCode.NOT_READY)

@@ -7,32 +7,27 @@ from dataclasses import asdict
 import click
 
 from kcache.cli import format as fmt
-from kcache.cli.options import handle_errors, json_option, open_index, settings, store_options
+from kcache.cli.errors import ExitCode
+from kcache.cli.options import json_option, opened, settings, store_options
 from kcache.reindex import reindex
-from kcache.store import open_store
 
 
 @click.command("reindex")
 @click.option("--jobs", type=click.IntRange(1, 256), default=16, show_default=True, help="Parallel trailer reads.")
 @store_options
 @json_option
-@handle_errors
 def reindex_cmd(jobs, store_url, index_url, s3_endpoint_url, as_json):
     """Rebuild the index's packs, blobs and bundles from what the store holds.
 
-    Safe to run on a live index: rows that exist are kept as they are.
+    Safe to run on a live index: rows that exist are kept as they are. Exits 12 when objects had
+    to be skipped, listing each.
 
     \b
     Example:
       kcache reindex --store s3://caches/prod --index postgresql+psycopg://kcache@db/kcache
     """
-    cfg = settings(store_url, index_url, s3_endpoint_url)
-    store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
-    index = open_index(cfg.index_url)
-    try:
+    with opened(settings(store_url, index_url, s3_endpoint_url), jobs=jobs) as (store, index):
         result = reindex(store, index, jobs=jobs)
-    finally:
-        index.close()
     if as_json:
         click.echo(fmt.to_json(asdict(result)))
     else:
@@ -41,4 +36,4 @@ def reindex_cmd(jobs, store_url, index_url, s3_endpoint_url, as_json):
         for problem in result.skipped:
             click.echo(f"  skipped {problem}", err=True)
     if result.skipped:
-        raise click.exceptions.Exit(1)
+        raise click.exceptions.Exit(ExitCode.PROBLEMS)

@@ -10,7 +10,7 @@ import click
 
 from kcache.catalog import open_for_restore
 from kcache.cli import format as fmt
-from kcache.cli.errors import describe
+from kcache.cli.errors import ExitCode, describe
 from kcache.cli.options import (
     compute_fingerprint,
     fingerprint_options,
@@ -40,7 +40,7 @@ from kcache.store import open_store
 @click.option("--strict", is_flag=True, help="Exit non-zero on a miss or an error instead of starting cold.")
 @click.option("--jobs", type=click.IntRange(1, 256), default=16, show_default=True, help="Parallel pack reads.")
 @fingerprint_options
-@store_options
+@store_options(index_none=True)
 @json_option
 def restore_cmd(root, timeout, bundle_id, trusted_keys, require_signature, fallback, strict, jobs,
                 model, model_config, facts, extras, store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
@@ -93,14 +93,15 @@ def restore_cmd(root, timeout, bundle_id, trusted_keys, require_signature, fallb
         click.echo(f"kcache: miss: {result.reason} (key {result.bundle_key}); starting cold. "
                    f"Source {result.env_file}, then `kcache publish --from {result.root}` after warmup.")  # fmt: skip
     if strict and result.status == "miss":
-        raise click.exceptions.Exit(3)
+        raise click.exceptions.Exit(ExitCode.MISS)
 
 
 def _report_error(exc: Exception, strict: bool, as_json: bool, seconds: float) -> None:
     message, hint, code = describe(exc)
     if as_json:
         click.echo(fmt.to_json({"status": "error", "bundle_id": None, "files": 0, "bytes": 0,
-                                "seconds": round(seconds, 4), "reason": message}))  # fmt: skip
+                                "seconds": round(seconds, 4), "reason": message, "error": message, "hint": hint,
+                                "exit_code": int(code) if strict else 0}))  # fmt: skip
     action = "failing (--strict)" if strict else "starting cold"
     click.echo(f"kcache: restore failed, {action}: {message}", err=True)
     click.echo(f"  hint: {hint}", err=True)

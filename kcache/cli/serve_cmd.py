@@ -7,8 +7,8 @@ import threading
 
 import click
 
-from kcache.cli.options import handle_errors
-from kcache.cli.ready_cmd import root_option
+from kcache.cli import format as fmt
+from kcache.cli.options import json_option, root_option
 from kcache.serve import make_server, serve_until
 
 
@@ -29,11 +29,20 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
+def announce_serving(server, host: str, root, as_json: bool) -> None:
+    """The line that names the port (0 picks one), as text or one JSON object."""
+    url = f"http://{host}:{server.port}"
+    if as_json:
+        click.echo(fmt.to_json({"status": "serving", "url": url, "host": host, "port": server.port, "root": str(root)}))
+    else:
+        click.echo(f"kcache: serving /healthz /readyz /metrics on {url} for {root}")
+
+
 @click.command("serve")
 @root_option
 @host_port_options(port_help="TCP port (0 picks a free one; the line printed at start names it).", port_required=True)
-@handle_errors
-def serve_cmd(root, host, port):
+@json_option
+def serve_cmd(root, host, port, as_json):
     """Serve /healthz, /readyz (200 or 503, JSON reason) and /metrics (Prometheus) for ROOT.
 
     /readyz follows the same rule as `kcache ready`; /metrics exposes the restore outcome, warmup
@@ -47,5 +56,5 @@ def serve_cmd(root, host, port):
     """
     server = make_server(root, host, port)
     stop = stop_on_signals()
-    click.echo(f"kcache: serving /healthz /readyz /metrics on http://{host}:{server.port} for {root}")
+    announce_serving(server, host, root, as_json)
     serve_until(server, stop)

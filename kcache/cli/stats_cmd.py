@@ -8,7 +8,7 @@ import click
 
 from kcache import durations, stats
 from kcache.cli import format as fmt
-from kcache.cli.options import handle_errors, json_option, open_index, settings, store_options
+from kcache.cli.options import json_option, opened, settings, store_options
 
 
 @click.command("stats")
@@ -19,7 +19,6 @@ from kcache.cli.options import handle_errors, json_option, open_index, settings,
                    "cannot be attributed).")  # fmt: skip
 @store_options
 @json_option
-@handle_errors
 def stats_cmd(since, model, store_url, index_url, s3_endpoint_url, as_json):
     """Report restores, hits, misses, bytes, restore times and compile seconds saved.
 
@@ -33,11 +32,8 @@ def stats_cmd(since, model, store_url, index_url, s3_endpoint_url, as_json):
       kcache stats --since 24h --model my-llm --json
     """
     window = durations.parse(since, "--since") if since else None
-    index = open_index(settings(store_url, index_url, s3_endpoint_url).index_url)
-    try:
+    with opened(settings(store_url, index_url, s3_endpoint_url), store=False) as (_, index):
         result = stats.summarize(index, window=window, model=model)
-    finally:
-        index.close()
     if as_json:
         doc = {**asdict(result), "since": result.since.isoformat() if result.since else None,
                "hit_rate": result.hit_rate}  # fmt: skip

@@ -10,6 +10,7 @@ import click
 from kcache import profiles as profile_files
 from kcache import warmup
 from kcache.cli import format as fmt
+from kcache.cli.errors import ExitCode
 from kcache.cli.options import (
     compute_fingerprint,
     fingerprint_options,
@@ -88,7 +89,7 @@ def _note():
 def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_timeout, served_model, root, as_json):
     """Send every warmup profile's shape once, singles first, then batches by size.
 
-    Reports each profile's first latency (the compile) and steady-state median. Exits 1 if any
+    Reports each profile's first latency (the compile) and steady-state median. Exits 13 if any
     profile failed or the server never became healthy; the marker then says "failed". With
     --entrypoint, a process that imported torch also saves torch's Mega-Cache to
     $KCACHE_MEGACACHE when that is set (ROOT/kcache.env sets it).
@@ -114,7 +115,7 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
         _print_report(report)
         click.echo(f"kcache: marker {marker}" if marker else "kcache: no readiness marker (no --root)")
     if report.status != "ok":
-        raise click.exceptions.Exit(1)
+        raise click.exceptions.Exit(ExitCode.WARMUP)
 
 
 def _print_report(report: warmup.WarmupReport) -> None:
@@ -203,4 +204,4 @@ def prebake_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_
                        f"{fmt.size(p.bytes)}; {p.new_blobs} new blobs in {fmt.seconds(p.seconds)}")  # fmt: skip
     if result.publish is None:
         click.echo("kcache: warmup failed; nothing was published", err=True)
-        raise click.exceptions.Exit(1)
+        raise click.exceptions.Exit(ExitCode.WARMUP)

@@ -8,6 +8,7 @@ import click
 
 from kcache import durations
 from kcache.cli import format as fmt
+from kcache.cli.errors import ExitCode
 from kcache.cli.options import (
     compute_fingerprint,
     fingerprint_options,
@@ -125,4 +126,4 @@ def _report(step: Step, as_json: bool) -> None:
                        f"({step.published.new_blobs} new blobs)")  # fmt: skip
     if step.publish_error:
         click.echo(f"kcache: publish failed: {step.publish_error}", err=True)
-        raise click.exceptions.Exit(1)
+        raise click.exceptions.Exit(ExitCode.PUBLISH)

@@ -92,3 +92,18 @@ def ensure_schema(engine: Engine, url: str) -> None:
 def describe_error(exc: Exception) -> str:
     msg = str(getattr(exc, "orig", None) or exc)
     return msg.strip().splitlines()[0] if msg.strip() else type(exc).__name__
+
+
+def upgrade_url(url: str, target: str = "head") -> tuple[str | None, str]:
+    """`kcache db upgrade`: upgrade the index at `url`, with failures as IndexDbError."""
+    from alembic.util import CommandError
+
+    engine = make_engine(url)
+    try:
+        return upgrade(engine, target)
+    except OperationalError as exc:
+        raise IndexDbError(url, f"cannot connect: {describe_error(exc)}") from None
+    except (SQLAlchemyError, CommandError) as exc:
+        raise IndexDbError(url, describe_error(exc)) from None
+    finally:
+        engine.dispose()

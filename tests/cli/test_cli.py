@@ -50,7 +50,7 @@ def test_publish_restore_round_trip_with_json(tmp_path):
     assert (tmp_path / "dst/triton/k/kernel.cubin").read_bytes() == b"\x7fELF"
 
     listed = json.loads(run("ls", "--json").output)
-    assert [b["id"] for b in listed] == [published["bundle_id"]]
+    assert [b["bundle_id"] for b in listed] == [published["bundle_id"]]
     shown = run("show", published["bundle_id"][:10], "--files").output
     assert "inductor/fxgraph/g" in shown and published["bundle_key"] in shown
 

@@ -1,0 +1,149 @@
+"""One error boundary: every exception leaves through cli/errors.py's table, never as a traceback."""
+
+import importlib
+import json
+import pkgutil
+import socket
+
+import click
+import pytest
+from click.testing import CliRunner
+
+import kcache
+from kcache.cli import main
+from kcache.cli.errors import TABLE, ExitCode, describe
+
+
+def commands(group: click.Group, prefix=()):
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            yield from commands(command, prefix + (name,))
+        else:
+            yield prefix + (name,), command
+
+
+ALL_COMMANDS = sorted(path for path, _ in commands(main))
+
+
+def run(*args, env=None):
+    return CliRunner().invoke(main, [str(a) for a in args], env=env, catch_exceptions=False)
+
+
+def kcache_exception_classes():
+    for info in pkgutil.walk_packages(kcache.__path__, "kcache."):
+        if info.name.endswith("__main__") or "_migrations" in info.name:
+            continue
+        module = importlib.import_module(info.name)
+        for value in vars(module).values():
+            if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == info.name:
+                yield value
+
+
+@pytest.mark.parametrize("cls", sorted(set(kcache_exception_classes()), key=lambda c: c.__qualname__),
+                         ids=lambda c: f"{c.__module__}.{c.__qualname__}")  # fmt: skip
+def test_every_exception_class_has_a_row_of_its_own(cls):
+    first = next((kind for kind, _code, _hint in TABLE if issubclass(cls, kind)), None)
+    assert first is cls, f"{cls.__module__}.{cls.__qualname__} has no row in kcache/cli/errors.py (falls to {first})"
+
+
+def test_the_walk_finds_the_classes_outside_errors_py():
+    names = {c.__qualname__ for c in kcache_exception_classes()}
+    assert {"ProfileError", "ServerUnavailable", "WarmupChildFailed", "ConfigError"} <= names
+
+
+def test_an_unexpected_exception_is_a_bug_with_exit_70():
+    message, hint, code = describe(KeyError("x"))
+    assert code == ExitCode.BUG == 70 and message == "KeyError: 'x'" and "KCACHE_DEBUG=1" in hint
+
+
+# ---- every command, with a failure kcache did not expect -----------------------------------------
+
+INJECTED = "injected failure"
+# Minimal valid arguments per command; the test fails when a command is registered without a row.
+ARGS = {
+    ("config",): [],
+    ("db", "upgrade"): [],
+    ("explain",): [],
+    ("fingerprint",): [],
+    ("gc",): ["--dry-run"],
+    ("keygen",): ["k", "--dir", "{tmp}"],
+    ("ls",): [],
+    ("prebake",): ["--root", "{tmp}/r", "--url", "http://127.0.0.1:1"],
+    ("publish",): ["--from", "{tmp}"],
+    ("ready",): ["--root", "{tmp}"],
+    ("reindex",): [],
+    ("restore",): ["--into", "{tmp}/r", "--strict"],
+    ("serve",): ["--root", "{tmp}", "--port", "0"],
+    ("show",): ["abc"],
+    ("stats",): [],
+    ("verify",): [],
+    ("warmup",): ["--url", "http://127.0.0.1:1"],
+    ("watch",): ["--root", "{tmp}", "--once", "--publish-every", "1m"],
+    ("yank",): ["abc"],
+}
+
+
+def test_every_command_is_in_the_fault_table():
+    assert sorted(ARGS) == ALL_COMMANDS
+
+
+@pytest.fixture
+def everything_breaks(monkeypatch):
+    """The first library call of every command raises an exception kcache has no row for."""
+
+    def boom(*_args, **_kwargs):
+        raise RuntimeError(INJECTED)
+
+    for target in ("kcache.config.resolve", "kcache.fingerprint.collect", "kcache.signing.generate",
+                   "kcache.readiness.check", "kcache.cli.serve_cmd.make_server", "kcache.warmup.run"):  # fmt: skip
+        module, name = target.rsplit(".", 1)
+        monkeypatch.setattr(importlib.import_module(module), name, boom)  # kcache.cli.X_cmd names a command too
+
+
+@pytest.mark.parametrize("path", ALL_COMMANDS, ids=" ".join)
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_an_unexpected_error_in_any_command_is_one_line_exit_70(tmp_path, everything_breaks, path, as_json):
+    args = [*path, *(a.format(tmp=tmp_path) for a in ARGS[path]), *(["--json"] if as_json else [])]
+    result = run(*args)
+    assert "Traceback" not in result.output
+    assert result.exit_code == ExitCode.BUG, result.output
+    assert f"RuntimeError: {INJECTED}" in result.stderr and "hint:" in result.stderr
+    if as_json:
+        doc = json.loads(result.stdout)
+        assert doc["status"] == "error" and doc["exit_code"] == 70 and INJECTED in doc["error"] and doc["hint"]
+
+
+def test_kcache_debug_shows_the_traceback(everything_breaks):
+    with pytest.raises(RuntimeError, match=INJECTED):
+        run("ls", env={"KCACHE_DEBUG": "1"})
+
+
+# ---- the two cases the issue found ----------------------------------------------------------------
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_db_upgrade_against_a_closed_port_is_an_index_error():
+    result = run("db", "upgrade", "--index", f"postgresql+psycopg://kcache:pw@127.0.0.1:{closed_port()}/x")
+    assert result.exit_code == ExitCode.INDEX and "Traceback" not in result.output
+    assert result.stderr.startswith("kcache: error: index ") and "cannot connect" in result.stderr
+
+
+@pytest.mark.parametrize("args", [["publish", "--from", "{tmp}", "--index", "sqlite:///{tmp}/i.db"], ["ls"],
+                                  ["config"], ["restore", "--into", "{tmp}/r", "--strict"]])  # fmt: skip
+def test_kcache_home_that_is_a_file_is_a_usage_error(tmp_path, args):
+    (tmp_path / "home").write_text("not a directory")
+    result = run(*(a.format(tmp=tmp_path) for a in args), env={"KCACHE_HOME": str(tmp_path / "home")})
+    assert result.exit_code == ExitCode.USAGE, result.output
+    assert "KCACHE_HOME" in result.stderr and "is not a directory" in result.stderr
+
+
+def test_usage_errors_under_json_are_one_json_object():
+    result = run("gc", "--keep-last", "many", "--json")
+    assert result.exit_code == ExitCode.USAGE
+    doc = json.loads(result.stdout)
+    assert doc["status"] == "error" and doc["exit_code"] == 2 and "--keep-last" in doc["error"]
