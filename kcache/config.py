@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 MASK = "***"
 
@@ -97,23 +97,22 @@ def _config_error(what: str, value: str, why: str):
 _SECRET_PARAM = re.compile(r"pass|secret|token|key|sig|credential|auth", re.IGNORECASE)
 _QUERY_ITEM = re.compile(r"([^&=;]+)=([^&;]*)")
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>()\[\]]+")
+# user:password@ after a scheme, up to the last @ before the path: a password may hold any of
+# ')', "'", '?' that end a URL in running text, so this pass does not rely on finding the URL's end.
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^\s:/@]*):[^\s/]*@")
 
 
 def redact_url(url: str) -> str:
-    """`url` with its password and secret-looking query values replaced by ***."""
+    """`url` with its password and secret-looking query values replaced by ***; the rest as written."""
+    url = _USERINFO.sub(rf"\1:{MASK}@", url)
     try:
-        parts = urlsplit(url)
-    except ValueError:
-        return _URL.sub(lambda m: m.group(0).split("://")[0] + "://" + MASK, url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, _, host = netloc.rpartition("@")
-        user, has_password, _ = userinfo.partition(":")
-        netloc = f"{user}:{MASK}@{host}" if has_password else netloc
-    query = _QUERY_ITEM.sub(lambda m: f"{m[1]}={MASK}" if _SECRET_PARAM.search(m[1]) else m[0], parts.query)
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+        query = urlsplit(url).query
+    except ValueError:  # not a URL urllib can read (e.g. a broken IPv6 host): keep only the scheme
+        return url.split("://", 1)[0] + "://" + MASK
+    hidden = _QUERY_ITEM.sub(lambda m: f"{m[1]}={MASK}" if _SECRET_PARAM.search(m[1]) else m[0], query)
+    return url if hidden == query else url[: url.rindex(query)] + hidden + url[url.rindex(query) + len(query) :]
 
 
 def redact_text(text: str) -> str:
     """`text` with every URL in it redacted (error messages quote the URLs they failed on)."""
-    return _URL.sub(lambda m: redact_url(m.group(0)), text)
+    return _URL.sub(lambda m: redact_url(m.group(0)), _USERINFO.sub(rf"\1:{MASK}@", text))

@@ -19,7 +19,7 @@ class ConfigError(KcacheError):
 
     def __init__(self, what: str, value: str, why: str):
         self.what, self.value, self.why = what, value, why
-        super().__init__(f"{what} {redact_text(value)!r}: {why}")
+        super().__init__(f"{what} {redact_text(value)!r}: {redact_text(why)}")
 
 
 class StoreError(KcacheError):

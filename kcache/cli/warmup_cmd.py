@@ -22,6 +22,7 @@ from kcache.cli.options import (
     stderr_is_terminal,
     store_options,
 )
+from kcache.config import redact_url
 from kcache.errors import ConfigError
 from kcache.prebake import ChildWarmup, ServerWarmup, prebake
 from kcache.store import open_store
@@ -132,7 +133,7 @@ def _print_report(report: warmup.WarmupReport) -> None:
         click.echo(f"torch caches: fx graph {c['fxgraph_hit']} hit / {c['fxgraph_miss']} miss, "
                    f"aot autograd {c['aotautograd_hit']} hit / {c['aotautograd_miss']} miss")  # fmt: skip
     verdict = "ok" if report.status == "ok" else "FAILED"
-    click.echo(f"kcache: warmup of {report.target}: {verdict}, {len(report.results)} profiles "
+    click.echo(f"kcache: warmup of {redact_url(report.target)}: {verdict}, {len(report.results)} profiles "
                f"in {fmt.seconds(report.seconds)}")  # fmt: skip
     if report.error:
         click.echo(f"kcache: error: {report.error}", err=True)

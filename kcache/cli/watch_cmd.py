@@ -20,6 +20,7 @@ from kcache.cli.options import (
 )
 from kcache.cli.ready_cmd import root_option
 from kcache.cli.serve_cmd import host_port_options, stop_on_signals
+from kcache.config import redact_text
 from kcache.errors import ConfigError
 from kcache.publish import publish
 from kcache.serve import make_server, start_in_thread
@@ -125,5 +126,5 @@ def _report(step: Step, as_json: bool) -> None:
             click.echo(f"kcache: published bundle {step.published.bundle_id[:12]} "
                        f"({step.published.new_blobs} new blobs)")  # fmt: skip
     if step.publish_error:
-        click.echo(f"kcache: publish failed: {step.publish_error}", err=True)
+        click.echo(f"kcache: publish failed: {redact_text(step.publish_error)}", err=True)
         raise click.exceptions.Exit(ExitCode.PUBLISH)

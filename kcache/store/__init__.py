@@ -26,6 +26,8 @@ def open_store(url: str, *, endpoint_url: str | None = None, jobs: int = 16) -> 
     if parsed.scheme == "s3":
         if not parsed.netloc:
             raise ConfigError("store URL", url, "has no bucket (expected s3://bucket/prefix)")
+        if "@" in parsed.netloc:  # boto3 would quote the "bucket" (the keys) in its error
+            raise ConfigError("store URL", url, "keys do not belong in it; use AWS_ACCESS_KEY_ID or a profile")
         from kcache.store.s3 import S3Store
 
         return S3Store(parsed.netloc, parsed.path.strip("/"), endpoint_url=endpoint_url, jobs=jobs)
