@@ -57,7 +57,18 @@ class RedactingFormatter(logging.Formatter):
         return redact_text(super().format(record))
 
 
+def _show_envvars(command: click.Command) -> None:
+    # Every option an environment variable can set shows it the one way click does, "[env var: X]",
+    # including options declared in command modules without show_envvar.
+    for sub in command.commands.values() if isinstance(command, click.Group) else ():
+        _show_envvars(sub)
+    for param in command.params:
+        if isinstance(param, click.Option) and param.envvar:
+            param.show_envvar = True
+
+
 for command in (fingerprint_cmd, publish_cmd, restore_cmd, ls_cmd, show_cmd, reindex_cmd, keygen_cmd, db_group,
                 ready_cmd, serve_cmd, watch_cmd, warmup_cmd, prebake_cmd, explain_cmd, stats_cmd,
                 yank_cmd, verify_cmd, gc_cmd, config_cmd):  # fmt: skip
     main.add_command(command)
+_show_envvars(main)

@@ -7,14 +7,14 @@ from pathlib import Path
 import click
 
 from kcache.cli import format as fmt
-from kcache.cli.options import env_option, json_option, origin, settings, store_options
+from kcache.cli.options import json_option, origin, settings, store_options
 from kcache.config import DEFAULT, redact_url
 
 
 @click.command("config")
 @store_options(index_none=True)
-@env_option("--model", metavar="ID", envvar="KCACHE_MODEL", help="Model identity restore and publish would use.")
-@env_option("--root", type=click.Path(file_okay=False, path_type=Path), envvar="KCACHE_ROOT",
+@click.option("--model", metavar="ID", envvar="KCACHE_MODEL", help="Model identity restore and publish would use.")
+@click.option("--root", type=click.Path(file_okay=False, path_type=Path), envvar="KCACHE_ROOT",
             help="Restore root that ready, serve, watch and warmup would use.")  # fmt: skip
 @json_option
 def config_cmd(store_url, index_url, s3_endpoint_url, model, root, as_json):

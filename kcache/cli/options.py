@@ -18,19 +18,15 @@ from kcache.cli import format as fmt
 from kcache.cli.errors import describe
 from kcache.errors import ConfigError
 
-# Every option that an environment variable can set names it the same way in --help: click's
-# "[env var: NAME]" (show_envvar).
-env_option = functools.partial(click.option, show_envvar=True)
-
 
 def fingerprint_options(fn):
     """--model, --model-config, --fact, --extra: what describes the workload and overrides facts."""
     options = (
-        env_option("--model", metavar="ID", envvar="KCACHE_MODEL",
+        click.option("--model", metavar="ID", envvar="KCACHE_MODEL",
                    help="Model identity, e.g. meta-llama/Llama-3.1-8B@rev."),
         click.option("--model-config", type=click.Path(dir_okay=False, path_type=Path),
                      help="The model's config.json; its content becomes part of the workload key."),
-        env_option("--facts-file", type=click.Path(dir_okay=False, path_type=Path), expose_value=False,
+        click.option("--facts-file", type=click.Path(dir_okay=False, path_type=Path), expose_value=False,
                    callback=_remember_facts_file, envvar="KCACHE_FACTS_FILE",
                    help="Facts of the machine that runs the model (`kcache fingerprint --json` there); "
                         "nothing is probed."),
@@ -61,18 +57,18 @@ def store_options(fn=None, *, index_none: bool = False):
         return functools.partial(store_options, index_none=index_none)
     none = ", or 'none' to find bundles through the store's refs/" if index_none else ""
     options = (
-        env_option("--store", "store_url", metavar="URL", envvar=config.ENV["store"],
+        click.option("--store", "store_url", metavar="URL", envvar=config.ENV["store"],
                    help="file:///path or s3://bucket/prefix (default $KCACHE_HOME/store)."),
-        env_option("--index", "index_url", metavar="URL", envvar=config.ENV["index"],
+        click.option("--index", "index_url", metavar="URL", envvar=config.ENV["index"],
                    help=f"SQLAlchemy URL of the index{none} (default sqlite:///$KCACHE_HOME/index.db)."),
-        env_option("--s3-endpoint-url", metavar="URL", envvar=list(config.ENV["endpoint"]),
+        click.option("--s3-endpoint-url", metavar="URL", envvar=list(config.ENV["endpoint"]),
                    help="S3-compatible endpoint; AWS_ENDPOINT_URL_S3 wins over AWS_ENDPOINT_URL, as in boto3."),
     )  # fmt: skip
     return _apply(fn, options)
 
 
 def root_option(fn):
-    return env_option(
+    return click.option(
         "--root", required=True, envvar="KCACHE_ROOT", type=click.Path(file_okay=False, path_type=Path),
         help="The restore root (`kcache restore --into`) holding the markers.",
     )(fn)  # fmt: skip
@@ -88,9 +84,7 @@ def load_signing_key(path):
 
 
 def load_trusted_keys(paths) -> tuple:
-    """Public keys from --trusted-key flags, else KCACHE_TRUSTED_KEYS (':'-separated paths)."""
-    if not paths:
-        paths = [p for p in os.environ.get("KCACHE_TRUSTED_KEYS", "").split(":") if p]
+    """Public keys from --trusted-key flags (or KCACHE_TRUSTED_KEYS, which click splits at ':')."""
     if not paths:
         return ()
     from kcache.signing import load_trusted_keys as load

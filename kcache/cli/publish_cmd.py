@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 @click.option("--extra-dir", "extra_dirs", multiple=True, metavar="NAME=PATH",
               help="Also carry a directory of your own; restored to ROOT/extra/NAME.")  # fmt: skip
 @click.option("--signing-key", type=click.Path(dir_okay=False, path_type=Path), envvar="KCACHE_SIGNING_KEY",
-              help="Sign the manifest with this key from `kcache keygen` (env KCACHE_SIGNING_KEY).")  # fmt: skip
+              help="Sign the manifest with this key from `kcache keygen`.")  # fmt: skip
 @click.option("--compile-seconds", type=click.FloatRange(min=0), metavar="S",
               help="Seconds the cold warmup took; `kcache stats` counts this minus restore time as saved.")  # fmt: skip
 @click.option("--jobs", type=click.IntRange(1, 256), default=8, show_default=True, help="Parallel hashing and uploads.")

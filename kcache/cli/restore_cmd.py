@@ -31,9 +31,10 @@ from kcache.store import open_store
 @click.option("--bundle", "bundle_id", metavar="ID",
               help="Pin this bundle (full id) instead of the newest; it must still match the fingerprint.")  # fmt: skip
 @click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="A .pub from `kcache keygen`; repeatable (env KCACHE_TRUSTED_KEYS, ':'-separated).")  # fmt: skip
+              envvar="KCACHE_TRUSTED_KEYS", help="A .pub from `kcache keygen`; repeatable (env: ':'-separated).",
+              )  # fmt: skip
 @click.option("--require-signature", is_flag=True, envvar="KCACHE_REQUIRE_SIGNATURE",
-              help="Refuse bundles not signed by a trusted key (env KCACHE_REQUIRE_SIGNATURE=1).")  # fmt: skip
+              help="Refuse bundles not signed by a trusted key.")  # fmt: skip
 @click.option("--fallback", type=click.Choice(["toolchain"]),
               help="On a miss, restore the kernel layers (inductor, triton, cuda) of the newest bundle built "
                    "on this toolchain for another workload.")  # fmt: skip

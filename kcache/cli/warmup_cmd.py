@@ -48,7 +48,7 @@ def target_options(fn):
                      help="An OpenAI-compatible server (vLLM, SGLang, TGI), e.g. http://127.0.0.1:8000."),
         click.option("--profiles", "profiles_file", type=click.Path(dir_okay=False, path_type=Path),
                      envvar="KCACHE_WARMUP_PROFILES",
-                     help=f"YAML/TOML profiles file (env KCACHE_WARMUP_PROFILES; default: {defaults})."),
+                     help=f"YAML/TOML profiles file (default: {defaults})."),
         click.option("--parallel", type=click.IntRange(1, 64), default=1, show_default=True,
                      help="Profiles run at once (singles still finish before batches)."),
         click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=300.0,
@@ -83,7 +83,7 @@ def _note():
 @click.command("warmup", epilog=PROFILES_HELP)
 @target_options
 @click.option("--root", type=click.Path(file_okay=False, path_type=Path), envvar="KCACHE_ROOT",
-              help="Write the readiness marker ROOT/.kcache-warmup.json (env KCACHE_ROOT). "
+              help="Write the readiness marker ROOT/.kcache-warmup.json. "
                    "Without it no marker is written.")  # fmt: skip
 @json_option
 @handle_errors
@@ -148,9 +148,9 @@ def _secs(value: float | None) -> str:
 @click.command("prebake", epilog=PROFILES_HELP)
 @target_options
 @click.option("--root", required=True, type=click.Path(file_okay=False, path_type=Path), envvar="KCACHE_ROOT",
-              help="Work directory (env KCACHE_ROOT): restored into, warmed up against, published from.")  # fmt: skip
+              help="Work directory: restored into, warmed up against, published from.")  # fmt: skip
 @click.option("--signing-key", type=click.Path(dir_okay=False, path_type=Path), envvar="KCACHE_SIGNING_KEY",
-              help="Sign the manifest with this key from `kcache keygen` (env KCACHE_SIGNING_KEY).")  # fmt: skip
+              help="Sign the manifest with this key from `kcache keygen`.")  # fmt: skip
 @click.option("--jobs", type=click.IntRange(1, 256), default=8, show_default=True, help="Parallel transfers.")
 @fingerprint_options
 @store_options

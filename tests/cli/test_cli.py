@@ -1,6 +1,8 @@
 """The real CLI through click's runner, against real stores and indexes."""
 
 import json
+import re
+from pathlib import Path
 
 import click
 import pytest
@@ -8,6 +10,7 @@ from click.testing import CliRunner
 from trees import write_tree
 
 from kcache.cli import main
+from kcache.cli.errors import EXIT_MEANINGS, ExitCode
 
 
 def run(*args, ok=True):
@@ -99,3 +102,102 @@ def test_db_upgrade_is_idempotent(tmp_path):
     url = f"sqlite:///{tmp_path / 'i.db'}"
     assert "upgraded from empty" in run("db", "upgrade", "--index", url).output
     assert "up to date" in run("db", "upgrade", "--index", url).output
+
+
+# ---- --json, env vars in --help, README tables ---------------------------------------------------
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+PACKAGE = Path(__file__).resolve().parents[2] / "kcache"
+NO_JSON: dict[tuple[str, ...], str] = {}  # command -> why --json makes no sense there (none today)
+
+
+@pytest.mark.parametrize("path", [p for p, _ in commands(main)], ids=" ".join)
+def test_every_command_has_json(path):
+    has = "--json" in run(*path, "--help").output
+    assert has or path in NO_JSON, f"kcache {' '.join(path)} has no --json"
+
+
+@pytest.mark.parametrize(
+    "path, command", list(commands(main)), ids=lambda v: " ".join(v) if isinstance(v, tuple) else ""
+)
+def test_env_vars_show_one_way_in_help(path, command):
+    for param in command.params:
+        if isinstance(param, click.Option):
+            assert "(env " not in (param.help or ""), f"{param.opts} of kcache {' '.join(path)} spells its env var"
+            if param.envvar:
+                assert param.show_envvar, f"{param.opts} of kcache {' '.join(path)} hides its env var"
+    text = run(*path, "--help").output
+    for param in command.params:
+        if isinstance(param, click.Option) and param.envvar:
+            first = param.envvar if isinstance(param.envvar, str) else param.envvar[0]
+            assert first in text
+
+
+def readme_section(after: str) -> str:
+    text = README.read_text()
+    start = text.index(after)
+    end = text.index("\n\n", start)
+    return text[start:end]
+
+
+def test_readme_settings_table_lists_every_kcache_variable():
+    in_code = {m for p in PACKAGE.rglob("*.py") for m in re.findall(r"KCACHE_[A-Z0-9_]+", p.read_text())}
+    in_readme = set(re.findall(r"KCACHE_[A-Z0-9_]+", readme_section("| setting | flag | environment | default |")))
+    assert in_code - in_readme == set(), "add these to README.md's settings table"
+    assert in_readme - in_code == set(), "README.md's settings table names variables the code does not read"
+    assert len(in_code) >= 15
+
+
+def test_readme_and_help_list_the_exit_codes():
+    rows = re.findall(r"^\| (\d+) \| (.+) \|$", readme_section("| code | meaning |"), re.MULTILINE)
+    assert {int(code): meaning.replace("`", "") for code, meaning in rows} == {
+        int(code): meaning for code, meaning in EXIT_MEANINGS.items()
+    }
+    help_text = " ".join(run("--help").output.split())
+    for code, meaning in EXIT_MEANINGS.items():
+        assert f"{int(code)} {meaning}" in help_text
+    assert set(EXIT_MEANINGS) == set(ExitCode)
+
+
+def test_index_none_only_where_it_works(tmp_path):
+    assert "'none'" in run("restore", "--help").output and "'none'" not in run("ls", "--help").output
+    refused = run("ls", "--index", "none", ok=False)
+    assert refused.exit_code == ExitCode.USAGE and "only `kcache restore` works from refs/" in refused.stderr
+    assert run("restore", "--into", str(tmp_path / "r"), "--index", "none", "--json").exit_code == 0
+
+
+def test_strict_miss_has_its_own_code(tmp_path):
+    miss = run("restore", "--into", str(tmp_path / "r"), "--strict", "--model", "unpublished", ok=False)
+    assert miss.exit_code == ExitCode.MISS != ExitCode.NOT_FOUND
+
+
+def test_config_says_where_each_value_came_from(tmp_path, monkeypatch, isolated_home):
+    monkeypatch.setenv("KCACHE_MODEL", "my-llm")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://general:9000")
+    out = run("config", "--store", f"file://{tmp_path}/s", "--root", str(tmp_path / "r")).output
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[1:]}
+    assert rows["store"] == [f"file://{tmp_path}/s", "flag", "--store"]
+    assert rows["model"] == ["my-llm", "env", "KCACHE_MODEL"]
+    assert rows["endpoint"] == ["http://general:9000", "env", "AWS_ENDPOINT_URL"]
+    assert rows["home"] == [str(isolated_home), "env", "KCACHE_HOME"]
+    assert rows["index"] == [f"sqlite:///{isolated_home}/index.db", "default"]
+    assert rows["root"] == [str(tmp_path / "r"), "flag", "--root"]
+    doc = json.loads(run("config", "--json").output)
+    assert set(doc) == {"home", "store", "index", "endpoint", "model", "root"}
+    assert doc["endpoint"] == {"value": "http://general:9000", "origin": "env AWS_ENDPOINT_URL"}
+
+
+def test_s3_specific_endpoint_wins_over_the_general_one(monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://general:9000")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://s3:9000")
+    doc = json.loads(run("config", "--json").output)
+    assert doc["endpoint"] == {"value": "http://s3:9000", "origin": "env AWS_ENDPOINT_URL_S3"}
+    flag = json.loads(run("config", "--s3-endpoint-url", "http://flag:1", "--json").output)
+    assert flag["endpoint"] == {"value": "http://flag:1", "origin": "flag --s3-endpoint-url"}
+
+
+def test_keygen_and_serve_json(tmp_path):
+    doc = json.loads(run("keygen", "k1", "--dir", str(tmp_path), "--json").output)
+    assert doc == {"status": "ok", "name": "k1", "private_key": str(tmp_path / "k1.key"),
+                   "public_key": str(tmp_path / "k1.pub")}  # fmt: skip
+    assert (tmp_path / "k1.key").stat().st_mode & 0o777 == 0o600
