@@ -2,6 +2,9 @@
 
 import json
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -201,3 +204,29 @@ def test_keygen_and_serve_json(tmp_path):
     assert doc == {"status": "ok", "name": "k1", "private_key": str(tmp_path / "k1.key"),
                    "public_key": str(tmp_path / "k1.pub")}  # fmt: skip
     assert (tmp_path / "k1.key").stat().st_mode & 0o777 == 0o600
+
+
+def test_serve_json_names_the_port(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "kcache", "serve", "--root", str(tmp_path), "--port", "0", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        doc = json.loads(proc.stdout.readline())
+        assert doc["status"] == "serving" and doc["port"] > 0 and doc["url"] == f"http://127.0.0.1:{doc['port']}"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_trusted_keys_from_the_environment_split_at_colons(tmp_path, monkeypatch):
+    run("keygen", "old", "--dir", str(tmp_path / "k"))
+    run("keygen", "new", "--dir", str(tmp_path / "k"))
+    write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"graph"})
+    run("publish", "--from", str(tmp_path / "src"), "--model", "m", "--signing-key", str(tmp_path / "k/new.key"))
+    monkeypatch.setenv("KCACHE_TRUSTED_KEYS", f"{tmp_path}/k/old.pub:{tmp_path}/k/new.pub")
+    doc = json.loads(
+        run("restore", "--into", str(tmp_path / "r"), "--model", "m", "--require-signature", "--json").output
+    )
+    assert doc["status"] == "hit" and doc["signed_by"] == "new"
