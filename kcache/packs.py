@@ -63,10 +63,6 @@ class PackWriter:
         self._cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
 
     @property
-    def bytes_written(self) -> int:
-        return self._file.tell()
-
-    @property
     def blob_count(self) -> int:
         return len(self._blobs)
 

@@ -12,11 +12,11 @@ because probes may run as another user than the init container.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+
+from kcache import atomic
 
 RESTORE_MARKER = ".kcache-state.json"
 WARMUP_MARKER = ".kcache-warmup.json"
@@ -26,17 +26,9 @@ WATCH_MARKER = ".kcache-watch.json"
 def write_marker(root: Path, name: str, doc: dict) -> Path:
     """Write ROOT/name atomically, stamped with finished_at (UTC)."""
     doc = {**doc, "finished_at": datetime.now(timezone.utc).isoformat()}
-    root = Path(root)
-    fd, tmp = tempfile.mkstemp(prefix=f"{name}.", dir=root)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, sort_keys=True)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, root / name)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return root / name
+    target = Path(root) / name
+    atomic.write_text(target, json.dumps(doc, sort_keys=True))
+    return target
 
 
 def read_marker(root: Path, name: str) -> dict | None:

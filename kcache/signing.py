@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from kcache import canonical
+from kcache import atomic, canonical
 from kcache.errors import ConfigError, ObjectMissing, SignatureError
 from kcache.store import Store
 
@@ -49,24 +48,38 @@ def message(bundle_key: str, manifest_id: str, manifest_size: int) -> bytes:
 
 def generate(name: str, directory: Path) -> tuple[Path, Path]:
     """Write NAME.key (0600) and NAME.pub into `directory`; refuse to overwrite either."""
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-    from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
     if not _NAME.match(name):
         raise ConfigError("key name", name, "use letters, digits, '.', '-' and '_'")
-    directory.mkdir(parents=True, exist_ok=True)
     private, public = directory / f"{name}.key", directory / f"{name}.pub"
     for path in (private, public):
         if path.exists():
-            raise ConfigError("key file", str(path), "exists already; pick another name or move it away")
+            raise _exists(path)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _write_pair(name, private, public)
+    except OSError as exc:
+        raise ConfigError("key directory", str(directory), f"cannot write there: {exc.strerror or exc}") from None
+    return private, public
+
+
+def _write_pair(name: str, private: Path, public: Path) -> None:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
+
     key = Ed25519PrivateKey.generate()
     seed = key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
     pub = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
-    fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(f"{PRIVATE_TAG} {name} {base64.b64encode(seed).decode()}\n")
-    public.write_text(f"{PUBLIC_TAG} {name} {base64.b64encode(pub).decode()}\n")
-    return private, public
+    # The private key is never readable by others, not even while it is written (the temp file is 0600).
+    if not atomic.write_text(private, f"{PRIVATE_TAG} {name} {base64.b64encode(seed).decode()}\n", mode=0o600,
+                             overwrite=False):  # fmt: skip
+        raise _exists(private)
+    if not atomic.write_text(public, f"{PUBLIC_TAG} {name} {base64.b64encode(pub).decode()}\n", overwrite=False):
+        raise _exists(public)
+
+
+def _exists(path: Path) -> ConfigError:
+    return ConfigError("key file", str(path), "exists already; pick another name or move it away")
 
 
 def _read_key_file(path: Path, tag: str) -> tuple[str, bytes]:

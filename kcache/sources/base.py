@@ -58,10 +58,6 @@ class Source:
         """Environment variables that point the tool at this layer under `root`."""
         return {self.env_var: str(self.restore_dir(root))} if self.env_var else {}
 
-    def is_junk(self, rel: str) -> bool:
-        parts = rel.split("/")
-        return parts[0] in self.foreign or any(self._junk_name(part) for part in parts)
-
     def _junk_name(self, name: str) -> bool:
         pattern = _JUNK_RE.get(self.junk)
         if pattern is None:

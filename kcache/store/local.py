@@ -1,7 +1,8 @@
 """`file://PATH` backend: the embedded default, and the air-gapped one.
 
-Objects are plain files at PATH/<key>. A write goes to a temp sibling and is published with
-`os.link`, which fails if the key exists: create-if-absent is atomic, even between processes.
+Objects are plain files at PATH/<key>, written by `kcache.atomic` without overwrite: it publishes
+the temp sibling with `os.link`, which fails if the key exists, so create-if-absent is atomic even
+between processes.
 """
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ import errno
 import fcntl
 import hashlib
 import os
-import tempfile
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import BinaryIO
 
+from kcache import atomic
 from kcache.errors import ObjectMissing, StoreError
 from kcache.store.base import ObjectInfo, is_valid_key
 from kcache.streams import Window
@@ -46,22 +47,9 @@ class LocalStore:
             return False
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=final.parent)
-        except OSError as exc:
-            raise StoreError(self.url, f"cannot write {key}: {exc.strerror}") from None
-        try:
-            with os.fdopen(fd, "wb") as dst:
-                write(dst)
-                dst.flush()
-                os.fsync(dst.fileno())
-            os.link(tmp, final)
-            return True
-        except FileExistsError:
-            return False
+            return atomic.write(final, write, overwrite=False)
         except OSError as exc:
             raise StoreError(self.url, f"cannot write {key}: {exc.strerror or exc}") from None
-        finally:
-            os.unlink(tmp)
 
     def get_bytes(self, key: str) -> bytes:
         try:
@@ -123,10 +111,7 @@ class LocalStore:
             current = self.get_versioned(key)
             if (current[1] if current else None) != version:
                 return False
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=final.parent)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, final)
+            atomic.write_bytes(final, data)
             return True
 
     def delete(self, key: str) -> None:

@@ -20,11 +20,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kcache import atomic
 from kcache.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -67,21 +67,9 @@ def save_megacache(path: Path | str | None = None) -> MegaCache | None:
     if target.is_file() and entries.is_file() and entries.read_bytes() == listing:
         return MegaCache(target, target.stat().st_size, _counts(info))
     target.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(target, blob)
-    _write_atomic(entries, listing)  # after the blob: a crash in between means "rewrite next time"
+    atomic.write_bytes(target, blob)
+    atomic.write_bytes(entries, listing)  # after the blob: a crash in between means "rewrite next time"
     return MegaCache(target, len(blob), _counts(info))
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-megacache-", dir=path.parent)  # .tmp* is junk to publish
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def load_megacache(path: Path | str | None = None) -> MegaCache | None:
