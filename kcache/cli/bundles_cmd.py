@@ -6,8 +6,8 @@ import click
 
 from kcache import manifest as manifests
 from kcache.cli import format as fmt
-from kcache.cli.options import handle_errors, json_option, open_index, settings, store_options
-from kcache.store import manifest_key, open_store
+from kcache.cli.options import handle_errors, json_option, opened, settings, store_options
+from kcache.store import manifest_key
 
 
 @click.command("ls")
@@ -25,11 +25,8 @@ def ls_cmd(key, model, limit, store_url, index_url, s3_endpoint_url, as_json):
       kcache ls
       kcache ls --model my-llm --json
     """
-    index = open_index(settings(store_url, index_url, s3_endpoint_url).index_url)
-    try:
+    with opened(settings(store_url, index_url, s3_endpoint_url), store=False) as (_, index):
         bundles = index.list_bundles(bundle_key=key, model=model, limit=limit)
-    finally:
-        index.close()
     if as_json:
         click.echo(fmt.to_json([fmt.bundle_json(b) for b in bundles]))
         return
@@ -56,16 +53,11 @@ def show_cmd(bundle, list_files, store_url, index_url, s3_endpoint_url, as_json)
     Example:
       kcache show 3f2a9c01bd47 --files
     """
-    cfg = settings(store_url, index_url, s3_endpoint_url)
-    index = open_index(cfg.index_url)
-    try:
+    with opened(settings(store_url, index_url, s3_endpoint_url), store=list_files) as (store, index):
         found = index.get_bundle(bundle)
-    finally:
-        index.close()
-    entries: tuple[manifests.Entry, ...] = ()
-    if list_files:
-        store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url)
-        entries = manifests.parse(store.get_bytes(manifest_key(found.id)), found.id).entries
+        entries: tuple[manifests.Entry, ...] = ()
+        if list_files:
+            entries = manifests.parse(store.get_bytes(manifest_key(found.id)), found.id).entries
     if as_json:
         doc = fmt.bundle_json(found)
         if list_files:

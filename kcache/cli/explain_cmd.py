@@ -12,7 +12,7 @@ from kcache.cli.options import (
     fingerprint_options,
     handle_errors,
     json_option,
-    open_index,
+    opened,
     settings,
     store_options,
 )
@@ -43,15 +43,12 @@ def explain_cmd(limit, model, model_config, facts, extras, store_url, index_url,
       kcache explain --model my-llm --fact cpu.isa=avx512 --json
     """
     fp = compute_fingerprint(model, model_config, facts, extras)
-    index = open_index(settings(store_url, index_url, s3_endpoint_url).index_url)
-    try:
+    with opened(settings(store_url, index_url, s3_endpoint_url), store=False) as (_, index):
         bundles = index.list_bundles(limit=SCAN)
         bundles += index.list_bundles(model=fp.facts.get("model.id"), limit=SCAN)
         newest = index.newest_bundle(fp.bundle_key)  # may be older than the scanned window
         if newest is not None:
             bundles.append(newest)
-    finally:
-        index.close()
     result = explain.explain(fp.facts, bundles, limit=limit)
     if as_json:
         click.echo(fmt.to_json(_as_json(result)))

@@ -9,13 +9,7 @@ import click
 from kcache import durations
 from kcache.cli import format as fmt
 from kcache.cli.errors import ExitCode
-from kcache.cli.options import handle_errors, json_option, open_index, settings, store_options
-from kcache.store import open_store
-
-
-def _open(store_url, index_url, s3_endpoint_url):
-    cfg = settings(store_url, index_url, s3_endpoint_url)
-    return open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url), open_index(cfg.index_url)
+from kcache.cli.options import handle_errors, json_option, opened, settings, store_options
 
 
 @click.command("yank")
@@ -35,11 +29,8 @@ def yank_cmd(bundle, undo, reason, store_url, index_url, s3_endpoint_url, as_jso
     """
     from kcache.yank import unyank, yank
 
-    store, index = _open(store_url, index_url, s3_endpoint_url)
-    try:
+    with opened(settings(store_url, index_url, s3_endpoint_url)) as (store, index):
         changed = unyank(store, index, bundle) if undo else yank(store, index, bundle, reason)
-    finally:
-        index.close()
     if as_json:
         click.echo(fmt.to_json({"bundle_id": changed.id, "status": "active" if undo else "yanked"}))
     else:
@@ -66,11 +57,8 @@ def verify_cmd(read_data, subset, jobs, store_url, index_url, s3_endpoint_url, a
     from kcache.verify import parse_subset, verify
 
     part = parse_subset(subset)
-    store, index = _open(store_url, index_url, s3_endpoint_url)
-    try:
+    with opened(settings(store_url, index_url, s3_endpoint_url), jobs=jobs) as (store, index):
         result = verify(store, index, read_data=read_data, subset=part, jobs=jobs)
-    finally:
-        index.close()
     if as_json:
         click.echo(fmt.to_json(asdict(result)))
     else:
@@ -106,12 +94,9 @@ def gc_cmd(keep_last, older_than, grace, dry_run, store_url, index_url, s3_endpo
     from kcache import gc
 
     policy = gc.Policy(keep_last, durations.parse(older_than, "--older-than"), durations.parse(grace, "--grace"))
-    store, index = _open(store_url, index_url, s3_endpoint_url)
-    try:
+    with opened(settings(store_url, index_url, s3_endpoint_url)) as (store, index):
         plan = gc.plan(store, index, policy)
         result = None if dry_run else gc.execute(store, index, plan)
-    finally:
-        index.close()
     summary = {
         "dry_run": dry_run, "bundles_to_delete": [b.id for b in plan.delete_bundles],
         "packs_to_condemn": len(plan.condemn), "packs_to_delete": len(plan.sweep),
