@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,6 +31,7 @@ from botocore.exceptions import (
     ReadTimeoutError,
 )
 
+from kcache.config import env_number
 from kcache.errors import ObjectMissing, StoreError
 from kcache.store.base import ObjectInfo, is_valid_key
 from kcache.streams import Window
@@ -52,9 +52,9 @@ class S3Store:
         self.jobs = max(1, jobs)
         config = Config(
             max_pool_connections=self.jobs + 4,
-            retries={"max_attempts": int(os.environ.get("KCACHE_S3_MAX_ATTEMPTS", "6")), "mode": "adaptive"},
-            connect_timeout=float(os.environ.get("KCACHE_S3_CONNECT_TIMEOUT", "5")),
-            read_timeout=float(os.environ.get("KCACHE_S3_READ_TIMEOUT", "60")),
+            retries={"max_attempts": env_number("KCACHE_S3_MAX_ATTEMPTS", 6, int), "mode": "adaptive"},
+            connect_timeout=env_number("KCACHE_S3_CONNECT_TIMEOUT", 5),
+            read_timeout=env_number("KCACHE_S3_READ_TIMEOUT", 60),
             # Path-style works with every S3-compatible server (MinIO, Ceph, moto) behind an IP.
             s3={"addressing_style": "path"} if endpoint_url else {},
         )

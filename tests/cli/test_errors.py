@@ -147,3 +147,9 @@ def test_usage_errors_under_json_are_one_json_object():
     assert result.exit_code == ExitCode.USAGE
     doc = json.loads(result.stdout)
     assert doc["status"] == "error" and doc["exit_code"] == 2 and "--keep-last" in doc["error"]
+
+
+def test_a_bad_s3_setting_is_a_usage_error_not_a_bug(tmp_path, monkeypatch):
+    monkeypatch.setenv("KCACHE_S3_CONNECT_TIMEOUT", "5s")
+    result = run("verify", "--store", "s3://bucket/p", "--index", f"sqlite:///{tmp_path}/i.db")
+    assert result.exit_code == ExitCode.USAGE and "KCACHE_S3_CONNECT_TIMEOUT '5s'" in result.stderr
