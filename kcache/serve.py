@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -77,7 +78,7 @@ def make_server(root: Path, host: str = "127.0.0.1", port: int = 0) -> ProbeServ
     try:
         return ProbeServer((host, port), root)
     except OSError as exc:
-        if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+        if isinstance(exc, socket.gaierror) or exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
             raise ConfigError("--host/--port", f"{host}:{port}", exc.strerror or str(exc)) from None
         raise
 
