@@ -36,6 +36,7 @@ class ExitCode(IntEnum):
     WARMUP = 13
     PUBLISH = 14
     BUG = 70
+    INTERRUPTED = 130
 
 
 BUG_HINT = "this is a bug in kcache; run with KCACHE_DEBUG=1 for a traceback and report it"
@@ -99,4 +100,5 @@ EXIT_MEANINGS = {
     ExitCode.WARMUP: "warmup failed (prebake then publishes nothing)",
     ExitCode.PUBLISH: "watch could not publish the new cache files",
     ExitCode.BUG: "an unexpected error: a bug in kcache, please report it",
+    ExitCode.INTERRUPTED: "interrupted (Ctrl-C), as shells report SIGINT",
 }

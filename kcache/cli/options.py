@@ -15,7 +15,7 @@ from click.core import ParameterSource
 from kcache import config, fingerprint
 from kcache.catalog import NO_INDEX
 from kcache.cli import format as fmt
-from kcache.cli.errors import describe
+from kcache.cli.errors import ExitCode, describe
 from kcache.errors import ConfigError
 
 
@@ -190,6 +190,9 @@ class KcacheGroup(click.Group):
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.exceptions.Abort):
             raise
+        except KeyboardInterrupt:
+            click.echo("kcache: interrupted", err=True)
+            raise click.exceptions.Exit(ExitCode.INTERRUPTED) from None
         except click.ClickException as exc:  # a usage error: click prints it, unless --json asks for JSON
             if not wants_json(ctx):
                 raise

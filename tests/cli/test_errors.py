@@ -113,6 +113,15 @@ def test_an_unexpected_error_in_any_command_is_one_line_exit_70(tmp_path, everyt
         assert doc["status"] == "error" and doc["exit_code"] == 70 and INJECTED in doc["error"] and doc["hint"]
 
 
+def test_ctrl_c_exits_130(monkeypatch):
+    def interrupt(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module("kcache.config"), "resolve", interrupt)
+    result = run("ls", "--json")
+    assert result.exit_code == ExitCode.INTERRUPTED == 130 and "interrupted" in result.stderr
+
+
 def test_kcache_debug_shows_the_traceback(everything_breaks):
     with pytest.raises(RuntimeError, match=INJECTED):
         run("ls", env={"KCACHE_DEBUG": "1"})
