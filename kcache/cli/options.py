@@ -149,7 +149,7 @@ def settings(store_url, index_url, s3_endpoint_url) -> config.Settings:
 
 
 def origin(param_name: str) -> str | None:
-    """ "flag --x" or "env VAR" for a parameter of the running command, None when it was not given."""
+    """Where a parameter of the running command came from: `flag --x`, `env VAR`, or None (not given)."""
     ctx = click.get_current_context(silent=True)
     param = next((p for p in ctx.command.params if p.name == param_name), None) if ctx else None
     if param is None:
