@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from kcache.cli.options import (
     stderr_is_terminal,
     store_options,
 )
-from kcache.config import redact_url
+from kcache.config import redact_text
 from kcache.errors import ConfigError
 from kcache.prebake import ChildWarmup, ServerWarmup, prebake
 from kcache.store import open_store
@@ -111,7 +112,7 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
                             parallel=parallel, progress=_note())  # fmt: skip
     marker = warmup.write_marker(root, report) if root else None
     if as_json:
-        click.echo(fmt.to_json({**warmup.to_dict(report), "marker": str(marker) if marker else None}))
+        click.echo(fmt.to_json({**_report_json(report), "marker": str(marker) if marker else None}))
     else:
         _print_report(report)
         click.echo(f"kcache: marker {marker}" if marker else "kcache: no readiness marker (no --root)")
@@ -119,11 +120,16 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
         raise click.exceptions.Exit(ExitCode.WARMUP)
 
 
+def _report_json(report: warmup.WarmupReport) -> dict:
+    # The target URL, and errors quoting it, may carry a password (http://user:pass@host).
+    return json.loads(redact_text(fmt.to_json(warmup.to_dict(report))))
+
+
 def _print_report(report: warmup.WarmupReport) -> None:
     rows = [
         (r.profile.name, f"{r.profile.batch_size}x{r.profile.input_tokens}->{r.profile.output_tokens}",
          f"{len(r.latencies)}/{r.profile.repeats}", _secs(r.first), _secs(r.steady),
-         "ok" if r.ok else f"FAILED: {r.error}")
+         "ok" if r.ok else f"FAILED: {redact_text(r.error)}")
         for r in report.results
     ]  # fmt: skip
     if rows:
@@ -133,12 +139,12 @@ def _print_report(report: warmup.WarmupReport) -> None:
         click.echo(f"torch caches: fx graph {c['fxgraph_hit']} hit / {c['fxgraph_miss']} miss, "
                    f"aot autograd {c['aotautograd_hit']} hit / {c['aotautograd_miss']} miss")  # fmt: skip
     verdict = "ok" if report.status == "ok" else "FAILED"
-    click.echo(f"kcache: warmup of {redact_url(report.target)}: {verdict}, {len(report.results)} profiles "
+    click.echo(f"kcache: warmup of {redact_text(report.target)}: {verdict}, {len(report.results)} profiles "
                f"in {fmt.seconds(report.seconds)}")  # fmt: skip
     if report.error:
-        click.echo(f"kcache: error: {report.error}", err=True)
+        click.echo(f"kcache: error: {redact_text(report.error)}", err=True)
     for r in report.failed:
-        click.echo(f"kcache: profile {r.profile.name} failed: {r.error}", err=True)
+        click.echo(f"kcache: profile {r.profile.name} failed: {redact_text(r.error)}", err=True)
 
 
 def _secs(value: float | None) -> str:
@@ -193,7 +199,7 @@ def prebake_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_
     if as_json:
         click.echo(fmt.to_json({
             "restore": asdict(result.restore) if result.restore else None,
-            "warmup": warmup.to_dict(result.warmup),
+            "warmup": _report_json(result.warmup),
             "publish": asdict(result.publish) if result.publish else None,
         }))  # fmt: skip
     else:

@@ -79,3 +79,10 @@ def test_log_lines_are_redacted():
     record = logging.LogRecord("kcache.x", logging.INFO, __file__, 1, "opening %s", (url,), None)
     line = RedactingFormatter("%(message)s").format(record)
     assert line == "opening postgresql://u:***@h/db"
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_warmup_target_hides_the_password(as_json):
+    url = f"http://user:{SECRET}@127.0.0.1:{closed_port()}"
+    result = run("warmup", "--url", url, "--wait-timeout", "0", *(["--json"] if as_json else []))
+    assert result.exit_code != 0 and SECRET not in result.output and "user:***@" in result.output
