@@ -5,6 +5,11 @@ from __future__ import annotations
 from kcache import errors
 from kcache.profiles import ProfileError
 
+# Exit codes that are outcomes rather than exceptions: `restore --strict` on a miss, and on a miss
+# because the facts file contradicts what the init container sees (a stale or foreign facts file).
+MISS = 3
+FACTS_DISAGREE = 10
+
 # Most specific first: the first matching type wins.
 TABLE: tuple[tuple[type[Exception], int, str], ...] = (
     (ProfileError, 2, "fix the profiles file where the message points; `kcache warmup --help` shows the format"),

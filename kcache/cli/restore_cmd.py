@@ -10,7 +10,7 @@ import click
 
 from kcache.catalog import open_for_restore
 from kcache.cli import format as fmt
-from kcache.cli.errors import describe
+from kcache.cli.errors import FACTS_DISAGREE, MISS, describe
 from kcache.cli.options import (
     compute_fingerprint,
     fingerprint_options,
@@ -37,7 +37,8 @@ from kcache.store import open_store
 @click.option("--fallback", type=click.Choice(["toolchain"]),
               help="On a miss, restore the kernel layers (inductor, triton, cuda) of the newest bundle built "
                    "on this toolchain for another workload.")  # fmt: skip
-@click.option("--strict", is_flag=True, help="Exit non-zero on a miss or an error instead of starting cold.")
+@click.option("--strict", is_flag=True, help="Exit non-zero on a miss (3; 10 when the facts file contradicts this "
+              "machine) or an error instead of starting cold.")
 @click.option("--jobs", type=click.IntRange(1, 256), default=16, show_default=True, help="Parallel pack reads.")
 @fingerprint_options
 @store_options
@@ -93,7 +94,7 @@ def restore_cmd(root, timeout, bundle_id, trusted_keys, require_signature, fallb
         click.echo(f"kcache: miss: {result.reason} (key {result.bundle_key}); starting cold. "
                    f"Source {result.env_file}, then `kcache publish --from {result.root}` after warmup.")  # fmt: skip
     if strict and result.status == "miss":
-        raise click.exceptions.Exit(3)
+        raise click.exceptions.Exit(FACTS_DISAGREE if fp.mismatches else MISS)
 
 
 def _report_error(exc: Exception, strict: bool, as_json: bool, seconds: float) -> None:
