@@ -42,6 +42,8 @@ WORKLOAD_PREFIXES = ("model.", "workload.", "extra.")
 CORE_FACTS = ("os", "arch", "python", "torch.version", "cpu.isa", "cpu.features", "gpu.sm")
 # Facts read from one --model-config file: a new file replaces all of them, stale ones included.
 _CONFIG_FACTS = ("model.config", "model.arch", "model.dtype")
+# Facts whose value is a space-separated set.
+_SET_FACTS = {"cpu.features"}
 # Volatile fields of a Hugging Face config.json that do not change the compiled graph.
 _CONFIG_VOLATILE = {"_name_or_path", "transformers_version", "_commit_hash"}
 
@@ -74,8 +76,16 @@ class Fingerprint:
 
     def mismatch_reason(self) -> str:
         """One line naming every disagreement, for a miss's reason."""
-        parts = [f"{m.fact} ({_short(m.claimed)} in the facts file, {_short(m.probed)} here)" for m in self.mismatches]
-        return "the facts file does not describe this machine: " + "; ".join(parts)
+        return "the facts file does not describe this machine: " + "; ".join(map(_describe, self.mismatches))
+
+
+def _describe(m: Mismatch) -> str:
+    if m.fact in _SET_FACTS and m.claimed is not None:  # a long list: name only what differs
+        claimed, probed = set(m.claimed.split()), set(m.probed.split())
+        sides = [(probed - claimed, "here only"), (claimed - probed, "in the facts file only")]
+        said = [f"{len(names)} {side}: {_short(' '.join(sorted(names)), 120)}" for names, side in sides if names]
+        return f"{m.fact} ({', '.join(said)})"
+    return f"{m.fact} ({_short(m.claimed)} in the facts file, {_short(m.probed)} here)"
 
 
 def _short(value: str | None, limit: int = 60) -> str:

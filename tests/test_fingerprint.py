@@ -216,7 +216,8 @@ def test_an_avx2_facts_file_on_this_machine_disagrees_on_cpu_features(tmp_path):
     fp = f.collect(facts_file=write_facts(tmp_path, {**AVX2_NODE, "arch": probes.probe_platform({})["arch"]}))
     (mismatch,) = [m for m in fp.mismatches if m.fact == "cpu.features"]
     assert mismatch == f.Mismatch("cpu.features", AVX2_NODE["cpu.features"], here)
-    assert "cpu.features" in fp.mismatch_reason() and "in the facts file" in fp.mismatch_reason()
+    assert "cpu.features (" in fp.mismatch_reason() and "avx512_vnni" in fp.mismatch_reason()
+    assert "here only" in fp.mismatch_reason() and "facts file only" not in fp.mismatch_reason()
 
 
 def fake_checks(**seen):
@@ -231,6 +232,11 @@ def test_mismatches_name_each_disagreeing_fact_and_nothing_else(tmp_path):
         f.Mismatch("cpu.features", AVX2_NODE["cpu.features"], "avx2 avx512f"),
         f.Mismatch("gpu.sm", "sm_90", "sm_80"),
         f.Mismatch("zz", None, "new"),
+    )
+    assert fp.mismatch_reason() == (
+        "the facts file does not describe this machine: cpu.features (1 here only: avx512f, 8 in the facts file "
+        "only: avx f16c fma sse sse2 sse4_1 sse4_2 ssse3); gpu.sm (sm_90 in the facts file, sm_80 here); "
+        "zz (absent in the facts file, new here)"
     )
     assert f.collect(facts_file=path, checks=fake_checks(arch="x86_64", os="linux")).mismatches == ()
     # The keys do not depend on the check: a mismatch is a miss, never another key to hit.
