@@ -11,8 +11,10 @@ Selection is pure so that tests feed it device lists: no GPU, NVML or driver nee
 
 CUDA_VISIBLE_DEVICES, as the CUDA runtime reads it: unset means every device; an empty string
 means none; otherwise a comma-separated list of indices, `GPU-<uuid>` (a unique prefix is
-enough) or `MIG-<uuid>` entries, and the list ends at the first entry that names no device (or
-one already named). Indices count in CUDA_DEVICE_ORDER: PCI_BUS_ID is NVML's order. The default,
+enough) or `MIG-<uuid>` (or the older `MIG-<GPU uuid>/<gi>/<ci>`) entries, and the list ends at
+the first entry that names no device (or one already named): "0,2,-1,1" is devices 0 and 2.
+MIG instances are visible only when named (nvidia-smi, the fallback, lists none).
+Indices count in CUDA_DEVICE_ORDER: PCI_BUS_ID is NVML's order. The default,
 FASTEST_FIRST, puts a heuristic's fastest device first and leaves the rest "unspecified": on a
 node whose devices are all alike that is the same facts in any order; on a mixed node kcache keys
 every device in a fixed sorted order when all are visible (the same hardware gives the same
@@ -43,6 +45,7 @@ class Device:
     name: str
     sm: str  # "sm_90"
     parent: str | None = None
+    legacy_id: str | None = None  # a MIG instance's pre-R470 name, "MIG-<GPU uuid>/<gi>/<ci>"
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,8 @@ def _lookup(entry: str, whole, devices, ordered, env) -> Device | None:
         index = int(entry)
         return ordered[index] if index < len(ordered) else None
     pool = whole if entry.upper().startswith("GPU-") else devices if entry.upper().startswith("MIG-") else ()
-    matches = [d for d in pool if d.uuid.lower().startswith(entry.lower())]
+    exact = [d for d in pool if entry in (d.uuid, d.legacy_id)]
+    matches = exact or [d for d in pool if d.uuid.lower().startswith(entry.lower())]
     return matches[0] if len(matches) == 1 else None
 
 
@@ -156,8 +160,10 @@ def _nvml_device(pynvml, handle) -> list[Device]:
                 mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
             except pynvml.NVMLError:
                 continue  # an empty slot
+            gi, ci = pynvml.nvmlDeviceGetGpuInstanceId(mig), pynvml.nvmlDeviceGetComputeInstanceId(mig)
+            legacy = f"MIG-{gpu.uuid}/{gi}/{ci}"
             found.append(Device(_text(pynvml.nvmlDeviceGetUUID(mig)), _text(pynvml.nvmlDeviceGetName(mig)),
-                                gpu.sm, gpu.uuid))  # fmt: skip
+                                gpu.sm, gpu.uuid, legacy))  # fmt: skip
     except pynvml.NVMLError:  # no MIG support on this GPU
         pass
     return found

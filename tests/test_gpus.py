@@ -10,7 +10,9 @@ from kcache.errors import ConfigError
 H100 = [gpus.Device(f"GPU-aaaa{i}-0000", "NVIDIA H100 80GB HBM3", "sm_90") for i in range(4)]
 A10 = gpus.Device("GPU-bbbb0-0000", "NVIDIA A10", "sm_86")
 MIXED = [H100[0], A10, H100[1]]  # NVML (PCI bus) order
-MIG = gpus.Device("MIG-cccc0-0000", "NVIDIA H100 80GB HBM3 MIG 1g.10gb", "sm_90", H100[0].uuid)
+MIG = gpus.Device(
+    "MIG-cccc0-0000", "NVIDIA H100 80GB HBM3 MIG 1g.10gb", "sm_90", H100[0].uuid, f"MIG-{H100[0].uuid}/7/0"
+)
 PCI = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
@@ -51,6 +53,7 @@ def test_uuids_and_unique_prefixes_select_devices():
 
 def test_the_list_ends_at_the_first_unusable_entry():
     assert gpus.visible(H100, {"CUDA_VISIBLE_DEVICES": "1,7,2"}) == (H100[1],)
+    assert gpus.visible(H100, {"CUDA_VISIBLE_DEVICES": "0,2,-1,1"}) == (H100[0], H100[2])  # CUDA's own example
     assert gpus.visible(H100, {"CUDA_VISIBLE_DEVICES": "2,x,0"}) == (H100[2],)
     assert gpus.visible(H100, {"CUDA_VISIBLE_DEVICES": "0,0,1"}) == (H100[0],)
     assert gpus.visible(H100, {"CUDA_VISIBLE_DEVICES": " 3 , 1 "}) == (H100[3], H100[1])
@@ -60,6 +63,8 @@ def test_mig_instances_are_named_by_uuid():
     got = facts([H100[0], MIG, H100[1]], {"CUDA_VISIBLE_DEVICES": "MIG-cccc0-0000"})
     assert got["gpu.name"] == "NVIDIA H100 80GB HBM3 MIG 1g.10gb" and got["gpu.count"] == "1"
     assert gpus.visible([H100[0], MIG], {}) == (H100[0],)  # instances only when named
+    assert gpus.visible([H100[0], MIG], {"CUDA_VISIBLE_DEVICES": f"MIG-{H100[0].uuid}/7/0"}) == (MIG,)
+    assert gpus.visible([H100[0], MIG], {"CUDA_VISIBLE_DEVICES": f"MIG-{H100[0].uuid}/1/0"}) == ()
 
 
 def test_fastest_first_on_a_mixed_node():
