@@ -6,15 +6,16 @@
     every candidate bundle: the facts that differ (ours vs its), split toolchain / workload
     ranked by how many facts differ, then newest first ──► nearest few, each with a verdict
 
-A miss is only ever caused by a differing fact (or a bundle that is no longer active), so naming
-the facts answers "why did my pod start cold?" without anyone reading hashes. Pure: takes facts
-and Bundle records, runs no queries.
+A miss is only ever caused by a differing fact, a bundle that is no longer active, or a facts
+file that this machine contradicts (restore then misses whatever the index holds), so naming the
+facts answers "why did my pod start cold?" without anyone reading hashes. Pure: takes facts and
+Bundle records, runs no queries.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kcache import fingerprint
 from kcache.records import Bundle
@@ -26,6 +27,7 @@ _VALUE_IN_VERDICT = 40  # characters of a fact value quoted in a verdict (cxx.ve
 # A name ending in "." is a prefix.
 _REASONS: tuple[tuple[str, str], ...] = (
     ("cpu.isa", "kernels built for another ISA are never restored (they give NaNs or corrupt the heap)"),
+    ("cpu.features", "kernels built with -march=native for other CPU features can die with SIGILL"),
     ("gpu.sm", "kernels are compiled for one GPU architecture"),
     ("gpu.name", "Inductor's keys contain the GPU name"),
     ("arch", "kernels are machine code for one CPU architecture"),
@@ -82,6 +84,10 @@ class Explanation:
     nearest: tuple[Candidate, ...]  # empty on a hit
     considered: int  # bundles compared
 
+    @property
+    def mismatches(self) -> tuple[fingerprint.Mismatch, ...]:
+        return self.fingerprint.mismatches
+
 
 def diff_facts(here: Mapping[str, str], there: Mapping[str, str]) -> tuple[FactDiff, ...]:
     """Every fact whose value differs, including facts present on one side only."""
@@ -101,9 +107,14 @@ def _rank(name: str) -> int:
     return len(_REASONS)
 
 
-def verdict(diffs: tuple[FactDiff, ...], bundle: Bundle, bundle_key: str) -> str:
-    """One line: the most decisive differing fact and why it means a miss."""
+def verdict(diffs: tuple[FactDiff, ...], bundle: Bundle, bundle_key: str, contradicted: str = "") -> str:
+    """One line: the most decisive differing fact and why it means a miss.
+
+    `contradicted` is the fingerprint's mismatch reason when this machine contradicts its facts file.
+    """
     if not diffs:
+        if contradicted and bundle.bundle_key == bundle_key:
+            return f"same facts, but restore misses: {contradicted}"
         if bundle.bundle_key != bundle_key:
             return "same facts but another bundle key: published by a kcache with another fingerprint schema"
         if bundle.status != "active":
@@ -123,18 +134,28 @@ def _quote(value: str | None, side: str) -> str:
     return f"{short} {side}"
 
 
-def explain(facts: Mapping[str, str], bundles: Iterable[Bundle], *, limit: int = 3) -> Explanation:
-    """Compare this machine's facts with stored bundles: the hit, or the `limit` nearest bundles."""
-    fp = fingerprint.compute(facts)
+def explain(
+    facts: Mapping[str, str],
+    bundles: Iterable[Bundle],
+    *,
+    limit: int = 3,
+    mismatches: tuple[fingerprint.Mismatch, ...] = (),
+) -> Explanation:
+    """Compare this machine's facts with stored bundles: the hit, or the `limit` nearest bundles.
+
+    With `mismatches` (a facts file this machine contradicts) there is no hit, as in restore.
+    """
+    fp = replace(fingerprint.compute(facts), mismatches=tuple(mismatches))
+    contradicted = fp.mismatch_reason() if fp.mismatches else ""
     unique = list({b.id: b for b in bundles}.values())
     matching = [b for b in unique if b.bundle_key == fp.bundle_key and b.status == "active"]
     hit = max(matching, key=lambda b: (b.created_at, b.id), default=None)
-    if hit is not None:
+    if hit is not None and not contradicted:
         return Explanation(fp, hit, (), len(unique))
     candidates = []
     for b in unique:
         diffs = diff_facts(fp.facts, b.facts)
-        candidates.append(Candidate(b, diffs, verdict(diffs, b, fp.bundle_key)))
+        candidates.append(Candidate(b, diffs, verdict(diffs, b, fp.bundle_key, contradicted)))
     # Fewest differences first; among equals the newest, which is what a re-publish would replace.
     candidates.sort(key=lambda c: (len(c.differences), -c.bundle.created_at.timestamp(), c.bundle.id))
     return Explanation(fp, None, tuple(candidates[:limit]), len(unique))

@@ -12,57 +12,49 @@ links from (the torch install path): serving such a hit gives NaNs or heap corru
 facts are here. Facts that differ between identical replicas (host names, IPs, HOME, the
 cache directories themselves) are never here, or no replica would ever hit.
 
-Nothing here imports torch or triton: versions are read from their files, GPUs from NVML or
-nvidia-smi. Every probe can be overridden with `--fact name=value`.
+Where facts come from, weakest first (each later source wins fact by fact, none drops one):
+this machine's probes (kcache.probes) or a facts file; --model, --model-config, --extra; --fact.
+A facts file is checked against what this machine can see itself (probes.CHECKS): a fingerprint
+carries the disagreements, and restore treats any as a miss.
 """
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import json
 import logging
 import os
-import platform
-import re
-import shutil
-import subprocess
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kcache import canonical
+from kcache import probes as probing
 from kcache.errors import ConfigError
+from kcache.probes import NONE
 
 log = logging.getLogger(__name__)
 
-SCHEMA = 1
+# 2: cpu.features (every ISA feature -march=native may use) replaced cpu.flags and cpu.model;
+#    gpu.* describe the CUDA-visible devices; a user's TORCH_COMPILE_CACHE_KEY_TAG is keyed.
+SCHEMA = 2
 WORKLOAD_PREFIXES = ("model.", "workload.", "extra.")
-NONE = "none"
-
-# Settings that name places or runs rather than behaviour: they differ between identical replicas
-# (or are set by kcache's own env file), so keying on them would make every pod miss.
-# Torch leaves all of these out of its own keys (torch 2.13 config modules).
-_NOT_KEYED_ENV = {
-    "TORCHINDUCTOR_CACHE_DIR",
-    "TORCHINDUCTOR_CUTLASS_DIR",
-    "TORCHINDUCTOR_COMPILE_THREADS",  # how many compile workers, not what they produce
-    "TORCHINDUCTOR_FX_GRAPH_CACHE",
-    "TORCHINDUCTOR_AUTOGRAD_CACHE",
-    "TORCHINDUCTOR_REDIS_HOST",
-    "TORCHINDUCTOR_REDIS_PORT",
-    "TORCH_COMPILE_DEBUG",
-    "TORCH_COMPILE_DEBUG_DIR",
-    "TORCH_COMPILE_JOB_ID",
-    "TORCH_COMPILE_STICKY_PGO_KEY",
-    "TORCH_COMPILE_CACHE_KEY_TAG",  # kcache's env file sets it from the toolchain key
-}
-_KEYED_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_")
-# x86 flags behind Inductor's ISA choice (torch/_inductor/cpu_vec_isa.py) and ATen's kernels.
-_X86_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
-                  "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")  # fmt: skip
+# A facts file without these would put every machine under one toolchain key. gpu.sm may be "none".
+CORE_FACTS = ("os", "arch", "python", "torch.version", "cpu.isa", "cpu.features", "gpu.sm")
+# Facts read from one --model-config file: a new file replaces all of them, stale ones included.
+_CONFIG_FACTS = ("model.config", "model.arch", "model.dtype")
+# Facts whose value is a space-separated set.
+_SET_FACTS = {"cpu.features"}
 # Volatile fields of a Hugging Face config.json that do not change the compiled graph.
 _CONFIG_VOLATILE = {"_name_or_path", "transformers_version", "_commit_hash"}
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A fact on which the facts file (or a --fact over it) and this machine's own probe disagree."""
+
+    fact: str
+    claimed: str | None  # None: the facts file lacks a fact this machine can see
+    probed: str
 
 
 @dataclass(frozen=True)
@@ -71,6 +63,7 @@ class Fingerprint:
     toolchain_key: str
     workload_key: str
     bundle_key: str
+    mismatches: tuple[Mismatch, ...] = ()  # only with a facts file; any one makes restore a miss
 
     def as_dict(self) -> dict:
         return {
@@ -78,7 +71,27 @@ class Fingerprint:
             "toolchain_key": self.toolchain_key,
             "workload_key": self.workload_key,
             "facts": dict(sorted(self.facts.items())),
+            "mismatches": [{"fact": m.fact, "facts_file": m.claimed, "here": m.probed} for m in self.mismatches],
         }
+
+    def mismatch_reason(self) -> str:
+        """One line naming every disagreement, for a miss's reason."""
+        return "the facts file does not describe this machine: " + "; ".join(map(_describe, self.mismatches))
+
+
+def _describe(m: Mismatch) -> str:
+    if m.fact in _SET_FACTS and m.claimed is not None:  # a long list: name only what differs
+        claimed, probed = set(m.claimed.split()), set(m.probed.split())
+        sides = [(probed - claimed, "here only"), (claimed - probed, "in the facts file only")]
+        said = [f"{len(names)} {side}: {_short(' '.join(sorted(names)), 120)}" for names, side in sides if names]
+        return f"{m.fact} ({', '.join(said)})"
+    return f"{m.fact} ({_short(m.claimed)} in the facts file, {_short(m.probed)} here)"
+
+
+def _short(value: str | None, limit: int = 60) -> str:
+    if value is None:
+        return "absent"
+    return value if len(value) <= limit else value[: limit - 3] + "..."
 
 
 def is_workload_fact(name: str) -> bool:
@@ -113,26 +126,47 @@ def collect(
     extra: Mapping[str, str] | None = None,
     overrides: Mapping[str, str] | None = None,
     env: Mapping[str, str] | None = None,
-    probes: Iterable[Callable[[Mapping[str, str]], dict[str, str]]] | None = None,
+    probes: Iterable[probing.Probe] | None = None,
     facts_file: Path | None = None,
+    checks: Iterable[probing.Probe] | None = None,
 ) -> Fingerprint:
-    """Probe this machine, add the workload, apply overrides, and compute the keys.
+    """Probe this machine (or read `facts_file`), add the workload flags, apply overrides, compute the keys.
 
-    With `facts_file` (what `kcache fingerprint --json` printed on the machine that runs the
-    model), nothing is probed: an init container without torch, g++ or a GPU then computes the
-    model container's fingerprint. Workload flags and overrides still apply on top.
+    A facts file is what `kcache fingerprint --json` printed on the machine that runs the model:
+    an init container without torch, g++ or a GPU then computes the model container's
+    fingerprint. It is checked against `checks` (default probing.CHECKS), what this machine can
+    see itself; disagreements land in `mismatches`.
     """
     env = os.environ if env is None else env
-    facts: dict[str, str] = {}
     if facts_file is not None:
-        facts.update(load_facts_file(Path(facts_file)))
+        facts = load_facts_file(Path(facts_file))
     else:
-        for probe in PROBES if probes is None else probes:
+        facts = {}
+        for probe in _default(probes, "PROBES"):
             facts.update(probe(env))
-    if facts_file is None or model or model_config or extra:
-        facts.update(workload_facts(model, model_config, extra or {}))
+    facts.setdefault("model.id", NONE)
+    if model_config is not None:
+        for name in _CONFIG_FACTS:
+            facts.pop(name, None)
+    facts.update(workload_facts(model, model_config, extra or {}))
     facts.update(overrides or {})
-    return compute(facts)
+    fp = compute(facts)
+    if facts_file is None:
+        return fp
+    return replace(fp, mismatches=find_mismatches(facts, env, _default(checks, "CHECKS")))
+
+
+def _default(given, name: str):
+    # Looked up at call time, so that tests replacing probes.PROBES or probes.CHECKS take effect.
+    return getattr(probing, name) if given is None else given
+
+
+def find_mismatches(facts: Mapping[str, str], env: Mapping[str, str], checks: Iterable[probing.Probe]):
+    """Every fact a check probed here whose value differs from `facts`, by name."""
+    probed: dict[str, str] = {}
+    for check in checks:
+        probed.update(check(env))
+    return tuple(Mismatch(n, facts.get(n), v) for n, v in sorted(probed.items()) if facts.get(n) != v)
 
 
 def load_facts_file(path: Path) -> dict[str, str]:
@@ -141,6 +175,10 @@ def load_facts_file(path: Path) -> dict[str, str]:
     facts = doc.get("facts", doc) if isinstance(doc, dict) else None
     if not isinstance(facts, dict) or not all(isinstance(v, str) for v in facts.values()):
         raise ConfigError("--facts-file", str(path), "expected `kcache fingerprint --json` output or {name: value}")
+    missing = [name for name in CORE_FACTS if name not in facts]
+    if missing:
+        raise ConfigError("--facts-file", str(path), f"lacks the core facts {', '.join(missing)}; write it with "
+                          "`kcache fingerprint --json` in the model container, with this kcache version")  # fmt: skip
     return {str(k): v for k, v in facts.items()}
 
 
@@ -148,7 +186,8 @@ def load_facts_file(path: Path) -> dict[str, str]:
 
 
 def workload_facts(model: str | None, config_path: Path | None, extra: Mapping[str, str]) -> dict[str, str]:
-    facts = {"model.id": model or NONE}
+    """The workload facts the flags give; a flag not given gives no fact (it never resets one)."""
+    facts = {"model.id": model} if model else {}
     if config_path is not None:
         facts.update(_model_config_facts(Path(config_path)))
     facts.update({f"extra.{k}": v for k, v in extra.items()})
@@ -176,272 +215,3 @@ def _model_config_facts(path: Path) -> dict[str, str]:
     if dtype:
         facts["model.dtype"] = str(dtype)
     return facts
-
-
-# ---- probes -----------------------------------------------------------------------------------
-
-
-def probe_platform(env: Mapping[str, str]) -> dict[str, str]:
-    libc, libc_version = platform.libc_ver()
-    return {
-        "os": platform.system().lower(),
-        "arch": platform.machine(),
-        "libc": f"{libc} {libc_version}".strip() or NONE,
-        "python": "{}.{}".format(*platform.python_version_tuple()[:2]),
-    }
-
-
-def _package_dir(name: str) -> Path | None:
-    """Where a package would be imported from, without importing it."""
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def _assignments(source: str) -> dict[str, object]:
-    """Top-level `NAME = literal` assignments of a Python file, without running it."""
-    values: dict[str, object] = {}
-    for node in ast.parse(source).body:
-        if isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            try:
-                value = ast.literal_eval(node.value) if node.value is not None else None
-            except ValueError:
-                continue
-            for target in targets:
-                if isinstance(target, ast.Name):
-                    values[target.id] = value
-    return values
-
-
-def probe_torch(env: Mapping[str, str]) -> dict[str, str]:
-    pkg = _package_dir("torch")
-    if pkg is None or not (pkg / "version.py").is_file():
-        return {"torch.version": NONE}
-    v = _assignments((pkg / "version.py").read_text())
-    return {
-        "torch.version": str(v.get("__version__", NONE)),
-        "torch.git": str(v.get("git_version", NONE)),
-        "torch.cuda": str(v.get("cuda") or NONE),
-        "torch.hip": str(v.get("hip") or NONE),
-        # Compiled kernels link with absolute -I/-L paths into the install: a different path rebuilds them.
-        "torch.path": str(pkg.resolve().parent),
-    }
-
-
-def probe_triton(env: Mapping[str, str]) -> dict[str, str]:
-    pkg = _package_dir("triton")
-    if pkg is None or not (pkg / "__init__.py").is_file():
-        return {"triton.version": NONE}
-    match = re.search(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", (pkg / "__init__.py").read_text(), re.M)
-    return {"triton.version": match.group(1) if match else NONE}
-
-
-def probe_gpu(env: Mapping[str, str]) -> dict[str, str]:
-    """GPU name, SM, count and driver: NVML first, then nvidia-smi, else none."""
-    return _gpu_from_nvml() or _gpu_from_nvidia_smi() or {
-        "gpu.name": NONE, "gpu.sm": NONE, "gpu.count": "0", "gpu.driver": NONE,
-    }  # fmt: skip
-
-
-def _gpu_from_nvml() -> dict[str, str] | None:
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # NVMLError_LibraryNotFound and friends: no driver here
-        return None
-    try:
-        count = pynvml.nvmlDeviceGetCount()
-        if count == 0:
-            return None
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        name = pynvml.nvmlDeviceGetName(handle)
-        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        decode = lambda s: s.decode() if isinstance(s, bytes) else str(s)  # noqa: E731
-        return {"gpu.name": decode(name), "gpu.sm": f"sm_{major}{minor}", "gpu.count": str(count),
-                "gpu.driver": decode(driver)}  # fmt: skip
-    except Exception as exc:
-        log.debug("NVML query failed: %s", exc)
-        return None
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def _gpu_from_nvidia_smi() -> dict[str, str] | None:
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return None
-    query = [smi, "--query-gpu=name,compute_cap,driver_version", "--format=csv,noheader"]
-    try:
-        out = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
-    if not rows or len(rows[0]) != 3:
-        return None
-    name, cap, driver = rows[0]
-    return {"gpu.name": name, "gpu.sm": "sm_" + cap.replace(".", ""), "gpu.count": str(len(rows)),
-            "gpu.driver": driver}  # fmt: skip
-
-
-def _cpuinfo() -> dict[str, str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {}
-    first = text.split("\n\n", 1)[0]
-    fields = {}
-    for line in first.splitlines():
-        key, sep, value = line.partition(":")
-        if sep:
-            fields.setdefault(key.strip(), value.strip())
-    return fields
-
-
-def probe_cpu(env: Mapping[str, str]) -> dict[str, str]:
-    info = _cpuinfo()
-    model = info.get("model name") or info.get("CPU part") or info.get("cpu model") or platform.processor()
-    flags = set((info.get("flags") or info.get("Features") or "").split())
-    facts = {"cpu.model": model or NONE, "cpu.isa": pick_isa(platform.machine(), flags, env)}
-    if platform.machine() in ("x86_64", "AMD64"):
-        facts["cpu.flags"] = " ".join(f for f in _X86_ISA_FLAGS if f in flags) or NONE
-    return facts
-
-
-def pick_isa(arch: str, flags: set[str], env: Mapping[str, str]) -> str:
-    """The vector ISA Inductor would generate code for (mirrors torch/_inductor/cpu_vec_isa.py).
-
-    Candidates in torch's order, each valid when the CPU has every feature it needs; then
-    ATEN_CPU_CAPABILITY picks the first candidate naming it ('default' means no vector code).
-    Torch also runs compile probes that could veto a candidate; a compiler that cannot build
-    AVX-512 code is already a different `cxx.*` fact.
-    """
-    if env.get("TORCHINDUCTOR_VEC_ISA_OK") == "0":
-        return NONE
-    if arch in ("x86_64", "AMD64"):
-        avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
-        vnni = avx512 and "avx512_vnni" in flags
-        candidates = [
-            name
-            for name, ok in (
-                ("amx", vnni and "amx_tile" in flags),
-                ("avx512_vnni", vnni),
-                ("avx512", avx512),
-                ("avx2", "avx2" in flags),
-            )  # fmt: skip
-            if ok
-        ]
-        wanted = env.get("ATEN_CPU_CAPABILITY")
-        if wanted == "default":
-            return NONE
-        if wanted in ("avx2", "avx512"):
-            # torch matches on its ISA names, which all contain "avx512" for the AMX/VNNI variants.
-            chosen = [c for c in candidates if wanted in c or (wanted == "avx512" and c == "amx")]
-            if chosen:
-                return chosen[0]
-        return candidates[0] if candidates else NONE
-    if arch == "aarch64":
-        return "sve" if ({"sve", "sve2"} & flags) and "bf16" in flags else "neon"
-    return arch
-
-
-def probe_compiler(env: Mapping[str, str]) -> dict[str, str]:
-    """The C++ compiler Inductor would call, and its `-v` text (part of torch's header keys)."""
-    name = env.get("CXX") or "g++"
-    path = shutil.which(name)
-    if not path:
-        return {"cxx.name": name, "cxx.version": NONE}
-    try:
-        text = subprocess.run([path, "-v"], capture_output=True, text=True, timeout=10).stderr
-    except (OSError, subprocess.SubprocessError):
-        text = ""
-    lines = [line for line in text.splitlines() if " version " in line]
-    return {"cxx.name": name, "cxx.version": lines[-1].strip() if lines else NONE,
-            "cxx.v_hash": canonical.xxh3(text)}  # fmt: skip
-
-
-# Thread settings read by torch's OpenMP/MKL start-up; kept raw as well, in case the rule below
-# misses a combination.
-_THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_DYNAMIC", "MKL_DOMAIN_NUM_THREADS")
-
-
-def probe_threads(env: Mapping[str, str]) -> dict[str, str]:
-    """The intra-op thread count that Inductor bakes into its CPU graph keys."""
-    facts = {f"env.{name}": env[name] for name in _THREAD_ENV if name in env}
-    if env.get("TORCHINDUCTOR_CPP_DYNAMIC_THREADS") == "1":
-        facts["cpu.threads"] = "dynamic"
-    else:
-        facts["cpu.threads"] = str(default_threads(env))
-    return facts
-
-
-def default_threads(env: Mapping[str, str], cores: int | None = None) -> int:
-    """torch.get_num_threads() of a fresh process started with `env`, without importing torch.
-
-    ATen asks MKL, which takes MKL_NUM_THREADS, then OMP_NUM_THREADS's first item, else the
-    physical cores this process may run on; requests are capped at the machine's physical
-    cores unless MKL_DYNAMIC is false. Measured against torch 2.13 in 13 configurations.
-    """
-    usable, machine = physical_cores() if cores is None else (cores, cores)
-    requested: int | None = None
-    mkl = env.get("MKL_NUM_THREADS", "").strip()
-    if mkl and mkl != "0":
-        requested = int(mkl) if mkl.isdigit() and int(mkl) > 0 else 1
-    elif "OMP_NUM_THREADS" in env:
-        first = env["OMP_NUM_THREADS"].split(",")[0].strip()
-        requested = int(first) if first.isdigit() and int(first) > 0 else None
-    if requested is None:
-        return usable
-    if env.get("MKL_DYNAMIC", "").strip().lower() == "false":
-        return requested
-    return min(requested, machine)
-
-
-def physical_cores() -> tuple[int, int]:
-    """(physical cores within this process's CPU affinity, physical cores of the machine)."""
-    try:
-        allowed = os.sched_getaffinity(0)
-    except AttributeError:
-        allowed = set(range(os.cpu_count() or 1))
-    cores: dict[int, tuple[str, str]] = {}
-    base = Path("/sys/devices/system/cpu")
-    for cpu_dir in base.glob("cpu[0-9]*"):
-        try:
-            topo = cpu_dir / "topology"
-            cores[int(cpu_dir.name[3:])] = ((topo / "physical_package_id").read_text().strip(),
-                                            (topo / "core_id").read_text().strip())  # fmt: skip
-        except (OSError, ValueError):
-            continue
-    if not cores:
-        return len(allowed), os.cpu_count() or len(allowed)
-    usable = len({core for cpu, core in cores.items() if cpu in allowed}) or len(allowed)
-    return usable, len(set(cores.values()))
-
-
-def probe_settings(env: Mapping[str, str]) -> dict[str, str]:
-    """Every Inductor / torch.compile setting from the environment (they change torch's keys)."""
-    return {
-        f"env.{name}": value
-        for name, value in env.items()
-        if name.startswith(_KEYED_ENV_PREFIXES) and name not in _NOT_KEYED_ENV
-    }
-
-
-PROBES: tuple[Callable[[Mapping[str, str]], dict[str, str]], ...] = (
-    probe_platform,
-    probe_torch,
-    probe_triton,
-    probe_gpu,
-    probe_cpu,
-    probe_compiler,
-    probe_threads,
-    probe_settings,
-)

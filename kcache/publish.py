@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from kcache import manifest as manifests
 from kcache import refs, signing
-from kcache.errors import IntegrityError, RootError
+from kcache.errors import ConfigError, IntegrityError, RootError
 from kcache.fingerprint import Fingerprint
 from kcache.hashcache import HashCache, key_for
 from kcache.packs import LARGE_FILE_BYTES, TARGET_PACK_BYTES, PackWriter
@@ -167,6 +167,9 @@ def publish(
 
     `compile_seconds` is the cold warmup the caller measured: what a hit on this bundle saves.
     """
+    if fingerprint.mismatches:  # kernels built here, filed under another machine's keys: a wrong hit for its pods
+        names = ", ".join(m.fact for m in fingerprint.mismatches)
+        raise ConfigError("--facts-file", names, fingerprint.mismatch_reason() + "; publish where the facts were taken")
     started = time.perf_counter()
     env = os.environ if env is None else env
     sources = list(sources)

@@ -200,7 +200,10 @@ def _restore(
 ) -> RestoreResult:
     started = time.perf_counter()
     _prepare_root(root)
-    manifest_id, partial, miss_reason = _choose(store, index, fp, pinned, fallback)
+    if fp.mismatches:  # the facts file describes another machine: its bundle would be a wrong hit
+        manifest_id, partial, miss_reason = None, False, fp.mismatch_reason()
+    else:
+        manifest_id, partial, miss_reason = _choose(store, index, fp, pinned, fallback)
     if manifest_id is None:
         env_file = _write_env(root, fp, [], f"miss, {miss_reason}")
         return RestoreResult("miss", fp.bundle_key, None, root, env_file, seconds=time.perf_counter() - started,

@@ -156,3 +156,55 @@ def test_cli_explains_a_hit_and_a_miss_on_cpu_isa(tmp_path):
 def test_cli_explain_on_an_empty_index(tmp_path):
     out = run("explain", "--index", f"sqlite:///{tmp_path / 'i.db'}", "--model", "m")
     assert "the index holds no bundles" in out
+
+
+# ---- new facts and facts-file disagreements (issue 8) ------------------------------------------------
+
+
+def test_a_cpu_feature_difference_is_named_with_its_reason():
+    rich = {**FACTS, "cpu.features": "avx2 avx512f gfni vaes"}
+    (cand,) = explain({**FACTS, "cpu.features": "avx2 avx512f"}, [bundle(rich)]).nearest
+    assert cand.verdict.startswith("differs in cpu.features (avx2 avx512f here, avx2 avx512f gfni vaes in bundle): ")
+    assert "SIGILL" in cand.verdict
+
+
+def test_a_contradicted_facts_file_is_never_a_hit():
+    from kcache.fingerprint import Mismatch
+
+    wrong = (Mismatch("cpu.features", "avx2", "avx2 avx512f"),)
+    result = explain(FACTS, [bundle(FACTS)], mismatches=wrong)
+    assert result.hit is None and result.fingerprint.mismatches == wrong
+    (cand,) = result.nearest
+    assert cand.differences == () and "facts file" in cand.verdict and "cpu.features" in cand.verdict
+
+
+def test_cli_explain_shows_features_and_facts_file_disagreements(tmp_path):
+    from kcache import probes
+
+    facts = {**FACTS, "arch": probes.probe_platform({})["arch"], "cpu.features": "avx avx2 fma"}
+    facts_file = tmp_path / "facts.json"
+    facts_file.write_text(json.dumps({"facts": facts}))
+    store_url, index_url = f"file://{tmp_path / 'store'}", f"sqlite:///{tmp_path / 'index.db'}"
+    write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"graph"})
+    index = Index.open(index_url)
+    try:  # published where the facts were taken: the bundle key matches the file exactly
+        as_claimed = fingerprint.collect(facts_file=facts_file, checks=())
+        published = publish(LocalStore(tmp_path / "store"), index, as_claimed, sources.select(),
+                            root=tmp_path / "src", env={})  # fmt: skip
+    finally:
+        index.close()
+    where = ("--store", store_url, "--index", index_url, "--facts-file", str(facts_file))
+
+    doc = json.loads(run("explain", *where, "--json"))
+    assert doc["status"] == "miss" and doc["hit"] is None and doc["bundle_key"] == as_claimed.bundle_key
+    here = probes.probe_cpu({})["cpu.features"]
+    assert {"fact": "cpu.features", "facts_file": "avx avx2 fma", "here": here} in doc["mismatches"]
+    (near,) = doc["nearest"]
+    assert near["bundle"]["bundle_id"] == published.bundle_id and "cpu.features" in near["verdict"]
+
+    text = run("explain", *where)
+    assert "the facts file disagrees with this machine" in text
+    assert "miss: the facts file does not describe this machine: cpu.features" in text
+
+    probed = json.loads(run("explain", "--store", store_url, "--index", index_url, "--json"))
+    assert probed["facts"]["cpu.features"] == here and probed["mismatches"] == []

@@ -11,6 +11,18 @@ from kcache import fingerprint as f
 from kcache.errors import ConfigError
 
 BASE = {"os": "linux", "cpu.isa": "avx512", "gpu.sm": "sm_90", "model.id": "m"}
+# The core facts a facts file must hold, as a model container on an AVX2 node would write them.
+AVX2_NODE = {
+    "os": "linux", "arch": "x86_64", "python": "3.12", "torch.version": "2.13.0+cu128", "cpu.isa": "avx2",
+    "cpu.features": "avx avx2 f16c fma sse sse2 sse4_1 sse4_2 ssse3", "gpu.sm": "sm_90", "gpu.name": "NVIDIA H100",
+    "gpu.count": "1", "gpu.driver": "570.124.06", "model.id": "m",
+}  # fmt: skip
+
+
+def write_facts(tmp_path, facts, name="facts.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps({"facts": facts}))
+    return path
 
 
 @given(st.dictionaries(st.text(min_size=1, max_size=12), st.text(max_size=12), max_size=10))
@@ -65,71 +77,6 @@ def test_bad_assignment_is_a_config_error():
         f.parse_assignments(["novalue"], "--fact")
 
 
-ALL_AVX512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
-
-
-@pytest.mark.parametrize(
-    "flags, env, expected",
-    [
-        (ALL_AVX512 | {"avx512_vnni", "amx_tile"}, {}, "amx"),
-        (ALL_AVX512 | {"avx512_vnni"}, {}, "avx512_vnni"),
-        (ALL_AVX512, {}, "avx512"),
-        (ALL_AVX512 - {"avx512bw"}, {}, "avx2"),
-        (ALL_AVX512 | {"amx_tile"}, {}, "avx512"),  # AMX needs VNNI too
-        ({"avx2"}, {}, "avx2"),
-        (ALL_AVX512 | {"avx512_vnni", "amx_tile"}, {"ATEN_CPU_CAPABILITY": "avx512"}, "amx"),
-        (ALL_AVX512, {"TORCHINDUCTOR_VEC_ISA_OK": "0"}, "none"),
-        ({"sse4_2"}, {}, "none"),
-        (ALL_AVX512, {"ATEN_CPU_CAPABILITY": "avx2"}, "avx2"),
-        (ALL_AVX512, {"ATEN_CPU_CAPABILITY": "default"}, "none"),
-    ],
-)
-def test_isa_choice_mirrors_inductor(flags, env, expected):
-    assert f.pick_isa("x86_64", flags, env) == expected
-
-
-def test_settings_that_change_keys_are_facts_but_paths_are_not():
-    env = {"TORCHINDUCTOR_FREEZING": "1", "TORCH_COMPILE_THREADS": "4", "TORCHINDUCTOR_CACHE_DIR": "/x",
-           "TORCH_COMPILE_CACHE_KEY_TAG": "t", "HOME": "/root", "HOSTNAME": "pod-123"}  # fmt: skip
-    facts = f.probe_settings(env)
-    assert facts == {"env.TORCHINDUCTOR_FREEZING": "1", "env.TORCH_COMPILE_THREADS": "4"}
-
-
-@pytest.mark.parametrize(
-    "env, expected",
-    [
-        ({}, 4),
-        ({"OMP_NUM_THREADS": "1"}, 1),
-        ({"OMP_NUM_THREADS": "3"}, 3),
-        ({"OMP_NUM_THREADS": "16"}, 4),  # capped at the machine's cores
-        ({"OMP_NUM_THREADS": "16", "MKL_DYNAMIC": "FALSE"}, 16),
-        ({"OMP_NUM_THREADS": "abc"}, 4),
-        ({"OMP_NUM_THREADS": "2,1"}, 2),
-        ({"MKL_NUM_THREADS": "1", "OMP_NUM_THREADS": "3"}, 1),  # MKL's own setting wins
-        ({"MKL_NUM_THREADS": "abc"}, 1),
-        ({"MKL_NUM_THREADS": "0", "OMP_NUM_THREADS": "2"}, 2),
-    ],
-)
-def test_thread_count_rule(env, expected):
-    assert f.default_threads(env, cores=4) == expected
-
-
-def test_dynamic_threads_leave_the_count_out():
-    assert f.probe_threads({"TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "1", "OMP_NUM_THREADS": "2"}) == {
-        "cpu.threads": "dynamic",
-        "env.OMP_NUM_THREADS": "2",
-    }
-
-
-@pytest.mark.parametrize("env", [{}, {"OMP_NUM_THREADS": "1"}, {"MKL_NUM_THREADS": "1"}])
-def test_thread_count_matches_torch(env):
-    pytest.importorskip("torch")
-    full = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")} | env
-    code = "import torch; print(torch.get_num_threads())"
-    out = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, check=True)
-    assert int(out.stdout) == f.default_threads(full)
-
-
 def test_replica_specific_values_never_reach_the_facts(monkeypatch, tmp_path):
     fp1 = f.collect()
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -155,40 +102,182 @@ def test_fingerprint_cli_imports_neither_torch_nor_triton_nor_heavy_libraries():
     assert facts["cpu.isa"] and "torch.version" in facts
 
 
-def test_torch_facts_are_read_without_importing_it():
-    pytest.importorskip("torch")  # the metadata probe needs an installed torch to compare with
-    code = "import torch, json; print(json.dumps([torch.__version__, torch.version.git_version]))"
-    version, git = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                             check=True).stdout)  # fmt: skip
-    facts = f.probe_torch(os.environ)
-    assert facts["torch.version"] == version and facts["torch.git"] == git
-
-
 def test_facts_file_reproduces_another_machines_fingerprint(tmp_path):
     from click.testing import CliRunner
 
     from kcache.cli import main
 
-    there = f.compute({**BASE, "torch.version": "2.13.0+cu128", "gpu.sm": "sm_90"})
+    there = f.compute(AVX2_NODE)
     path = tmp_path / "facts.json"
     path.write_text(json.dumps(there.as_dict()))
 
     def no_probing(env):
         raise AssertionError("a facts file must replace probing")
 
-    assert f.collect(facts_file=path, probes=[no_probing]) == there
-    other_model = f.collect(facts_file=path, model="other", probes=[no_probing])
+    assert f.collect(facts_file=path, probes=[no_probing], checks=()) == there
+    other_model = f.collect(facts_file=path, model="other", probes=[no_probing], checks=())
     assert other_model.toolchain_key == there.toolchain_key and other_model.facts["model.id"] == "other"
     out = CliRunner().invoke(main, ["fingerprint", "--json"], env={"KCACHE_FACTS_FILE": str(path)})
     assert json.loads(out.output)["bundle_key"] == there.bundle_key
     flat = tmp_path / "flat.json"
     flat.write_text(json.dumps(dict(there.facts)))
-    assert f.collect(facts_file=flat, probes=[no_probing]) == there
+    assert f.collect(facts_file=flat, probes=[no_probing], checks=()) == there
 
 
-@pytest.mark.parametrize("content", ["[1]", '{"facts": {"a": 1}}', "not json"])
+@pytest.mark.parametrize("content", ["[1]", '{"facts": {"a": 1}}', "not json", "{}", '{"facts": {}}'])
 def test_bad_facts_file_is_a_config_error(tmp_path, content):
     path = tmp_path / "facts.json"
     path.write_text(content)
     with pytest.raises(ConfigError, match="facts-file"):
         f.collect(facts_file=path)
+
+
+@pytest.mark.parametrize("content", [{}, {"facts": {}}, {"facts": {"os": "linux", "gpu.sm": "none"}}])
+def test_a_facts_file_without_the_core_facts_is_refused(tmp_path, content):
+    path = tmp_path / "facts.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(ConfigError, match="lacks the core facts .*arch.*torch.version.*cpu.features") as err:
+        f.collect(facts_file=path, checks=())
+    named = str(err.value).split("lacks the core facts ")[1].split(";")[0].split(", ")
+    assert named == [n for n in f.CORE_FACTS if n not in content.get("facts", {})]
+
+
+def test_an_explicit_no_gpu_is_a_core_fact(tmp_path):
+    facts = {**AVX2_NODE, "gpu.sm": "none"}
+    assert f.collect(facts_file=write_facts(tmp_path, facts), checks=()).facts["gpu.sm"] == "none"
+
+
+# ---- flags over a facts file (issue 8, item 2) -----------------------------------------------------
+
+
+def test_extra_over_a_facts_file_keeps_the_model(tmp_path):
+    qwen = write_facts(tmp_path, {**AVX2_NODE, "model.id": "qwen"}, "qwen.json")
+    llama = write_facts(tmp_path, {**AVX2_NODE, "model.id": "llama"}, "llama.json")
+    a = f.collect(facts_file=qwen, extra={"tp": "8"}, checks=())
+    b = f.collect(facts_file=llama, extra={"tp": "8"}, checks=())
+    assert a.facts["model.id"] == "qwen" and a.facts["extra.tp"] == "8"
+    assert a.bundle_key != b.bundle_key
+
+
+def test_a_new_model_config_replaces_the_files_config_facts(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"hidden_size": 8}))  # no architectures, no dtype
+    stale = {**AVX2_NODE, "model.config": "old", "model.arch": "LlamaForCausalLM", "model.dtype": "bfloat16"}
+    fp = f.collect(facts_file=write_facts(tmp_path, stale), model_config=config, checks=())
+    assert fp.facts["model.config"] != "old" and "model.arch" not in fp.facts and "model.dtype" not in fp.facts
+    assert fp.facts["model.id"] == "m"
+
+
+WORKLOAD_NAMES = ["model.id", "model.config", "model.arch", "workload.tp", "extra.tp", "extra.pp"]
+workloads = st.dictionaries(st.sampled_from(WORKLOAD_NAMES), st.text("abc=", min_size=1, max_size=3), min_size=1)
+
+
+@st.composite
+def sourced(draw, workload):
+    """One way to express `workload`: each fact from the facts file, from its flag, or from both
+    (the flag then carrying the value and the file a stale one)."""
+    in_file, model, extra, overrides = {}, None, {}, {}
+    for name, value in workload.items():
+        where = draw(st.sampled_from(["file", "flag", "both"]))
+        if where in ("file", "both"):
+            in_file[name] = value if where == "file" else value + "-stale"
+        if where == "file":
+            continue
+        if name == "model.id":
+            model = value
+        elif name.startswith("extra.") and "=" not in value:
+            extra[name[len("extra.") :]] = value
+        else:
+            overrides[name] = value
+    return in_file, model, extra, overrides
+
+
+@given(st.data(), workloads, workloads)
+def test_differing_workloads_never_share_a_bundle_key(tmp_path_factory, data, w1, w2):
+    keys = []
+    for n, workload in enumerate((w1, w2)):
+        in_file, model, extra, overrides = data.draw(sourced(workload))
+        path = write_facts(tmp_path_factory.mktemp("f"), {**AVX2_NODE, "model.id": "none", **in_file}, f"{n}.json")
+        fp = f.collect(facts_file=path, model=model, extra=extra, overrides=overrides, checks=())
+        assert {k: v for k, v in fp.facts.items() if f.is_workload_fact(k)} == {"model.id": "none", **workload}
+        keys.append(fp.bundle_key)
+    assert (keys[0] == keys[1]) == ({"model.id": "none", **w1} == {"model.id": "none", **w2})
+
+
+# ---- a facts file checked against this machine (issue 8, item 3) ------------------------------------
+
+
+def test_an_avx2_facts_file_on_this_machine_disagrees_on_cpu_features(tmp_path):
+    from kcache import probes
+
+    here = probes.probe_cpu(os.environ)["cpu.features"]
+    if "avx512f" not in here.split():
+        pytest.skip("needs an AVX-512 machine")
+    fp = f.collect(facts_file=write_facts(tmp_path, {**AVX2_NODE, "arch": probes.probe_platform({})["arch"]}))
+    (mismatch,) = [m for m in fp.mismatches if m.fact == "cpu.features"]
+    assert mismatch == f.Mismatch("cpu.features", AVX2_NODE["cpu.features"], here)
+    assert "cpu.features (" in fp.mismatch_reason() and "avx512_vnni" in fp.mismatch_reason()
+    assert "here only" in fp.mismatch_reason() and "facts file only" not in fp.mismatch_reason()
+
+
+def fake_checks(**seen):
+    return [lambda env: dict(seen)]
+
+
+def test_mismatches_name_each_disagreeing_fact_and_nothing_else(tmp_path):
+    path = write_facts(tmp_path, AVX2_NODE)
+    checks = fake_checks(**{"arch": "x86_64", "cpu.features": "avx2 avx512f", "gpu.sm": "sm_80", "zz": "new"})
+    fp = f.collect(facts_file=path, checks=checks)
+    assert fp.mismatches == (
+        f.Mismatch("cpu.features", AVX2_NODE["cpu.features"], "avx2 avx512f"),
+        f.Mismatch("gpu.sm", "sm_90", "sm_80"),
+        f.Mismatch("zz", None, "new"),
+    )
+    assert fp.mismatch_reason() == (
+        "the facts file does not describe this machine: cpu.features (1 here only: avx512f, 8 in the facts file "
+        "only: avx f16c fma sse sse2 sse4_1 sse4_2 ssse3); gpu.sm (sm_90 in the facts file, sm_80 here); "
+        "zz (absent in the facts file, new here)"
+    )
+    assert f.collect(facts_file=path, checks=fake_checks(arch="x86_64", os="linux")).mismatches == ()
+    # The keys do not depend on the check: a mismatch is a miss, never another key to hit.
+    assert fp.bundle_key == f.compute(AVX2_NODE).bundle_key
+
+
+def test_no_checks_without_a_facts_file():
+    def never(env):
+        raise AssertionError("probes are the facts; nothing to check them against")
+
+    assert f.collect(probes=[lambda env: {"os": "linux"}], checks=[never]).mismatches == ()
+
+
+def test_a_fact_override_is_what_gets_checked(tmp_path):
+    path = write_facts(tmp_path, AVX2_NODE)
+    fp = f.collect(facts_file=path, overrides={"gpu.sm": "sm_80"}, checks=fake_checks(**{"gpu.sm": "sm_80"}))
+    assert fp.mismatches == ()
+
+
+# ---- golden keys (issue 8, item 10) -----------------------------------------------------------------
+
+GOLDEN_FACTS = {
+    "os": "linux", "arch": "x86_64", "libc": "glibc 2.35", "python": "3.12", "torch.version": "2.13.0+cu128",
+    "torch.git": "cf30153c4c131c8164ee7798e5022d810682e2cb", "cpu.isa": "avx512_vnni",
+    "cpu.features": "avx avx2 avx512f avx512_vnni fma", "cpu.threads": "26", "gpu.name": "NVIDIA H100 80GB HBM3",
+    "gpu.sm": "sm_90", "gpu.count": "1", "gpu.driver": "570.124.06", "env.TORCH_COMPILE_CACHE_KEY_TAG": "t",
+    "model.id": "meta-llama/Llama-3.1-8B", "model.dtype": "bfloat16", "extra.tp": "8",
+}  # fmt: skip
+GOLDEN_KEYS = {
+    "schema": 2,
+    "toolchain_key": "ff25a2ba52859cc4197803a4b6af0a36",
+    "workload_key": "1367dd8aa6ff8a9769b81ef852197d6b",
+    "bundle_key": "549861adf28fbac309cd26b82311962a",
+}
+
+
+def test_keys_are_pinned():
+    fp = f.compute(GOLDEN_FACTS)
+    got = {"schema": f.SCHEMA, "toolchain_key": fp.toolchain_key, "workload_key": fp.workload_key,
+           "bundle_key": fp.bundle_key}  # fmt: skip
+    assert got == GOLDEN_KEYS, (
+        "the fingerprint keys changed: a change to the fingerprint needs a SCHEMA bump and a note in "
+        "docs/design.md (then pin the new keys here); a refactor must never change a key"
+    )

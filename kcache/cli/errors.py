@@ -35,6 +35,7 @@ class ExitCode(IntEnum):
     PROBLEMS = 12
     WARMUP = 13
     PUBLISH = 14
+    FACTS_DISAGREE = 15  # restore --strict: the facts file contradicts what the init container sees
     BUG = 70
     INTERRUPTED = 130
 
@@ -99,6 +100,7 @@ EXIT_MEANINGS = {
     ExitCode.PROBLEMS: "verify or reindex found problems",
     ExitCode.WARMUP: "warmup failed (prebake then publishes nothing)",
     ExitCode.PUBLISH: "watch could not publish the new cache files",
+    ExitCode.FACTS_DISAGREE: "restore --strict: the facts file contradicts what this machine shows",
     ExitCode.BUG: "an unexpected error: a bug in kcache, please report it",
     ExitCode.INTERRUPTED: "interrupted (Ctrl-C), as shells report SIGINT",
 }

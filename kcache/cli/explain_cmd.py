@@ -34,13 +34,15 @@ def explain_cmd(limit, model, model_config, facts, extras, store_url, index_url,
     """Explain a hit or a miss: this machine's facts and keys, and on a miss the nearest bundles.
 
     For each near bundle, lists the facts that differ (this machine's value, the bundle's value),
-    split into toolchain and workload facts, with a one-line verdict. The answer to "why did my
-    pod start cold?". Pass the same --model/--fact/--extra as the restore did.
+    split into toolchain and workload facts, with a one-line verdict. With --facts-file, also the
+    facts on which the file and this machine disagree (restore then misses). The answer to "why
+    did my pod start cold?". Pass the same --model/--fact/--extra/--facts-file as the restore did.
 
     \b
     Examples:
       kcache explain --model my-llm
       kcache explain --model my-llm --fact cpu.isa=avx512 --json
+      kcache explain --model my-llm --facts-file /etc/kcache-facts/facts.json
     """
     fp = compute_fingerprint(model, model_config, facts, extras)
     with opened(settings(store_url, index_url, s3_endpoint_url), store=False) as (_, index):
@@ -49,10 +51,14 @@ def explain_cmd(limit, model, model_config, facts, extras, store_url, index_url,
         newest = index.newest_bundle(fp.bundle_key)  # may be older than the scanned window
         if newest is not None:
             bundles.append(newest)
-    result = explain.explain(fp.facts, bundles, limit=limit)
+    result = explain.explain(fp.facts, bundles, limit=limit, mismatches=fp.mismatches)
     if as_json:
         click.echo(fmt.to_json(_as_json(result)))
         return
+    _echo(fp, result)
+
+
+def _echo(fp, result: explain.Explanation) -> None:
     echo_fingerprint(fp)
     click.echo()
     if result.hit is not None:
@@ -60,10 +66,13 @@ def explain_cmd(limit, model, model_config, facts, extras, store_url, index_url,
         click.echo(f"hit: bundle {b.id[:12]} ({b.files} files, {fmt.size(b.bytes)}, created {fmt.when(b.created_at)} "
                    f"UTC by {b.created_by}) matches; `kcache restore` lays it down.")  # fmt: skip
         return
+    if result.mismatches:
+        click.echo(f"miss: {fp.mismatch_reason()}; restore misses whatever the index holds")
     if not result.nearest:
         click.echo("miss: the index holds no bundles; run `kcache publish` after a warmup")
         return
-    click.echo(f"miss: no active bundle for bundle key {fp.bundle_key}; nearest of {result.considered} bundles:")
+    lead = "" if result.mismatches else f"miss: no active bundle for bundle key {fp.bundle_key}; "
+    click.echo(f"{lead}nearest of {result.considered} bundles:")
     for n, cand in enumerate(result.nearest, 1):
         b = cand.bundle
         click.echo()

@@ -14,7 +14,8 @@ from kcache.cli.options import compute_fingerprint, fingerprint_options, json_op
 def fingerprint_cmd(model, model_config, facts, extras, as_json):
     """Print this machine's facts and the keys kcache files caches under.
 
-    Answers in well under a second and never imports torch or triton.
+    Answers in well under a second and never imports torch or triton. With --facts-file, also
+    lists the facts on which the file and what this machine sees disagree (restore then misses).
 
     \b
     Examples:
@@ -35,3 +36,8 @@ def echo_fingerprint(fp) -> None:
     click.echo(f"workload key   {fp.workload_key}")
     click.echo()
     click.echo(fmt.table(["fact", "value"], sorted(fp.facts.items())))
+    if fp.mismatches:
+        click.echo()
+        click.echo("the facts file disagrees with this machine (restore will miss, publish refuses):")
+        rows = [(m.fact, "(absent)" if m.claimed is None else m.claimed, m.probed) for m in fp.mismatches]
+        click.echo(fmt.table(["fact", "facts file", "this machine"], rows))

@@ -38,7 +38,8 @@ from kcache.store import open_store
 @click.option("--fallback", type=click.Choice(["toolchain"]),
               help="On a miss, restore the kernel layers (inductor, triton, cuda) of the newest bundle built "
                    "on this toolchain for another workload.")  # fmt: skip
-@click.option("--strict", is_flag=True, help="Exit non-zero on a miss or an error instead of starting cold.")
+@click.option("--strict", is_flag=True, help="Exit non-zero on a miss (10; 15 when the facts file contradicts this "
+              "machine) or an error instead of starting cold.")
 @click.option("--jobs", type=click.IntRange(1, 256), default=16, show_default=True, help="Parallel pack reads.")
 @fingerprint_options
 @store_options(index_none=True)
@@ -94,7 +95,7 @@ def restore_cmd(root, timeout, bundle_id, trusted_keys, require_signature, fallb
         click.echo(f"kcache: miss: {result.reason} (key {result.bundle_key}); starting cold. "
                    f"Source {result.env_file}, then `kcache publish --from {result.root}` after warmup.")  # fmt: skip
     if strict and result.status == "miss":
-        raise click.exceptions.Exit(ExitCode.MISS)
+        raise click.exceptions.Exit(ExitCode.FACTS_DISAGREE if fp.mismatches else ExitCode.MISS)
 
 
 def _report_error(exc: Exception, strict: bool, as_json: bool, seconds: float) -> None:

@@ -97,7 +97,7 @@ def test_other_commands_map_errors_to_exit_codes(tmp_path):
 
 def test_fingerprint_json_and_overrides():
     doc = json.loads(run("fingerprint", "--json", "--fact", "gpu.sm=sm_90", "--model", "m", "--extra", "tp=2").output)
-    assert set(doc) == {"bundle_key", "toolchain_key", "workload_key", "facts"}
+    assert set(doc) == {"bundle_key", "toolchain_key", "workload_key", "facts", "mismatches"}
     assert doc["facts"]["gpu.sm"] == "sm_90" and doc["facts"]["extra.tp"] == "2"
 
 

@@ -1,0 +1,186 @@
+"""The GPUs a CUDA process started with this environment would use, and the facts they give.
+
+    read()   the node's devices as NVML lists them (index order = PCI bus order), else nvidia-smi's
+       │
+    visible(devices, env)   CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER applied, in CUDA's order
+       │
+    facts()  gpu.name, gpu.sm (one value when all alike, else per device, comma-joined),
+             gpu.count (visible devices), gpu.driver
+
+Selection is pure so that tests feed it device lists: no GPU, NVML or driver needed.
+
+CUDA_VISIBLE_DEVICES, as the CUDA runtime reads it: unset means every device; an empty string
+means none; otherwise a comma-separated list of indices, `GPU-<uuid>` (a unique prefix is
+enough) or `MIG-<uuid>` (or the older `MIG-<GPU uuid>/<gi>/<ci>`) entries, and the list ends at
+the first entry that names no device (or one already named): "0,2,-1,1" is devices 0 and 2.
+MIG instances are visible only when named (nvidia-smi, the fallback, lists none).
+Indices count in CUDA_DEVICE_ORDER: PCI_BUS_ID is NVML's order. The default,
+FASTEST_FIRST, puts a heuristic's fastest device first and leaves the rest "unspecified": on a
+node whose devices are all alike that is the same facts in any order; on a mixed node kcache keys
+every device in a fixed sorted order when all are visible (the same hardware gives the same
+heuristic choice), and refuses indices, whose meaning it cannot know (name GPUs by UUID, or set
+CUDA_DEVICE_ORDER=PCI_BUS_ID).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kcache.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+NONE = "none"
+
+
+@dataclass(frozen=True)
+class Device:
+    """One CUDA device: a whole GPU, or a MIG instance (`parent` is then its GPU's uuid)."""
+
+    uuid: str  # "GPU-…" or "MIG-…"
+    name: str
+    sm: str  # "sm_90"
+    parent: str | None = None
+    legacy_id: str | None = None  # a MIG instance's pre-R470 name, "MIG-<GPU uuid>/<gi>/<ci>"
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What the driver reports for the node: devices in NVML index order, and the driver version."""
+
+    devices: tuple[Device, ...]
+    driver: str
+
+
+def visible(devices: Sequence[Device], env: Mapping[str, str]) -> tuple[Device, ...]:
+    """The devices CUDA would enumerate, in its order."""
+    whole = [d for d in devices if d.parent is None]
+    spec = env.get("CUDA_VISIBLE_DEVICES")
+    ordered = _cuda_order(whole, env)
+    if spec is None:
+        return tuple(ordered if ordered is not None else sorted(whole, key=lambda d: (d.name, d.sm, d.uuid)))
+    chosen: list[Device] = []
+    for entry in (e.strip() for e in spec.split(",")) if spec.strip() else ():
+        device = _lookup(entry, whole, devices, ordered, env)
+        if device is None or device in chosen:
+            break  # CUDA stops at the first entry it cannot use
+        chosen.append(device)
+    return tuple(chosen)
+
+
+def _cuda_order(whole: list[Device], env: Mapping[str, str]) -> list[Device] | None:
+    """Devices by CUDA index, or None when CUDA's numbering cannot be known (see the module doc)."""
+    if env.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST") == "PCI_BUS_ID":
+        return whole
+    if len({(d.name, d.sm) for d in whole}) <= 1:
+        return whole
+    return None
+
+
+def _lookup(entry: str, whole, devices, ordered, env) -> Device | None:
+    if entry.isdigit():
+        if ordered is None:
+            why = ("names GPUs by index on a node with mixed GPUs, where CUDA's default FASTEST_FIRST numbering "
+                   "is unknown; name them by UUID or set CUDA_DEVICE_ORDER=PCI_BUS_ID")  # fmt: skip
+            raise ConfigError("CUDA_VISIBLE_DEVICES", env["CUDA_VISIBLE_DEVICES"], why)
+        index = int(entry)
+        return ordered[index] if index < len(ordered) else None
+    pool = whole if entry.upper().startswith("GPU-") else devices if entry.upper().startswith("MIG-") else ()
+    exact = [d for d in pool if entry in (d.uuid, d.legacy_id)]
+    matches = exact or [d for d in pool if d.uuid.lower().startswith(entry.lower())]
+    return matches[0] if len(matches) == 1 else None
+
+
+def facts(reading: Reading | None, env: Mapping[str, str]) -> dict[str, str]:
+    """gpu.* facts for the devices this environment makes visible (none: a CPU-only process)."""
+    shown = visible(reading.devices, env) if reading is not None else ()
+    if not shown:
+        # No GPU in use: GPU kernels are neither built nor run, so the driver does not matter.
+        return {"gpu.name": NONE, "gpu.sm": NONE, "gpu.count": "0", "gpu.driver": NONE}
+    return {
+        "gpu.name": _joined(d.name for d in shown),
+        "gpu.sm": _joined(d.sm for d in shown),
+        "gpu.count": str(len(shown)),
+        "gpu.driver": reading.driver,
+    }
+
+
+def _joined(values) -> str:
+    values = list(values)
+    return values[0] if len(set(values)) == 1 else ",".join(values)
+
+
+# ---- reading the node ---------------------------------------------------------------------------
+
+
+def read() -> Reading | None:
+    """The node's devices: NVML first, then nvidia-smi, else None (no driver visible)."""
+    return _read_nvml() or _read_nvidia_smi()
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _read_nvml() -> Reading | None:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # NVMLError_LibraryNotFound and friends: no driver here
+        return None
+    try:
+        devices: list[Device] = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            devices += _nvml_device(pynvml, pynvml.nvmlDeviceGetHandleByIndex(i))
+        return Reading(tuple(devices), _text(pynvml.nvmlSystemGetDriverVersion())) if devices else None
+    except Exception as exc:
+        log.debug("NVML query failed: %s", exc)
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _nvml_device(pynvml, handle) -> list[Device]:
+    """A GPU, followed by its MIG instances when MIG mode is on."""
+    major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+    gpu = Device(_text(pynvml.nvmlDeviceGetUUID(handle)), _text(pynvml.nvmlDeviceGetName(handle)), f"sm_{major}{minor}")
+    found = [gpu]
+    try:
+        if pynvml.nvmlDeviceGetMigMode(handle)[0] != 1:
+            return found
+        for slot in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+            try:
+                mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+            except pynvml.NVMLError:
+                continue  # an empty slot
+            gi, ci = pynvml.nvmlDeviceGetGpuInstanceId(mig), pynvml.nvmlDeviceGetComputeInstanceId(mig)
+            legacy = f"MIG-{gpu.uuid}/{gi}/{ci}"
+            found.append(Device(_text(pynvml.nvmlDeviceGetUUID(mig)), _text(pynvml.nvmlDeviceGetName(mig)),
+                                gpu.sm, gpu.uuid, legacy))  # fmt: skip
+    except pynvml.NVMLError:  # no MIG support on this GPU
+        pass
+    return found
+
+
+def _read_nvidia_smi() -> Reading | None:
+    """Whole GPUs only (nvidia-smi's index order is NVML's); MIG instances need NVML."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    query = [smi, "--query-gpu=uuid,name,compute_cap,driver_version", "--format=csv,noheader"]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
+    if not rows or any(len(row) != 4 for row in rows):
+        return None
+    devices = tuple(Device(uuid, name, "sm_" + cap.replace(".", "")) for uuid, name, cap, _ in rows)
+    return Reading(devices, rows[0][3])

@@ -1,0 +1,344 @@
+"""Probes: what this machine is, as the facts a fingerprint keys on. Key computation is in fingerprint.py.
+
+Each probe takes the environment and returns {fact name: string value}. None imports torch or
+triton: versions are read from their files, GPUs through kcache.gpus (NVML, else nvidia-smi).
+
+    PROBES  every fact of the machine that runs the model (`kcache fingerprint` there)
+    CHECKS  the few facts an init container can vouch for itself: node facts, not image facts
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import platform
+import re
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from kcache import canonical, gpus
+
+NONE = gpus.NONE  # one spelling for an absent fact
+
+Probe = Callable[[Mapping[str, str]], dict[str, str]]
+
+# Settings that name places or runs rather than behaviour: they differ between identical replicas,
+# so keying on them would make every pod miss. Torch leaves all of these out of its own keys
+# (torch 2.13 config modules). TORCH_COMPILE_CACHE_KEY_TAG is not here: it is in torch's FX key,
+# so a tag the user sets is a fact like any other.
+_NOT_KEYED_ENV = {
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TORCHINDUCTOR_CUTLASS_DIR",
+    "TORCHINDUCTOR_COMPILE_THREADS",  # how many compile workers, not what they produce
+    "TORCHINDUCTOR_FX_GRAPH_CACHE",
+    "TORCHINDUCTOR_AUTOGRAD_CACHE",
+    "TORCHINDUCTOR_REDIS_HOST",
+    "TORCHINDUCTOR_REDIS_PORT",
+    "TORCH_COMPILE_DEBUG",
+    "TORCH_COMPILE_DEBUG_DIR",
+    "TORCH_COMPILE_JOB_ID",
+    "TORCH_COMPILE_STICKY_PGO_KEY",
+}
+_KEYED_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_")
+
+# x86 /proc/cpuinfo flags that name an instruction-set extension: the features `-march=native`
+# (which Inductor passes to g++) may enable, each one also a `__FEATURE__` macro that ATen's and
+# Inductor's headers test. Kernel spellings; the gcc option is in the comment where it differs.
+# Checked against gcc 12.2 `-march=native -Q --help=target` on this AMD EPYC (znver3): every
+# enabled ISA option maps to a flag here. rdseed, mwait (`monitor`) and shstk (`user_shstk`) are
+# enabled by gcc from CPUID but hidden from /proc/cpuinfo by this VM's kernel; compilers emit them
+# only through intrinsics, never from -march=native code generation, so their absence is harmless.
+# -march=native also sets -mtune and cache-size parameters: those change speed, not legality.
+# The init container has no compiler to ask, hence a list rather than gcc's answer.
+_X86_FEATURES = frozenset("""
+    mmx mmxext 3dnow 3dnowext 3dnowprefetch fxsr sse sse2 pni ssse3 sse4_1 sse4_2 sse4a
+    avx avx2 fma fma4 xop tbm f16c bmi1 bmi2 abm popcnt movbe adx cx16 lahf_lm
+    aes pclmulqdq vaes vpclmulqdq gfni sha_ni sha512 sm3 sm4 rdrand rdseed
+    fsgsbase xsave xsaveopt xsavec xsaves clflushopt clwb clzero monitor mwaitx rdpid rdtscp
+    pku ospke ptwrite movdiri movdir64b enqcmd serialize tsxldtrk waitpkg cldemote uintr hreset
+    wbnoinvd sgx pconfig rtm hle user_shstk prefetchwt1 lwp
+    avx512f avx512cd avx512dq avx512bw avx512vl avx512ifma avx512vbmi avx512_vbmi2 avx512_vnni
+    avx512_bitalg avx512_vpopcntdq avx512_bf16 avx512_fp16 avx512_vp2intersect avx512er avx512pf
+    avx512_4vnniw avx512_4fmaps avx_vnni avx_vnni_int8 avx_vnni_int16 avx_ifma avx_ne_convert cmpccxadd
+    amx_tile amx_bf16 amx_int8 amx_fp16 amx_complex avx10 apx
+""".split())  # fmt: skip
+# abm = lzcnt, pni = sse3, lahf_lm = sahf, 3dnowprefetch = prfchw, sha_ni = sha, monitor = mwait,
+# user_shstk = shstk; crc32 comes with sse4_2.
+# aarch64's Features line lists only ISA features (-mcpu=native reads the same hwcaps), except these.
+_AARCH64_NOT_ISA = frozenset({"evtstrm", "cpuid"})
+
+
+# ---- platform and software -----------------------------------------------------------------------
+
+
+def probe_platform(env: Mapping[str, str]) -> dict[str, str]:
+    libc, libc_version = platform.libc_ver()
+    return {
+        "os": platform.system().lower(),
+        "arch": platform.machine(),
+        "libc": f"{libc} {libc_version}".strip() or NONE,
+        "python": "{}.{}".format(*platform.python_version_tuple()[:2]),
+    }
+
+
+def _package_dir(name: str) -> Path | None:
+    """Where a package would be imported from, without importing it."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _assignments(source: str) -> dict[str, object]:
+    """Top-level `NAME = literal` assignments of a Python file, without running it."""
+    values: dict[str, object] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            try:
+                value = ast.literal_eval(node.value) if node.value is not None else None
+            except ValueError:
+                continue
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    values[target.id] = value
+    return values
+
+
+def probe_torch(env: Mapping[str, str]) -> dict[str, str]:
+    pkg = _package_dir("torch")
+    if pkg is None or not (pkg / "version.py").is_file():
+        return {"torch.version": NONE}
+    v = _assignments((pkg / "version.py").read_text())
+    return {
+        "torch.version": str(v.get("__version__", NONE)),
+        "torch.git": str(v.get("git_version", NONE)),
+        "torch.cuda": str(v.get("cuda") or NONE),
+        "torch.hip": str(v.get("hip") or NONE),
+        # Compiled kernels link with absolute -I/-L paths into the install: a different path rebuilds them.
+        "torch.path": str(pkg.resolve().parent),
+    }
+
+
+def probe_triton(env: Mapping[str, str]) -> dict[str, str]:
+    pkg = _package_dir("triton")
+    if pkg is None or not (pkg / "__init__.py").is_file():
+        return {"triton.version": NONE}
+    match = re.search(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", (pkg / "__init__.py").read_text(), re.M)
+    return {"triton.version": match.group(1) if match else NONE}
+
+
+def probe_gpu(env: Mapping[str, str], read: Callable[[], gpus.Reading | None] = gpus.read) -> dict[str, str]:
+    """The GPUs this process would use (CUDA_VISIBLE_DEVICES applied); `read` lists the node's."""
+    return gpus.facts(read(), env)
+
+
+def probe_compiler(env: Mapping[str, str]) -> dict[str, str]:
+    """The C++ compiler Inductor would call, and its `-v` text (part of torch's header keys)."""
+    name = env.get("CXX") or "g++"
+    path = shutil.which(name)
+    if not path:
+        return {"cxx.name": name, "cxx.version": NONE}
+    try:
+        text = subprocess.run([path, "-v"], capture_output=True, text=True, timeout=10).stderr
+    except (OSError, subprocess.SubprocessError):
+        text = ""
+    lines = [line for line in text.splitlines() if " version " in line]
+    return {"cxx.name": name, "cxx.version": lines[-1].strip() if lines else NONE,
+            "cxx.v_hash": canonical.xxh3(text)}  # fmt: skip
+
+
+def probe_settings(env: Mapping[str, str]) -> dict[str, str]:
+    """Every Inductor / torch.compile setting from the environment (they change torch's keys)."""
+    return {
+        f"env.{name}": value
+        for name, value in env.items()
+        if name.startswith(_KEYED_ENV_PREFIXES) and name not in _NOT_KEYED_ENV
+    }
+
+
+# ---- CPU -------------------------------------------------------------------------------------------
+
+
+def _cpuinfo() -> dict[str, str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    first = text.split("\n\n", 1)[0]
+    fields = {}
+    for line in first.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_features(arch: str, flags: set[str]) -> str:
+    """The ISA features `-march=native` can use here, sorted and space-separated (or none)."""
+    if arch in ("x86_64", "AMD64"):
+        kept = flags & _X86_FEATURES
+    elif arch == "aarch64":
+        kept = flags - _AARCH64_NOT_ISA
+    else:
+        kept = set()
+    return " ".join(sorted(kept)) or NONE
+
+
+def probe_cpu(env: Mapping[str, str], info: Mapping[str, str] | None = None) -> dict[str, str]:
+    """cpu.features and the vector ISA Inductor picks from them.
+
+    No cpu.model: once every feature is keyed, the model only changes -march=native's tuning
+    (scheduling, cache sizes), which makes code faster or slower but never illegal; keying it
+    would split caches between SKUs and cloud VMs that report the same ISA under other names.
+    """
+    info = _cpuinfo() if info is None else info
+    arch = platform.machine()
+    flags = set((info.get("flags") or info.get("Features") or "").split())
+    return {"cpu.features": cpu_features(arch, flags), "cpu.isa": pick_isa(arch, flags, env)}
+
+
+def pick_isa(arch: str, flags: set[str], env: Mapping[str, str]) -> str:
+    """The vector ISA Inductor would generate code for (mirrors torch/_inductor/cpu_vec_isa.py).
+
+    Candidates in torch's order, each valid when the CPU has every feature it needs; then
+    ATEN_CPU_CAPABILITY picks the first candidate naming it ('default' means no vector code).
+    Torch also runs compile probes that could veto a candidate; a compiler that cannot build
+    AVX-512 code is already a different `cxx.*` fact.
+    """
+    if env.get("TORCHINDUCTOR_VEC_ISA_OK") == "0":
+        return NONE
+    if arch in ("x86_64", "AMD64"):
+        return _pick_x86_isa(flags, env.get("ATEN_CPU_CAPABILITY"))
+    if arch == "aarch64":
+        return "sve" if ({"sve", "sve2"} & flags) and "bf16" in flags else "neon"
+    return arch
+
+
+def _pick_x86_isa(flags: set[str], wanted: str | None) -> str:
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+    vnni = avx512 and "avx512_vnni" in flags
+    candidates = [
+        name
+        for name, ok in (
+            ("amx", vnni and "amx_tile" in flags),
+            ("avx512_vnni", vnni),
+            ("avx512", avx512),
+            ("avx2", "avx2" in flags),
+        )  # fmt: skip
+        if ok
+    ]
+    if wanted == "default":
+        return NONE
+    if wanted in ("avx2", "avx512"):
+        # torch matches on its ISA names, which all contain "avx512" for the AMX/VNNI variants.
+        chosen = [c for c in candidates if wanted in c or (wanted == "avx512" and c == "amx")]
+        if chosen:
+            return chosen[0]
+    return candidates[0] if candidates else NONE
+
+
+# Thread settings read by torch's OpenMP/MKL start-up; kept raw as well, in case the rule below
+# misses a combination.
+_THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_DYNAMIC", "MKL_DOMAIN_NUM_THREADS")
+
+
+def probe_threads(env: Mapping[str, str]) -> dict[str, str]:
+    """The intra-op thread count that Inductor bakes into its CPU graph keys."""
+    facts = {f"env.{name}": env[name] for name in _THREAD_ENV if name in env}
+    if env.get("TORCHINDUCTOR_CPP_DYNAMIC_THREADS") == "1":
+        facts["cpu.threads"] = "dynamic"
+    else:
+        facts["cpu.threads"] = str(default_threads(env))
+    return facts
+
+
+def default_threads(env: Mapping[str, str], cores: int | None = None) -> int:
+    """torch.get_num_threads() of a fresh process started with `env`, without importing torch.
+
+    ATen asks MKL, which takes MKL_NUM_THREADS, then OMP_NUM_THREADS's first item, else the
+    physical cores this process may run on; requests are capped at the machine's physical
+    cores unless MKL_DYNAMIC is false. Measured against torch 2.13 in 13 configurations.
+    """
+    usable, machine = physical_cores() if cores is None else (cores, cores)
+    requested: int | None = None
+    mkl = env.get("MKL_NUM_THREADS", "").strip()
+    if mkl and mkl != "0":
+        requested = int(mkl) if mkl.isdigit() and int(mkl) > 0 else 1
+    elif "OMP_NUM_THREADS" in env:
+        first = env["OMP_NUM_THREADS"].split(",")[0].strip()
+        requested = int(first) if first.isdigit() and int(first) > 0 else None
+    if requested is None:
+        return usable
+    if env.get("MKL_DYNAMIC", "").strip().lower() == "false":
+        return requested
+    return min(requested, machine)
+
+
+def physical_cores() -> tuple[int, int]:
+    """(physical cores within this process's CPU affinity, physical cores of the machine)."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except AttributeError:
+        allowed = set(range(os.cpu_count() or 1))
+    cores: dict[int, tuple[str, str]] = {}
+    base = Path("/sys/devices/system/cpu")
+    for cpu_dir in base.glob("cpu[0-9]*"):
+        try:
+            topo = cpu_dir / "topology"
+            cores[int(cpu_dir.name[3:])] = ((topo / "physical_package_id").read_text().strip(),
+                                            (topo / "core_id").read_text().strip())  # fmt: skip
+        except (OSError, ValueError):
+            continue
+    if not cores:
+        return len(allowed), os.cpu_count() or len(allowed)
+    usable = len({core for cpu, core in cores.items() if cpu in allowed}) or len(allowed)
+    return usable, len(set(cores.values()))
+
+
+PROBES: tuple[Probe, ...] = (
+    probe_platform,
+    probe_torch,
+    probe_triton,
+    probe_gpu,
+    probe_cpu,
+    probe_compiler,
+    probe_threads,
+    probe_settings,
+)
+
+
+# ---- checks: what an init container can see of the node its model container runs on ------------------
+#
+# The init container shares the node (CPU, kernel, GPUs and driver) with the model container, not
+# its image: python, libc, torch and the compiler are the model image's and differ from kcache's own
+# image by design (the example facts file says glibc 2.35; kcache's image has 2.36), so they are
+# never checked. cpu.isa and cpu.threads depend on the model container's environment and limits.
+
+
+def _pick(facts: Mapping[str, str], *names: str) -> dict[str, str]:
+    return {n: facts[n] for n in names if facts.get(n, NONE) != NONE}
+
+
+def check_platform(env: Mapping[str, str]) -> dict[str, str]:
+    return _pick(probe_platform(env), "os", "arch")
+
+
+def check_cpu(env: Mapping[str, str]) -> dict[str, str]:
+    return _pick(probe_cpu(env), "cpu.features")
+
+
+def check_gpu(env: Mapping[str, str], read: Callable[[], gpus.Reading | None] = gpus.read) -> dict[str, str]:
+    """GPU name, SM and driver, when this container sees a GPU at all (not its count: an init
+    container may be given fewer GPUs than the model container)."""
+    facts = probe_gpu(env, read)
+    return _pick(facts, "gpu.name", "gpu.sm", "gpu.driver") if facts["gpu.count"] != "0" else {}
+
+
+CHECKS: tuple[Probe, ...] = (check_platform, check_cpu, check_gpu)

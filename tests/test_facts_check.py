@@ -1,0 +1,96 @@
+"""A facts file that this machine contradicts is a miss naming the facts, never a hit (issue 8, item 3)."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from trees import write_tree
+
+from kcache import fingerprint, probes, sources
+from kcache.cli import main
+from kcache.cli.errors import ExitCode
+from kcache.errors import ConfigError
+from kcache.index import Index
+from kcache.publish import publish
+from kcache.restore import read_state, restore
+from kcache.store.local import LocalStore
+
+# What `kcache fingerprint --json` printed in a model container on an AVX2 node with this arch.
+AVX2_FACTS = {
+    "os": "linux", "arch": probes.probe_platform({})["arch"], "python": "3.12", "torch.version": "2.13.0+cu128",
+    "cpu.isa": "avx2", "cpu.features": "avx avx2 f16c fma sse sse2 sse4_1 sse4_2 ssse3", "gpu.sm": "none",
+    "model.id": "m",
+}  # fmt: skip
+
+
+def setup(tmp_path):
+    """A facts file, and a bundle published under exactly its keys: without the check, a hit."""
+    facts_file = tmp_path / "facts.json"
+    facts_file.write_text(json.dumps({"facts": AVX2_FACTS}))
+    write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"graph built for avx2"})
+    return facts_file, fingerprint.collect(facts_file=facts_file, checks=())
+
+
+def test_restore_with_a_stale_facts_file_is_a_miss_naming_the_facts(tmp_path, store, sqlite_index):
+    facts_file, as_claimed = setup(tmp_path)
+    publish(store, sqlite_index, as_claimed, sources.select(), root=tmp_path / "src", env={})
+    fp = fingerprint.collect(facts_file=facts_file)  # checked against this machine
+    assert fp.bundle_key == as_claimed.bundle_key and "cpu.features" in [m.fact for m in fp.mismatches]
+
+    result = restore(store, sqlite_index, fp, tmp_path / "dst")
+    assert result.status == "miss" and result.bundle_id is None
+    assert "cpu.features" in result.reason and "facts file" in result.reason
+    assert not (tmp_path / "dst/inductor/fxgraph/g").exists()
+    assert (tmp_path / "dst/kcache.env").exists() and read_state(tmp_path / "dst")["status"] == "miss"
+    assert restore(store, sqlite_index, as_claimed, tmp_path / "dst2").status == "hit"  # the bundle is there
+
+
+def test_cli_restore_strict_has_its_own_exit_code(tmp_path):
+    facts_file, as_claimed = setup(tmp_path)
+    index = Index.open(f"sqlite:///{tmp_path / 'i.db'}")
+    try:
+        publish(LocalStore(tmp_path / "store"), index, as_claimed, sources.select(), root=tmp_path / "src", env={})
+    finally:
+        index.close()
+    where = ["--store", f"file://{tmp_path / 'store'}", "--index", f"sqlite:///{tmp_path / 'i.db'}"]
+    runner = CliRunner()
+    args = ["restore", "--into", str(tmp_path / "dst"), "--facts-file", str(facts_file), *where]
+    lenient = runner.invoke(main, args, catch_exceptions=False)
+    assert lenient.exit_code == 0 and "miss" in lenient.output and "cpu.features" in lenient.output
+    strict = runner.invoke(main, [*args, "--strict"], catch_exceptions=False)
+    assert strict.exit_code == ExitCode.FACTS_DISAGREE
+    plain_miss = runner.invoke(main, ["restore", "--into", str(tmp_path / "x"), "--model", "none-such", "--strict",
+                                      *where], catch_exceptions=False)  # fmt: skip
+    assert plain_miss.exit_code == ExitCode.MISS  # an ordinary miss has its own code
+
+
+def test_fingerprint_shows_the_disagreements(tmp_path):
+    facts_file, _ = setup(tmp_path)
+    env = {"KCACHE_FACTS_FILE": str(facts_file)}
+    doc = json.loads(CliRunner().invoke(main, ["fingerprint", "--json"], env=env).output)
+    here = probes.probe_cpu(os.environ)["cpu.features"]
+    assert {"fact": "cpu.features", "facts_file": AVX2_FACTS["cpu.features"], "here": here} in doc["mismatches"]
+    text = CliRunner().invoke(main, ["fingerprint"], env=env).output
+    assert "the facts file disagrees with this machine" in text and "cpu.features" in text
+    assert "restore will miss" in text
+
+
+def test_publish_refuses_to_file_this_machines_kernels_under_a_facts_file_it_contradicts(tmp_path, store, sqlite_index):
+    facts_file, _ = setup(tmp_path)
+    fp = fingerprint.collect(facts_file=facts_file)
+    with pytest.raises(ConfigError, match="cpu.features"):
+        publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={})
+    assert sqlite_index.newest_bundle(fp.bundle_key) is None
+
+
+def test_the_example_facts_file_has_the_core_facts(tmp_path):
+    import yaml
+
+    docs = yaml.safe_load_all((Path(__file__).parent.parent / "examples/k8s/deployment.yaml").read_text())
+    (config_map,) = [d for d in docs if d["metadata"]["name"] == "llm-kcache-facts"]
+    path = tmp_path / "facts.json"
+    path.write_text(config_map["data"]["facts.json"])
+    facts = fingerprint.load_facts_file(path)
+    assert set(fingerprint.CORE_FACTS) <= set(facts) and "cpu.model" not in facts and "cpu.flags" not in facts
