@@ -1,0 +1,140 @@
+"""A hostile store cannot exhaust restore's memory: refs, signatures and manifests are read capped,
+and a manifest's signature is checked before its bytes are fetched."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import pytest
+from trees import write_tree
+
+from kcache import limits, refs, signing, sources
+from kcache.errors import ConfigError, ObjectTooLarge, SignatureError
+from kcache.publish import publish
+from kcache.restore import restore
+from kcache.store import manifest_key, ref_key
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+BIG = "e" * 64
+
+
+class CountingStore:
+    """Wraps a store and counts the bytes each key prefix (refs, manifests, ...) returned."""
+
+    def __init__(self, inner):
+        self.inner, self.url = inner, inner.url
+        self.read: dict[str, int] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _count(self, key: str, n: int) -> None:
+        top = key.split("/", 1)[0]
+        self.read[top] = self.read.get(top, 0) + n
+
+    def get_bytes(self, key):
+        data = self.inner.get_bytes(key)
+        self._count(key, len(data))
+        return data
+
+    def get_versioned(self, key):
+        current = self.inner.get_versioned(key)
+        if current:
+            self._count(key, len(current[0]))
+        return current
+
+    def open_range(self, key, offset, length):
+        stream, count = self.inner.open_range(key, offset, length), self._count
+
+        class Counted:
+            def read(self, n=-1):
+                data = stream.read(n)
+                count(key, len(data))
+                return data
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                stream.close()
+
+            def close(self):
+                stream.close()
+
+        return Counted()
+
+
+@pytest.fixture
+def keys(tmp_path):
+    private, public = signing.generate("prod", tmp_path / "keys")
+    return signing.load_signing_key(private), signing.load_trusted_keys([public])[0]
+
+
+def _sparse(path, size: int):
+    with open(path, "wb") as f:
+        f.truncate(size)  # sparse: the test itself must not need the memory it checks for
+    return path
+
+
+def _huge_manifest_under_ref(store, fp, size: int, signer=None) -> None:
+    store.put_file(manifest_key(BIG), _sparse(store.root.parent / "big.tmp", size))
+    refs.advance(store, refs.Ref(fp.bundle_key, BIG, T0), signer=signer)
+
+
+@pytest.mark.parametrize("require", [False, True])
+def test_a_manifest_over_the_cap_is_refused_unread(tmp_path, store, fp, keys, monkeypatch, require):
+    monkeypatch.setenv(limits.MANIFEST_ENV, str(1024 * 1024))
+    _huge_manifest_under_ref(store, fp, 8 * 1024 * 1024, signer=keys[0] if require else None)
+    counting = CountingStore(store)
+    trusted = (keys[1],) if require else ()
+    with pytest.raises(ObjectTooLarge, match="KCACHE_MAX_MANIFEST_BYTES|limit"):
+        restore(counting, refs.RefCatalog(counting), fp, tmp_path / "dst", trusted=trusted, require_signature=require)
+    assert counting.read.get("manifests", 0) == 0
+    assert (tmp_path / "dst/kcache.env").exists()  # fail-open: the pod starts cold with an env file
+
+
+def test_the_default_cap_refuses_a_200_mb_manifest(tmp_path, store, fp):
+    _huge_manifest_under_ref(store, fp, 210 * 1024 * 1024)
+    counting = CountingStore(store)
+    with pytest.raises(ObjectTooLarge):
+        restore(counting, refs.RefCatalog(counting), fp, tmp_path / "dst")
+    assert counting.read.get("manifests", 0) == 0
+
+
+def test_the_signature_is_checked_before_the_manifest_is_read(tmp_path, store, sqlite_index, fp, keys):
+    write_tree(tmp_path / "src", {"inductor/a": b"a"})
+    publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={})  # unsigned
+    counting = CountingStore(store)
+    with pytest.raises(SignatureError):
+        restore(counting, sqlite_index, fp, tmp_path / "dst", trusted=(keys[1],), require_signature=True)
+    assert counting.read.get("manifests", 0) == 0
+
+
+def test_a_signed_manifest_is_read_once_and_only_its_signed_size(tmp_path, store, sqlite_index, fp, keys):
+    write_tree(tmp_path / "src", {"inductor/a": b"a"})
+    published = publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={},
+                        signing_key=keys[0])  # fmt: skip
+    counting = CountingStore(store)
+    result = restore(counting, sqlite_index, fp, tmp_path / "dst", trusted=(keys[1],), require_signature=True)
+    assert result.status == "hit"
+    assert counting.read["manifests"] == store.size(manifest_key(published.bundle_id))
+
+
+def test_huge_ref_and_signature_objects_are_refused_unread(tmp_path, store, fp, keys):
+    big = _sparse(tmp_path / "big.tmp", limits.REF_BYTES + 1)
+    store.put_file(ref_key(fp.bundle_key), big)
+    counting = CountingStore(store)
+    with pytest.raises(ObjectTooLarge):
+        refs.RefCatalog(counting).newest_bundle(fp.bundle_key)
+    store.put_file(signing.signature_key(BIG, "prod"), big)
+    with pytest.raises(ObjectTooLarge):
+        signing.verify(counting, (keys[1],), fp.bundle_key, BIG, 10)
+    assert counting.read == {}
+
+
+def test_the_cap_is_configurable_and_checked():
+    assert limits.max_manifest_bytes({}) == 64 * 1024 * 1024
+    assert limits.max_manifest_bytes({limits.MANIFEST_ENV: "1000"}) == 1000
+    for bad in ("-1", "0", "lots"):
+        with pytest.raises(ConfigError):
+            limits.max_manifest_bytes({limits.MANIFEST_ENV: bad})
