@@ -277,6 +277,16 @@ def _stamp(draft: Ref, current: Ref | None, signer, ttl: timedelta) -> Ref:
     return replace(ref, signatures=((signer.name, signing.sign_message(signer, ref.message())),))
 
 
+def refresh_all(store: Store, index: Index, *, bundle_keys=(), model: str | None = None,
+                signer: signing.SigningKey | None = None, ttl: timedelta | None = None) -> dict:  # fmt: skip
+    """{bundle key: `refresh`} for the named keys, else for every key the index holds (of `model`, if given)."""
+    from kcache.index import lifecycle
+
+    if not bundle_keys:
+        bundle_keys = sorted({b.bundle_key for b in lifecycle.all_bundles(index) if model is None or b.model == model})
+    return {key: refresh(store, index, key, signer=signer, ttl=ttl) for key in bundle_keys}
+
+
 class RefCatalog:
     """The part of the index restore needs, answered from refs: for pods without SQL access."""
 

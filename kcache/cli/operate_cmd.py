@@ -8,7 +8,7 @@ import click
 
 from kcache import durations
 from kcache.cli import format as fmt
-from kcache.cli.options import handle_errors, json_option, open_index, settings, store_options
+from kcache.cli.options import handle_errors, json_option, load_signing_key, open_index, settings, store_options
 from kcache.store import open_store
 
 
@@ -21,10 +21,12 @@ def _open(store_url, index_url, s3_endpoint_url):
 @click.argument("bundle")
 @click.option("--undo", is_flag=True, help="Make a yanked bundle restorable again.")
 @click.option("--reason", default="", help="Why, kept in the store beside the yank.")
+@click.option("--signing-key", type=click.Path(dir_okay=False), envvar="KCACHE_SIGNING_KEY",
+              help="Re-sign the bundle key's ref with this key, so pods requiring signatures follow it.")  # fmt: skip
 @store_options
 @json_option
 @handle_errors
-def yank_cmd(bundle, undo, reason, store_url, index_url, s3_endpoint_url, as_json):
+def yank_cmd(bundle, undo, reason, signing_key, store_url, index_url, s3_endpoint_url, as_json):
     """Stop a bundle from ever being restored again (pods restore the previous one, or start cold).
 
     \b
@@ -34,9 +36,10 @@ def yank_cmd(bundle, undo, reason, store_url, index_url, s3_endpoint_url, as_jso
     """
     from kcache.yank import unyank, yank
 
+    key = load_signing_key(signing_key)
     store, index = _open(store_url, index_url, s3_endpoint_url)
     try:
-        changed = unyank(store, index, bundle) if undo else yank(store, index, bundle, reason)
+        changed = unyank(store, index, bundle, signer=key) if undo else yank(store, index, bundle, reason, signer=key)
     finally:
         index.close()
     if as_json:
