@@ -24,29 +24,24 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Protocol
 
-from kcache import envfile, fetch, limits, refs, signing
+from kcache import choice, envfile, fetch, signing
 from kcache import manifest as manifests
 from kcache import sources as layers
 from kcache.errors import (
     ConfigError,
-    IntegrityError,
     KcacheError,
-    NotFound,
-    ObjectTooLarge,
     RestoreTimeout,
     RootError,
-    SignatureError,
     UnsafePath,
 )
 from kcache.fingerprint import Fingerprint
 from kcache.packs import unpack_frame
 from kcache.readiness import RESTORE_MARKER, read_marker, write_marker
 from kcache.records import Event
-from kcache.store import Store, manifest_key
+from kcache.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +110,7 @@ def restore(
         raise ConfigError("--fallback", str(fallback), "the only fallback is 'toolchain'")
     if require_signature and not trusted:
         raise ConfigError("--require-signature", "on", "needs at least one --trusted-key (or KCACHE_TRUSTED_KEYS)")
-    policy = _Policy(trusted, require_signature)
+    policy = choice.Policy(trusted, require_signature)
     started = time.perf_counter()
     root = Path(root).absolute()
     try:
@@ -172,52 +167,6 @@ def _within(timeout: float | None, work) -> RestoreResult:
     return box["result"]
 
 
-@dataclass(frozen=True)
-class _Policy:
-    trusted: tuple[signing.TrustedKey, ...]
-    required: bool
-    max_manifest_bytes: int = field(default_factory=limits.max_manifest_bytes)
-
-    def check(self, store: Store, bundle_key: str, manifest_id: str, size: int) -> str | None:
-        """Who signed the manifest (None when no trusted key did and none is required)."""
-        if not self.trusted:
-            return None
-        signer = signing.verify(store, self.trusted, bundle_key, manifest_id, size)
-        if signer is None and self.required:
-            names = ", ".join(k.name for k in self.trusted)
-            raise SignatureError(manifest_id, f"is not signed by a trusted key (trusted: {names})")
-        if signer is None:
-            log.warning("bundle %s is not signed by a trusted key; restoring it anyway", manifest_id[:12])
-        return signer
-
-    def ref_problem(self, ref: refs.Ref) -> str | None:
-        """Why this ref may not be followed (a miss), or None. Refs matter only with trusted keys."""
-        if not self.trusted:
-            return None
-        where = f"ref refs/{ref.bundle_key}"
-        try:
-            signer = signing.check(self.trusted, dict(ref.signatures), ref.message(), ref.bundle_key)
-        except SignatureError as exc:
-            return f"{where}: {exc.why}"
-        if signer is None:
-            problem = f"{where} is not signed by a trusted key"
-        elif ref.expired(datetime.now(timezone.utc)):
-            problem = f"{where} expired at {ref.expires:%Y-%m-%d %H:%M} UTC; run `kcache refresh` with the signing key"
-        else:
-            return None
-        if self.required:
-            return problem
-        log.warning("%s; following it anyway (no --require-signature)", problem)
-        return None
-
-
-@dataclass(frozen=True)
-class _Choice:
-    manifest_id: str
-    bundle_key: str  # the key its signature must name: ours, or another workload's for a partial hit
-    partial: bool = False
-
-
 def _restore(
     store: Store,
     index: Catalog,
@@ -226,18 +175,18 @@ def _restore(
     jobs: int,
     budget: _Budget,
     pinned: str | None,
-    policy: _Policy,
+    policy: choice.Policy,
     fallback: str | None = None,
 ) -> RestoreResult:
     started = time.perf_counter()
     _prepare_root(root)
-    choice = _choose(store, index, fp, pinned, fallback, policy)
-    if isinstance(choice, str):
-        env_file = _write_env(root, fp, [], f"miss, {choice}")
+    chosen = choice.pick(store, index, fp, pinned, fallback, policy)
+    if isinstance(chosen, str):
+        env_file = _write_env(root, fp, [], f"miss, {chosen}")
         return RestoreResult("miss", fp.bundle_key, None, root, env_file, seconds=time.perf_counter() - started,
-                             reason=choice)  # fmt: skip
-    partial = choice.partial
-    manifest, signer = _read_manifest(store, choice, fp, policy)
+                             reason=chosen)  # fmt: skip
+    partial = chosen.partial
+    manifest, signer = choice.read_manifest(store, chosen, fp, policy)
     _check_layers(manifest)
     layer_names = tuple(n for n in manifest.layers if n in PARTIAL_LAYERS) if partial else manifest.layers
     entries = tuple(e for e in manifest.entries if not partial or e.path.split("/", 1)[0] in PARTIAL_LAYERS)
@@ -257,78 +206,6 @@ def _check_layers(manifest: manifests.Manifest) -> None:
     for entry in manifest.entries:
         if not entry.path.startswith(prefixes):
             raise UnsafePath(entry.path, "belongs to no layer of the bundle that this kcache knows")
-
-
-def _choose(store: Store, index: Catalog, fp: Fingerprint, pinned: str | None, fallback: str | None,
-            policy: _Policy) -> _Choice | str:  # fmt: skip
-    """The bundle to restore for this fingerprint, or why there is none (a miss)."""
-    if pinned:
-        why = _pinned_yanked(index, fp, pinned, policy)
-        choice = None if why else _Choice(pinned, fp.bundle_key)
-    else:
-        choice, why = _newest(index, fp, fallback, policy)
-    if choice is None:
-        return why
-    # The index's word is not enough: a yank marker in the store stops the bundle everywhere.
-    if store.exists(refs.yank_key(choice.manifest_id)):
-        return f"bundle {choice.manifest_id[:12]} is yanked"
-    return choice
-
-
-def _newest(index: Catalog, fp: Fingerprint, fallback: str | None, policy: _Policy) -> tuple[_Choice | None, str]:
-    answer = index.newest_bundle(fp.bundle_key)
-    if isinstance(answer, refs.Ref):  # from the store: anyone who can write the bucket wrote it
-        problem = policy.ref_problem(answer)
-        if problem:
-            return None, problem
-        if answer.manifest in answer.yanked:
-            return None, f"bundle {answer.manifest[:12]} is yanked (the ref says so)"
-    if answer is not None:
-        return _Choice(answer.id, fp.bundle_key), ""
-    if fallback == "toolchain":
-        other = index.newest_for_toolchain(fp.toolchain_key)
-        if other is not None:
-            return _Choice(other.id, other.bundle_key, partial=True), ""
-    return None, "no bundle published for this fingerprint"
-
-
-def _pinned_yanked(index: Catalog, fp: Fingerprint, pinned: str, policy: _Policy) -> str | None:
-    """Why a pinned bundle may not be restored: yanked in the index or in the (signed) ref."""
-    if isinstance(index, refs.RefCatalog):
-        ref = index.newest_bundle(fp.bundle_key)
-        problem = "there is no ref for this fingerprint" if ref is None else policy.ref_problem(ref)
-        if problem and policy.required:  # without a trusted yank list, a deleted marker would un-yank
-            return f"pinned bundle {pinned[:12]} cannot be checked for yanks: {problem}"
-        yanked = ref.yanked if ref else ()  # honoured even unsigned: a yank can only cost a cold start
-    else:
-        try:
-            yanked = (pinned,) if index.get_bundle(pinned).status == "yanked" else ()
-        except NotFound:  # pinned by id from elsewhere; the manifest is still checked in full
-            yanked = ()
-    return f"bundle {pinned[:12]} is yanked" if pinned in yanked else None
-
-
-def _read_manifest(store: Store, choice: _Choice, fp: Fingerprint, policy: _Policy):
-    """The chosen manifest and its signer. Size and signature are checked before a byte is read.
-
-    A manifest takes ~950 bytes an entry while it is parsed (see manifest.py), so the size cap
-    bounds restore's memory, and the signature check (which covers the size) means an untrusted
-    writer cannot make a pod read even a capped manifest when signatures are required.
-    """
-    key = manifest_key(choice.manifest_id)
-    size = store.size(key)
-    if size > policy.max_manifest_bytes:
-        raise ObjectTooLarge("manifest", key, size, policy.max_manifest_bytes)
-    signer = policy.check(store, choice.bundle_key, choice.manifest_id, size)
-    manifest = manifests.parse(limits.read_exactly(store, key, size), choice.manifest_id)
-    if choice.partial and manifest.toolchain_key != fp.toolchain_key:
-        raise IntegrityError(
-            "manifest", manifest.id, f"is for toolchain {manifest.toolchain_key}, not {fp.toolchain_key}"
-        )
-    if manifest.bundle_key != choice.bundle_key:
-        raise IntegrityError("manifest", manifest.id, f"is for bundle key {manifest.bundle_key}, "
-                             f"not {choice.bundle_key}")  # fmt: skip
-    return manifest, signer
 
 
 def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jobs: int, budget: _Budget) -> None:
