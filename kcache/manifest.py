@@ -22,8 +22,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kcache import canonical
-from kcache.errors import IntegrityError, UnsafePath
+from kcache import canonical, limits
+from kcache.errors import IntegrityError, ObjectMissing, UnsafePath
+from kcache.store import Store, manifest_key
 
 SCHEMA = 1
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
@@ -123,6 +124,15 @@ def parse(data: bytes, expected_id: str) -> Manifest:
         raise IntegrityError("manifest", expected_id, f"does not parse: {exc}") from None
     _check_entries(entries)
     return manifest
+
+
+def fetch(store: Store, manifest_id: str) -> Manifest:
+    """Read and verify the manifest `manifest_id`; one over KCACHE_MAX_MANIFEST_BYTES is refused unread."""
+    key = manifest_key(manifest_id)
+    data = limits.read_capped(store, key, limits.max_manifest_bytes(), "manifest")
+    if data is None:
+        raise ObjectMissing(store.url, key)
+    return parse(data, manifest_id)
 
 
 def _entry_from_row(row: Any) -> Entry:

@@ -116,6 +116,16 @@ def trailer(blobs) -> bytes:
     return body + FOOTER.pack(len(body)) + MAGIC
 
 
+def trailer_span(pack_id: str, tail: bytes, pack_size: int) -> int:
+    """How many bytes from the pack's end hold trailer and footer, read from the footer in `tail`."""
+    if len(tail) < FOOTER_SIZE or not tail.endswith(MAGIC):
+        raise IntegrityError("pack", pack_id, "has no kcache pack footer")
+    (trailer_len,) = FOOTER.unpack(tail[-FOOTER_SIZE : -len(MAGIC)])
+    if trailer_len + FOOTER_SIZE > pack_size:
+        raise IntegrityError("pack", pack_id, f"claims a {trailer_len}-byte trailer in a {pack_size}-byte pack")
+    return trailer_len + FOOTER_SIZE
+
+
 def parse_trailer(pack_id: str, tail: bytes, pack_size: int) -> tuple[PackedBlob, ...]:
     """Parse a pack's trailer from its last bytes (`tail` must include trailer and footer)."""
     if len(tail) < FOOTER_SIZE or not tail.endswith(MAGIC):

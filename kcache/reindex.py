@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from kcache import limits, packs, refs
 from kcache import manifest as manifests
-from kcache.errors import IntegrityError, KcacheError
+from kcache.errors import KcacheError, ObjectTooLarge
 from kcache.records import BlobLocation, Bundle
 from kcache.store import Store
 
@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the SQL layer loads only when a caller opens an index
 from kcache.store.base import ObjectInfo
 
 _TAIL = 256 * 1024  # most trailers fit; longer ones get a second read
+_MAX_TRAILER = 64 * 1024 * 1024  # ~700k blobs: more than a 32 MiB pack of real files holds
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 
 
@@ -39,17 +40,20 @@ class ReindexResult:
 
 
 def _pack_blobs(store: Store, info: ObjectInfo) -> tuple[packs.PackedBlob, ...]:
+    """The pack's trailer, read from its end: one read, or two when it is longer than _TAIL."""
     pack_id = info.key.rsplit("/", 1)[-1]
-    start = max(0, info.size - _TAIL)
-    with store.open_range(info.key, start, info.size - start) as f:
-        tail = f.read()
-    try:
-        return packs.parse_trailer(pack_id, tail, info.size)
-    except IntegrityError:
-        if start == 0:
-            raise
-        with store.open_range(info.key, 0, info.size) as f:  # a trailer longer than _TAIL
-            return packs.parse_trailer(pack_id, f.read(), info.size)
+    tail = _read_end(store, info, min(info.size, _TAIL))
+    span = packs.trailer_span(pack_id, tail, info.size)
+    if span > len(tail):
+        if span > _MAX_TRAILER:  # a hostile footer must not make reindex read a whole huge pack
+            raise ObjectTooLarge("pack trailer", info.key, span, _MAX_TRAILER)
+        tail = _read_end(store, info, span)
+    return packs.parse_trailer(pack_id, tail, info.size)
+
+
+def _read_end(store: Store, info: ObjectInfo, length: int) -> bytes:
+    with store.open_range(info.key, info.size - length, length) as f:
+        return f.read()
 
 
 def reindex(store: Store, index: Index, *, jobs: int = 16) -> ReindexResult:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 import pytest
+from faulty import CountingStore
 from trees import write_tree
 
 from kcache import limits, refs, signing, sources
@@ -16,52 +17,6 @@ from kcache.store import manifest_key, ref_key
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 BIG = "e" * 64
-
-
-class CountingStore:
-    """Wraps a store and counts the bytes each key prefix (refs, manifests, ...) returned."""
-
-    def __init__(self, inner):
-        self.inner, self.url = inner, inner.url
-        self.read: dict[str, int] = {}
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def _count(self, key: str, n: int) -> None:
-        top = key.split("/", 1)[0]
-        self.read[top] = self.read.get(top, 0) + n
-
-    def get_bytes(self, key):
-        data = self.inner.get_bytes(key)
-        self._count(key, len(data))
-        return data
-
-    def get_versioned(self, key):
-        current = self.inner.get_versioned(key)
-        if current:
-            self._count(key, len(current[0]))
-        return current
-
-    def open_range(self, key, offset, length):
-        stream, count = self.inner.open_range(key, offset, length), self._count
-
-        class Counted:
-            def read(self, n=-1):
-                data = stream.read(n)
-                count(key, len(data))
-                return data
-
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *exc):
-                stream.close()
-
-            def close(self):
-                stream.close()
-
-        return Counted()
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import click
 from kcache import manifest as manifests
 from kcache.cli import format as fmt
 from kcache.cli.options import handle_errors, json_option, open_index, settings, store_options
-from kcache.store import manifest_key, open_store
+from kcache.store import open_store
 
 
 def _bundle_json(b) -> dict:
@@ -71,7 +71,7 @@ def show_cmd(bundle, list_files, store_url, index_url, s3_endpoint_url, as_json)
     entries: tuple[manifests.Entry, ...] = ()
     if list_files:
         store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url)
-        entries = manifests.parse(store.get_bytes(manifest_key(found.id)), found.id).entries
+        entries = manifests.fetch(store, found.id).entries
     if as_json:
         doc = _bundle_json(found)
         if list_files:
