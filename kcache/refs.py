@@ -16,7 +16,7 @@ A store writer without the signing key must not be able to roll pods back, so un
 - `generation` grows by one with every write. Pods keep no state, so they cannot compare it with
   what they saw before; it lets anything that does remember (an operator, a monitor) see a
   replayed ref, and orders the signed history.
-- `expires` (set when signed; `KCACHE_REF_TTL`, default 7 days) bounds replay: an old signed ref
+- `expires` (set when signed; `KCACHE_REF_TTL`, default 1 day) bounds replay: an old signed ref
   copied back into the store is refused once it expires. `kcache refresh`, and every signed
   publish that finds the ref past half its lifetime, re-sign it.
 - `yanked` lists the bundles of this key the signer's index has yanked, so deleting a
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SCHEMA = 2
 TYPE = "kcache-ref"  # in the signed bytes: a ref signature can never pass for a manifest signature
-DEFAULT_TTL = timedelta(days=7)
+DEFAULT_TTL = timedelta(days=1)  # the replay window; signed publishes and `kcache refresh` renew it
 TTL_ENV = "KCACHE_REF_TTL"
 _CAS_ATTEMPTS = 20
 _YANK_SCAN = 10_000  # bundles of one key looked at for its yank list; gc keeps far fewer
@@ -92,7 +92,7 @@ def yank_key(bundle_id: str) -> str:
 
 
 def default_ttl(env: Mapping[str, str] | None = None) -> timedelta:
-    """How long a signed ref stays valid: KCACHE_REF_TTL (a duration such as 12h or 7d), else 7 days."""
+    """How long a signed ref stays valid: KCACHE_REF_TTL (a duration such as 12h or 7d), else 1 day."""
     text = (os.environ if env is None else env).get(TTL_ENV, "").strip()
     return durations.parse(text, TTL_ENV, positive=True) if text else DEFAULT_TTL
 
@@ -255,10 +255,11 @@ def _write(store: Store, bundle_key: str, decide: Callable, signer, ttl: timedel
 def _load(store: Store, key: str, bundle_key: str) -> tuple[Ref | None, str | None]:
     """The current ref and its version. An unreadable ref is replaced rather than obeyed."""
     try:
-        if store.size(key) > limits.REF_BYTES:
-            raise ObjectTooLarge("ref", key, store.size(key), limits.REF_BYTES)
+        size = store.size(key)
     except ObjectMissing:
         return None, None
+    if size > limits.REF_BYTES:
+        raise ObjectTooLarge("ref", key, size, limits.REF_BYTES)
     current = store.get_versioned(key)
     if current is None:
         return None, None

@@ -8,6 +8,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from trees import write_tree
 
 from kcache import refs, signing, sources
@@ -64,7 +66,7 @@ def yanked_v2(tmp_path, store, sqlite_index, fp, keys):
 def test_signed_publish_signs_the_ref_and_a_pod_follows_it(tmp_path, store, sqlite_index, fp, keys):
     published = _publish(tmp_path, store, sqlite_index, fp, b"a", keys["prod"][0])
     ref = refs.read(store, fp.bundle_key)
-    assert dict(ref.signatures).keys() == {"prod"} and ref.expires > datetime.now(timezone.utc) + timedelta(days=6)
+    assert dict(ref.signatures).keys() == {"prod"} and ref.expires > datetime.now(timezone.utc) + timedelta(hours=23)
     result = _pod(store, fp, tmp_path / "dst", keys)
     assert (result.status, result.bundle_id) == ("hit", published.bundle_id)
 
@@ -155,7 +157,7 @@ def test_publish_refreshes_a_ref_only_when_it_is_close_to_expiring(tmp_path, sto
     first = refs.read(store, fp.bundle_key)
     _publish(tmp_path, store, sqlite_index, fp, b"a", key)  # unchanged: nothing to write
     assert refs.read(store, fp.bundle_key) == first
-    refs.refresh(store, sqlite_index, fp.bundle_key, signer=key, ttl=timedelta(hours=1))  # past half of 7 days
+    refs.refresh(store, sqlite_index, fp.bundle_key, signer=key, ttl=timedelta(hours=1))  # past half of the default day
     _publish(tmp_path, store, sqlite_index, fp, b"a", key)
     again = refs.read(store, fp.bundle_key)
     assert again.generation == first.generation + 2 and again.expires > first.expires
@@ -217,3 +219,20 @@ def test_reindex_rebuilds_yank_status_from_markers_and_refs(tmp_path, store, sql
     assert again.get_bundle(v2.bundle_id).status == "yanked"
     fresh.close()
     again.close()
+
+
+HEX = st.text("0123456789abcdef", min_size=64, max_size=64)
+ZONES = st.sampled_from([timezone.utc, timezone(timedelta(hours=-7, minutes=-30))])
+MOMENTS = st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2200, 1, 1), timezones=ZONES)
+
+
+@settings(max_examples=60, deadline=None)
+@given(bundle_key=st.text(min_size=1, max_size=40), manifest=HEX, created=MOMENTS, generation=st.integers(0, 2**70),
+       expires=st.none() | MOMENTS, yanked=st.lists(HEX, max_size=4, unique=True))  # fmt: skip
+def test_refs_round_trip_canonically_and_keep_their_signature(bundle_key, manifest, created, generation, expires,
+                                                               yanked):  # fmt: skip
+    key = signing.SigningKey("p", bytes(range(32)))
+    draft = refs.Ref(bundle_key, manifest, created, generation, expires, tuple(sorted(yanked)))
+    ref = refs.Ref(**{**draft.__dict__, "signatures": (("p", signing.sign_message(key, draft.message())),)})
+    again = refs.parse(ref.to_bytes(), bundle_key)
+    assert again == ref and again.to_bytes() == ref.to_bytes() and again.message() == draft.message()

@@ -16,7 +16,7 @@ from kcache.store import open_store
 @click.option("--signing-key", type=click.Path(dir_okay=False), envvar="KCACHE_SIGNING_KEY", required=True,
               help="The key from `kcache keygen` that pods trust (env KCACHE_SIGNING_KEY).")  # fmt: skip
 @click.option("--ttl", metavar="DURATION",
-              help="How long re-signed refs stay valid, e.g. 12h or 7d (env KCACHE_REF_TTL; default 7d).")  # fmt: skip
+              help="How long re-signed refs stay valid, e.g. 12h or 7d (env KCACHE_REF_TTL; default 1d).")  # fmt: skip
 @store_options
 @json_option
 @handle_errors
