@@ -80,7 +80,7 @@ class Choice:
 
 
 def pick(store: Store, index: Catalog, fp: Fingerprint, pinned: str | None, fallback: str | None,
-            policy: Policy) -> Choice | str:  # fmt: skip
+         policy: Policy) -> Choice | str:  # fmt: skip
     """The bundle to restore for this fingerprint, or why there is none (a miss)."""
     if pinned:
         why = _pinned_yanked(index, fp, pinned, policy)
