@@ -3,17 +3,21 @@ and a manifest's signature is checked before its bytes are fetched."""
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timezone
 
 import pytest
+from click.testing import CliRunner
 from faulty import CountingStore
 from trees import write_tree
 
-from kcache import limits, refs, signing, sources
+from kcache import fingerprint, limits, refs, signing, sources
+from kcache.cli import main
 from kcache.errors import ConfigError, ObjectTooLarge, SignatureError
 from kcache.publish import publish
 from kcache.restore import restore
 from kcache.store import manifest_key, ref_key
+from kcache.store.local import LocalStore
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 BIG = "e" * 64
@@ -93,3 +97,16 @@ def test_the_cap_is_configurable_and_checked():
     for bad in ("-1", "0", "lots"):
         with pytest.raises(ConfigError):
             limits.max_manifest_bytes({limits.MANIFEST_ENV: bad})
+
+
+def test_cli_starts_cold_on_a_huge_manifest(tmp_path, monkeypatch):
+    store = LocalStore(tmp_path / "bucket")
+    args = ["--store", f"file://{store.root}", "--index", "none", "--model", "m1"]
+    runner = CliRunner()
+    facts = runner.invoke(main, ["fingerprint", "--json", "--model", "m1"], catch_exceptions=False)
+    fp = fingerprint.compute(json.loads(facts.output)["facts"])
+    _huge_manifest_under_ref(store, fp, 70 * 1024 * 1024)
+    cold = runner.invoke(main, ["restore", "--into", str(tmp_path / "dst"), *args], catch_exceptions=False)
+    assert cold.exit_code == 0 and "limit" in cold.stderr and (tmp_path / "dst/kcache.env").exists()
+    strict = runner.invoke(main, ["restore", "--into", str(tmp_path / "dst"), "--strict", *args])
+    assert strict.exit_code == 6 and "KCACHE_MAX_MANIFEST_BYTES" in strict.stderr
