@@ -258,8 +258,10 @@ def _load(store: Store, key: str, bundle_key: str) -> tuple[Ref | None, str | No
         size = store.size(key)
     except ObjectMissing:
         return None, None
-    if size > limits.REF_BYTES:
-        raise ObjectTooLarge("ref", key, size, limits.REF_BYTES)
+    if size > limits.REF_BYTES:  # hostile: too big to read for its version, so remove it and start over
+        log.warning("removing %s: %s", key, ObjectTooLarge("ref", key, size, limits.REF_BYTES))
+        store.delete(key)
+        return None, None
     current = store.get_versioned(key)
     if current is None:
         return None, None

@@ -89,6 +89,9 @@ def test_huge_ref_and_signature_objects_are_refused_unread(tmp_path, store, fp, 
     with pytest.raises(ObjectTooLarge):
         signing.verify(counting, (keys[1],), fp.bundle_key, BIG, 10)
     assert counting.read == {}
+    private, _public = keys
+    refs.advance(counting, refs.Ref(fp.bundle_key, BIG, T0), signer=private)  # a writer replaces it unread
+    assert counting.read == {} and refs.read(store, fp.bundle_key).manifest == BIG
 
 
 def test_the_cap_is_configurable_and_checked():
