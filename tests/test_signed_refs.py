@@ -236,3 +236,17 @@ def test_refs_round_trip_canonically_and_keep_their_signature(bundle_key, manife
     ref = refs.Ref(**{**draft.__dict__, "signatures": (("p", signing.sign_message(key, draft.message())),)})
     again = refs.parse(ref.to_bytes(), bundle_key)
     assert again == ref and again.to_bytes() == ref.to_bytes() and again.message() == draft.message()
+
+
+def test_refresh_all_takes_every_key_or_one_models(tmp_path, store, sqlite_index, fp, keys):
+    from kcache import fingerprint
+
+    other = fingerprint.compute({**fp.facts, "model.id": "another-model"})
+    _publish(tmp_path, store, sqlite_index, fp, b"a", name="mine")
+    _publish(tmp_path, store, sqlite_index, other, b"b", name="theirs")
+    key = keys["prod"][0]
+    only = refs.refresh_all(store, sqlite_index, model="another-model", signer=key)
+    assert list(only) == [other.bundle_key] and refs.read(store, fp.bundle_key).signatures == ()
+    everything = refs.refresh_all(store, sqlite_index, signer=key)
+    assert set(everything) == {fp.bundle_key, other.bundle_key}
+    assert all(dict(refs.read(store, k).signatures).keys() == {"prod"} for k in everything)
