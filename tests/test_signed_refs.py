@@ -250,3 +250,14 @@ def test_refresh_all_takes_every_key_or_one_models(tmp_path, store, sqlite_index
     everything = refs.refresh_all(store, sqlite_index, signer=key)
     assert set(everything) == {fp.bundle_key, other.bundle_key}
     assert all(dict(refs.read(store, k).signatures).keys() == {"prod"} for k in everything)
+
+
+def test_signed_refs_over_s3(tmp_path, s3_store, sqlite_index, fp, keys):
+    key = keys["prod"][0]
+    _publish(tmp_path, s3_store, sqlite_index, fp, b"good", key, "v1")
+    v2 = _publish(tmp_path, s3_store, sqlite_index, fp, b"broken", key, "v2")
+    assert _pod(s3_store, fp, tmp_path / "a", keys).bundle_id == v2.bundle_id
+    yank(s3_store, sqlite_index, v2.bundle_id, signer=key)
+    s3_store.delete(refs.yank_key(v2.bundle_id))
+    pinned = _pod(s3_store, fp, tmp_path / "b", keys, bundle_id=v2.bundle_id)
+    assert pinned.status == "miss" and "yanked" in pinned.reason
