@@ -32,11 +32,12 @@ _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 MODE_MASK = 0o777
 
 
-# Memory (scripts/bench_manifest_memory.py: tracemalloc, CPython 3.11, 100k entries of ~200 canonical
-# bytes each): a parsed entry holds ~410 bytes (slots object, path and blob strings, four ints; pack
-# ids are shared). Parsing peaks at ~950 bytes an entry including the raw bytes, about 4.8x the
-# manifest's size, because json.loads holds the decoded text and every row at once. Restore caps manifests at KCACHE_MAX_MANIFEST_BYTES
-# (default 64 MiB, ~340k entries, a ~310 MiB peak: inside the examples' 1 GiB init container).
+# Memory (scripts/bench_manifest_memory.py: tracemalloc, CPython 3.11, 100k entries of ~200
+# canonical bytes each): a parsed entry holds ~410 bytes (slots object, path and blob strings, four
+# ints; pack ids are shared). Parsing peaks at ~950 bytes an entry including the raw bytes, about
+# 4.8x the manifest's size, because json.loads holds the decoded text and every row at once. Restore
+# caps manifests at KCACHE_MAX_MANIFEST_BYTES (default 64 MiB, ~340k entries, a ~310 MiB peak:
+# inside the examples' 1 GiB init container).
 @dataclass(frozen=True, slots=True)  # slots: a 20k-file bundle holds 20k of these during restore
 class Entry:
     """One file of a bundle and where its bytes live."""

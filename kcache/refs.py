@@ -13,9 +13,10 @@ than the ref's never overwrites it.
 A store writer without the signing key must not be able to roll pods back, so under
 `--require-signature` the ref itself must be signed (like TUF's timestamp role):
 
-- `generation` grows by one with every write. Pods keep no state, so they cannot compare it with
-  what they saw before; it lets anything that does remember (an operator, a monitor) see a
-  replayed ref, and orders the signed history.
+- `generation` grows with every write: one more than the ref it replaces, and never less than the
+  writer's clock in milliseconds, so a replayed old ref cannot pull the next write's number back.
+  Pods keep no state, so they cannot compare it with what they saw before; it lets anything that
+  does remember (an operator, a monitor) see a replayed ref, and orders the signed history.
 - `expires` (set when signed; `KCACHE_REF_TTL`, default 1 day) bounds replay: an old signed ref
   copied back into the store is refused once it expires. `kcache refresh`, and every signed
   publish that finds the ref past half its lifetime, re-sign it.
@@ -61,7 +62,7 @@ class Ref:
     bundle_key: str
     manifest: str
     created_at: datetime  # the bundle's: orders publishes
-    generation: int = 0  # set by each write, one more than the ref it replaced
+    generation: int = 0  # set by each write: above the ref it replaced and the writer's clock (ms)
     expires: datetime | None = None  # set when signed
     yanked: tuple[str, ...] = ()  # sorted bundle ids of this key that must never be restored
     signatures: tuple[tuple[str, str], ...] = ()  # (key name, base64 signature of `message()`)
@@ -273,8 +274,10 @@ def _load(store: Store, key: str, bundle_key: str) -> tuple[Ref | None, str | No
 
 
 def _stamp(draft: Ref, current: Ref | None, signer, ttl: timedelta) -> Ref:
-    ref = replace(draft, generation=(current.generation if current else 0) + 1, signatures=(),
-                  expires=datetime.now(timezone.utc) + ttl if signer else None)  # fmt: skip
+    now = datetime.now(timezone.utc)
+    # Never below the clock (in ms): a replayed old ref in the store cannot pull the next one back.
+    generation = max((current.generation if current else 0) + 1, int(now.timestamp() * 1000))
+    ref = replace(draft, generation=generation, signatures=(), expires=now + ttl if signer else None)
     if signer is None:
         return ref
     return replace(ref, signatures=((signer.name, signing.sign_message(signer, ref.message())),))

@@ -105,11 +105,14 @@ def test_a_replayed_pre_yank_ref_is_refused_once_expired(tmp_path, store, sqlite
     v2 = _publish(tmp_path, store, sqlite_index, fp, b"broken", key, "v2")
     stale = _signed_ref_bytes(tmp_path, sqlite_index, v2.bundle_id, key, ttl=EXPIRED)
     yank(store, sqlite_index, v2.bundle_id, signer=key)
+    replaced = refs.read(store, fp.bundle_key).generation
     store.delete(refs.yank_key(v2.bundle_id))
     store.delete(ref_key(fp.bundle_key))
     store.put_if(ref_key(fp.bundle_key), stale, None)
     result = _pod(store, fp, tmp_path / "dst", keys)
     assert result.status == "miss" and "expired" in result.reason and "kcache refresh" in result.reason
+    refs.refresh(store, sqlite_index, fp.bundle_key, signer=key)  # the replay does not pull generations back
+    assert refs.read(store, fp.bundle_key).generation >= replaced > refs.parse(stale, fp.bundle_key).generation
 
 
 def test_replay_within_the_expiry_window_is_the_documented_limit(tmp_path, store, sqlite_index, fp, keys):
@@ -160,7 +163,7 @@ def test_publish_refreshes_a_ref_only_when_it_is_close_to_expiring(tmp_path, sto
     refs.refresh(store, sqlite_index, fp.bundle_key, signer=key, ttl=timedelta(hours=1))  # past half of the default day
     _publish(tmp_path, store, sqlite_index, fp, b"a", key)
     again = refs.read(store, fp.bundle_key)
-    assert again.generation == first.generation + 2 and again.expires > first.expires
+    assert again.generation > first.generation and again.expires > first.expires
 
 
 def test_an_unsigned_publish_does_not_strip_the_signature_of_the_same_bundle(tmp_path, store, sqlite_index, fp, keys):
