@@ -14,7 +14,7 @@ TABLE: tuple[tuple[type[Exception], int, str], ...] = (
     (errors.StoreError, 4, "check the store URL, that it exists and that you may read and write it"),
     (errors.IndexDbError, 5, "check --index / KCACHE_INDEX; a new PostgreSQL index needs `kcache db upgrade`"),
     (errors.UnsafePath, 6, "the bundle is hostile or corrupt; do not restore it (re-publish from a clean cache)"),
-    (errors.ObjectTooLarge, 6, "if the bundle is genuine, raise KCACHE_MAX_MANIFEST_BYTES; else it is hostile"),
+    (errors.ObjectTooLarge, 6, "a real manifest that big needs KCACHE_MAX_MANIFEST_BYTES raised; else it is hostile"),
     (errors.IntegrityError, 6, "the stored data is corrupt; re-publish the bundle from a good cache"),
     (errors.SignatureError, 9, "sign with `kcache publish --signing-key`; trust the .pub with --trusted-key"),
     (errors.RootError, 7, "pass --into a directory kcache may create and own"),
