@@ -92,3 +92,11 @@ class SignatureError(KcacheError):
     def __init__(self, bundle_id: str, why: str):
         self.bundle_id, self.why = bundle_id, why
         super().__init__(f"bundle {bundle_id[:12]}: {why}")
+
+
+class ObjectTooLarge(IntegrityError):
+    """An object from the store is larger than kcache will read (a hostile or runaway writer)."""
+
+    def __init__(self, what: str, key: str, size: int, limit: int):
+        self.key, self.size, self.limit = key, size, limit
+        super().__init__(what, key, f"is {size} bytes, over the {limit}-byte limit; refused unread")

@@ -121,7 +121,7 @@ def _delete_bundle(store: Store, index: Index, bundle: Bundle) -> None:
 
 
 def _manifest(store: Store, bundle_id: str) -> manifests.Manifest:
-    return manifests.parse(store.get_bytes(manifest_key(bundle_id)), bundle_id)
+    return manifests.fetch(store, bundle_id)
 
 
 def _orphans(store: Store, known: set[str], cutoff: datetime):

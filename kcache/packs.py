@@ -28,6 +28,7 @@ from kcache import canonical
 from kcache.errors import IntegrityError
 
 MAGIC = b"KCPACK1\n"
+TRAILER_SCHEMA = 1
 FOOTER = struct.Struct(">Q")
 FOOTER_SIZE = FOOTER.size + len(MAGIC)
 TARGET_PACK_BYTES = 32 * 1024 * 1024
@@ -90,8 +91,7 @@ class PackWriter:
         self._blobs.append(PackedBlob(blob_id, offset, self._file.tell() - offset, size))
 
     def finish(self) -> Pack:
-        trailer = canonical.dumps({"schema": 1, "blobs": [[b.id, b.offset, b.length, b.size] for b in self._blobs]})
-        self._file.write(trailer + FOOTER.pack(len(trailer)) + MAGIC)
+        self._file.write(trailer(self._blobs))
         self._file.flush()
         size = self._file.tell()
         self._file.seek(0)
@@ -106,6 +106,22 @@ class PackWriter:
         self._path.unlink(missing_ok=True)
 
 
+def trailer(blobs) -> bytes:
+    """A pack's last bytes: the canonical JSON trailer, its length, MAGIC (pinned by a golden test)."""
+    body = canonical.dumps({"schema": TRAILER_SCHEMA, "blobs": [[b.id, b.offset, b.length, b.size] for b in blobs]})
+    return body + FOOTER.pack(len(body)) + MAGIC
+
+
+def trailer_span(pack_id: str, tail: bytes, pack_size: int) -> int:
+    """How many bytes from the pack's end hold trailer and footer, read from the footer in `tail`."""
+    if len(tail) < FOOTER_SIZE or not tail.endswith(MAGIC):
+        raise IntegrityError("pack", pack_id, "has no kcache pack footer")
+    (trailer_len,) = FOOTER.unpack(tail[-FOOTER_SIZE : -len(MAGIC)])
+    if trailer_len + FOOTER_SIZE > pack_size:
+        raise IntegrityError("pack", pack_id, f"claims a {trailer_len}-byte trailer in a {pack_size}-byte pack")
+    return trailer_len + FOOTER_SIZE
+
+
 def parse_trailer(pack_id: str, tail: bytes, pack_size: int) -> tuple[PackedBlob, ...]:
     """Parse a pack's trailer from its last bytes (`tail` must include trailer and footer)."""
     if len(tail) < FOOTER_SIZE or not tail.endswith(MAGIC):
@@ -116,6 +132,8 @@ def parse_trailer(pack_id: str, tail: bytes, pack_size: int) -> tuple[PackedBlob
     body_end = pack_size - FOOTER_SIZE - trailer_len
     try:
         doc = json.loads(tail[-FOOTER_SIZE - trailer_len : -FOOTER_SIZE])
+        if doc["schema"] != TRAILER_SCHEMA:
+            raise ValueError(f"schema {doc['schema']!r} is not {TRAILER_SCHEMA}")
         blobs = tuple(PackedBlob(str(i), int(o), int(n), int(s)) for i, o, n, s in doc["blobs"])
     except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
         raise IntegrityError("pack", pack_id, f"trailer does not parse: {exc}") from None

@@ -193,9 +193,9 @@ def publish(
         signing.sign(store, signing_key, manifest.bundle_key, manifest.id, len(data))
     row = _bundle_row(manifest, compile_seconds)
     created = index.add_bundle(row)
-    # After the commit point: pods without index access find the bundle through its ref.
-    if created or refs.read(store, row.bundle_key) is None:
-        refs.advance(store, refs.Ref(row.bundle_key, row.id, row.created_at))
+    # After the commit point: pods without index access find the bundle through its ref, signed
+    # when we sign (an unchanged re-publish only re-signs a ref that is close to expiring).
+    refs.advance(store, refs.for_bundle(index, row.id), signer=signing_key)
     seconds = time.perf_counter() - started
     result = PublishResult(
         fingerprint.bundle_key, manifest.id, created, manifest.layers, len(entries), manifest.total_size,

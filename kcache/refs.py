@@ -1,42 +1,90 @@
 """Refs: `refs/<bundle-key>` names the newest manifest of a bundle key, in the store itself.
 
-    refs/<bundle-key>  ->  {"schema": 1, "bundle_key": ..., "manifest": <id>, "created_at": <iso UTC>}
+    refs/<bundle-key>  ->  {"signed": {"schema": 2, "type": "kcache-ref", "bundle_key": ...,
+                                       "manifest": <id>, "created_at": <iso UTC>, "generation": <n>,
+                                       "expires": <iso UTC> | null, "yanked": [<id>, ...]},
+                            "signatures": {<key name>: <base64 Ed25519 over canonical "signed">}}
     yanks/<bundle-id>  ->  why the bundle was yanked (present = never restore it)
 
 A pod that may read the bucket but not the SQL index restores through its ref. Publishers move
 a ref forward with compare-and-swap, and only forward: a slow publisher whose bundle is older
 than the ref's never overwrites it.
+
+A store writer without the signing key must not be able to roll pods back, so under
+`--require-signature` the ref itself must be signed (like TUF's timestamp role):
+
+- `generation` grows with every write: one more than the ref it replaces, and never less than the
+  writer's clock in milliseconds, so a replayed old ref cannot pull the next write's number back.
+  Pods keep no state, so they cannot compare it with what they saw before; it lets anything that
+  does remember (an operator, a monitor) see a replayed ref, and orders the signed history.
+- `expires` (set when signed; `KCACHE_REF_TTL`, default 1 day) bounds replay: an old signed ref
+  copied back into the store is refused once it expires. `kcache refresh`, and every signed
+  publish that finds the ref past half its lifetime, re-sign it.
+- `yanked` lists the bundles of this key the signer's index has yanked, so deleting a
+  `yanks/<id>` marker does not un-yank a pinned bundle, and a signed ref never names a yanked one.
+  The list comes from the writer's index, never from the ref it replaces (which anyone could edit).
+
+Yank markers stay unsigned on purpose: a marker can only make a pod start cold or take the
+previous bundle, so honouring one from an untrusted writer is fail-safe.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
-from datetime import datetime
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING
 
-from kcache import canonical
-from kcache.errors import IntegrityError
+from kcache import canonical, durations, limits, signing
+from kcache.errors import IntegrityError, ObjectMissing, ObjectTooLarge
 from kcache.store import Store, ref_key
 
+if TYPE_CHECKING:
+    from kcache.index import Index
+
 log = logging.getLogger(__name__)
+SCHEMA = 2
+TYPE = "kcache-ref"  # in the signed bytes: a ref signature can never pass for a manifest signature
+DEFAULT_TTL = timedelta(days=1)  # the replay window; signed publishes and `kcache refresh` renew it
+TTL_ENV = "KCACHE_REF_TTL"
 _CAS_ATTEMPTS = 20
+_YANK_SCAN = 10_000  # bundles of one key looked at for its yank list; gc keeps far fewer
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+_KEEP = object()  # a decision: leave the ref as it is
 
 
 @dataclass(frozen=True)
 class Ref:
     bundle_key: str
     manifest: str
-    created_at: datetime
+    created_at: datetime  # the bundle's: orders publishes
+    generation: int = 0  # set by each write: above the ref it replaced and the writer's clock (ms)
+    expires: datetime | None = None  # set when signed
+    yanked: tuple[str, ...] = ()  # sorted bundle ids of this key that must never be restored
+    signatures: tuple[tuple[str, str], ...] = ()  # (key name, base64 signature of `message()`)
 
     @property
     def id(self) -> str:
         """The bundle id (= manifest id), as the index's Bundle names it."""
         return self.manifest
 
+    def message(self) -> bytes:
+        """The bytes a signature covers: everything but the signatures."""
+        return canonical.dumps({
+            "schema": SCHEMA, "type": TYPE, "bundle_key": self.bundle_key, "manifest": self.manifest,
+            "created_at": _iso(self.created_at), "generation": self.generation,
+            "expires": _iso(self.expires) if self.expires else None, "yanked": list(self.yanked),
+        })  # fmt: skip
+
     def to_bytes(self) -> bytes:
-        return canonical.dumps({"schema": 1, "bundle_key": self.bundle_key, "manifest": self.manifest,
-                                "created_at": self.created_at.isoformat()})  # fmt: skip
+        return canonical.dumps({"signed": json.loads(self.message()), "signatures": dict(self.signatures)})
+
+    def expired(self, now: datetime) -> bool:
+        return self.expires is not None and self.expires <= now
 
 
 def yank_key(bundle_id: str) -> str:
@@ -44,54 +92,205 @@ def yank_key(bundle_id: str) -> str:
     return f"yanks/{bundle_id}"
 
 
+def default_ttl(env: Mapping[str, str] | None = None) -> timedelta:
+    """How long a signed ref stays valid: KCACHE_REF_TTL (a duration such as 12h or 7d), else 1 day."""
+    text = (os.environ if env is None else env).get(TTL_ENV, "").strip()
+    return durations.parse(text, TTL_ENV, positive=True) if text else DEFAULT_TTL
+
+
 def parse(data: bytes, bundle_key: str) -> Ref:
     try:
         doc = json.loads(data)
-        ref = Ref(str(doc["bundle_key"]), str(doc["manifest"]), datetime.fromisoformat(doc["created_at"]))
-    except (ValueError, KeyError, TypeError) as exc:
+        ref = _legacy(doc) if doc.get("schema") == 1 else _from_signed(doc["signed"], doc["signatures"])
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as exc:
         raise IntegrityError("ref", bundle_key, f"does not parse: {exc}") from None
     if ref.bundle_key != bundle_key:
         raise IntegrityError("ref", bundle_key, f"names bundle key {ref.bundle_key}")
     return ref
 
 
+def _from_signed(signed: dict, signatures: dict) -> Ref:
+    if signed["schema"] != SCHEMA or signed["type"] != TYPE:
+        raise ValueError(f"schema {signed['schema']!r} of type {signed['type']!r} is not {SCHEMA} {TYPE}")
+    generation = signed["generation"]
+    if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
+        raise ValueError("generation is not a non-negative integer")
+    if not all(isinstance(v, str) for v in signatures.values()):
+        raise ValueError("a signature is not a string")
+    return Ref(
+        _text(signed["bundle_key"]), _hex(signed["manifest"]), _time(signed["created_at"]), generation,
+        _time(signed["expires"]) if signed["expires"] is not None else None,
+        tuple(_hex(y) for y in signed["yanked"]), tuple(sorted((str(k), v) for k, v in signatures.items())),
+    )  # fmt: skip
+
+
+def _legacy(doc: dict) -> Ref:
+    """Schema 1 (kcache before signed refs): unsigned, so a pod requiring signatures refuses it."""
+    return Ref(_text(doc["bundle_key"]), _hex(doc["manifest"]), _time(doc["created_at"]))
+
+
+def _text(value) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not a string")
+    return value
+
+
+def _hex(value) -> str:
+    if not isinstance(value, str) or not _HEX64.match(value):
+        raise ValueError(f"{value!r} is not a SHA-256 hex digest")
+    return value
+
+
+def _time(value) -> datetime:
+    return _utc(datetime.fromisoformat(_text(value)))
+
+
+def _utc(moment: datetime) -> datetime:
+    # The index may hand back naive datetimes (SQLite); they are UTC by kcache's convention.
+    return moment.replace(tzinfo=timezone.utc) if moment.tzinfo is None else moment.astimezone(timezone.utc)
+
+
+def _iso(moment: datetime) -> str:
+    return _utc(moment).isoformat()
+
+
 def read(store: Store, bundle_key: str) -> Ref | None:
-    current = store.get_versioned(ref_key(bundle_key))
-    return parse(current[0], bundle_key) if current else None
+    """The ref as the store has it (not yet verified), read with a size cap."""
+    data = limits.read_capped(store, ref_key(bundle_key), limits.REF_BYTES, "ref")
+    return parse(data, bundle_key) if data is not None else None
 
 
-def advance(store: Store, ref: Ref) -> bool:
-    """Point the ref at `ref.manifest` unless it already names a newer bundle. True if it moved."""
-    key = ref_key(ref.bundle_key)
-    for _ in range(_CAS_ATTEMPTS):
-        current = store.get_versioned(key)
-        if current is not None:
-            existing = parse(current[0], ref.bundle_key)
-            if (existing.created_at, existing.manifest) >= (ref.created_at, ref.manifest):
-                return False
-        if store.put_if(key, ref.to_bytes(), current[1] if current else None):
-            return True
-    log.warning("gave up moving %s after %d contended attempts", key, _CAS_ATTEMPTS)
-    return False
+def advance(store: Store, ref: Ref, *, signer: signing.SigningKey | None = None, ttl: timedelta | None = None) -> bool:
+    """Point the ref at `ref.manifest` unless it already names a newer bundle. True if it was written.
+
+    With a signer, a ref that already names this bundle is re-signed when it is unsigned by this
+    key or past half its lifetime, so a fleet that keeps publishing keeps its ref fresh.
+    """
+    ttl = ttl or default_ttl()
+
+    def decide(current: Ref | None):
+        if ref.manifest in ref.yanked:  # a signed ref must never name a yanked bundle
+            return _KEEP
+        if current is None:
+            return ref
+        if (_utc(current.created_at), current.manifest) > (_utc(ref.created_at), ref.manifest):
+            return _KEEP
+        if current.manifest == ref.manifest and not _stale(current, ref, signer, ttl):
+            return _KEEP
+        return ref
+
+    return _write(store, ref.bundle_key, decide, signer, ttl) is not _KEEP
 
 
-def repoint(store: Store, bundle_key: str, away_from: str, to: Ref | None) -> bool:
+def repoint(store: Store, bundle_key: str, away_from: str, to: Ref | None, *,
+            signer: signing.SigningKey | None = None, ttl: timedelta | None = None) -> bool:  # fmt: skip
     """Move a ref that names `away_from` (yanked or deleted) to `to`, or remove it when `to` is None.
 
     Unlike `advance` this may move backwards in time; it only acts while the ref still names
     `away_from`, so a publish that moved it meanwhile wins.
     """
+
+    def decide(current: Ref | None):
+        return to if current is not None and current.manifest == away_from else _KEEP
+
+    return _write(store, bundle_key, decide, signer, ttl or default_ttl()) is not _KEEP
+
+
+def refresh(store: Store, index: Index, bundle_key: str, *, signer: signing.SigningKey | None = None,
+            ttl: timedelta | None = None) -> Ref | None:  # fmt: skip
+    """Rewrite the ref from the index: its newest active bundle and its yank list, re-signed.
+
+    What the ref named before does not matter (a writer without keys may have pointed it
+    anywhere); only its generation is carried forward. No active bundle: the ref is removed.
+    """
+
+    def decide(_current: Ref | None):
+        newest = index.newest_bundle(bundle_key)
+        return for_bundle(index, newest.id) if newest else None
+
+    written = _write(store, bundle_key, decide, signer, ttl or default_ttl())
+    return None if written is _KEEP else written
+
+
+def for_bundle(index: Index, bundle_id: str) -> Ref:
+    """An unstamped ref naming this bundle as the index has it, with the key's yank list."""
+    bundle = index.get_bundle(bundle_id)
+    return Ref(bundle.bundle_key, bundle.id, _utc(bundle.created_at), yanked=yanked_in(index, bundle.bundle_key))
+
+
+def yanked_in(index: Index, bundle_key: str) -> tuple[str, ...]:
+    rows = index.list_bundles(bundle_key=bundle_key, limit=_YANK_SCAN)
+    return tuple(sorted(b.id for b in rows if b.bundle_key == bundle_key and b.status == "yanked"))
+
+
+def _stale(current: Ref, wanted: Ref, signer: signing.SigningKey | None, ttl: timedelta) -> bool:
+    if current.yanked != wanted.yanked:
+        return True
+    if signer is None:
+        return False  # an unsigned publish never strips a signature from the same bundle
+    left = (current.expires - datetime.now(timezone.utc)) if current.expires else timedelta(0)
+    return signer.name not in dict(current.signatures) or left < ttl / 2
+
+
+def _write(store: Store, bundle_key: str, decide: Callable, signer, ttl: timedelta):
+    """Compare-and-swap loop: `decide(current)` gives the new ref, None (remove) or _KEEP.
+
+    Returns the ref written, None when it was removed, or _KEEP when nothing changed.
+    """
     key = ref_key(bundle_key)
     for _ in range(_CAS_ATTEMPTS):
-        current = store.get_versioned(key)
-        if current is None or parse(current[0], bundle_key).manifest != away_from:
-            return False
-        if to is None:
+        current, version = _load(store, key, bundle_key)
+        draft = decide(current)
+        if draft is _KEEP or (draft is None and version is None):
+            return _KEEP
+        if draft is None:
             store.delete(key)
-            return True
-        if store.put_if(key, to.to_bytes(), current[1]):
-            return True
-    return False
+            return None
+        stamped = _stamp(draft, current, signer, ttl)
+        if store.put_if(key, stamped.to_bytes(), version):
+            return stamped
+    log.warning("gave up moving %s after %d contended attempts", key, _CAS_ATTEMPTS)
+    return _KEEP
+
+
+def _load(store: Store, key: str, bundle_key: str) -> tuple[Ref | None, str | None]:
+    """The current ref and its version. An unreadable ref is replaced rather than obeyed."""
+    try:
+        size = store.size(key)
+    except ObjectMissing:
+        return None, None
+    if size > limits.REF_BYTES:  # hostile: too big to read for its version, so remove it and start over
+        log.warning("removing %s: %s", key, ObjectTooLarge("ref", key, size, limits.REF_BYTES))
+        store.delete(key)
+        return None, None
+    current = store.get_versioned(key)
+    if current is None:
+        return None, None
+    try:
+        return parse(current[0], bundle_key), current[1]
+    except IntegrityError as exc:
+        log.warning("replacing a ref that cannot be read: %s", exc)
+        return None, current[1]
+
+
+def _stamp(draft: Ref, current: Ref | None, signer, ttl: timedelta) -> Ref:
+    now = datetime.now(timezone.utc)
+    # Never below the clock (in ms): a replayed old ref in the store cannot pull the next one back.
+    generation = max((current.generation if current else 0) + 1, int(now.timestamp() * 1000))
+    ref = replace(draft, generation=generation, signatures=(), expires=now + ttl if signer else None)
+    if signer is None:
+        return ref
+    return replace(ref, signatures=((signer.name, signing.sign_message(signer, ref.message())),))
+
+
+def refresh_all(store: Store, index: Index, *, bundle_keys=(), model: str | None = None,
+                signer: signing.SigningKey | None = None, ttl: timedelta | None = None) -> dict:  # fmt: skip
+    """{bundle key: `refresh`} for the named keys, else for every key the index holds (of `model`, if given)."""
+    from kcache.index import lifecycle
+
+    if not bundle_keys:
+        bundle_keys = sorted({b.bundle_key for b in lifecycle.all_bundles(index) if model is None or b.model == model})
+    return {key: refresh(store, index, key, signer=signer, ttl=ttl) for key in bundle_keys}
 
 
 class RefCatalog:
@@ -101,7 +300,7 @@ class RefCatalog:
         self.store = store
 
     def newest_bundle(self, bundle_key: str) -> Ref | None:
-        """The ref's bundle; restore itself checks the yank marker, whichever catalog answered."""
+        """The ref, unverified: restore checks its signature, expiry and the yank marker."""
         return read(self.store, bundle_key)
 
     def newest_for_toolchain(self, toolchain_key: str) -> None:

@@ -3,19 +3,21 @@
 The index is a cache of the store. After losing it (or to move from SQLite to PostgreSQL),
 `kcache reindex` reads every pack's trailer with one ranged read and every manifest, and
 inserts what is missing. Bundle times come from their refs where a ref names them, else from
-the manifest object's modification time.
+the manifest object's modification time. A bundle is yanked when `yanks/<id>` exists or its key's
+ref lists it (a yank never comes back as active just because the index was lost).
 """
 
 from __future__ import annotations
 
+import re
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kcache import limits, packs, refs
 from kcache import manifest as manifests
-from kcache import packs, refs
-from kcache.errors import IntegrityError, KcacheError
+from kcache.errors import KcacheError, ObjectTooLarge
 from kcache.records import BlobLocation, Bundle
 from kcache.store import Store
 
@@ -24,6 +26,8 @@ if TYPE_CHECKING:  # the SQL layer loads only when a caller opens an index
 from kcache.store.base import ObjectInfo
 
 _TAIL = 256 * 1024  # most trailers fit; longer ones get a second read
+_MAX_TRAILER = 64 * 1024 * 1024  # ~700k blobs: more than a 32 MiB pack of real files holds
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 
 
 @dataclass(frozen=True)
@@ -36,20 +40,25 @@ class ReindexResult:
 
 
 def _pack_blobs(store: Store, info: ObjectInfo) -> tuple[packs.PackedBlob, ...]:
+    """The pack's trailer, read from its end: one read, or two when it is longer than _TAIL."""
     pack_id = info.key.rsplit("/", 1)[-1]
-    start = max(0, info.size - _TAIL)
-    with store.open_range(info.key, start, info.size - start) as f:
-        tail = f.read()
-    try:
-        return packs.parse_trailer(pack_id, tail, info.size)
-    except IntegrityError:
-        if start == 0:
-            raise
-        with store.open_range(info.key, 0, info.size) as f:  # a trailer longer than _TAIL
-            return packs.parse_trailer(pack_id, f.read(), info.size)
+    tail = _read_end(store, info, min(info.size, _TAIL))
+    span = packs.trailer_span(pack_id, tail, info.size)
+    if span > len(tail):
+        if span > _MAX_TRAILER:  # a hostile footer must not make reindex read a whole huge pack
+            raise ObjectTooLarge("pack trailer", info.key, span, _MAX_TRAILER)
+        tail = _read_end(store, info, span)
+    return packs.parse_trailer(pack_id, tail, info.size)
+
+
+def _read_end(store: Store, info: ObjectInfo, length: int) -> bytes:
+    with store.open_range(info.key, info.size - length, length) as f:
+        return f.read()
 
 
 def reindex(store: Store, index: Index, *, jobs: int = 16) -> ReindexResult:
+    from kcache.index import lifecycle
+
     skipped: list[str] = []
     pack_infos = list(store.list("packs/"))
     blob_count = 0
@@ -68,19 +77,39 @@ def reindex(store: Store, index: Index, *, jobs: int = 16) -> ReindexResult:
         blob_count = sum(pool.map(one_pack, pack_infos))
 
     bundles = new = 0
+    yanked = _yanked(store, skipped)
     for info in store.list("manifests/"):
         manifest_id = info.key.rsplit("/", 1)[-1]
         try:
-            manifest = manifests.parse(store.get_bytes(info.key), manifest_id)
+            data = limits.read_capped(store, info.key, limits.max_manifest_bytes(), "manifest")
+            if data is None:  # deleted since it was listed (gc)
+                continue
+            manifest = manifests.parse(data, manifest_id)
             ref = refs.read(store, manifest.bundle_key)
         except KcacheError as exc:
             skipped.append(f"{info.key}: {exc}")
             continue
         created = ref.created_at if ref and ref.manifest == manifest_id else info.modified
+        status = "yanked" if manifest_id in yanked or (ref and manifest_id in ref.yanked) else "active"
         bundles += 1
-        new += index.add_bundle(Bundle(
+        added = index.add_bundle(Bundle(
             manifest_id, manifest.bundle_key, manifest.toolchain_key, manifest.workload_key,
             manifest.facts.get("model.id"), dict(manifest.facts), manifest.layers, len(manifest.entries),
-            manifest.total_size, created, f"reindex@{socket.gethostname()}", "active",
+            manifest.total_size, created, f"reindex@{socket.gethostname()}", status,
         ))  # fmt: skip
+        new += added
+        if not added and status == "yanked":  # a row that outlived its yank: the store's word wins
+            lifecycle.set_status(index, manifest_id, "yanked")
     return ReindexResult(len(pack_infos), blob_count, bundles, new, tuple(skipped))
+
+
+def _yanked(store: Store, skipped: list[str]) -> set[str]:
+    """Bundle ids with a yank marker. Markers are honoured unsigned: a yank can only cost a cold start."""
+    ids = set()
+    for info in store.list("yanks/"):
+        bundle_id = info.key.rsplit("/", 1)[-1]
+        if _HEX64.match(bundle_id):
+            ids.add(bundle_id)
+        else:
+            skipped.append(f"{info.key}: not a bundle id")
+    return ids

@@ -27,23 +27,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from kcache import envfile, fetch, refs, signing
+from kcache import choice, envfile, fetch, signing
 from kcache import manifest as manifests
 from kcache import sources as layers
 from kcache.errors import (
     ConfigError,
-    IntegrityError,
     KcacheError,
     RestoreTimeout,
     RootError,
-    SignatureError,
     UnsafePath,
 )
 from kcache.fingerprint import Fingerprint
 from kcache.packs import unpack_frame
 from kcache.readiness import RESTORE_MARKER, read_marker, write_marker
 from kcache.records import Event
-from kcache.store import Store, manifest_key
+from kcache.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +110,7 @@ def restore(
         raise ConfigError("--fallback", str(fallback), "the only fallback is 'toolchain'")
     if require_signature and not trusted:
         raise ConfigError("--require-signature", "on", "needs at least one --trusted-key (or KCACHE_TRUSTED_KEYS)")
-    policy = _Policy(trusted, require_signature)
+    policy = choice.Policy(trusted, require_signature)
     started = time.perf_counter()
     root = Path(root).absolute()
     try:
@@ -169,24 +167,6 @@ def _within(timeout: float | None, work) -> RestoreResult:
     return box["result"]
 
 
-@dataclass(frozen=True)
-class _Policy:
-    trusted: tuple[signing.TrustedKey, ...]
-    required: bool
-
-    def check(self, store: Store, bundle_key: str, manifest_id: str, size: int) -> str | None:
-        """Who signed the manifest (None when no trusted key did and none is required)."""
-        if not self.trusted:
-            return None
-        signer = signing.verify(store, self.trusted, bundle_key, manifest_id, size)
-        if signer is None and self.required:
-            names = ", ".join(k.name for k in self.trusted)
-            raise SignatureError(manifest_id, f"is not signed by a trusted key (trusted: {names})")
-        if signer is None:
-            log.warning("bundle %s is not signed by a trusted key; restoring it anyway", manifest_id[:12])
-        return signer
-
-
 def _restore(
     store: Store,
     index: Catalog,
@@ -195,28 +175,21 @@ def _restore(
     jobs: int,
     budget: _Budget,
     pinned: str | None,
-    policy: _Policy,
+    policy: choice.Policy,
     fallback: str | None = None,
 ) -> RestoreResult:
     started = time.perf_counter()
     _prepare_root(root)
     if fp.mismatches:  # the facts file describes another machine: its bundle would be a wrong hit
-        manifest_id, partial, miss_reason = None, False, fp.mismatch_reason()
+        chosen = fp.mismatch_reason()
     else:
-        manifest_id, partial, miss_reason = _choose(store, index, fp, pinned, fallback)
-    if manifest_id is None:
-        env_file = _write_env(root, fp, [], f"miss, {miss_reason}")
+        chosen = choice.pick(store, index, fp, pinned, fallback, policy)
+    if isinstance(chosen, str):
+        env_file = _write_env(root, fp, [], f"miss, {chosen}")
         return RestoreResult("miss", fp.bundle_key, None, root, env_file, seconds=time.perf_counter() - started,
-                             reason=miss_reason)  # fmt: skip
-    data = store.get_bytes(manifest_key(manifest_id))
-    manifest = manifests.parse(data, manifest_id)
-    if partial and manifest.toolchain_key != fp.toolchain_key:
-        raise IntegrityError(
-            "manifest", manifest_id, f"is for toolchain {manifest.toolchain_key}, not {fp.toolchain_key}"
-        )
-    if not partial and manifest.bundle_key != fp.bundle_key:
-        raise IntegrityError("manifest", manifest_id, f"is for bundle key {manifest.bundle_key}, not {fp.bundle_key}")
-    signer = policy.check(store, manifest.bundle_key, manifest_id, len(data))
+                             reason=chosen)  # fmt: skip
+    partial = chosen.partial
+    manifest, signer = choice.read_manifest(store, chosen, fp, policy)
     _check_layers(manifest)
     layer_names = tuple(n for n in manifest.layers if n in PARTIAL_LAYERS) if partial else manifest.layers
     entries = tuple(e for e in manifest.entries if not partial or e.path.split("/", 1)[0] in PARTIAL_LAYERS)
@@ -236,21 +209,6 @@ def _check_layers(manifest: manifests.Manifest) -> None:
     for entry in manifest.entries:
         if not entry.path.startswith(prefixes):
             raise UnsafePath(entry.path, "belongs to no layer of the bundle that this kcache knows")
-
-
-def _choose(store: Store, index: Catalog, fp: Fingerprint, pinned: str | None, fallback: str | None):
-    """(manifest id or None, partial?, why not) for this fingerprint."""
-    manifest_id = pinned or getattr(index.newest_bundle(fp.bundle_key), "id", None)
-    partial = False
-    if manifest_id is None and fallback == "toolchain":
-        manifest_id = getattr(index.newest_for_toolchain(fp.toolchain_key), "id", None)
-        partial = manifest_id is not None
-    if manifest_id is None:
-        return None, False, "no bundle published for this fingerprint"
-    # The index's word is not enough: a yank marker in the store stops the bundle everywhere.
-    if store.exists(refs.yank_key(manifest_id)):
-        return None, False, f"bundle {manifest_id[:12]} is yanked"
-    return manifest_id, partial, ""
 
 
 def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jobs: int, budget: _Budget) -> None:

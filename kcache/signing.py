@@ -5,8 +5,11 @@
     store:     signatures/<manifest-id>/<NAME>              one object per signing key
 
 A signature covers canonical JSON of {bundle key, manifest id, manifest size}, so a valid manifest
-cannot be replayed under another bundle key. Keys are named so they can be rotated: a pod trusts
-a set of public keys and accepts a bundle signed by any of them.
+cannot be replayed under another bundle key, and restore can check it knowing only the manifest's
+size in the store: the manifest is fetched (at most that many bytes) only once a trusted key
+vouched for it. Refs are signed by the same keys (their signatures live inside the ref, see refs.py).
+Keys are named so they can be rotated: a pod trusts a set of public keys and accepts a bundle
+signed by any of them.
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kcache import atomic, canonical
-from kcache.errors import ConfigError, ObjectMissing, SignatureError
+from kcache import atomic, canonical, limits
+from kcache.errors import ConfigError, SignatureError
 from kcache.store import Store
 
 PRIVATE_TAG = "kcache-ed25519-private"
@@ -108,31 +112,51 @@ def load_trusted_keys(paths) -> tuple[TrustedKey, ...]:
 
 def sign(store: Store, key: SigningKey, bundle_key: str, manifest_id: str, manifest_size: int) -> None:
     """Store this key's signature of the manifest (create-if-absent: signatures are deterministic)."""
+    signature = sign_message(key, message(bundle_key, manifest_id, manifest_size))
+    store.put_bytes(signature_key(manifest_id, key.name), signature.encode())
+
+
+def sign_message(key: SigningKey, signed: bytes) -> str:
+    """The base64 Ed25519 signature of `signed` (deterministic: the same bytes sign the same)."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    signature = Ed25519PrivateKey.from_private_bytes(key.seed).sign(message(bundle_key, manifest_id, manifest_size))
-    store.put_bytes(signature_key(manifest_id, key.name), base64.b64encode(signature))
+    return base64.b64encode(Ed25519PrivateKey.from_private_bytes(key.seed).sign(signed)).decode()
 
 
 def verify(store: Store, trusted: tuple[TrustedKey, ...], bundle_key: str, manifest_id: str, size: int) -> str | None:
     """The name of a trusted key that signed this manifest, or None if none of them signed it.
 
-    A signature that is present but does not verify is an attack or corruption: SignatureError.
+    Needs only the manifest's size, not its bytes: restore checks the signature before it
+    downloads the manifest. A signature that is present but does not verify is an attack or
+    corruption: SignatureError.
+    """
+    found = {}
+    for key in trusted:
+        raw = limits.read_capped(store, signature_key(manifest_id, key.name), limits.SIGNATURE_BYTES, "signature")
+        if raw is not None:
+            found[key.name] = raw.decode("ascii", "replace")
+    return check(trusted, found, message(bundle_key, manifest_id, size), manifest_id)
+
+
+def check(trusted: tuple[TrustedKey, ...], signatures: Mapping[str, str], signed: bytes, what: str) -> str | None:
+    """The first trusted key whose signature in `signatures` ({key name: base64}) verifies `signed`.
+
+    None when no trusted key signed; SignatureError when a trusted key's signature is there but
+    does not verify (forged, or signed for other bytes).
     """
     from cryptography.exceptions import InvalidSignature
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-    signed = message(bundle_key, manifest_id, size)
     problems = []
     for key in trusted:
+        if key.name not in signatures:
+            continue
         try:
-            raw = base64.b64decode(store.get_bytes(signature_key(manifest_id, key.name)), validate=True)
+            raw = base64.b64decode(signatures[key.name], validate=True)
             Ed25519PublicKey.from_public_bytes(key.public).verify(raw, signed)
             return key.name
-        except ObjectMissing:
-            continue
         except (InvalidSignature, ValueError, binascii.Error):
             problems.append(f"the signature by {key.name!r} does not verify")
     if problems:
-        raise SignatureError(manifest_id, "; ".join(problems))
+        raise SignatureError(what, "; ".join(problems))
     return None

@@ -17,7 +17,7 @@ from kcache import fetch
 from kcache import manifest as manifests
 from kcache.errors import ConfigError, KcacheError
 from kcache.packs import unpack_frame
-from kcache.store import Store, manifest_key
+from kcache.store import Store
 
 if TYPE_CHECKING:
     from kcache.index import Index
@@ -64,7 +64,7 @@ def verify(
     to_read: dict[str, manifests.Entry] = {}
     for bundle in bundles:
         try:
-            manifest = manifests.parse(store.get_bytes(manifest_key(bundle.id)), bundle.id)
+            manifest = manifests.fetch(store, bundle.id)
         except KcacheError as exc:
             problems.append(f"bundle {bundle.id[:12]}: {exc}")
             continue

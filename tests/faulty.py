@@ -1,4 +1,5 @@
-"""Store wrappers that damage what `open_range` returns: fault injection by wrapping a backend.
+"""Store wrappers that damage what `open_range` returns (fault injection by wrapping a backend),
+or count what a reader takes (CountingStore).
 
 Each wrapper delegates everything to the real store and changes only the bytes (or the failure)
 of range reads, so the code under test reads through its ordinary path.
@@ -92,3 +93,49 @@ def raising(inner, error: Callable[[], BaseException]) -> RangeFaultStore:
         return damage
 
     return RangeFaultStore(inner, make)
+
+
+class CountingStore:
+    """Wraps a store and counts the bytes each key prefix (refs, manifests, ...) returned."""
+
+    def __init__(self, inner):
+        self.inner, self.url = inner, inner.url
+        self.read: dict[str, int] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _count(self, key: str, n: int) -> None:
+        top = key.split("/", 1)[0]
+        self.read[top] = self.read.get(top, 0) + n
+
+    def get_bytes(self, key):
+        data = self.inner.get_bytes(key)
+        self._count(key, len(data))
+        return data
+
+    def get_versioned(self, key):
+        current = self.inner.get_versioned(key)
+        if current:
+            self._count(key, len(current[0]))
+        return current
+
+    def open_range(self, key, offset, length):
+        stream, count = self.inner.open_range(key, offset, length), self._count
+
+        class Counted:
+            def read(self, n=-1):
+                data = stream.read(n)
+                count(key, len(data))
+                return data
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                stream.close()
+
+            def close(self):
+                stream.close()
+
+        return Counted()

@@ -110,3 +110,21 @@ def test_damaged_ref_is_an_integrity_error(store):
     store.put_if(ref_key("k"), b"{not json", None)
     with pytest.raises(IntegrityError):
         refs.read(store, "k")
+
+
+def test_reindex_reads_a_long_trailer_without_reading_the_pack(tmp_path, store, sqlite_index, fp, monkeypatch):
+    import os
+
+    from faulty import CountingStore
+
+    from kcache import reindex as reindex_module
+
+    write_tree(tmp_path / "src", {f"inductor/{i}": os.urandom(20_000) for i in range(20)})
+    publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={})
+    monkeypatch.setattr(reindex_module, "_TAIL", 200)  # every trailer is now "longer than the first read"
+    counting = CountingStore(store)
+    fresh = Index.open(f"sqlite:///{tmp_path / 'rebuilt.db'}")
+    rebuilt = reindex(counting, fresh)
+    fresh.close()
+    assert rebuilt.blobs == 20 and rebuilt.skipped == ()
+    assert counting.read["packs"] < 10_000  # the pack holds 400 kB of blobs

@@ -7,7 +7,6 @@ import click
 from kcache import manifest as manifests
 from kcache.cli import format as fmt
 from kcache.cli.options import handle_errors, json_option, opened, settings, store_options
-from kcache.store import manifest_key
 
 
 @click.command("ls")
@@ -57,7 +56,7 @@ def show_cmd(bundle, list_files, store_url, index_url, s3_endpoint_url, as_json)
         found = index.get_bundle(bundle)
         entries: tuple[manifests.Entry, ...] = ()
         if list_files:
-            entries = manifests.parse(store.get_bytes(manifest_key(found.id)), found.id).entries
+            entries = manifests.fetch(store, found.id).entries
     if as_json:
         doc = fmt.bundle_json(found)
         if list_files:

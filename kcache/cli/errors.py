@@ -52,6 +52,7 @@ TABLE: tuple[tuple[type[Exception], ExitCode, str], ...] = (
     (errors.StoreError, ExitCode.STORE, "check the store URL, that it exists and that you may read and write it"),
     (errors.IndexDbError, ExitCode.INDEX, "check --index / KCACHE_INDEX; PostgreSQL needs `kcache db upgrade`"),
     (errors.UnsafePath, ExitCode.CORRUPT, "the bundle is hostile or corrupt; re-publish it from a clean cache"),
+    (errors.ObjectTooLarge, ExitCode.CORRUPT, "a manifest this big needs KCACHE_MAX_MANIFEST_BYTES raised"),
     (errors.IntegrityError, ExitCode.CORRUPT, "the stored data is corrupt; re-publish the bundle from a good cache"),
     (errors.SignatureError, ExitCode.SIGNATURE, "sign with `publish --signing-key`; trust the .pub with --trusted-key"),
     (errors.RootError, ExitCode.ROOT, "pass --into a directory kcache may create and own"),

@@ -9,17 +9,19 @@ import click
 from kcache import durations
 from kcache.cli import format as fmt
 from kcache.cli.errors import ExitCode
-from kcache.cli.options import handle_errors, json_option, opened, settings, store_options
+from kcache.cli.options import handle_errors, json_option, load_signing_key, opened, settings, store_options
 
 
 @click.command("yank")
 @click.argument("bundle")
 @click.option("--undo", is_flag=True, help="Make a yanked bundle restorable again.")
 @click.option("--reason", default="", help="Why, kept in the store beside the yank.")
+@click.option("--signing-key", type=click.Path(dir_okay=False), envvar="KCACHE_SIGNING_KEY",
+              help="Re-sign the bundle key's ref with this key, so pods requiring signatures follow it.")  # fmt: skip
 @store_options
 @json_option
 @handle_errors
-def yank_cmd(bundle, undo, reason, store_url, index_url, s3_endpoint_url, as_json):
+def yank_cmd(bundle, undo, reason, signing_key, store_url, index_url, s3_endpoint_url, as_json):
     """Stop a bundle from ever being restored again (pods restore the previous one, or start cold).
 
     \b
@@ -29,8 +31,9 @@ def yank_cmd(bundle, undo, reason, store_url, index_url, s3_endpoint_url, as_jso
     """
     from kcache.yank import unyank, yank
 
+    key = load_signing_key(signing_key)
     with opened(settings(store_url, index_url, s3_endpoint_url)) as (store, index):
-        changed = unyank(store, index, bundle) if undo else yank(store, index, bundle, reason)
+        changed = unyank(store, index, bundle, signer=key) if undo else yank(store, index, bundle, reason, signer=key)
     if as_json:
         click.echo(fmt.to_json({"bundle_id": changed.id, "status": "active" if undo else "yanked"}))
     else:

@@ -80,6 +80,7 @@ ARGS = {
     ("warmup",): ["--url", "http://127.0.0.1:1"],
     ("watch",): ["--root", "{tmp}", "--once", "--publish-every", "1m"],
     ("yank",): ["abc"],
+    ("refresh",): ["--signing-key", "{tmp}/k.key"],
 }
 
 
@@ -95,7 +96,8 @@ def everything_breaks(monkeypatch):
         raise RuntimeError(INJECTED)
 
     for target in ("kcache.config.resolve", "kcache.fingerprint.collect", "kcache.signing.generate",
-                   "kcache.readiness.check", "kcache.cli.serve_cmd.make_server", "kcache.warmup.run"):  # fmt: skip
+                   "kcache.readiness.check", "kcache.cli.serve_cmd.make_server", "kcache.warmup.run",
+                   "kcache.signing.load_signing_key"):  # fmt: skip
         module, name = target.rsplit(".", 1)
         monkeypatch.setattr(importlib.import_module(module), name, boom)  # kcache.cli.X_cmd names a command too
 

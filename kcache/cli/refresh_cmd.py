@@ -1,0 +1,54 @@
+"""`kcache refresh`: re-sign refs/ from the index, so pods that require signatures keep following them."""
+
+from __future__ import annotations
+
+import click
+
+from kcache import durations
+from kcache.cli import format as fmt
+from kcache.cli.options import handle_errors, json_option, load_signing_key, open_index, settings, store_options
+from kcache.store import open_store
+
+
+@click.command("refresh")
+@click.argument("bundle_keys", nargs=-1, metavar="[BUNDLE_KEY]...")
+@click.option("--model", metavar="ID", help="Only the bundle keys of this model's bundles.")
+@click.option("--signing-key", type=click.Path(dir_okay=False), envvar="KCACHE_SIGNING_KEY", required=True,
+              help="The key from `kcache keygen` that pods trust.")  # fmt: skip
+@click.option("--ttl", metavar="DURATION", envvar="KCACHE_REF_TTL",
+              help="How long re-signed refs stay valid, e.g. 12h or 7d (default 1d).")  # fmt: skip
+@store_options
+@json_option
+@handle_errors
+def refresh_cmd(bundle_keys, model, signing_key, ttl, store_url, index_url, s3_endpoint_url, as_json):
+    """Rewrite and re-sign refs/<bundle-key> from the index: newest active bundle, yanks, a new expiry.
+
+    A pod restoring through refs with --require-signature refuses a ref past its expiry, which is
+    what stops a replayed old ref. Run this more often than the TTL (a CronJob), and after
+    repairing the index; signed publishes refresh a ref only once it is past half its lifetime.
+    Without BUNDLE_KEY (or --model), every bundle key in the index is refreshed.
+
+    \b
+    Examples:
+      kcache refresh --signing-key /secrets/prod-2026.key
+      kcache refresh --model my-llm --ttl 1d
+    """
+    from kcache import refs
+
+    key = load_signing_key(signing_key)
+    lifetime = durations.parse(ttl, "--ttl", positive=True) if ttl else None
+    cfg = settings(store_url, index_url, s3_endpoint_url)
+    store, index = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url), open_index(cfg.index_url)
+    try:
+        done = refs.refresh_all(store, index, bundle_keys=bundle_keys, model=model, signer=key, ttl=lifetime)
+    finally:
+        index.close()
+    rows = [{"bundle_key": k, "bundle_id": r.manifest if r else None, "generation": r.generation if r else None,
+             "expires": r.expires.isoformat() if r and r.expires else None} for k, r in done.items()]  # fmt: skip
+    if as_json:
+        click.echo(fmt.to_json({"refs": rows}))
+        return
+    click.echo(f"kcache: re-signed {sum(1 for r in done.values() if r)} refs with key {key.name!r}")
+    for row in rows:
+        what = f"-> {row['bundle_id'][:12]}, generation {row['generation']}, expires {row['expires']}"
+        click.echo(f"  {row['bundle_key']} {what if row['bundle_id'] else 'removed (no active bundle)'}")

@@ -1,0 +1,61 @@
+"""How much of an object from the store kcache will read before it trusts it.
+
+Anyone who can write the bucket can put a gigabyte where a ref, a signature or a manifest should
+be. Restore runs in an init container with a memory limit (the examples give it 1 GiB), so every
+such object is read with a cap known before the first byte arrives: the store's size is asked
+first, an object over its cap is refused unread, and the read itself stops at that size.
+
+    refs/<bundle-key>                  REF_BYTES        (a ref with a long yank list is ~70 bytes an id)
+    signatures/<manifest-id>/<key>     SIGNATURE_BYTES  (an Ed25519 signature is 88 base64 characters)
+    manifests/<hh>/<manifest-id>       KCACHE_MAX_MANIFEST_BYTES, default 64 MiB (see manifest.py)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from kcache.errors import ConfigError, IntegrityError, ObjectMissing, ObjectTooLarge, StoreError
+from kcache.store import Store
+
+REF_BYTES = 1024 * 1024
+SIGNATURE_BYTES = 1024
+DEFAULT_MANIFEST_BYTES = 64 * 1024 * 1024
+MANIFEST_ENV = "KCACHE_MAX_MANIFEST_BYTES"
+
+
+def max_manifest_bytes(env: Mapping[str, str] | None = None) -> int:
+    """The manifest cap: KCACHE_MAX_MANIFEST_BYTES (a byte count), else 64 MiB."""
+    text = (os.environ if env is None else env).get(MANIFEST_ENV, "").strip()
+    if not text:
+        return DEFAULT_MANIFEST_BYTES
+    if not text.isdigit() or int(text) <= 0:
+        raise ConfigError(MANIFEST_ENV, text, "expected a positive number of bytes, e.g. 67108864")
+    return int(text)
+
+
+def read_capped(store: Store, key: str, limit: int, what: str) -> bytes | None:
+    """The object under `key`, or None when absent; ObjectTooLarge when it is over `limit` bytes."""
+    try:
+        size = store.size(key)
+    except ObjectMissing:
+        return None
+    if size > limit:
+        raise ObjectTooLarge(what, key, size, limit)
+    return read_exactly(store, key, size)
+
+
+def read_exactly(store: Store, key: str, size: int) -> bytes:
+    """`size` bytes of `key`, never more (the object may have grown since its size was asked)."""
+    chunks, got = [], 0
+    try:
+        with store.open_range(key, 0, size) as f:
+            while got < size and (chunk := f.read(size - got)):  # a stream may return short reads
+                chunks.append(chunk)
+                got += len(chunk)
+    except OSError as exc:  # the network or the mount, not the restore root
+        raise StoreError(store.url, f"reading {key} failed: {exc.strerror or exc}") from None
+    data = b"".join(chunks)
+    if len(data) != size:
+        raise IntegrityError("object", key, f"ended after {len(data)} of its {size} bytes")
+    return data

@@ -1,0 +1,266 @@
+"""Rollback through refs/: a store writer without the signing key cannot make a pod that requires
+signatures restore a yanked or superseded bundle, except by replaying a signed ref before it expires."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from trees import write_tree
+
+from kcache import refs, signing, sources
+from kcache.cli import main
+from kcache.index import Index
+from kcache.publish import publish
+from kcache.reindex import reindex
+from kcache.restore import restore
+from kcache.store import ref_key
+from kcache.store.local import LocalStore
+from kcache.yank import unyank, yank
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+EXPIRED = timedelta(seconds=-1)  # a ref signed so long ago that its lifetime is over
+
+
+@pytest.fixture
+def keys(tmp_path):
+    made = {}
+    for name in ("prod", "other"):
+        private, public = signing.generate(name, tmp_path / "keys")
+        made[name] = (signing.load_signing_key(private), signing.load_trusted_keys([public])[0])
+    return made
+
+
+def _publish(tmp_path, store, index, fp, content: bytes, key=None, name="src"):
+    write_tree(tmp_path / name, {"inductor/a": content})
+    return publish(store, index, fp, sources.select(), root=tmp_path / name, env={}, signing_key=key)
+
+
+def _pod(store, fp, root, keys, **kw):
+    """A pod without index access that requires signatures by `prod`."""
+    return restore(store, refs.RefCatalog(store), fp, root, trusted=(keys["prod"][1],), require_signature=True, **kw)
+
+
+def _signed_ref_bytes(tmp_path, index, bundle_id, key, ttl=None) -> bytes:
+    """What a ref signed for `bundle_id` looked like: the copy an attacker kept to replay later."""
+    scratch = LocalStore(tmp_path / f"scratch-{bundle_id[:8]}-{ttl}")
+    ref = refs.for_bundle(index, bundle_id)
+    refs.advance(scratch, ref, signer=key, ttl=ttl)
+    return scratch.get_bytes(ref_key(ref.bundle_key))
+
+
+@pytest.fixture
+def yanked_v2(tmp_path, store, sqlite_index, fp, keys):
+    """v1 and v2 published signed, then v2 yanked with the key; returns (v1, v2)."""
+    key = keys["prod"][0]
+    v1 = _publish(tmp_path, store, sqlite_index, fp, b"good", key, "v1")
+    v2 = _publish(tmp_path, store, sqlite_index, fp, b"broken", key, "v2")
+    yank(store, sqlite_index, v2.bundle_id, "NaNs", signer=key)
+    return v1, v2
+
+
+def test_signed_publish_signs_the_ref_and_a_pod_follows_it(tmp_path, store, sqlite_index, fp, keys):
+    published = _publish(tmp_path, store, sqlite_index, fp, b"a", keys["prod"][0])
+    ref = refs.read(store, fp.bundle_key)
+    assert dict(ref.signatures).keys() == {"prod"} and ref.expires > datetime.now(timezone.utc) + timedelta(hours=23)
+    result = _pod(store, fp, tmp_path / "dst", keys)
+    assert (result.status, result.bundle_id) == ("hit", published.bundle_id)
+
+
+def test_yank_then_rewrite_the_ref_unsigned_is_a_miss(tmp_path, store, sqlite_index, fp, keys, yanked_v2):
+    _v1, v2 = yanked_v2
+    # The attack from issue 8: delete the marker and point the ref back at the yanked bundle.
+    store.delete(refs.yank_key(v2.bundle_id))
+    forged = refs.Ref(fp.bundle_key, v2.bundle_id, T0 + timedelta(days=999), generation=99)
+    store.delete(ref_key(fp.bundle_key))
+    store.put_if(ref_key(fp.bundle_key), forged.to_bytes(), None)
+    result = _pod(store, fp, tmp_path / "dst", keys)
+    assert result.status == "miss" and "not signed by a trusted key" in result.reason
+
+
+def test_a_ref_whose_fields_were_edited_after_signing_is_a_miss(tmp_path, store, sqlite_index, fp, keys, yanked_v2):
+    v1, v2 = yanked_v2
+    doc = json.loads(store.get_bytes(ref_key(fp.bundle_key)))
+    assert doc["signed"]["manifest"] == v1.bundle_id and doc["signed"]["yanked"] == [v2.bundle_id]
+    doc["signed"]["manifest"], doc["signed"]["yanked"] = v2.bundle_id, []
+    store.delete(ref_key(fp.bundle_key))
+    store.put_if(ref_key(fp.bundle_key), json.dumps(doc).encode(), None)
+    result = _pod(store, fp, tmp_path / "dst", keys)
+    assert result.status == "miss" and "does not verify" in result.reason
+
+
+def test_a_ref_signed_by_an_untrusted_key_is_a_miss(tmp_path, store, sqlite_index, fp, keys):
+    _publish(tmp_path, store, sqlite_index, fp, b"a", keys["other"][0])
+    result = _pod(store, fp, tmp_path / "dst", keys)
+    assert result.status == "miss" and "not signed by a trusted key" in result.reason
+
+
+def test_a_replayed_pre_yank_ref_is_refused_once_expired(tmp_path, store, sqlite_index, fp, keys):
+    key = keys["prod"][0]
+    _publish(tmp_path, store, sqlite_index, fp, b"good", key, "v1")
+    v2 = _publish(tmp_path, store, sqlite_index, fp, b"broken", key, "v2")
+    stale = _signed_ref_bytes(tmp_path, sqlite_index, v2.bundle_id, key, ttl=EXPIRED)
+    yank(store, sqlite_index, v2.bundle_id, signer=key)
+    replaced = refs.read(store, fp.bundle_key).generation
+    store.delete(refs.yank_key(v2.bundle_id))
+    store.delete(ref_key(fp.bundle_key))
+    store.put_if(ref_key(fp.bundle_key), stale, None)
+    result = _pod(store, fp, tmp_path / "dst", keys)
+    assert result.status == "miss" and "expired" in result.reason and "kcache refresh" in result.reason
+    refs.refresh(store, sqlite_index, fp.bundle_key, signer=key)  # the replay does not pull generations back
+    assert refs.read(store, fp.bundle_key).generation >= replaced > refs.parse(stale, fp.bundle_key).generation
+
+
+def test_replay_within_the_expiry_window_is_the_documented_limit(tmp_path, store, sqlite_index, fp, keys):
+    """What a writer without keys can still do (docs/design.md, threat model): replay a signed ref
+    that has not expired yet. Pinned in a test so the documentation cannot drift from the code."""
+    key = keys["prod"][0]
+    _publish(tmp_path, store, sqlite_index, fp, b"good", key, "v1")
+    v2 = _publish(tmp_path, store, sqlite_index, fp, b"broken", key, "v2")
+    fresh = store.get_bytes(ref_key(fp.bundle_key))
+    yank(store, sqlite_index, v2.bundle_id, signer=key)
+    store.delete(refs.yank_key(v2.bundle_id))
+    store.delete(ref_key(fp.bundle_key))
+    store.put_if(ref_key(fp.bundle_key), fresh, None)
+    assert _pod(store, fp, tmp_path / "dst", keys).bundle_id == v2.bundle_id
+
+
+def test_refs_never_name_a_yanked_bundle_and_generations_only_grow(tmp_path, store, sqlite_index, fp, keys, yanked_v2):
+    v1, v2 = yanked_v2
+    ref = refs.read(store, fp.bundle_key)
+    assert (ref.manifest, ref.yanked) == (v1.bundle_id, (v2.bundle_id,))
+    seen = [ref.generation]
+    assert not refs.advance(store, refs.for_bundle(sqlite_index, v2.bundle_id), signer=keys["prod"][0])
+    unyank(store, sqlite_index, v2.bundle_id, signer=keys["prod"][0])
+    seen.append(refs.read(store, fp.bundle_key).generation)
+    refs.refresh(store, sqlite_index, fp.bundle_key, signer=keys["prod"][0])
+    seen.append(refs.read(store, fp.bundle_key).generation)
+    assert seen == sorted(set(seen)) and refs.read(store, fp.bundle_key).manifest == v2.bundle_id
+
+
+def test_pinned_yanked_bundle_is_a_miss_even_without_its_marker(tmp_path, store, sqlite_index, fp, keys, yanked_v2):
+    _v1, v2 = yanked_v2
+    store.delete(refs.yank_key(v2.bundle_id))
+    by_index = restore(store, sqlite_index, fp, tmp_path / "i", bundle_id=v2.bundle_id)
+    assert by_index.status == "miss" and "yanked" in by_index.reason
+    by_ref = _pod(store, fp, tmp_path / "r", keys, bundle_id=v2.bundle_id)
+    assert by_ref.status == "miss" and "yanked" in by_ref.reason
+    store.delete(ref_key(fp.bundle_key))  # no signed yank list: a pod requiring signatures cannot check
+    unchecked = _pod(store, fp, tmp_path / "n", keys, bundle_id=v2.bundle_id)
+    assert unchecked.status == "miss" and "no ref" in unchecked.reason
+
+
+def test_publish_refreshes_a_ref_only_when_it_is_close_to_expiring(tmp_path, store, sqlite_index, fp, keys):
+    key = keys["prod"][0]
+    _publish(tmp_path, store, sqlite_index, fp, b"a", key)
+    first = refs.read(store, fp.bundle_key)
+    _publish(tmp_path, store, sqlite_index, fp, b"a", key)  # unchanged: nothing to write
+    assert refs.read(store, fp.bundle_key) == first
+    refs.refresh(store, sqlite_index, fp.bundle_key, signer=key, ttl=timedelta(hours=1))  # past half of the default day
+    _publish(tmp_path, store, sqlite_index, fp, b"a", key)
+    again = refs.read(store, fp.bundle_key)
+    assert again.generation > first.generation and again.expires > first.expires
+
+
+def test_an_unsigned_publish_does_not_strip_the_signature_of_the_same_bundle(tmp_path, store, sqlite_index, fp, keys):
+    _publish(tmp_path, store, sqlite_index, fp, b"a", keys["prod"][0])
+    _publish(tmp_path, store, sqlite_index, fp, b"a")
+    assert _pod(store, fp, tmp_path / "dst", keys).status == "hit"
+
+
+def test_cli_refresh_revives_an_expired_ref(tmp_path, store, sqlite_index, fp, keys, monkeypatch):
+    key = keys["prod"][0]
+    published = _publish(tmp_path, store, sqlite_index, fp, b"a", key)
+    refs.refresh(store, sqlite_index, fp.bundle_key, signer=key, ttl=EXPIRED)
+    assert _pod(store, fp, tmp_path / "before", keys).status == "miss"
+    args = ["--store", f"file://{store.root}", "--index", f"sqlite:///{tmp_path / 'index.db'}"]
+    out = CliRunner().invoke(main, ["refresh", "--signing-key", str(tmp_path / "keys/prod.key"), "--ttl", "1d",
+                                    "--json", *args], catch_exceptions=False)  # fmt: skip
+    assert out.exit_code == 0, out.output
+    (row,) = json.loads(out.output)["refs"]
+    assert (row["bundle_key"], row["bundle_id"]) == (fp.bundle_key, published.bundle_id)
+    assert _pod(store, fp, tmp_path / "after", keys).status == "hit"
+    missing = CliRunner().invoke(main, ["refresh", *args])
+    assert missing.exit_code == 2 and "--signing-key" in missing.output
+
+
+def test_cli_yank_signs_the_ref(tmp_path, store, sqlite_index, fp, keys):
+    key = keys["prod"][0]
+    v1 = _publish(tmp_path, store, sqlite_index, fp, b"good", key, "v1")
+    v2 = _publish(tmp_path, store, sqlite_index, fp, b"broken", key, "v2")
+    args = ["--store", f"file://{store.root}", "--index", f"sqlite:///{tmp_path / 'index.db'}"]
+    out = CliRunner().invoke(main, ["yank", v2.bundle_id, "--signing-key", str(tmp_path / "keys/prod.key"), *args],
+                             catch_exceptions=False)  # fmt: skip
+    assert out.exit_code == 0, out.output
+    store.delete(refs.yank_key(v2.bundle_id))
+    assert _pod(store, fp, tmp_path / "dst", keys).bundle_id == v1.bundle_id
+
+
+def test_legacy_unsigned_refs_still_serve_pods_that_do_not_require_signatures(tmp_path, store, sqlite_index, fp):
+    published = _publish(tmp_path, store, sqlite_index, fp, b"a")
+    legacy = {"schema": 1, "bundle_key": fp.bundle_key, "manifest": published.bundle_id,
+              "created_at": "2026-01-01T00:00:00+00:00"}  # fmt: skip
+    store.delete(ref_key(fp.bundle_key))
+    store.put_if(ref_key(fp.bundle_key), json.dumps(legacy).encode(), None)
+    assert restore(store, refs.RefCatalog(store), fp, tmp_path / "dst").status == "hit"
+
+
+def test_reindex_rebuilds_yank_status_from_markers_and_refs(tmp_path, store, sqlite_index, fp, keys, yanked_v2):
+    v1, v2 = yanked_v2
+    fresh = Index.open(f"sqlite:///{tmp_path / 'rebuilt.db'}")
+    reindex(store, fresh)
+    assert fresh.get_bundle(v2.bundle_id).status == "yanked" and fresh.newest_bundle(fp.bundle_key).id == v1.bundle_id
+    # After a lost index a yanked bundle is not the newest any more: restores fall back, not miss.
+    assert restore(store, fresh, fp, tmp_path / "dst").bundle_id == v1.bundle_id
+    store.delete(refs.yank_key(v2.bundle_id))  # the signed ref's yank list is enough on its own
+    again = Index.open(f"sqlite:///{tmp_path / 'again.db'}")
+    reindex(store, again)
+    assert again.get_bundle(v2.bundle_id).status == "yanked"
+    fresh.close()
+    again.close()
+
+
+HEX = st.text("0123456789abcdef", min_size=64, max_size=64)
+ZONES = st.sampled_from([timezone.utc, timezone(timedelta(hours=-7, minutes=-30))])
+MOMENTS = st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2200, 1, 1), timezones=ZONES)
+
+
+@settings(max_examples=60, deadline=None)
+@given(bundle_key=st.text(min_size=1, max_size=40), manifest=HEX, created=MOMENTS, generation=st.integers(0, 2**70),
+       expires=st.none() | MOMENTS, yanked=st.lists(HEX, max_size=4, unique=True))  # fmt: skip
+def test_refs_round_trip_canonically_and_keep_their_signature(bundle_key, manifest, created, generation, expires,
+                                                               yanked):  # fmt: skip
+    key = signing.SigningKey("p", bytes(range(32)))
+    draft = refs.Ref(bundle_key, manifest, created, generation, expires, tuple(sorted(yanked)))
+    ref = refs.Ref(**{**draft.__dict__, "signatures": (("p", signing.sign_message(key, draft.message())),)})
+    again = refs.parse(ref.to_bytes(), bundle_key)
+    assert again == ref and again.to_bytes() == ref.to_bytes() and again.message() == draft.message()
+
+
+def test_refresh_all_takes_every_key_or_one_models(tmp_path, store, sqlite_index, fp, keys):
+    from kcache import fingerprint
+
+    other = fingerprint.compute({**fp.facts, "model.id": "another-model"})
+    _publish(tmp_path, store, sqlite_index, fp, b"a", name="mine")
+    _publish(tmp_path, store, sqlite_index, other, b"b", name="theirs")
+    key = keys["prod"][0]
+    only = refs.refresh_all(store, sqlite_index, model="another-model", signer=key)
+    assert list(only) == [other.bundle_key] and refs.read(store, fp.bundle_key).signatures == ()
+    everything = refs.refresh_all(store, sqlite_index, signer=key)
+    assert set(everything) == {fp.bundle_key, other.bundle_key}
+    assert all(dict(refs.read(store, k).signatures).keys() == {"prod"} for k in everything)
+
+
+def test_signed_refs_over_s3(tmp_path, s3_store, sqlite_index, fp, keys):
+    key = keys["prod"][0]
+    _publish(tmp_path, s3_store, sqlite_index, fp, b"good", key, "v1")
+    v2 = _publish(tmp_path, s3_store, sqlite_index, fp, b"broken", key, "v2")
+    assert _pod(s3_store, fp, tmp_path / "a", keys).bundle_id == v2.bundle_id
+    yank(s3_store, sqlite_index, v2.bundle_id, signer=key)
+    s3_store.delete(refs.yank_key(v2.bundle_id))
+    pinned = _pod(s3_store, fp, tmp_path / "b", keys, bundle_id=v2.bundle_id)
+    assert pinned.status == "miss" and "yanked" in pinned.reason
