@@ -63,10 +63,6 @@ class PackWriter:
         self._cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
 
     @property
-    def bytes_written(self) -> int:
-        return self._file.tell()
-
-    @property
     def blob_count(self) -> int:
         return len(self._blobs)
 
@@ -79,7 +75,12 @@ class PackWriter:
         offset = self._file.tell()
         digest = hashlib.sha256()
         read = 0
-        with open(source, "rb") as src:
+        try:  # O_NOFOLLOW: a file swapped for a link since it was hashed is not read through it
+            src = open(os.open(source, os.O_RDONLY | os.O_NOFOLLOW), "rb")
+        except OSError as exc:  # removed or replaced since it was hashed: the next publish sees it as it is
+            why = f"changed while it was being published ({exc.strerror})"
+            raise IntegrityError("file", str(source), why) from None
+        with src:
             writer = self._cctx.stream_writer(self._file, size=size, closefd=False)
             while chunk := src.read(_CHUNK):
                 digest.update(chunk)

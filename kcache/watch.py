@@ -67,14 +67,8 @@ def listing(root: Path, layers: list[Source]) -> list[CacheFile]:
     """Every non-junk regular file of each layer under ROOT."""
     found = []
     for source in layers:
-        top = source.restore_dir(Path(root))
-        if top.is_dir():
-            for info in source.walk(top):
-                try:
-                    mtime = info.path.stat().st_mtime
-                except FileNotFoundError:
-                    continue
-                found.append(CacheFile(source.name, info.rel, info.size, mtime))
+        for top in source.read_dirs(Path(root), {}):
+            found += [CacheFile(source.name, info.rel, info.size, info.mtime_ns / 1e9) for info in source.walk(top)]
     return found
 
 
@@ -114,6 +108,11 @@ def load_baseline(root: Path) -> Baseline | None:
 
 def save_baseline(root: Path, baseline: Baseline) -> None:
     readiness.write_marker(root, BASELINE_MARKER, {"files": sorted(baseline.files)})
+
+
+def describe(exc: Exception) -> str:
+    """kcache's own errors say what went wrong; anything else is named by its type too."""
+    return str(exc) if isinstance(exc, KcacheError) else f"{type(exc).__name__}: {exc}"
 
 
 class Watcher:
@@ -174,8 +173,9 @@ class Watcher:
     def _step_logged(self, **kwargs) -> Step | None:
         try:
             return self.step(**kwargs)
-        except (OSError, KcacheError) as exc:  # the sidecar outlives a bad scan; the next one retries
-            log.warning("watch step failed: %s", exc)
+        except Exception as exc:  # the sidecar (and the /readyz it serves) outlives a bad scan; the next one retries
+            log.warning("watch step failed: %s", describe(exc))
+            log.debug("watch step failed", exc_info=True)
             return None
 
     def _maybe_publish(self, new, layers, publish_now: bool) -> tuple[PublishResult | None, str]:
@@ -188,10 +188,13 @@ class Watcher:
         self._since_publish = self._clock()
         try:
             result = self._publisher(layers)
-        except (KcacheError, OSError) as exc:  # store or index away, a file unreadable: retry when next due
+        # Store or index away, a file unreadable, or a bug: count it, retry when next due. A sidecar
+        # that died here would take the pod's /readyz with it.
+        except Exception as exc:
             self._errors += 1
-            log.warning("publishing %d new files failed: %s", len(pending), exc)
-            return None, str(exc)
+            log.warning("publishing %d new files failed: %s", len(pending), describe(exc))
+            log.debug("publish failed", exc_info=True)
+            return None, describe(exc)
         self._published.update(pending)
         self._publishes += 1
         self._last_publish = {"bundle_id": result.bundle_id, "created": result.created,

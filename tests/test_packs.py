@@ -42,6 +42,21 @@ def test_file_changed_after_hashing_is_refused(tmp_path):
     writer.discard()
 
 
+@pytest.mark.parametrize("change", ["removed", "now a link"])
+def test_file_removed_or_swapped_for_a_link_after_hashing_is_refused(tmp_path, change):
+    src, secret = tmp_path / "f", tmp_path / "secret"
+    src.write_bytes(b"before")
+    secret.write_bytes(b"before")  # the same bytes: only the link itself gives it away
+    src.unlink()
+    if change == "now a link":
+        src.symlink_to(secret)
+    writer = packs.PackWriter(tmp_path)
+    with pytest.raises(IntegrityError, match="changed"):
+        writer.add(canonical.sha256(b"before"), src, 6)
+    assert writer.blob_count == 0
+    writer.discard()
+
+
 def test_blob_that_decompresses_past_its_size_is_refused():
     bomb = zstandard.ZstdCompressor().compress(b"\0" * 1_000_000)
     with pytest.raises(IntegrityError, match="past its declared"):

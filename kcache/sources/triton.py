@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from kcache.sources.base import Source, home_dir
+from kcache.sources.base import COMMON_JUNK, Source, home_dir
 from kcache.sources.inductor import inductor_dir
 
 
@@ -21,6 +21,10 @@ class TritonSource(Source):
     name = "triton"
     subdir = "triton"
     env_var = "TRITON_CACHE_DIR"
+    # Triton (runtime/cache.py, FileCacheManager.put, read in 3.9) writes each file into
+    # <kernel dir>/tmp.pid_<pid>_<uuid>/ and then renames it into place: what is left in such a
+    # directory is half written, or orphaned by a killed compile.
+    junk = COMMON_JUNK + ("tmp.pid_*",)
 
     def live_dirs(self, env: Mapping[str, str]) -> list[Path]:
         if env.get("TRITON_CACHE_DIR"):
