@@ -21,7 +21,9 @@ from kcache.streams import GuardedReader, Window, read_exact, skip
 
 COALESCE_GAP = 256 * 1024  # read through gaps smaller than this rather than issue another request
 MAX_RANGE = 16 * 1024 * 1024
-IN_MEMORY_BLOB = 4 * 1024 * 1024  # larger blobs are streamed through the decompressor
+# A blob is decompressed in memory only when both its frame and its content are this small; any
+# other is streamed. The content counts too: 300 MB of zeros compress to a few KiB.
+IN_MEMORY_BLOB = 4 * 1024 * 1024
 
 Place = Callable[[Entry, "bytes | BinaryIO"], None]
 
@@ -105,7 +107,7 @@ def read_range(store: Store, rng: Range, place: Place, cancelled: Callable[[], b
             if cancelled():
                 raise Cancelled()
             skip(stream, entry.offset - position, "pack", rng.pack)
-            if entry.length <= IN_MEMORY_BLOB:
+            if entry.length <= IN_MEMORY_BLOB and entry.size <= IN_MEMORY_BLOB:
                 place(entry, read_exact(stream, entry.length, "pack", rng.pack))
             else:
                 window = Window(stream, entry.length)

@@ -33,6 +33,9 @@ FOOTER_SIZE = FOOTER.size + len(MAGIC)
 TARGET_PACK_BYTES = 32 * 1024 * 1024
 LARGE_FILE_BYTES = 16 * 1024 * 1024  # a file this large gets a pack of its own
 ZSTD_LEVEL = 3
+# The largest window a streamed frame may ask the decoder to allocate. Ours need 2 MiB (level 3);
+# zstd's own limit is 128 MiB, which a hostile frame would get per fetch thread.
+MAX_WINDOW = 8 * 1024 * 1024
 _CHUNK = 1024 * 1024
 
 
@@ -179,7 +182,7 @@ def unpack_to(stream: BinaryIO, blob_id: str, size: int, dest: BinaryIO) -> None
     digest = hashlib.sha256()
     written = 0
     try:
-        reader = zstandard.ZstdDecompressor().stream_reader(stream, read_across_frames=False)
+        reader = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).stream_reader(stream, read_across_frames=False)
         while chunk := reader.read(min(_CHUNK, size - written + 1)):
             written += len(chunk)
             if written > size:

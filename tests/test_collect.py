@@ -93,13 +93,16 @@ def outside(tmp_path) -> Path:
     return tmp_path / "outside"
 
 
-@pytest.mark.parametrize("link", ["vllm", "triton", "extra", "tmp"])
+@pytest.mark.parametrize("link", ["vllm", "triton", "extra", "extra/trt", "tmp"])
 def test_a_layer_root_that_is_a_link_is_not_followed(tmp_path, store, sqlite_index, fp, outside, link, caplog):
     root = tmp_path / "root"
     write_tree(root, {"cuda/entry": b"sass"})
     if link == "extra":  # ROOT/extra/NAME as restore lays it, but the link is one level up
         (root / "extra").symlink_to(tmp_path / "extras")
         write_tree(tmp_path / "extras", {"trt/timing": b"SECRET"})
+    elif link == "extra/trt":  # the extra layer's own directory is the link
+        (root / "extra").mkdir()
+        (root / "extra/trt").symlink_to(outside)
     elif link == "tmp":  # the precompiled header's layer root lies under ROOT/tmp
         (root / "tmp").symlink_to(tmp_path / "faketmp")
         write_tree(tmp_path / "faketmp", {f"torchinductor_{torch_user()}/precompiled_headers/h": b"SECRET"})
