@@ -17,7 +17,7 @@ from typing import BinaryIO
 
 from kcache.manifest import Entry
 from kcache.store import Store, pack_key
-from kcache.streams import GuardedReader, Window, read_exact, skip
+from kcache.streams import GuardedReader, Resumable, Window, read_exact, skip
 
 COALESCE_GAP = 256 * 1024  # read through gaps smaller than this rather than issue another request
 MAX_RANGE = 16 * 1024 * 1024
@@ -101,7 +101,13 @@ def fetch_blobs(
 
 def read_range(store: Store, rng: Range, place: Place, cancelled: Callable[[], bool]) -> None:
     key = pack_key(rng.pack)
-    with GuardedReader(store.open_range(key, rng.start, rng.end - rng.start), store.url, key) as stream:
+
+    def open_at(offset: int, length: int) -> GuardedReader:
+        return GuardedReader(store.open_range(key, offset, length), store.url, key)
+
+    length = rng.end - rng.start
+    first = open_at(rng.start, length)
+    with Resumable(first, open_at, rng.start, length, cancelled=cancelled, name=key) as stream:
         position = rng.start
         for entry in rng.entries:
             if cancelled():

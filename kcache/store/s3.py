@@ -7,7 +7,9 @@
 Content-addressed objects are written with `If-None-Match: *`: a 412 (or a 409 from a racing
 conditional write) means the same bytes are already there, which is success. Reads are ranged
 GETs streamed to the caller. Retries with backoff, connect/read timeouts and the connection pool
-size are botocore configuration, not loops here. Any S3-compatible endpoint works through
+size are botocore configuration, not loops here. botocore retries requests, not bodies: a whole
+object read cut part-way is resumed here with ranged GETs of the same ETag (range reads are
+resumed by their reader, kcache.fetch). Any S3-compatible endpoint works through
 AWS_ENDPOINT_URL or --s3-endpoint-url; credentials come the usual boto3 way.
 """
 
@@ -34,7 +36,7 @@ from botocore.exceptions import (
 
 from kcache.errors import ObjectMissing, StoreError
 from kcache.store.base import ObjectInfo, is_valid_key
-from kcache.streams import Window
+from kcache.streams import Resumable, Window, read_exact
 
 log = logging.getLogger(__name__)
 
@@ -155,17 +157,31 @@ class S3Store:
     # ---- reads ---------------------------------------------------------------------------------
 
     def get_bytes(self, key: str) -> bytes:
+        return self._get_whole(key)[0]
+
+    def _get_whole(self, key: str) -> tuple[bytes, str]:
+        """(content, ETag). A body cut part-way is resumed with ranged GETs of the same version."""
         try:
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+            response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
         except (ClientError, BotoCoreError) as exc:
             raise self._error(exc, key, "read") from None
+        size, etag = int(response["ContentLength"]), response["ETag"]
+        first = Window(_BodyReader(response["Body"], self, key), size)
+        # If-Match: a ref replaced between the cut and the resume must not be read half old, half new.
+        with Resumable(first, lambda at, n: self._ranged(key, at, n, etag), 0, size, name=key) as body:
+            data = read_exact(body, size, "object", key)
+        return data, etag
 
     def open_range(self, key: str, offset: int, length: int) -> BinaryIO:
         if length == 0:
             return Window(io.BytesIO(b""), 0)
+        return self._ranged(key, offset, length)
+
+    def _ranged(self, key: str, offset: int, length: int, etag: str | None = None) -> BinaryIO:
+        condition = {"IfMatch": etag} if etag else {}
         try:
             body = self.client.get_object(
-                Bucket=self.bucket, Key=self._key(key), Range=f"bytes={offset}-{offset + length - 1}"
+                Bucket=self.bucket, Key=self._key(key), Range=f"bytes={offset}-{offset + length - 1}", **condition
             )["Body"]
         except (ClientError, BotoCoreError) as exc:
             raise self._error(exc, key, "read") from None
@@ -196,13 +212,9 @@ class S3Store:
 
     def get_versioned(self, key: str) -> tuple[bytes, str] | None:
         try:
-            response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
-            return response["Body"].read(), response["ETag"]
-        except (ClientError, BotoCoreError) as exc:
-            error = self._error(exc, key, "read")
-            if isinstance(error, ObjectMissing):
-                return None
-            raise error from None
+            return self._get_whole(key)
+        except ObjectMissing:
+            return None
 
     def put_if(self, key: str, data: bytes, version: str | None) -> bool:
         condition = {"IfMatch": version} if version else {"IfNoneMatch": "*"}
