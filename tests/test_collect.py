@@ -99,7 +99,7 @@ def test_a_layer_root_that_is_a_link_is_not_followed(tmp_path, store, sqlite_ind
     write_tree(root, {"cuda/entry": b"sass"})
     if link == "extra":  # ROOT/extra/NAME as restore lays it, but the link is one level up
         (root / "extra").symlink_to(tmp_path / "extras")
-        write_tree(tmp_path / "extras", {"trt/timing": b"SECRET"})
+        write_tree(tmp_path / "extras", {"trt/timing": b"SECRET", "init.d/ssh": b"not a layer name"})
     elif link == "extra/trt":  # the extra layer's own directory is the link
         (root / "extra").mkdir()
         (root / "extra/trt").symlink_to(outside)
@@ -114,6 +114,13 @@ def test_a_layer_root_that_is_a_link_is_not_followed(tmp_path, store, sqlite_ind
     assert [info.rel for _, info in found] == ["entry"]
     assert published_paths(store, result) == {"cuda/entry"}
     assert "symbolic link" in caplog.text
+
+
+def test_a_directory_under_extra_that_restore_cannot_have_made_is_ignored(tmp_path, store, sqlite_index, fp):
+    root = tmp_path / "root"
+    write_tree(root, {"extra/trt/timing": b"t", "extra/init.d/x": b"no layer has this name"})
+    result = publish(store, sqlite_index, fp, sources.in_root(root), root=root)
+    assert published_paths(store, result) == {"extra/trt/timing"}
 
 
 def test_links_inside_a_layer_are_not_followed(tmp_path, store, sqlite_index, fp, outside):
@@ -135,3 +142,12 @@ def test_triton_temporary_directories_are_junk(tmp_path, store, sqlite_index, fp
     })  # fmt: skip
     result = publish(store, sqlite_index, fp, sources.select(), root=root)
     assert published_paths(store, result) == {"triton/HASH/add_kernel.cubin"}
+
+
+def test_a_linked_device_directory_under_inductor_is_not_read(tmp_path, outside):
+    inductor = tmp_path / "live/inductor"
+    write_tree(inductor, {"triton/0/HASH/k.cubin": b"kernel"})
+    (inductor / "triton/1").symlink_to(outside)
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(inductor), "HOME": str(tmp_path / "home")}
+    found = collect(sources.select(["triton"]), root=None, env=env)
+    assert [info.rel for _, info in found] == ["HASH/k.cubin"]

@@ -31,4 +31,5 @@ class TritonSource(Source):
             return [Path(env["TRITON_CACHE_DIR"])]
         under_inductor = inductor_dir(env) / "triton"
         devices = sorted(under_inductor.iterdir()) if under_inductor.is_dir() else []
-        return [d for d in devices if d.is_dir()] + [home_dir(env) / ".triton" / "cache"]
+        # torch makes these per-device directories itself; one that is a link is not torch's.
+        return [d for d in devices if d.is_dir() and not d.is_symlink()] + [home_dir(env) / ".triton" / "cache"]
