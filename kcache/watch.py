@@ -68,7 +68,12 @@ def listing(root: Path, layers: list[Source]) -> list[CacheFile]:
     found = []
     for source in layers:
         for top in source.read_dirs(Path(root), {}):
-            found += [CacheFile(source.name, info.rel, info.size, info.mtime_ns / 1e9) for info in source.walk(top)]
+            for info in source.walk(top):
+                try:
+                    mtime = info.path.stat().st_mtime
+                except FileNotFoundError:
+                    continue
+                found.append(CacheFile(source.name, info.rel, info.size, mtime))
     return found
 
 

@@ -68,6 +68,15 @@ def test_files_written_after_ready_but_before_the_baseline_still_count(tmp_path)
     assert [(f.layer, f.rel) for f in found] == [("triton", "k9/k.cubin")]
 
 
+def test_a_layer_root_that_is_a_link_is_not_watched(tmp_path):
+    make_ready(tmp_path / "root")
+    write_tree(tmp_path / "outside", {"ssh_host_key": b"SECRET"})
+    (tmp_path / "root/vllm").symlink_to(tmp_path / "outside")
+    layers = layers_under(tmp_path / "root")
+    everything = scan(tmp_path / "root", snapshot(tmp_path / "root", layers, 0.0), layers)  # an empty baseline
+    assert {f.layer for f in everything} == {"inductor", "triton", "cuda"}
+
+
 def test_extra_layers_are_watched(tmp_path):
     make_ready(tmp_path, {**RESTORED, "extra/trt/timing.cache": b"t"})
     layers = layers_under(tmp_path)
