@@ -105,10 +105,22 @@ def load_baseline(root: Path) -> Baseline | None:
             return None
     except FileNotFoundError:
         return None
-    doc = readiness.read_marker(root, BASELINE_MARKER)
-    if doc is None or not isinstance(doc.get("files"), list):
+    files = _pairs((readiness.read_marker(root, BASELINE_MARKER) or {}).get("files"))
+    return None if files is None else Baseline(files)  # a damaged baseline is taken again
+
+
+def _pairs(value) -> frozenset[tuple[str, str]] | None:
+    """[[layer, path], ...] as a marker holds it, or None when it is anything else (a damaged file)."""
+    if not isinstance(value, list):
         return None
-    return Baseline(frozenset((str(layer), str(rel)) for layer, rel in doc["files"]))
+    if not all(isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item) for item in value):
+        return None
+    return frozenset((layer, rel) for layer, rel in value)
+
+
+def _count(doc: dict, field: str) -> int:
+    value = doc.get(field)
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63 else 0
 
 
 def save_baseline(root: Path, baseline: Baseline) -> None:
@@ -138,10 +150,12 @@ class Watcher:
         self._published: set[tuple[str, str]] = set()
         previous = readiness.read_marker(self.root, readiness.WATCH_MARKER) or {}
         # Counters survive a restart of the sidecar; the list only keeps the log from repeating itself.
-        self._publishes = int(previous.get("publishes", 0))
-        self._errors = int(previous.get("publish_errors", 0))
-        self._last_publish = previous.get("last_publish")
-        self._reported = {(str(a), str(b)) for a, b in previous.get("files", [])}
+        # The marker lies on a volume the model container shares: a damaged one starts from zero.
+        self._publishes = _count(previous, "publishes")
+        self._errors = _count(previous, "publish_errors")
+        last = previous.get("last_publish")
+        self._last_publish = last if isinstance(last, dict) else None
+        self._reported = set(_pairs(previous.get("files")) or ())
         self._written: dict | None = None
 
     def step(self, *, publish_now: bool = False) -> Step:

@@ -115,6 +115,30 @@ def test_waits_for_ready_then_counts_and_survives_a_restart(tmp_path, caplog):
     assert 'kcache_jit_files_after_ready{layer="inductor"} 1' in samples
 
 
+@pytest.mark.parametrize("doc", [
+    {"publishes": "many", "publish_errors": None, "files": [["inductor"]], "last_publish": 7},
+    {"publishes": 1.5, "files": "fxgraph/aa/g1"},
+    {"files": [[1, 2, 3], None, ["inductor", "fxgraph/aa/g1"]], "publishes": 10**400},
+], ids=["wrong-types", "wrong-shapes", "mixed"])  # fmt: skip
+def test_a_damaged_watch_marker_is_ignored_not_fatal(tmp_path, doc):
+    make_ready(tmp_path)
+    (tmp_path / WATCH_MARKER).write_text(json.dumps(doc))
+    watcher = Watcher(tmp_path)
+    assert watcher.step().ready
+    written = read_marker(tmp_path, WATCH_MARKER)
+    assert isinstance(written["publishes"], int) and isinstance(written["publish_errors"], int)
+
+
+@pytest.mark.parametrize("files", ["all", [["inductor"]], [None], [[1, {"a": 1}]]])
+def test_a_damaged_baseline_is_taken_again(tmp_path, files):
+    make_ready(tmp_path)
+    Watcher(tmp_path).step()
+    (tmp_path / BASELINE_MARKER).write_text(json.dumps({"files": files}))
+    write_tree(tmp_path, {"inductor/fxgraph/zz/late": b"after ready"})
+    step = Watcher(tmp_path).step()
+    assert step.ready and [f.rel for f in step.new] == ["fxgraph/zz/late"]
+
+
 def test_a_newer_restore_invalidates_a_saved_baseline(tmp_path):
     make_ready(tmp_path)
     Watcher(tmp_path).step()
