@@ -79,7 +79,7 @@ class Resumable:
         self._done = 0
 
     def read(self, n: int = -1) -> bytes:
-        while True:
+        while self._done < self._length:  # past the end nothing is read: a late error cannot matter
             try:
                 data = self._stream.read(n)
             except ObjectMissing:
@@ -89,9 +89,10 @@ class Resumable:
                 continue
             self._done += len(data)
             return data
+        return b""
 
     def _resume(self, exc: StoreError) -> None:
-        if self._resumes <= 0 or self._done >= self._length or self._cancelled():
+        if self._resumes <= 0 or self._cancelled():
             raise exc
         self._resumes -= 1
         log.warning("reading %s failed after %d of %d bytes (%s); resuming there",

@@ -14,6 +14,8 @@ import pytest
 from click.testing import CliRunner
 from cutting_proxy import CuttingProxy
 from faulty import raising
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from trees import read_tree, write_tree
 
 from kcache import fetch, streams
@@ -162,3 +164,59 @@ def test_a_resumed_whole_object_read_never_mixes_two_versions(s3_bucket):
             open_store(url, endpoint_url=proxy.url).get_versioned("refs/big")
         assert proxy.cut == 1
     assert direct.get_versioned("refs/big")[0] == new
+
+
+class _CutStream:
+    """`data`, failing with StoreError once `cut` bytes were delivered (None: never)."""
+
+    def __init__(self, data: bytes, cut: int | None):
+        self._data, self._cut, self._pos = data, cut, 0
+
+    def read(self, n: int = -1) -> bytes:
+        if self._cut is not None and self._pos >= self._cut:
+            raise StoreError("mem://", "connection reset")
+        end = len(self._data) if n < 0 else self._pos + n
+        if self._cut is not None:
+            end = min(end, self._cut)
+        chunk = self._data[self._pos : end]
+        self._pos += len(chunk)
+        return chunk
+
+    def close(self) -> None:
+        pass
+
+
+CUT = st.one_of(st.integers(0, 3000), st.sampled_from([0, 1]))  # 0 and 1: cuts that make (almost) no progress
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(min_size=1, max_size=3000), offset=st.integers(0, 50),
+       cuts=st.lists(CUT, max_size=streams.RESUMES + 2), chunk=st.integers(1, 700))  # fmt: skip
+def test_resumable_delivers_exactly_the_bytes_or_the_error(data, offset, cuts, chunk):
+    whole = bytes(offset) + data
+    plan = list(cuts)
+    opened = []
+
+    def open_at(at: int, length: int):
+        opened.append((at, length))
+        assert at + length == len(whole)  # always the rest, never more
+        return _CutStream(whole[at : at + length], plan.pop(0) if plan else None)
+
+    stream = streams.Resumable(open_at(offset, len(data)), open_at, offset, len(data), name="blob")
+    out = bytearray()
+    try:
+        while piece := stream.read(chunk):
+            out += piece
+    except StoreError:
+        assert len(opened) == 1 + streams.RESUMES  # gave up only after every resume was spent
+        assert bytes(out) == data[: len(out)]
+    else:
+        assert bytes(out) == data
+    assert all(a <= b for (a, _), (b, _) in zip(opened, opened[1:]))  # never re-reads what it has
+
+
+def test_an_error_after_the_last_byte_does_not_matter():
+    data = b"all of it"
+    stream = streams.Resumable(_CutStream(data, len(data)), lambda at, n: pytest.fail("reopened"), 0, len(data),
+                               name="blob", resumes=0)  # fmt: skip
+    assert stream.read(100) == data and stream.read(100) == b""
