@@ -34,7 +34,8 @@ from botocore.exceptions import (
     ReadTimeoutError,
 )
 
-from kcache.errors import ObjectMissing, StoreError
+from kcache import durations
+from kcache.errors import ConfigError, ObjectMissing, StoreError
 from kcache.store.base import ObjectInfo, is_valid_key
 from kcache.streams import Resumable, Window, read_exact
 
@@ -54,9 +55,9 @@ class S3Store:
         self.jobs = max(1, jobs)
         config = Config(
             max_pool_connections=self.jobs + 4,
-            retries={"max_attempts": int(os.environ.get("KCACHE_S3_MAX_ATTEMPTS", "6")), "mode": "adaptive"},
-            connect_timeout=float(os.environ.get("KCACHE_S3_CONNECT_TIMEOUT", "5")),
-            read_timeout=float(os.environ.get("KCACHE_S3_READ_TIMEOUT", "60")),
+            retries={"max_attempts": _attempts("KCACHE_S3_MAX_ATTEMPTS", "6"), "mode": "adaptive"},
+            connect_timeout=_seconds("KCACHE_S3_CONNECT_TIMEOUT", "5"),
+            read_timeout=_seconds("KCACHE_S3_READ_TIMEOUT", "60"),
             # Path-style works with every S3-compatible server (MinIO, Ceph, moto) behind an IP.
             s3={"addressing_style": "path"} if endpoint_url else {},
         )
@@ -251,6 +252,18 @@ class _BodyReader:
 
     def close(self) -> None:
         self._body.close()
+
+
+def _seconds(var: str, default: str) -> float:
+    """A timeout from the environment: `60`, `60s`, `2m` (a typo is a ConfigError naming the variable)."""
+    return durations.parse(os.environ.get(var) or default, var, bare_seconds=True, positive=True).total_seconds()
+
+
+def _attempts(var: str, default: str) -> int:
+    text = (os.environ.get(var) or default).strip()
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 100:
+        raise ConfigError(var, text, "expected a whole number of attempts from 1 to 100")
+    return int(text)
 
 
 def _code(exc: ClientError) -> str:
