@@ -88,20 +88,6 @@ def _lookup(name: str, value: str | None, env: Mapping[str, str], origins: Mappi
     return None, DEFAULT
 
 
-def env_number(name: str, default: float, kind: type = float, env: Mapping[str, str] | None = None):
-    """A positive, finite number from environment variable `name` (`default` when unset); ConfigError otherwise."""
-    text = (os.environ if env is None else env).get(name)
-    if not text:
-        return kind(default)
-    try:
-        value = kind(text)
-    except ValueError:
-        raise _config_error(name, text, f"is not {'a whole' if kind is int else 'a'} number") from None
-    if not (0 < value < float("inf")):
-        raise _config_error(name, text, "must be a positive, finite number")
-    return value
-
-
 def _config_error(what: str, value: str, why: str):
     from kcache.errors import ConfigError  # errors.py imports this module for redaction
 

@@ -17,11 +17,13 @@ from typing import BinaryIO
 
 from kcache.manifest import Entry
 from kcache.store import Store, pack_key
-from kcache.streams import GuardedReader, Window, read_exact, skip
+from kcache.streams import GuardedReader, Resumable, Window, read_exact, skip
 
 COALESCE_GAP = 256 * 1024  # read through gaps smaller than this rather than issue another request
 MAX_RANGE = 16 * 1024 * 1024
-IN_MEMORY_BLOB = 4 * 1024 * 1024  # larger blobs are streamed through the decompressor
+# A blob is decompressed in memory only when both its frame and its content are this small; any
+# other is streamed. The content counts too: 300 MB of zeros compress to a few KiB.
+IN_MEMORY_BLOB = 4 * 1024 * 1024
 
 Place = Callable[[Entry, "bytes | BinaryIO"], None]
 
@@ -99,13 +101,19 @@ def fetch_blobs(
 
 def read_range(store: Store, rng: Range, place: Place, cancelled: Callable[[], bool]) -> None:
     key = pack_key(rng.pack)
-    with GuardedReader(store.open_range(key, rng.start, rng.end - rng.start), store.url, key) as stream:
+
+    def open_at(offset: int, length: int) -> GuardedReader:
+        return GuardedReader(store.open_range(key, offset, length), store.url, key)
+
+    length = rng.end - rng.start
+    first = open_at(rng.start, length)
+    with Resumable(first, open_at, rng.start, length, cancelled=cancelled, name=key) as stream:
         position = rng.start
         for entry in rng.entries:
             if cancelled():
                 raise Cancelled()
             skip(stream, entry.offset - position, "pack", rng.pack)
-            if entry.length <= IN_MEMORY_BLOB:
+            if entry.length <= IN_MEMORY_BLOB and entry.size <= IN_MEMORY_BLOB:
                 place(entry, read_exact(stream, entry.length, "pack", rng.pack))
             else:
                 window = Window(stream, entry.length)

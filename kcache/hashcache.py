@@ -9,12 +9,15 @@ are hashed again while they are packed, so a stale entry could never put wrong b
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 from collections.abc import Iterable
 from pathlib import Path
 
 import xxhash
+
+log = logging.getLogger(__name__)
 
 _CHUNK = 500
 
@@ -33,24 +36,70 @@ def key_for(path: Path, size: int, mtime_ns: int, ctime_ns: int, ino: int) -> st
 
 
 class HashCache:
+    """Best effort: a cache that cannot be opened or read costs a re-hash, never a publish."""
+
     def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(path, timeout=30, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS hashes (key TEXT PRIMARY KEY, sha256 TEXT NOT NULL)")
+        self._path = path
+        self._db: sqlite3.Connection | None = None
+        try:
+            self._db = _open(path)
+        except sqlite3.DatabaseError as exc:  # not a database (cut short, overwritten): it is only a cache
+            log.warning("hash cache %s is unreadable (%s); starting a new one", path, exc)
+            self._db = self._guard(lambda: _open(path, fresh=True), None)
+        except (sqlite3.Error, OSError) as exc:
+            self._disable(exc)
 
     def lookup(self, keys: Iterable[str]) -> dict[str, str]:
         wanted = sorted(set(keys))
-        found: dict[str, str] = {}
-        for i in range(0, len(wanted), _CHUNK):
-            chunk = wanted[i : i + _CHUNK]
-            marks = ",".join("?" * len(chunk))
-            found.update(self._db.execute(f"SELECT key, sha256 FROM hashes WHERE key IN ({marks})", chunk))
-        return found
+
+        def read() -> dict[str, str]:
+            found: dict[str, str] = {}
+            for i in range(0, len(wanted), _CHUNK):
+                chunk = wanted[i : i + _CHUNK]
+                marks = ",".join("?" * len(chunk))
+                found.update(self._db.execute(f"SELECT key, sha256 FROM hashes WHERE key IN ({marks})", chunk))
+            return found
+
+        return self._guard(read, {}) if self._db is not None else {}
 
     def remember(self, pairs: Iterable[tuple[str, str]]) -> None:
-        with self._db:
-            self._db.executemany("INSERT OR REPLACE INTO hashes (key, sha256) VALUES (?, ?)", list(pairs))
+        rows = list(pairs)
+
+        def write() -> None:
+            with self._db:
+                self._db.executemany("INSERT OR REPLACE INTO hashes (key, sha256) VALUES (?, ?)", rows)
+
+        if self._db is not None:
+            self._guard(write, None)
 
     def close(self) -> None:
-        self._db.close()
+        if self._db is not None:
+            self._db.close()
+
+    def _guard(self, work, fallback):
+        try:
+            return work()
+        except (sqlite3.Error, OSError) as exc:  # locked for too long, disk full, read-only
+            self._disable(exc)
+            return fallback
+
+    def _disable(self, exc: Exception) -> None:
+        log.warning("publishing without a hash cache (%s: %s): every file is read again", self._path, exc)
+        if self._db is not None:
+            self._db.close()
+        self._db = None
+
+
+def _open(path: Path, fresh: bool = False) -> sqlite3.Connection:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fresh:
+        for stale in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+            stale.unlink(missing_ok=True)
+    db = sqlite3.connect(path, timeout=30, check_same_thread=False)
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("CREATE TABLE IF NOT EXISTS hashes (key TEXT PRIMARY KEY, sha256 TEXT NOT NULL)")
+    except BaseException:
+        db.close()
+        raise
+    return db

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 from kcache.errors import ConfigError, IntegrityError, ObjectMissing, ObjectTooLarge, StoreError
 from kcache.store import Store
+from kcache.streams import Resumable
 
 REF_BYTES = 1024 * 1024
 SIGNATURE_BYTES = 1024
@@ -49,7 +50,9 @@ def read_exactly(store: Store, key: str, size: int) -> bytes:
     """`size` bytes of `key`, never more (the object may have grown since its size was asked)."""
     chunks, got = [], 0
     try:
-        with store.open_range(key, 0, size) as f:
+        # Resumable: a connection cut mid-body is read on from where it stopped, as pack reads are.
+        with Resumable(store.open_range(key, 0, size), lambda at, n: store.open_range(key, at, n), 0, size,
+                       name=key) as f:  # fmt: skip
             while got < size and (chunk := f.read(size - got)):  # a stream may return short reads
                 chunks.append(chunk)
                 got += len(chunk)

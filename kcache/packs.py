@@ -34,6 +34,9 @@ FOOTER_SIZE = FOOTER.size + len(MAGIC)
 TARGET_PACK_BYTES = 32 * 1024 * 1024
 LARGE_FILE_BYTES = 16 * 1024 * 1024  # a file this large gets a pack of its own
 ZSTD_LEVEL = 3
+# The largest window a streamed frame may ask the decoder to allocate. Ours need 2 MiB (level 3);
+# zstd's own limit is 128 MiB, which a hostile frame would get per fetch thread.
+MAX_WINDOW = 8 * 1024 * 1024
 _CHUNK = 1024 * 1024
 
 
@@ -76,7 +79,12 @@ class PackWriter:
         offset = self._file.tell()
         digest = hashlib.sha256()
         read = 0
-        with open(source, "rb") as src:
+        try:  # O_NOFOLLOW: a file swapped for a link since it was hashed is not read through it
+            src = open(os.open(source, os.O_RDONLY | os.O_NOFOLLOW), "rb")
+        except OSError as exc:  # removed or replaced since it was hashed: the next publish sees it as it is
+            why = f"changed while it was being published ({exc.strerror})"
+            raise IntegrityError("file", str(source), why) from None
+        with src:
             writer = self._cctx.stream_writer(self._file, size=size, closefd=False)
             while chunk := src.read(_CHUNK):
                 digest.update(chunk)
@@ -192,7 +200,7 @@ def unpack_to(stream: BinaryIO, blob_id: str, size: int, dest: BinaryIO) -> None
     digest = hashlib.sha256()
     written = 0
     try:
-        reader = zstandard.ZstdDecompressor().stream_reader(stream, read_across_frames=False)
+        reader = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).stream_reader(stream, read_across_frames=False)
         while chunk := reader.read(min(_CHUNK, size - written + 1)):
             written += len(chunk)
             if written > size:

@@ -14,6 +14,7 @@ Dedup asks the index which blob ids it already has, so the hundredth identical p
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -73,9 +74,8 @@ def collect(sources: Iterable[Source], *, root: Path | None, env: Mapping[str, s
     """Every non-junk file of each layer: from ROOT's layout when `root` is given, else live dirs."""
     found: list[tuple[Source, FileInfo]] = []
     for source in sources:
-        dirs = [source.restore_dir(root)] if root is not None else source.live_dirs(env)
         seen: set[str] = set()
-        for top in dirs:
+        for top in source.read_dirs(root, env):
             if not top.is_dir():
                 continue
             for info in source.walk(top):
@@ -87,14 +87,32 @@ def collect(sources: Iterable[Source], *, root: Path | None, env: Mapping[str, s
 
 def hash_file(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    # O_NOFOLLOW: a file swapped for a link after the walk is not read through it.
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
         while chunk := f.read(_HASH_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
 
 
+def _hash_or_skip(path: Path) -> str | None:
+    """The file's SHA-256, or None (with a warning) when it went away or cannot be read since the walk."""
+    try:
+        return hash_file(path)
+    except (FileNotFoundError, PermissionError) as exc:  # a compile removed its temp file; another user's file
+        log.warning("skipping %r: %s since it was listed", str(path),
+                    "removed" if isinstance(exc, FileNotFoundError) else "unreadable")  # fmt: skip
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # replaced by a link since the walk (O_NOFOLLOW)
+            log.warning("skipping %r: became a symbolic link since it was listed", str(path))
+            return None
+        raise
+
+
 def _hash_all(found: list[tuple[Source, FileInfo]], jobs: int, cache: HashCache | None) -> list[Collected]:
-    """SHA-256 of every file, from the hash cache where the file is unchanged since last time."""
+    """SHA-256 of every file, from the hash cache where the file is unchanged since last time.
+
+    A file that is gone by the time it is hashed is left out of the bundle."""
     keys = [key_for(i.path, i.size, i.mtime_ns, i.ctime_ns, i.ino) for _, i in found] if cache else []
     digests: list[str | None] = [None] * len(found)
     if cache:
@@ -103,11 +121,15 @@ def _hash_all(found: list[tuple[Source, FileInfo]], jobs: int, cache: HashCache 
     todo = [i for i, d in enumerate(digests) if d is None]
     # hashlib releases the GIL on large buffers, so threads overlap reading and hashing.
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        for i, digest in zip(todo, pool.map(lambda i: hash_file(found[i][1].path), todo)):
+        for i, digest in zip(todo, pool.map(lambda i: _hash_or_skip(found[i][1].path), todo)):
             digests[i] = digest
     if cache and todo:
-        cache.remember((keys[i], digests[i]) for i in todo)
-    return [Collected(f"{src.subdir}/{info.rel}", info, blob) for (src, info), blob in zip(found, digests)]
+        cache.remember((keys[i], digests[i]) for i in todo if digests[i] is not None)
+    return [
+        Collected(f"{src.subdir}/{info.rel}", info, blob)
+        for (src, info), blob in zip(found, digests)
+        if blob is not None
+    ]
 
 
 def _plan_packs(new: list[Collected]) -> list[list[Collected]]:

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import BinaryIO
 
-from kcache.errors import IntegrityError, StoreError
+from kcache.errors import IntegrityError, ObjectMissing, StoreError
+
+log = logging.getLogger(__name__)
+
+# Reopens of one read that failed part-way (a cut connection), each for the bytes not yet read.
+RESUMES = 5
 
 
 class Window:
@@ -50,6 +57,59 @@ class GuardedReader:
         self._stream.close()
 
     def __enter__(self) -> GuardedReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Resumable:
+    """`stream`, the `length` bytes at `offset` of an object, reopened where it stopped when a read fails.
+
+    A store retries requests, not bodies: without this, one connection cut mid-body fails the
+    whole read. After a StoreError, `open_at(offset, length)` (a ranged GET) asks only for the
+    bytes not yet delivered. At most `resumes` reopens, and none once `cancelled()` (the caller's
+    budget is spent): then the read's own error is raised.
+    """
+
+    def __init__(self, stream: BinaryIO, open_at: Callable[[int, int], BinaryIO], offset: int, length: int, *,
+                 name: str, resumes: int = RESUMES, cancelled: Callable[[], bool] = bool):  # fmt: skip
+        self._stream, self._open_at, self._offset, self._length = stream, open_at, offset, length
+        self._resumes, self._cancelled, self._name = resumes, cancelled, name
+        self._done = 0
+
+    def read(self, n: int = -1) -> bytes:
+        while self._done < self._length:  # past the end nothing is read: a late error cannot matter
+            try:
+                data = self._stream.read(n)
+            except ObjectMissing:
+                raise
+            except StoreError as exc:
+                self._resume(exc)
+                continue
+            self._done += len(data)
+            return data
+        return b""
+
+    def _resume(self, exc: StoreError) -> None:
+        if self._resumes <= 0 or self._cancelled():
+            raise exc
+        self._resumes -= 1
+        log.warning("reading %s failed after %d of %d bytes (%s); resuming there",
+                    self._name, self._done, self._length, exc.why)  # fmt: skip
+        self._close_quietly()
+        self._stream = self._open_at(self._offset + self._done, self._length - self._done)
+
+    def _close_quietly(self) -> None:
+        try:
+            self._stream.close()
+        except (OSError, StoreError):  # the connection is already gone
+            pass
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def __enter__(self) -> Resumable:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -67,8 +67,7 @@ def listing(root: Path, layers: list[Source]) -> list[CacheFile]:
     """Every non-junk regular file of each layer under ROOT."""
     found = []
     for source in layers:
-        top = source.restore_dir(Path(root))
-        if top.is_dir():
+        for top in source.read_dirs(Path(root), {}):
             for info in source.walk(top):
                 try:
                     mtime = info.path.stat().st_mtime
@@ -106,14 +105,31 @@ def load_baseline(root: Path) -> Baseline | None:
             return None
     except FileNotFoundError:
         return None
-    doc = readiness.read_marker(root, BASELINE_MARKER)
-    if doc is None or not isinstance(doc.get("files"), list):
+    files = _pairs((readiness.read_marker(root, BASELINE_MARKER) or {}).get("files"))
+    return None if files is None else Baseline(files)  # a damaged baseline is taken again
+
+
+def _pairs(value) -> frozenset[tuple[str, str]] | None:
+    """[[layer, path], ...] as a marker holds it, or None when it is anything else (a damaged file)."""
+    if not isinstance(value, list):
         return None
-    return Baseline(frozenset((str(layer), str(rel)) for layer, rel in doc["files"]))
+    if not all(isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item) for item in value):
+        return None
+    return frozenset((layer, rel) for layer, rel in value)
+
+
+def _count(doc: dict, field: str) -> int:
+    value = doc.get(field)
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63 else 0
 
 
 def save_baseline(root: Path, baseline: Baseline) -> None:
     readiness.write_marker(root, BASELINE_MARKER, {"files": sorted(baseline.files)})
+
+
+def describe(exc: Exception) -> str:
+    """kcache's own errors say what went wrong; anything else is named by its type too."""
+    return str(exc) if isinstance(exc, KcacheError) else f"{type(exc).__name__}: {exc}"
 
 
 class Watcher:
@@ -134,10 +150,12 @@ class Watcher:
         self._published: set[tuple[str, str]] = set()
         previous = readiness.read_marker(self.root, readiness.WATCH_MARKER) or {}
         # Counters survive a restart of the sidecar; the list only keeps the log from repeating itself.
-        self._publishes = int(previous.get("publishes", 0))
-        self._errors = int(previous.get("publish_errors", 0))
-        self._last_publish = previous.get("last_publish")
-        self._reported = {(str(a), str(b)) for a, b in previous.get("files", [])}
+        # The marker lies on a volume the model container shares: a damaged one starts from zero.
+        self._publishes = _count(previous, "publishes")
+        self._errors = _count(previous, "publish_errors")
+        last = previous.get("last_publish")
+        self._last_publish = last if isinstance(last, dict) else None
+        self._reported = set(_pairs(previous.get("files")) or ())
         self._written: dict | None = None
 
     def step(self, *, publish_now: bool = False) -> Step:
@@ -174,8 +192,9 @@ class Watcher:
     def _step_logged(self, **kwargs) -> Step | None:
         try:
             return self.step(**kwargs)
-        except (OSError, KcacheError) as exc:  # the sidecar outlives a bad scan; the next one retries
-            log.warning("watch step failed: %s", exc)
+        except Exception as exc:  # the sidecar (and the /readyz it serves) outlives a bad scan; the next one retries
+            log.warning("watch step failed: %s", describe(exc))
+            log.debug("watch step failed", exc_info=True)
             return None
 
     def _maybe_publish(self, new, layers, publish_now: bool) -> tuple[PublishResult | None, str]:
@@ -188,10 +207,13 @@ class Watcher:
         self._since_publish = self._clock()
         try:
             result = self._publisher(layers)
-        except (KcacheError, OSError) as exc:  # store or index away, a file unreadable: retry when next due
+        # Store or index away, a file unreadable, or a bug: count it, retry when next due. A sidecar
+        # that died here would take the pod's /readyz with it.
+        except Exception as exc:
             self._errors += 1
-            log.warning("publishing %d new files failed: %s", len(pending), exc)
-            return None, str(exc)
+            log.warning("publishing %d new files failed: %s", len(pending), describe(exc))
+            log.debug("publish failed", exc_info=True)
+            return None, describe(exc)
         self._published.update(pending)
         self._publishes += 1
         self._last_publish = {"bundle_id": result.bundle_id, "created": result.created,

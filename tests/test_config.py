@@ -76,16 +76,3 @@ def test_home_that_is_a_file_is_a_config_error(tmp_path):
     (tmp_path / "f").write_text("")
     with pytest.raises(ConfigError, match="KCACHE_HOME"):
         config.resolve(env={"KCACHE_HOME": str(tmp_path / "f")})
-
-
-@pytest.mark.parametrize("text", ["abc", "5m", "0", "-1", "nan", "inf"])
-def test_bad_numbers_from_the_environment_are_config_errors(text):
-    with pytest.raises(ConfigError, match="KCACHE_S3_READ_TIMEOUT"):
-        config.env_number("KCACHE_S3_READ_TIMEOUT", 60, env={"KCACHE_S3_READ_TIMEOUT": text})
-
-
-def test_numbers_from_the_environment():
-    assert config.env_number("X", 60, env={}) == 60.0
-    assert config.env_number("X", 6, int, env={"X": "3"}) == 3
-    with pytest.raises(ConfigError, match="whole number"):
-        config.env_number("X", 6, int, env={"X": "2.5"})

@@ -32,3 +32,31 @@ def test_a_rewrite_changes_the_key(tmp_path):
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # even with the old mtime put back
     assert stat_key(path) != before  # ctime moved
     assert stat_key(tmp_path / "missing") is None
+
+
+def _publish_with(tmp_path, store, sqlite_index, fp, cache_path):
+    write_tree(tmp_path / "src", {"inductor/a": b"kernel a", "cuda/b": b"sass b"})
+    cache = HashCache(cache_path)
+    try:
+        return publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={}, hash_cache=cache)
+    finally:
+        cache.close()
+
+
+def test_a_corrupt_hash_cache_is_started_afresh(tmp_path, store, sqlite_index, fp, caplog):
+    path = tmp_path / "hashes.db"
+    path.write_bytes(b"not a database, " * 64)  # a disk that filled up, a copy cut short
+    with caplog.at_level("WARNING", logger="kcache.hashcache"):
+        result = _publish_with(tmp_path, store, sqlite_index, fp, path)
+    assert result.files == 2 and "starting a new one" in caplog.text
+    cache = HashCache(path)  # the new one works and remembers
+    assert len(cache.lookup([stat_key(tmp_path / "src/inductor/a")])) == 1
+    cache.close()
+
+
+def test_an_unusable_hash_cache_only_costs_the_rehash(tmp_path, store, sqlite_index, fp, caplog):
+    blocker = tmp_path / "home"
+    blocker.write_bytes(b"")  # KCACHE_HOME is a file: no database can live under it
+    with caplog.at_level("WARNING", logger="kcache.hashcache"):
+        result = _publish_with(tmp_path, store, sqlite_index, fp, blocker / "hashcache.db")
+    assert result.files == 2 and "without a hash cache" in caplog.text

@@ -1,4 +1,5 @@
 import io
+import os
 
 import pytest
 import zstandard
@@ -42,10 +43,48 @@ def test_file_changed_after_hashing_is_refused(tmp_path):
     writer.discard()
 
 
+@pytest.mark.parametrize("change", ["removed", "now a link"])
+def test_file_removed_or_swapped_for_a_link_after_hashing_is_refused(tmp_path, change):
+    src, secret = tmp_path / "f", tmp_path / "secret"
+    src.write_bytes(b"before")
+    secret.write_bytes(b"before")  # the same bytes: only the link itself gives it away
+    src.unlink()
+    if change == "now a link":
+        src.symlink_to(secret)
+    writer = packs.PackWriter(tmp_path)
+    with pytest.raises(IntegrityError, match="changed"):
+        writer.add(canonical.sha256(b"before"), src, 6)
+    assert writer.blob_count == 0
+    writer.discard()
+
+
 def test_blob_that_decompresses_past_its_size_is_refused():
     bomb = zstandard.ZstdCompressor().compress(b"\0" * 1_000_000)
     with pytest.raises(IntegrityError, match="past its declared"):
         packs.unpack_to(io.BytesIO(bomb), canonical.sha256(b"\0" * 10), 10, io.BytesIO())
+
+
+def test_frame_asking_for_a_huge_window_is_refused_before_it_is_decoded():
+    data = os.urandom(1024 * 1024) * 20
+    params = zstandard.ZstdCompressionParameters.from_level(1, window_log=24, write_content_size=True)
+    frame = zstandard.ZstdCompressor(compression_params=params).compress(data)
+    assert zstandard.get_frame_parameters(frame).window_size > packs.MAX_WINDOW
+    with pytest.raises(IntegrityError, match="not a valid zstd frame"):
+        packs.unpack_to(io.BytesIO(frame), canonical.sha256(data), len(data), io.BytesIO())
+
+
+def test_our_own_frames_fit_the_window_limit(tmp_path):
+    src = tmp_path / "big"
+    src.write_bytes(os.urandom(1024 * 1024) * 24)  # larger than any window: the compressor picks its own
+    writer = packs.PackWriter(tmp_path)
+    writer.add(canonical.sha256(src.read_bytes()), src, src.stat().st_size)
+    pack = writer.finish()
+    (blob,) = pack.blobs
+    frame = pack.path.read_bytes()[blob.offset : blob.offset + blob.length]
+    assert zstandard.get_frame_parameters(frame).window_size <= packs.MAX_WINDOW
+    out = io.BytesIO()
+    packs.unpack_to(io.BytesIO(frame), blob.id, blob.size, out)
+    assert out.getvalue() == src.read_bytes()
 
 
 def test_blob_with_wrong_content_is_refused():

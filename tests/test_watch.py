@@ -68,6 +68,15 @@ def test_files_written_after_ready_but_before_the_baseline_still_count(tmp_path)
     assert [(f.layer, f.rel) for f in found] == [("triton", "k9/k.cubin")]
 
 
+def test_a_layer_root_that_is_a_link_is_not_watched(tmp_path):
+    make_ready(tmp_path / "root")
+    write_tree(tmp_path / "outside", {"ssh_host_key": b"SECRET"})
+    (tmp_path / "root/vllm").symlink_to(tmp_path / "outside")
+    layers = layers_under(tmp_path / "root")
+    everything = scan(tmp_path / "root", snapshot(tmp_path / "root", layers, 0.0), layers)  # an empty baseline
+    assert {f.layer for f in everything} == {"inductor", "triton", "cuda"}
+
+
 def test_extra_layers_are_watched(tmp_path):
     make_ready(tmp_path, {**RESTORED, "extra/trt/timing.cache": b"t"})
     layers = layers_under(tmp_path)
@@ -104,6 +113,30 @@ def test_waits_for_ready_then_counts_and_survives_a_restart(tmp_path, caplog):
 
     samples = metrics.render(metrics.collect(tmp_path))
     assert 'kcache_jit_files_after_ready{layer="inductor"} 1' in samples
+
+
+@pytest.mark.parametrize("doc", [
+    {"publishes": "many", "publish_errors": None, "files": [["inductor"]], "last_publish": 7},
+    {"publishes": 1.5, "files": "fxgraph/aa/g1"},
+    {"files": [[1, 2, 3], None, ["inductor", "fxgraph/aa/g1"]], "publishes": 10**400},
+], ids=["wrong-types", "wrong-shapes", "mixed"])  # fmt: skip
+def test_a_damaged_watch_marker_is_ignored_not_fatal(tmp_path, doc):
+    make_ready(tmp_path)
+    (tmp_path / WATCH_MARKER).write_text(json.dumps(doc))
+    watcher = Watcher(tmp_path)
+    assert watcher.step().ready
+    written = read_marker(tmp_path, WATCH_MARKER)
+    assert isinstance(written["publishes"], int) and isinstance(written["publish_errors"], int)
+
+
+@pytest.mark.parametrize("files", ["all", [["inductor"]], [None], [[1, {"a": 1}]]])
+def test_a_damaged_baseline_is_taken_again(tmp_path, files):
+    make_ready(tmp_path)
+    Watcher(tmp_path).step()
+    (tmp_path / BASELINE_MARKER).write_text(json.dumps({"files": files}))
+    write_tree(tmp_path, {"inductor/fxgraph/zz/late": b"after ready"})
+    step = Watcher(tmp_path).step()
+    assert step.ready and [f.rel for f in step.new] == ["fxgraph/zz/late"]
 
 
 def test_a_newer_restore_invalidates_a_saved_baseline(tmp_path):
@@ -151,14 +184,16 @@ def test_publish_every_publishes_only_the_delta_when_due(published_root, store, 
 
 
 def test_a_failed_publish_is_counted_and_retried(published_root):
-    root, _ = published_root
+    root, first = published_root
     clock = Clock()
     outcomes = [StoreError("s3://b", "unreachable")]
+    calls = []
 
     def publisher(layers):
+        calls.append(clock.now)
         if outcomes:
             raise outcomes.pop()
-        return "published"
+        return first
 
     watcher = Watcher(root, publisher=publisher, publish_every=10, clock=clock)
     watcher.step()
@@ -166,10 +201,56 @@ def test_a_failed_publish_is_counted_and_retried(published_root):
     clock.now += 11
     step = watcher.step()
     assert "unreachable" in step.publish_error and read_marker(root, WATCH_MARKER)["publish_errors"] == 1
-    assert watcher.step().published is None  # not due again yet
+    assert watcher.step().published is None and len(calls) == 1  # not due again yet
     clock.now += 11
-    with pytest.raises(AttributeError):  # the stand-in result has no bundle_id: the retry did call publish
-        watcher.step()
+    assert watcher.step().published == first and len(calls) == 2  # the retry
+    assert read_marker(root, WATCH_MARKER)["publishes"] == 1
+
+
+@pytest.mark.parametrize("error", [
+    UnicodeEncodeError("utf-8", "k\udcff", 1, 2, "surrogates not allowed"),  # a name no manifest can hold
+    FileNotFoundError(2, "No such file or directory"),  # a file removed between walk and hash
+    RuntimeError("a bug in publish"),
+], ids=["unicode", "vanished", "bug"])  # fmt: skip
+def test_run_survives_any_publish_failure_and_counts_it(published_root, store, sqlite_index, fp, error, caplog):
+    root, _ = published_root
+    write_tree(root, {"inductor/fxgraph/ff/g6": b"late"})  # compiled after ready
+    os.utime(root / "inductor/fxgraph/ff/g6", (ready_time(root) + 1,) * 2)
+    stop = threading.Event()
+    outcomes = [error]
+
+    def publisher(layers):
+        if outcomes:
+            raise outcomes.pop()
+        stop.set()  # the second publish ends the run, after which nothing is pending
+        return publish(store, sqlite_index, fp, layers, root=root)
+
+    with caplog.at_level("WARNING", logger="kcache.watch"):
+        Watcher(root, publisher=publisher, publish_every=0, clock=Clock()).run(stop, interval=0)
+    doc = read_marker(root, WATCH_MARKER)
+    assert doc["publish_errors"] == 1 and doc["publishes"] == 1
+    assert type(error).__name__ in caplog.text
+    samples = metrics.render(metrics.collect(root))
+    assert "kcache_watch_publish_errors_total 1" in samples and "kcache_watch_publishes_total 1" in samples
+
+
+def test_run_survives_a_failing_scan(tmp_path, monkeypatch, caplog):
+    make_ready(tmp_path)
+    stop = threading.Event()
+    steps = []
+    real_step = Watcher.step
+
+    def step(self, **kwargs):
+        steps.append(kwargs)
+        if len(steps) == 1:
+            raise ValueError("a scan that trips over something unexpected")
+        stop.set()
+        return real_step(self, **kwargs)
+
+    monkeypatch.setattr(Watcher, "step", step)
+    with caplog.at_level("WARNING", logger="kcache.watch"):
+        Watcher(tmp_path).run(stop, interval=0)
+    assert len(steps) == 2 and "ValueError" in caplog.text
 
 
 def test_run_stops_on_the_event_and_publishes_what_remains(published_root, store, sqlite_index, fp):
@@ -225,6 +306,22 @@ def test_cli_once_then_publish_and_restore_elsewhere(tmp_path):
     again = run("restore", "--into", str(tmp_path / "next"), "--model", "m", "--store", store, "--index", index)
     assert "hit" in again.output
     assert (tmp_path / "next/vllm/torch_compile_cache/h/rank_0_0/x").read_bytes() == b"late"
+
+
+def test_cli_once_publishes_past_a_file_name_that_is_not_utf8(tmp_path):
+    root = tmp_path / "root"
+    store = f"file://{tmp_path / 'store'}"
+    index = f"sqlite:///{tmp_path / 'index.db'}"
+    assert "miss" in run("restore", "--into", str(root), "--model", "m", "--store", store, "--index", index).output
+    write_marker(root, WARMUP_MARKER, {"status": "ok", "seconds": 1.0, "profiles": []})
+    run("watch", "--root", str(root), "--once")  # the baseline: nothing yet
+    write_tree(root, {"triton/k1/k.cubin": b"late"})
+    (root / "triton/k1").joinpath(os.fsdecode(b"bad\xff.json")).write_bytes(b"odd")
+    out = run("watch", "--root", str(root), "--once", "--json", "--publish-every", "10m",
+              "--model", "m", "--store", store, "--index", index)  # fmt: skip
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.output)
+    assert doc["published"] and doc["new_files"] == [{"layer": "triton", "path": "k1/k.cubin", "size": 4}]
 
 
 @pytest.mark.parametrize("text, seconds", [("90", 90), ("30s", 30), ("10m", 600), ("1h", 3600), ("0.5s", 0.5)])

@@ -8,7 +8,7 @@ from pathlib import Path
 from kcache.errors import ConfigError
 from kcache.sources.base import FileInfo, Source
 from kcache.sources.cuda import CudaSource
-from kcache.sources.extra import ExtraSource, parse_extra_dir
+from kcache.sources.extra import ExtraSource, is_extra_name, parse_extra_dir
 from kcache.sources.inductor import InductorSource, PrecompiledHeaderSource
 from kcache.sources.megacache import MegacacheSource
 from kcache.sources.triton import TritonSource
@@ -54,7 +54,12 @@ def in_root(root: Path, names: Iterable[str] | None = None, extras: Iterable[Ext
     extras = list(extras)
     named = {e.name for e in extras}
     extra_dir = Path(root) / "extra"
-    found = sorted(p.name for p in extra_dir.iterdir() if p.is_dir()) if extra_dir.is_dir() else []
+    # Only names restore can have laid down; a link here is refused when the layer is read (Source.read_dirs).
+    found = (
+        sorted(p.name for p in extra_dir.iterdir() if p.is_dir() and is_extra_name(p.name))
+        if extra_dir.is_dir()
+        else []
+    )
     return select(names, extras + [ExtraSource(n) for n in found if f"extra:{n}" not in named])
 
 

@@ -64,8 +64,23 @@ class Source:
             pattern = _JUNK_RE[self.junk] = re.compile("|".join(fnmatch.translate(p) for p in self.junk))
         return pattern.match(name) is not None
 
+    def read_dirs(self, root: Path | None, env: Mapping[str, str]) -> list[Path]:
+        """The directories publish reads this layer from: its place under ROOT, else its live ones.
+
+        Under ROOT the layer is what restore laid down, always real directories; a link anywhere
+        between ROOT and the layer (ROOT/vllm -> /etc/ssh) would publish what it points at.
+        """
+        if root is None:
+            return self.live_dirs(env)
+        place = self.restore_dir(Path(root))
+        return [place] if _real_dir_below(Path(root), place) else []
+
     def walk(self, top: Path) -> Iterator[FileInfo]:
-        """Regular files under `top` that are not junk. Links are skipped: they could point anywhere."""
+        """Regular files under `top` that are not junk and whose names a manifest can carry.
+
+        Links are skipped: they could point anywhere. So are names that are not UTF-8 or hold a
+        backslash: a manifest cannot carry them, and one such file would fail the whole publish.
+        """
         for dirpath, dirs, files in os.walk(top):
             rel_dir = os.path.relpath(dirpath, top)
             prefix = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
@@ -73,10 +88,10 @@ class Source:
             dirs[:] = sorted(
                 d for d in dirs
                 if not self._junk_name(d) and not (not prefix and d in self.foreign)
-                and not os.path.islink(os.path.join(dirpath, d))
+                and not os.path.islink(os.path.join(dirpath, d)) and _nameable(dirpath, d)
             )  # fmt: skip
             for name in sorted(files):
-                if self._junk_name(name) or (not prefix and name in self.foreign):
+                if self._junk_name(name) or (not prefix and name in self.foreign) or not _nameable(dirpath, name):
                     continue
                 path = os.path.join(dirpath, name)
                 try:
@@ -84,10 +99,49 @@ class Source:
                 except FileNotFoundError:
                     continue  # removed while we walked: a temp file of a running compile
                 if not stat.S_ISREG(st.st_mode):
-                    log.warning("skipping %s: not a regular file", path)
+                    _skip(path, "not a regular file")
                     continue
                 yield FileInfo(prefix + name, Path(path), stat.S_IMODE(st.st_mode) & 0o777, st.st_size,
                                st.st_mtime_ns, st.st_ctime_ns, st.st_ino)  # fmt: skip
+
+
+def _real_dir_below(root: Path, place: Path) -> bool:
+    """True if `place` is a directory reached from `root` without passing through a link."""
+    current = root
+    for part in place.relative_to(root).parts:
+        current = current / part
+        if current.is_symlink():
+            _skip(str(current), "a layer directory that is a symbolic link is not followed")
+            return False
+        if not current.is_dir():
+            return False
+    return True
+
+
+def _nameable(dirpath: str, name: str) -> bool:
+    """A name a manifest can carry: UTF-8 text without a backslash (restore refuses those)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        _skip(os.path.join(dirpath, name), "its name is not valid UTF-8")
+        return False
+    if "\\" in name:
+        _skip(os.path.join(dirpath, name), "its name contains a backslash")
+        return False
+    return True
+
+
+_warned: set[tuple[str, str]] = set()
+_WARN_LIMIT = 10_000
+
+
+def _skip(path: str, why: str) -> None:
+    """Warn once per path and reason: `kcache watch` walks the same tree every few seconds."""
+    if (path, why) in _warned:
+        return
+    if len(_warned) < _WARN_LIMIT:
+        _warned.add((path, why))
+    log.warning("skipping %r: %s", path, why)  # repr: a file name may hold escapes or newlines
 
 
 def torch_user() -> str:

@@ -15,9 +15,13 @@ from kcache.sources.base import Source
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}\Z")
 
 
+def is_extra_name(name: str) -> bool:
+    return bool(_NAME.match(name))
+
+
 class ExtraSource(Source):
     def __init__(self, name: str, path: Path | None = None):
-        if not _NAME.match(name):
+        if not is_extra_name(name):
             raise ConfigError("extra directory name", name, "use letters, digits, '-' and '_'")
         self.name = f"extra:{name}"
         self.subdir = f"extra/{name}"

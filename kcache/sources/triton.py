@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from kcache.sources.base import Source, home_dir
+from kcache.sources.base import COMMON_JUNK, Source, home_dir
 from kcache.sources.inductor import inductor_dir
 
 
@@ -21,10 +21,15 @@ class TritonSource(Source):
     name = "triton"
     subdir = "triton"
     env_var = "TRITON_CACHE_DIR"
+    # Triton (runtime/cache.py, FileCacheManager.put, read in 3.9) writes each file into
+    # <kernel dir>/tmp.pid_<pid>_<uuid>/ and then renames it into place: what is left in such a
+    # directory is half written, or orphaned by a killed compile.
+    junk = COMMON_JUNK + ("tmp.pid_*",)
 
     def live_dirs(self, env: Mapping[str, str]) -> list[Path]:
         if env.get("TRITON_CACHE_DIR"):
             return [Path(env["TRITON_CACHE_DIR"])]
         under_inductor = inductor_dir(env) / "triton"
         devices = sorted(under_inductor.iterdir()) if under_inductor.is_dir() else []
-        return [d for d in devices if d.is_dir()] + [home_dir(env) / ".triton" / "cache"]
+        # torch makes these per-device directories itself; one that is a link is not torch's.
+        return [d for d in devices if d.is_dir() and not d.is_symlink()] + [home_dir(env) / ".triton" / "cache"]

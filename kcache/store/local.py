@@ -74,6 +74,8 @@ class LocalStore:
             return self._path(key).stat().st_size
         except FileNotFoundError:
             raise ObjectMissing(self.url, key) from None
+        except OSError as exc:
+            raise StoreError(self.url, f"cannot stat {key}: {exc.strerror}") from None
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
@@ -99,20 +101,26 @@ class LocalStore:
             data = self._path(key).read_bytes()
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            raise StoreError(self.url, f"cannot read {key}: {exc.strerror}") from None
         return data, hashlib.sha256(data).hexdigest()
 
     def put_if(self, key: str, data: bytes, version: str | None) -> bool:
         final = self._path(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        # A lock beside the object serializes compare-and-swap between processes on this host
-        # (and on NFS v4, which supports fcntl locks).
-        with open(final.parent / f".lock-{final.name}", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            current = self.get_versioned(key)
-            if (current[1] if current else None) != version:
-                return False
-            atomic.write_bytes(final, data)
-            return True
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            # A lock beside the object serializes compare-and-swap between processes on this host
+            # (and on NFS v4, which supports fcntl locks).
+            with open(final.parent / f".lock-{final.name}", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                current = self.get_versioned(key)
+                if (current[1] if current else None) != version:
+                    return False
+                atomic.write_bytes(final, data)
+                return True
+        except OSError as exc:
+            raise StoreError(self.url, f"cannot write {key}: {exc.strerror or exc}") from None
+
 
     def delete(self, key: str) -> None:
         try:

@@ -7,7 +7,9 @@
 Content-addressed objects are written with `If-None-Match: *`: a 412 (or a 409 from a racing
 conditional write) means the same bytes are already there, which is success. Reads are ranged
 GETs streamed to the caller. Retries with backoff, connect/read timeouts and the connection pool
-size are botocore configuration, not loops here. Any S3-compatible endpoint works through
+size are botocore configuration, not loops here. botocore retries requests, not bodies: a whole
+object read cut part-way is resumed here with ranged GETs of the same ETag (range reads are
+resumed by their reader, kcache.fetch). Any S3-compatible endpoint works through
 AWS_ENDPOINT_URL or --s3-endpoint-url; credentials come the usual boto3 way.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,10 +34,10 @@ from botocore.exceptions import (
     ReadTimeoutError,
 )
 
-from kcache.config import env_number
-from kcache.errors import ObjectMissing, StoreError
+from kcache import durations
+from kcache.errors import ConfigError, ObjectMissing, StoreError
 from kcache.store.base import ObjectInfo, is_valid_key
-from kcache.streams import Window
+from kcache.streams import Resumable, Window, read_exact
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +55,9 @@ class S3Store:
         self.jobs = max(1, jobs)
         config = Config(
             max_pool_connections=self.jobs + 4,
-            retries={"max_attempts": env_number("KCACHE_S3_MAX_ATTEMPTS", 6, int), "mode": "adaptive"},
-            connect_timeout=env_number("KCACHE_S3_CONNECT_TIMEOUT", 5),
-            read_timeout=env_number("KCACHE_S3_READ_TIMEOUT", 60),
+            retries={"max_attempts": _attempts("KCACHE_S3_MAX_ATTEMPTS", "6"), "mode": "adaptive"},
+            connect_timeout=_seconds("KCACHE_S3_CONNECT_TIMEOUT", "5"),
+            read_timeout=_seconds("KCACHE_S3_READ_TIMEOUT", "60"),
             # Path-style works with every S3-compatible server (MinIO, Ceph, moto) behind an IP.
             s3={"addressing_style": "path"} if endpoint_url else {},
         )
@@ -155,17 +158,31 @@ class S3Store:
     # ---- reads ---------------------------------------------------------------------------------
 
     def get_bytes(self, key: str) -> bytes:
+        return self._get_whole(key)[0]
+
+    def _get_whole(self, key: str) -> tuple[bytes, str]:
+        """(content, ETag). A body cut part-way is resumed with ranged GETs of the same version."""
         try:
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+            response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
         except (ClientError, BotoCoreError) as exc:
             raise self._error(exc, key, "read") from None
+        size, etag = int(response["ContentLength"]), response["ETag"]
+        first = Window(_BodyReader(response["Body"], self, key), size)
+        # If-Match: a ref replaced between the cut and the resume must not be read half old, half new.
+        with Resumable(first, lambda at, n: self._ranged(key, at, n, etag), 0, size, name=key) as body:
+            data = read_exact(body, size, "object", key)
+        return data, etag
 
     def open_range(self, key: str, offset: int, length: int) -> BinaryIO:
         if length == 0:
             return Window(io.BytesIO(b""), 0)
+        return self._ranged(key, offset, length)
+
+    def _ranged(self, key: str, offset: int, length: int, etag: str | None = None) -> BinaryIO:
+        condition = {"IfMatch": etag} if etag else {}
         try:
             body = self.client.get_object(
-                Bucket=self.bucket, Key=self._key(key), Range=f"bytes={offset}-{offset + length - 1}"
+                Bucket=self.bucket, Key=self._key(key), Range=f"bytes={offset}-{offset + length - 1}", **condition
             )["Body"]
         except (ClientError, BotoCoreError) as exc:
             raise self._error(exc, key, "read") from None
@@ -196,13 +213,9 @@ class S3Store:
 
     def get_versioned(self, key: str) -> tuple[bytes, str] | None:
         try:
-            response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
-            return response["Body"].read(), response["ETag"]
-        except (ClientError, BotoCoreError) as exc:
-            error = self._error(exc, key, "read")
-            if isinstance(error, ObjectMissing):
-                return None
-            raise error from None
+            return self._get_whole(key)
+        except ObjectMissing:
+            return None
 
     def put_if(self, key: str, data: bytes, version: str | None) -> bool:
         condition = {"IfMatch": version} if version else {"IfNoneMatch": "*"}
@@ -239,6 +252,18 @@ class _BodyReader:
 
     def close(self) -> None:
         self._body.close()
+
+
+def _seconds(var: str, default: str) -> float:
+    """A timeout from the environment: `60`, `60s`, `2m` (a typo is a ConfigError naming the variable)."""
+    return durations.parse(os.environ.get(var) or default, var, bare_seconds=True, positive=True).total_seconds()
+
+
+def _attempts(var: str, default: str) -> int:
+    text = (os.environ.get(var) or default).strip()
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 100:
+        raise ConfigError(var, text, "expected a whole number of attempts from 1 to 100")
+    return int(text)
 
 
 def _code(exc: ClientError) -> str:

@@ -161,6 +161,6 @@ def test_usage_errors_under_json_are_one_json_object():
 
 
 def test_a_bad_s3_setting_is_a_usage_error_not_a_bug(tmp_path, monkeypatch):
-    monkeypatch.setenv("KCACHE_S3_CONNECT_TIMEOUT", "5s")
+    monkeypatch.setenv("KCACHE_S3_CONNECT_TIMEOUT", "soon")
     result = run("verify", "--store", "s3://bucket/p", "--index", f"sqlite:///{tmp_path}/i.db")
-    assert result.exit_code == ExitCode.USAGE and "KCACHE_S3_CONNECT_TIMEOUT '5s'" in result.stderr
+    assert result.exit_code == ExitCode.USAGE and "KCACHE_S3_CONNECT_TIMEOUT" in result.stderr

@@ -7,7 +7,7 @@ import pytest
 from trees import read_tree, write_tree
 
 from kcache import sources
-from kcache.errors import ObjectMissing, StoreError
+from kcache.errors import ConfigError, ObjectMissing, StoreError
 from kcache.publish import publish
 from kcache.restore import restore
 from kcache.store import open_store, s3
@@ -110,3 +110,21 @@ def test_damaged_pack_in_bucket_fails_open_without_partial_cache(tmp_path, s3_bu
     assert read_tree(tmp_path / "dst/inductor") == {"old": (b"previous", 0o644)}
     strict = CliRunner().invoke(main, ["restore", "--into", str(tmp_path / "dst"), "--strict", *args])
     assert strict.exit_code in (4, 6)
+
+
+@pytest.mark.parametrize("var, value", [
+    ("KCACHE_S3_READ_TIMEOUT", "abc"), ("KCACHE_S3_READ_TIMEOUT", "nan"), ("KCACHE_S3_CONNECT_TIMEOUT", "-1"),
+    ("KCACHE_S3_CONNECT_TIMEOUT", "0"), ("KCACHE_S3_MAX_ATTEMPTS", "many"), ("KCACHE_S3_MAX_ATTEMPTS", "0"),
+    ("KCACHE_S3_MAX_ATTEMPTS", "2.5"), ("KCACHE_S3_MAX_ATTEMPTS", "²"),
+])  # fmt: skip
+def test_a_bad_s3_setting_is_a_config_error_naming_it(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError, match=var):
+        open_store("s3://bucket/prefix", endpoint_url="http://127.0.0.1:1")
+
+
+@pytest.mark.parametrize("var, value", [("KCACHE_S3_READ_TIMEOUT", "5s"), ("KCACHE_S3_READ_TIMEOUT", "2.5"),
+                                        ("KCACHE_S3_MAX_ATTEMPTS", "3")])  # fmt: skip
+def test_good_s3_settings_are_taken(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    open_store("s3://bucket/prefix", endpoint_url="http://127.0.0.1:1")

@@ -1,0 +1,43 @@
+"""file:// specifics the conformance suite cannot state for S3: what the local file system refuses
+becomes a StoreError, and a refused write leaves no temporary file behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from kcache.errors import StoreError
+from kcache.store.local import LocalStore
+
+
+@pytest.fixture
+def blocked(tmp_path) -> LocalStore:
+    """A store whose refs/ and packs/ are files: every write below them fails in the file system."""
+    store = LocalStore(tmp_path / "store")
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store/refs").write_bytes(b"")
+    (tmp_path / "store/packs").write_bytes(b"")
+    return store
+
+
+def test_compare_and_swap_the_file_system_refuses_is_a_store_error(blocked):
+    with pytest.raises(StoreError, match="refs/k"):
+        blocked.put_if("refs/k", b"{}", None)
+
+
+def test_a_write_the_file_system_refuses_is_a_store_error(blocked, tmp_path):
+    with pytest.raises(StoreError, match="packs/aa/x"):
+        blocked.put_bytes("packs/aa/x", b"data")
+    src = tmp_path / "src"
+    src.write_bytes(b"data")
+    with pytest.raises(StoreError):
+        blocked.put_file("packs/aa/y", src)
+
+
+def test_a_ref_the_file_system_cannot_read_is_a_store_error(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    (tmp_path / "store/refs/k").mkdir(parents=True)  # a directory where the ref should be
+    with pytest.raises(StoreError, match="refs/k"):
+        store.get_versioned("refs/k")
+    with pytest.raises(StoreError, match="refs/k"):
+        store.put_if("refs/k", b"two", None)
+    assert [p.name for p in (tmp_path / "store/refs").iterdir() if p.name.startswith(".tmp-")] == []
