@@ -43,6 +43,7 @@ from kcache.fingerprint import Fingerprint
 from kcache.packs import unpack_frame
 from kcache.readiness import RESTORE_MARKER, read_marker, write_marker
 from kcache.records import Event
+from kcache.relocate import relocate_staged
 from kcache.store import Store, manifest_key
 
 log = logging.getLogger(__name__)
@@ -257,6 +258,7 @@ def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jo
         budget.staging = staging
     try:
         _fetch_all(store, entries, staging, jobs, budget)
+        relocate_staged(staging / "files", root, (e.path for e in entries), sources)
         with budget.lock:
             if budget.expired:
                 raise fetch.Cancelled()

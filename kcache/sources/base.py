@@ -45,6 +45,9 @@ class Source:
     junk: tuple[str, ...] = COMMON_JUNK
     # Top-level directories inside this layer's tree that belong to another layer.
     foreign: tuple[str, ...] = ()
+    # Index files holding absolute paths that restore rewrites (names in kcache.relocate.REWRITERS).
+    # Triton's groups by default: a Triton cache can sit inside any engine's directory.
+    rewriters: tuple[str, ...] = ("triton-groups",)
 
     def live_dirs(self, env: Mapping[str, str]) -> list[Path]:
         """Directories this layer is read from on a running machine, most specific first."""
