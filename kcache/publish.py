@@ -234,7 +234,8 @@ def _upload_until_revived(collected: list[Collected], store: Store, index: Index
 
 
 def _entry(c: Collected, where: BlobLocation) -> manifests.Entry:
-    return manifests.Entry(c.path, c.info.mode, c.info.size, c.blob, where.pack_id, where.offset, where.length)
+    return manifests.Entry(c.path, c.info.mode, c.info.size, c.blob, where.pack_id, where.offset, where.length,
+                           c.info.mtime_ns)  # fmt: skip
 
 
 def _bundle_row(manifest: manifests.Manifest, compile_seconds: float | None = None) -> Bundle:

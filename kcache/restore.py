@@ -307,6 +307,8 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
             write(out)
         if entry.mode & umask:  # the umask took bits the manifest asks for
             os.chmod(path, entry.mode)
+        if entry.mtime_ns:  # builders (ninja) judge "up to date" by mtime; set after the last write
+            os.utime(path, ns=(entry.mtime_ns, entry.mtime_ns))
 
     def place(entry: manifests.Entry, frame) -> None:
         lay(entry, lambda out: unpack_frame(frame, entry.blob, entry.size, out))

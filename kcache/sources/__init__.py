@@ -11,6 +11,7 @@ from kcache.sources.cuda import CudaSource
 from kcache.sources.extra import ExtraSource, parse_extra_dir
 from kcache.sources.inductor import InductorSource, PrecompiledHeaderSource
 from kcache.sources.megacache import MegacacheSource
+from kcache.sources.torch_extensions import TorchExtensionsSource
 from kcache.sources.triton import TritonSource
 from kcache.sources.vllm import VllmSource
 
@@ -21,6 +22,7 @@ BUILTIN: tuple[Source, ...] = (
     CudaSource(),
     VllmSource(),
     MegacacheSource(),
+    TorchExtensionsSource(),
 )
 
 __all__ = [
