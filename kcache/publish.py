@@ -180,9 +180,10 @@ def publish(
     new, uploaded, pack_count, locations = _upload_until_revived(collected, store, index, jobs, note)
     entries = [_entry(c, locations[c.blob]) for c in collected]
     layers = sorted({src.name for src, _ in found})
+    info = {src.name: src.layer_info() for src in sources if src.name in layers}
     manifest = manifests.build(
         fingerprint.bundle_key, fingerprint.toolchain_key, fingerprint.workload_key,
-        fingerprint.facts, layers, entries,
+        fingerprint.facts, layers, entries, info,
     )  # fmt: skip
     data = manifest.to_bytes()
     store.put_bytes(manifest_key(manifest.id), data)

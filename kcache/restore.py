@@ -101,8 +101,12 @@ def restore(
     trusted: tuple[signing.TrustedKey, ...] = (),
     require_signature: bool = False,
     fallback: str | None = None,
+    run_as: str | None = None,
 ) -> RestoreResult:
     """Restore the newest bundle for `fingerprint` (or the pinned `bundle_id`) into `root`.
+
+    `run_as` is the user the model will run as (torch names the precompiled header's directory for
+    it); default KCACHE_RUN_AS, else the user publish recorded, else the current user.
 
     A pinned bundle must still match the fingerprint. With trusted keys, a signature that does
     not verify is refused; with `require_signature`, so is an unsigned bundle. With
@@ -120,7 +124,8 @@ def restore(
         try:
             result = _within(
                 timeout,
-                lambda budget: _restore(store, index, fingerprint, root, jobs, budget, bundle_id, policy, fallback),
+                lambda budget: _restore(store, index, fingerprint, root, jobs, budget, bundle_id, policy, fallback,
+                                        run_as),
             )
         except OSError as exc:  # the disk, not the bundle: ENOSPC, EACCES, a read-only volume
             raise _root_error(root, exc) from exc
@@ -129,7 +134,7 @@ def restore(
         _record(index, Event("restore", "error", fingerprint.bundle_key, None, 0, 0, seconds, str(exc)))
         failed = RestoreResult("error", fingerprint.bundle_key, None, root, root / envfile.NAME,
                                seconds=seconds, reason=str(exc))  # fmt: skip
-        _finish_quietly(root, fingerprint, failed)  # the pod starts cold, but with the right env
+        _finish_quietly(root, fingerprint, failed, run_as)  # the pod starts cold, but with the right env
         raise
     _record(index, Event("restore", result.status, result.bundle_key, result.bundle_id,
                          result.files, result.bytes, result.seconds, result.reason or None))  # fmt: skip
@@ -198,12 +203,13 @@ def _restore(
     pinned: str | None,
     policy: _Policy,
     fallback: str | None = None,
+    run_as: str | None = None,
 ) -> RestoreResult:
     started = time.perf_counter()
     _prepare_root(root)
     manifest_id, partial, miss_reason = _choose(store, index, fp, pinned, fallback)
     if manifest_id is None:
-        env_file = _write_env(root, fp, [], f"miss, {miss_reason}")
+        env_file = _write_env(root, fp, [], f"miss, {miss_reason}", layers.run_as_user(run_as, {}))
         return RestoreResult("miss", fp.bundle_key, None, root, env_file, seconds=time.perf_counter() - started,
                              reason=miss_reason)  # fmt: skip
     data = store.get_bytes(manifest_key(manifest_id))
@@ -218,8 +224,9 @@ def _restore(
     _check_layers(manifest)
     layer_names = tuple(n for n in manifest.layers if n in PARTIAL_LAYERS) if partial else manifest.layers
     entries = tuple(e for e in manifest.entries if not partial or e.path.split("/", 1)[0] in PARTIAL_LAYERS)
-    _lay_out(store, root, entries, layers.for_manifest(layer_names), jobs, budget)
-    env_file = _write_env(root, fp, layer_names, f"{'partial' if partial else 'hit'}, bundle {manifest.id}")
+    user = layers.run_as_user(run_as, manifest.layer_info)
+    _lay_out(store, root, entries, layers.for_manifest(layer_names, user), jobs, budget)
+    env_file = _write_env(root, fp, layer_names, f"{'partial' if partial else 'hit'}, bundle {manifest.id}", user)
     reason = (
         f"kernel layers of bundle {manifest.id[:12]}, built on this toolchain for another workload" if partial else ""
     )
@@ -357,13 +364,13 @@ def _inside(root: Path, path: Path) -> Path:
     return path
 
 
-def _write_env(root: Path, fp: Fingerprint, layer_names, comment: str) -> Path:
+def _write_env(root: Path, fp: Fingerprint, layer_names, comment: str, run_as: str | None = None) -> Path:
     """Create every layer directory and write kcache.env."""
     exports = layers.all_exports(root, layer_names)
     # Torch's own keys then carry the toolchain: a cache that reaches another machine by other
     # means misses instead of running kernels built for another ISA.
     exports["TORCH_COMPILE_CACHE_KEY_TAG"] = key_tag(fp)
-    for source in layers.BUILTIN:
+    for source in layers.builtin(run_as):
         place = _inside(root, source.restore_dir(root))
         if place.is_symlink() and not place.exists():
             place.unlink()  # a dangling link would make every run fail: replace it with a directory
@@ -384,10 +391,10 @@ def key_tag(fp: Fingerprint) -> str:
     return f"kcache-{fp.toolchain_key}"
 
 
-def _finish_quietly(root: Path, fp: Fingerprint, failed: RestoreResult) -> None:
+def _finish_quietly(root: Path, fp: Fingerprint, failed: RestoreResult, run_as: str | None) -> None:
     try:
         if root.is_dir():
-            _write_env(root, fp, [], f"error, {failed.reason}")
+            _write_env(root, fp, [], f"error, {failed.reason}", layers.run_as_user(run_as, {}))
             _write_state(failed)
     except (OSError, KcacheError) as exc:
         log.warning("cannot write kcache.env in %s: %s", root, exc)

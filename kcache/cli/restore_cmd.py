@@ -37,12 +37,15 @@ from kcache.store import open_store
 @click.option("--fallback", type=click.Choice(["toolchain"]),
               help="On a miss, restore the kernel layers (inductor, triton, cuda) of the newest bundle built "
                    "on this toolchain for another workload.")  # fmt: skip
+@click.option("--run-as", "run_as", metavar="USER", envvar="KCACHE_RUN_AS",
+              help="User the model container runs as (torch names the precompiled header's directory for it); "
+                   "default: the user publish recorded, else this one.")  # fmt: skip
 @click.option("--strict", is_flag=True, help="Exit non-zero on a miss or an error instead of starting cold.")
 @click.option("--jobs", type=click.IntRange(1, 256), default=16, show_default=True, help="Parallel pack reads.")
 @fingerprint_options
 @store_options
 @json_option
-def restore_cmd(root, timeout, bundle_id, trusted_keys, require_signature, fallback, strict, jobs,
+def restore_cmd(root, timeout, bundle_id, trusted_keys, require_signature, fallback, run_as, strict, jobs,
                 model, model_config, facts, extras, store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
     """Lay the bundle that matches this machine into ROOT and write ROOT/kcache.env.
 
@@ -67,7 +70,8 @@ def restore_cmd(root, timeout, bundle_id, trusted_keys, require_signature, fallb
         index = open_for_restore(cfg, store)
         try:
             result = restore(store, index, fp, root, jobs=jobs, timeout=timeout, bundle_id=bundle_id,
-                             trusted=trusted, require_signature=require_signature, fallback=fallback)  # fmt: skip
+                             trusted=trusted, require_signature=require_signature, fallback=fallback,
+                             run_as=run_as)  # fmt: skip
         finally:
             index.close()
     except Exception as exc:  # noqa: BLE001 - an init container must never crash-loop on a kcache bug

@@ -9,7 +9,7 @@ from kcache.errors import ConfigError
 from kcache.sources.base import FileInfo, Source
 from kcache.sources.cuda import CudaSource
 from kcache.sources.extra import ExtraSource, parse_extra_dir
-from kcache.sources.inductor import InductorSource, PrecompiledHeaderSource
+from kcache.sources.inductor import InductorSource, PrecompiledHeaderSource, run_as_user
 from kcache.sources.megacache import MegacacheSource
 from kcache.sources.torch_extensions import TorchExtensionsSource
 from kcache.sources.triton import TritonSource
@@ -34,6 +34,8 @@ __all__ = [
     "select",
     "parse_extra_dir",
     "for_manifest",
+    "builtin",
+    "run_as_user",
 ]
 
 
@@ -60,9 +62,15 @@ def in_root(root: Path, names: Iterable[str] | None = None, extras: Iterable[Ext
     return select(names, extras + [ExtraSource(n) for n in found if f"extra:{n}" not in named])
 
 
-def for_manifest(layers: Iterable[str]) -> list[Source]:
+def builtin(run_as: str | None = None) -> list[Source]:
+    """The built-in layers, with the precompiled header laid out for the user `run_as` (when given)."""
+    return [PrecompiledHeaderSource(run_as) if isinstance(s, PrecompiledHeaderSource) and run_as else s
+            for s in BUILTIN]  # fmt: skip
+
+
+def for_manifest(layers: Iterable[str], run_as: str | None = None) -> list[Source]:
     """Sources for the layer names a manifest lists (extra:NAME included)."""
-    by_name = {s.name: s for s in BUILTIN}
+    by_name = {s.name: s for s in builtin(run_as)}
     result: list[Source] = []
     for name in layers:
         if name in by_name:

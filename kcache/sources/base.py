@@ -57,6 +57,10 @@ class Source:
         """Where this layer's files go under the restore root (and are read from by --from ROOT)."""
         return root / self.subdir
 
+    def layer_info(self) -> dict[str, str]:
+        """What this layer's layout depends on, recorded in the manifest by publish (e.g. a user name)."""
+        return {}
+
     def exports(self, root: Path) -> dict[str, str]:
         """Environment variables that point the tool at this layer under `root`."""
         return {self.env_var: str(self.restore_dir(root))} if self.env_var else {}
