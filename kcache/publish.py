@@ -76,7 +76,7 @@ def collect(sources: Iterable[Source], *, root: Path | None, env: Mapping[str, s
         dirs = [source.restore_dir(root)] if root is not None else source.live_dirs(env)
         seen: set[str] = set()
         for top in dirs:
-            if not top.is_dir():
+            if not (top.is_dir() or top.is_file()):  # a file: a one-file layer (the TRT-LLM autotuner's)
                 continue
             for info in source.walk(top):
                 if info.rel not in seen:  # merged directories (triton per device): first wins

@@ -8,11 +8,15 @@ from pathlib import Path
 from kcache.errors import ConfigError
 from kcache.sources.base import FileInfo, Source
 from kcache.sources.cuda import CudaSource
+from kcache.sources.cute_dsl import CuteDslSource
+from kcache.sources.deep_gemm import DeepGemmSource, TrtllmDeepGemmSource
 from kcache.sources.extra import ExtraSource, parse_extra_dir
+from kcache.sources.flashinfer import FlashInferCubinSource, FlashInferSource
 from kcache.sources.inductor import InductorSource, PrecompiledHeaderSource, run_as_user
 from kcache.sources.megacache import MegacacheSource
 from kcache.sources.torch_extensions import TorchExtensionsSource
 from kcache.sources.triton import TritonSource
+from kcache.sources.trtllm import TrtllmAutotunerSource
 from kcache.sources.vllm import VllmSource
 
 BUILTIN: tuple[Source, ...] = (
@@ -23,6 +27,12 @@ BUILTIN: tuple[Source, ...] = (
     VllmSource(),
     MegacacheSource(),
     TorchExtensionsSource(),
+    FlashInferSource(),
+    FlashInferCubinSource(),
+    DeepGemmSource(),
+    TrtllmDeepGemmSource(),
+    CuteDslSource(),
+    TrtllmAutotunerSource(),
 )
 
 __all__ = [
