@@ -133,10 +133,11 @@ def relocate_staged(files: Path, root: Path, paths: Iterable[str], sources: Iter
     paths = list(paths)
     dropped: list[str] = []
     for source in sources:
-        if not source.rewriters:
-            continue
+        chosen = [REWRITERS[name] for name in source.rewriters]
         prefix = source.subdir + "/"
         rels = [p.removeprefix(prefix) for p in paths if p.startswith(prefix)]
+        if not any(r.matches(rel.rsplit("/", 1)[-1]) for rel in rels for r in chosen):
+            continue  # the common case: nothing to rewrite, so no path set to build
         layer = Layer(files / source.subdir, source.restore_dir(root), known_paths(rels))
         dropped += [prefix + rel for rel in relocate(layer, rels, source.rewriters)]
     return dropped
