@@ -27,8 +27,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kcache import layerkeys, refs, signing
 from kcache import manifest as manifests
-from kcache import refs, signing
 from kcache.errors import IntegrityError, RootError
 from kcache.fingerprint import Fingerprint
 from kcache.hashcache import HashCache, key_for
@@ -180,7 +180,8 @@ def publish(
     new, uploaded, pack_count, locations = _upload_until_revived(collected, store, index, jobs, note)
     entries = [_entry(c, locations[c.blob]) for c in collected]
     layers = sorted({src.name for src, _ in found})
-    info = {src.name: src.layer_info() for src in sources if src.name in layers}
+    info = layerkeys.annotate({src.name: src.layer_info() for src in sources if src.name in layers}, layers,
+                              fingerprint.facts)  # fmt: skip
     manifest = manifests.build(
         fingerprint.bundle_key, fingerprint.toolchain_key, fingerprint.workload_key,
         fingerprint.facts, layers, entries, info,
@@ -194,6 +195,7 @@ def publish(
     # After the commit point: pods without index access find the bundle through its ref.
     if created or refs.read(store, row.bundle_key) is None:
         refs.advance(store, refs.Ref(row.bundle_key, row.id, row.created_at))
+    layerkeys.advance(store, manifest, row.created_at)  # forward only: a re-publish moves nothing
     seconds = time.perf_counter() - started
     result = PublishResult(
         fingerprint.bundle_key, manifest.id, created, manifest.layers, len(entries), manifest.total_size,

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from kcache import envfile, fetch, refs, signing
+from kcache import envfile, fetch, layerkeys, refs, signing
 from kcache import manifest as manifests
 from kcache import sources as layers
 from kcache.errors import (
@@ -67,6 +67,7 @@ class RestoreResult:
     seconds: float = 0.0
     reason: str = ""
     signed_by: str | None = None
+    donors: tuple[tuple[str, str], ...] = ()  # (layer, bundle id) of a --fallback layers restore
 
 
 @dataclass
@@ -113,8 +114,8 @@ def restore(
     fallback="toolchain", a miss restores the kernel layers of the newest bundle built on the same
     toolchain (status "partial"). Raises KcacheError.
     """
-    if fallback not in (None, "toolchain"):
-        raise ConfigError("--fallback", str(fallback), "the only fallback is 'toolchain'")
+    if fallback not in (None, "toolchain", "layers"):
+        raise ConfigError("--fallback", str(fallback), "a fallback is 'toolchain' or 'layers'")
     if require_signature and not trusted:
         raise ConfigError("--require-signature", "on", "needs at least one --trusted-key (or KCACHE_TRUSTED_KEYS)")
     policy = _Policy(trusted, require_signature)
@@ -208,6 +209,10 @@ def _restore(
     started = time.perf_counter()
     _prepare_root(root)
     manifest_id, partial, miss_reason = _choose(store, index, fp, pinned, fallback)
+    if manifest_id is None and fallback == "layers" and not pinned:
+        donors = _donors(store, fp, policy)
+        if donors:
+            return _from_layers(store, fp, root, jobs, budget, donors, run_as, started)
     if manifest_id is None:
         env_file = _write_env(root, fp, [], f"miss, {miss_reason}", layers.run_as_user(run_as, {}))
         return RestoreResult("miss", fp.bundle_key, None, root, env_file, seconds=time.perf_counter() - started,
@@ -233,6 +238,41 @@ def _restore(
     return RestoreResult("partial" if partial else "hit", fp.bundle_key, manifest.id, root, env_file, layer_names,
                          len(entries), sum(e.size for e in entries), time.perf_counter() - started, reason,
                          signer)  # fmt: skip
+
+
+def _donors(store: Store, fp: Fingerprint, policy: _Policy) -> list[layerkeys.Donor]:
+    """For each reusable layer, the newest bundle with our layer key that the trust policy accepts."""
+    donors = []
+    for layer in layerkeys.FACTS:
+        donor = layerkeys.find(store, layer, fp.facts)
+        if donor is None:
+            continue
+        try:
+            policy.check(store, donor.manifest.bundle_key, donor.manifest.id, donor.size)
+            _check_layers(donor.manifest)
+        except KcacheError as exc:  # one untrusted donor costs its layer, not the restore
+            log.warning("layer %s: not taken from bundle %s: %s", layer, donor.manifest.id[:12], exc)
+            continue
+        donors.append(donor)
+    return donors
+
+
+def _from_layers(store, fp, root, jobs, budget, donors, run_as, started) -> RestoreResult:
+    """Lay out each donor's layer: a partial restore assembled layer by layer (--fallback layers)."""
+    entries, names = [], []
+    for donor in donors:
+        prefix = layers.for_manifest([donor.layer])[0].subdir + "/"
+        entries += [e for e in donor.manifest.entries if e.path.startswith(prefix)]
+        names.append(donor.layer)
+    pch = next((d.manifest.layer_info for d in donors if d.layer == "inductor-pch"), {})
+    user = layers.run_as_user(run_as, pch)
+    _lay_out(store, root, tuple(entries), layers.for_manifest(names, user), jobs, budget)
+    origin = ", ".join(f"{d.layer} from {d.manifest.id[:12]}" for d in donors)
+    env_file = _write_env(root, fp, names, f"partial, {origin}", user)
+    return RestoreResult("partial", fp.bundle_key, None, root, env_file, tuple(names), len(entries),
+                         sum(e.size for e in entries), time.perf_counter() - started,
+                         f"layers whose own keys match, from other bundles: {origin}",
+                         donors=tuple((d.layer, d.manifest.id) for d in donors))  # fmt: skip
 
 
 def _check_layers(manifest: manifests.Manifest) -> None:
@@ -383,7 +423,7 @@ def _write_state(result: RestoreResult) -> None:
     write_marker(result.root, RESTORE_MARKER, {
         "status": result.status, "bundle_key": result.bundle_key, "bundle_id": result.bundle_id,
         "files": result.files, "bytes": result.bytes, "seconds": round(result.seconds, 4),
-        "reason": result.reason, "layers": list(result.layers),
+        "reason": result.reason, "layers": list(result.layers), "donors": dict(result.donors),
     })  # fmt: skip
 
 

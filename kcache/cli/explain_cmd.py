@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kcache import explain
+from kcache import explain, layerkeys
 from kcache.cli import format as fmt
 from kcache.cli.fingerprint_cmd import echo_fingerprint
 from kcache.cli.options import (
@@ -53,8 +53,11 @@ def explain_cmd(limit, model, model_config, facts, extras, store_url, index_url,
     finally:
         index.close()
     result = explain.explain(fp.facts, bundles, limit=limit)
+    per_layer = () if result.hit else layerkeys.verdicts(fp.facts, bundles)
     if as_json:
-        click.echo(fmt.to_json(_as_json(result)))
+        click.echo(fmt.to_json({**_as_json(result), "layers": [
+            {"layer": v.layer, "key": v.key, "donor": v.donor, "differing": list(v.differing), "verdict": v.verdict}
+            for v in per_layer]}))  # fmt: skip
         return
     echo_fingerprint(fp)
     click.echo()
@@ -77,6 +80,10 @@ def explain_cmd(limit, model, model_config, facts, extras, store_url, index_url,
             table = fmt.table(["group", "fact", "this machine", "bundle"], rows)
             click.echo("\n".join("   " + line for line in table.splitlines()))
         click.echo(f"   verdict: {cand.verdict}")
+    click.echo()
+    click.echo("per layer (what `kcache restore --fallback layers` would reuse):")
+    for v in per_layer:
+        click.echo(f"   {v.layer:<13} {v.verdict}")
 
 
 def _value(v: str | None) -> str:

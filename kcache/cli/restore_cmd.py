@@ -34,9 +34,10 @@ from kcache.store import open_store
               help="A .pub from `kcache keygen`; repeatable (env KCACHE_TRUSTED_KEYS, ':'-separated).")  # fmt: skip
 @click.option("--require-signature", is_flag=True, envvar="KCACHE_REQUIRE_SIGNATURE",
               help="Refuse bundles not signed by a trusted key (env KCACHE_REQUIRE_SIGNATURE=1).")  # fmt: skip
-@click.option("--fallback", type=click.Choice(["toolchain"]),
+@click.option("--fallback", type=click.Choice(["toolchain", "layers"]),
               help="On a miss, restore the kernel layers (inductor, triton, cuda) of the newest bundle built "
-                   "on this toolchain for another workload.")  # fmt: skip
+                   "on this toolchain for another workload; 'layers': each reusable layer from the newest "
+                   "bundle whose layer key matches (kcache/layerkeys.py).")  # fmt: skip
 @click.option("--run-as", "run_as", metavar="USER", envvar="KCACHE_RUN_AS",
               help="User the model container runs as (torch names the precompiled header's directory for it); "
                    "default: the user publish recorded, else this one.")  # fmt: skip
@@ -84,10 +85,13 @@ def restore_cmd(root, timeout, bundle_id, trusted_keys, require_signature, fallb
         "files": result.files, "bytes": result.bytes, "seconds": round(result.seconds, 4),
         "reason": result.reason, "root": str(result.root), "env_file": str(result.env_file),
         "layers": list(result.layers),
-        "signed_by": result.signed_by,
+        "signed_by": result.signed_by, "donors": dict(result.donors),
     }  # fmt: skip
     if as_json:
         click.echo(fmt.to_json(payload))
+    elif result.donors:
+        click.echo(f"kcache: partial hit: {result.reason} ({result.files} files) into {result.root}; "
+                   f"source {result.env_file}")  # fmt: skip
     elif result.status in ("hit", "partial"):
         what = "partial hit: restored the kernel layers of" if result.status == "partial" else "hit: restored"
         click.echo(f"kcache: {what} bundle {result.bundle_id[:12]} ({result.files} files, "
