@@ -4,8 +4,8 @@ Some engines write, beside their artifacts, index files that name those artifact
 path they had on the publishing machine. Restored under ROOT, those paths point at nothing:
 
     triton    <kernel hash>/__grp__<name>.json     {"child_paths": {"<name>.cubin": "/pub/<hash>/<name>.cubin"}}
-              FileCacheManager.get_group keeps only children that exist (3.0-3.6) or gives up
-              when one is missing (3.8, 3.9): either way the kernel compiles again.
+              FileCacheManager.get_group keeps only children that exist (read in 3.0, 3.2, 3.4,
+              3.6) or gives up when one is missing (3.8, 3.9): either way the kernel compiles again.
     vllm      .../rank_<i>_<j>/[<prefix>/]vllm_compile_cache.py   a Python literal whose handles
               hold "/pub/.../torch_compile_cache/.../artifact_..." (the standalone adaptor loads it)
 
