@@ -56,7 +56,7 @@ PARTIAL_LAYERS = ("inductor", "inductor-pch", "triton", "cuda")
 
 @dataclass(frozen=True)
 class RestoreResult:
-    status: str  # hit | partial (--fallback toolchain) | miss (| error, only in the marker written on failure)
+    status: str  # hit | partial (--fallback toolchain|layers) | miss (| error, only in the marker on failure)
     bundle_key: str
     bundle_id: str | None
     root: Path
@@ -112,7 +112,9 @@ def restore(
     A pinned bundle must still match the fingerprint. With trusted keys, a signature that does
     not verify is refused; with `require_signature`, so is an unsigned bundle. With
     fallback="toolchain", a miss restores the kernel layers of the newest bundle built on the same
-    toolchain (status "partial"). Raises KcacheError.
+    toolchain (status "partial"); with fallback="layers", each reusable layer of the newest bundle
+    whose layer key matches ours (kcache.layerkeys; status "partial", donors say from where).
+    Raises KcacheError.
     """
     if fallback not in (None, "toolchain", "layers"):
         raise ConfigError("--fallback", str(fallback), "a fallback is 'toolchain' or 'layers'")
@@ -257,7 +259,8 @@ def _donors(store: Store, fp: Fingerprint, policy: _Policy) -> list[layerkeys.Do
     return donors
 
 
-def _from_layers(store, fp, root, jobs, budget, donors, run_as, started) -> RestoreResult:
+def _from_layers(store: Store, fp: Fingerprint, root: Path, jobs: int, budget: _Budget,
+                 donors: list[layerkeys.Donor], run_as: str | None, started: float) -> RestoreResult:  # fmt: skip
     """Lay out each donor's layer: a partial restore assembled layer by layer (--fallback layers)."""
     entries, names = [], []
     for donor in donors:
