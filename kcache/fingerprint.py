@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kcache import canonical
+from kcache import canonical, engines
 from kcache.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -436,6 +436,7 @@ def probe_settings(env: Mapping[str, str]) -> dict[str, str]:
 
 
 PROBES: tuple[Callable[[Mapping[str, str]], dict[str, str]], ...] = (
+    engines.probe_engines,  # vLLM, FlashInfer, TensorRT-LLM...: only those installed (kcache/engines.py)
     probe_platform,
     probe_torch,
     probe_triton,

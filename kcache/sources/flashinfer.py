@@ -10,7 +10,7 @@ Read in FlashInfer's flashinfer/jit/env.py (main of 2025; the 0.6 line adds the 
 FLASHINFER_BASE_DIR = $FLASHINFER_WORKSPACE_BASE or Path.home(); the cache is <base>/.cache/flashinfer;
 the cubin dir is the flashinfer-cubin package's, else $FLASHINFER_CUBIN_DIR, else <cache>/cubins.
 The workspace name carries FlashInfer's version and target archs, so entries of another version or
-GPU are never used (facts it depends on: flashinfer version, GPU SM, CUDA).
+GPU are never used (facts it depends on: engine.flashinfer, GPU SM, torch.cuda).
 
 FlashInfer decides staleness with ninja (mtimes, kept by restore) and writes build.ninja with
 absolute paths into its own workspace: a bundle hits only when FLASHINFER_WORKSPACE_BASE is the same

@@ -6,8 +6,8 @@ Read in TensorRT-LLM's _torch/pyexecutor/model_engine.py and autotuner.py (main 
 `autotune(cache_path=os.environ.get("TLLM_AUTOTUNER_CACHE_PATH"))` loads the file before profiling
 and saves it after; one file holds shared and per-rank entries. Its bootstrap sets the variable to
 $TRTLLM_CACHE_DIR/autotuner/cache.json. The file records the library version and device, but the
-loader does not refuse a mismatch, so the facts it depends on (tensorrt_llm version, GPU name and
-SM, TP size) must be in the bundle key; the layer is all-or-nothing under it.
+loader does not refuse a mismatch, so the facts it depends on (engine.tensorrt_llm, GPU name and
+SM, TP size via --extra) must be in the bundle key; the layer is all-or-nothing under it.
 """
 
 from __future__ import annotations
