@@ -43,17 +43,20 @@ class Layer:
     staged: Path  # staging/files/<subdir>
     target: Path  # where the swap will move it
     known: frozenset[str]  # POSIX paths relative to the layer: every file and every parent directory
+    files: frozenset[str] = frozenset()  # the files alone
 
-    def mapped(self, path: str) -> str | None:
-        """`path` moved into the restored layer, or None if no suffix of it is something we restore."""
+    def mapped(self, path: str, *, file: bool = False) -> str | None:
+        """`path` moved into the restored layer, or None if no suffix of it is something we restore
+        (with `file`, a file we restore)."""
         if not path.startswith("/"):
             return None
         parts = PurePosixPath(path).parts[1:]
         if any(p in ("", ".", "..") for p in parts):
             return None
+        within = self.files if file else self.known
         for i in range(len(parts)):
             rel = "/".join(parts[i:])
-            if rel in self.known:
+            if rel in within:
                 return str(self.target / rel)
         return None
 
@@ -69,7 +72,7 @@ def _triton_group(text: str, layer: Layer) -> str | None:
         raise Unmappable("child_paths is not a mapping of names to paths")
     moved = {}
     for name, path in children.items():
-        new = layer.mapped(path)
+        new = layer.mapped(path, file=True)
         # Triton puts every child beside its group file, under the child's own name.
         if new is None or os.path.basename(new) != name:
             raise Unmappable(f"child {name!r} at {path!r} is not a file of this bundle")
@@ -138,7 +141,7 @@ def relocate_staged(files: Path, root: Path, paths: Iterable[str], sources: Iter
         rels = [p.removeprefix(prefix) for p in paths if p.startswith(prefix)]
         if not any(r.matches(rel.rsplit("/", 1)[-1]) for rel in rels for r in chosen):
             continue  # the common case: nothing to rewrite, so no path set to build
-        layer = Layer(files / source.subdir, source.restore_dir(root), known_paths(rels))
+        layer = Layer(files / source.subdir, source.restore_dir(root), known_paths(rels), frozenset(rels))
         dropped += [prefix + rel for rel in relocate(layer, rels, source.rewriters)]
     return dropped
 

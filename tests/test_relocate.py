@@ -81,14 +81,22 @@ def grp(children: dict) -> bytes:
 
 @pytest.mark.parametrize(
     "child",
-    ["/etc/passwd", f"/pub/{KEY}/missing.cubin", f"/pub/{KEY}/../{KEY}/add.cubin", "relative/add.cubin", 7],
-    ids=["outside", "not-in-bundle", "dotdot", "relative", "not-a-string"],
+    [
+        "/etc/passwd",
+        f"/pub/{KEY}/missing.cubin",
+        f"/pub/{KEY}/../{KEY}/add.cubin",
+        "relative/add.cubin",
+        7,
+        f"/pub/{KEY}/sub",
+    ],
+    ids=["outside", "not-in-bundle", "dotdot", "relative", "not-a-string", "a-directory"],
 )
 def test_a_group_naming_what_the_bundle_lacks_is_dropped_with_a_warning(tmp_path, store, sqlite_index, fp, child,
                                                                         caplog):  # fmt: skip
     name = os.path.basename(child) if isinstance(child, str) else "x"
     write_tree(tmp_path / "src", {
         f"triton/{KEY}/add.cubin": b"\x7fELF",
+        f"triton/{KEY}/sub/file": b"makes sub a directory of the bundle",
         f"triton/{KEY}/__grp__add.json": grp({"add.cubin": f"/pub/{KEY}/add.cubin", name: child}),
     })  # fmt: skip
     publish(store, sqlite_index, fp, sources.select(["triton"]), root=tmp_path / "src", env={})
@@ -101,7 +109,8 @@ def test_a_group_naming_what_the_bundle_lacks_is_dropped_with_a_warning(tmp_path
 
 def test_a_child_under_another_name_is_refused(tmp_path):
     """Triton names each child after its file; a group mapping a name onto another file is not Triton's."""
-    layer = Layer(tmp_path, tmp_path / "target", known_paths([f"{KEY}/add.cubin", f"{KEY}/__grp__add.json"]))
+    rels = [f"{KEY}/add.cubin", f"{KEY}/__grp__add.json"]
+    layer = Layer(tmp_path, tmp_path / "target", known_paths(rels), frozenset(rels))
     (tmp_path / KEY).mkdir()
     (tmp_path / KEY / "__grp__add.json").write_bytes(grp({"add.json": f"/pub/{KEY}/add.cubin"}))
     assert relocate(layer, [f"{KEY}/__grp__add.json"], ["triton-groups"]) == [f"{KEY}/__grp__add.json"]
@@ -113,7 +122,8 @@ def test_rewrite_keeps_mode_and_mtime(tmp_path):
     path.write_bytes(grp({"add.cubin": f"/pub/{KEY}/add.cubin"}))
     os.chmod(path, 0o640)
     os.utime(path, ns=(1_600_000_000_123_456_789, 1_600_000_000_123_456_789))
-    layer = Layer(tmp_path, Path("/restored/triton"), known_paths([f"{KEY}/add.cubin", f"{KEY}/__grp__add.json"]))
+    rels = [f"{KEY}/add.cubin", f"{KEY}/__grp__add.json"]
+    layer = Layer(tmp_path, Path("/restored/triton"), known_paths(rels), frozenset(rels))
     assert relocate(layer, [f"{KEY}/__grp__add.json"], ["triton-groups"]) == []
     assert json.loads(path.read_text()) == {"child_paths": {"add.cubin": f"/restored/triton/{KEY}/add.cubin"}}
     assert path.stat().st_mtime_ns == 1_600_000_000_123_456_789 and path.stat().st_mode & 0o777 == 0o640
