@@ -8,9 +8,10 @@
 
 Two children run on each side, each a fresh process with ROOT/kcache.env in its environment:
   compile   torch.compile of a small MLP on CUDA: first-call latency, torch's cache counters, and the
-            files the call added to the Triton cache (restored: must be 0)
+            files the process added to the Triton cache (restored: must be 0)
   ptx       a generated PTX kernel loaded with the driver API under CUDA_FORCE_PTX_JIT=1: load time and
-            the files the load added to the CUDA ComputeCache (restored: must be 0)
+            the files the process added to the CUDA ComputeCache (restored: must be 0)
+Files are counted by this driver process before and after each child has exited.
 
 Prints one JSON object. Without a GPU (no nvidia-smi, or torch without CUDA) it prints
 {"status": "skipped", ...} and exits 0, so CI can run it anywhere.
@@ -46,8 +47,6 @@ def child_compile() -> dict:
     import torch
     from torch._dynamo.utils import counters
 
-    triton_dir = os.environ.get("TRITON_CACHE_DIR")
-    before = files_under(triton_dir)
     torch.manual_seed(0)
     model = (
         torch.nn.Sequential(
@@ -64,11 +63,8 @@ def child_compile() -> dict:
         out = compiled(x)
     torch.cuda.synchronize()
     first_call = time.perf_counter() - started
-    new = sorted(files_under(triton_dir) - before)
     return {
         "first_call_s": round(first_call, 4),
-        "triton_new_files": len(new),
-        "triton_new_examples": new[:5],
         "inductor_counters": dict(counters["inductor"]),
         "aot_autograd_counters": dict(counters["aot_autograd"]),
         "checksum": float(out.float().sum().item()),
@@ -96,8 +92,6 @@ def child_ptx() -> dict:
         if status != 0:
             raise RuntimeError(f"{what} failed with CUDA error {status}")
 
-    cache_dir = os.environ.get("CUDA_CACHE_PATH")
-    before = files_under(cache_dir)
     dev, ctx, module, function = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
     check(cuda.cuInit(0), "cuInit")
     check(cuda.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
@@ -109,8 +103,7 @@ def child_ptx() -> dict:
     load = time.perf_counter() - started
     check(cuda.cuModuleGetFunction(ctypes.byref(function), module, b"kcache_check"), "cuModuleGetFunction")
     check(cuda.cuModuleUnload(module), "cuModuleUnload")
-    new = sorted(files_under(cache_dir) - before)
-    return {"load_s": round(load, 4), "compute_cache_new_files": len(new), "compute_cache_dir": cache_dir}
+    return {"load_s": round(load, 4)}
 
 
 # ---- the driver (no torch import here) -------------------------------------------------------------
@@ -140,12 +133,20 @@ def side(work: Path, name: str, base: dict) -> tuple[Path, dict]:
     return work / name, {**env, "_restore": json.dumps(restored)}
 
 
+def child(kind: str, env: dict, watched: str, count_as: str) -> dict:
+    """Run one child; count the files it added under `watched`, from outside: the driver may write
+    its ComputeCache only when the process exits."""
+    before = files_under(env.get(watched))
+    report = run_json([sys.executable, os.path.abspath(__file__), "--child", kind], env)
+    new = sorted(files_under(env.get(watched)) - before)
+    return {**report, count_as: len(new), f"{count_as}_examples": new[:5]}
+
+
 def children(env: dict) -> dict:
     clean = {k: v for k, v in env.items() if not k.startswith("_")}
-    me = [sys.executable, os.path.abspath(__file__), "--child"]
     return {
-        "compile": run_json(me + ["compile"], clean),
-        "ptx": run_json(me + ["ptx"], {**clean, "CUDA_FORCE_PTX_JIT": "1"}),
+        "compile": child("compile", clean, "TRITON_CACHE_DIR", "triton_new_files"),
+        "ptx": child("ptx", {**clean, "CUDA_FORCE_PTX_JIT": "1"}, "CUDA_CACHE_PATH", "compute_cache_new_files"),
     }
 
 
