@@ -5,11 +5,14 @@ under the restore root, its mode and size, the SHA-256 of its content and where 
 in the store (pack id, offset, compressed length). Restore needs nothing else, so a pod that can
 read the bucket but not the SQL index can still restore.
 
-    {"schema": 1, "bundle_key": ..., "toolchain_key": ..., "workload_key": ..., "facts": {...},
+    {"schema": 2, "bundle_key": ..., "toolchain_key": ..., "workload_key": ..., "facts": {...},
      "layers": ["inductor", ...],
-     "entries": [[path, mode, size, blob, pack, offset, length], ...]}   # sorted by path
+     "layer_info": {"inductor-pch": {"user": "root"}, ...},       # what a layer's layout depends on
+     "entries": [[path, mode, size, blob, pack, offset, length, mtime_ns], ...]}   # sorted by path
 
-The manifest id is the SHA-256 of those canonical bytes; it is also the bundle id.
+The manifest id is the SHA-256 of those canonical bytes; it is also the bundle id. Schema 2 added
+mtime_ns (builders such as ninja judge "up to date" by modification time) and layer_info; schema 1
+manifests (7-column rows, no layer_info) still parse and keep their own bytes and id.
 """
 
 from __future__ import annotations
@@ -19,14 +22,15 @@ import json
 import re
 import sys
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kcache import canonical, limits
 from kcache.errors import IntegrityError, ObjectMissing, UnsafePath
 from kcache.store import Store, manifest_key
 
-SCHEMA = 1
+SCHEMA = 2
+_ROW_LENGTH = {1: 7, 2: 8}  # the schemas this kcache reads
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 # Only permission bits travel: setuid/setgid/sticky from a shared store would be a gift to an attacker.
 MODE_MASK = 0o777
@@ -49,9 +53,11 @@ class Entry:
     pack: str
     offset: int
     length: int  # compressed length inside the pack
+    mtime_ns: int | None = None  # published modification time; None in schema 1 manifests, 0 if unknown
 
-    def as_row(self) -> list:
-        return [self.path, self.mode, self.size, self.blob, self.pack, self.offset, self.length]
+    def as_row(self, schema: int = SCHEMA) -> list:
+        row = [self.path, self.mode, self.size, self.blob, self.pack, self.offset, self.length]
+        return row if schema == 1 else row + [self.mtime_ns]
 
 
 @dataclass(frozen=True)
@@ -62,20 +68,23 @@ class Manifest:
     facts: Mapping[str, str]
     layers: tuple[str, ...]
     entries: tuple[Entry, ...] = field(default=())
+    layer_info: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    schema: int = SCHEMA
 
     @functools.cached_property
     def _bytes(self) -> bytes:
-        return canonical.dumps(
-            {
-                "schema": SCHEMA,
-                "bundle_key": self.bundle_key,
-                "toolchain_key": self.toolchain_key,
-                "workload_key": self.workload_key,
-                "facts": dict(self.facts),
-                "layers": list(self.layers),
-                "entries": [e.as_row() for e in self.entries],
-            }
-        )
+        doc = {
+            "schema": self.schema,
+            "bundle_key": self.bundle_key,
+            "toolchain_key": self.toolchain_key,
+            "workload_key": self.workload_key,
+            "facts": dict(self.facts),
+            "layers": list(self.layers),
+            "entries": [e.as_row(self.schema) for e in self.entries],
+        }
+        if self.schema >= 2:
+            doc["layer_info"] = {name: dict(info) for name, info in self.layer_info.items()}
+        return canonical.dumps(doc)
 
     def to_bytes(self) -> bytes:
         return self._bytes
@@ -96,11 +105,15 @@ def build(
     facts: Mapping[str, str],
     layers: Iterable[str],
     entries: Iterable[Entry],
+    layer_info: Mapping[str, Mapping[str, str]] | None = None,
 ) -> Manifest:
     """A manifest with entries sorted by path and every path checked."""
-    ordered = tuple(sorted(entries, key=lambda e: e.path))
+    # 0 stands for "unknown" (restore then leaves the time of writing), so every row has a number.
+    ordered = tuple(sorted((e if e.mtime_ns is not None else replace(e, mtime_ns=0) for e in entries),
+                           key=lambda e: e.path))  # fmt: skip
     _check_entries(ordered)
-    return Manifest(bundle_key, toolchain_key, workload_key, dict(facts), tuple(sorted(set(layers))), ordered)
+    info = {str(k): {str(a): str(b) for a, b in v.items()} for k, v in (layer_info or {}).items() if v}
+    return Manifest(bundle_key, toolchain_key, workload_key, dict(facts), tuple(sorted(set(layers))), ordered, info)
 
 
 def parse(data: bytes, expected_id: str) -> Manifest:
@@ -110,9 +123,10 @@ def parse(data: bytes, expected_id: str) -> Manifest:
         raise IntegrityError("manifest", expected_id, f"content hashes to {actual}")
     try:
         doc = json.loads(data)
-        if doc.get("schema") != SCHEMA:
-            raise ValueError(f"schema {doc.get('schema')!r} is not {SCHEMA}")
-        entries = tuple(_entry_from_row(row) for row in doc["entries"])
+        schema = doc.get("schema")
+        if isinstance(schema, bool) or schema not in _ROW_LENGTH:
+            raise ValueError(f"schema {schema!r} is not one of {sorted(_ROW_LENGTH)}")
+        entries = tuple(_entry_from_row(row, _ROW_LENGTH[schema]) for row in doc["entries"])
         manifest = Manifest(
             str(doc["bundle_key"]),
             str(doc["toolchain_key"]),
@@ -120,6 +134,8 @@ def parse(data: bytes, expected_id: str) -> Manifest:
             {str(k): str(v) for k, v in doc["facts"].items()},
             tuple(str(layer) for layer in doc["layers"]),
             entries,
+            _layer_info(doc.get("layer_info", {}) if schema >= 2 else {}),
+            schema,
         )
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise IntegrityError("manifest", expected_id, f"does not parse: {exc}") from None
@@ -136,11 +152,25 @@ def fetch(store: Store, manifest_id: str) -> Manifest:
     return parse(data, manifest_id)
 
 
-def _entry_from_row(row: Any) -> Entry:
-    path, mode, size, blob, pack, offset, length = row
-    for name, value in (("mode", mode), ("size", size), ("offset", offset), ("length", length)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{name} of {path!r} is not a non-negative integer")
+def _layer_info(doc: Any) -> dict[str, dict[str, str]]:
+    """{layer: {key: value}} with string keys and values only: the layout reads it, so it is hostile."""
+    if not isinstance(doc, dict):
+        raise ValueError("layer_info is not an object")
+    for layer, info in doc.items():
+        if not isinstance(info, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in info.items()):
+            raise ValueError(f"layer_info of {layer!r} is not an object of strings")
+    return doc
+
+
+def _entry_from_row(row: Any, length_of_row: int) -> Entry:
+    if not isinstance(row, list) or len(row) != length_of_row:
+        raise ValueError(f"entry {str(row)[:80]!r} does not have {length_of_row} columns")
+    path, mode, size, blob, pack, offset, length = row[:7]
+    mtime_ns = row[7] if length_of_row > 7 else None
+    numbers = [("mode", mode), ("size", size), ("offset", offset), ("length", length)]
+    for name, value in numbers + ([("mtime_ns", mtime_ns)] if length_of_row > 7 else []):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
+            raise ValueError(f"{name} of {path!r} is not a non-negative 64-bit integer")
     if not isinstance(path, str):
         raise ValueError("path is not a string")
     for name, value in (("blob", blob), ("pack", pack)):
@@ -148,7 +178,7 @@ def _entry_from_row(row: Any) -> Entry:
             raise ValueError(f"{name} of {path!r} is not a SHA-256 hex digest")
     if mode & ~MODE_MASK:
         raise ValueError(f"mode {mode:o} of {path!r} has bits beyond permissions")
-    return Entry(path, mode, size, blob, sys.intern(pack), offset, length)  # many entries share a pack
+    return Entry(path, mode, size, blob, sys.intern(pack), offset, length, mtime_ns)  # many entries share a pack
 
 
 def _check_entries(entries: tuple[Entry, ...]) -> None:

@@ -28,8 +28,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kcache import layerkeys, refs, signing
 from kcache import manifest as manifests
-from kcache import refs, signing
 from kcache.errors import ConfigError, IntegrityError, RootError
 from kcache.fingerprint import Fingerprint
 from kcache.hashcache import HashCache, key_for
@@ -76,7 +76,7 @@ def collect(sources: Iterable[Source], *, root: Path | None, env: Mapping[str, s
     for source in sources:
         seen: set[str] = set()
         for top in source.read_dirs(root, env):
-            if not top.is_dir():
+            if not (top.is_dir() or top.is_file()):  # a file: a one-file layer (the TRT-LLM autotuner's)
                 continue
             for info in source.walk(top):
                 if info.rel not in seen:  # merged directories (triton per device): first wins
@@ -205,9 +205,11 @@ def publish(
     new, uploaded, pack_count, locations = _upload_until_revived(collected, store, index, jobs, note)
     entries = [_entry(c, locations[c.blob]) for c in collected]
     layers = sorted({src.name for src, _ in found})
+    info = layerkeys.annotate({src.name: src.layer_info() for src in sources if src.name in layers}, layers,
+                              fingerprint.facts)  # fmt: skip
     manifest = manifests.build(
         fingerprint.bundle_key, fingerprint.toolchain_key, fingerprint.workload_key,
-        fingerprint.facts, layers, entries,
+        fingerprint.facts, layers, entries, info,
     )  # fmt: skip
     data = manifest.to_bytes()
     store.put_bytes(manifest_key(manifest.id), data)
@@ -218,6 +220,7 @@ def publish(
     # After the commit point: pods without index access find the bundle through its ref, signed
     # when we sign (an unchanged re-publish only re-signs a ref that is close to expiring).
     refs.advance(store, refs.for_bundle(index, row.id), signer=signing_key)
+    layerkeys.advance(store, manifest, row.created_at)  # forward only: a re-publish moves nothing
     seconds = time.perf_counter() - started
     result = PublishResult(
         fingerprint.bundle_key, manifest.id, created, manifest.layers, len(entries), manifest.total_size,
@@ -259,7 +262,8 @@ def _upload_until_revived(collected: list[Collected], store: Store, index: Index
 
 
 def _entry(c: Collected, where: BlobLocation) -> manifests.Entry:
-    return manifests.Entry(c.path, c.info.mode, c.info.size, c.blob, where.pack_id, where.offset, where.length)
+    return manifests.Entry(c.path, c.info.mode, c.info.size, c.blob, where.pack_id, where.offset, where.length,
+                           c.info.mtime_ns)  # fmt: skip
 
 
 def _bundle_row(manifest: manifests.Manifest, compile_seconds: float | None = None) -> Bundle:

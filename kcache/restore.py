@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from kcache import choice, envfile, fetch, signing
+from kcache import choice, envfile, fetch, layerkeys, signing
 from kcache import manifest as manifests
 from kcache import sources as layers
 from kcache.errors import (
@@ -41,6 +41,7 @@ from kcache.fingerprint import Fingerprint
 from kcache.packs import unpack_frame
 from kcache.readiness import RESTORE_MARKER, read_marker, write_marker
 from kcache.records import Event
+from kcache.relocate import relocate_staged
 from kcache.store import Store
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ PARTIAL_LAYERS = ("inductor", "inductor-pch", "triton", "cuda")
 
 @dataclass(frozen=True)
 class RestoreResult:
-    status: str  # hit | partial (--fallback toolchain) | miss (| error, only in the marker written on failure)
+    status: str  # hit | partial (--fallback toolchain|layers) | miss (| error, only in the marker on failure)
     bundle_key: str
     bundle_id: str | None
     root: Path
@@ -64,6 +65,7 @@ class RestoreResult:
     seconds: float = 0.0
     reason: str = ""
     signed_by: str | None = None
+    donors: tuple[tuple[str, str], ...] = ()  # (layer, bundle id) of a --fallback layers restore
 
 
 @dataclass
@@ -98,16 +100,22 @@ def restore(
     trusted: tuple[signing.TrustedKey, ...] = (),
     require_signature: bool = False,
     fallback: str | None = None,
+    run_as: str | None = None,
 ) -> RestoreResult:
     """Restore the newest bundle for `fingerprint` (or the pinned `bundle_id`) into `root`.
+
+    `run_as` is the user the model will run as (torch names the precompiled header's directory for
+    it); default KCACHE_RUN_AS, else the user publish recorded, else the current user.
 
     A pinned bundle must still match the fingerprint. With trusted keys, a signature that does
     not verify is refused; with `require_signature`, so is an unsigned bundle. With
     fallback="toolchain", a miss restores the kernel layers of the newest bundle built on the same
-    toolchain (status "partial"). Raises KcacheError.
+    toolchain (status "partial"); with fallback="layers", each reusable layer of the newest bundle
+    whose layer key matches ours (kcache.layerkeys; status "partial", donors say from where).
+    Raises KcacheError.
     """
-    if fallback not in (None, "toolchain"):
-        raise ConfigError("--fallback", str(fallback), "the only fallback is 'toolchain'")
+    if fallback not in (None, "toolchain", "layers"):
+        raise ConfigError("--fallback", str(fallback), "a fallback is 'toolchain' or 'layers'")
     if require_signature and not trusted:
         raise ConfigError("--require-signature", "on", "needs at least one --trusted-key (or KCACHE_TRUSTED_KEYS)")
     policy = choice.Policy(trusted, require_signature)
@@ -117,7 +125,8 @@ def restore(
         try:
             result = _within(
                 timeout,
-                lambda budget: _restore(store, index, fingerprint, root, jobs, budget, bundle_id, policy, fallback),
+                lambda budget: _restore(store, index, fingerprint, root, jobs, budget, bundle_id, policy, fallback,
+                                        run_as),
             )
         except OSError as exc:  # the disk, not the bundle: ENOSPC, EACCES, a read-only volume
             raise _root_error(root, exc) from exc
@@ -126,7 +135,7 @@ def restore(
         _record(index, Event("restore", "error", fingerprint.bundle_key, None, 0, 0, seconds, str(exc)))
         failed = RestoreResult("error", fingerprint.bundle_key, None, root, root / envfile.NAME,
                                seconds=seconds, reason=str(exc))  # fmt: skip
-        _finish_quietly(root, fingerprint, failed)  # the pod starts cold, but with the right env
+        _finish_quietly(root, fingerprint, failed, run_as)  # the pod starts cold, but with the right env
         raise
     _record(index, Event("restore", result.status, result.bundle_key, result.bundle_id,
                          result.files, result.bytes, result.seconds, result.reason or None))  # fmt: skip
@@ -177,6 +186,7 @@ def _restore(
     pinned: str | None,
     policy: choice.Policy,
     fallback: str | None = None,
+    run_as: str | None = None,
 ) -> RestoreResult:
     started = time.perf_counter()
     _prepare_root(root)
@@ -184,8 +194,12 @@ def _restore(
         chosen = fp.mismatch_reason()
     else:
         chosen = choice.pick(store, index, fp, pinned, fallback, policy)
+    if isinstance(chosen, str) and fallback == "layers" and not pinned and not fp.mismatches:
+        donors = _donors(store, fp, policy)
+        if donors:
+            return _from_layers(store, fp, root, jobs, budget, donors, run_as, started)
     if isinstance(chosen, str):
-        env_file = _write_env(root, fp, [], f"miss, {chosen}")
+        env_file = _write_env(root, fp, [], f"miss, {chosen}", layers.run_as_user(run_as, {}))
         return RestoreResult("miss", fp.bundle_key, None, root, env_file, seconds=time.perf_counter() - started,
                              reason=chosen)  # fmt: skip
     partial = chosen.partial
@@ -193,14 +207,51 @@ def _restore(
     _check_layers(manifest)
     layer_names = tuple(n for n in manifest.layers if n in PARTIAL_LAYERS) if partial else manifest.layers
     entries = tuple(e for e in manifest.entries if not partial or e.path.split("/", 1)[0] in PARTIAL_LAYERS)
-    _lay_out(store, root, entries, layers.for_manifest(layer_names), jobs, budget)
-    env_file = _write_env(root, fp, layer_names, f"{'partial' if partial else 'hit'}, bundle {manifest.id}")
+    user = layers.run_as_user(run_as, manifest.layer_info)
+    _lay_out(store, root, entries, layers.for_manifest(layer_names, user), jobs, budget)
+    env_file = _write_env(root, fp, layer_names, f"{'partial' if partial else 'hit'}, bundle {manifest.id}", user)
     reason = (
         f"kernel layers of bundle {manifest.id[:12]}, built on this toolchain for another workload" if partial else ""
     )
     return RestoreResult("partial" if partial else "hit", fp.bundle_key, manifest.id, root, env_file, layer_names,
                          len(entries), sum(e.size for e in entries), time.perf_counter() - started, reason,
                          signer)  # fmt: skip
+
+
+def _donors(store: Store, fp: Fingerprint, policy: choice.Policy) -> list[layerkeys.Donor]:
+    """For each reusable layer, the newest bundle with our layer key that the trust policy accepts."""
+    donors = []
+    for layer in layerkeys.FACTS:
+        donor = layerkeys.find(store, layer, fp.facts)
+        if donor is None:
+            continue
+        try:
+            policy.check(store, donor.manifest.bundle_key, donor.manifest.id, donor.size)
+            _check_layers(donor.manifest)
+        except KcacheError as exc:  # one untrusted donor costs its layer, not the restore
+            log.warning("layer %s: not taken from bundle %s: %s", layer, donor.manifest.id[:12], exc)
+            continue
+        donors.append(donor)
+    return donors
+
+
+def _from_layers(store: Store, fp: Fingerprint, root: Path, jobs: int, budget: _Budget,
+                 donors: list[layerkeys.Donor], run_as: str | None, started: float) -> RestoreResult:  # fmt: skip
+    """Lay out each donor's layer: a partial restore assembled layer by layer (--fallback layers)."""
+    entries, names = [], []
+    for donor in donors:
+        prefix = layers.for_manifest([donor.layer])[0].subdir + "/"
+        entries += [e for e in donor.manifest.entries if e.path.startswith(prefix)]
+        names.append(donor.layer)
+    pch = next((d.manifest.layer_info for d in donors if d.layer == "inductor-pch"), {})
+    user = layers.run_as_user(run_as, pch)
+    _lay_out(store, root, tuple(entries), layers.for_manifest(names, user), jobs, budget)
+    origin = ", ".join(f"{d.layer} from {d.manifest.id[:12]}" for d in donors)
+    env_file = _write_env(root, fp, names, f"partial, {origin}", user)
+    return RestoreResult("partial", fp.bundle_key, None, root, env_file, tuple(names), len(entries),
+                         sum(e.size for e in entries), time.perf_counter() - started,
+                         f"layers whose own keys match, from other bundles: {origin}",
+                         donors=tuple((d.layer, d.manifest.id) for d in donors))  # fmt: skip
 
 
 def _check_layers(manifest: manifests.Manifest) -> None:
@@ -218,6 +269,7 @@ def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jo
         budget.staging = staging
     try:
         _fetch_all(store, entries, staging, jobs, budget)
+        relocate_staged(staging / "files", root, (e.path for e in entries), sources)
         with budget.lock:
             if budget.expired:
                 raise fetch.Cancelled()
@@ -266,6 +318,8 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
             write(out)
         if entry.mode & umask:  # the umask took bits the manifest asks for
             os.chmod(path, entry.mode)
+        if entry.mtime_ns:  # builders (ninja) judge "up to date" by mtime; set after the last write
+            os.utime(path, ns=(entry.mtime_ns, entry.mtime_ns))
 
     def place(entry: manifests.Entry, frame) -> None:
         lay(entry, lambda out: unpack_frame(frame, entry.blob, entry.size, out))
@@ -314,13 +368,13 @@ def _inside(root: Path, path: Path) -> Path:
     return path
 
 
-def _write_env(root: Path, fp: Fingerprint, layer_names, comment: str) -> Path:
+def _write_env(root: Path, fp: Fingerprint, layer_names, comment: str, run_as: str | None = None) -> Path:
     """Create every layer directory and write kcache.env."""
     exports = layers.all_exports(root, layer_names)
     # Torch's own keys then carry the toolchain: a cache that reaches another machine by other
     # means misses instead of running kernels built for another ISA.
     exports["TORCH_COMPILE_CACHE_KEY_TAG"] = key_tag(fp)
-    for source in layers.BUILTIN:
+    for source in layers.builtin(run_as):
         place = _inside(root, source.restore_dir(root))
         if place.is_symlink() and not place.exists():
             place.unlink()  # a dangling link would make every run fail: replace it with a directory
@@ -333,7 +387,7 @@ def _write_state(result: RestoreResult) -> None:
     write_marker(result.root, RESTORE_MARKER, {
         "status": result.status, "bundle_key": result.bundle_key, "bundle_id": result.bundle_id,
         "files": result.files, "bytes": result.bytes, "seconds": round(result.seconds, 4),
-        "reason": result.reason, "layers": list(result.layers),
+        "reason": result.reason, "layers": list(result.layers), "donors": dict(result.donors),
     })  # fmt: skip
 
 
@@ -341,10 +395,10 @@ def key_tag(fp: Fingerprint) -> str:
     return f"kcache-{fp.toolchain_key}"
 
 
-def _finish_quietly(root: Path, fp: Fingerprint, failed: RestoreResult) -> None:
+def _finish_quietly(root: Path, fp: Fingerprint, failed: RestoreResult, run_as: str | None) -> None:
     try:
         if root.is_dir():
-            _write_env(root, fp, [], f"error, {failed.reason}")
+            _write_env(root, fp, [], f"error, {failed.reason}", layers.run_as_user(run_as, {}))
             _write_state(failed)
     except (OSError, KcacheError) as exc:
         log.warning("cannot write kcache.env in %s: %s", root, exc)

@@ -6,6 +6,7 @@ import os
 import uuid
 
 import pytest
+from fixed_facts import FACTS
 
 from kcache import fingerprint
 from kcache.index import Index
@@ -115,12 +116,6 @@ def index(request):
     return request.getfixturevalue("sqlite_index" if request.param == "sqlite" else "pg_index")
 
 
-# A fixed fingerprint: tests about storage must not depend on the machine running them.
-FACTS = {
-    "os": "linux", "arch": "x86_64", "python": "3.11", "torch.version": "2.13.0+cpu",
-    "cpu.isa": "avx512", "cpu.model": "Test CPU", "cpu.threads": "2", "cxx.name": "g++",
-    "gpu.name": "none", "gpu.sm": "none", "gpu.count": "0", "gpu.driver": "none", "model.id": "test-model",
-}  # fmt: skip
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ def ref_fixture() -> refs.Ref:
     return refs.Ref(**{**unsigned.__dict__, "signatures": (("golden", signing.sign_message(key, unsigned.message())),)})
 
 
-MANIFEST = "b024cec5edb566745404ab5b095f09666cea458be4e10273142c09a1f2aa43bc"
+MANIFEST = "6a1551c864d925a9ab5527997fd1ca5ba8629e52b5220b63b6c9054d1cfd0be6"
 SIGNATURE_MESSAGE = "2ab721d05feb7b5e54cbdd9d59291f3ffe469e61d0c145537220706a6030363d"
 REF = "5722682cb5c99e9d306252ab55c3b64706c4a1dd03fdd9164f3b6e9be71af2b8"
 TRAILER = "b6af7faf592b1ae75e46856575ef9806d102f8acdddccb6961df59b01b961fab"

@@ -198,7 +198,7 @@ def test_manifest_with_unsafe_path_is_refused(tmp_path, store, sqlite_index, fp)
     evil_entries[0][0] = "inductor/../../escaped"
     from kcache import canonical
 
-    data = canonical.dumps({"schema": 1, "bundle_key": fp.bundle_key, "toolchain_key": fp.toolchain_key,
+    data = canonical.dumps({"schema": manifests.SCHEMA, "bundle_key": fp.bundle_key, "toolchain_key": fp.toolchain_key,
                             "workload_key": fp.workload_key, "facts": dict(fp.facts), "layers": ["inductor"],
                             "entries": evil_entries})  # fmt: skip
     evil_id = canonical.sha256(data)

@@ -4,6 +4,7 @@ signatures restore a yanked or superseded bundle, except by replaying a signed r
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -37,6 +38,7 @@ def keys(tmp_path):
 
 def _publish(tmp_path, store, index, fp, content: bytes, key=None, name="src"):
     write_tree(tmp_path / name, {"inductor/a": content})
+    os.utime(tmp_path / name / "inductor/a", ns=(10**18, 10**18))  # mtimes are published: "unchanged" keeps them
     return publish(store, index, fp, sources.select(), root=tmp_path / name, env={}, signing_key=key)
 
 

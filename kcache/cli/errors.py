@@ -14,6 +14,7 @@ from kcache.config import redact_text
 from kcache.fetch import Cancelled
 from kcache.prebake import WarmupChildFailed
 from kcache.profiles import ProfileError
+from kcache.relocate import Unmappable
 from kcache.warmup import ServerUnavailable, WarmupRequestError
 
 
@@ -60,6 +61,7 @@ TABLE: tuple[tuple[type[Exception], ExitCode, str], ...] = (
     (ServerUnavailable, ExitCode.WARMUP, "check that the server at --url starts, or raise --wait-timeout"),
     (WarmupRequestError, ExitCode.WARMUP, "the server answered the warmup request with an error; see its log"),
     (WarmupChildFailed, ExitCode.WARMUP, "fix the --entrypoint error printed above (try `kcache warmup` alone)"),
+    (Unmappable, ExitCode.CORRUPT, "a cache file names paths the bundle does not restore; re-publish it"),
     (Cancelled, ExitCode.BUG, BUG_HINT),  # internal to fetch (a worker stopped early): never meant to escape
     (errors.KcacheError, ExitCode.ERROR, "run with KCACHE_DEBUG=1 for a traceback"),
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kcache import explain
+from kcache import explain, layerkeys
 from kcache.cli import format as fmt
 from kcache.cli.fingerprint_cmd import echo_fingerprint
 from kcache.cli.options import (
@@ -52,13 +52,16 @@ def explain_cmd(limit, model, model_config, facts, extras, store_url, index_url,
         if newest is not None:
             bundles.append(newest)
     result = explain.explain(fp.facts, bundles, limit=limit, mismatches=fp.mismatches)
+    per_layer = () if result.hit else layerkeys.verdicts(fp.facts, bundles)
     if as_json:
-        click.echo(fmt.to_json(_as_json(result)))
+        click.echo(fmt.to_json({**_as_json(result), "layers": [
+            {"layer": v.layer, "key": v.key, "donor": v.donor, "differing": list(v.differing), "verdict": v.verdict}
+            for v in per_layer]}))  # fmt: skip
         return
-    _echo(fp, result)
+    _echo(fp, result, per_layer)
 
 
-def _echo(fp, result: explain.Explanation) -> None:
+def _echo(fp, result: explain.Explanation, per_layer) -> None:
     echo_fingerprint(fp)
     click.echo()
     if result.hit is not None:
@@ -83,6 +86,10 @@ def _echo(fp, result: explain.Explanation) -> None:
             table = fmt.table(["group", "fact", "this machine", "bundle"], rows)
             click.echo("\n".join("   " + line for line in table.splitlines()))
         click.echo(f"   verdict: {cand.verdict}")
+    click.echo()
+    click.echo("per layer (what `kcache restore --fallback layers` would reuse):")
+    for v in per_layer:
+        click.echo(f"   {v.layer:<13} {v.verdict}")
 
 
 def _value(v: str | None) -> str:

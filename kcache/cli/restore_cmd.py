@@ -35,16 +35,20 @@ from kcache.store import open_store
               )  # fmt: skip
 @click.option("--require-signature", is_flag=True, envvar="KCACHE_REQUIRE_SIGNATURE",
               help="Refuse bundles not signed by a trusted key.")  # fmt: skip
-@click.option("--fallback", type=click.Choice(["toolchain"]),
+@click.option("--fallback", type=click.Choice(["toolchain", "layers"]),
               help="On a miss, restore the kernel layers (inductor, triton, cuda) of the newest bundle built "
-                   "on this toolchain for another workload.")  # fmt: skip
+                   "on this toolchain for another workload; 'layers': each reusable layer from the newest "
+                   "bundle whose layer key matches (kcache/layerkeys.py).")  # fmt: skip
+@click.option("--run-as", "run_as", metavar="USER", envvar="KCACHE_RUN_AS",
+              help="User the model container runs as (torch names the precompiled header's directory for it); "
+                   "default: the user publish recorded, else this one.")  # fmt: skip
 @click.option("--strict", is_flag=True, help="Exit non-zero on a miss (10; 15 when the facts file contradicts this "
               "machine) or an error instead of starting cold.")
 @click.option("--jobs", type=click.IntRange(1, 256), default=16, show_default=True, help="Parallel pack reads.")
 @fingerprint_options
 @store_options(index_none=True)
 @json_option
-def restore_cmd(root, timeout, bundle_id, trusted_keys, require_signature, fallback, strict, jobs,
+def restore_cmd(root, timeout, bundle_id, trusted_keys, require_signature, fallback, run_as, strict, jobs,
                 model, model_config, facts, extras, store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
     """Lay the bundle that matches this machine into ROOT and write ROOT/kcache.env.
 
@@ -69,7 +73,8 @@ def restore_cmd(root, timeout, bundle_id, trusted_keys, require_signature, fallb
         index = open_for_restore(cfg, store)
         try:
             result = restore(store, index, fp, root, jobs=jobs, timeout=timeout, bundle_id=bundle_id,
-                             trusted=trusted, require_signature=require_signature, fallback=fallback)  # fmt: skip
+                             trusted=trusted, require_signature=require_signature, fallback=fallback,
+                             run_as=run_as)  # fmt: skip
         finally:
             index.close()
     except Exception as exc:  # noqa: BLE001 - an init container must never crash-loop on a kcache bug
@@ -82,10 +87,13 @@ def restore_cmd(root, timeout, bundle_id, trusted_keys, require_signature, fallb
         "files": result.files, "bytes": result.bytes, "seconds": round(result.seconds, 4),
         "reason": result.reason, "root": str(result.root), "env_file": str(result.env_file),
         "layers": list(result.layers),
-        "signed_by": result.signed_by,
+        "signed_by": result.signed_by, "donors": dict(result.donors),
     }  # fmt: skip
     if as_json:
         click.echo(fmt.to_json(payload))
+    elif result.donors:
+        click.echo(f"kcache: partial hit: {result.reason} ({result.files} files) into {result.root}; "
+                   f"source {result.env_file}")  # fmt: skip
     elif result.status in ("hit", "partial"):
         what = "partial hit: restored the kernel layers of" if result.status == "partial" else "hit: restored"
         click.echo(f"kcache: {what} bundle {result.bundle_id[:12]} ({result.files} files, "

@@ -8,10 +8,15 @@ from pathlib import Path
 from kcache.errors import ConfigError
 from kcache.sources.base import FileInfo, Source
 from kcache.sources.cuda import CudaSource
+from kcache.sources.cute_dsl import CuteDslSource
+from kcache.sources.deep_gemm import DeepGemmSource, TrtllmDeepGemmSource
 from kcache.sources.extra import ExtraSource, is_extra_name, parse_extra_dir
-from kcache.sources.inductor import InductorSource, PrecompiledHeaderSource
+from kcache.sources.flashinfer import FlashInferCubinSource, FlashInferSource
+from kcache.sources.inductor import InductorSource, PrecompiledHeaderSource, run_as_user
 from kcache.sources.megacache import MegacacheSource
+from kcache.sources.torch_extensions import TorchExtensionsSource
 from kcache.sources.triton import TritonSource
+from kcache.sources.trtllm import TrtllmAutotunerSource
 from kcache.sources.vllm import VllmSource
 
 BUILTIN: tuple[Source, ...] = (
@@ -21,6 +26,13 @@ BUILTIN: tuple[Source, ...] = (
     CudaSource(),
     VllmSource(),
     MegacacheSource(),
+    TorchExtensionsSource(),
+    FlashInferSource(),
+    FlashInferCubinSource(),
+    DeepGemmSource(),
+    TrtllmDeepGemmSource(),
+    CuteDslSource(),
+    TrtllmAutotunerSource(),
 )
 
 __all__ = [
@@ -32,6 +44,8 @@ __all__ = [
     "select",
     "parse_extra_dir",
     "for_manifest",
+    "builtin",
+    "run_as_user",
 ]
 
 
@@ -63,9 +77,15 @@ def in_root(root: Path, names: Iterable[str] | None = None, extras: Iterable[Ext
     return select(names, extras + [ExtraSource(n) for n in found if f"extra:{n}" not in named])
 
 
-def for_manifest(layers: Iterable[str]) -> list[Source]:
+def builtin(run_as: str | None = None) -> list[Source]:
+    """The built-in layers, with the precompiled header laid out for the user `run_as` (when given)."""
+    return [PrecompiledHeaderSource(run_as) if isinstance(s, PrecompiledHeaderSource) and run_as else s
+            for s in BUILTIN]  # fmt: skip
+
+
+def for_manifest(layers: Iterable[str], run_as: str | None = None) -> list[Source]:
     """Sources for the layer names a manifest lists (extra:NAME included)."""
-    by_name = {s.name: s for s in BUILTIN}
+    by_name = {s.name: s for s in builtin(run_as)}
     result: list[Source] = []
     for name in layers:
         if name in by_name:

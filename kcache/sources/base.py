@@ -45,6 +45,9 @@ class Source:
     junk: tuple[str, ...] = COMMON_JUNK
     # Top-level directories inside this layer's tree that belong to another layer.
     foreign: tuple[str, ...] = ()
+    # Index files holding absolute paths that restore rewrites (names in kcache.relocate.REWRITERS).
+    # Triton's groups by default: a Triton cache can sit inside any engine's directory.
+    rewriters: tuple[str, ...] = ("triton-groups",)
 
     def live_dirs(self, env: Mapping[str, str]) -> list[Path]:
         """Directories this layer is read from on a running machine, most specific first."""
@@ -53,6 +56,10 @@ class Source:
     def restore_dir(self, root: Path) -> Path:
         """Where this layer's files go under the restore root (and are read from by --from ROOT)."""
         return root / self.subdir
+
+    def layer_info(self) -> dict[str, str]:
+        """What this layer's layout depends on, recorded in the manifest by publish (e.g. a user name)."""
+        return {}
 
     def exports(self, root: Path) -> dict[str, str]:
         """Environment variables that point the tool at this layer under `root`."""

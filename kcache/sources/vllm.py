@@ -1,6 +1,13 @@
 """vLLM's cache root; its torch_compile_cache/<hash>/rank_<i>_<j>/ is all-or-nothing under vLLM's hash.
 
 $VLLM_CACHE_ROOT (default $XDG_CACHE_HOME/vllm, else ~/.cache/vllm)  -> ROOT/vllm
+    torch_compile_cache/<hash>/rank_<i>_<j>/[<prefix>/]vllm_compile_cache.py   handles with absolute paths
+    torch_compile_cache/<hash>/rank_<i>_<j>/{inductor_cache,triton_cache}/     vLLM points torch and Triton here
+    torch_aot_compile/<hash>/rank_<i>_<j>/model                                AOT artifact (opaque bytes)
+
+Read in vLLM's compilation/backends.py and compiler_interface.py (0.8 and a 2025 main): the handle
+of the standalone adaptor is (key, os.path.join(cache_dir, key)) and `load` opens that path as is,
+so restore rewrites both index kinds (kcache.relocate).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ class VllmSource(Source):
     name = "vllm"
     subdir = "vllm"
     env_var = "VLLM_CACHE_ROOT"
+    rewriters = ("triton-groups", "vllm-handles")
 
     def live_dirs(self, env: Mapping[str, str]) -> list[Path]:
         if env.get("VLLM_CACHE_ROOT"):

@@ -1,0 +1,170 @@
+"""Layer keys: each reusable layer keyed by only the facts its contents depend on.
+
+A bundle is keyed by every fact, so a driver upgrade or a new model version misses it whole,
+though most of its Triton kernels or CUDA JIT entries are still valid. A layer key hashes the
+subset of facts a layer's engine cannot itself tell apart; publish records it in the manifest
+(layer_info[<layer>]["key"]) and points a ref at the bundle:
+
+    refs/layers/<layer>/<layer key>   ->  the newest manifest holding that layer (kcache.refs format)
+
+`restore --fallback layers` assembles, on a miss, each reusable layer from the newest bundle whose
+layer key matches ours, and reports "partial" with where each layer came from. The manifest it
+takes a layer from must itself derive that key from its facts, pass the signature policy, and not
+be yanked.
+
+Default: off (`--fallback layers` asks for it). The layers in SAFE_BY_CONSTRUCTION are guarded by
+their engines' own keys, so reusing them is never a wrong hit, and turning it on by default would be
+sound; but a partial restore fetches bytes the workload may never use, that cost and the benefit
+have only been measured on CPU, and none of these layers has been restored on a GPU yet (see
+docs/gpu.md). Turn it on by default once scripts/gpu_check has figures. Limits: a layer ref names
+only the newest bundle, so when GC deletes or a yank stops that bundle the layer is not reused
+until the next publish moves the ref.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kcache import canonical, fingerprint, refs
+from kcache import manifest as manifests
+from kcache.errors import KcacheError
+from kcache.store import Store, manifest_key
+
+log = logging.getLogger(__name__)
+
+SCHEMA = 1
+TOOLCHAIN = "toolchain"  # every fact except the workload's: the layer is as specific as the toolchain key
+
+# The facts each reusable layer's key hashes, and why those suffice. A layer missing here is never
+# reused across bundles: its entries are keyed by the workload, or by facts kcache does not probe.
+FACTS: dict[str, tuple[str, ...] | str] = {
+    # The driver JIT-compiles PTX for one device and keys entries by PTX text, device and driver;
+    # an entry of another driver is dead weight (the driver ignores and evicts it).
+    "cuda": ("gpu.name", "gpu.sm", "gpu.driver", "os", "arch"),
+    # Triton names each kernel directory by a hash of the source, its own version key (its sources
+    # and libtriton), the target (backend, arch, warp size), the options and TRITON_* settings; the
+    # host launchers it caches are compiled against Python and the C library.
+    "triton": ("triton.version", "gpu.sm", "os", "arch", "python", "libc"),
+    # DeepGEMM names each kernel by its name, a hash of its headers, the compiler and the flags
+    # (GPU arch, include path): only what it runs on is left.
+    "deep_gemm": ("gpu.sm", "os", "arch"),
+    # CuTe DSL hashes the generated IR with its Python sources, shared libraries and CUTE_DSL_*
+    # settings; the cached bytecode is loaded by this Python.
+    "cute_dsl": ("gpu.sm", "os", "arch", "python"),
+    # Inductor keys graphs by content but bakes the ISA, compiler, torch build and settings into
+    # kernels it does not key on (TORCH_FACTS.md): reusable across workloads, never across toolchains.
+    "inductor": TOOLCHAIN,
+    "inductor-pch": TOOLCHAIN,
+}
+# Layers whose own engine keys guard every entry: a foreign entry is a miss, never a wrong hit.
+SAFE_BY_CONSTRUCTION = ("cuda", "triton", "deep_gemm", "cute_dsl")
+
+
+def layer_facts(layer: str, facts: Mapping[str, str]) -> dict[str, str] | None:
+    """The facts `layer`'s key hashes, or None when the layer is never reused across bundles."""
+    chosen = FACTS.get(layer)
+    if chosen is None:
+        return None
+    if chosen == TOOLCHAIN:
+        return {k: v for k, v in facts.items() if not fingerprint.is_workload_fact(k)}
+    return {name: facts.get(name, fingerprint.NONE) for name in chosen}
+
+
+def layer_key(layer: str, facts: Mapping[str, str]) -> str | None:
+    chosen = layer_facts(layer, facts)
+    return None if chosen is None else canonical.xxh3({"schema": SCHEMA, "layer": layer, "facts": chosen})
+
+
+def ref_name(layer: str, key: str) -> str:
+    return f"layers/{layer}/{key}"  # read and moved through kcache.refs: refs/layers/<layer>/<key>
+
+
+def annotate(info: Mapping[str, Mapping[str, str]], layers, facts: Mapping[str, str]) -> dict:
+    """`info` with each reusable layer's key added, for the manifest publish writes."""
+    out = {name: dict(value) for name, value in info.items()}
+    for layer in layers:
+        key = layer_key(layer, facts)
+        if key is not None:
+            out.setdefault(layer, {})["key"] = key
+    return out
+
+
+def advance(store: Store, manifest: manifests.Manifest, created_at) -> None:
+    """After the commit point: point each reusable layer's ref at this bundle (forward only)."""
+    for layer in manifest.layers:
+        key = manifest.layer_info.get(layer, {}).get("key")
+        if key:
+            refs.advance(store, refs.Ref(ref_name(layer, key), manifest.id, created_at))
+
+
+@dataclass(frozen=True)
+class Donor:
+    """Where one layer of a partial restore comes from."""
+
+    layer: str
+    key: str
+    manifest: manifests.Manifest
+    size: int  # of the manifest's bytes, for the signature check
+
+
+def find(store: Store, layer: str, facts: Mapping[str, str]) -> Donor | None:
+    """The newest bundle whose `layer` has our layer key, verified to derive that key; else None."""
+    key = layer_key(layer, facts)
+    if key is None:
+        return None
+    try:
+        ref = refs.read(store, ref_name(layer, key))
+        if ref is None or store.exists(refs.yank_key(ref.manifest)):
+            return None
+        size = store.size(manifest_key(ref.manifest))
+        manifest = manifests.fetch(store, ref.manifest)  # capped: a store writer cannot make it huge
+    except KcacheError as exc:  # a missing or broken donor costs this layer, not the restore
+        log.warning("layer %s: cannot use its newest bundle: %s", layer, exc)
+        return None
+    # The ref is only a hint: the manifest's own facts must give our key, and it must say so.
+    if layer not in manifest.layers or layer_key(layer, manifest.facts) != key:
+        log.warning("layer %s: bundle %s does not derive layer key %s; not used", layer, ref.manifest[:12], key)
+        return None
+    if manifest.layer_info.get(layer, {}).get("key") != key:
+        log.warning("layer %s: bundle %s does not record layer key %s; not used", layer, ref.manifest[:12], key)
+        return None
+    return Donor(layer, key, manifest, size)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """For `kcache explain`: could `restore --fallback layers` reuse this layer, and from which bundle?"""
+
+    layer: str
+    key: str
+    donor: str | None  # the bundle id a restore would take the layer from
+    differing: tuple[str, ...]  # on no donor: the layer's facts in which the nearest holder differs
+    verdict: str
+
+
+def _differing(layer: str, ours: Mapping[str, str], bundle) -> tuple[str, ...]:
+    theirs = layer_facts(layer, bundle.facts) or {}
+    return tuple(sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n)))
+
+
+def verdicts(facts: Mapping[str, str], bundles) -> tuple[Verdict, ...]:
+    """Per reusable layer, from index Bundle records (pure: the restore itself checks the manifests)."""
+    return tuple(_verdict(layer, facts, [b for b in bundles if b.status == "active"]) for layer in FACTS)
+
+
+def _verdict(layer: str, facts: Mapping[str, str], active) -> Verdict:
+    key = layer_key(layer, facts)
+    ours = layer_facts(layer, facts) or {}
+    holders = [b for b in active if layer in b.layers]
+    matching = [b for b in holders if layer_key(layer, b.facts) == key]
+    if matching:
+        donor = max(matching, key=lambda b: (b.created_at, b.id))
+        return Verdict(layer, key, donor.id, (), f"reusable from bundle {donor.id[:12]}")
+    if not holders:
+        return Verdict(layer, key, None, (), "no active bundle holds this layer")
+    nearest = min(holders, key=lambda b: (len(_differing(layer, ours, b)), -b.created_at.timestamp(), b.id))
+    names = _differing(layer, ours, nearest)
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return Verdict(layer, key, None, names, f"nearest holder {nearest.id[:12]} differs in {', '.join(names[:3])}{more}")

@@ -1,0 +1,179 @@
+"""Relocation: rewrite the absolute paths a cache embeds so a layer restored elsewhere still hits.
+
+Some engines write, beside their artifacts, index files that name those artifacts by the absolute
+path they had on the publishing machine. Restored under ROOT, those paths point at nothing:
+
+    triton    <kernel hash>/__grp__<name>.json     {"child_paths": {"<name>.cubin": "/pub/<hash>/<name>.cubin"}}
+              FileCacheManager.get_group keeps only children that exist (read in 3.0, 3.2, 3.4,
+              3.6) or gives up when one is missing (3.8, 3.9): either way the kernel compiles again.
+    vllm      .../rank_<i>_<j>/[<prefix>/]vllm_compile_cache.py   a Python literal whose handles
+              hold "/pub/.../torch_compile_cache/.../artifact_..." (the standalone adaptor loads it)
+
+Restore calls `relocate` after every blob is verified in staging and before the swap. A path is
+rewritten only onto a file or directory the bundle itself restores in the same layer (its
+longest suffix that names one), so the rewrite is a function of verified bytes and the restore
+path, and it can never point outside the layer. An index file holding a path that maps onto
+nothing the bundle carries is dropped with a warning: the engine then misses and rebuilds it,
+instead of finding an index that points at the publishing machine. The manifest still proves
+what was published; the rewritten bytes are what the engine would have written had it compiled
+under ROOT.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import os
+import pprint
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from kcache import atomic
+
+log = logging.getLogger(__name__)
+
+# Index files are small; anything larger is not one (and is not read into memory).
+_MAX_INDEX_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer being restored: its staged copy, its final place, and the paths it carries."""
+
+    staged: Path  # staging/files/<subdir>
+    target: Path  # where the swap will move it
+    known: frozenset[str]  # POSIX paths relative to the layer: every file and every parent directory
+    files: frozenset[str] = frozenset()  # the files alone
+
+    def mapped(self, path: str, *, file: bool = False) -> str | None:
+        """`path` moved into the restored layer, or None if no suffix of it is something we restore
+        (with `file`, a file we restore)."""
+        if not path.startswith("/"):
+            return None
+        parts = PurePosixPath(path).parts[1:]
+        if any(p in ("", ".", "..") for p in parts):
+            return None
+        within = self.files if file else self.known
+        for i in range(len(parts)):
+            rel = "/".join(parts[i:])
+            if rel in within:
+                return str(self.target / rel)
+        return None
+
+
+class Unmappable(ValueError):
+    """An embedded path that maps onto nothing the bundle restores."""
+
+
+def _triton_group(text: str, layer: Layer) -> str | None:
+    doc = json.loads(text)
+    children = doc.get("child_paths") if isinstance(doc, dict) else None
+    if not isinstance(children, dict) or not all(isinstance(v, str) for v in children.values()):
+        raise Unmappable("child_paths is not a mapping of names to paths")
+    moved = {}
+    for name, path in children.items():
+        new = layer.mapped(path, file=True)
+        # Triton puts every child beside its group file, under the child's own name.
+        if new is None or os.path.basename(new) != name:
+            raise Unmappable(f"child {name!r} at {path!r} is not a file of this bundle")
+        moved[name] = new
+    if moved == children:
+        return None
+    return json.dumps({**doc, "child_paths": moved})  # Triton's own writer: json.dumps, default separators
+
+
+def _vllm_handles(text: str, layer: Layer) -> str | None:
+    table = ast.literal_eval(text)  # what vLLM itself uses to read it: literals only, never code
+    if not isinstance(table, dict):
+        raise Unmappable("is not a dict literal")
+    changed = False
+
+    def move(value):
+        nonlocal changed
+        if isinstance(value, str) and value.startswith("/"):
+            new = layer.mapped(value)
+            if new is None:
+                raise Unmappable(f"handle path {value!r} is not a file of this bundle")
+            changed |= new != value
+            return new
+        if isinstance(value, (tuple, list)):
+            return type(value)(move(v) for v in value)
+        return value
+
+    moved = {key: move(value) for key, value in table.items()}
+    return pprint.pformat(moved) if changed else None
+
+
+@dataclass(frozen=True)
+class Rewriter:
+    name: str
+    matches: Callable[[str], bool]  # on the file's base name
+    rewrite: Callable[[str, Layer], str | None]  # new text, None when already right; raises on refusal
+
+
+REWRITERS: dict[str, Rewriter] = {
+    "triton-groups": Rewriter(
+        "triton-groups", lambda n: n.startswith("__grp__") and n.endswith(".json"), _triton_group
+    ),
+    "vllm-handles": Rewriter("vllm-handles", lambda n: n == "vllm_compile_cache.py", _vllm_handles),
+}
+
+
+def known_paths(rels: Iterable[str]) -> frozenset[str]:
+    """Every path and every parent directory of `rels` (the standalone adaptor's artifact may be a dir)."""
+    known: set[str] = set()
+    for rel in rels:
+        parts = rel.split("/")
+        known.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return frozenset(known)
+
+
+def relocate_staged(files: Path, root: Path, paths: Iterable[str], sources: Iterable) -> list[str]:
+    """Restore's hook: for each layer (a kcache.sources.Source), rewrite its staged index files.
+
+    `files` is staging/files, `paths` the manifest paths staged there. Returns the paths dropped.
+    """
+    paths = list(paths)
+    dropped: list[str] = []
+    for source in sources:
+        chosen = [REWRITERS[name] for name in source.rewriters]
+        prefix = source.subdir + "/"
+        rels = [p.removeprefix(prefix) for p in paths if p.startswith(prefix)]
+        if not any(r.matches(rel.rsplit("/", 1)[-1]) for rel in rels for r in chosen):
+            continue  # the common case: nothing to rewrite, so no path set to build
+        layer = Layer(files / source.subdir, source.restore_dir(root), known_paths(rels), frozenset(rels))
+        dropped += [prefix + rel for rel in relocate(layer, rels, source.rewriters)]
+    return dropped
+
+
+def relocate(layer: Layer, rels: Iterable[str], rewriters: Iterable[str]) -> list[str]:
+    """Rewrite the index files among `rels` (paths relative to the layer); returns those dropped."""
+    chosen = [REWRITERS[name] for name in rewriters]
+    dropped: list[str] = []
+    for rel in rels:
+        base = rel.rsplit("/", 1)[-1]
+        for rewriter in chosen:
+            if rewriter.matches(base) and not _apply(rewriter, layer, rel):
+                dropped.append(rel)
+    return dropped
+
+
+def _apply(rewriter: Rewriter, layer: Layer, rel: str) -> bool:
+    """Rewrite one staged file in place, keeping its mode and mtime. False: it was dropped."""
+    path = layer.staged / rel
+    st = path.stat()
+    try:
+        if st.st_size > _MAX_INDEX_BYTES:
+            raise Unmappable(f"is {st.st_size} bytes, too large for an index file")
+        text = path.read_text(encoding="utf-8")
+        new = rewriter.rewrite(text, layer)
+    except (Unmappable, ValueError, SyntaxError, MemoryError, RecursionError) as exc:
+        log.warning("not restoring %s (%s): %s; the engine will rebuild it", rel, rewriter.name, exc)
+        path.unlink()
+        return False
+    if new is not None:
+        atomic.write_text(path, new, mode=st.st_mode & 0o777)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # the published mtime, as for every file
+    return True

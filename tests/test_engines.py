@@ -1,0 +1,37 @@
+"""Engine versions are facts (read from dist-info, never imported), present only when installed."""
+
+import importlib
+import sys
+
+from kcache import engines, fingerprint
+
+
+def fake_site(tmp_path, monkeypatch, packages: dict[str, tuple[str, str | None]]):
+    for module, (dist, version) in packages.items():
+        (tmp_path / module).mkdir()
+        (tmp_path / module / "__init__.py").write_text("raise SystemExit('imported!')\n")
+        if version:
+            (tmp_path / f"{dist}-{version}.dist-info").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+
+
+def test_installed_engines_become_facts(tmp_path, monkeypatch):
+    fake_site(tmp_path, monkeypatch, {"vllm": ("vllm", "0.8.5"), "flashinfer": ("flashinfer_python", "0.6.1"),
+                                      "deep_gemm": ("deep_gemm", None)})  # fmt: skip
+    facts = engines.probe_engines({})
+    assert facts["engine.vllm"] == "0.8.5" and facts["engine.flashinfer"] == "0.6.1"
+    assert facts["engine.deep_gemm"] == "unknown"  # importable without metadata: still keyed
+    assert "vllm" not in sys.modules  # read, never imported
+
+
+def test_absent_engines_leave_the_facts_alone(monkeypatch):
+    monkeypatch.setattr(engines, "ENGINES", {"nope": ("kcache_no_such_module", ("nope",))})
+    assert engines.probe_engines({}) == {}
+
+
+def test_an_engine_upgrade_changes_the_bundle_key():
+    base = {"os": "linux", "model.id": "m"}
+    old = fingerprint.compute({**base, "engine.tensorrt_llm": "1.1.0"})
+    new = fingerprint.compute({**base, "engine.tensorrt_llm": "1.2.0"})
+    assert old.bundle_key != new.bundle_key and old.workload_key == new.workload_key

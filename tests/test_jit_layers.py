@@ -1,0 +1,121 @@
+"""The JIT layers of FlashInfer, DeepGEMM, CuTe DSL, torch extensions and TensorRT-LLM's autotuner.
+
+Each is checked the same way: where it is read from (the variable, else the tool's own default),
+what restore exports, what is junk, and a publish from the live directory restored under ROOT
+where the exported variable points.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+from trees import read_tree, write_tree
+
+from kcache import envfile, sources
+from kcache.publish import publish
+from kcache.restore import restore
+
+PY = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+
+# layer, env (paths relative to the test's tmp dir), where the live dir is, the files (relative to it)
+# that are carried, the junk beside them, the exported variable and where it points under ROOT.
+CASES = [
+    ("flashinfer", {"FLASHINFER_WORKSPACE_BASE": "ws"}, "ws/.cache/flashinfer",
+     ["0.6.1/90/cached_ops/norm/norm.so", "0.6.1/90/cached_ops/norm/.ninja_log", "cubins/a.cubin"],
+     ["0.6.1/90/cached_ops/norm/x.lock"], {"FLASHINFER_WORKSPACE_BASE": "flashinfer"}),
+    ("flashinfer", {"HOME": "home"}, "home/.cache/flashinfer", ["90/cached_ops/norm/norm.so"], [],
+     {"FLASHINFER_WORKSPACE_BASE": "flashinfer"}),
+    ("deep_gemm", {"DG_JIT_CACHE_DIR": "dg"}, "dg", ["cache/kernel.fp8_gemm.ab12/kernel.cubin"],
+     ["tmp/5f1e"], {"DG_JIT_CACHE_DIR": "deep_gemm", "SGLANG_DG_CACHE_DIR": "deep_gemm"}),
+    ("deep_gemm", {"SGLANG_DG_CACHE_DIR": "sg"}, "sg", ["cache/kernel.m.cd/kernel.cubin"], [],
+     {"DG_JIT_CACHE_DIR": "deep_gemm"}),
+    ("deep_gemm", {"HOME": "home"}, "home/.deep_gemm", ["cache/kernel.m.ef/kernel.cu"], [],
+     {"DG_JIT_CACHE_DIR": "deep_gemm"}),
+    ("trtllm_deep_gemm", {"TRTLLM_DG_CACHE_DIR": "tdg"}, "tdg", ["cache/kernel.x.01/kernel.cubin"], [],
+     {"TRTLLM_DG_CACHE_DIR": "trtllm_deep_gemm"}),
+    ("cute_dsl", {"CUTE_DSL_CACHE_DIR": "cute"}, "cute", ["0a1b2c.mlir"], ["tmp.pid_7_abc/0a1b2c.mlir"],
+     {"CUTE_DSL_CACHE_DIR": "cute_dsl"}),
+    ("cute_dsl", {"TMPDIR": "t", "USER": "svc"}, "t/svc/cutlass_python_cache", ["ff.mlir"], [],
+     {"CUTE_DSL_CACHE_DIR": "cute_dsl"}),
+    ("torch_extensions", {"TORCH_EXTENSIONS_DIR": "ext"}, "ext", ["kc/kc.so", "kc/build.ninja", "kc/.ninja_deps"],
+     ["kc/lock"], {"TORCH_EXTENSIONS_DIR": "torch_extensions"}),
+    ("torch_extensions", {"HOME": "home"}, f"home/.cache/torch_extensions/{PY}_cpu", ["kc/kc.so"], [],
+     {"TORCH_EXTENSIONS_DIR": "torch_extensions"}),
+    ("torch_extensions", {"XDG_CACHE_HOME": "xdg"}, f"xdg/torch_extensions/{PY}_cu128", ["kc/kc.so"], [],
+     {"TORCH_EXTENSIONS_DIR": "torch_extensions"}),
+]  # fmt: skip
+
+
+def absolute(tmp_path: Path, env: dict) -> dict:
+    return {k: str(tmp_path / v) if k not in ("USER",) else v for k, v in env.items()}
+
+
+@pytest.mark.parametrize("layer, env, live, carried, junk, exported", CASES,
+                         ids=[f"{c[0]}-{next(iter(c[1]))}" for c in CASES])  # fmt: skip
+def test_layer_is_read_from_its_live_dir_and_restored_where_its_variable_points(
+    tmp_path, store, sqlite_index, fp, layer, env, live, carried, junk, exported
+):
+    env = absolute(tmp_path, env)
+    write_tree(tmp_path / live, {rel: rel.encode() for rel in carried + junk})
+    (source,) = sources.select([layer])
+    assert tmp_path / live in source.live_dirs(env)
+    result = publish(store, sqlite_index, fp, [source], env=env)
+    assert result.files == len(carried)
+    root = tmp_path / "root"
+    restore(store, sqlite_index, fp, root)
+    written = envfile.read(root / envfile.NAME)
+    for var, place in exported.items():
+        assert written[var] == str(root / place)
+    assert sorted(read_tree(source.restore_dir(root))) == sorted(carried)
+
+
+def test_flashinfer_is_found_under_the_exported_workspace_base(tmp_path):
+    (source,) = sources.select(["flashinfer"])
+    exported = Path(source.exports(tmp_path)["FLASHINFER_WORKSPACE_BASE"])
+    # FlashInfer: <FLASHINFER_WORKSPACE_BASE>/.cache/flashinfer (flashinfer/jit/env.py)
+    assert source.restore_dir(tmp_path) == exported / ".cache" / "flashinfer"
+
+
+def test_deep_gemm_defaults_are_merged(tmp_path):
+    (source,) = sources.select(["deep_gemm"])
+    home = tmp_path / "home"
+    assert source.live_dirs({"HOME": str(home)}) == [home / ".cache/deep_gemm", home / ".deep_gemm"]
+
+
+def test_flashinfer_cubin_dir_is_exported_only_when_restored(tmp_path, store, sqlite_index, fp):
+    (source,) = sources.select(["flashinfer_cubin"])
+    assert source.exports(tmp_path / "empty") == {}  # FlashInfer keeps its default, inside the workspace
+    write_tree(tmp_path / "cubins", {"fmha/a.cubin": b"\x7fELF"})
+    publish(store, sqlite_index, fp, [source], env={"FLASHINFER_CUBIN_DIR": str(tmp_path / "cubins")})
+    restore(store, sqlite_index, fp, tmp_path / "root")
+    written = envfile.read(tmp_path / "root" / envfile.NAME)
+    assert written["FLASHINFER_CUBIN_DIR"] == str(tmp_path / "root/flashinfer_cubin")
+    assert (tmp_path / "root/flashinfer_cubin/fmha/a.cubin").read_bytes() == b"\x7fELF"
+
+
+def test_trtllm_autotuner_file_travels_under_a_fixed_name(tmp_path, store, sqlite_index, fp):
+    write_tree(tmp_path / "tune", {"deadbeef.cache": b'{"tactics": 1}', "other.json": b"not ours"})
+    (source,) = sources.select(["trtllm_autotuner"])
+    env = {"TLLM_AUTOTUNER_CACHE_PATH": str(tmp_path / "tune/deadbeef.cache")}
+    assert publish(store, sqlite_index, fp, [source], env=env).files == 1
+    root = tmp_path / "root"
+    restore(store, sqlite_index, fp, root)
+    path = Path(envfile.read(root / envfile.NAME)["TLLM_AUTOTUNER_CACHE_PATH"])
+    assert path == root / "trtllm_autotuner/cache.json" and path.read_bytes() == b'{"tactics": 1}'
+    # publish --from ROOT reads it back from the layout restore wrote
+    again = publish(store, sqlite_index, fp, [source], root=root, env={})
+    assert again.files == 1 and not again.created
+
+
+def test_unset_variables_without_defaults_carry_nothing():
+    for name in ("trtllm_deep_gemm", "trtllm_autotuner", "flashinfer_cubin"):
+        (source,) = sources.select([name])
+        assert source.live_dirs({}) == []
+
+
+def test_every_layer_has_its_own_restore_dir(tmp_path):
+    """Two layers sharing a place under ROOT would swap each other out."""
+    places = [s.restore_dir(tmp_path) for s in sources.BUILTIN]
+    for i, a in enumerate(places):
+        for b in places[i + 1 :]:
+            assert not a.is_relative_to(b) and not b.is_relative_to(a), (a, b)

@@ -1,0 +1,166 @@
+"""Reuse per layer (`restore --fallback layers`): each layer keyed by only the facts it depends on.
+
+The wrong-hit tests change, one at a time, every fact in a layer's set and check that the layer is
+not reused; the right-hit tests change facts outside it and check that it is.
+"""
+
+import json
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from click.testing import CliRunner
+from fixed_facts import FACTS
+from trees import write_tree
+
+from kcache import fingerprint, layerkeys, probes, refs, signing, sources
+from kcache import manifest as manifests
+from kcache.cli import main
+from kcache.publish import publish
+from kcache.restore import restore
+from kcache.sources.base import torch_user
+from kcache.store import manifest_key
+
+GPU = {**FACTS, "gpu.name": "NVIDIA H200", "gpu.sm": "sm_90", "gpu.count": "1", "gpu.driver": "550.54",
+       "triton.version": "3.9.0", "libc": "glibc 2.36",
+       # what this machine shows: a facts file that contradicts it is refused (kcache/probes.py CHECKS)
+       "arch": probes.probe_platform({})["arch"], "cpu.features": probes.probe_cpu({})["cpu.features"]}  # fmt: skip
+TREE = {
+    "triton/k1/add.cubin": b"triton kernel",
+    "cuda/index": b"driver jit index",
+    "deep_gemm/cache/kernel.m.ab/kernel.cubin": b"deep gemm",
+    "cute_dsl/ff.mlir": b"cute",
+    "inductor/fxgraph/g": b"graph",
+    f"tmp/torchinductor_{torch_user()}/precompiled_headers/h.gch": b"header",
+    "vllm/torch_compile_cache/h/rank_0_0/x.py": b"vllm",
+}
+ALL = sources.select()
+
+
+def published(tmp_path, store, index, facts, tree=TREE, name="src", **kw):
+    write_tree(tmp_path / name, tree)
+    return publish(store, index, fingerprint.compute(facts), ALL, root=tmp_path / name, env={}, **kw)
+
+
+def restored_layers(store, index, facts, root, **kw):
+    result = restore(store, index, fingerprint.compute(facts), root, fallback="layers", **kw)
+    return result, {layer for layer, _ in result.donors}
+
+
+def test_a_driver_upgrade_keeps_the_kernel_layers_but_not_the_jit_cache(tmp_path, store, sqlite_index):
+    pub = published(tmp_path, store, sqlite_index, GPU)
+    upgraded = {**GPU, "gpu.driver": "560.28"}
+    assert restore(store, sqlite_index, fingerprint.compute(upgraded), tmp_path / "plain").status == "miss"
+    result, reused = restored_layers(store, sqlite_index, upgraded, tmp_path / "r")
+    assert result.status == "partial" and reused == {"triton", "deep_gemm", "cute_dsl"}
+    assert dict(result.donors)["triton"] == pub.bundle_id and "triton from" in result.reason
+    assert (tmp_path / "r/triton/k1/add.cubin").read_bytes() == b"triton kernel"
+    assert not any((tmp_path / "r/cuda").iterdir()) and not any((tmp_path / "r/inductor").iterdir())
+
+
+def test_a_new_model_reuses_every_reusable_layer_but_not_vllms(tmp_path, store, sqlite_index):
+    published(tmp_path, store, sqlite_index, GPU)
+    result, reused = restored_layers(store, sqlite_index, {**GPU, "model.id": "other-model"}, tmp_path / "r")
+    assert reused == set(layerkeys.FACTS) and "vllm" not in result.layers
+    assert (tmp_path / f"r/tmp/torchinductor_{torch_user()}/precompiled_headers/h.gch").read_bytes() == b"header"
+    assert not (tmp_path / "r/vllm/torch_compile_cache").exists()
+
+
+WRONG = [(layer, fact) for layer, chosen in layerkeys.FACTS.items() if chosen != layerkeys.TOOLCHAIN
+         for fact in chosen] + [(layer, fact) for layer in ("inductor", "inductor-pch")
+                                for fact in ("cpu.isa", "torch.version", "cxx.name", "gpu.sm")]  # fmt: skip
+
+
+@pytest.mark.parametrize("layer, fact", WRONG, ids=[f"{a}-{b}" for a, b in WRONG])
+def test_a_fact_in_the_layers_set_stops_its_reuse(tmp_path, store, sqlite_index, layer, fact):
+    published(tmp_path, store, sqlite_index, GPU)
+    _, reused = restored_layers(store, sqlite_index, {**GPU, fact: GPU.get(fact, "none") + "-changed"}, tmp_path / "r")
+    assert layer not in reused
+
+
+def test_the_newest_matching_bundle_gives_the_layer(tmp_path, store, sqlite_index):
+    published(tmp_path, store, sqlite_index, {**GPU, "model.id": "a"}, {"triton/k1/add.cubin": b"old"}, "a")
+    newer = published(tmp_path, store, sqlite_index, {**GPU, "model.id": "b"}, {"triton/k1/add.cubin": b"new"}, "b")
+    result, _ = restored_layers(store, sqlite_index, {**GPU, "model.id": "c"}, tmp_path / "r")
+    assert dict(result.donors)["triton"] == newer.bundle_id
+    assert (tmp_path / "r/triton/k1/add.cubin").read_bytes() == b"new"
+
+
+def test_a_yanked_donor_gives_nothing(tmp_path, store, sqlite_index):
+    pub = published(tmp_path, store, sqlite_index, GPU)
+    store.put_bytes(refs.yank_key(pub.bundle_id), b"bad kernels")
+    result, reused = restored_layers(store, sqlite_index, {**GPU, "model.id": "other"}, tmp_path / "r")
+    assert result.status == "miss" and reused == set()
+
+
+def test_a_ref_to_a_bundle_whose_facts_do_not_give_the_key_is_ignored(tmp_path, store, sqlite_index):
+    """Whoever can write refs/ cannot steer another toolchain's kernels into our layer."""
+    other = {**GPU, "gpu.sm": "sm_80", "gpu.name": "NVIDIA A100"}
+    pub = published(tmp_path, store, sqlite_index, other)
+    ours = {**GPU, "model.id": "victim"}
+    key = layerkeys.layer_key("triton", ours)
+    forged = refs.Ref(layerkeys.ref_name("triton", key), pub.bundle_id, datetime.now(timezone.utc) + timedelta(1))
+    assert refs.advance(store, forged)
+    result, reused = restored_layers(store, sqlite_index, ours, tmp_path / "r")
+    assert "triton" not in reused and not (tmp_path / "r/triton/k1").exists()
+
+
+def test_an_unsigned_donor_is_refused_when_signatures_are_required(tmp_path, store, sqlite_index):
+    _, public = signing.generate("team", tmp_path / "keys")
+    published(tmp_path, store, sqlite_index, GPU)
+    trusted = signing.load_trusted_keys([public])
+    result, reused = restored_layers(store, sqlite_index, {**GPU, "model.id": "x"}, tmp_path / "r",
+                                     trusted=trusted, require_signature=True)  # fmt: skip
+    assert result.status == "miss" and reused == set()
+
+
+def test_a_signed_donor_is_taken(tmp_path, store, sqlite_index):
+    private, public = signing.generate("team", tmp_path / "keys")
+    published(tmp_path, store, sqlite_index, GPU, signing_key=signing.load_signing_key(private))
+    trusted = signing.load_trusted_keys([public])
+    _, reused = restored_layers(store, sqlite_index, {**GPU, "model.id": "x"}, tmp_path / "r",
+                                trusted=trusted, require_signature=True)  # fmt: skip
+    assert "triton" in reused
+
+
+def test_the_manifest_records_each_layer_key(tmp_path, store, sqlite_index):
+    pub = published(tmp_path, store, sqlite_index, GPU)
+    manifest = manifests.parse(store.get_bytes(manifest_key(pub.bundle_id)), pub.bundle_id)
+    for layer in layerkeys.FACTS:
+        assert manifest.layer_info[layer]["key"] == layerkeys.layer_key(layer, GPU)
+    assert "key" not in manifest.layer_info.get("vllm", {})
+
+
+def test_cli_reports_where_each_layer_came_from(tmp_path, monkeypatch):
+    facts = tmp_path / "facts.json"
+    facts.write_text(json.dumps({"facts": GPU}))
+    write_tree(tmp_path / "src", TREE)
+    runner = CliRunner()
+    args = ["--facts-file", str(facts), "--json"]
+    pub = json.loads(runner.invoke(main, ["publish", "--from", str(tmp_path / "src"), *args],
+                                   catch_exceptions=False).output)  # fmt: skip
+    restore_args = ["restore", "--into", str(tmp_path / "r"), "--fallback", "layers", "--fact", "gpu.driver=9"]
+    moved = json.loads(runner.invoke(main, restore_args + args, catch_exceptions=False).output)
+    assert moved["status"] == "partial" and moved["donors"]["triton"] == pub["bundle_id"]
+
+
+def test_explain_gives_a_verdict_per_layer(tmp_path, store, sqlite_index):
+    pub = published(tmp_path, store, sqlite_index, GPU)
+    verdicts = {v.layer: v for v in layerkeys.verdicts({**GPU, "gpu.driver": "560"}, sqlite_index.list_bundles())}
+    assert verdicts["triton"].donor == pub.bundle_id and "reusable" in verdicts["triton"].verdict
+    assert verdicts["cuda"].donor is None and verdicts["cuda"].differing == ("gpu.driver",)
+    assert "gpu.driver" in verdicts["cuda"].verdict
+
+
+def test_explain_cli_lists_layers_on_a_miss(tmp_path):
+    facts = tmp_path / "facts.json"
+    facts.write_text(json.dumps({"facts": GPU}))
+    write_tree(tmp_path / "src", TREE)
+    runner = CliRunner()
+    runner.invoke(main, ["publish", "--from", str(tmp_path / "src"), "--facts-file", str(facts)],
+                  catch_exceptions=False)  # fmt: skip
+    out = runner.invoke(main, ["explain", "--facts-file", str(facts), "--fact", "gpu.driver=9", "--json"],
+                        catch_exceptions=False)  # fmt: skip
+    layers = {v["layer"]: v for v in json.loads(out.output)["layers"]}
+    assert layers["triton"]["donor"] and layers["cuda"]["differing"] == ["gpu.driver"]
+    text = runner.invoke(main, ["explain", "--facts-file", str(facts), "--fact", "gpu.driver=9"]).output
+    assert "per layer" in text and "reusable from bundle" in text

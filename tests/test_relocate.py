@@ -1,0 +1,174 @@
+"""Restored caches whose index files embed absolute paths still hit (kcache.relocate).
+
+The Triton test drives the real triton package's FileCacheManager in child processes, so the group
+format is Triton's own, not a copy of it.
+"""
+
+import ast
+import json
+import logging
+import os
+import pprint
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from trees import write_tree
+
+from kcache import sources
+from kcache.publish import publish
+from kcache.relocate import Layer, known_paths, relocate
+from kcache.restore import restore
+
+KEY = "ab" * 32  # a kernel directory, named by Triton's hash
+
+PUT = """
+from triton.runtime.cache import FileCacheManager
+m = FileCacheManager({key!r})
+group = {{name: m.put(data, name) for name, data in
+         [("add.json", '{{"name": "add"}}'), ("add.cubin", b"\\x7fELF"), ("add.ptx", "// ptx")]}}
+m.put_group("add.json", group)
+"""
+GET = """
+import json
+from triton.runtime.cache import FileCacheManager
+print(json.dumps(FileCacheManager({key!r}).get_group("add.json")))
+"""
+
+
+def triton(code: str, cache_dir: Path) -> str:
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache_dir)}
+    done = subprocess.run([sys.executable, "-c", code.format(key=KEY)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_triton_group_is_found_after_restore_into_another_directory(tmp_path, store, sqlite_index, fp):
+    pytest.importorskip("triton")
+    live = tmp_path / "home/.triton/cache"
+    triton(PUT, live)
+    published = publish(store, sqlite_index, fp, sources.select(["triton"]), env={"TRITON_CACHE_DIR": str(live)})
+    shutil.rmtree(tmp_path / "home")  # the publishing machine's paths are gone, as in another pod
+
+    root = tmp_path / "pod/cache"
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    group = json.loads(triton(GET, root / "triton"))
+    assert group is not None and sorted(group) == ["add.cubin", "add.json", "add.ptx"]
+    assert all(Path(p).parent == root / "triton" / KEY and Path(p).is_file() for p in group.values())
+    # What was published is still what the manifest says; a second restore rewrites nothing new.
+    assert restore(store, sqlite_index, fp, root).bundle_id == published.bundle_id
+    assert json.loads(triton(GET, root / "triton")) == group
+
+
+def test_triton_groups_inside_vllms_cache_are_relocated(tmp_path, store, sqlite_index, fp):
+    pytest.importorskip("triton")
+    vllm_root = tmp_path / "pub/vllm"
+    rank = vllm_root / "torch_compile_cache/0123456789/rank_0_0"
+    triton(PUT, rank / "triton_cache")
+    publish(store, sqlite_index, fp, sources.select(["vllm"]), env={"VLLM_CACHE_ROOT": str(vllm_root)})
+    shutil.rmtree(tmp_path / "pub")
+    root = tmp_path / "dst"
+    restore(store, sqlite_index, fp, root)
+    group = json.loads(triton(GET, root / "vllm/torch_compile_cache/0123456789/rank_0_0/triton_cache"))
+    assert group is not None and len(group) == 3
+
+
+def grp(children: dict) -> bytes:
+    return json.dumps({"child_paths": children}).encode()
+
+
+@pytest.mark.parametrize(
+    "child",
+    [
+        "/etc/passwd",
+        f"/pub/{KEY}/missing.cubin",
+        f"/pub/{KEY}/../{KEY}/add.cubin",
+        "relative/add.cubin",
+        7,
+        f"/pub/{KEY}/sub",
+    ],
+    ids=["outside", "not-in-bundle", "dotdot", "relative", "not-a-string", "a-directory"],
+)
+def test_a_group_naming_what_the_bundle_lacks_is_dropped_with_a_warning(tmp_path, store, sqlite_index, fp, child,
+                                                                        caplog):  # fmt: skip
+    name = os.path.basename(child) if isinstance(child, str) else "x"
+    write_tree(tmp_path / "src", {
+        f"triton/{KEY}/add.cubin": b"\x7fELF",
+        f"triton/{KEY}/sub/file": b"makes sub a directory of the bundle",
+        f"triton/{KEY}/__grp__add.json": grp({"add.cubin": f"/pub/{KEY}/add.cubin", name: child}),
+    })  # fmt: skip
+    publish(store, sqlite_index, fp, sources.select(["triton"]), root=tmp_path / "src", env={})
+    with caplog.at_level(logging.WARNING, logger="kcache.relocate"):
+        restore(store, sqlite_index, fp, tmp_path / "dst")
+    assert not (tmp_path / f"dst/triton/{KEY}/__grp__add.json").exists()  # Triton misses and recompiles
+    assert (tmp_path / f"dst/triton/{KEY}/add.cubin").read_bytes() == b"\x7fELF"
+    assert "__grp__add.json" in caplog.text
+
+
+def test_a_child_under_another_name_is_refused(tmp_path):
+    """Triton names each child after its file; a group mapping a name onto another file is not Triton's."""
+    rels = [f"{KEY}/add.cubin", f"{KEY}/__grp__add.json"]
+    layer = Layer(tmp_path, tmp_path / "target", known_paths(rels), frozenset(rels))
+    (tmp_path / KEY).mkdir()
+    (tmp_path / KEY / "__grp__add.json").write_bytes(grp({"add.json": f"/pub/{KEY}/add.cubin"}))
+    assert relocate(layer, [f"{KEY}/__grp__add.json"], ["triton-groups"]) == [f"{KEY}/__grp__add.json"]
+
+
+def test_rewrite_keeps_mode_and_mtime(tmp_path):
+    (tmp_path / KEY).mkdir()
+    path = tmp_path / KEY / "__grp__add.json"
+    path.write_bytes(grp({"add.cubin": f"/pub/{KEY}/add.cubin"}))
+    os.chmod(path, 0o640)
+    os.utime(path, ns=(1_600_000_000_123_456_789, 1_600_000_000_123_456_789))
+    rels = [f"{KEY}/add.cubin", f"{KEY}/__grp__add.json"]
+    layer = Layer(tmp_path, Path("/restored/triton"), known_paths(rels), frozenset(rels))
+    assert relocate(layer, [f"{KEY}/__grp__add.json"], ["triton-groups"]) == []
+    assert json.loads(path.read_text()) == {"child_paths": {"add.cubin": f"/restored/triton/{KEY}/add.cubin"}}
+    assert path.stat().st_mtime_ns == 1_600_000_000_123_456_789 and path.stat().st_mode & 0o777 == 0o640
+    assert [p.name for p in (tmp_path / KEY).iterdir()] == ["__grp__add.json"]  # no temp file left
+
+
+RANK = "torch_compile_cache/0123456789/rank_0_0/backbone"
+
+
+def vllm_table(prefix: str) -> dict:
+    """vLLM's handle table as CompilerManager writes it: (shape, graph index, compiler) -> handle."""
+    names = {(None, 0): "artifact_shape_None_subgraph_0", (8, 1): "artifact_shape_8_subgraph_1"}
+    return {(*key, "inductor_standalone"): (name, f"{prefix}/{RANK}/{name}") for key, name in names.items()}
+
+
+def test_vllm_handles_point_into_the_restored_layer(tmp_path, store, sqlite_index, fp):
+    files = {
+        f"vllm/{RANK}/vllm_compile_cache.py": pprint.pformat(vllm_table("/root/.cache/vllm")).encode(),
+        f"vllm/{RANK}/artifact_shape_None_subgraph_0": b"binary artifact",
+        f"vllm/{RANK}/artifact_shape_8_subgraph_1/fxgraph/x": b"unpacked artifact",  # format="unpacked": a dir
+    }
+    write_tree(tmp_path / "src", files)
+    publish(store, sqlite_index, fp, sources.select(["vllm"]), root=tmp_path / "src", env={})
+    root = tmp_path / "dst"
+    restore(store, sqlite_index, fp, root)
+    table = ast.literal_eval((root / "vllm" / RANK / "vllm_compile_cache.py").read_text())
+    assert table == vllm_table(str(root / "vllm"))
+    assert all(Path(path).exists() for _, path in table.values())
+
+
+def test_vllm_handle_to_something_not_carried_drops_the_table(tmp_path, store, sqlite_index, fp, caplog):
+    write_tree(tmp_path / "src", {
+        f"vllm/{RANK}/vllm_compile_cache.py": pprint.pformat(vllm_table("/root/.cache/vllm")).encode(),
+        f"vllm/{RANK}/artifact_shape_None_subgraph_0": b"only one of the two artifacts",
+    })  # fmt: skip
+    publish(store, sqlite_index, fp, sources.select(["vllm"]), root=tmp_path / "src", env={})
+    with caplog.at_level(logging.WARNING, logger="kcache.relocate"):
+        restore(store, sqlite_index, fp, tmp_path / "dst")
+    assert not (tmp_path / "dst/vllm" / RANK / "vllm_compile_cache.py").exists()
+    assert "vllm_compile_cache.py" in caplog.text
+
+
+def test_vllm_table_that_is_code_is_never_run(tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x/vllm_compile_cache.py").write_text(f"__import__('os').mkdir({str(tmp_path / 'pwned')!r})")
+    layer = Layer(tmp_path, tmp_path / "t", known_paths(["x/vllm_compile_cache.py"]))
+    assert relocate(layer, ["x/vllm_compile_cache.py"], ["vllm-handles"]) == ["x/vllm_compile_cache.py"]
+    assert not (tmp_path / "pwned").exists()
