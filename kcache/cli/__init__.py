@@ -14,6 +14,7 @@ from kcache.cli.explain_cmd import explain_cmd
 from kcache.cli.fingerprint_cmd import fingerprint_cmd
 from kcache.cli.keygen_cmd import keygen_cmd
 from kcache.cli.operate_cmd import gc_cmd, verify_cmd, yank_cmd
+from kcache.cli.proxy_cmd import proxy_cmd
 from kcache.cli.publish_cmd import publish_cmd
 from kcache.cli.ready_cmd import ready_cmd
 from kcache.cli.reindex_cmd import reindex_cmd
@@ -44,5 +45,5 @@ def main(verbose: int) -> None:
 
 for command in (fingerprint_cmd, publish_cmd, restore_cmd, ls_cmd, show_cmd, reindex_cmd, keygen_cmd, db_group,
                 ready_cmd, serve_cmd, watch_cmd, warmup_cmd, prebake_cmd, explain_cmd, stats_cmd,
-                yank_cmd, verify_cmd, gc_cmd):  # fmt: skip
+                yank_cmd, verify_cmd, gc_cmd, proxy_cmd):  # fmt: skip
     main.add_command(command)
