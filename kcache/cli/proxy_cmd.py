@@ -15,30 +15,77 @@ from kcache.errors import ConfigError
 
 
 @click.command("proxy")
-@click.option("--upstream", required=True, metavar="URL", envvar="KCACHE_PROXY_UPSTREAM",
-              help="The engine's OpenAI-compatible server, e.g. http://127.0.0.1:8000 (env KCACHE_PROXY_UPSTREAM).")
-@click.option("--redis", "redis_url", required=True, metavar="URL", envvar="KCACHE_PROXY_REDIS",
-              help="redis://[:password@]host:6379/db (env KCACHE_PROXY_REDIS).")
-@click.option("--root", type=click.Path(file_okay=False, path_type=Path), envvar="KCACHE_ROOT",
-              help="The restore root: its .kcache-state.json names the fingerprint (env KCACHE_ROOT). "
-                   "Without it, the fingerprint flags below compute it as `kcache restore` does.")
+@click.option(
+    "--upstream",
+    required=True,
+    metavar="URL",
+    envvar="KCACHE_PROXY_UPSTREAM",
+    help="The engine's OpenAI-compatible server, e.g. http://127.0.0.1:8000 (env KCACHE_PROXY_UPSTREAM).",
+)
+@click.option(
+    "--redis",
+    "redis_url",
+    required=True,
+    metavar="URL",
+    envvar="KCACHE_PROXY_REDIS",
+    help="redis://[:password@]host:6379/db (env KCACHE_PROXY_REDIS).",
+)
+@click.option(
+    "--root",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="KCACHE_ROOT",
+    help="The restore root: its .kcache-state.json names the fingerprint (env KCACHE_ROOT). "
+    "Without it, the fingerprint flags below compute it as `kcache restore` does.",
+)
 @fingerprint_options
-@host_port_options(port_help="TCP port to listen on (0 picks a free one; the line printed at start names it).",
-                   port_required=True)
-@click.option("--ttl", type=Duration(), default="1h", show_default=True, metavar="DURATION",
-              help="How long an answer stays in Redis (Redis's maxmemory policy may evict it sooner).")
-@click.option("--max-entry-bytes", type=click.IntRange(1), default=1 << 20, show_default=True,
-              help="Answers larger than this are forwarded but not cached.")
-@click.option("--redis-timeout", type=click.FloatRange(0.001), default=0.05, show_default=True, metavar="SECONDS",
-              help="The most a request waits on Redis before it is forwarded uncached.")
-@click.option("--redis-retry-after", type=click.FloatRange(0), default=2.0, show_default=True, metavar="SECONDS",
-              help="After a Redis failure, skip Redis this long (a dead Redis then costs one timeout, not one each).")
+@host_port_options(
+    port_help="TCP port to listen on (0 picks a free one; the line printed at start names it).", port_required=True
+)
+@click.option(
+    "--ttl",
+    type=Duration(),
+    default="1h",
+    show_default=True,
+    metavar="DURATION",
+    help="How long an answer stays in Redis (Redis's maxmemory policy may evict it sooner).",
+)
+@click.option(
+    "--max-entry-bytes",
+    type=click.IntRange(1),
+    default=1 << 20,
+    show_default=True,
+    help="Answers larger than this are forwarded but not cached.",
+)
+@click.option(
+    "--redis-timeout",
+    type=click.FloatRange(0.001),
+    default=0.05,
+    show_default=True,
+    metavar="SECONDS",
+    help="The most a request waits on Redis before it is forwarded uncached.",
+)
+@click.option(
+    "--redis-retry-after",
+    type=click.FloatRange(0),
+    default=2.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="After a Redis failure, skip Redis this long (a dead Redis then costs one timeout, not one each).",
+)
 @click.option("--key-prefix", default="kcache:proxy:", show_default=True, help="Prefix of every Redis key.")
 @click.option("--no-cache", is_flag=True, help="Forward every request uncached (counted as bypass reason 'disabled').")
-@click.option("--cache-sampled", is_flag=True,
-              help="Also cache requests that sample (temperature > 0 without a seed, n > 1): all clients get one answer.")
-@click.option("--prefix-entries", type=click.IntRange(1), default=100_000, show_default=True,
-              help="Prompt prefixes remembered for the prefix-reuse measurement.")
+@click.option(
+    "--cache-sampled",
+    is_flag=True,
+    help="Also cache requests that sample (temperature > 0 without a seed, n > 1): all get one answer.",
+)
+@click.option(
+    "--prefix-entries",
+    type=click.IntRange(1),
+    default=100_000,
+    show_default=True,
+    help="Prompt prefixes remembered for the prefix-reuse measurement.",
+)
 @handle_errors
 def proxy_cmd(upstream, redis_url, root, model, model_config, facts, extras, host, port, ttl, max_entry_bytes,
               redis_timeout, redis_retry_after, key_prefix, no_cache, cache_sampled, prefix_entries):  # fmt: skip

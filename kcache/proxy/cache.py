@@ -19,6 +19,7 @@ import redis.asyncio as redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeout
 
 from kcache.errors import ConfigError
 from kcache.proxy import entry as entries
@@ -77,7 +78,7 @@ class ResultCache:
             raise CacheUnavailable("skipped")
         try:
             return await asyncio.wait_for(command, self.timeout)
-        except (asyncio.TimeoutError, TimeoutError):
+        except (asyncio.TimeoutError, TimeoutError, RedisTimeout):
             self._fail("timeout")
         except (RedisError, OSError) as exc:
             log.debug("redis: %s", exc)
@@ -85,6 +86,7 @@ class ResultCache:
 
     def _fail(self, kind: str):
         self.stats.redis_errors[kind] += 1
+        self.stats.redis_up = False
         if self.up:
             log.warning("Redis %s; answering from upstream only for %g s", kind, self.retry_after)
         self._down_until = time.monotonic() + self.retry_after
@@ -100,4 +102,3 @@ def redacted(url: str) -> str:
     if "@" not in rest:
         return url
     return f"{scheme}{sep}***@{rest.rsplit('@', 1)[1]}"
-

@@ -72,4 +72,3 @@ class PrefixMemory:
         self._hashes.move_to_end(digest)
         while len(self._hashes) > self.capacity:
             self._hashes.popitem(last=False)
-

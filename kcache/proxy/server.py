@@ -24,6 +24,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from kcache import metrics
 from kcache.errors import ConfigError
 from kcache.proxy import entry as entries
 from kcache.proxy import key, sse
@@ -98,8 +99,8 @@ class Proxy:
         await self.cache.close()
 
     async def _metrics(self, _request: web.Request) -> web.Response:
-        return web.Response(body=self.stats.render().encode(), content_type="text/plain",
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})  # fmt: skip
+        self.cache.up  # noqa: B018 (refreshes the redis_up gauge: the back-off may have ended since)
+        return web.Response(body=self.stats.render().encode(), headers={"Content-Type": metrics.CONTENT_TYPE})
 
     async def _any(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
