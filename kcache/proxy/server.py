@@ -158,7 +158,7 @@ class Proxy:
         clock = _Clock()
         try:
             upstream = await clock.wait(self.session.request(
-                request.method, self.upstream + request.rel_url.path_qs, headers=headers, data=body,
+                request.method, self.upstream + request.rel_url.raw_path_qs, headers=headers, data=body,
                 allow_redirects=False,
             ))  # fmt: skip
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
