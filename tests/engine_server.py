@@ -3,7 +3,8 @@
 Adds POST /v1/chat/completions, `stream: true` (server-sent events over chunked HTTP/1.1, one chunk
 per event, ending with `data: [DONE]`), a fresh `id` and `created` in every answer (so a replayed
 answer is told from a regenerated one), and `error_mid_stream`: a 200 stream that reports an error
-as an event, as vLLM does when generation fails after the headers went out. `sent` holds the exact
+as an event, as vLLM does when generation fails after the headers went out, and `gate`, which holds a stream
+after its first event until the test sets it. `sent` holds the exact
 body bytes of every answer, `headers` the request headers of every POST.
 """
 
@@ -18,8 +19,9 @@ SSE_TYPE = "text/event-stream; charset=utf-8"
 
 
 class EngineServer(OpenAIServer):
-    def __init__(self, *, error_mid_stream: bool = False, **kwargs):
+    def __init__(self, *, error_mid_stream: bool = False, gate=None, **kwargs):
         self.error_mid_stream = error_mid_stream
+        self.gate = gate  # a threading.Event: a stream waits on it after its first event
         self.sent: list[bytes] = []
         self.headers: list[dict[str, str]] = []
         self._ids = itertools.count(1)
@@ -62,9 +64,11 @@ class EngineServer(OpenAIServer):
                 self.send_header("Content-Type", SSE_TYPE)
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
-                for piece in pieces:
+                for i, piece in enumerate(pieces):
                     self.wfile.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
                     self.wfile.flush()
+                    if i == 0 and owner.gate is not None:
+                        owner.gate.wait(30)
                 self.wfile.write(b"0\r\n\r\n")
 
         return Handler

@@ -1,6 +1,8 @@
 """kcache proxy against real Redis and a real OpenAI-compatible server (tests/engine_server.py)."""
 
+import http.client
 import json
+import threading
 import uuid
 
 import pytest
@@ -255,3 +257,20 @@ def test_the_cli_serves_with_the_fingerprint_of_the_restore_root(engine, prefix,
         assert proc.wait(timeout=30) == 0
     ttl_ms = redis.Redis.from_url(REDIS_URL).pttl(next(redis.Redis.from_url(REDIS_URL).scan_iter(prefix + "*")))
     assert 0 < ttl_ms <= 600_000
+
+
+def test_a_streamed_miss_reaches_the_client_while_the_engine_is_still_generating(prefix):
+    gate = threading.Event()
+    with EngineServer(gate=gate) as slow, RunningProxy(config(slow.url, prefix)) as proxy:
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=20)
+        try:
+            conn.request("POST", CHAT, body=json.dumps({**ASK, "stream": True}), headers={"Content-Type": "x"})
+            resp = conn.getresponse()
+            first = resp.readline()  # arrives although the engine has not finished: nothing is buffered
+            assert first.startswith(b"data: {") and b'"content": " t0"' in first
+            gate.set()
+            rest = resp.read()
+        finally:
+            conn.close()
+        assert first + rest == slow.sent[0]
+        assert proxy.post(CHAT, {**ASK, "stream": True}).body == slow.sent[0]
