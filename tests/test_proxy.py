@@ -12,6 +12,7 @@ from proxied import PrivateRedis, RunningProxy, free_port, metric, request
 from served import kcache_server
 
 from kcache.proxy import entry
+from kcache.proxy.cache import FAILURES_TO_SKIP
 from kcache.proxy.server import ProxyConfig
 from kcache.readiness import RESTORE_MARKER, write_marker
 
@@ -236,10 +237,13 @@ def test_after_a_failure_redis_is_skipped_for_a_while(engine, prefix, tmp_path):
     private = PrivateRedis(tmp_path)
     try:
         with RunningProxy(config(engine.url, prefix, redis_url=private.url, retry_after=3600)) as proxy:
+            assert proxy.metric("kcache_proxy_redis_up") == 1
             private.kill()
-            assert [proxy.post(CHAT, ASK).status for _ in range(3)] == [200] * 3
-            assert proxy.metric("kcache_proxy_redis_errors_total", kind="error") == 1  # then skipped
+            replies = [proxy.post(CHAT, ASK) for _ in range(FAILURES_TO_SKIP + 2)]
+            assert [r.status for r in replies] == [200] * (FAILURES_TO_SKIP + 2)
+            assert proxy.metric("kcache_proxy_redis_errors_total", kind="error") == FAILURES_TO_SKIP  # then skipped
             assert proxy.metric("kcache_proxy_redis_up") == 0
+            assert proxy.metric("kcache_proxy_bypasses_total", reason="redis") == FAILURES_TO_SKIP + 2
     finally:
         private.close()
 

@@ -59,10 +59,10 @@ from kcache.errors import ConfigError
 @click.option(
     "--redis-timeout",
     type=click.FloatRange(0.001),
-    default=0.05,
+    default=0.25,
     show_default=True,
     metavar="SECONDS",
-    help="The most a request waits on Redis before it is forwarded uncached.",
+    help="The most a request waits on Redis before it is forwarded uncached (event-loop queueing counts).",
 )
 @click.option(
     "--redis-retry-after",

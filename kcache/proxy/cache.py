@@ -3,10 +3,11 @@
     <prefix><request key>   an entry (kcache.proxy.entry), SET with PX = the TTL
 
 Every call is bounded by `timeout` (asyncio's, on top of the socket timeouts), and redis-py's own
-retries are off, so a dead or stopped Redis costs a request at most one timeout. After a failure
-the cache is skipped for `retry_after` seconds: a black-holed Redis would otherwise add the timeout
-to every request. Failures never raise past this module except as CacheUnavailable, which the
-server turns into a pass-through.
+retries are off, so a dead or stopped Redis costs a request at most one timeout. After
+FAILURES_TO_SKIP failures in a row the cache is skipped for `retry_after` seconds: a black-holed
+Redis would otherwise add the timeout to every request, while one slow reply in a burst (a busy
+event loop counts against the timeout too) should not turn the cache off. Failures never raise
+past this module except as CacheUnavailable, which the server turns into a pass-through.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from kcache.proxy import entry as entries
 from kcache.proxy.stats import Stats
 
 log = logging.getLogger(__name__)
+
+FAILURES_TO_SKIP = 3
 
 
 class CacheUnavailable(Exception):
@@ -48,6 +51,7 @@ class ResultCache:
         self.prefix, self.ttl, self.timeout, self.retry_after = prefix, ttl, timeout, retry_after
         self.stats = stats
         self._down_until = 0.0
+        self._failures = 0  # in a row
 
     @property
     def up(self) -> bool:
@@ -77,19 +81,24 @@ class ResultCache:
             command.close()  # the coroutine never ran; close it so Python does not warn
             raise CacheUnavailable("skipped")
         try:
-            return await asyncio.wait_for(command, self.timeout)
+            result = await asyncio.wait_for(command, self.timeout)
         except (asyncio.TimeoutError, TimeoutError, RedisTimeout):
             self._fail("timeout")
         except (RedisError, OSError) as exc:
             log.debug("redis: %s", exc)
             self._fail("error")
+        self._failures = 0
+        return result
 
     def _fail(self, kind: str):
         self.stats.redis_errors[kind] += 1
-        self.stats.redis_up = False
-        if self.up:
-            log.warning("Redis %s; answering from upstream only for %g s", kind, self.retry_after)
-        self._down_until = time.monotonic() + self.retry_after
+        self._failures += 1
+        if self._failures >= FAILURES_TO_SKIP:
+            self._failures = 0
+            self._down_until = time.monotonic() + self.retry_after
+            self.stats.redis_up = False
+            log.warning("Redis %s, %d times in a row; answering from upstream only for %g s", kind,
+                        FAILURES_TO_SKIP, self.retry_after)  # fmt: skip
         raise CacheUnavailable(kind)
 
     async def close(self) -> None:

@@ -49,7 +49,7 @@ class ProxyConfig:
     fingerprint: str  # the bundle key of what the pod runs
     ttl: float = 3600.0  # seconds an answer lives in Redis
     max_entry_bytes: int = 1 << 20
-    redis_timeout: float = 0.05  # seconds: the most a request waits on Redis
+    redis_timeout: float = 0.25  # seconds: the most a request waits on Redis (see docs/proxy.md)
     retry_after: float = 2.0  # seconds Redis is skipped after a failure
     key_prefix: str = "kcache:proxy:"
     enabled: bool = True  # False: forward everything, count it, cache nothing
