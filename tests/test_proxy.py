@@ -7,10 +7,12 @@ import uuid
 
 import pytest
 import redis
+from click.testing import CliRunner
 from engine_server import SSE_TYPE, EngineServer
 from proxied import PrivateRedis, RunningProxy, free_port, metric, request
 from served import kcache_server
 
+from kcache.cli import main
 from kcache.proxy import entry
 from kcache.proxy.cache import FAILURES_TO_SKIP
 from kcache.proxy.server import ProxyConfig
@@ -278,3 +280,14 @@ def test_a_streamed_miss_reaches_the_client_while_the_engine_is_still_generating
             conn.close()
         assert first + rest == slow.sent[0]
         assert proxy.post(CHAT, {**ASK, "stream": True}).body == slow.sent[0]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--redis", "http://not-redis:80"], "--redis"),
+    (["--redis", REDIS_URL, "--model", "m"], "either --root or the fingerprint flags"),
+])  # fmt: skip
+def test_the_cli_refuses_what_it_cannot_use(tmp_path, extra, message):
+    write_marker(tmp_path, RESTORE_MARKER, {"status": "hit", "bundle_key": FP})
+    args = ["proxy", "--root", str(tmp_path), "--upstream", "http://127.0.0.1:1", "--port", "0", *extra]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 2 and message in result.output

@@ -23,11 +23,13 @@ MAGIC = b"kcp1\n"
 MAX_HEADERS = 64
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")  # no CR, LF or other controls: no header injection
-# Not stored: hop-by-hop, framing the proxy redoes, and the date, which must be fresh on every answer.
-NOT_STORED_HEADERS = frozenset(
+# Headers of one hop only, or framing that the proxy redoes itself: never copied from upstream.
+HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
-     "transfer-encoding", "upgrade", "content-length", "content-encoding", "date", "set-cookie"}
+     "transfer-encoding", "upgrade", "content-length", "content-encoding"}
 )  # fmt: skip
+# Not stored either: the date must be fresh on every answer, and a cookie belongs to one client.
+NOT_STORED_HEADERS = HOP_BY_HOP | {"date", "set-cookie"}
 
 
 class BadEntry(ValueError):
@@ -43,8 +45,13 @@ class Entry:
 
 
 def answer_headers(headers) -> tuple[tuple[str, str], ...]:
-    """The upstream headers a client gets back (from the engine or from the cache alike)."""
+    """The upstream headers of a cacheable answer, as a client gets them from the engine or the cache alike."""
     return tuple((k, v) for k, v in headers.items() if k.lower() not in NOT_STORED_HEADERS)
+
+
+def passed_headers(headers) -> tuple[tuple[str, str], ...]:
+    """The upstream headers of an answer the cache does not handle: all but this hop's."""
+    return tuple((k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP)
 
 
 def is_event_stream(headers: tuple[tuple[str, str], ...]) -> bool:

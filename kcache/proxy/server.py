@@ -171,11 +171,11 @@ class Proxy:
 
     async def _relay(self, request, upstream, outcome, cache_key, clock) -> web.StreamResponse:
         """Copy the upstream answer chunk by chunk, recording it when it may be cached."""
-        answer = entries.answer_headers(upstream.headers)
+        answer = (entries.answer_headers if cache_key else entries.passed_headers)(upstream.headers)
         response = web.StreamResponse(status=upstream.status, headers=_answer(answer, outcome))
-        if upstream.content_length is not None and "Content-Encoding" not in upstream.headers:
-            response.content_length = upstream.content_length
-        elif "Content-Encoding" in upstream.headers:
+        if upstream.content_length is not None:
+            response.content_length = upstream.content_length  # raw bytes: auto_decompress is off
+        if "Content-Encoding" in upstream.headers:
             response.headers["Content-Encoding"] = upstream.headers["Content-Encoding"]
         encoded = upstream.headers.get("Content-Encoding", "identity").lower() != "identity"
         recording = bytearray() if cache_key is not None and not encoded else None  # ignored our identity ask
