@@ -4,6 +4,7 @@ import http.client
 import json
 import threading
 import uuid
+from dataclasses import replace
 
 import pytest
 import redis
@@ -291,3 +292,24 @@ def test_the_cli_refuses_what_it_cannot_use(tmp_path, extra, message):
     args = ["proxy", "--root", str(tmp_path), "--upstream", "http://127.0.0.1:1", "--port", "0", *extra]
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 2 and message in result.output
+
+
+def test_redis_killed_while_a_miss_streams_still_delivers_the_whole_stream(prefix, tmp_path):
+    private, gate = PrivateRedis(tmp_path), threading.Event()
+    try:
+        cfg = config("", prefix, redis_url=private.url, redis_timeout=0.5)
+        with EngineServer(gate=gate) as slow, RunningProxy(replace(cfg, upstream=slow.url)) as proxy:
+            conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=20)
+            try:
+                conn.request("POST", CHAT, body=json.dumps({**ASK, "stream": True}), headers={"Content-Type": "x"})
+                resp = conn.getresponse()
+                first = resp.readline()  # the lookup is done and the miss is streaming
+                private.kill()
+                gate.set()
+                body = first + resp.read()
+            finally:
+                conn.close()
+            assert resp.status == 200 and body == slow.sent[0]
+            assert proxy.metric("kcache_proxy_not_stored_total", reason="redis") == 1
+    finally:
+        private.close()
