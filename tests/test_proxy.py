@@ -313,3 +313,17 @@ def test_redis_killed_while_a_miss_streams_still_delivers_the_whole_stream(prefi
             assert proxy.metric("kcache_proxy_not_stored_total", reason="redis") == 1
     finally:
         private.close()
+
+
+def test_root_and_fingerprint_flags_give_the_key_restore_used(tmp_path, engine, prefix):
+    facts = tmp_path / "facts.json"
+    facts.write_text(json.dumps({"facts": {"os": "linux", "arch": "x86_64", "gpu.sm": "sm_90"}}))
+    flags = ["--model", "org/model@rev", "--extra", "tp=2", "--facts-file", str(facts)]
+    restored = CliRunner().invoke(main, ["restore", "--into", str(tmp_path / "root"), *flags, "--json"],
+                                  catch_exceptions=False)  # fmt: skip
+    bundle_key = json.loads(restored.output)["bundle_key"]
+    common = ["proxy", "--upstream", engine.url, "--redis", REDIS_URL, "--port", "0", "--key-prefix", prefix]
+    for how in (["--root", str(tmp_path / "root")], flags):
+        with kcache_server(*common, *how) as (_proc, port):
+            text = request(port, "GET", "/metrics").body.decode()
+            assert metric(text, "kcache_proxy_info", fingerprint=bundle_key) == 1, how[0]

@@ -63,7 +63,7 @@ class Proxy:
 
     def __init__(self, config: ProxyConfig):
         self.config = config
-        self.stats = Stats()
+        self.stats = Stats(fingerprint=config.fingerprint)
         self.prefixes = PrefixMemory(config.prefix_entries)
         self.upstream = config.upstream.rstrip("/")
         self._runner: web.AppRunner | None = None

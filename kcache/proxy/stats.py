@@ -1,5 +1,6 @@
 """The proxy's counters and their Prometheus text on GET /metrics.
 
+    kcache_proxy_info{fingerprint}                1; the bundle key answers are filed under
     kcache_proxy_requests_total{outcome}          hit | miss | bypass | pass (a path the cache never answers)
     kcache_proxy_bypasses_total{reason}           bypass_header | disabled | not_json | sampling | n | redis
     kcache_proxy_not_stored_total{reason}         upstream_error | too_large | redis | client_gone
@@ -50,6 +51,7 @@ class Histogram:
 
 @dataclass
 class Stats:
+    fingerprint: str = ""
     requests: Counter = field(default_factory=Counter)
     bypasses: Counter = field(default_factory=Counter)
     not_stored: Counter = field(default_factory=Counter)
@@ -64,6 +66,8 @@ class Stats:
     def render(self) -> str:
         ratio = self.prompt_seen_bytes / self.prompt_bytes if self.prompt_bytes else 0.0
         families = [
+            metrics.family("kcache_proxy_info", "gauge", "1; the fingerprint (bundle key) answers are filed under.",
+                           ({"fingerprint": self.fingerprint}, 1)),
             _labelled("kcache_proxy_requests_total", "Requests by how they were answered.", "outcome", self.requests),
             _labelled("kcache_proxy_bypasses_total", "Requests the cache could not answer, by reason.", "reason",
                       self.bypasses),
