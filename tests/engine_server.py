@@ -4,7 +4,7 @@ Adds POST /v1/chat/completions, `stream: true` (server-sent events over chunked 
 per event, ending with `data: [DONE]`), a fresh `id` and `created` in every answer (so a replayed
 answer is told from a regenerated one), and `error_mid_stream`: a 200 stream that reports an error
 as an event, as vLLM does when generation fails after the headers went out, and `gate`, which holds a stream
-after its first event until the test sets it. `sent` holds the exact
+after its first event until the test sets it; `cut_mid_stream` drops the connection there. `sent` holds the exact
 body bytes of every answer, `headers` the request headers of every POST.
 """
 
@@ -19,8 +19,8 @@ SSE_TYPE = "text/event-stream; charset=utf-8"
 
 
 class EngineServer(OpenAIServer):
-    def __init__(self, *, error_mid_stream: bool = False, gate=None, **kwargs):
-        self.error_mid_stream = error_mid_stream
+    def __init__(self, *, error_mid_stream: bool = False, cut_mid_stream: bool = False, gate=None, **kwargs):
+        self.error_mid_stream, self.cut_mid_stream = error_mid_stream, cut_mid_stream
         self.gate = gate  # a threading.Event: a stream waits on it after its first event
         self.sent: list[bytes] = []
         self.headers: list[dict[str, str]] = []
@@ -69,6 +69,9 @@ class EngineServer(OpenAIServer):
                     self.wfile.flush()
                     if i == 0 and owner.gate is not None:
                         owner.gate.wait(30)
+                    if i == 0 and owner.cut_mid_stream:  # the engine process dies: no more chunks, no terminator
+                        self.close_connection = True
+                        return
                 self.wfile.write(b"0\r\n\r\n")
 
         return Handler

@@ -327,3 +327,17 @@ def test_root_and_fingerprint_flags_give_the_key_restore_used(tmp_path, engine, 
         with kcache_server(*common, *how) as (_proc, port):
             text = request(port, "GET", "/metrics").body.decode()
             assert metric(text, "kcache_proxy_info", fingerprint=bundle_key) == 1, how[0]
+
+
+def test_a_stream_the_engine_cuts_short_is_cut_short_for_the_client_and_not_cached(prefix):
+    with EngineServer(cut_mid_stream=True) as dying, RunningProxy(config(dying.url, prefix)) as proxy:
+        for _ in range(2):
+            conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=20)
+            try:
+                conn.request("POST", CHAT, body=json.dumps({**ASK, "stream": True}), headers={"Content-Type": "x"})
+                with pytest.raises(http.client.IncompleteRead):  # not a clean end the client could trust
+                    conn.getresponse().read()
+            finally:
+                conn.close()
+        assert len(dying.completions) == 2
+        assert proxy.metric("kcache_proxy_not_stored_total", reason="upstream_error") == 2

@@ -196,6 +196,8 @@ class Proxy:
             log.warning("upstream broke off an answer: %s", exc)
             if recording is not None:
                 self.stats.not_stored["upstream_error"] += 1
+            if request.transport is not None:  # a clean end would tell the client the answer is whole
+                request.transport.abort()
             return response
         if recording is not None:
             await self._store(cache_key, upstream.status, answer, bytes(recording))
