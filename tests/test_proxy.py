@@ -335,8 +335,10 @@ def test_a_stream_the_engine_cuts_short_is_cut_short_for_the_client_and_not_cach
             conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=20)
             try:
                 conn.request("POST", CHAT, body=json.dumps({**ASK, "stream": True}), headers={"Content-Type": "x"})
+                resp = conn.getresponse()
                 with pytest.raises(http.client.IncompleteRead):  # not a clean end the client could trust
-                    conn.getresponse().read()
+                    resp.read()
+                resp.close()
             finally:
                 conn.close()
         assert len(dying.completions) == 2
