@@ -100,3 +100,17 @@ class ObjectTooLarge(IntegrityError):
     def __init__(self, what: str, key: str, size: int, limit: int):
         self.key, self.size, self.limit = key, size, limit
         super().__init__(what, key, f"is {size} bytes, over the {limit}-byte limit; refused unread")
+
+
+# The result-cache proxy's own failures: both stay inside `kcache proxy`, which answers from the
+# engine instead (pass-through); they have rows in the CLI table like every other error.
+class BadEntry(ValueError):
+    """A Redis value that is not an entry the proxy wrote (damaged or planted): a miss, then overwritten."""
+
+
+class CacheUnavailable(Exception):
+    """Redis did not answer (in time); `kind` is timeout | error | skipped (after a recent failure)."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        super().__init__(kind)

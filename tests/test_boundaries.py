@@ -1,6 +1,8 @@
 """Each heavy dependency is imported by one part of kcache only (see STYLE.md)."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,9 @@ ALLOWED = {
     "click": ("cli/",),
     "torch": ("sources/", "torch/"),
     "triton": ("sources/", "torch/"),
+    "aiohttp": ("proxy/",),
+    "multidict": ("proxy/",),
+    "redis": ("proxy/",),
 }
 
 
@@ -36,6 +41,16 @@ def test_dependency_boundaries(path):
         allowed = ALLOWED.get(top)
         if allowed is not None:
             assert rel.startswith(allowed), f"{rel}:{node.lineno} imports {top}; only {allowed} may"
+
+
+def test_restore_and_the_cli_never_import_the_proxy_stack():
+    # The init container runs `kcache restore`; its image need not even ship aiohttp or redis.
+    code = (
+        "import sys, kcache.cli, kcache.restore; from kcache.cli import main; main.commands['proxy'].get_help; "
+        "print(sorted(m for m in ('aiohttp', 'redis', 'kcache.proxy.server') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_torch_facing_modules_import_torch_lazily():

@@ -62,6 +62,8 @@ TABLE: tuple[tuple[type[Exception], ExitCode, str], ...] = (
     (WarmupRequestError, ExitCode.WARMUP, "the server answered the warmup request with an error; see its log"),
     (WarmupChildFailed, ExitCode.WARMUP, "fix the --entrypoint error printed above (try `kcache warmup` alone)"),
     (Unmappable, ExitCode.CORRUPT, "a cache file names paths the bundle does not restore; re-publish it"),
+    (errors.BadEntry, ExitCode.CORRUPT, "a cached answer in Redis is damaged; the proxy overwrites it"),
+    (errors.CacheUnavailable, ExitCode.STORE, "check --redis; meanwhile the proxy passes requests to the engine"),
     (Cancelled, ExitCode.BUG, BUG_HINT),  # internal to fetch (a worker stopped early): never meant to escape
     (errors.KcacheError, ExitCode.ERROR, "run with KCACHE_DEBUG=1 for a traceback"),
 )

@@ -81,6 +81,8 @@ ARGS = {
     ("watch",): ["--root", "{tmp}", "--once", "--publish-every", "1m"],
     ("yank",): ["abc"],
     ("refresh",): ["--signing-key", "{tmp}/k.key"],
+    ("proxy",): ["--upstream", "http://127.0.0.1:9", "--redis", "redis://127.0.0.1:9", "--port", "0",
+                 "--model", "m"],
 }
 
 

@@ -1,0 +1,144 @@
+"""`kcache proxy`: the caching reverse proxy in front of the model server, until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import click
+
+from kcache.cli import format as fmt
+from kcache.cli.options import compute_fingerprint, fingerprint_options, handle_errors, json_option
+from kcache.cli.serve_cmd import host_port_options
+from kcache.cli.watch_cmd import Duration
+from kcache.errors import ConfigError
+
+
+@click.command("proxy")
+@click.option(
+    "--upstream",
+    required=True,
+    metavar="URL",
+    envvar="KCACHE_PROXY_UPSTREAM",
+    help="The engine's OpenAI-compatible server, e.g. http://127.0.0.1:8000.",
+)
+@click.option(
+    "--redis",
+    "redis_url",
+    required=True,
+    metavar="URL",
+    envvar="KCACHE_PROXY_REDIS",
+    help="redis://[:password@]host:6379/db.",
+)
+@click.option(
+    "--root",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="KCACHE_ROOT",
+    help="The restore root: its .kcache-state.json names the fingerprint. "
+    "Without it, the fingerprint flags below compute it as `kcache restore` does.",
+)
+@fingerprint_options
+@host_port_options(
+    port_help="TCP port to listen on (0 picks a free one; the line printed at start names it).", port_required=True
+)
+@click.option(
+    "--ttl",
+    type=Duration(),
+    default="1h",
+    show_default=True,
+    metavar="DURATION",
+    help="How long an answer stays in Redis (Redis's maxmemory policy may evict it sooner).",
+)
+@click.option(
+    "--max-entry-bytes",
+    type=click.IntRange(1),
+    default=1 << 20,
+    show_default=True,
+    help="Answers larger than this are forwarded but not cached.",
+)
+@click.option(
+    "--redis-timeout",
+    type=click.FloatRange(0.001),
+    default=0.25,
+    show_default=True,
+    metavar="SECONDS",
+    help="The most a request waits on Redis before it is forwarded uncached (event-loop queueing counts).",
+)
+@click.option(
+    "--redis-retry-after",
+    type=click.FloatRange(0),
+    default=2.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="After a Redis failure, skip Redis this long (a dead Redis then costs one timeout, not one each).",
+)
+@click.option("--key-prefix", default="kcache:proxy:", show_default=True, help="Prefix of every Redis key.")
+@click.option("--no-cache", is_flag=True, help="Forward every request uncached (counted as bypass reason 'disabled').")
+@click.option(
+    "--cache-sampled",
+    is_flag=True,
+    help="Also cache requests that sample (temperature > 0 without a seed, n > 1): all get one answer.",
+)
+@click.option(
+    "--prefix-entries",
+    type=click.IntRange(1),
+    default=100_000,
+    show_default=True,
+    help="Prompt prefixes remembered for the prefix-reuse measurement.",
+)
+@json_option
+@handle_errors
+def proxy_cmd(upstream, redis_url, root, model, model_config, facts, extras, host, port, ttl, max_entry_bytes,
+              redis_timeout, redis_retry_after, key_prefix, no_cache, cache_sampled, prefix_entries,
+              as_json):  # fmt: skip
+    """Answer repeated OpenAI-compatible requests from Redis, keyed by what the pod runs.
+
+    POST /v1/completions and /v1/chat/completions are looked up by (fingerprint, tenant = hash of
+    the Authorization header, path, request body without non-semantic fields); by default only
+    deterministic requests are cached: n = 1 and temperature 0 or an integer seed. Everything else
+    is forwarded untouched. `stream: true` answers are recorded while they stream and replayed as
+    the same events. Redis down or slow: requests go to the engine, counted on /metrics. A request
+    with `X-Kcache-Bypass: 1` or `Cache-Control: no-cache` skips the cache. GET /metrics: hits,
+    misses, bypasses by reason, bytes, added latency, prefix reuse. See docs/proxy.md.
+
+    \b
+    Examples:
+      kcache proxy --root /kcache --upstream http://127.0.0.1:8000 \\
+          --redis redis://redis:6379/0 --port 8080 --host 0.0.0.0 --ttl 6h
+      curl -s localhost:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+          -d '{"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}'
+      curl -s localhost:8080/metrics | grep kcache_proxy_requests_total
+    """
+    from kcache.proxy import key
+    from kcache.proxy.cache import redacted
+    from kcache.proxy.server import ProxyConfig, serve
+
+    if root is not None and (model or model_config or facts or extras):
+        raise ConfigError("--root", str(root), "give either --root or the fingerprint flags, not both")
+    if root is not None:
+        fingerprint = key.fingerprint_from_root(root)
+    else:
+        fingerprint = compute_fingerprint(model, model_config, facts, extras).bundle_key
+    config = ProxyConfig(upstream=upstream, redis_url=redis_url, fingerprint=fingerprint, ttl=ttl,
+                         max_entry_bytes=max_entry_bytes, redis_timeout=redis_timeout, retry_after=redis_retry_after,
+                         key_prefix=key_prefix, enabled=not no_cache, cache_sampled=cache_sampled,
+                         prefix_entries=prefix_entries)  # fmt: skip
+
+    def ready(bound: int) -> None:
+        if as_json:  # the start line, for scripts that need the port
+            click.echo(fmt.to_json({"status": "serving", "url": f"http://{host}:{bound}", "host": host, "port": bound,
+                                    "upstream": upstream, "fingerprint": fingerprint}))  # fmt: skip
+            return
+        click.echo(f"kcache: proxy on http://{host}:{bound} -> {upstream}, cache {redacted(redis_url)}, "
+                   f"fingerprint {fingerprint}")  # fmt: skip
+
+    asyncio.run(_until_signal(config, host, port, ready, serve))
+
+
+async def _until_signal(config, host, port, ready, serve) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the kubelet stopping the pod
+        loop.add_signal_handler(sig, stop.set)
+    await serve(config, host, port, ready, stop)

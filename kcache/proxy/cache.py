@@ -1,0 +1,105 @@
+"""The answers in Redis: one key per request key, with a TTL; Redis's own maxmemory policy evicts.
+
+    <prefix><request key>   an entry (kcache.proxy.entry), SET with PX = the TTL
+
+Every call is bounded by `timeout` (asyncio's, on top of the socket timeouts), and redis-py's own
+retries are off, so a dead or stopped Redis costs a request at most one timeout. After
+FAILURES_TO_SKIP failures in a row the cache is skipped for `retry_after` seconds: a black-holed
+Redis would otherwise add the timeout to every request, while one slow reply in a burst (a busy
+event loop counts against the timeout too) should not turn the cache off. Failures never raise
+past this module except as CacheUnavailable, which the server turns into a pass-through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeout
+
+from kcache.errors import CacheUnavailable, ConfigError
+from kcache.proxy import entry as entries
+from kcache.proxy.stats import Stats
+
+log = logging.getLogger(__name__)
+
+FAILURES_TO_SKIP = 3
+
+
+class ResultCache:
+    def __init__(self, url: str, stats: Stats, *, prefix: str, ttl: float, timeout: float, retry_after: float):
+        try:
+            self._redis = redis.Redis.from_url(
+                url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0),
+                retry_on_timeout=False, health_check_interval=0,
+            )  # fmt: skip
+        except ValueError as exc:
+            raise ConfigError("--redis", redacted(url), str(exc)) from None
+        self.prefix, self.ttl, self.timeout, self.retry_after = prefix, ttl, timeout, retry_after
+        self.stats = stats
+        self._down_until = 0.0
+        self._failures = 0  # in a row
+
+    @property
+    def up(self) -> bool:
+        up = time.monotonic() >= self._down_until
+        self.stats.redis_up = up
+        return up
+
+    async def get(self, key: str) -> entries.Entry | None:
+        """The entry for `key`; None when absent or not one of ours (a miss, overwritten by the next
+        answer). Raises CacheUnavailable."""
+        raw = await self._call(self._redis.get(self.prefix + key))
+        if raw is None:
+            return None
+        try:
+            return entries.decode(raw)
+        except entries.BadEntry as exc:
+            log.warning("ignoring the Redis value at %s%s: %s", self.prefix, key[:16], exc)
+            self.stats.redis_errors["bad_entry"] += 1
+            return None
+
+    async def put(self, key: str, raw: bytes) -> None:
+        """Store an encoded entry under `key` for the TTL. Raises CacheUnavailable."""
+        await self._call(self._redis.set(self.prefix + key, raw, px=max(1, int(self.ttl * 1000))))
+
+    async def _call(self, command):
+        if not self.up:
+            command.close()  # the coroutine never ran; close it so Python does not warn
+            raise CacheUnavailable("skipped")
+        try:
+            result = await asyncio.wait_for(command, self.timeout)
+        except (asyncio.TimeoutError, TimeoutError, RedisTimeout):
+            self._fail("timeout")
+        except (RedisError, OSError) as exc:
+            log.debug("redis: %s", exc)
+            self._fail("error")
+        self._failures = 0
+        return result
+
+    def _fail(self, kind: str):
+        self.stats.redis_errors[kind] += 1
+        self._failures += 1
+        if self._failures >= FAILURES_TO_SKIP:
+            self._failures = 0
+            self._down_until = time.monotonic() + self.retry_after
+            self.stats.redis_up = False
+            log.warning("Redis %s, %d times in a row; answering from upstream only for %g s", kind,
+                        FAILURES_TO_SKIP, self.retry_after)  # fmt: skip
+        raise CacheUnavailable(kind)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+def redacted(url: str) -> str:
+    """The URL without its password: it appears in messages and logs."""
+    scheme, sep, rest = url.partition("://")
+    if "@" not in rest:
+        return url
+    return f"{scheme}{sep}***@{rest.rsplit('@', 1)[1]}"

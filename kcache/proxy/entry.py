@@ -1,0 +1,112 @@
+"""A cached answer as it lies in Redis, and the rules for what may become one.
+
+    b"kcp1\\n" + canonical JSON {"headers": [[name, value], ...], "sha256", "status", "stream"} + b"\\n" + body
+
+Only complete, successful answers are stored: status 200, and for JSON a body that parses to an
+object with `choices` and no `error`; for server-sent events a stream that ends with `data: [DONE]`
+and carries no error event (vLLM reports a failure mid-stream as an event, after a 200). Redis is
+shared infrastructure, so a value is hostile until it decodes: the body must hash to its sha256, and
+headers must be plain tokens and values, or the value counts as absent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+
+from kcache import canonical
+from kcache.errors import BadEntry
+from kcache.proxy import sse
+
+MAGIC = b"kcp1\n"
+MAX_HEADERS = 64
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")  # no CR, LF or other controls: no header injection
+# Headers of one hop only, or framing that the proxy redoes itself: never copied from upstream.
+HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
+     "transfer-encoding", "upgrade", "content-length", "content-encoding"}
+)  # fmt: skip
+# Not stored either: the date must be fresh on every answer, and a cookie belongs to one client.
+NOT_STORED_HEADERS = HOP_BY_HOP | {"date", "set-cookie"}
+
+
+@dataclass(frozen=True)
+class Entry:
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+    stream: bool
+
+
+def answer_headers(headers) -> tuple[tuple[str, str], ...]:
+    """The upstream headers of a cacheable answer, as a client gets them from the engine or the cache alike."""
+    return tuple((k, v) for k, v in headers.items() if k.lower() not in NOT_STORED_HEADERS)
+
+
+def passed_headers(headers) -> tuple[tuple[str, str], ...]:
+    """The upstream headers of an answer the cache does not handle: all but this hop's."""
+    return tuple((k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP)
+
+
+def is_event_stream(headers: tuple[tuple[str, str], ...]) -> bool:
+    return any(k.lower() == "content-type" and v.lower().startswith("text/event-stream") for k, v in headers)
+
+
+def storable(status: int, headers: tuple[tuple[str, str], ...], body: bytes) -> str:
+    """Why this answer must not be cached ("" when it may be)."""
+    if status != 200:
+        return "upstream_error"
+    if is_event_stream(headers):
+        return "" if sse.complete(body) else "upstream_error"
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return "upstream_error"
+    if not isinstance(doc, dict) or "error" in doc or "choices" not in doc:
+        return "upstream_error"
+    return ""
+
+
+def encode(entry: Entry) -> bytes:
+    meta = {
+        "status": entry.status,
+        "headers": [list(h) for h in entry.headers],
+        "sha256": hashlib.sha256(entry.body).hexdigest(),
+        "stream": entry.stream,
+    }
+    return MAGIC + canonical.dumps(meta) + b"\n" + entry.body
+
+
+def decode(raw: bytes) -> Entry:
+    """The entry in `raw`; raises BadEntry for anything this proxy did not write whole."""
+    if not isinstance(raw, bytes) or not raw.startswith(MAGIC):
+        raise BadEntry("no kcp1 magic")
+    head, sep, body = raw[len(MAGIC) :].partition(b"\n")
+    if not sep:
+        raise BadEntry("no header line")
+    try:
+        meta = json.loads(head)
+    except ValueError as exc:
+        raise BadEntry(f"header is not JSON: {exc}") from None
+    if not isinstance(meta, dict) or meta.get("status") != 200 or not isinstance(meta.get("stream"), bool):
+        raise BadEntry("bad status or stream flag")
+    if meta.get("sha256") != hashlib.sha256(body).hexdigest():
+        raise BadEntry("body does not match its sha256")
+    return Entry(200, _headers(meta.get("headers")), body, meta["stream"])
+
+
+def _headers(value) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, list) or len(value) > MAX_HEADERS:
+        raise BadEntry("headers are not a short list")
+    pairs = []
+    for pair in value:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
+            raise BadEntry("a header is not a [name, value] pair")
+        name, text = pair
+        if not _TOKEN.fullmatch(name) or not _VALUE.fullmatch(text) or name.lower() in NOT_STORED_HEADERS:
+            raise BadEntry(f"header {name[:40]!r} is not allowed")
+        pairs.append((name, text))
+    return tuple(pairs)

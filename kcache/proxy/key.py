@@ -1,0 +1,160 @@
+"""Which requests the proxy may answer from its cache, and the key it files each answer under.
+
+A key is SHA-256 over canonical JSON of named parts (pip's cache key, in spirit):
+
+    schema       KEY_SCHEMA; bump it whenever a part or the body's normal form changes
+    fingerprint  the bundle key of what the pod runs: a new model, revision, toolchain or compile
+                 option is a new key, so an update never serves the previous version's answers
+    tenant       SHA-256 of the Authorization header: one tenant never gets another's answer
+    path, query  /v1/completions and /v1/chat/completions answer differently; the query is sorted
+    body         the request's JSON with NON_SEMANTIC fields removed and integral floats made ints
+
+Deterministic by default means: `n` is absent or 1, and `temperature` is 0 or `seed` is an
+integer. A missing temperature is not 0: OpenAI defaults to 1 and vLLM to the model's generation
+config, so such a request samples. `--cache-sampled` caches sampling requests too (every client
+then gets the first sample). Nothing here imports aiohttp or redis: the rules are pure and tested alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kcache import canonical, readiness
+from kcache.errors import ConfigError
+
+KEY_SCHEMA = 1
+CACHED_PATHS = ("/v1/completions", "/v1/chat/completions")
+BYPASS_HEADER = "X-Kcache-Bypass"
+# Fields that change who asked or how the engine schedules the request, never the tokens it returns.
+NON_SEMANTIC = (
+    "user",  # an end-user id for abuse monitoring
+    "request_id",  # vLLM: a tracing id
+    "priority",  # vLLM: scheduling order
+    "metadata",  # OpenAI stored completions: tags for the dashboard
+    "store",  # OpenAI stored completions: whether to keep a copy
+)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A request's fate: `key` when the cache may answer it, else the bypass `reason`."""
+
+    key: str | None
+    reason: str  # "" when cacheable; else bypass_header | disabled | not_json | sampling | n
+    body: dict | None  # the parsed request, for prefix measurement; None when it is not a JSON object
+
+
+def decide(
+    path: str,
+    query: Mapping[str, str] | list[tuple[str, str]],
+    headers: Mapping[str, str],
+    raw: bytes,
+    fingerprint: str,
+    *,
+    enabled: bool = True,
+    cache_sampled: bool = False,
+) -> Decision:
+    """Whether the cache may answer this POST to one of CACHED_PATHS, and under which key."""
+    body = parse_body(raw)
+    if not enabled:
+        return Decision(None, "disabled", body)
+    if wants_bypass(headers):
+        return Decision(None, "bypass_header", body)
+    if body is None:
+        return Decision(None, "not_json", None)
+    reason = "" if cache_sampled else nondeterminism(body)
+    if reason:
+        return Decision(None, reason, body)
+    return Decision(request_key(path, query, headers.get("Authorization"), body, fingerprint), "", body)
+
+
+def parse_body(raw: bytes) -> dict | None:
+    """The request body as a JSON object; None for anything else (including NaN, which has no canonical form)."""
+    try:
+        doc = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def wants_bypass(headers: Mapping[str, str]) -> bool:
+    """`X-Kcache-Bypass: 1` (or true/yes), or `Cache-Control: no-cache` / `no-store`."""
+    if headers.get(BYPASS_HEADER, "").strip().lower() in ("1", "true", "yes"):
+        return True
+    directives = {d.strip().lower() for d in headers.get("Cache-Control", "").split(",")}
+    return bool(directives & {"no-cache", "no-store"})
+
+
+def nondeterminism(body: Mapping[str, Any]) -> str:
+    """Why the engine may answer this request differently each time ("" when it will not)."""
+    n = body.get("n", 1)
+    if n is not None and not _is_number(n, 1):
+        return "n"
+    if _is_number(body.get("temperature"), 0):
+        return ""
+    seed = body.get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        return ""
+    return "sampling"
+
+
+def _is_number(value: Any, expected: int) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == expected
+
+
+def request_key(path: str, query, authorization: str | None, body: Mapping[str, Any], fingerprint: str) -> str:
+    items = query.items() if isinstance(query, Mapping) else query
+    parts = {
+        "schema": KEY_SCHEMA,
+        "fingerprint": fingerprint,
+        "tenant": tenant(authorization),
+        "path": path,
+        "query": sorted([str(k), str(v)] for k, v in items),
+        "body": normal_form({k: v for k, v in body.items() if k not in NON_SEMANTIC}),
+    }
+    return canonical.sha256(canonical.dumps(parts))
+
+
+def tenant(authorization: str | None) -> str:
+    """Who asked, without keeping the credential: SHA-256 of the header ("" hashes the anonymous tenant)."""
+    return hashlib.sha256(b"authorization:" + (authorization or "").encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def normal_form(value: Any) -> Any:
+    """`0.0` and `0` mean the same to an engine; JSON parsers keep them apart, the key must not."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: normal_form(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [normal_form(v) for v in value]
+    return value
+
+
+_BUNDLE_KEY = re.compile(r"[0-9a-f]{32}")
+
+
+def fingerprint_from_root(root: Path) -> str:
+    """The bundle key `kcache restore` computed for this pod, from ROOT/.kcache-state.json.
+
+    Written on a hit, a miss and an error alike, so a cold pod still has its fingerprint. The file
+    is on a shared volume: anything but 32 hex digits is refused rather than hashed into keys.
+    """
+    state = readiness.read_marker(root, readiness.RESTORE_MARKER)
+    if state is None:
+        raise ConfigError("--root", str(root), f"no readable {readiness.RESTORE_MARKER}: run `kcache restore --into` "
+                          "it first, or give the fingerprint flags (--model ...) instead")  # fmt: skip
+    bundle_key = state.get("bundle_key")
+    if not isinstance(bundle_key, str) or not _BUNDLE_KEY.fullmatch(bundle_key):
+        raise ConfigError("--root", str(root), f"{readiness.RESTORE_MARKER} has no valid bundle_key")
+    return bundle_key

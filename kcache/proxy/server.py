@@ -1,0 +1,258 @@
+"""The reverse proxy itself: aiohttp server in front of an OpenAI-compatible engine, aiohttp client to it.
+
+    POST /v1/completions, /v1/chat/completions   cache lookup (kcache.proxy.key), else forwarded
+    GET  /metrics                                the proxy's own counters (kcache.proxy.stats)
+    anything else                                forwarded untouched, streamed both ways
+
+A miss is forwarded chunk by chunk while it is recorded; the entry is written to Redis before the
+response's last chunk goes out, so a client that has read an answer whole can count on the next
+identical request being a hit. A hit is replayed with the headers the engine sent and, for a
+stream, event by event with the engine's exact bytes. Every answer carries `X-Kcache-Cache`
+(hit | miss | bypass | pass). Redis failing is a pass-through (kcache.proxy.cache); the upstream
+failing is a 502 in OpenAI's error shape, since there is nothing else to answer with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from kcache import metrics
+from kcache.errors import ConfigError
+from kcache.proxy import entry as entries
+from kcache.proxy import key, sse
+from kcache.proxy.cache import CacheUnavailable, ResultCache
+from kcache.proxy.prefix import PrefixMemory
+from kcache.proxy.stats import Stats
+
+log = logging.getLogger(__name__)
+
+CACHE_HEADER = "X-Kcache-Cache"
+# Request headers that belong to this hop, or that the proxy sets itself.
+NOT_FORWARDED = frozenset(
+    {"connection", "keep-alive", "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade", "host",
+     "content-length", key.BYPASS_HEADER.lower()}
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    upstream: str  # http://127.0.0.1:8000, no trailing slash needed
+    redis_url: str
+    fingerprint: str  # the bundle key of what the pod runs
+    ttl: float = 3600.0  # seconds an answer lives in Redis
+    max_entry_bytes: int = 1 << 20
+    redis_timeout: float = 0.25  # seconds: the most a request waits on Redis (see docs/proxy.md)
+    retry_after: float = 2.0  # seconds Redis is skipped after a failure
+    key_prefix: str = "kcache:proxy:"
+    enabled: bool = True  # False: forward everything, count it, cache nothing
+    cache_sampled: bool = False
+    prefix_entries: int = 100_000
+    max_request_bytes: int = 64 << 20
+
+
+class Proxy:
+    """One proxy: `await start(host, port)` returns the bound port; `await close()` stops it."""
+
+    def __init__(self, config: ProxyConfig):
+        self.config = config
+        self.stats = Stats(fingerprint=config.fingerprint)
+        self.prefixes = PrefixMemory(config.prefix_entries)
+        self.upstream = config.upstream.rstrip("/")
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        cfg = self.config
+        self.cache = ResultCache(cfg.redis_url, self.stats, prefix=cfg.key_prefix, ttl=cfg.ttl,
+                                 timeout=cfg.redis_timeout, retry_after=cfg.retry_after)  # fmt: skip
+        # No total timeout: a long generation is not a failure. Raw bytes both ways (no decompression).
+        self.session = aiohttp.ClientSession(
+            auto_decompress=False, connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+        )  # fmt: skip
+        app = web.Application(client_max_size=cfg.max_request_bytes)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_route("*", "/{tail:.*}", self._any)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        try:
+            await site.start()
+        except OSError as exc:
+            await self.close()
+            if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+                raise ConfigError("--host/--port", f"{host}:{port}", exc.strerror or str(exc)) from None
+            raise
+        return self._runner.addresses[0][1]
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.session.close()
+        await self.cache.close()
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        self.cache.up  # noqa: B018 (refreshes the redis_up gauge: the back-off may have ended since)
+        return web.Response(body=self.stats.render().encode(), headers={"Content-Type": metrics.CONTENT_TYPE})
+
+    async def _any(self, request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        if request.method == "POST" and request.path in key.CACHED_PATHS:
+            return await self._completion(request, started)
+        self.stats.requests["pass"] += 1
+        body = request.content if request.body_exists else None
+        return await self._forward(request, body, started, "pass")
+
+    async def _completion(self, request: web.Request, started: float) -> web.StreamResponse:
+        raw = await request.read()
+        cfg = self.config
+        decision = key.decide(request.path, list(request.query.items()), request.headers, raw, cfg.fingerprint,
+                              enabled=cfg.enabled, cache_sampled=cfg.cache_sampled)  # fmt: skip
+        cache_key, reason = decision.key, decision.reason
+        if cache_key is not None:
+            try:
+                hit = await self.cache.get(cache_key)
+            except CacheUnavailable:
+                cache_key, reason = None, "redis"
+            else:
+                if hit is not None:
+                    return await self._replay(request, hit, started)
+        if reason:
+            self.stats.bypasses[reason] += 1
+        outcome = "bypass" if cache_key is None else "miss"
+        self.stats.requests[outcome] += 1
+        if decision.body is not None:
+            seen = self.prefixes.observe(cfg.fingerprint, request.path, decision.body)
+            self.stats.prompt_bytes += seen.total
+            self.stats.prompt_seen_bytes += seen.seen
+        return await self._forward(request, raw, started, outcome, cache_key)
+
+    async def _replay(self, request: web.Request, hit: entries.Entry, started: float) -> web.StreamResponse:
+        self.stats.requests["hit"] += 1
+        response = web.StreamResponse(status=hit.status, headers=_answer(hit.headers, "hit"))
+        if not hit.stream:
+            response.content_length = len(hit.body)
+        try:
+            await response.prepare(request)
+            for piece in sse.events(hit.body) if hit.stream else [hit.body]:
+                await response.write(piece)  # one write per event, as the engine flushes them
+            await response.write_eof()
+            self.stats.hit_bytes += len(hit.body)
+        except ConnectionResetError:
+            pass  # the client left; nothing to clean up
+        self.stats.added["hit"].observe(time.perf_counter() - started)
+        return response
+
+    async def _forward(self, request, body, started, outcome, cache_key=None) -> web.StreamResponse:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED}
+        if cache_key is not None:
+            headers = {k: v for k, v in headers.items() if k.lower() != "accept-encoding"}
+            headers["Accept-Encoding"] = "identity"  # what is recorded must be replayable to any client
+        clock = _Clock()
+        try:
+            upstream = await clock.wait(self.session.request(
+                request.method, self.upstream + request.rel_url.raw_path_qs, headers=headers, data=body,
+                allow_redirects=False,
+            ))  # fmt: skip
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            self.stats.added[outcome].observe(time.perf_counter() - started - clock.waited)
+            return _unreachable(self.upstream, exc)
+        async with upstream:
+            response = await self._relay(request, upstream, outcome, cache_key, clock)
+        self.stats.added[outcome].observe(time.perf_counter() - started - clock.waited)
+        return response
+
+    async def _relay(self, request, upstream, outcome, cache_key, clock) -> web.StreamResponse:
+        """Copy the upstream answer chunk by chunk, recording it when it may be cached."""
+        answer = (entries.answer_headers if cache_key else entries.passed_headers)(upstream.headers)
+        response = web.StreamResponse(status=upstream.status, headers=_answer(answer, outcome))
+        if upstream.content_length is not None:
+            response.content_length = upstream.content_length  # raw bytes: auto_decompress is off
+        if "Content-Encoding" in upstream.headers:
+            response.headers["Content-Encoding"] = upstream.headers["Content-Encoding"]
+        encoded = upstream.headers.get("Content-Encoding", "identity").lower() != "identity"
+        recording = bytearray() if cache_key is not None and not encoded else None  # ignored our identity ask
+        try:
+            await response.prepare(request)
+            while chunk := await clock.wait(upstream.content.readany()):
+                await response.write(chunk)
+                if recording is not None:
+                    recording += chunk
+                    if len(recording) > self.config.max_entry_bytes:
+                        recording = None
+                        self.stats.not_stored["too_large"] += 1
+        except ConnectionResetError:
+            if recording is not None:
+                self.stats.not_stored["client_gone"] += 1
+            return response
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # the engine broke off mid-answer
+            log.warning("upstream broke off an answer: %s", exc)
+            if recording is not None:
+                self.stats.not_stored["upstream_error"] += 1
+            if request.transport is not None:  # a clean end would tell the client the answer is whole
+                request.transport.abort()
+            return response
+        if recording is not None:
+            await self._store(cache_key, upstream.status, answer, bytes(recording))
+        await response.write_eof()
+        return response
+
+    async def _store(self, cache_key: str, status: int, headers, body: bytes) -> None:
+        reason = entries.storable(status, headers, body)
+        raw = b"" if reason else entries.encode(entries.Entry(200, headers, body, entries.is_event_stream(headers)))
+        if not reason and len(raw) > self.config.max_entry_bytes:
+            reason = "too_large"
+        if reason:
+            self.stats.not_stored[reason] += 1
+            return
+        try:
+            await self.cache.put(cache_key, raw)
+        except CacheUnavailable:
+            self.stats.not_stored["redis"] += 1
+            return
+        self.stats.stored_bytes += len(raw)
+
+
+class _Clock:
+    """Adds up the time spent waiting on the upstream, to subtract it from what the proxy added."""
+
+    def __init__(self):
+        self.waited = 0.0
+
+    async def wait(self, awaitable):
+        t = time.perf_counter()
+        try:
+            return await awaitable
+        finally:
+            self.waited += time.perf_counter() - t
+
+
+def _answer(headers: tuple[tuple[str, str], ...], outcome: str) -> CIMultiDict:
+    out = CIMultiDict(headers)
+    out[CACHE_HEADER] = outcome
+    return out
+
+
+def _unreachable(upstream: str, exc: BaseException) -> web.Response:
+    log.warning("upstream %s: %s", upstream, exc)
+    doc = {"error": {"message": f"kcache proxy: upstream {upstream} did not answer ({type(exc).__name__})",
+                     "type": "upstream_unreachable", "code": 502}}  # fmt: skip
+    return web.json_response(doc, status=502, headers={CACHE_HEADER: "bypass"})
+
+
+async def serve(config: ProxyConfig, host: str, port: int, on_ready, stop: asyncio.Event) -> None:
+    """Run until `stop` is set; `on_ready(port)` is called once the port is bound."""
+    proxy = Proxy(config)
+    bound = await proxy.start(host, port)
+    try:
+        on_ready(bound)
+        await stop.wait()
+    finally:
+        await proxy.close()

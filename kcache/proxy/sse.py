@@ -1,0 +1,50 @@
+"""Server-sent events, as far as a cache needs them: cut a recorded stream into its events without
+changing a byte, and tell a finished stream from a broken one.
+
+An event ends at a blank line (LF LF, CR LF CR LF or CR CR, per the HTML spec). OpenAI-compatible
+engines send `data: {json}` events and finish with `data: [DONE]`; an error after the 200 arrives as
+`data: {"error": ...}`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_LINE = re.compile(rb"\r\n|\n|\r")
+DONE = b"[DONE]"
+
+
+def events(body: bytes) -> list[bytes]:
+    """`body` cut after each event's blank line; b"".join(events(body)) == body, always."""
+    pieces, start = [], 0
+    for end in _END.finditer(body):
+        pieces.append(body[start : end.end()])
+        start = end.end()
+    if start < len(body):
+        pieces.append(body[start:])
+    return pieces
+
+
+def data(event: bytes) -> bytes | None:
+    """The event's data (its `data:` lines joined by LF), or None when it has none (a comment, a retry)."""
+    lines = [line for line in _LINE.split(event) if line.startswith(b"data:")]
+    if not lines:
+        return None
+    return b"\n".join(line[6:] if line.startswith(b"data: ") else line[5:] for line in lines)
+
+
+def complete(body: bytes) -> bool:
+    """True for a stream that ended with [DONE], whose every other event is a JSON object without `error`."""
+    payloads = [d for d in (data(e) for e in events(body)) if d is not None]
+    if not payloads or payloads[-1] != DONE or not body.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
+        return False
+    for payload in payloads[:-1]:
+        try:
+            doc = json.loads(payload)
+        except ValueError:
+            return False
+        if not isinstance(doc, dict) or "error" in doc:
+            return False
+    return True

@@ -1,0 +1,346 @@
+"""kcache proxy against real Redis and a real OpenAI-compatible server (tests/engine_server.py)."""
+
+import http.client
+import json
+import threading
+import uuid
+from dataclasses import replace
+
+import pytest
+import redis
+from click.testing import CliRunner
+from engine_server import SSE_TYPE, EngineServer
+from proxied import PrivateRedis, RunningProxy, free_port, metric, request
+from served import kcache_server
+
+from kcache import fingerprint
+from kcache.cli import main
+from kcache.proxy import entry
+from kcache.proxy.cache import FAILURES_TO_SKIP
+from kcache.proxy.server import ProxyConfig
+from kcache.readiness import RESTORE_MARKER, write_marker
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+FP = "0123456789abcdef0123456789abcdef"
+CHAT = "/v1/chat/completions"
+ASK = {"model": "tiny-test-model", "temperature": 0, "max_tokens": 3,
+       "messages": [{"role": "user", "content": "hello"}]}  # fmt: skip
+
+
+@pytest.fixture
+def prefix():
+    """A key prefix of this test's own in the shared Redis, deleted afterwards."""
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.ping()
+    except redis.ConnectionError:
+        pytest.fail("Redis is not answering on 127.0.0.1:6379 (scripts/test starts it)")
+    name = f"kcache-test:{uuid.uuid4().hex}:"
+    yield name
+    keys = list(client.scan_iter(name + "*"))
+    if keys:
+        client.delete(*keys)
+
+
+@pytest.fixture
+def engine():
+    with EngineServer() as server:
+        yield server
+
+
+def config(upstream: str, prefix: str, **kw) -> ProxyConfig:
+    return ProxyConfig(upstream=upstream, redis_url=kw.pop("redis_url", REDIS_URL), fingerprint=kw.pop("fp", FP),
+                       key_prefix=prefix, redis_timeout=kw.pop("redis_timeout", 2.0), **kw)  # fmt: skip
+
+
+@pytest.fixture
+def proxy(engine, prefix):
+    with RunningProxy(config(engine.url, prefix)) as running:
+        yield running
+
+
+def test_a_deterministic_request_is_answered_from_the_cache(proxy, engine):
+    first, second = proxy.post(CHAT, ASK), proxy.post(CHAT, ASK)
+    assert (first.status, first.headers["x-kcache-cache"]) == (200, "miss")
+    assert (second.status, second.headers["x-kcache-cache"]) == (200, "hit")
+    assert second.body == first.body == engine.sent[0] and len(engine.completions) == 1
+    assert second.headers["content-type"] == first.headers["content-type"] == "application/json"
+    assert second.headers["content-length"] == str(len(first.body))
+    assert proxy.metric("kcache_proxy_requests_total", outcome="hit") == 1
+    assert proxy.metric("kcache_proxy_requests_total", outcome="miss") == 1
+    assert proxy.metric("kcache_proxy_hit_bytes_total") == len(first.body)
+    assert proxy.metric("kcache_proxy_stored_bytes_total") > len(first.body)
+    assert proxy.metric("kcache_proxy_added_seconds_count", outcome="hit") == 1
+
+
+def test_non_semantic_fields_and_key_order_do_not_miss(proxy, engine):
+    proxy.post(CHAT, ASK)
+    reordered = dict(reversed(list({**ASK, "temperature": 0.0, "user": "someone-else"}.items())))
+    assert proxy.post(CHAT, reordered).headers["x-kcache-cache"] == "hit"
+    assert len(engine.completions) == 1
+
+
+def test_one_tenant_never_gets_another_tenants_answer(proxy, engine):
+    alice = proxy.post(CHAT, ASK, {"Authorization": "Bearer alice"})
+    bob = proxy.post(CHAT, ASK, {"Authorization": "Bearer bob"})
+    anonymous = proxy.post(CHAT, ASK)
+    assert [r.headers["x-kcache-cache"] for r in (alice, bob, anonymous)] == ["miss"] * 3
+    assert len({alice.body, bob.body, anonymous.body}) == 3  # each answer carries its own engine id
+    again = proxy.post(CHAT, ASK, {"Authorization": "Bearer alice"})
+    assert again.headers["x-kcache-cache"] == "hit" and again.body == alice.body
+    assert engine.headers[0]["Authorization"] == "Bearer alice"  # the credential still reaches the engine
+
+
+def test_a_new_fingerprint_misses_and_the_old_one_still_hits(engine, prefix):
+    with RunningProxy(config(engine.url, prefix, fp=FP)) as old:
+        old.post(CHAT, ASK)
+    with RunningProxy(config(engine.url, prefix, fp="f" * 32)) as new:
+        assert new.post(CHAT, ASK).headers["x-kcache-cache"] == "miss"
+    with RunningProxy(config(engine.url, prefix, fp=FP)) as old_again:
+        assert old_again.post(CHAT, ASK).headers["x-kcache-cache"] == "hit"
+    assert len(engine.completions) == 2
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"temperature": 0.8}, "sampling"),
+    ({"temperature": None}, "sampling"),
+    ({"n": 2}, "n"),
+])  # fmt: skip
+def test_non_deterministic_requests_bypass_the_cache(proxy, engine, change, reason):
+    body = {k: v for k, v in {**ASK, **change}.items() if v is not None}
+    replies = [proxy.post(CHAT, body) for _ in range(2)]
+    assert [r.headers["x-kcache-cache"] for r in replies] == ["bypass", "bypass"]
+    assert len(engine.completions) == 2 and replies[0].body != replies[1].body
+    assert proxy.metric("kcache_proxy_bypasses_total", reason=reason) == 2
+
+
+def test_a_fixed_seed_makes_sampling_cacheable(proxy, engine):
+    body = {**ASK, "temperature": 0.8, "seed": 42}
+    assert [proxy.post(CHAT, body).headers["x-kcache-cache"] for _ in range(2)] == ["miss", "hit"]
+
+
+def test_the_bypass_header_skips_the_cache_and_stays_with_the_proxy(proxy, engine):
+    proxy.post(CHAT, ASK)
+    reply = proxy.post(CHAT, ASK, {"X-Kcache-Bypass": "1"})
+    assert reply.headers["x-kcache-cache"] == "bypass" and reply.body != engine.sent[0]
+    assert "X-Kcache-Bypass" not in engine.headers[-1]
+    assert proxy.metric("kcache_proxy_bypasses_total", reason="bypass_header") == 1
+
+
+def test_no_cache_forwards_everything(engine, prefix):
+    with RunningProxy(config(engine.url, prefix, enabled=False)) as off:
+        assert [off.post(CHAT, ASK).headers["x-kcache-cache"] for _ in range(2)] == ["bypass", "bypass"]
+        assert off.metric("kcache_proxy_bypasses_total", reason="disabled") == 2
+
+
+def test_a_stream_is_replayed_byte_for_byte(proxy, engine):
+    streamed = {**ASK, "stream": True}
+    first, second = proxy.post(CHAT, streamed), proxy.post(CHAT, streamed)
+    assert [first.headers["x-kcache-cache"], second.headers["x-kcache-cache"]] == ["miss", "hit"]
+    assert first.body == engine.sent[0] and second.body == engine.sent[0] and len(engine.completions) == 1
+    assert first.headers["content-type"] == second.headers["content-type"] == SSE_TYPE
+    assert second.headers.get("transfer-encoding") == first.headers.get("transfer-encoding") == "chunked"
+    events = [e for e in second.body.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]" and len(events) == ASK["max_tokens"] + 1
+    assert json.loads(events[0][len(b"data: ") :])["choices"][0]["delta"] == {"content": " t0"}
+    # The same request without `stream` is another answer, in another format.
+    assert proxy.post(CHAT, ASK).headers["x-kcache-cache"] == "miss"
+
+
+def test_a_stream_that_reports_an_error_is_not_cached(prefix):
+    with EngineServer(error_mid_stream=True) as broken, RunningProxy(config(broken.url, prefix)) as proxy:
+        replies = [proxy.post(CHAT, {**ASK, "stream": True}) for _ in range(2)]
+        assert [r.status for r in replies] == [200, 200] and replies[0].body == broken.sent[0]
+        assert len(broken.completions) == 2
+        assert proxy.metric("kcache_proxy_not_stored_total", reason="upstream_error") == 2
+
+
+def test_an_upstream_500_is_passed_on_and_never_cached(prefix):
+    with EngineServer(fail_status=500) as failing, RunningProxy(config(failing.url, prefix)) as proxy:
+        replies = [proxy.post(CHAT, ASK) for _ in range(2)]
+        assert [r.status for r in replies] == [500, 500]
+        assert replies[0].json()["error"]["message"] == "engine exploded"
+        assert len(failing.completions) == 2
+        assert proxy.metric("kcache_proxy_not_stored_total", reason="upstream_error") == 2
+        failing.fail_status = None  # the engine recovers: its first good answer is the one cached
+        assert [proxy.post(CHAT, ASK).headers["x-kcache-cache"] for _ in range(2)] == ["miss", "hit"]
+
+
+def test_an_answer_over_the_size_limit_is_forwarded_not_stored(engine, prefix):
+    with RunningProxy(config(engine.url, prefix, max_entry_bytes=300)) as proxy:
+        body = {**ASK, "max_tokens": 200}
+        replies = [proxy.post(CHAT, body) for _ in range(2)]
+        assert [r.headers["x-kcache-cache"] for r in replies] == ["miss", "miss"]
+        assert replies[0].body == engine.sent[0] and len(replies[0].body) > 300
+        assert proxy.metric("kcache_proxy_not_stored_total", reason="too_large") == 2
+
+
+def test_a_tampered_entry_is_a_miss_and_is_replaced(proxy, engine, prefix):
+    proxy.post(CHAT, ASK)
+    client = redis.Redis.from_url(REDIS_URL)
+    (name,) = client.scan_iter(prefix + "*")
+    good = client.get(name)
+    client.set(name, good[:-2] + b"!}")  # the body no longer hashes to its sha256
+    reply = proxy.post(CHAT, ASK)
+    assert reply.headers["x-kcache-cache"] == "miss" and reply.body == engine.sent[1]
+    assert proxy.metric("kcache_proxy_redis_errors_total", kind="bad_entry") == 1
+    assert entry.decode(client.get(name)).body == engine.sent[1]
+    assert proxy.post(CHAT, ASK).headers["x-kcache-cache"] == "hit"
+
+
+def test_other_paths_pass_through(proxy, engine):
+    models = proxy.get("/v1/models")
+    assert models.status == 200 and models.json()["data"][0]["id"] == EngineServer.MODEL
+    assert proxy.get("/health").status == 200 and engine.health_checks == 1
+    assert proxy.get("/nope").status == 404
+    assert proxy.metric("kcache_proxy_requests_total", outcome="pass") == 3
+
+
+def test_an_unreachable_upstream_is_a_502_in_openai_shape(prefix):
+    with RunningProxy(config(f"http://127.0.0.1:{free_port()}", prefix)) as proxy:
+        reply = proxy.post(CHAT, ASK)
+        assert reply.status == 502 and reply.json()["error"]["type"] == "upstream_unreachable"
+
+
+def test_prefix_reuse_is_measured_on_what_reaches_the_engine(proxy):
+    system = {"role": "system", "content": "You answer in one word. " * 20}
+    turn1 = {**ASK, "temperature": 0.7, "messages": [system, {"role": "user", "content": "a"}]}
+    turn2 = {**turn1, "messages": turn1["messages"] + [{"role": "assistant", "content": "b"},
+                                                       {"role": "user", "content": "c"}]}  # fmt: skip
+    proxy.post(CHAT, turn1)
+    proxy.post(CHAT, turn2)
+    size = [len(json.dumps(m, separators=(",", ":")).encode()) for m in turn2["messages"]]
+    assert proxy.metric("kcache_proxy_prompt_bytes_total") == sum(size[:2]) + sum(size)
+    assert proxy.metric("kcache_proxy_prompt_seen_bytes_total") == sum(size[:2])
+    ratio = proxy.metric("kcache_proxy_prefix_seen_ratio")
+    assert ratio == pytest.approx(sum(size[:2]) / (sum(size[:2]) + sum(size)))
+
+
+def test_redis_stopped_or_killed_mid_run_means_pass_through(engine, prefix, tmp_path):
+    private = PrivateRedis(tmp_path)
+    try:
+        cfg = config(engine.url, prefix, redis_url=private.url, redis_timeout=0.2, retry_after=0)
+        with RunningProxy(cfg) as proxy:
+            assert [proxy.post(CHAT, ASK).headers["x-kcache-cache"] for _ in range(2)] == ["miss", "hit"]
+            private.pause()  # alive, accepting, silent: the bounded timeout is what answers
+            slow = proxy.post(CHAT, ASK)
+            private.resume()
+            private.kill()
+            dead = [proxy.post(CHAT, ASK), proxy.post(CHAT, {**ASK, "max_tokens": 2})]
+            assert [r.status for r in [slow, *dead]] == [200, 200, 200]
+            assert [r.headers["x-kcache-cache"] for r in [slow, *dead]] == ["bypass"] * 3
+            assert slow.body == engine.sent[1] and dead[0].body == engine.sent[2]
+            assert proxy.metric("kcache_proxy_redis_errors_total", kind="timeout") == 1
+            assert proxy.metric("kcache_proxy_redis_errors_total", kind="error") == 2
+            assert proxy.metric("kcache_proxy_bypasses_total", reason="redis") == 3
+    finally:
+        private.close()
+
+
+def test_after_a_failure_redis_is_skipped_for_a_while(engine, prefix, tmp_path):
+    private = PrivateRedis(tmp_path)
+    try:
+        with RunningProxy(config(engine.url, prefix, redis_url=private.url, retry_after=3600)) as proxy:
+            assert proxy.metric("kcache_proxy_redis_up") == 1
+            private.kill()
+            replies = [proxy.post(CHAT, ASK) for _ in range(FAILURES_TO_SKIP + 2)]
+            assert [r.status for r in replies] == [200] * (FAILURES_TO_SKIP + 2)
+            assert proxy.metric("kcache_proxy_redis_errors_total", kind="error") == FAILURES_TO_SKIP  # then skipped
+            assert proxy.metric("kcache_proxy_redis_up") == 0
+            assert proxy.metric("kcache_proxy_bypasses_total", reason="redis") == FAILURES_TO_SKIP + 2
+    finally:
+        private.close()
+
+
+def test_the_cli_serves_with_the_fingerprint_of_the_restore_root(engine, prefix, tmp_path):
+    write_marker(tmp_path, RESTORE_MARKER, {"status": "miss", "bundle_key": FP})
+    args = ["proxy", "--root", str(tmp_path), "--upstream", engine.url, "--redis", REDIS_URL, "--port", "0",
+            "--key-prefix", prefix, "--ttl", "10m"]  # fmt: skip
+    with kcache_server(*args) as (proc, port):
+        assert [request(port, "POST", CHAT, json.dumps(ASK).encode()).headers["x-kcache-cache"]
+                for _ in range(2)] == ["miss", "hit"]  # fmt: skip
+        text = request(port, "GET", "/metrics").body.decode()
+        assert metric(text, "kcache_proxy_requests_total", outcome="hit") == 1
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    ttl_ms = redis.Redis.from_url(REDIS_URL).pttl(next(redis.Redis.from_url(REDIS_URL).scan_iter(prefix + "*")))
+    assert 0 < ttl_ms <= 600_000
+
+
+def test_a_streamed_miss_reaches_the_client_while_the_engine_is_still_generating(prefix):
+    gate = threading.Event()
+    with EngineServer(gate=gate) as slow, RunningProxy(config(slow.url, prefix)) as proxy:
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=20)
+        try:
+            conn.request("POST", CHAT, body=json.dumps({**ASK, "stream": True}), headers={"Content-Type": "x"})
+            resp = conn.getresponse()
+            first = resp.readline()  # arrives although the engine has not finished: nothing is buffered
+            assert first.startswith(b"data: {") and b'"content": " t0"' in first
+            gate.set()
+            rest = resp.read()
+        finally:
+            conn.close()
+        assert first + rest == slow.sent[0]
+        assert proxy.post(CHAT, {**ASK, "stream": True}).body == slow.sent[0]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--redis", "http://not-redis:80"], "--redis"),
+    (["--redis", REDIS_URL, "--model", "m"], "either --root or the fingerprint flags"),
+])  # fmt: skip
+def test_the_cli_refuses_what_it_cannot_use(tmp_path, extra, message):
+    write_marker(tmp_path, RESTORE_MARKER, {"status": "hit", "bundle_key": FP})
+    args = ["proxy", "--root", str(tmp_path), "--upstream", "http://127.0.0.1:1", "--port", "0", *extra]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 2 and message in result.output
+
+
+def test_redis_killed_while_a_miss_streams_still_delivers_the_whole_stream(prefix, tmp_path):
+    private, gate = PrivateRedis(tmp_path), threading.Event()
+    try:
+        cfg = config("", prefix, redis_url=private.url, redis_timeout=0.5)
+        with EngineServer(gate=gate) as slow, RunningProxy(replace(cfg, upstream=slow.url)) as proxy:
+            conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=20)
+            try:
+                conn.request("POST", CHAT, body=json.dumps({**ASK, "stream": True}), headers={"Content-Type": "x"})
+                resp = conn.getresponse()
+                first = resp.readline()  # the lookup is done and the miss is streaming
+                private.kill()
+                gate.set()
+                body = first + resp.read()
+            finally:
+                conn.close()
+            assert resp.status == 200 and body == slow.sent[0]
+            assert proxy.metric("kcache_proxy_not_stored_total", reason="redis") == 1
+    finally:
+        private.close()
+
+
+def test_root_and_fingerprint_flags_give_the_key_restore_used(tmp_path, engine, prefix):
+    facts = tmp_path / "facts.json"
+    facts.write_text(json.dumps({"facts": dict(fingerprint.collect().facts)}))  # this machine's, as checked
+    flags = ["--model", "org/model@rev", "--extra", "tp=2", "--facts-file", str(facts)]
+    restored = CliRunner().invoke(main, ["restore", "--into", str(tmp_path / "root"), *flags, "--json"],
+                                  catch_exceptions=False)  # fmt: skip
+    bundle_key = json.loads(restored.output)["bundle_key"]
+    common = ["proxy", "--upstream", engine.url, "--redis", REDIS_URL, "--port", "0", "--key-prefix", prefix]
+    for how in (["--root", str(tmp_path / "root")], flags):
+        with kcache_server(*common, *how) as (_proc, port):
+            text = request(port, "GET", "/metrics").body.decode()
+            assert metric(text, "kcache_proxy_info", fingerprint=bundle_key) == 1, how[0]
+
+
+def test_a_stream_the_engine_cuts_short_is_cut_short_for_the_client_and_not_cached(prefix):
+    with EngineServer(cut_mid_stream=True) as dying, RunningProxy(config(dying.url, prefix)) as proxy:
+        for _ in range(2):
+            conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=20)
+            try:
+                conn.request("POST", CHAT, body=json.dumps({**ASK, "stream": True}), headers={"Content-Type": "x"})
+                resp = conn.getresponse()
+                with pytest.raises(http.client.IncompleteRead):  # not a clean end the client could trust
+                    resp.read()
+                resp.close()
+            finally:
+                conn.close()
+        assert len(dying.completions) == 2
+        assert proxy.metric("kcache_proxy_not_stored_total", reason="upstream_error") == 2

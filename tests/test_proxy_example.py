@@ -1,0 +1,90 @@
+"""examples/k8s/proxy-sidecar.yaml fits the pod in deployment.yaml, the real `kcache proxy` accepts its
+arguments, and the container runs locked down."""
+
+from pathlib import Path
+
+import pytest
+from test_examples import EXAMPLES, deployment, kcache_calls, mount_of, option, resolve
+
+yaml = pytest.importorskip("yaml")
+
+SIDECAR = EXAMPLES / "proxy-sidecar.yaml"
+
+
+def sidecar_docs() -> dict[str, dict]:
+    return {doc["kind"]: doc for doc in yaml.safe_load_all(SIDECAR.read_text()) if doc}
+
+
+def merged_pod():
+    """deployment.yaml's pod with the patch's containers merged in by name, as a strategic merge does."""
+    spec, _, restore_args, model = deployment()
+    patch = sidecar_docs()["Deployment"]
+    (proxy,) = patch["spec"]["template"]["spec"]["containers"]
+    assert proxy["name"] not in {c["name"] for c in spec["containers"]}, "the patch must add, not replace"
+    return spec, restore_args, model, proxy
+
+
+def test_the_patch_targets_the_example_deployment():
+    patch = sidecar_docs()["Deployment"]
+    (name,) = {doc["metadata"]["name"] for _, doc in _deployments()}
+    assert patch["metadata"]["name"] == name
+
+
+def _deployments():
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        if path != SIDECAR:
+            for doc in yaml.safe_load_all(path.read_text()):
+                if doc and doc["kind"] == "Deployment":
+                    yield path, doc
+
+
+def test_kcache_proxy_accepts_the_arguments(monkeypatch):
+    _, _, _, proxy = merged_pod()
+    (args,) = kcache_calls(proxy)
+    path, command, rest = resolve(args)
+    assert path == ["proxy"] and command is not None
+    known = {opt for param in command.params for opt in param.opts}
+    assert {a for a in rest if a.startswith("--")} <= known
+    env = {e["name"]: e for e in proxy["env"]}
+    assert "secretKeyRef" in env["KCACHE_PROXY_REDIS"]["valueFrom"], "the Redis password belongs in a Secret"
+    monkeypatch.setenv("KCACHE_PROXY_REDIS", "redis://example:6379/0")
+    command.make_context("proxy", list(rest), resilient_parsing=False).close()
+
+
+def test_the_proxy_reads_the_restore_state_and_fronts_the_model():
+    spec, restore_args, model, proxy = merged_pod()
+    (args,) = kcache_calls(proxy)
+    (root,) = option(restore_args, "--into")
+    assert option(args, "--root") == [root]
+    volume = next(m for m in proxy["volumeMounts"] if m["mountPath"] == root)
+    assert volume["readOnly"] is True and mount_of(model, volume["name"]) == root
+    assert volume["name"] in {v["name"] for v in spec["volumes"]}
+    model_port = next(p["containerPort"] for p in model["ports"] if p["name"] == "http")
+    assert option(args, "--upstream") == [f"http://127.0.0.1:{model_port}"]
+    assert option(args, "--host") == ["0.0.0.0"]
+    service = sidecar_docs()["Service"]
+    (port,) = service["spec"]["ports"]
+    named = {p["name"]: p["containerPort"] for p in proxy["ports"]}
+    assert str(named[port["targetPort"]]) == option(args, "--port")[0]
+    labels = next(doc for _, doc in _deployments())["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+
+
+def test_the_secret_holds_what_the_proxy_reads():
+    _, _, _, proxy = merged_pod()
+    ref = next(e for e in proxy["env"] if e["name"] == "KCACHE_PROXY_REDIS")["valueFrom"]["secretKeyRef"]
+    secret = sidecar_docs()["Secret"]
+    assert secret["metadata"]["name"] == ref["name"] and ref["key"] in secret["stringData"]
+
+
+def test_the_sidecar_runs_locked_down_with_a_pinned_image():
+    _, _, _, proxy = merged_pod()
+    ctx = proxy["securityContext"]
+    assert ctx["runAsNonRoot"] is True and ctx["readOnlyRootFilesystem"] is True
+    assert ctx["allowPrivilegeEscalation"] is False and ctx["capabilities"]["drop"] == ["ALL"]
+    assert ctx["seccompProfile"]["type"] == "RuntimeDefault"
+    image, _, tag = proxy["image"].rpartition(":")
+    assert image and tag and tag != "latest" and "/" not in tag
+    assert {"cpu", "memory"} <= proxy["resources"]["requests"].keys() and "memory" in proxy["resources"]["limits"]
+    dockerfile = (Path(__file__).resolve().parents[1] / "Dockerfile").read_text()
+    assert "ARG KCACHE_EXTRAS" in dockerfile, "the proxy image is built with the proxy extra"

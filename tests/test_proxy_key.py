@@ -1,0 +1,159 @@
+"""The proxy's pure parts: which requests are cacheable, the key, entries, events, prefixes."""
+
+import hashlib
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kcache.errors import ConfigError
+from kcache.proxy import entry, key, prefix, sse
+from kcache.readiness import RESTORE_MARKER, write_marker
+
+FP = "0123456789abcdef0123456789abcdef"
+CHAT = "/v1/chat/completions"
+BODY = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def decide(body, headers=None, **kw):
+    return key.decide(CHAT, [], headers or {}, json.dumps(body).encode(), FP, **kw)
+
+
+TENANT_T = "15db08ed5fb56c563e8344696caa5de10e7892d675ee7db9d7f9edc4d11ef02d"  # sha256(b"authorization:Bearer t")
+
+
+def test_key_is_pinned():
+    # A refactor must never change a key by accident: every cached answer would go cold at once.
+    # The bytes below are the documented parts, written out by hand; bump KEY_SCHEMA to change them.
+    parts = ('{"body":{"messages":[{"content":"hi","role":"user"}],"model":"m","temperature":0},'
+             f'"fingerprint":"{FP}","path":"/v1/chat/completions","query":[["a","1"],["b","2"]],'
+             f'"schema":1,"tenant":"{TENANT_T}"}}')  # fmt: skip
+    assert hashlib.sha256(b"authorization:Bearer t").hexdigest() == TENANT_T
+    got = key.request_key(CHAT, [("b", "2"), ("a", "1")], "Bearer t", {**BODY, "user": "u"}, FP)
+    assert got == hashlib.sha256(parts.encode()).hexdigest()
+    assert got == "f75c193202c37dab3030d48b83dbdeca048404f94a2c445492723e3ea6ddac19"
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(10**6), 10**6) | st.text(max_size=8),
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids, max_size=3),
+    max_leaves=10,
+)
+
+
+@given(st.dictionaries(st.text(min_size=1, max_size=6), json_values, max_size=6), st.randoms())
+def test_key_ignores_order_and_non_semantic_fields(body, rnd):
+    items = list(body.items())
+    rnd.shuffle(items)
+    noisy = dict(items, user="someone", request_id="r-1", priority=5)
+    clean = {k: v for k, v in body.items() if k not in key.NON_SEMANTIC}
+    assert key.request_key(CHAT, [], None, noisy, FP) == key.request_key(CHAT, [], None, clean, FP)
+
+
+@pytest.mark.parametrize("part", ["fingerprint", "tenant", "path", "query", "body"])
+def test_every_part_changes_the_key(part):
+    args = {"path": CHAT, "query": [], "authorization": "Bearer a", "body": BODY, "fingerprint": FP}
+    changed = dict(args)
+    changed[{"tenant": "authorization"}.get(part, part)] = {
+        "fingerprint": "f" * 32, "tenant": "Bearer b", "path": "/v1/completions", "query": [("x", "1")],
+        "body": {**BODY, "max_tokens": 5},
+    }[part]  # fmt: skip
+    assert key.request_key(**args) != key.request_key(**changed)
+
+
+def test_zero_point_zero_is_zero():
+    assert decide({**BODY, "temperature": 0.0}).key == decide(BODY).key
+
+
+@pytest.mark.parametrize("body, reason", [
+    ({**BODY, "temperature": 0.7}, "sampling"),
+    ({k: v for k, v in BODY.items() if k != "temperature"}, "sampling"),  # engines default to sampling
+    ({**BODY, "temperature": 1, "seed": True}, "sampling"),  # a bool is not a seed
+    ({**BODY, "n": 2}, "n"),
+    ({**BODY, "temperature": 0.9, "seed": 7}, ""),
+    ({**BODY, "n": 1}, ""),
+])  # fmt: skip
+def test_only_deterministic_requests_are_cacheable(body, reason):
+    decision = decide(body)
+    assert decision.reason == reason and (decision.key is None) == bool(reason)
+    assert decide(body, cache_sampled=True).key is not None
+
+
+@pytest.mark.parametrize("headers", [{"X-Kcache-Bypass": "1"}, {"Cache-Control": "no-cache"},
+                                     {"Cache-Control": "max-age=0, no-store"}])  # fmt: skip
+def test_bypass_headers(headers):
+    assert decide(BODY, headers).reason == "bypass_header"
+
+
+@pytest.mark.parametrize("raw", [b"[1]", b"{", b'{"temperature": NaN}', b"\xff"])
+def test_bodies_that_are_not_json_objects_bypass(raw):
+    assert key.decide(CHAT, [], {}, raw, FP).reason == "not_json"
+
+
+def test_fingerprint_comes_from_the_restore_state(tmp_path):
+    write_marker(tmp_path, RESTORE_MARKER, {"status": "miss", "bundle_key": FP})
+    assert key.fingerprint_from_root(tmp_path) == FP
+    write_marker(tmp_path, RESTORE_MARKER, {"status": "miss", "bundle_key": "../../etc"})
+    with pytest.raises(ConfigError, match="bundle_key"):
+        key.fingerprint_from_root(tmp_path)
+    with pytest.raises(ConfigError, match="kcache restore"):
+        key.fingerprint_from_root(tmp_path / "nothing")
+
+
+@given(st.lists(st.sampled_from([b"data: x", b"\n", b"\r", b"\r\n", b"y", b":c"]), max_size=20))
+def test_events_never_change_a_byte(pieces):
+    body = b"".join(pieces)
+    assert b"".join(sse.events(body)) == body
+
+
+def test_a_stream_is_complete_only_when_it_ends_with_done_and_no_error():
+    ok = b'data: {"choices": []}\n\ndata: [DONE]\n\n'
+    assert sse.complete(ok)
+    assert not sse.complete(ok[: -len(b"data: [DONE]\n\n")])  # cut short
+    assert not sse.complete(b'data: {"error": {"message": "x"}}\n\ndata: [DONE]\n\n')
+    assert not sse.complete(b"data: not json\n\ndata: [DONE]\n\n")
+    assert sse.complete(b': keep-alive\r\n\r\ndata: {"a": 1}\r\n\r\ndata: [DONE]\r\n\r\n')
+
+
+def test_entries_round_trip_and_refuse_tampering():
+    e = entry.Entry(200, (("Content-Type", "application/json"), ("X-Request-Id", "7")), b'{"choices": []}', False)
+    raw = entry.encode(e)
+    assert entry.decode(raw) == e
+    with pytest.raises(entry.BadEntry, match="sha256"):
+        entry.decode(raw[:-1] + b"]")
+    injected = entry.encode(entry.Entry(200, (("X-A", "1\r\nSet-Cookie: evil"),), b"{}", False))
+    with pytest.raises(entry.BadEntry, match="not allowed"):
+        entry.decode(injected)
+    with pytest.raises(entry.BadEntry):
+        entry.decode(raw.replace(b'"status":200', b'"status":500'))
+
+
+@pytest.mark.parametrize("status, headers, body, reason", [
+    (200, (("Content-Type", "application/json"),), b'{"choices": []}', ""),
+    (500, (("Content-Type", "application/json"),), b'{"choices": []}', "upstream_error"),
+    (200, (("Content-Type", "application/json"),), b'{"error": {"message": "x"}}', "upstream_error"),
+    (200, (("Content-Type", "application/json"),), b"not json", "upstream_error"),
+    (200, (("Content-Type", "text/event-stream"),), b"data: [DONE]\n\n", ""),
+    (200, (("Content-Type", "text/event-stream"),), b'data: {"a": 1}\n\n', "upstream_error"),
+])  # fmt: skip
+def test_only_complete_successful_answers_are_storable(status, headers, body, reason):
+    assert entry.storable(status, headers, body) == reason
+
+
+def test_prefix_memory_measures_the_longest_seen_prefix_at_message_boundaries():
+    memory = prefix.PrefixMemory(capacity=100)
+    turns = [("system", "be brief"), ("user", "hi"), ("assistant", "hello"), ("user", "more")]
+    sys_msg, u1, a1, u2 = ({"role": r, "content": c} for r, c in turns)
+    first = memory.observe(FP, CHAT, {"model": "m", "messages": [sys_msg, u1]})
+    assert first.seen == 0 and first.total == sum(len(json.dumps(m, separators=(",", ":"))) for m in (sys_msg, u1))
+    second = memory.observe(FP, CHAT, {"model": "m", "messages": [sys_msg, u1, a1, u2]})
+    assert second.seen == first.total and second.total > first.total
+    assert memory.observe(FP, CHAT, {"model": "other", "messages": [sys_msg, u1]}).seen == 0
+    assert memory.observe("f" * 32, CHAT, {"model": "m", "messages": [sys_msg, u1]}).seen == 0
+
+
+def test_prefix_memory_forgets_the_oldest():
+    memory = prefix.PrefixMemory(capacity=2)
+    memory.observe(FP, "/v1/completions", {"prompt": "a" * prefix.BLOCK_CHARS * 3})
+    assert memory.observe(FP, "/v1/completions", {"prompt": "a" * prefix.BLOCK_CHARS}).seen == 0
