@@ -19,6 +19,14 @@ class ConfigError(KcacheError):
         super().__init__(f"{what} {value!r}: {why}")
 
 
+class StoreMismatch(ConfigError):
+    """The index describes another store than the one named: its rows would lie about this one."""
+
+    def __init__(self, index_url: str, bound_url: str, store_url: str):
+        self.index_url, self.bound_url, self.store_url = index_url, bound_url, store_url
+        super().__init__("index", index_url, f"describes the store {bound_url}, not {store_url}")
+
+
 class StoreError(KcacheError):
     """The store could not be read or written."""
 

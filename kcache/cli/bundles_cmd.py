@@ -6,9 +6,10 @@ from dataclasses import asdict
 
 import click
 
+from kcache import binding
 from kcache import manifest as manifests
 from kcache.cli import format as fmt
-from kcache.cli.options import handle_errors, json_option, open_index, settings, store_options
+from kcache.cli.options import handle_errors, json_option, settings, store_options
 from kcache.store import manifest_key, open_store
 
 
@@ -31,7 +32,7 @@ def ls_cmd(key, model, limit, store_url, index_url, s3_endpoint_url, as_json):
       kcache ls
       kcache ls --model my-llm --json
     """
-    index = open_index(settings(store_url, index_url, s3_endpoint_url).index_url)
+    index = binding.open_index(settings(store_url, index_url, s3_endpoint_url), None, write=False)
     try:
         bundles = index.list_bundles(bundle_key=key, model=model, limit=limit)
     finally:
@@ -63,14 +64,14 @@ def show_cmd(bundle, list_files, store_url, index_url, s3_endpoint_url, as_json)
       kcache show 3f2a9c01bd47 --files
     """
     cfg = settings(store_url, index_url, s3_endpoint_url)
-    index = open_index(cfg.index_url)
+    store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url) if list_files else None
+    index = binding.open_index(cfg, store, write=False)
     try:
         found = index.get_bundle(bundle)
     finally:
         index.close()
     entries: tuple[manifests.Entry, ...] = ()
-    if list_files:
-        store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url)
+    if store is not None:
         entries = manifests.parse(store.get_bytes(manifest_key(found.id)), found.id).entries
     if as_json:
         doc = _bundle_json(found)

@@ -8,6 +8,7 @@ from kcache.profiles import ProfileError
 # Most specific first: the first matching type wins.
 TABLE: tuple[tuple[type[Exception], int, str], ...] = (
     (ProfileError, 2, "fix the profiles file where the message points; `kcache warmup --help` shows the format"),
+    (errors.StoreMismatch, 2, "give each store its own index (--index / KCACHE_INDEX), or restore with --index none"),
     (errors.ConfigError, 2, "check the flag or environment variable named above (see --help)"),
     (errors.NotFound, 3, "`kcache ls` lists the bundles the index knows"),
     (errors.ObjectMissing, 4, "the store lost an object the index names; re-publish the bundle"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kcache import explain
+from kcache import binding, explain
 from kcache.cli import format as fmt
 from kcache.cli.fingerprint_cmd import echo_fingerprint
 from kcache.cli.options import (
@@ -12,7 +12,6 @@ from kcache.cli.options import (
     fingerprint_options,
     handle_errors,
     json_option,
-    open_index,
     settings,
     store_options,
 )
@@ -43,7 +42,7 @@ def explain_cmd(limit, model, model_config, facts, extras, store_url, index_url,
       kcache explain --model my-llm --fact cpu.isa=avx512 --json
     """
     fp = compute_fingerprint(model, model_config, facts, extras)
-    index = open_index(settings(store_url, index_url, s3_endpoint_url).index_url)
+    index = binding.open_index(settings(store_url, index_url, s3_endpoint_url), None, write=False)
     try:
         bundles = index.list_bundles(limit=SCAN)
         bundles += index.list_bundles(model=fp.facts.get("model.id"), limit=SCAN)

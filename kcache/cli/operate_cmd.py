@@ -6,15 +6,16 @@ from dataclasses import asdict
 
 import click
 
-from kcache import durations
+from kcache import binding, durations
 from kcache.cli import format as fmt
-from kcache.cli.options import handle_errors, json_option, open_index, settings, store_options
+from kcache.cli.options import handle_errors, json_option, settings, store_options
 from kcache.store import open_store
 
 
-def _open(store_url, index_url, s3_endpoint_url):
+def _open(store_url, index_url, s3_endpoint_url, *, write: bool = True):
     cfg = settings(store_url, index_url, s3_endpoint_url)
-    return open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url), open_index(cfg.index_url)
+    store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url)
+    return store, binding.open_index(cfg, store, write=write)
 
 
 @click.command("yank")
@@ -65,7 +66,7 @@ def verify_cmd(read_data, subset, jobs, store_url, index_url, s3_endpoint_url, a
     from kcache.verify import parse_subset, verify
 
     part = parse_subset(subset)
-    store, index = _open(store_url, index_url, s3_endpoint_url)
+    store, index = _open(store_url, index_url, s3_endpoint_url, write=False)
     try:
         result = verify(store, index, read_data=read_data, subset=part, jobs=jobs)
     finally:

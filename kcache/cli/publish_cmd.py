@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from kcache import sources
+from kcache import binding, sources
 from kcache.cli import format as fmt
 from kcache.cli.options import (
     compute_fingerprint,
@@ -16,7 +16,6 @@ from kcache.cli.options import (
     handle_errors,
     json_option,
     load_signing_key,
-    open_index,
     settings,
     stderr_is_terminal,
     store_options,
@@ -65,7 +64,7 @@ def publish_cmd(root, layers, extra_dirs, signing_key, compile_seconds, jobs, mo
     key = load_signing_key(signing_key)
     cfg = settings(store_url, index_url, s3_endpoint_url)
     store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
-    index = open_index(cfg.index_url)
+    index = binding.open_index(cfg, store, write=True)
     hashes = HashCache(cfg.home / "hashcache.db")
     try:
         note = (lambda msg: click.echo(f"kcache: {msg}", err=True)) if stderr_is_terminal() and not as_json else None

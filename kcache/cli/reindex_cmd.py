@@ -6,8 +6,9 @@ from dataclasses import asdict
 
 import click
 
+from kcache import binding
 from kcache.cli import format as fmt
-from kcache.cli.options import handle_errors, json_option, open_index, settings, store_options
+from kcache.cli.options import handle_errors, json_option, settings, store_options
 from kcache.reindex import reindex
 from kcache.store import open_store
 
@@ -28,7 +29,7 @@ def reindex_cmd(jobs, store_url, index_url, s3_endpoint_url, as_json):
     """
     cfg = settings(store_url, index_url, s3_endpoint_url)
     store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
-    index = open_index(cfg.index_url)
+    index = binding.open_index(cfg, store, write=True)
     try:
         result = reindex(store, index, jobs=jobs)
     finally:

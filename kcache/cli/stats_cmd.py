@@ -6,9 +6,9 @@ from dataclasses import asdict
 
 import click
 
-from kcache import durations, stats
+from kcache import binding, durations, stats
 from kcache.cli import format as fmt
-from kcache.cli.options import handle_errors, json_option, open_index, settings, store_options
+from kcache.cli.options import handle_errors, json_option, settings, store_options
 
 
 @click.command("stats")
@@ -33,7 +33,7 @@ def stats_cmd(since, model, store_url, index_url, s3_endpoint_url, as_json):
       kcache stats --since 24h --model my-llm --json
     """
     window = durations.parse(since, "--since") if since else None
-    index = open_index(settings(store_url, index_url, s3_endpoint_url).index_url)
+    index = binding.open_index(settings(store_url, index_url, s3_endpoint_url), None, write=False)
     try:
         result = stats.summarize(index, window=window, model=model)
     finally:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
+from kcache import binding, warmup
 from kcache import profiles as profile_files
-from kcache import warmup
 from kcache.cli import format as fmt
 from kcache.cli.options import (
     compute_fingerprint,
@@ -16,7 +16,6 @@ from kcache.cli.options import (
     handle_errors,
     json_option,
     load_signing_key,
-    open_index,
     settings,
     stderr_is_terminal,
     store_options,
@@ -182,7 +181,7 @@ def prebake_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_
     key = load_signing_key(signing_key)
     cfg = settings(store_url, index_url, s3_endpoint_url)
     store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
-    index = open_index(cfg.index_url)
+    index = binding.open_index(cfg, store, write=True)
     try:
         note = None if as_json else _note()
         result = prebake(store, index, fp, root, warmer, jobs=jobs, progress=note, signing_key=key)

@@ -6,14 +6,13 @@ from pathlib import Path
 
 import click
 
-from kcache import durations
+from kcache import binding, durations
 from kcache.cli import format as fmt
 from kcache.cli.options import (
     compute_fingerprint,
     fingerprint_options,
     handle_errors,
     json_option,
-    open_index,
     settings,
     store_options,
 )
@@ -48,7 +47,7 @@ def _publisher(root: Path, fingerprint_args, store_args) -> Publisher:
     store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url)
 
     def publish_delta(layers):
-        index = open_index(cfg.index_url)
+        index = binding.open_index(cfg, store, write=True)
         try:
             return publish(store, index, fp, layers, root=root)
         finally:

@@ -4,6 +4,7 @@
     packs    one row per pack object; condemned_at is set by GC's first phase
     blobs    content id -> the pack, offset and compressed length that hold it
     events   restore/publish outcomes, the source of hit-rate and time-saved stats
+    store_binding  one row: the id of the store these rows describe (kcache.binding)
 
 Schema changes go through a new Alembic migration in migrations/versions; a test checks that
 these models and the migrations agree.
@@ -73,3 +74,12 @@ class EventRow(Base):
     seconds: Mapped[float] = mapped_column(Float, default=0.0)
     reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class StoreBindingRow(Base):
+    __tablename__ = "store_binding"
+
+    slot: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)  # always 1: one store
+    store_id: Mapped[str] = mapped_column(String(64))
+    store_url: Mapped[str] = mapped_column(Text)  # as first bound; for messages, never compared
+    bound_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from kcache.errors import IndexDbError, NotFound
 from kcache.index.db import describe_error, ensure_schema, make_engine
-from kcache.index.models import BlobRow, BundleRow, EventRow, PackRow
+from kcache.index.models import BlobRow, BundleRow, EventRow, PackRow, StoreBindingRow
 from kcache.records import BlobLocation, Bundle, Event
 
 _IN_CHUNK = 500  # bound on bind parameters per IN (...) query
@@ -47,6 +47,19 @@ class Index:
     def open(cls, url: str) -> Index:
         engine = make_engine(url)
         ensure_schema(engine, url)
+        return cls(engine, url)
+
+    @classmethod
+    def in_memory(cls, url: str) -> Index:
+        """An empty index that lives in memory, named `url` in messages: what a reader sees
+        where no index file exists, without creating one."""
+        from sqlalchemy import create_engine
+        from sqlalchemy.pool import StaticPool
+
+        from kcache.index.db import upgrade
+
+        engine = create_engine("sqlite://", poolclass=StaticPool)  # one connection: one in-memory database
+        upgrade(engine)
         return cls(engine, url)
 
     def close(self) -> None:
@@ -152,6 +165,24 @@ class Index:
     def count_bundles(self) -> int:
         with self._guard(), self._session() as s:
             return s.scalar(select(func.count()).select_from(BundleRow)) or 0
+
+    def bound_store(self) -> tuple[str, str] | None:
+        """(store id, store URL) of the store these rows describe; None while unbound."""
+        with self._guard(), self._session() as s:
+            row = s.get(StoreBindingRow, 1)
+            return (row.store_id, row.store_url) if row else None
+
+    def bind_store(self, store_id: str, store_url: str) -> tuple[str, str]:
+        """Bind this index to a store unless it is bound already; returns the binding that holds."""
+        row = {"slot": 1, "store_id": store_id, "store_url": store_url, "bound_at": _now()}
+        with self._guard(), self._session() as s, s.begin():
+            s.execute(self._insert_ignore(StoreBindingRow, [row]))  # a racing binder may win
+        return self.bound_store() or (store_id, store_url)
+
+    def knows_key(self, bundle_key: str) -> bool:
+        """Whether any bundle row, active or yanked, has this bundle key."""
+        with self._guard(), self._session() as s:
+            return s.scalar(select(BundleRow.id).where(BundleRow.bundle_key == bundle_key).limit(1)) is not None
 
     def record_event(self, event: Event) -> None:
         with self._guard(), self._session() as s, s.begin():
