@@ -25,7 +25,8 @@ def _cli(*args, ok=True):
 
 
 def _publish(src, store_url, *extra):
-    return json.loads(_cli("publish", "--from", str(src), "--model", "m", "--store", store_url, "--json", *extra).output)
+    args = ("publish", "--from", str(src), "--model", "m", "--store", store_url, "--json", *extra)
+    return json.loads(_cli(*args).output)
 
 
 def test_publishing_to_a_second_store_with_the_same_index_is_refused(tmp_path):
