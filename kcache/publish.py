@@ -27,14 +27,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kcache import fingerprint as fingerprints
 from kcache import manifest as manifests
-from kcache import refs, signing
-from kcache.errors import IntegrityError, RootError
+from kcache import readiness, refs, signing
+from kcache.errors import ConfigError, IntegrityError, RootError
 from kcache.fingerprint import Fingerprint
 from kcache.hashcache import HashCache, key_for
 from kcache.packs import LARGE_FILE_BYTES, TARGET_PACK_BYTES, PackWriter
 from kcache.records import BlobLocation, Bundle, Event
-from kcache.sources import FileInfo, Source
+from kcache.sources import ExtraSource, FileInfo, Source
 from kcache.store import Store, manifest_key, pack_key
 
 if TYPE_CHECKING:  # the SQL layer loads only when a caller opens an index
@@ -43,6 +44,20 @@ if TYPE_CHECKING:  # the SQL layer loads only when a caller opens an index
 log = logging.getLogger(__name__)
 _HASH_CHUNK = 1024 * 1024
 _REVIVE_ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class PublishConfig:
+    """How to publish: one value that publish, prebake and watch share, so no path forgets a part.
+
+    The hash cache is a handle, not a value; the dataclass is frozen so that no caller changes
+    the configuration under a running publish.
+    """
+
+    jobs: int = 8  # parallel hashing and uploads
+    signing_key: signing.SigningKey | None = None  # sign every manifest before its commit point
+    hash_cache: HashCache | None = None  # stat key -> SHA-256: a re-publish re-reads only changed files
+    allow_empty: bool = False  # an empty bundle becomes the newest for its key: only on purpose
 
 
 @dataclass(frozen=True)
@@ -70,10 +85,18 @@ class PublishResult:
 
 
 def collect(sources: Iterable[Source], *, root: Path | None, env: Mapping[str, str]) -> list[tuple[Source, FileInfo]]:
-    """Every non-junk file of each layer: from ROOT's layout when `root` is given, else live dirs."""
+    """Every non-junk file of each layer: from ROOT's layout when `root` is given, else live dirs.
+
+    An extra directory the user named by path is read from that path, ROOT or not, and must exist:
+    a typo must not silently publish a bundle without it.
+    """
     found: list[tuple[Source, FileInfo]] = []
     for source in sources:
-        dirs = [source.restore_dir(root)] if root is not None else source.live_dirs(env)
+        named = source.live_dirs(env) if isinstance(source, ExtraSource) else []
+        for path in named:
+            if not path.is_dir():
+                raise RootError(str(path), f"(--extra-dir {source.name.removeprefix('extra:')}) is not a directory")
+        dirs = named or ([source.restore_dir(root)] if root is not None else source.live_dirs(env))
         seen: set[str] = set()
         for top in dirs:
             if not top.is_dir():
@@ -157,27 +180,30 @@ def publish(
     *,
     root: Path | None = None,
     env: Mapping[str, str] | None = None,
-    jobs: int = 8,
+    config: PublishConfig = PublishConfig(),
     progress: Callable[[str], None] | None = None,
-    signing_key: signing.SigningKey | None = None,
     compile_seconds: float | None = None,
-    hash_cache: HashCache | None = None,
 ) -> PublishResult:
     """Publish this machine's caches (or ROOT's) as a bundle for `fingerprint`.
 
     `compile_seconds` is the cold warmup the caller measured: what a hit on this bundle saves.
+    Raises RootError for a ROOT that is not a directory, ConfigError for an empty bundle
+    unless `config.allow_empty`.
     """
     started = time.perf_counter()
     env = os.environ if env is None else env
     sources = list(sources)
-    if root is not None and root.exists() and not root.is_dir():
-        raise RootError(str(root), "is not a directory")
+    if root is not None and not Path(root).is_dir():
+        raise RootError(str(root), "does not exist" if not Path(root).exists() else "is not a directory")
     note = progress or (lambda _msg: None)
 
     found = collect(sources, root=root, env=env)
+    if not found and not config.allow_empty:
+        where = str(root) if root is not None else "the live cache directories"
+        raise ConfigError("publish", where, "holds no cache files; pass --allow-empty to publish an empty bundle")
     note(f"hashing {len(found)} files")
-    collected = _hash_all(found, jobs, hash_cache)
-    new, uploaded, pack_count, locations = _upload_until_revived(collected, store, index, jobs, note)
+    collected = _hash_all(found, config.jobs, config.hash_cache)
+    new, uploaded, pack_count, locations = _upload_until_revived(collected, store, index, config.jobs, note)
     entries = [_entry(c, locations[c.blob]) for c in collected]
     layers = sorted({src.name for src, _ in found})
     manifest = manifests.build(
@@ -186,8 +212,8 @@ def publish(
     )  # fmt: skip
     data = manifest.to_bytes()
     store.put_bytes(manifest_key(manifest.id), data)
-    if signing_key is not None:  # before the commit point: a committed bundle is already signed
-        signing.sign(store, signing_key, manifest.bundle_key, manifest.id, len(data))
+    if config.signing_key is not None:  # before the commit point: a committed bundle is already signed
+        signing.sign(store, config.signing_key, manifest.bundle_key, manifest.id, len(data))
     row = _bundle_row(manifest, compile_seconds)
     created = index.add_bundle(row)
     # After the commit point: pods without index access find the bundle through its ref.
@@ -253,3 +279,38 @@ def _bundle_row(manifest: manifests.Manifest, compile_seconds: float | None = No
         status="active",
         compile_seconds=compile_seconds,
     )
+
+
+def restore_inputs(root: Path) -> dict[str, str] | None:
+    """The workload facts (model.*, workload.*, extra.*) the last restore into ROOT computed, or None.
+
+    What a pod restored is what it publishes: `publish --from ROOT` and `watch --root ROOT`
+    without a model take these, so their bundles reach the pods that restore the same way.
+    """
+    state = readiness.read_marker(Path(root), readiness.RESTORE_MARKER) or {}
+    inputs = state.get("inputs")
+    if not isinstance(inputs, dict) or not inputs:
+        return None
+    if not all(isinstance(v, str) and fingerprints.is_workload_fact(str(k)) for k, v in inputs.items()):
+        return None  # not what restore writes: trust none of it
+    return {str(k): v for k, v in inputs.items()}
+
+
+def names_a_model(fp: Fingerprint) -> bool:
+    return fp.facts.get("model.id", fingerprints.NONE) != fingerprints.NONE or "model.config" in fp.facts
+
+
+def workload_of(fp: Fingerprint, root: Path | None) -> Fingerprint:
+    """`fp` when it names a model; else `fp` with the workload ROOT's restore recorded.
+
+    Raises ConfigError when neither names one: a bundle under model "none" reaches no pod that
+    restores with its model.
+    """
+    if names_a_model(fp):
+        return fp
+    recorded = restore_inputs(root) if root is not None else None
+    if recorded is None:
+        where = f"and {root} records no restore with one" if root is not None else "(or --from a restored ROOT)"
+        raise ConfigError("--model", fingerprints.NONE, f"publishing needs the model identity {where}; pass --model ID")
+    toolchain = {k: v for k, v in fp.facts.items() if not fingerprints.is_workload_fact(k)}
+    return fingerprints.compute({**toolchain, **recorded})

@@ -9,7 +9,7 @@ from trees import read_tree, write_tree
 from kcache import fingerprint, sources
 from kcache import manifest as manifests
 from kcache.index import Index
-from kcache.publish import publish
+from kcache.publish import PublishConfig, publish
 from kcache.restore import restore
 from kcache.store import manifest_key, open_store, pack_key
 
@@ -29,7 +29,9 @@ def _publisher(i, root, store_url, endpoint, index_url, facts, barrier, results)
         store = open_store(store_url, endpoint_url=endpoint)
         index = Index.open(index_url)
         barrier.wait(timeout=120)
-        result = publish(store, index, fingerprint.compute(facts), sources.select(), root=root, env={}, jobs=4)
+        result = publish(
+            store, index, fingerprint.compute(facts), sources.select(), root=root, env={}, config=PublishConfig(jobs=4)
+        )
         results.put((i, result.bundle_id, None))
     except BaseException:  # reported to the parent, which fails the test with it
         results.put((i, None, traceback.format_exc()))

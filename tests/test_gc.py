@@ -128,7 +128,7 @@ def test_cli_dry_run_changes_nothing(tmp_path):
     runner = CliRunner()
     for name, content in (("v1", b"one"), ("v2", b"two")):
         write_tree(tmp_path / name, {"inductor/k": content})
-        runner.invoke(main, ["publish", "--from", str(tmp_path / name)], catch_exceptions=False)
+        runner.invoke(main, ["publish", "--from", str(tmp_path / name), "--model", "m"], catch_exceptions=False)
     args = ["gc", "--keep-last", "1", "--older-than", "0s", "--grace", "0s"]
     dry = runner.invoke(main, args + ["--dry-run", "--json"], catch_exceptions=False)
     planned = json.loads(dry.output)
