@@ -51,6 +51,14 @@ class IndexDbError(KcacheError):
         super().__init__(f"index {url}: {why}")
 
 
+class IndexConflict(IndexDbError):
+    """Concurrent writers kept aborting each other (deadlock or serialization failure) past the retries."""
+
+    def __init__(self, url: str, why: str, attempts: int):
+        self.attempts = attempts
+        super().__init__(url, f"{why} (gave up after {attempts} attempts)")
+
+
 class IntegrityError(KcacheError):
     """Bytes read back do not hash to the id they were stored under, or do not parse."""
 

@@ -13,6 +13,7 @@ TABLE: tuple[tuple[type[Exception], int, str], ...] = (
     (errors.NotFound, 3, "`kcache ls` lists the bundles the index knows"),
     (errors.ObjectMissing, 4, "the store lost an object the index names; re-publish the bundle"),
     (errors.StoreError, 4, "check the store URL, that it exists and that you may read and write it"),
+    (errors.IndexConflict, 5, "other writers held the same rows; run the command again (nothing was committed)"),
     (errors.IndexDbError, 5, "check --index / KCACHE_INDEX; a new PostgreSQL index needs `kcache db upgrade`"),
     (errors.UnsafePath, 6, "the bundle is hostile or corrupt; do not restore it (re-publish from a clean cache)"),
     (errors.IntegrityError, 6, "the stored data is corrupt; re-publish the bundle from a good cache"),

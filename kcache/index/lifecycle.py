@@ -38,8 +38,7 @@ class PackInfo:
 def set_status(index: Index, bundle_id: str, status: str) -> Bundle:
     """Mark a bundle active or yanked; returns it as it is now."""
     bundle = index.get_bundle(bundle_id)
-    with index._guard(), index._session() as s, s.begin():
-        s.execute(update(BundleRow).where(BundleRow.id == bundle.id).values(status=status))
+    index.transaction(lambda s: s.execute(update(BundleRow).where(BundleRow.id == bundle.id).values(status=status)))
     return index.get_bundle(bundle.id)
 
 
@@ -50,8 +49,7 @@ def all_bundles(index: Index) -> list[Bundle]:
 
 
 def delete_bundle(index: Index, bundle_id: str) -> None:
-    with index._guard(), index._session() as s, s.begin():
-        s.execute(delete(BundleRow).where(BundleRow.id == bundle_id))
+    index.transaction(lambda s: s.execute(delete(BundleRow).where(BundleRow.id == bundle_id)))
 
 
 def packs(index: Index) -> list[PackInfo]:
@@ -63,7 +61,8 @@ def packs(index: Index) -> list[PackInfo]:
 def condemn(index: Index, pack_ids: Iterable[str], at: datetime) -> None:
     """Phase 1: condemn packs not yet condemned (an older condemnation keeps its time)."""
     ids = sorted(set(pack_ids))
-    with index._guard(), index._session() as s, s.begin():
+
+    def work(s) -> None:
         for i in range(0, len(ids), _CHUNK):
             s.execute(
                 update(PackRow)
@@ -71,17 +70,22 @@ def condemn(index: Index, pack_ids: Iterable[str], at: datetime) -> None:
                 .values(condemned_at=at)
             )
 
+    index.transaction(work)
+
 
 def revive(index: Index, pack_ids: Iterable[str]) -> set[str]:
     """Publish's side: un-condemn these packs. Returns the ids whose rows no longer exist."""
     ids = sorted(set(pack_ids))
-    present: set[str] = set()
-    with index._guard(), index._session() as s, s.begin():
+
+    def work(s) -> set[str]:
+        present: set[str] = set()
         for i in range(0, len(ids), _CHUNK):
             chunk = ids[i : i + _CHUNK]
             s.execute(update(PackRow).where(PackRow.id.in_(chunk)).values(condemned_at=None))
             present.update(s.scalars(select(PackRow.id).where(PackRow.id.in_(chunk))))
-    return set(ids) - present
+        return present
+
+    return set(ids) - index.transaction(work)
 
 
 def delete_condemned(index: Index, pack_ids: Iterable[str], cutoff: datetime) -> set[str]:
@@ -98,12 +102,12 @@ def delete_condemned(index: Index, pack_ids: Iterable[str], cutoff: datetime) ->
             PackRow.condemned_at.is_not(None),
             PackRow.condemned_at < cutoff,
         )
-        with index._guard(), index._session() as s, s.begin():
-            unsynced = {"synchronize_session": False}  # no ORM objects are loaded here
-            s.execute(
-                delete(BlobRow).where(BlobRow.pack_id.in_(select(PackRow.id).where(*doomed))),
-                execution_options=unsynced,
-            )
-            gone = s.execute(delete(PackRow).where(*doomed).returning(PackRow.id), execution_options=unsynced)
-            deleted.update(gone.scalars())
+        deleted.update(index.transaction(lambda s, doomed=doomed: _delete_rows(s, doomed)))
     return deleted
+
+
+def _delete_rows(s, doomed) -> set[str]:
+    """Blob rows, then pack rows, of the packs matching `doomed`; the ids of the packs deleted."""
+    unsynced = {"synchronize_session": False}  # no ORM objects are loaded here
+    s.execute(delete(BlobRow).where(BlobRow.pack_id.in_(select(PackRow.id).where(*doomed))), execution_options=unsynced)
+    return set(s.execute(delete(PackRow).where(*doomed).returning(PackRow.id), execution_options=unsynced).scalars())

@@ -2,26 +2,43 @@
 
 Writes are idempotent (insert-or-ignore on content ids), so any number of publishers can race:
 the first row for a blob wins, and every row points at a pack that was stored before the row was.
+Every write takes its row locks in one canonical order (ascending id), so two writers holding the
+same contents under differently sorted paths never lock in opposite orders; a transaction that
+PostgreSQL still aborts (deadlock 40P01, serialization failure 40001) is run again, a few times.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
+from typing import TypeVar
 
 from sqlalchemy import Engine, func, select
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from kcache.errors import IndexDbError, NotFound
+from kcache.errors import IndexConflict, IndexDbError, NotFound
 from kcache.index.db import describe_error, ensure_schema, make_engine
 from kcache.index.models import BlobRow, BundleRow, EventRow, PackRow, StoreBindingRow
 from kcache.records import BlobLocation, Bundle, Event
 
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 _IN_CHUNK = 500  # bound on bind parameters per IN (...) query
+_RETRY_SQLSTATES = frozenset({"40001", "40P01"})  # serialization failure, deadlock detected
+_ATTEMPTS = 5
+_BACKOFF = 0.05  # seconds; doubled per attempt, jittered so the losers do not collide again
+
+
+def transient(exc: BaseException) -> bool:
+    """True for an error that says "run the same transaction again": a deadlock or serialization failure."""
+    return getattr(getattr(exc, "orig", None), "sqlstate", None) in _RETRY_SQLSTATES
 
 
 def _now() -> datetime:
@@ -68,6 +85,24 @@ class Index:
     def _session(self) -> Session:
         return Session(self.engine, expire_on_commit=False)
 
+    def transaction(self, work: Callable[[Session], T]) -> T:
+        """Run `work(session)` in one transaction; again when PostgreSQL aborted it for a deadlock or
+        a serialization failure (the work must be safe to repeat: every kcache write is)."""
+        for attempt in range(1, _ATTEMPTS + 1):
+            try:
+                with self._session() as s, s.begin():
+                    return work(s)
+            except DBAPIError as exc:
+                if not transient(exc):
+                    raise IndexDbError(self.url, describe_error(exc)) from None
+                if attempt == _ATTEMPTS:
+                    raise IndexConflict(self.url, describe_error(exc), _ATTEMPTS) from None
+                log.info("index write aborted (%s); attempt %d of %d", describe_error(exc), attempt + 1, _ATTEMPTS)
+                time.sleep(random.uniform(0, _BACKOFF * 2**attempt))
+            except SQLAlchemyError as exc:
+                raise IndexDbError(self.url, describe_error(exc)) from None
+        raise AssertionError("unreachable")
+
     def _insert_ignore(self, model, rows: list[dict]):
         dialect = postgresql if self.engine.dialect.name == "postgresql" else sqlite
         return dialect.insert(model).values(rows).on_conflict_do_nothing()
@@ -84,13 +119,18 @@ class Index:
 
     def add_pack(self, pack_id: str, size: int, blobs: Sequence[BlobLocation]) -> None:
         """Record a pack already written to the store, and the blobs it holds (first writer wins)."""
-        with self._guard(), self._session() as s, s.begin():
+        # By blob id, not pack order (which follows paths): the canonical lock order.
+        rows = sorted(({"id": b.id, "pack_id": pack_id, "offset": b.offset, "length": b.length, "size": b.size}
+                       for b in blobs), key=lambda row: row["id"])  # fmt: skip
+
+        def work(s: Session) -> None:
             s.execute(self._insert_ignore(PackRow, [{"id": pack_id, "size": size, "created_at": _now()}]))
             # A publish that reuses a condemned pack saves it from GC's second phase.
             s.query(PackRow).filter(PackRow.id == pack_id).update({"condemned_at": None})
-            rows = [dict(id=b.id, pack_id=pack_id, offset=b.offset, length=b.length, size=b.size) for b in blobs]
             for i in range(0, len(rows), _IN_CHUNK):
                 s.execute(self._insert_ignore(BlobRow, rows[i : i + _IN_CHUNK]))
+
+        self.transaction(work)
 
     def locate(self, blob_ids: Iterable[str]) -> dict[str, BlobLocation]:
         """Where each known blob lives; unknown ids are absent from the result."""
@@ -113,10 +153,9 @@ class Index:
             files=bundle.files, bytes=bundle.bytes, created_at=bundle.created_at,
             created_by=bundle.created_by, status=bundle.status, compile_seconds=bundle.compile_seconds,
         )  # fmt: skip
-        with self._guard(), self._session() as s, s.begin():
-            # RETURNING, not rowcount: psycopg reports -1 for ON CONFLICT inserts.
-            stmt = self._insert_ignore(BundleRow, [row]).returning(BundleRow.id)
-            return s.connection().execute(stmt).first() is not None
+        # RETURNING, not rowcount: psycopg reports -1 for ON CONFLICT inserts.
+        stmt = self._insert_ignore(BundleRow, [row]).returning(BundleRow.id)
+        return self.transaction(lambda s: s.connection().execute(stmt).first() is not None)
 
     def newest_bundle(self, bundle_key: str) -> Bundle | None:
         """The newest active bundle for `bundle_key`: what restore lays down."""
@@ -175,8 +214,7 @@ class Index:
     def bind_store(self, store_id: str, store_url: str) -> tuple[str, str]:
         """Bind this index to a store unless it is bound already; returns the binding that holds."""
         row = {"slot": 1, "store_id": store_id, "store_url": store_url, "bound_at": _now()}
-        with self._guard(), self._session() as s, s.begin():
-            s.execute(self._insert_ignore(StoreBindingRow, [row]))  # a racing binder may win
+        self.transaction(lambda s: s.execute(self._insert_ignore(StoreBindingRow, [row])))  # a racing binder may win
         return self.bound_store() or (store_id, store_url)
 
     def knows_key(self, bundle_key: str) -> bool:
@@ -185,8 +223,7 @@ class Index:
             return s.scalar(select(BundleRow.id).where(BundleRow.bundle_key == bundle_key).limit(1)) is not None
 
     def record_event(self, event: Event) -> None:
-        with self._guard(), self._session() as s, s.begin():
-            s.add(EventRow(**event.__dict__, created_at=_now()))
+        self.transaction(lambda s: s.add(EventRow(**event.__dict__, created_at=_now())))
 
     @contextmanager
     def _guard(self) -> Iterator[None]:
