@@ -6,7 +6,12 @@
     condemn  phase 1: packs nobody references get condemned_at = now
     sweep    phase 2: packs condemned more than --grace ago and still condemned lose their rows,
              then their objects (a publish that reused one revived it: see index/lifecycle.py)
-    orphans  objects with no row at all (a publish that crashed) older than --grace are deleted
+    adopt    pack objects with no row at all (a publish that crashed) older than --grace get a row
+             condemned now: a later run sweeps them by the phase-2 rule, unless a publish that
+             rebuilt the identical pack revived the row first (the store's "already there" does
+             not refresh an object's age, so age alone would sweep a pack a publish is reusing)
+    orphans  manifests and signatures no row names, older than --grace, are deleted (a publish
+             that finds its manifest gone after its commit point writes it again)
 
 Deletion runs in the reverse order of publish: rows before objects, so no committed bundle ever
 points at a missing pack.
@@ -14,6 +19,7 @@ points at a missing pack.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -28,6 +34,9 @@ from kcache.store.base import ObjectInfo
 if TYPE_CHECKING:
     from kcache.index import Index
     from kcache.index.lifecycle import PackInfo
+
+
+_ID = re.compile(r"[0-9a-f]{64}\Z")  # a pack id; anything else under packs/ (a temp file) no publish reuses
 
 
 @dataclass(frozen=True)
@@ -45,7 +54,8 @@ class Plan:
     condemn: tuple[PackInfo, ...]  # unreferenced, not condemned yet
     sweep: tuple[PackInfo, ...]  # unreferenced, condemned before now - grace
     waiting: tuple[PackInfo, ...]  # unreferenced, condemned within the grace period
-    orphans: tuple[ObjectInfo, ...]  # objects without rows, older than the grace period
+    orphans: tuple[ObjectInfo, ...]  # manifests, signatures and temp files without rows, older than the grace period
+    adopt: tuple[ObjectInfo, ...] = ()  # pack objects without rows, older than the grace period
 
     @property
     def bytes_freed(self) -> int:
@@ -59,6 +69,7 @@ class Result:
     packs_deleted: int
     orphans_deleted: int
     bytes_freed: int
+    orphan_packs_condemned: int = 0
 
 
 def plan(store: Store, index: Index, policy: Policy, now: datetime | None = None) -> Plan:
@@ -75,8 +86,10 @@ def plan(store: Store, index: Index, policy: Policy, now: datetime | None = None
     waiting = tuple(p for p in unreferenced if p.condemned_at and _utc(p.condemned_at) >= cutoff)
     condemn = tuple(p for p in unreferenced if p.condemned_at is None)
     known = {p.id for p in lifecycle.packs(index)} | {b.id for b in retained} | {b.id for b in doomed}
-    orphans = tuple(_orphans(store, known, cutoff))
-    return Plan(now, policy, tuple(doomed), condemn, sweep, waiting, orphans)
+    found = list(_orphans(store, known, cutoff))
+    adopt = tuple(o for o in found if o.key.startswith("packs/") and _ID.match(_owner(o.key)))
+    orphans = tuple(o for o in found if o not in adopt)
+    return Plan(now, policy, tuple(doomed), condemn, sweep, waiting, orphans, adopt)
 
 
 def execute(store: Store, index: Index, gc_plan: Plan) -> Result:
@@ -85,13 +98,15 @@ def execute(store: Store, index: Index, gc_plan: Plan) -> Result:
     for bundle in gc_plan.delete_bundles:
         _delete_bundle(store, index, bundle)
     lifecycle.condemn(index, (p.id for p in gc_plan.condemn), gc_plan.now)
+    lifecycle.adopt(index, ((_owner(o.key), o.size) for o in gc_plan.adopt), gc_plan.now)
     swept = lifecycle.delete_condemned(index, (p.id for p in gc_plan.sweep), gc_plan.now - gc_plan.policy.grace)
     for pack_id in swept:
         store.delete(pack_key(pack_id))
     for orphan in gc_plan.orphans:
         store.delete(orphan.key)
     freed = sum(p.size for p in gc_plan.sweep if p.id in swept) + sum(o.size for o in gc_plan.orphans)
-    return Result(len(gc_plan.delete_bundles), len(gc_plan.condemn), len(swept), len(gc_plan.orphans), freed)
+    return Result(len(gc_plan.delete_bundles), len(gc_plan.condemn), len(swept), len(gc_plan.orphans), freed,
+                  len(gc_plan.adopt))  # fmt: skip
 
 
 def _expired(bundles: list[Bundle], policy: Policy, now: datetime) -> list[Bundle]:
@@ -128,13 +143,16 @@ def _orphans(store: Store, known: set[str], cutoff: datetime):
     """Packs and manifests no row names, and signatures of manifests no row names, older than cutoff."""
     for prefix in ("packs/", "manifests/", "signatures/"):
         for info in store.list(prefix):
-            owner = info.key.split("/")[2] if prefix != "signatures/" else info.key.split("/")[1]
+            owner = _owner(info.key)
             if owner not in known and _utc(info.modified) < cutoff:
                 yield info
 
 
+def _owner(key: str) -> str:
+    """The content id an object belongs to: packs/<hh>/<id>, manifests/<hh>/<id>, signatures/<id>/<key>."""
+    parts = key.split("/")
+    return (parts[1] if parts[0] == "signatures" else parts[2]) if len(parts) >= 3 else ""
+
+
 def _utc(ts: datetime) -> datetime:
     return ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)
-
-
-

@@ -211,11 +211,13 @@ def publish(
         fingerprint.facts, layers, entries,
     )  # fmt: skip
     data = manifest.to_bytes()
-    store.put_bytes(manifest_key(manifest.id), data)
-    if config.signing_key is not None:  # before the commit point: a committed bundle is already signed
-        signing.sign(store, config.signing_key, manifest.bundle_key, manifest.id, len(data))
+    wrote = _write_manifest(store, manifest, data, config.signing_key)  # before the commit point
     row = _bundle_row(manifest, compile_seconds)
     created = index.add_bundle(row)
+    if not wrote and not _manifest_stored(store, manifest.id, config.signing_key):
+        # The copy we found was an orphan of a crashed publish, and GC swept it before our commit.
+        log.warning("manifest %s vanished while publishing; writing it again", manifest.id[:12])
+        _write_manifest(store, manifest, data, config.signing_key)
     # After the commit point: pods without index access find the bundle through its ref.
     if created or refs.read(store, row.bundle_key) is None:
         refs.advance(store, refs.Ref(row.bundle_key, row.id, row.created_at))
@@ -233,7 +235,8 @@ def _upload_until_revived(collected: list[Collected], store: Store, index: Index
     """Steps 1-2 for whatever the index lacks, then revive every pack the bundle will name.
 
     GC may sweep a condemned pack between our lookup and the revive; its blob rows go with it,
-    so another round uploads those blobs afresh. Returns (new, bytes uploaded, packs, locations).
+    so another round uploads those blobs afresh. A pack the index names but the store lacks is
+    forgotten and its blobs uploaded too. Returns (new, bytes uploaded, packs, locations).
     """
     from kcache.index import lifecycle
 
@@ -251,12 +254,37 @@ def _upload_until_revived(collected: list[Collected], store: Store, index: Index
         new_all += new
         packs += len(groups)
         locations = index.locate(c.blob for c in collected)
-        if not lifecycle.revive(index, {where.pack_id for where in locations.values()}):
-            lost = [c.path for c in collected if c.blob not in locations]
-            if lost:
-                raise IntegrityError("bundle", "", f"{len(lost)} blobs vanished from the index, e.g. {lost[0]}")
-            return new_all, uploaded, packs, locations
+        named = {where.pack_id for where in locations.values()}
+        if lifecycle.revive(index, named):
+            continue  # GC swept some of them: their blobs are missing now, upload them again
+        # Revived packs are safe from GC; one the store lost anyway (or swept before a row named it
+        # again) is forgotten, so the next round uploads its blobs instead of naming it.
+        with ThreadPoolExecutor(max(1, jobs)) as pool:
+            there = dict(zip(named, pool.map(lambda p: store.exists(pack_key(p)), named)))
+        lost_packs = {p for p, present in there.items() if not present}
+        if lost_packs:
+            log.warning("%d packs the index names are missing from the store; uploading their blobs again",
+                        len(lost_packs))  # fmt: skip
+            lifecycle.forget(index, lost_packs)
+            continue
+        lost = [c.path for c in collected if c.blob not in locations]
+        if lost:
+            raise IntegrityError("bundle", "", f"{len(lost)} blobs vanished from the index, e.g. {lost[0]}")
+        return new_all, uploaded, packs, locations
     raise IntegrityError("bundle", "", f"packs kept disappearing under a running GC ({_REVIVE_ROUNDS} rounds)")
+
+
+def _write_manifest(store: Store, manifest: manifests.Manifest, data: bytes, key: signing.SigningKey | None) -> bool:
+    """The manifest, then its signature (a committed bundle is already signed). False if both were there."""
+    wrote = store.put_bytes(manifest_key(manifest.id), data)
+    if key is not None:
+        wrote = signing.sign(store, key, manifest.bundle_key, manifest.id, len(data)) or wrote
+    return wrote
+
+
+def _manifest_stored(store: Store, manifest_id: str, key: signing.SigningKey | None) -> bool:
+    signed = key is None or store.exists(signing.signature_key(manifest_id, key.name))
+    return signed and store.exists(manifest_key(manifest_id))
 
 
 def _entry(c: Collected, where: BlobLocation) -> manifests.Entry:

@@ -93,12 +93,13 @@ def load_trusted_keys(paths) -> tuple[TrustedKey, ...]:
     return tuple(TrustedKey(*_read_key_file(Path(p), PUBLIC_TAG)) for p in paths)
 
 
-def sign(store: Store, key: SigningKey, bundle_key: str, manifest_id: str, manifest_size: int) -> None:
-    """Store this key's signature of the manifest (create-if-absent: signatures are deterministic)."""
+def sign(store: Store, key: SigningKey, bundle_key: str, manifest_id: str, manifest_size: int) -> bool:
+    """Store this key's signature of the manifest (create-if-absent: signatures are deterministic).
+    True if this call wrote it."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     signature = Ed25519PrivateKey.from_private_bytes(key.seed).sign(message(bundle_key, manifest_id, manifest_size))
-    store.put_bytes(signature_key(manifest_id, key.name), base64.b64encode(signature))
+    return store.put_bytes(signature_key(manifest_id, key.name), base64.b64encode(signature))
 
 
 def verify(store: Store, trusted: tuple[TrustedKey, ...], bundle_key: str, manifest_id: str, size: int) -> str | None:

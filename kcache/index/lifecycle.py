@@ -3,6 +3,9 @@
 GC's two phases meet publishers in these rows:
 
     condemn(packs)          GC, phase 1: packs no retained bundle references get condemned_at = now
+    adopt(packs)            GC, phase 1: a pack object with no row at all (a publish crashed before
+                            its rows) gets a row that is condemned from the start, so it is swept by
+                            the same two-phase rule, and a re-publish that rebuilds it revives it
     revive(packs)           publish, before its commit point: condemned_at = NULL on every pack the
                             new manifest uses; reports packs whose rows are already gone
     delete_condemned(...)   GC, phase 2: rows of packs still condemned since before the cutoff are
@@ -71,6 +74,29 @@ def condemn(index: Index, pack_ids: Iterable[str], at: datetime) -> None:
             )
 
     index.transaction(work)
+
+
+def adopt(index: Index, packs: Iterable[tuple[str, int]], at: datetime) -> None:
+    """Phase 1 for orphan pack objects: a condemned row for each (id, size) that has no row yet.
+
+    Insert-or-ignore: a publisher that recorded the pack meanwhile keeps its live row.
+    """
+    rows = sorted(({"id": p, "size": size, "created_at": at, "condemned_at": at} for p, size in packs),
+                  key=lambda row: row["id"])  # fmt: skip
+
+    def work(s) -> None:
+        for i in range(0, len(rows), _CHUNK):
+            s.execute(index.insert_ignore(PackRow, rows[i : i + _CHUNK]))
+
+    if rows:
+        index.transaction(work)
+
+
+def forget(index: Index, pack_ids: Iterable[str]) -> None:
+    """Drop the rows of packs the store has lost: the index must not offer their blobs any more."""
+    ids = sorted(set(pack_ids))
+    for i in range(0, len(ids), _CHUNK):
+        index.transaction(lambda s, chunk=ids[i : i + _CHUNK]: _delete_rows(s, (PackRow.id.in_(chunk),)))
 
 
 def revive(index: Index, pack_ids: Iterable[str]) -> set[str]:

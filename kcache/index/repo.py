@@ -103,7 +103,7 @@ class Index:
                 raise IndexDbError(self.url, describe_error(exc)) from None
         raise AssertionError("unreachable")
 
-    def _insert_ignore(self, model, rows: list[dict]):
+    def insert_ignore(self, model, rows: list[dict]):
         dialect = postgresql if self.engine.dialect.name == "postgresql" else sqlite
         return dialect.insert(model).values(rows).on_conflict_do_nothing()
 
@@ -124,11 +124,11 @@ class Index:
                        for b in blobs), key=lambda row: row["id"])  # fmt: skip
 
         def work(s: Session) -> None:
-            s.execute(self._insert_ignore(PackRow, [{"id": pack_id, "size": size, "created_at": _now()}]))
+            s.execute(self.insert_ignore(PackRow, [{"id": pack_id, "size": size, "created_at": _now()}]))
             # A publish that reuses a condemned pack saves it from GC's second phase.
             s.query(PackRow).filter(PackRow.id == pack_id).update({"condemned_at": None})
             for i in range(0, len(rows), _IN_CHUNK):
-                s.execute(self._insert_ignore(BlobRow, rows[i : i + _IN_CHUNK]))
+                s.execute(self.insert_ignore(BlobRow, rows[i : i + _IN_CHUNK]))
 
         self.transaction(work)
 
@@ -154,7 +154,7 @@ class Index:
             created_by=bundle.created_by, status=bundle.status, compile_seconds=bundle.compile_seconds,
         )  # fmt: skip
         # RETURNING, not rowcount: psycopg reports -1 for ON CONFLICT inserts.
-        stmt = self._insert_ignore(BundleRow, [row]).returning(BundleRow.id)
+        stmt = self.insert_ignore(BundleRow, [row]).returning(BundleRow.id)
         return self.transaction(lambda s: s.connection().execute(stmt).first() is not None)
 
     def newest_bundle(self, bundle_key: str) -> Bundle | None:
@@ -214,7 +214,7 @@ class Index:
     def bind_store(self, store_id: str, store_url: str) -> tuple[str, str]:
         """Bind this index to a store unless it is bound already; returns the binding that holds."""
         row = {"slot": 1, "store_id": store_id, "store_url": store_url, "bound_at": _now()}
-        self.transaction(lambda s: s.execute(self._insert_ignore(StoreBindingRow, [row])))  # a racing binder may win
+        self.transaction(lambda s: s.execute(self.insert_ignore(StoreBindingRow, [row])))  # a racing binder may win
         return self.bound_store() or (store_id, store_url)
 
     def knows_key(self, bundle_key: str) -> bool:

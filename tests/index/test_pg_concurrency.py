@@ -38,14 +38,17 @@ def _insert_blob(conn, blob: str) -> None:
     )
 
 
-def _wait_until_blocked(pg_index, timeout: float = 60) -> None:
+def _wait_until_blocked(pg_index, thread, box, timeout: float = 60) -> None:
     """Until some backend of the index's database waits for a row lock while inserting blobs."""
     query = text(
         "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO blobs%'"
     )
     deadline = time.monotonic() + timeout
     with pg_index.engine.connect() as probe:
+        # pg_stat_activity is a snapshot per transaction: each look is its own transaction.
         while probe.execute(query).scalar() == 0:
+            probe.rollback()
+            assert thread.is_alive(), f"the publisher ended without blocking: {box}"
             assert time.monotonic() < deadline, "the publisher never blocked on the other transaction's row"
             time.sleep(0.01)  # polling a condition, not waiting for time to pass
 
@@ -69,7 +72,7 @@ def test_blob_rows_are_locked_in_blob_id_order_whatever_the_pack_order(pg_index,
     # The other publisher holds LOW. Our pack lists HIGH first (its paths sort that way).
     _insert_blob(other, LOW)
     thread, box = _add_pack_in_thread(pg_index, [HIGH, LOW])
-    _wait_until_blocked(pg_index)
+    _wait_until_blocked(pg_index, thread, box)
     # In pack order we would hold HIGH now, and this insert would close a deadlock cycle.
     _insert_blob(other, HIGH)
     other.commit()
@@ -83,7 +86,7 @@ def test_a_deadlock_victim_is_retried(pg_index, other):
     other.execute(text("SET deadlock_timeout = '60s'"))  # the index's backend detects, and is the victim
     _insert_blob(other, HIGH)
     thread, box = _add_pack_in_thread(pg_index, [LOW, HIGH])
-    _wait_until_blocked(pg_index)
+    _wait_until_blocked(pg_index, thread, box)
     _insert_blob(other, LOW)  # waits for our LOW until the index's transaction is aborted
     other.commit()
     thread.join(60)
