@@ -218,9 +218,10 @@ def publish(
         # The copy we found was an orphan of a crashed publish, and GC swept it before our commit.
         log.warning("manifest %s vanished while publishing; writing it again", manifest.id[:12])
         _write_manifest(store, manifest, data, config.signing_key)
-    # After the commit point: pods without index access find the bundle through its ref.
+    # After the commit point: pods without index access find the bundle through its ref, ordered
+    # by the time the index stamped (its clock, not ours).
     if created or refs.read(store, row.bundle_key) is None:
-        refs.advance(store, refs.Ref(row.bundle_key, row.id, row.created_at))
+        refs.advance(store, refs.Ref(row.bundle_key, row.id, index.get_bundle(row.id).created_at))
     seconds = time.perf_counter() - started
     result = PublishResult(
         fingerprint.bundle_key, manifest.id, created, manifest.layers, len(entries), manifest.total_size,

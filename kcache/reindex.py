@@ -82,5 +82,5 @@ def reindex(store: Store, index: Index, *, jobs: int = 16) -> ReindexResult:
             manifest_id, manifest.bundle_key, manifest.toolchain_key, manifest.workload_key,
             manifest.facts.get("model.id"), dict(manifest.facts), manifest.layers, len(manifest.entries),
             manifest.total_size, created, f"reindex@{socket.gethostname()}", "active",
-        ))  # fmt: skip
+        ), keep_time=True)  # fmt: skip
     return ReindexResult(len(pack_infos), blob_count, bundles, new, tuple(skipped))

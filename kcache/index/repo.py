@@ -144,13 +144,23 @@ class Index:
                     found[row[0]] = BlobLocation(*row)
         return found
 
-    def add_bundle(self, bundle: Bundle) -> bool:
-        """The commit point of a publish. False if this exact manifest was already a bundle."""
+    def add_bundle(self, bundle: Bundle, *, keep_time: bool = False) -> bool:
+        """The commit point of a publish. False if this exact manifest was already a bundle.
+
+        The row is stamped with the index's clock, not `bundle.created_at`: "newest" must not be
+        whatever the publisher's clock claims (a node a year ahead would stay newest for a year).
+        PostgreSQL stamps with its server time; SQLite, a file on this host, with this host's.
+        `keep_time` keeps the given time, for `kcache reindex` rebuilding history from the store.
+        """
+        if keep_time:
+            created = bundle.created_at
+        else:
+            created = func.now() if self.engine.dialect.name == "postgresql" else _now()
         row = dict(
             id=bundle.id, bundle_key=bundle.bundle_key, toolchain_key=bundle.toolchain_key,
             workload_key=bundle.workload_key, model=bundle.model,
             facts=json.dumps(bundle.facts, sort_keys=True), layers=",".join(bundle.layers),
-            files=bundle.files, bytes=bundle.bytes, created_at=bundle.created_at,
+            files=bundle.files, bytes=bundle.bytes, created_at=created,
             created_by=bundle.created_by, status=bundle.status, compile_seconds=bundle.compile_seconds,
         )  # fmt: skip
         # RETURNING, not rowcount: psycopg reports -1 for ON CONFLICT inserts.

@@ -76,3 +76,19 @@ def test_record_event(index):
 
     with index.engine.connect() as conn:
         assert conn.execute(text("select kind, status, files from events")).all() == [("restore", "hit", 3)]
+
+
+def test_newest_is_by_the_index_clock_not_the_publisher_clock(index):
+    now = datetime.now(timezone.utc)
+    assert index.add_bundle(bundle("1" * 64, at=now + timedelta(days=365)))  # a node a year ahead
+    assert index.add_bundle(bundle("2" * 64, at=now - timedelta(hours=1)))  # a slow node, published later
+    assert index.newest_bundle("k1").id == "2" * 64
+    assert [b.id[0] for b in index.list_bundles()] == ["2", "1"]
+    stamped = index.get_bundle("1" * 64).created_at
+    assert stamped < now + timedelta(days=1)  # the claim of next year is not kept
+
+
+def test_reindex_keeps_the_history_it_rebuilds(index):
+    then = datetime(2025, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    index.add_bundle(bundle("5" * 64, at=then), keep_time=True)
+    assert index.get_bundle("5" * 64).created_at == then
