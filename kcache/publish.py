@@ -201,15 +201,13 @@ def publish(
     if not found and not config.allow_empty:
         where = str(root) if root is not None else "the live cache directories"
         raise ConfigError("publish", where, "holds no cache files; pass --allow-empty to publish an empty bundle")
+    layers = sorted({src.name for src, _ in found})
+    # Before any upload: a row the database would refuse must fail now, not after the packs went up.
+    index.check_bundle(_bundle_row(_manifest(fingerprint, layers, [])))
     note(f"hashing {len(found)} files")
     collected = _hash_all(found, config.jobs, config.hash_cache)
     new, uploaded, pack_count, locations = _upload_until_revived(collected, store, index, config.jobs, note)
-    entries = [_entry(c, locations[c.blob]) for c in collected]
-    layers = sorted({src.name for src, _ in found})
-    manifest = manifests.build(
-        fingerprint.bundle_key, fingerprint.toolchain_key, fingerprint.workload_key,
-        fingerprint.facts, layers, entries,
-    )  # fmt: skip
+    manifest = _manifest(fingerprint, layers, [_entry(c, locations[c.blob]) for c in collected])
     data = manifest.to_bytes()
     wrote = _write_manifest(store, manifest, data, config.signing_key)  # before the commit point
     row = _bundle_row(manifest, compile_seconds)
@@ -224,11 +222,11 @@ def publish(
         refs.advance(store, refs.Ref(row.bundle_key, row.id, index.get_bundle(row.id).created_at))
     seconds = time.perf_counter() - started
     result = PublishResult(
-        fingerprint.bundle_key, manifest.id, created, manifest.layers, len(entries), manifest.total_size,
+        fingerprint.bundle_key, manifest.id, created, manifest.layers, len(manifest.entries), manifest.total_size,
         len(new), sum(c.info.size for c in new), uploaded, pack_count, seconds,
     )  # fmt: skip
     index.record_event(Event("publish", "published" if created else "unchanged", fingerprint.bundle_key,
-                             manifest.id, len(entries), uploaded, seconds))  # fmt: skip
+                             manifest.id, len(manifest.entries), uploaded, seconds))  # fmt: skip
     return result
 
 
@@ -286,6 +284,10 @@ def _write_manifest(store: Store, manifest: manifests.Manifest, data: bytes, key
 def _manifest_stored(store: Store, manifest_id: str, key: signing.SigningKey | None) -> bool:
     signed = key is None or store.exists(signing.signature_key(manifest_id, key.name))
     return signed and store.exists(manifest_key(manifest_id))
+
+
+def _manifest(fp: Fingerprint, layers: list[str], entries: list[manifests.Entry]) -> manifests.Manifest:
+    return manifests.build(fp.bundle_key, fp.toolchain_key, fp.workload_key, fp.facts, layers, entries)
 
 
 def _entry(c: Collected, where: BlobLocation) -> manifests.Entry:

@@ -78,3 +78,18 @@ def test_publish_from_a_restored_root_uses_the_restore_workload(tmp_path):
 def test_hostile_restore_record_is_ignored(tmp_path):
     (tmp_path / ".kcache-state.json").write_text(json.dumps({"status": "miss", "inputs": {"gpu.sm": "sm_90"}}))
     assert restore_inputs(tmp_path) is None  # only workload facts may come from ROOT
+
+
+def test_a_model_id_the_index_would_refuse_fails_before_any_upload(tmp_path):
+    write_tree(tmp_path / "src", {"inductor/a.py": b"a"})
+    result = _cli("publish", "--from", tmp_path / "src", "--model", "m" * 5000, "--store", f"file://{tmp_path / 's'}")
+    assert result.exit_code == 2 and "longer than" in result.stderr
+    assert not (tmp_path / "s" / "packs").exists()
+
+
+def test_yank_with_wildcards_yanks_nothing(tmp_path):
+    write_tree(tmp_path / "src", {"inductor/a.py": b"a"})
+    assert _cli("publish", "--from", tmp_path / "src", "--model", "m").exit_code == 0
+    result = _cli("yank", "%%%%%%")
+    assert result.exit_code == 3
+    assert [b["status"] for b in _bundles()] == ["active"]

@@ -17,6 +17,9 @@ from datetime import datetime
 from sqlalchemy import BigInteger, DateTime, Float, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+# PostgreSQL refuses a btree entry over ~2.7 kB: an indexed TEXT column still needs a bound.
+MAX_MODEL_ID = 1024
+
 
 class Base(DeclarativeBase):
     pass
@@ -29,9 +32,9 @@ class BundleRow(Base):
     bundle_key: Mapped[str] = mapped_column(String(64), index=True)
     toolchain_key: Mapped[str] = mapped_column(String(64), index=True)
     workload_key: Mapped[str] = mapped_column(String(64))
-    model: Mapped[str | None] = mapped_column(String(512), index=True)
+    model: Mapped[str | None] = mapped_column(Text, index=True)  # at most MAX_MODEL_ID (btree entry limit)
     facts: Mapped[str] = mapped_column(Text)  # canonical JSON
-    layers: Mapped[str] = mapped_column(String(512))  # comma-separated layer names
+    layers: Mapped[str] = mapped_column(Text)  # comma-separated layer names
     files: Mapped[int] = mapped_column(Integer)
     bytes: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -23,14 +24,17 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from kcache.errors import IndexConflict, IndexDbError, NotFound
+from kcache.errors import ConfigError, IndexConflict, IndexDbError, NotFound
 from kcache.index.db import describe_error, ensure_schema, make_engine
-from kcache.index.models import BlobRow, BundleRow, EventRow, PackRow, StoreBindingRow
+from kcache.index.models import MAX_MODEL_ID, BlobRow, BundleRow, EventRow, PackRow, StoreBindingRow
 from kcache.records import BlobLocation, Bundle, Event
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _IN_CHUNK = 500  # bound on bind parameters per IN (...) query
+# Prefixes reach LIKE: only hex digits, so no wildcard can widen them ("%%%%%%" once yanked a bundle).
+_HEX_ID_PREFIX = re.compile(r"[0-9a-f]{6,64}\Z")
+_HEX_KEY_PREFIX = re.compile(r"[0-9a-f]{1,32}\Z")
 _RETRY_SQLSTATES = frozenset({"40001", "40P01"})  # serialization failure, deadlock detected
 _ATTEMPTS = 5
 _BACKOFF = 0.05  # seconds; doubled per attempt, jittered so the losers do not collide again
@@ -167,6 +171,17 @@ class Index:
         stmt = self.insert_ignore(BundleRow, [row]).returning(BundleRow.id)
         return self.transaction(lambda s: s.connection().execute(stmt).first() is not None)
 
+    @staticmethod
+    def check_bundle(bundle: Bundle) -> None:
+        """Refuse, before anything is uploaded, a bundle row the database would refuse after."""
+        if bundle.model is not None and len(bundle.model) > MAX_MODEL_ID:
+            raise ConfigError("--model", bundle.model[:40] + "...", f"is longer than {MAX_MODEL_ID} characters")
+        for column in BundleRow.__table__.columns:
+            limit = getattr(column.type, "length", None)
+            value = getattr(bundle, column.name, None)
+            if limit and isinstance(value, str) and len(value) > limit:
+                raise ConfigError(f"bundle {column.name}", value[:40] + "...", f"is longer than {limit} characters")
+
     def newest_bundle(self, bundle_key: str) -> Bundle | None:
         """The newest active bundle for `bundle_key`: what restore lays down."""
         query = (
@@ -193,10 +208,11 @@ class Index:
 
     def get_bundle(self, id_or_prefix: str) -> Bundle:
         """A bundle by its id or an unambiguous prefix of at least 6 hex digits."""
-        if len(id_or_prefix) < 6:
-            raise NotFound("bundle (give at least 6 characters of its id)", id_or_prefix)
+        if not _HEX_ID_PREFIX.match(id_or_prefix):
+            raise NotFound("bundle (give at least 6 hex digits of its id)", id_or_prefix)
         with self._guard(), self._session() as s:
-            rows = s.scalars(select(BundleRow).where(BundleRow.id.startswith(id_or_prefix)).limit(2)).all()
+            query = select(BundleRow).where(BundleRow.id.startswith(id_or_prefix, autoescape=True)).limit(2)
+            rows = s.scalars(query).all()
         if len(rows) != 1:
             raise NotFound("bundle" if not rows else "unique bundle with prefix", id_or_prefix)
         return _bundle(rows[0])
@@ -205,7 +221,9 @@ class Index:
         """Bundles newest first, optionally filtered by bundle key (or prefix) and model."""
         query = select(BundleRow).order_by(BundleRow.created_at.desc(), BundleRow.id).limit(limit)
         if bundle_key:
-            query = query.where(BundleRow.bundle_key.startswith(bundle_key))
+            if not _HEX_KEY_PREFIX.match(bundle_key):
+                raise NotFound("bundle key (bundle keys are 32 hex digits)", bundle_key)
+            query = query.where(BundleRow.bundle_key.startswith(bundle_key, autoescape=True))
         if model:
             query = query.where(BundleRow.model == model)
         with self._guard(), self._session() as s:
