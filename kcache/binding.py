@@ -65,13 +65,17 @@ def ensure_store_id(store: Store) -> str:
 def check(index: Index, store: Store, *, write: bool) -> None:
     """Refuse an index bound to another store; a writer binds an unbound index to this one.
 
-    A reader leaves an unbound index unbound (an index from before bindings, or never written).
+    A reader leaves an unbound index unbound (an index from before bindings, or never written),
+    and reads the store's id only when there is a binding to compare it with: a pod with a
+    read-only role may not even learn that the id object is absent (S3 answers 403 then).
     """
-    store_id = ensure_store_id(store) if write else read_store_id(store)
     bound = index.bound_store()
-    if bound is None and write:
+    if bound is None and not write:
+        return
+    store_id = ensure_store_id(store) if write else read_store_id(store)
+    if bound is None:
         bound = index.bind_store(store_id, store.url)
-    if bound is not None and bound[0] != store_id:
+    if bound[0] != store_id:
         raise StoreMismatch(index.url, bound[1], store.url)
 
 
