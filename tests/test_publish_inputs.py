@@ -93,3 +93,12 @@ def test_yank_with_wildcards_yanks_nothing(tmp_path):
     result = _cli("yank", "%%%%%%")
     assert result.exit_code == 3
     assert [b["status"] for b in _bundles()] == ["active"]
+
+
+def test_publish_without_a_writable_home_skips_the_hash_cache(tmp_path, monkeypatch):
+    write_tree(tmp_path / "src", {"inductor/a.py": b"a"})
+    (tmp_path / "home-is-a-file").write_text("")
+    monkeypatch.setenv("KCACHE_HOME", str(tmp_path / "home-is-a-file"))
+    store, index = f"file://{tmp_path / 's'}", f"sqlite:///{tmp_path / 'i.db'}"
+    result = _cli("publish", "--from", tmp_path / "src", "--model", "m", "--store", store, "--index", index)
+    assert result.exit_code == 0, result.stderr

@@ -8,6 +8,7 @@ refuse empty bundles alike.
 from __future__ import annotations
 
 import logging
+import sqlite3
 from dataclasses import asdict
 from pathlib import Path
 
@@ -55,8 +56,13 @@ def publish_config(
 ) -> PublishConfig:
     """The one publish configuration; its hash cache stays open until the command ends."""
     key = load_signing_key(signing_key)
-    cache = HashCache(cfg.home / "hashcache.db")
-    click.get_current_context().call_on_close(cache.close)
+    try:
+        cache = HashCache(cfg.home / "hashcache.db")
+    except (OSError, sqlite3.Error) as exc:  # a read-only home: slower re-publishes, not a failed one
+        log.warning("no hash cache in %s (%s); every file is read again", cfg.home, exc)
+        cache = None
+    else:
+        click.get_current_context().call_on_close(cache.close)
     return PublishConfig(jobs=jobs, signing_key=key, hash_cache=cache, allow_empty=allow_empty)
 
 
