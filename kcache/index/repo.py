@@ -156,10 +156,7 @@ class Index:
         PostgreSQL stamps with its server time; SQLite, a file on this host, with this host's.
         `keep_time` keeps the given time, for `kcache reindex` rebuilding history from the store.
         """
-        if keep_time:
-            created = bundle.created_at
-        else:
-            created = func.now() if self.engine.dialect.name == "postgresql" else _now()
+        created = bundle.created_at if keep_time else self._clock()
         row = dict(
             id=bundle.id, bundle_key=bundle.bundle_key, toolchain_key=bundle.toolchain_key,
             workload_key=bundle.workload_key, model=bundle.model,
@@ -251,7 +248,12 @@ class Index:
             return s.scalar(select(BundleRow.id).where(BundleRow.bundle_key == bundle_key).limit(1)) is not None
 
     def record_event(self, event: Event) -> None:
-        self.transaction(lambda s: s.add(EventRow(**event.__dict__, created_at=_now())))
+        """Stamped by the index's clock, like bundles: `kcache stats --since` windows agree across pods."""
+        self.transaction(lambda s: s.add(EventRow(**event.__dict__, created_at=self._clock())))
+
+    def _clock(self):
+        """The index's own time: PostgreSQL's server clock; SQLite's file lives on this host."""
+        return func.now() if self.engine.dialect.name == "postgresql" else _now()
 
     @contextmanager
     def _guard(self) -> Iterator[None]:
