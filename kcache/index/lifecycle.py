@@ -24,7 +24,7 @@ from datetime import datetime
 from sqlalchemy import delete, select, update
 
 from kcache.index.models import BlobRow, BundleRow, PackRow
-from kcache.index.repo import Index, _bundle
+from kcache.index.repo import Index, bundle_of
 from kcache.records import Bundle
 
 _CHUNK = 500
@@ -47,8 +47,8 @@ def set_status(index: Index, bundle_id: str, status: str) -> Bundle:
 
 def all_bundles(index: Index) -> list[Bundle]:
     """Every bundle, newest first."""
-    with index._guard(), index._session() as s:
-        return [_bundle(r) for r in s.scalars(select(BundleRow).order_by(BundleRow.created_at.desc(), BundleRow.id))]
+    query = select(BundleRow).order_by(BundleRow.created_at.desc(), BundleRow.id)
+    return index.read(lambda s: [bundle_of(r) for r in s.scalars(query)])
 
 
 def delete_bundle(index: Index, bundle_id: str) -> None:
@@ -56,9 +56,8 @@ def delete_bundle(index: Index, bundle_id: str) -> None:
 
 
 def packs(index: Index) -> list[PackInfo]:
-    with index._guard(), index._session() as s:
-        rows = s.scalars(select(PackRow)).all()
-        return [PackInfo(r.id, r.size, r.created_at, r.condemned_at) for r in rows]
+    return index.read(lambda s: [PackInfo(r.id, r.size, r.created_at, r.condemned_at)
+                                 for r in s.scalars(select(PackRow))])  # fmt: skip
 
 
 def condemn(index: Index, pack_ids: Iterable[str], at: datetime) -> None:

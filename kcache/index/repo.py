@@ -49,7 +49,7 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def _bundle(row: BundleRow) -> Bundle:
+def bundle_of(row: BundleRow) -> Bundle:
     created = row.created_at if row.created_at.tzinfo else row.created_at.replace(tzinfo=timezone.utc)
     return Bundle(
         row.id, row.bundle_key, row.toolchain_key, row.workload_key, row.model,
@@ -88,6 +88,11 @@ class Index:
 
     def _session(self) -> Session:
         return Session(self.engine, expire_on_commit=False)
+
+    def read(self, work: Callable[[Session], T]) -> T:
+        """Run `work(session)` for reading; SQLAlchemy's errors become IndexDbError."""
+        with self._guard(), self._session() as s:
+            return work(s)
 
     def transaction(self, work: Callable[[Session], T]) -> T:
         """Run `work(session)` in one transaction; again when PostgreSQL aborted it for a deadlock or
@@ -189,7 +194,7 @@ class Index:
         )
         with self._guard(), self._session() as s:
             row = s.scalars(query).first()
-            return _bundle(row) if row else None
+            return bundle_of(row) if row else None
 
     def newest_for_toolchain(self, toolchain_key: str) -> Bundle | None:
         """The newest active bundle built on this toolchain, whatever its workload (--fallback toolchain)."""
@@ -201,7 +206,7 @@ class Index:
         )
         with self._guard(), self._session() as s:
             row = s.scalars(query).first()
-            return _bundle(row) if row else None
+            return bundle_of(row) if row else None
 
     def get_bundle(self, id_or_prefix: str) -> Bundle:
         """A bundle by its id or an unambiguous prefix of at least 6 hex digits."""
@@ -212,7 +217,7 @@ class Index:
             rows = s.scalars(query).all()
         if len(rows) != 1:
             raise NotFound("bundle" if not rows else "unique bundle with prefix", id_or_prefix)
-        return _bundle(rows[0])
+        return bundle_of(rows[0])
 
     def list_bundles(self, *, bundle_key: str | None = None, model: str | None = None, limit: int = 50) -> list[Bundle]:
         """Bundles newest first, optionally filtered by bundle key (or prefix) and model."""
@@ -224,7 +229,7 @@ class Index:
         if model:
             query = query.where(BundleRow.model == model)
         with self._guard(), self._session() as s:
-            return [_bundle(row) for row in s.scalars(query)]
+            return [bundle_of(row) for row in s.scalars(query)]
 
     def count_bundles(self) -> int:
         with self._guard(), self._session() as s:
