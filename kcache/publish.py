@@ -152,24 +152,48 @@ def _plan_packs(new: list[Collected]) -> list[list[Collected]]:
     return groups
 
 
-def _write_and_upload(group: list[Collected], store: Store, index: Index, workdir: Path) -> tuple[int, int]:
-    """Steps 1 and 2 for one pack. Returns (pack bytes written to the store, 0 if it was there)."""
+def _build_pack(group: list[Collected], workdir: Path, salt: bytes = b""):
+    """The pack of `group`; with `salt`, one more tiny blob makes its bytes (and id) new."""
     writer = PackWriter(workdir)
     try:
         for item in group:
             writer.add(item.blob, item.info.path, item.info.size)
-        pack = writer.finish()
+        if salt:
+            salted = Path(workdir) / f"salt-{salt.hex()}"
+            salted.write_bytes(salt)
+            writer.add(hashlib.sha256(salt).hexdigest(), salted, len(salt))
+            salted.unlink()
+        return writer.finish()
     except BaseException:
         writer.discard()
         raise
+
+
+def _write_and_upload(group: list[Collected], store: Store, index: Index, workdir: Path) -> tuple[int, int]:
+    """Steps 1 and 2 for one pack. Returns (pack bytes written to the store, blobs packed).
+
+    A pack is only ever named by the publish that wrote it. When the store already has the
+    identical pack, it is an object nobody may be relying on: an orphan of a crashed publish, or a
+    condemned pack GC is deleting this very moment (its row went first, so our lookup missed it).
+    Adopting it could leave our bundle naming an object GC deletes next, so the blobs go into a
+    pack with a random salt blob instead, whose id no one else has.
+    """
+    pack = _build_pack(group, workdir)
     try:
         written = store.put_file(pack_key(pack.id), pack.path)
+        if not written:
+            log.info("pack %s is already in the store; writing a salted copy of its blobs", pack.id[:12])
+            pack.path.unlink(missing_ok=True)
+            pack = _build_pack(group, workdir, salt=os.urandom(16))
+            written = store.put_file(pack_key(pack.id), pack.path)
+        if not written:
+            raise IntegrityError("pack", pack.id, "a salted pack id was already taken in the store")
         index.add_pack(
             pack.id, pack.size, [BlobLocation(b.id, pack.id, b.offset, b.length, b.size) for b in pack.blobs]
         )
     finally:
         pack.path.unlink(missing_ok=True)
-    return (pack.size if written else 0), len(pack.blobs)
+    return pack.size, len(pack.blobs)
 
 
 def publish(

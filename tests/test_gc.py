@@ -146,7 +146,7 @@ class CrashingIndex:
         raise RuntimeError("publisher killed after its upload")
 
 
-def test_republish_that_rebuilds_an_orphan_pack_survives_the_orphan_sweep(tmp_path, store, sqlite_index, fp):
+def test_republish_over_an_orphan_pack_survives_the_orphan_sweep(tmp_path, store, sqlite_index, fp):
     tree = {"inductor/kernel.so": b"kernel" * 100, "inductor/graph.py": b"graph"}
     write_tree(tmp_path / "src", tree)
     with pytest.raises(RuntimeError):
@@ -156,16 +156,30 @@ def test_republish_that_rebuilds_an_orphan_pack_survives_the_orphan_sweep(tmp_pa
     stale = gc.plan(store, sqlite_index, POLICY, now=later)  # made while the pack had no row
     # The re-publish builds the byte-identical pack; the store says "already there".
     result = publish(store, sqlite_index, fp, LAYERS, root=tmp_path / "src", env={})
-    assert result.uploaded_bytes == 0 and _packs_of(store, result.bundle_id) == {orphan.key.rsplit("/", 1)[1]}
     gc.execute(store, sqlite_index, stale)
-    for hours in (14, 21):  # later runs find the pack referenced
+    for hours in (14, 21):  # later runs: the orphan goes, the bundle's packs stay
         gc.execute(store, sqlite_index, gc.plan(store, sqlite_index, POLICY, now=later + timedelta(hours=hours)))
-    assert store.exists(orphan.key)
+    assert all(store.exists(pack_key(p)) for p in _packs_of(store, result.bundle_id))
     restore(store, sqlite_index, fp, tmp_path / "dst")
     assert read_tree(tmp_path / "dst/inductor")["kernel.so"][0] == b"kernel" * 100
 
 
-def test_rows_condemned_by_adoption_are_revived_by_the_republish(tmp_path, store, sqlite_index, fp):
+class PublishDuringDelete:
+    """A store that runs a publish just before GC deletes a pack object (its row is already gone)."""
+
+    def __init__(self, inner, publish_now):
+        self.inner, self.publish_now, self.result = inner, publish_now, None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def delete(self, key):
+        if key.startswith("packs/") and self.result is None:
+            self.result = self.publish_now()
+        self.inner.delete(key)
+
+
+def test_a_pack_gc_is_deleting_is_never_adopted_by_a_publish(tmp_path, store, sqlite_index, fp):
     write_tree(tmp_path / "src", {"inductor/kernel.so": b"kernel" * 100})
     with pytest.raises(RuntimeError):
         publish(store, CrashingIndex(sqlite_index), fp, LAYERS, root=tmp_path / "src", env={})
@@ -173,9 +187,12 @@ def test_rows_condemned_by_adoption_are_revived_by_the_republish(tmp_path, store
     gc.execute(store, sqlite_index, gc.plan(store, sqlite_index, POLICY, now=later))  # adopted, condemned
     sweep = gc.plan(store, sqlite_index, POLICY, now=later + timedelta(hours=7))
     assert len(sweep.sweep) == 1
-    result = publish(store, sqlite_index, fp, LAYERS, root=tmp_path / "src", env={})
-    assert gc.execute(store, sqlite_index, sweep).packs_deleted == 0  # revived before the sweep ran
-    assert all(store.exists(pack_key(p)) for p in _packs_of(store, result.bundle_id))
+    racing = PublishDuringDelete(store, lambda: publish(store, sqlite_index, fp, LAYERS, root=tmp_path / "src", env={}))
+    assert gc.execute(racing, sqlite_index, sweep).packs_deleted == 1
+    # The publish ran between the row delete and the object delete: it found the identical pack
+    # "already there" and must not have named it.
+    assert all(store.exists(pack_key(p)) for p in _packs_of(store, racing.result.bundle_id))
+    assert restore(store, sqlite_index, fp, tmp_path / "dst").status == "hit"
 
 
 def test_publish_uploads_again_the_blobs_of_a_pack_the_store_lost(tmp_path, store, sqlite_index, fp):
