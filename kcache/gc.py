@@ -10,8 +10,9 @@
              condemned now: a later run sweeps them by the phase-2 rule, unless a publish that
              rebuilt the identical pack revived the row first (the store's "already there" does
              not refresh an object's age, so age alone would sweep a pack a publish is reusing)
-    orphans  manifests and signatures no row names, older than --grace, are deleted (a publish
-             that finds its manifest gone after its commit point writes it again)
+    orphans  manifests and signatures no row names, older than --grace, are deleted; if a publish
+             committed a bundle on one meanwhile, GC puts the bytes back (and the publish, looking
+             after its commit point, writes it again): see _delete_orphan
 
 Deletion runs in the reverse order of publish: rows before objects, so no committed bundle ever
 points at a missing pack.
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from kcache import manifest as manifests
 from kcache import refs
+from kcache.errors import ObjectMissing
 from kcache.records import Bundle
 from kcache.store import Store, manifest_key, pack_key
 from kcache.store.base import ObjectInfo
@@ -103,7 +105,7 @@ def execute(store: Store, index: Index, gc_plan: Plan) -> Result:
     for pack_id in swept:
         store.delete(pack_key(pack_id))
     for orphan in gc_plan.orphans:
-        store.delete(orphan.key)
+        _delete_orphan(store, index, orphan)
     freed = sum(p.size for p in gc_plan.sweep if p.id in swept) + sum(o.size for o in gc_plan.orphans)
     return Result(len(gc_plan.delete_bundles), len(gc_plan.condemn), len(swept), len(gc_plan.orphans), freed,
                   len(gc_plan.adopt))  # fmt: skip
@@ -133,6 +135,27 @@ def _delete_bundle(store: Store, index: Index, bundle: Bundle) -> None:
         store.delete(signature.key)
     store.delete(refs.yank_key(bundle.id))
     store.delete(manifest_key(bundle.id))
+
+
+def _delete_orphan(store: Store, index: Index, orphan: ObjectInfo) -> None:
+    """Delete a manifest (or signature, or temp file) no bundle row names, unless one does now.
+
+    A publish may commit a bundle on an identical manifest it found "already there" while we
+    delete it: if its row shows up after our delete, the bytes go back. The publish checks from
+    its side after its commit point, so whichever of the two looks last sees the other's step.
+    """
+    from kcache.index import lifecycle
+
+    owner = _owner(orphan.key)
+    try:
+        data = store.get_bytes(orphan.key)
+    except ObjectMissing:
+        return
+    if lifecycle.has_bundle(index, owner):
+        return
+    store.delete(orphan.key)
+    if lifecycle.has_bundle(index, owner):
+        store.put_bytes(orphan.key, data)
 
 
 def _manifest(store: Store, bundle_id: str) -> manifests.Manifest:

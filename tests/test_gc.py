@@ -207,6 +207,35 @@ def test_publish_uploads_again_the_blobs_of_a_pack_the_store_lost(tmp_path, stor
     assert read_tree(tmp_path / "dst/inductor")["kernel.so"][0] == b"kernel" * 100
 
 
+def test_manifest_committed_while_gc_deletes_it_as_an_orphan_is_put_back(tmp_path, store, sqlite_index, fp):
+    write_tree(tmp_path / "src", {"inductor/kernel.so": b"kernel" * 100})
+
+    class CrashBeforeCommit(CrashingIndex):
+        def add_pack(self, *args):
+            return self.inner.add_pack(*args)
+
+        def add_bundle(self, row):
+            raise RuntimeError("publisher killed before its commit point")
+
+    with pytest.raises(RuntimeError):  # leaves the manifest as an orphan (its packs have rows)
+        publish(store, CrashBeforeCommit(sqlite_index), fp, LAYERS, root=tmp_path / "src", env={})
+    plan = gc.plan(store, sqlite_index, POLICY, now=datetime.now(timezone.utc) + timedelta(hours=7))
+    assert [o.key.split("/")[0] for o in plan.orphans] == ["manifests"]
+
+    class PublishBeforeManifestDelete(PublishDuringDelete):
+        def delete(self, key):
+            if key.startswith("manifests/") and self.result is None:
+                self.result = self.publish_now()  # commits on the orphan copy, which still exists
+            self.inner.delete(key)
+
+    racing = PublishBeforeManifestDelete(
+        store, lambda: publish(store, sqlite_index, fp, LAYERS, root=tmp_path / "src", env={})
+    )
+    gc.execute(racing, sqlite_index, plan)
+    assert store.exists(manifest_key(racing.result.bundle_id))
+    assert restore(store, sqlite_index, fp, tmp_path / "dst").status == "hit"
+
+
 def test_manifest_swept_as_an_orphan_before_the_commit_point_is_written_again(tmp_path, store, sqlite_index, fp):
     write_tree(tmp_path / "src", {"inductor/kernel.so": b"kernel" * 100})
 

@@ -51,6 +51,10 @@ def all_bundles(index: Index) -> list[Bundle]:
     return index.read(lambda s: [bundle_of(r) for r in s.scalars(query)])
 
 
+def has_bundle(index: Index, bundle_id: str) -> bool:
+    return index.read(lambda s: s.get(BundleRow, bundle_id) is not None)
+
+
 def delete_bundle(index: Index, bundle_id: str) -> None:
     index.transaction(lambda s: s.execute(delete(BundleRow).where(BundleRow.id == bundle_id)))
 
