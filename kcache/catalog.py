@@ -15,11 +15,11 @@ NO_INDEX = "none"
 
 
 def open_for_restore(settings: Settings, store: Store) -> Index | RefCatalog:
-    """The index when one is named or the default exists; else refs, which need only bucket reads."""
-    if settings.index_url == NO_INDEX:
-        return RefCatalog(store)
-    if settings.index_explicit or settings.default_index_path.exists():
-        from kcache.index import Index  # SQLAlchemy costs ~0.3 s to import: only when needed
+    """The index when one is named or the default exists; else refs, which need only bucket reads.
 
-        return Index.open(settings.index_url)
-    return RefCatalog(store)
+    kcache.binding decides: an index is used only for the store it describes, and keys it has
+    never seen fall back to refs/.
+    """
+    from kcache import binding
+
+    return binding.open_for_restore(settings, store)

@@ -22,6 +22,14 @@ class ConfigError(KcacheError):
         super().__init__(f"{what} {redact_text(value)!r}: {redact_text(why)}")
 
 
+class StoreMismatch(ConfigError):
+    """The index describes another store than the one named: its rows would lie about this one."""
+
+    def __init__(self, index_url: str, bound_url: str, store_url: str):
+        self.index_url, self.bound_url, self.store_url = index_url, bound_url, store_url
+        super().__init__("index", index_url, f"describes the store {bound_url}, not {store_url}")
+
+
 class StoreError(KcacheError):
     """The store could not be read or written."""
 
@@ -44,6 +52,14 @@ class IndexDbError(KcacheError):
     def __init__(self, url: str, why: str):
         self.url, self.why = url, why
         super().__init__(f"index {redact_url(url)}: {redact_text(why)}")
+
+
+class IndexConflict(IndexDbError):
+    """Concurrent writers kept aborting each other (deadlock or serialization failure) past the retries."""
+
+    def __init__(self, url: str, why: str, attempts: int):
+        self.attempts = attempts
+        super().__init__(url, f"{why} (gave up after {attempts} attempts)")
 
 
 class IntegrityError(KcacheError):

@@ -6,7 +6,13 @@
     condemn  phase 1: packs nobody references get condemned_at = now
     sweep    phase 2: packs condemned more than --grace ago and still condemned lose their rows,
              then their objects (a publish that reused one revived it: see index/lifecycle.py)
-    orphans  objects with no row at all (a publish that crashed) older than --grace are deleted
+    adopt    pack objects with no row at all (a publish that crashed) older than --grace get a row
+             condemned now: a later run sweeps them by the phase-2 rule, unless a publish that
+             rebuilt the identical pack revived the row first (the store's "already there" does
+             not refresh an object's age, so age alone would sweep a pack a publish is reusing)
+    orphans  manifests and signatures no row names, older than --grace, are deleted; if a publish
+             committed a bundle on one meanwhile, GC puts the bytes back (and the publish, looking
+             after its commit point, writes it again): see _delete_orphan
 
 Deletion runs in the reverse order of publish: rows before objects, so no committed bundle ever
 points at a missing pack.
@@ -14,6 +20,7 @@ points at a missing pack.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -21,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from kcache import manifest as manifests
 from kcache import refs
+from kcache.errors import ObjectMissing
 from kcache.records import Bundle
 from kcache.store import Store, manifest_key, pack_key
 from kcache.store.base import ObjectInfo
@@ -28,6 +36,9 @@ from kcache.store.base import ObjectInfo
 if TYPE_CHECKING:
     from kcache.index import Index
     from kcache.index.lifecycle import PackInfo
+
+
+_ID = re.compile(r"[0-9a-f]{64}\Z")  # a pack id; anything else under packs/ (a temp file) no publish reuses
 
 
 @dataclass(frozen=True)
@@ -45,7 +56,8 @@ class Plan:
     condemn: tuple[PackInfo, ...]  # unreferenced, not condemned yet
     sweep: tuple[PackInfo, ...]  # unreferenced, condemned before now - grace
     waiting: tuple[PackInfo, ...]  # unreferenced, condemned within the grace period
-    orphans: tuple[ObjectInfo, ...]  # objects without rows, older than the grace period
+    orphans: tuple[ObjectInfo, ...]  # manifests, signatures and temp files without rows, older than the grace period
+    adopt: tuple[ObjectInfo, ...] = ()  # pack objects without rows, older than the grace period
 
     @property
     def bytes_freed(self) -> int:
@@ -59,6 +71,7 @@ class Result:
     packs_deleted: int
     orphans_deleted: int
     bytes_freed: int
+    orphan_packs_condemned: int = 0
 
 
 def plan(store: Store, index: Index, policy: Policy, now: datetime | None = None) -> Plan:
@@ -75,8 +88,10 @@ def plan(store: Store, index: Index, policy: Policy, now: datetime | None = None
     waiting = tuple(p for p in unreferenced if p.condemned_at and _utc(p.condemned_at) >= cutoff)
     condemn = tuple(p for p in unreferenced if p.condemned_at is None)
     known = {p.id for p in lifecycle.packs(index)} | {b.id for b in retained} | {b.id for b in doomed}
-    orphans = tuple(_orphans(store, known, cutoff))
-    return Plan(now, policy, tuple(doomed), condemn, sweep, waiting, orphans)
+    found = list(_orphans(store, known, cutoff))
+    adopt = tuple(o for o in found if o.key.startswith("packs/") and _ID.match(_owner(o.key)))
+    orphans = tuple(o for o in found if o not in adopt)
+    return Plan(now, policy, tuple(doomed), condemn, sweep, waiting, orphans, adopt)
 
 
 def execute(store: Store, index: Index, gc_plan: Plan) -> Result:
@@ -85,13 +100,15 @@ def execute(store: Store, index: Index, gc_plan: Plan) -> Result:
     for bundle in gc_plan.delete_bundles:
         _delete_bundle(store, index, bundle)
     lifecycle.condemn(index, (p.id for p in gc_plan.condemn), gc_plan.now)
+    lifecycle.adopt(index, ((_owner(o.key), o.size) for o in gc_plan.adopt), gc_plan.now)
     swept = lifecycle.delete_condemned(index, (p.id for p in gc_plan.sweep), gc_plan.now - gc_plan.policy.grace)
     for pack_id in swept:
         store.delete(pack_key(pack_id))
     for orphan in gc_plan.orphans:
-        store.delete(orphan.key)
+        _delete_orphan(store, index, orphan)
     freed = sum(p.size for p in gc_plan.sweep if p.id in swept) + sum(o.size for o in gc_plan.orphans)
-    return Result(len(gc_plan.delete_bundles), len(gc_plan.condemn), len(swept), len(gc_plan.orphans), freed)
+    return Result(len(gc_plan.delete_bundles), len(gc_plan.condemn), len(swept), len(gc_plan.orphans), freed,
+                  len(gc_plan.adopt))  # fmt: skip
 
 
 def _expired(bundles: list[Bundle], policy: Policy, now: datetime) -> list[Bundle]:
@@ -120,6 +137,27 @@ def _delete_bundle(store: Store, index: Index, bundle: Bundle) -> None:
     store.delete(manifest_key(bundle.id))
 
 
+def _delete_orphan(store: Store, index: Index, orphan: ObjectInfo) -> None:
+    """Delete a manifest (or signature, or temp file) no bundle row names, unless one does now.
+
+    A publish may commit a bundle on an identical manifest it found "already there" while we
+    delete it: if its row shows up after our delete, the bytes go back. The publish checks from
+    its side after its commit point, so whichever of the two looks last sees the other's step.
+    """
+    from kcache.index import lifecycle
+
+    owner = _owner(orphan.key)
+    try:
+        data = store.get_bytes(orphan.key)
+    except ObjectMissing:
+        return
+    if lifecycle.has_bundle(index, owner):
+        return
+    store.delete(orphan.key)
+    if lifecycle.has_bundle(index, owner):
+        store.put_bytes(orphan.key, data)
+
+
 def _manifest(store: Store, bundle_id: str) -> manifests.Manifest:
     return manifests.fetch(store, bundle_id)
 
@@ -128,13 +166,16 @@ def _orphans(store: Store, known: set[str], cutoff: datetime):
     """Packs and manifests no row names, and signatures of manifests no row names, older than cutoff."""
     for prefix in ("packs/", "manifests/", "signatures/"):
         for info in store.list(prefix):
-            owner = info.key.split("/")[2] if prefix != "signatures/" else info.key.split("/")[1]
+            owner = _owner(info.key)
             if owner not in known and _utc(info.modified) < cutoff:
                 yield info
 
 
+def _owner(key: str) -> str:
+    """The content id an object belongs to: packs/<hh>/<id>, manifests/<hh>/<id>, signatures/<id>/<key>."""
+    parts = key.split("/")
+    return (parts[1] if parts[0] == "signatures" else parts[2]) if len(parts) >= 3 else ""
+
+
 def _utc(ts: datetime) -> datetime:
     return ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)
-
-
-

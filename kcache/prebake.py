@@ -42,9 +42,8 @@ from kcache import envfile, readiness, sources, warmup
 from kcache.errors import ConfigError, KcacheError
 from kcache.fingerprint import Fingerprint
 from kcache.profiles import Profile
-from kcache.publish import PublishResult, publish
+from kcache.publish import PublishConfig, PublishResult, publish
 from kcache.restore import RestoreResult, restore
-from kcache.signing import SigningKey
 from kcache.store import Store
 
 if TYPE_CHECKING:
@@ -121,15 +120,14 @@ def prebake(
     root: Path,
     warmer: Warmer,
     *,
-    jobs: int = 8,
+    config: PublishConfig = PublishConfig(),
     progress: Callable[[str], None] | None = None,
-    signing_key: SigningKey | None = None,
 ) -> PrebakeResult:
     root = Path(root).absolute()
     note = progress or (lambda _msg: None)
     restored = None
     if warmer.needs_restore:
-        restored = restore(store, index, fingerprint, root, jobs=jobs)
+        restored = restore(store, index, fingerprint, root, jobs=config.jobs)
         note(f"restore: {restored.status} ({restored.files} files)")
     elif not (root / envfile.NAME).is_file():
         raise ConfigError("--root", str(root), "has no kcache.env: run `kcache restore --into ROOT` and start "
@@ -139,6 +137,6 @@ def prebake(
         return PrebakeResult(restored, report, None)
     # After a cold start, the warmup's time is what a hit on this bundle saves (`kcache stats`).
     cold = (readiness.read_marker(root, readiness.RESTORE_MARKER) or {}).get("status") == "miss"
-    published = publish(store, index, fingerprint, sources.in_root(root), root=root, jobs=jobs, progress=note,
-                        signing_key=signing_key, compile_seconds=report.seconds if cold else None)  # fmt: skip
+    published = publish(store, index, fingerprint, sources.in_root(root), root=root, config=config, progress=note,
+                        compile_seconds=report.seconds if cold else None)  # fmt: skip
     return PrebakeResult(restored, report, published)

@@ -28,14 +28,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kcache import layerkeys, refs, signing
+from kcache import fingerprint as fingerprints
+from kcache import layerkeys, readiness, refs, signing
 from kcache import manifest as manifests
 from kcache.errors import ConfigError, IntegrityError, RootError
 from kcache.fingerprint import Fingerprint
 from kcache.hashcache import HashCache, key_for
 from kcache.packs import LARGE_FILE_BYTES, TARGET_PACK_BYTES, PackWriter
 from kcache.records import BlobLocation, Bundle, Event
-from kcache.sources import FileInfo, Source
+from kcache.sources import ExtraSource, FileInfo, Source
 from kcache.store import Store, manifest_key, pack_key
 
 if TYPE_CHECKING:  # the SQL layer loads only when a caller opens an index
@@ -44,6 +45,20 @@ if TYPE_CHECKING:  # the SQL layer loads only when a caller opens an index
 log = logging.getLogger(__name__)
 _HASH_CHUNK = 1024 * 1024
 _REVIVE_ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class PublishConfig:
+    """How to publish: one value that publish, prebake and watch share, so no path forgets a part.
+
+    The hash cache is a handle, not a value; the dataclass is frozen so that no caller changes
+    the configuration under a running publish.
+    """
+
+    jobs: int = 8  # parallel hashing and uploads
+    signing_key: signing.SigningKey | None = None  # sign every manifest before its commit point
+    hash_cache: HashCache | None = None  # stat key -> SHA-256: a re-publish re-reads only changed files
+    allow_empty: bool = False  # an empty bundle becomes the newest for its key: only on purpose
 
 
 @dataclass(frozen=True)
@@ -71,11 +86,20 @@ class PublishResult:
 
 
 def collect(sources: Iterable[Source], *, root: Path | None, env: Mapping[str, str]) -> list[tuple[Source, FileInfo]]:
-    """Every non-junk file of each layer: from ROOT's layout when `root` is given, else live dirs."""
+    """Every non-junk file of each layer: from ROOT's layout when `root` is given, else live dirs.
+
+    An extra directory the user named by path is read from that path, ROOT or not, and must exist:
+    a typo must not silently publish a bundle without it.
+    """
     found: list[tuple[Source, FileInfo]] = []
     for source in sources:
+        named = source.live_dirs(env) if isinstance(source, ExtraSource) else []
+        for path in named:
+            if not path.is_dir():
+                raise RootError(str(path), f"(--extra-dir {source.name.removeprefix('extra:')}) is not a directory")
+        dirs = named or source.read_dirs(root, env)
         seen: set[str] = set()
-        for top in source.read_dirs(root, env):
+        for top in dirs:
             if not (top.is_dir() or top.is_file()):  # a file: a one-file layer (the TRT-LLM autotuner's)
                 continue
             for info in source.walk(top):
@@ -151,24 +175,48 @@ def _plan_packs(new: list[Collected]) -> list[list[Collected]]:
     return groups
 
 
-def _write_and_upload(group: list[Collected], store: Store, index: Index, workdir: Path) -> tuple[int, int]:
-    """Steps 1 and 2 for one pack. Returns (pack bytes written to the store, 0 if it was there)."""
+def _build_pack(group: list[Collected], workdir: Path, salt: bytes = b""):
+    """The pack of `group`; with `salt`, one more tiny blob makes its bytes (and id) new."""
     writer = PackWriter(workdir)
     try:
         for item in group:
             writer.add(item.blob, item.info.path, item.info.size)
-        pack = writer.finish()
+        if salt:
+            salted = Path(workdir) / f"salt-{salt.hex()}"
+            salted.write_bytes(salt)
+            writer.add(hashlib.sha256(salt).hexdigest(), salted, len(salt))
+            salted.unlink()
+        return writer.finish()
     except BaseException:
         writer.discard()
         raise
+
+
+def _write_and_upload(group: list[Collected], store: Store, index: Index, workdir: Path) -> tuple[int, int]:
+    """Steps 1 and 2 for one pack. Returns (pack bytes written to the store, blobs packed).
+
+    A pack is only ever named by the publish that wrote it. When the store already has the
+    identical pack, it is an object nobody may be relying on: an orphan of a crashed publish, or a
+    condemned pack GC is deleting this very moment (its row went first, so our lookup missed it).
+    Adopting it could leave our bundle naming an object GC deletes next, so the blobs go into a
+    pack with a random salt blob instead, whose id no one else has.
+    """
+    pack = _build_pack(group, workdir)
     try:
         written = store.put_file(pack_key(pack.id), pack.path)
+        if not written:
+            log.info("pack %s is already in the store; writing a salted copy of its blobs", pack.id[:12])
+            pack.path.unlink(missing_ok=True)
+            pack = _build_pack(group, workdir, salt=os.urandom(16))
+            written = store.put_file(pack_key(pack.id), pack.path)
+        if not written:
+            raise IntegrityError("pack", pack.id, "a salted pack id was already taken in the store")
         index.add_pack(
             pack.id, pack.size, [BlobLocation(b.id, pack.id, b.offset, b.length, b.size) for b in pack.blobs]
         )
     finally:
         pack.path.unlink(missing_ok=True)
-    return (pack.size if written else 0), len(pack.blobs)
+    return pack.size, len(pack.blobs)
 
 
 def publish(
@@ -179,15 +227,15 @@ def publish(
     *,
     root: Path | None = None,
     env: Mapping[str, str] | None = None,
-    jobs: int = 8,
+    config: PublishConfig = PublishConfig(),
     progress: Callable[[str], None] | None = None,
-    signing_key: signing.SigningKey | None = None,
     compile_seconds: float | None = None,
-    hash_cache: HashCache | None = None,
 ) -> PublishResult:
     """Publish this machine's caches (or ROOT's) as a bundle for `fingerprint`.
 
     `compile_seconds` is the cold warmup the caller measured: what a hit on this bundle saves.
+    Raises RootError for a ROOT that is not a directory, ConfigError for an empty bundle
+    unless `config.allow_empty`.
     """
     if fingerprint.mismatches:  # kernels built here, filed under another machine's keys: a wrong hit for its pods
         names = ", ".join(m.fact for m in fingerprint.mismatches)
@@ -195,39 +243,44 @@ def publish(
     started = time.perf_counter()
     env = os.environ if env is None else env
     sources = list(sources)
-    if root is not None and root.exists() and not root.is_dir():
-        raise RootError(str(root), "is not a directory")
+    if root is not None and not Path(root).is_dir():
+        raise RootError(str(root), "does not exist" if not Path(root).exists() else "is not a directory")
     note = progress or (lambda _msg: None)
 
     found = collect(sources, root=root, env=env)
-    note(f"hashing {len(found)} files")
-    collected = _hash_all(found, jobs, hash_cache)
-    new, uploaded, pack_count, locations = _upload_until_revived(collected, store, index, jobs, note)
-    entries = [_entry(c, locations[c.blob]) for c in collected]
+    if not found and not config.allow_empty:
+        where = str(root) if root is not None else "the live cache directories"
+        raise ConfigError("publish", where, "holds no cache files; pass --allow-empty to publish an empty bundle")
     layers = sorted({src.name for src, _ in found})
     info = layerkeys.annotate({src.name: src.layer_info() for src in sources if src.name in layers}, layers,
                               fingerprint.facts)  # fmt: skip
-    manifest = manifests.build(
-        fingerprint.bundle_key, fingerprint.toolchain_key, fingerprint.workload_key,
-        fingerprint.facts, layers, entries, info,
-    )  # fmt: skip
+    # Before any upload: a row the database would refuse must fail now, not after the packs went up.
+    index.check_bundle(_bundle_row(_manifest(fingerprint, layers, [], info)))
+    note(f"hashing {len(found)} files")
+    collected = _hash_all(found, config.jobs, config.hash_cache)
+    new, uploaded, pack_count, locations = _upload_until_revived(collected, store, index, config.jobs, note)
+    manifest = _manifest(fingerprint, layers, [_entry(c, locations[c.blob]) for c in collected], info)
     data = manifest.to_bytes()
-    store.put_bytes(manifest_key(manifest.id), data)
-    if signing_key is not None:  # before the commit point: a committed bundle is already signed
-        signing.sign(store, signing_key, manifest.bundle_key, manifest.id, len(data))
+    wrote = _write_manifest(store, manifest, data, config.signing_key)  # before the commit point
     row = _bundle_row(manifest, compile_seconds)
     created = index.add_bundle(row)
+    if not wrote and not _manifest_stored(store, manifest.id, config.signing_key):
+        # The copy we found was an orphan of a crashed publish, and GC swept it before our commit.
+        log.warning("manifest %s vanished while publishing; writing it again", manifest.id[:12])
+        _write_manifest(store, manifest, data, config.signing_key)
     # After the commit point: pods without index access find the bundle through its ref, signed
-    # when we sign (an unchanged re-publish only re-signs a ref that is close to expiring).
-    refs.advance(store, refs.for_bundle(index, row.id), signer=signing_key)
-    layerkeys.advance(store, manifest, row.created_at)  # forward only: a re-publish moves nothing
+    # when we sign (an unchanged re-publish only re-signs a ref close to expiring), and ordered by
+    # the time the index stamped (its clock, not ours).
+    ref = refs.for_bundle(index, row.id)
+    refs.advance(store, ref, signer=config.signing_key)
+    layerkeys.advance(store, manifest, ref.created_at)  # forward only: a re-publish moves nothing
     seconds = time.perf_counter() - started
     result = PublishResult(
-        fingerprint.bundle_key, manifest.id, created, manifest.layers, len(entries), manifest.total_size,
+        fingerprint.bundle_key, manifest.id, created, manifest.layers, len(manifest.entries), manifest.total_size,
         len(new), sum(c.info.size for c in new), uploaded, pack_count, seconds,
     )  # fmt: skip
     index.record_event(Event("publish", "published" if created else "unchanged", fingerprint.bundle_key,
-                             manifest.id, len(entries), uploaded, seconds))  # fmt: skip
+                             manifest.id, len(manifest.entries), uploaded, seconds))  # fmt: skip
     return result
 
 
@@ -235,7 +288,8 @@ def _upload_until_revived(collected: list[Collected], store: Store, index: Index
     """Steps 1-2 for whatever the index lacks, then revive every pack the bundle will name.
 
     GC may sweep a condemned pack between our lookup and the revive; its blob rows go with it,
-    so another round uploads those blobs afresh. Returns (new, bytes uploaded, packs, locations).
+    so another round uploads those blobs afresh. A pack the index names but the store lacks is
+    forgotten and its blobs uploaded too. Returns (new, bytes uploaded, packs, locations).
     """
     from kcache.index import lifecycle
 
@@ -253,12 +307,41 @@ def _upload_until_revived(collected: list[Collected], store: Store, index: Index
         new_all += new
         packs += len(groups)
         locations = index.locate(c.blob for c in collected)
-        if not lifecycle.revive(index, {where.pack_id for where in locations.values()}):
-            lost = [c.path for c in collected if c.blob not in locations]
-            if lost:
-                raise IntegrityError("bundle", "", f"{len(lost)} blobs vanished from the index, e.g. {lost[0]}")
-            return new_all, uploaded, packs, locations
+        named = {where.pack_id for where in locations.values()}
+        if lifecycle.revive(index, named):
+            continue  # GC swept some of them: their blobs are missing now, upload them again
+        # Revived packs are safe from GC; one the store lost anyway (or swept before a row named it
+        # again) is forgotten, so the next round uploads its blobs instead of naming it.
+        with ThreadPoolExecutor(max(1, jobs)) as pool:
+            there = dict(zip(named, pool.map(lambda p: store.exists(pack_key(p)), named)))
+        lost_packs = {p for p, present in there.items() if not present}
+        if lost_packs:
+            log.warning("%d packs the index names are missing from the store; uploading their blobs again",
+                        len(lost_packs))  # fmt: skip
+            lifecycle.forget(index, lost_packs)
+            continue
+        lost = [c.path for c in collected if c.blob not in locations]
+        if lost:
+            raise IntegrityError("bundle", "", f"{len(lost)} blobs vanished from the index, e.g. {lost[0]}")
+        return new_all, uploaded, packs, locations
     raise IntegrityError("bundle", "", f"packs kept disappearing under a running GC ({_REVIVE_ROUNDS} rounds)")
+
+
+def _write_manifest(store: Store, manifest: manifests.Manifest, data: bytes, key: signing.SigningKey | None) -> bool:
+    """The manifest, then its signature (a committed bundle is already signed). False if both were there."""
+    wrote = store.put_bytes(manifest_key(manifest.id), data)
+    if key is not None:
+        wrote = signing.sign(store, key, manifest.bundle_key, manifest.id, len(data)) or wrote
+    return wrote
+
+
+def _manifest_stored(store: Store, manifest_id: str, key: signing.SigningKey | None) -> bool:
+    signed = key is None or store.exists(signing.signature_key(manifest_id, key.name))
+    return signed and store.exists(manifest_key(manifest_id))
+
+
+def _manifest(fp: Fingerprint, layers: list[str], entries: list[manifests.Entry], info) -> manifests.Manifest:
+    return manifests.build(fp.bundle_key, fp.toolchain_key, fp.workload_key, fp.facts, layers, entries, info)
 
 
 def _entry(c: Collected, where: BlobLocation) -> manifests.Entry:
@@ -282,3 +365,38 @@ def _bundle_row(manifest: manifests.Manifest, compile_seconds: float | None = No
         status="active",
         compile_seconds=compile_seconds,
     )
+
+
+def restore_inputs(root: Path) -> dict[str, str] | None:
+    """The workload facts (model.*, workload.*, extra.*) the last restore into ROOT computed, or None.
+
+    What a pod restored is what it publishes: `publish --from ROOT` and `watch --root ROOT`
+    without a model take these, so their bundles reach the pods that restore the same way.
+    """
+    state = readiness.read_marker(Path(root), readiness.RESTORE_MARKER) or {}
+    inputs = state.get("inputs")
+    if not isinstance(inputs, dict) or not inputs:
+        return None
+    if not all(isinstance(v, str) and fingerprints.is_workload_fact(str(k)) for k, v in inputs.items()):
+        return None  # not what restore writes: trust none of it
+    return {str(k): v for k, v in inputs.items()}
+
+
+def names_a_model(fp: Fingerprint) -> bool:
+    return fp.facts.get("model.id", fingerprints.NONE) != fingerprints.NONE or "model.config" in fp.facts
+
+
+def workload_of(fp: Fingerprint, root: Path | None) -> Fingerprint:
+    """`fp` when it names a model; else `fp` with the workload ROOT's restore recorded.
+
+    Raises ConfigError when neither names one: a bundle under model "none" reaches no pod that
+    restores with its model.
+    """
+    if names_a_model(fp):
+        return fp
+    recorded = restore_inputs(root) if root is not None else None
+    if recorded is None:
+        where = f"and {root} records no restore with one" if root is not None else "(or --from a restored ROOT)"
+        raise ConfigError("--model", fingerprints.NONE, f"publishing needs the model identity {where}; pass --model ID")
+    toolchain = {k: v for k, v in fp.facts.items() if not fingerprints.is_workload_fact(k)}
+    return fingerprints.compute({**toolchain, **recorded})

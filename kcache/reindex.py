@@ -96,7 +96,7 @@ def reindex(store: Store, index: Index, *, jobs: int = 16) -> ReindexResult:
             manifest_id, manifest.bundle_key, manifest.toolchain_key, manifest.workload_key,
             manifest.facts.get("model.id"), dict(manifest.facts), manifest.layers, len(manifest.entries),
             manifest.total_size, created, f"reindex@{socket.gethostname()}", status,
-        ))  # fmt: skip
+        ), keep_time=True)  # fmt: skip
         new += added
         if not added and status == "yanked":  # a row that outlived its yank: the store's word wins
             lifecycle.set_status(index, manifest_id, "yanked")

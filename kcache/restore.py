@@ -37,7 +37,7 @@ from kcache.errors import (
     RootError,
     UnsafePath,
 )
-from kcache.fingerprint import Fingerprint
+from kcache.fingerprint import Fingerprint, is_workload_fact
 from kcache.packs import unpack_frame
 from kcache.readiness import RESTORE_MARKER, read_marker, write_marker
 from kcache.records import Event
@@ -139,7 +139,7 @@ def restore(
         raise
     _record(index, Event("restore", result.status, result.bundle_key, result.bundle_id,
                          result.files, result.bytes, result.seconds, result.reason or None))  # fmt: skip
-    _write_state(result)
+    _write_state(result, fingerprint)
     return result
 
 
@@ -382,12 +382,14 @@ def _write_env(root: Path, fp: Fingerprint, layer_names, comment: str, run_as: s
     return envfile.write(root, exports, f"kcache restore: {comment}")
 
 
-def _write_state(result: RestoreResult) -> None:
-    """The restore marker: restore has finished, with what outcome (readiness and /metrics read it)."""
+def _write_state(result: RestoreResult, fp: Fingerprint) -> None:
+    """The restore marker: restore has finished, with what outcome (readiness and /metrics read it),
+    and the workload it computed ("inputs": what `publish --from ROOT` publishes under)."""
     write_marker(result.root, RESTORE_MARKER, {
         "status": result.status, "bundle_key": result.bundle_key, "bundle_id": result.bundle_id,
         "files": result.files, "bytes": result.bytes, "seconds": round(result.seconds, 4),
         "reason": result.reason, "layers": list(result.layers), "donors": dict(result.donors),
+        "inputs": {k: v for k, v in fp.facts.items() if is_workload_fact(k)},
     })  # fmt: skip
 
 
@@ -399,7 +401,7 @@ def _finish_quietly(root: Path, fp: Fingerprint, failed: RestoreResult, run_as: 
     try:
         if root.is_dir():
             _write_env(root, fp, [], f"error, {failed.reason}", layers.run_as_user(run_as, {}))
-            _write_state(failed)
+            _write_state(failed, fp)
     except (OSError, KcacheError) as exc:
         log.warning("cannot write kcache.env in %s: %s", root, exc)
 

@@ -110,10 +110,11 @@ def load_trusted_keys(paths) -> tuple[TrustedKey, ...]:
     return tuple(TrustedKey(*_read_key_file(Path(p), PUBLIC_TAG)) for p in paths)
 
 
-def sign(store: Store, key: SigningKey, bundle_key: str, manifest_id: str, manifest_size: int) -> None:
-    """Store this key's signature of the manifest (create-if-absent: signatures are deterministic)."""
+def sign(store: Store, key: SigningKey, bundle_key: str, manifest_id: str, manifest_size: int) -> bool:
+    """Store this key's signature of the manifest (create-if-absent: signatures are deterministic).
+    True if this call wrote it."""
     signature = sign_message(key, message(bundle_key, manifest_id, manifest_size))
-    store.put_bytes(signature_key(manifest_id, key.name), signature.encode())
+    return store.put_bytes(signature_key(manifest_id, key.name), signature.encode())
 
 
 def sign_message(key: SigningKey, signed: bytes) -> str:

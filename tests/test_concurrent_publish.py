@@ -9,7 +9,7 @@ from trees import read_tree, write_tree
 from kcache import fingerprint, sources
 from kcache import manifest as manifests
 from kcache.index import Index
-from kcache.publish import publish
+from kcache.publish import PublishConfig, publish
 from kcache.restore import restore
 from kcache.store import manifest_key, open_store, pack_key
 
@@ -24,12 +24,30 @@ def tree_for(i: int) -> dict:
     return files
 
 
-def _publisher(i, root, store_url, endpoint, index_url, facts, barrier, results):
+class InsertTogether:
+    """An index whose first add_pack waits for every writer's: their row inserts overlap for sure."""
+
+    def __init__(self, inner, barrier):
+        self.inner, self.barrier = inner, barrier
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def add_pack(self, *args):
+        if self.barrier is not None:
+            self.barrier, barrier = None, self.barrier
+            barrier.wait(timeout=120)
+        return self.inner.add_pack(*args)
+
+
+def _publisher(i, root, store_url, endpoint, index_url, facts, barrier, results, insert_barrier=None):
     try:
         store = open_store(store_url, endpoint_url=endpoint)
-        index = Index.open(index_url)
+        index = InsertTogether(Index.open(index_url), insert_barrier)
         barrier.wait(timeout=120)
-        result = publish(store, index, fingerprint.compute(facts), sources.select(), root=root, env={}, jobs=4)
+        result = publish(
+            store, index, fingerprint.compute(facts), sources.select(), root=root, env={}, config=PublishConfig(jobs=4)
+        )
         results.put((i, result.bundle_id, None))
     except BaseException:  # reported to the parent, which fails the test with it
         results.put((i, None, traceback.format_exc()))
@@ -78,3 +96,41 @@ def test_eight_concurrent_publishers(tmp_path, s3_bucket, pg_index, fp):
         assert restore(store, pg_index, fp, dst, jobs=8, bundle_id=bundle_id).status == "hit"
         for layer in ("inductor", "triton"):
             assert read_tree(dst / layer) == read_tree(roots[i] / layer)
+
+
+ORDERED_WRITERS, CONTENTS = 4, 2000
+
+
+def ordered_tree(i: int) -> dict:
+    """The same contents for every writer, under paths that sort in a different order per writer."""
+    step = (7, 11, 13, 17)[i]  # coprime to CONTENTS: a permutation of the path order
+    return {f"inductor/k/{(n * step) % CONTENTS:05d}.py": f"shared kernel {n}\n".encode() * 3 for n in range(CONTENTS)}
+
+
+def test_publishers_with_differently_ordered_trees_do_not_deadlock(tmp_path, pg_index, fp):
+    roots = []
+    for i in range(ORDERED_WRITERS):
+        write_tree(tmp_path / f"tree{i}", ordered_tree(i))
+        roots.append(tmp_path / f"tree{i}")
+    store_url = f"file://{tmp_path / 'store'}"
+    ctx = multiprocessing.get_context("spawn")
+    barrier, inserts, results = ctx.Barrier(ORDERED_WRITERS), ctx.Barrier(ORDERED_WRITERS), ctx.Queue()
+    procs = [
+        ctx.Process(target=_publisher,
+                    args=(i, roots[i], store_url, None, pg_index.url, dict(fp.facts), barrier, results, inserts))
+        for i in range(ORDERED_WRITERS)
+    ]  # fmt: skip
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    errors = [err for _, _, err in outcomes if err]
+    assert not errors, errors[0]
+    with pg_index.engine.connect() as conn:
+        assert conn.execute(text("select count(*) from blobs")).scalar() == CONTENTS
+    store = open_store(store_url)
+    for i, bundle_id, _ in outcomes:
+        dst = tmp_path / f"restored{i}"
+        assert restore(store, pg_index, fp, dst, bundle_id=bundle_id).status == "hit"
+        assert read_tree(dst / "inductor") == read_tree(roots[i] / "inductor")

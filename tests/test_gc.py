@@ -4,6 +4,7 @@ import json
 import threading
 from datetime import datetime, timedelta, timezone
 
+import pytest
 from click.testing import CliRunner
 from trees import read_tree, write_tree
 
@@ -114,21 +115,155 @@ def test_gc_sweeping_under_a_running_publish_never_breaks_its_bundle(tmp_path, s
     assert read_tree(tmp_path / "dst/inductor") == {"kernel.so": (b"shared kernel" * 100, 0o644)}
 
 
-def test_orphans_are_deleted_only_after_grace(tmp_path, store, sqlite_index, fp):
+def test_orphan_packs_are_condemned_after_grace_and_deleted_a_grace_later(tmp_path, store, sqlite_index, fp):
     store.put_bytes(pack_key("e" * 64), b"a pack whose publisher crashed before its row")
+    store.put_bytes(manifest_key("d" * 64), b"a manifest whose publisher crashed before its row")
     soon = gc.plan(store, sqlite_index, POLICY)
-    assert soon.orphans == ()
-    later = gc.plan(store, sqlite_index, POLICY, now=datetime.now(timezone.utc) + timedelta(hours=7))
-    assert [o.key for o in later.orphans] == [pack_key("e" * 64)]
+    assert soon.orphans == () and soon.adopt == ()
+    now = datetime.now(timezone.utc)
+    later = gc.plan(store, sqlite_index, POLICY, now=now + timedelta(hours=7))
+    assert [o.key for o in later.adopt] == [pack_key("e" * 64)]
+    assert [o.key for o in later.orphans] == [manifest_key("d" * 64)]
     gc.execute(store, sqlite_index, later)
+    assert store.exists(pack_key("e" * 64)) and not store.exists(manifest_key("d" * 64))
+    assert gc.plan(store, sqlite_index, POLICY, now=now + timedelta(hours=8)).sweep == ()  # in its grace
+    final = gc.plan(store, sqlite_index, POLICY, now=now + timedelta(hours=14))
+    assert [p.id for p in final.sweep] == ["e" * 64]
+    gc.execute(store, sqlite_index, final)
     assert not store.exists(pack_key("e" * 64))
+
+
+class CrashingIndex:
+    """An index that fails right after the first pack reached the store: a publish that crashed."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def add_pack(self, *args):
+        raise RuntimeError("publisher killed after its upload")
+
+
+def test_republish_over_an_orphan_pack_survives_the_orphan_sweep(tmp_path, store, sqlite_index, fp):
+    tree = {"inductor/kernel.so": b"kernel" * 100, "inductor/graph.py": b"graph"}
+    write_tree(tmp_path / "src", tree)
+    with pytest.raises(RuntimeError):
+        publish(store, CrashingIndex(sqlite_index), fp, LAYERS, root=tmp_path / "src", env={})
+    (orphan,) = list(store.list("packs/"))
+    later = datetime.now(timezone.utc) + timedelta(hours=7)
+    stale = gc.plan(store, sqlite_index, POLICY, now=later)  # made while the pack had no row
+    # The re-publish builds the byte-identical pack; the store says "already there".
+    result = publish(store, sqlite_index, fp, LAYERS, root=tmp_path / "src", env={})
+    gc.execute(store, sqlite_index, stale)
+    for hours in (14, 21):  # later runs: the orphan goes, the bundle's packs stay
+        gc.execute(store, sqlite_index, gc.plan(store, sqlite_index, POLICY, now=later + timedelta(hours=hours)))
+    assert all(store.exists(pack_key(p)) for p in _packs_of(store, result.bundle_id))
+    restore(store, sqlite_index, fp, tmp_path / "dst")
+    assert read_tree(tmp_path / "dst/inductor")["kernel.so"][0] == b"kernel" * 100
+
+
+class PublishDuringDelete:
+    """A store that runs a publish just before GC deletes a pack object (its row is already gone)."""
+
+    def __init__(self, inner, publish_now):
+        self.inner, self.publish_now, self.result = inner, publish_now, None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def delete(self, key):
+        if key.startswith("packs/") and self.result is None:
+            self.result = self.publish_now()
+        self.inner.delete(key)
+
+
+def test_a_pack_gc_is_deleting_is_never_adopted_by_a_publish(tmp_path, store, sqlite_index, fp):
+    write_tree(tmp_path / "src", {"inductor/kernel.so": b"kernel" * 100})
+    with pytest.raises(RuntimeError):
+        publish(store, CrashingIndex(sqlite_index), fp, LAYERS, root=tmp_path / "src", env={})
+    later = datetime.now(timezone.utc) + timedelta(hours=7)
+    gc.execute(store, sqlite_index, gc.plan(store, sqlite_index, POLICY, now=later))  # adopted, condemned
+    sweep = gc.plan(store, sqlite_index, POLICY, now=later + timedelta(hours=7))
+    assert len(sweep.sweep) == 1
+    racing = PublishDuringDelete(store, lambda: publish(store, sqlite_index, fp, LAYERS, root=tmp_path / "src", env={}))
+    assert gc.execute(racing, sqlite_index, sweep).packs_deleted == 1
+    # The publish ran between the row delete and the object delete: it found the identical pack
+    # "already there" and must not have named it.
+    assert all(store.exists(pack_key(p)) for p in _packs_of(store, racing.result.bundle_id))
+    assert restore(store, sqlite_index, fp, tmp_path / "dst").status == "hit"
+
+
+def test_publish_uploads_again_the_blobs_of_a_pack_the_store_lost(tmp_path, store, sqlite_index, fp):
+    first = _publish(tmp_path, store, sqlite_index, fp, b"kernel" * 100, "v1")
+    for pack in _packs_of(store, first.bundle_id):
+        store.delete(pack_key(pack))  # lost: `kcache verify` would flag it
+    other_model = fingerprint.compute({**fp.facts, "model.id": "second"})
+    second = _publish(tmp_path, store, sqlite_index, other_model, b"kernel" * 100, "v1")
+    assert second.new_blobs == 2
+    assert all(store.exists(pack_key(p)) for p in _packs_of(store, second.bundle_id))
+    restore(store, sqlite_index, other_model, tmp_path / "dst")
+    assert read_tree(tmp_path / "dst/inductor")["kernel.so"][0] == b"kernel" * 100
+
+
+def test_manifest_committed_while_gc_deletes_it_as_an_orphan_is_put_back(tmp_path, store, sqlite_index, fp):
+    write_tree(tmp_path / "src", {"inductor/kernel.so": b"kernel" * 100})
+
+    class CrashBeforeCommit(CrashingIndex):
+        def add_pack(self, *args):
+            return self.inner.add_pack(*args)
+
+        def add_bundle(self, row):
+            raise RuntimeError("publisher killed before its commit point")
+
+    with pytest.raises(RuntimeError):  # leaves the manifest as an orphan (its packs have rows)
+        publish(store, CrashBeforeCommit(sqlite_index), fp, LAYERS, root=tmp_path / "src", env={})
+    plan = gc.plan(store, sqlite_index, POLICY, now=datetime.now(timezone.utc) + timedelta(hours=7))
+    assert [o.key.split("/")[0] for o in plan.orphans] == ["manifests"]
+
+    class PublishBeforeManifestDelete(PublishDuringDelete):
+        def delete(self, key):
+            if key.startswith("manifests/") and self.result is None:
+                self.result = self.publish_now()  # commits on the orphan copy, which still exists
+            self.inner.delete(key)
+
+    racing = PublishBeforeManifestDelete(
+        store, lambda: publish(store, sqlite_index, fp, LAYERS, root=tmp_path / "src", env={})
+    )
+    gc.execute(racing, sqlite_index, plan)
+    assert store.exists(manifest_key(racing.result.bundle_id))
+    assert restore(store, sqlite_index, fp, tmp_path / "dst").status == "hit"
+
+
+def test_manifest_swept_as_an_orphan_before_the_commit_point_is_written_again(tmp_path, store, sqlite_index, fp):
+    write_tree(tmp_path / "src", {"inductor/kernel.so": b"kernel" * 100})
+
+    class SweepBeforeCommit:  # GC deletes the orphan copy of our manifest just before our bundle row
+        def __init__(self, inner, crash=False):
+            self.inner, self.crash = inner, crash
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def add_bundle(self, row):
+            if self.crash:
+                raise RuntimeError("publisher killed before its commit point")
+            store.delete(manifest_key(row.id))
+            return self.inner.add_bundle(row)
+
+    with pytest.raises(RuntimeError):  # leaves the manifest as an orphan
+        publish(store, SweepBeforeCommit(sqlite_index, crash=True), fp, LAYERS, root=tmp_path / "src", env={})
+    result = publish(store, SweepBeforeCommit(sqlite_index), fp, LAYERS, root=tmp_path / "src", env={})
+    assert store.exists(manifest_key(result.bundle_id))
+    assert restore(store, sqlite_index, fp, tmp_path / "dst").status == "hit"
 
 
 def test_cli_dry_run_changes_nothing(tmp_path):
     runner = CliRunner()
     for name, content in (("v1", b"one"), ("v2", b"two")):
         write_tree(tmp_path / name, {"inductor/k": content})
-        runner.invoke(main, ["publish", "--from", str(tmp_path / name)], catch_exceptions=False)
+        runner.invoke(main, ["publish", "--from", str(tmp_path / name), "--model", "m"], catch_exceptions=False)
     args = ["gc", "--keep-last", "1", "--older-than", "0s", "--grace", "0s"]
     dry = runner.invoke(main, args + ["--dry-run", "--json"], catch_exceptions=False)
     planned = json.loads(dry.output)

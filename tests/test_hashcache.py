@@ -7,18 +7,22 @@ from trees import write_tree
 from kcache import publish as publishing
 from kcache import sources
 from kcache.hashcache import HashCache, stat_key
-from kcache.publish import publish
+from kcache.publish import PublishConfig, publish
 
 
 def test_unchanged_files_are_not_read_again(tmp_path, store, sqlite_index, fp, monkeypatch):
     write_tree(tmp_path / "src", {f"inductor/{i}": f"kernel {i}".encode() for i in range(20)})
     cache = HashCache(tmp_path / "hashes.db")
-    publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={}, hash_cache=cache)
+    publish(
+        store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={}, config=PublishConfig(hash_cache=cache)
+    )
     reads = []
     real = publishing.hash_file
     monkeypatch.setattr(publishing, "hash_file", lambda path: reads.append(path) or real(path))
     (tmp_path / "src/inductor/3").write_bytes(b"changed in place")
-    again = publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={}, hash_cache=cache)
+    again = publish(
+        store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={}, config=PublishConfig(hash_cache=cache)
+    )
     assert [p.name for p in reads] == ["3"]
     assert again.new_blobs == 1
 
@@ -38,7 +42,15 @@ def _publish_with(tmp_path, store, sqlite_index, fp, cache_path):
     write_tree(tmp_path / "src", {"inductor/a": b"kernel a", "cuda/b": b"sass b"})
     cache = HashCache(cache_path)
     try:
-        return publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={}, hash_cache=cache)
+        return publish(
+            store,
+            sqlite_index,
+            fp,
+            sources.select(),
+            root=tmp_path / "src",
+            env={},
+            config=PublishConfig(hash_cache=cache),
+        )
     finally:
         cache.close()
 

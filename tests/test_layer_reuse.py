@@ -15,7 +15,7 @@ from trees import write_tree
 from kcache import fingerprint, layerkeys, probes, refs, signing, sources
 from kcache import manifest as manifests
 from kcache.cli import main
-from kcache.publish import publish
+from kcache.publish import PublishConfig, publish
 from kcache.restore import restore
 from kcache.sources.base import torch_user
 from kcache.store import manifest_key
@@ -115,7 +115,7 @@ def test_an_unsigned_donor_is_refused_when_signatures_are_required(tmp_path, sto
 
 def test_a_signed_donor_is_taken(tmp_path, store, sqlite_index):
     private, public = signing.generate("team", tmp_path / "keys")
-    published(tmp_path, store, sqlite_index, GPU, signing_key=signing.load_signing_key(private))
+    published(tmp_path, store, sqlite_index, GPU, config=PublishConfig(signing_key=signing.load_signing_key(private)))
     trusted = signing.load_trusted_keys([public])
     _, reused = restored_layers(store, sqlite_index, {**GPU, "model.id": "x"}, tmp_path / "r",
                                 trusted=trusted, require_signature=True)  # fmt: skip

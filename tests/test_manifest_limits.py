@@ -14,7 +14,7 @@ from trees import write_tree
 from kcache import fingerprint, limits, refs, signing, sources
 from kcache.cli import main
 from kcache.errors import ConfigError, ObjectTooLarge, SignatureError
-from kcache.publish import publish
+from kcache.publish import PublishConfig, publish
 from kcache.restore import restore
 from kcache.store import manifest_key, ref_key
 from kcache.store.local import LocalStore
@@ -72,7 +72,7 @@ def test_the_signature_is_checked_before_the_manifest_is_read(tmp_path, store, s
 def test_a_signed_manifest_is_read_once_and_only_its_signed_size(tmp_path, store, sqlite_index, fp, keys):
     write_tree(tmp_path / "src", {"inductor/a": b"a"})
     published = publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={},
-                        signing_key=keys[0])  # fmt: skip
+                        config=PublishConfig(signing_key=keys[0]))  # fmt: skip
     counting = CountingStore(store)
     result = restore(counting, sqlite_index, fp, tmp_path / "dst", trusted=(keys[1],), require_signature=True)
     assert result.status == "hit"

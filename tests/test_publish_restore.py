@@ -13,7 +13,7 @@ from kcache import envfile, fingerprint, sources
 from kcache import manifest as manifests
 from kcache.errors import IntegrityError, RestoreTimeout, RootError, UnsafePath
 from kcache.index import Bundle
-from kcache.publish import publish
+from kcache.publish import PublishConfig, publish
 from kcache.restore import STAGING_PREFIX, read_state, restore
 from kcache.sources.base import torch_user
 from kcache.store import manifest_key
@@ -22,7 +22,7 @@ LAYERS = sources.select()
 
 
 def publish_tree(store, index, fp, root: Path):
-    return publish(store, index, fp, LAYERS, root=root, env={})
+    return publish(store, index, fp, LAYERS, root=root, env={}, config=PublishConfig(allow_empty=True))
 
 
 def layer_dirs(root: Path) -> dict:
@@ -303,5 +303,6 @@ def test_publish_from_root_keeps_extra_layers_a_restore_laid_down(tmp_path, stor
     from kcache.cli import main
 
     write_tree(tmp_path / "root", {"inductor/a": b"a", "extra/trt/timing.cache": b"t"})
-    out = CliRunner().invoke(main, ["publish", "--from", str(tmp_path / "root"), "--json"], catch_exceptions=False)
+    args = ["publish", "--from", str(tmp_path / "root"), "--model", "m", "--json"]
+    out = CliRunner().invoke(main, args, catch_exceptions=False)
     assert "extra:trt" in out.output

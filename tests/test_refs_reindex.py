@@ -57,6 +57,7 @@ def test_restore_through_refs_without_index(tmp_path, store, sqlite_index, fp):
 
 
 def test_cli_restore_uses_refs_when_no_index_is_reachable(tmp_path, monkeypatch):
+    monkeypatch.setenv("KCACHE_MODEL", "m")
     write_tree(tmp_path / "src", {"inductor/a": b"a"})
     store_url = f"file://{tmp_path / 'shared-store'}"
     runner = CliRunner()

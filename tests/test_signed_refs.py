@@ -16,7 +16,7 @@ from trees import write_tree
 from kcache import refs, signing, sources
 from kcache.cli import main
 from kcache.index import Index
-from kcache.publish import publish
+from kcache.publish import PublishConfig, publish
 from kcache.reindex import reindex
 from kcache.restore import restore
 from kcache.store import ref_key
@@ -39,7 +39,9 @@ def keys(tmp_path):
 def _publish(tmp_path, store, index, fp, content: bytes, key=None, name="src"):
     write_tree(tmp_path / name, {"inductor/a": content})
     os.utime(tmp_path / name / "inductor/a", ns=(10**18, 10**18))  # mtimes are published: "unchanged" keeps them
-    return publish(store, index, fp, sources.select(), root=tmp_path / name, env={}, signing_key=key)
+    return publish(
+        store, index, fp, sources.select(), root=tmp_path / name, env={}, config=PublishConfig(signing_key=key)
+    )
 
 
 def _pod(store, fp, root, keys, **kw):

@@ -12,7 +12,7 @@ from kcache import fingerprint, signing, sources
 from kcache import manifest as manifests
 from kcache.cli import main
 from kcache.errors import ConfigError, SignatureError
-from kcache.publish import publish
+from kcache.publish import PublishConfig, publish
 from kcache.restore import restore
 from kcache.store import manifest_key
 
@@ -28,7 +28,9 @@ def keys(tmp_path):
 
 def _publish(tmp_path, store, index, fp, key=None):
     write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"pickled graph", "inductor/ab/k.so": b"\x7fELF"})
-    return publish(store, index, fp, sources.select(), root=tmp_path / "src", env={}, signing_key=key)
+    return publish(
+        store, index, fp, sources.select(), root=tmp_path / "src", env={}, config=PublishConfig(signing_key=key)
+    )
 
 
 def test_keygen_writes_a_private_key_only_its_owner_reads(tmp_path):
@@ -101,6 +103,7 @@ def test_require_without_trusted_keys_is_a_config_error(tmp_path, store, sqlite_
 
 
 def test_cli_sign_and_verify(tmp_path, monkeypatch):
+    monkeypatch.setenv("KCACHE_MODEL", "m")
     runner = CliRunner()
     out = runner.invoke(main, ["keygen", "ci", "--dir", str(tmp_path / "k")], catch_exceptions=False)
     assert out.exit_code == 0 and "ci.pub" in out.output

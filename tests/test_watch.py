@@ -343,3 +343,22 @@ def test_watch_command_serves_and_stops_on_sigterm(tmp_path):
             assert response.status == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0, proc.stderr.read()
+
+
+def test_cli_watch_publishes_signed_deltas_under_the_restored_workload(tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    store = ("--store", f"file://{tmp_path / 'store'}", "--index", f"sqlite:///{tmp_path / 'index.db'}")
+    workload = ("--model", "m", "--extra", "tp=2")
+    assert run("keygen", "pod", "--dir", str(tmp_path / "keys")).exit_code == 0
+    monkeypatch.setenv("KCACHE_SIGNING_KEY", str(tmp_path / "keys" / "pod.key"))
+    assert "miss" in run("restore", "--into", str(root), *workload, *store).output
+    write_marker(root, WARMUP_MARKER, {"status": "ok", "seconds": 1.0, "profiles": []})
+    assert "0 cache files" in run("watch", "--root", str(root), "--once").output  # the baseline
+    write_tree(root, {"triton/late/k.cubin": b"compiled after ready"})
+    # No --model: the sidecar publishes what the init container restored, signed like `kcache publish`.
+    out = run("watch", "--root", str(root), "--once", "--json", "--publish-every", "10m", *store)
+    assert json.loads(out.output)["published"], out.output
+    again = run("restore", "--into", str(tmp_path / "next"), *workload, *store, "--json", "--strict",
+                "--require-signature", "--trusted-key", str(tmp_path / "keys" / "pod.pub"))  # fmt: skip
+    doc = json.loads(again.output)
+    assert (doc["status"], doc["signed_by"]) == ("hit", "pod")

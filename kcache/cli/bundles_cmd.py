@@ -24,7 +24,7 @@ def ls_cmd(key, model, limit, store_url, index_url, s3_endpoint_url, as_json):
       kcache ls
       kcache ls --model my-llm --json
     """
-    with opened(settings(store_url, index_url, s3_endpoint_url), store=False) as (_, index):
+    with opened(settings(store_url, index_url, s3_endpoint_url), store=False, write=False) as (_, index):
         bundles = index.list_bundles(bundle_key=key, model=model, limit=limit)
     if as_json:
         click.echo(fmt.to_json([fmt.bundle_json(b) for b in bundles]))
@@ -52,7 +52,7 @@ def show_cmd(bundle, list_files, store_url, index_url, s3_endpoint_url, as_json)
     Example:
       kcache show 3f2a9c01bd47 --files
     """
-    with opened(settings(store_url, index_url, s3_endpoint_url), store=list_files) as (store, index):
+    with opened(settings(store_url, index_url, s3_endpoint_url), store=list_files, write=False) as (store, index):
         found = index.get_bundle(bundle)
         entries: tuple[manifests.Entry, ...] = ()
         if list_files:

@@ -47,10 +47,12 @@ BUG_HINT = "this is a bug in kcache; run with KCACHE_DEBUG=1 for a traceback and
 # exception class kcache defines has a row of its own.
 TABLE: tuple[tuple[type[Exception], ExitCode, str], ...] = (
     (ProfileError, ExitCode.USAGE, "fix the profiles file where shown; `kcache warmup --help` has the format"),
+    (errors.StoreMismatch, ExitCode.USAGE, "give each store its own index (--index), or restore with --index none"),
     (errors.ConfigError, ExitCode.USAGE, "check the flag or environment variable named above (see `kcache config`)"),
     (errors.NotFound, ExitCode.NOT_FOUND, "`kcache ls` lists the bundles the index knows"),
     (errors.ObjectMissing, ExitCode.STORE, "the store lost an object the index names; re-publish the bundle"),
     (errors.StoreError, ExitCode.STORE, "check the store URL, that it exists and that you may read and write it"),
+    (errors.IndexConflict, ExitCode.INDEX, "other writers held the same rows; run it again (nothing was committed)"),
     (errors.IndexDbError, ExitCode.INDEX, "check --index / KCACHE_INDEX; PostgreSQL needs `kcache db upgrade`"),
     (errors.UnsafePath, ExitCode.CORRUPT, "the bundle is hostile or corrupt; re-publish it from a clean cache"),
     (errors.ObjectTooLarge, ExitCode.CORRUPT, "a manifest this big needs KCACHE_MAX_MANIFEST_BYTES raised"),

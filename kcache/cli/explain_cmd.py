@@ -45,7 +45,7 @@ def explain_cmd(limit, model, model_config, facts, extras, store_url, index_url,
       kcache explain --model my-llm --facts-file /etc/kcache-facts/facts.json
     """
     fp = compute_fingerprint(model, model_config, facts, extras)
-    with opened(settings(store_url, index_url, s3_endpoint_url), store=False) as (_, index):
+    with opened(settings(store_url, index_url, s3_endpoint_url), store=False, write=False) as (_, index):
         bundles = index.list_bundles(limit=SCAN)
         bundles += index.list_bundles(model=fp.facts.get("model.id"), limit=SCAN)
         newest = index.newest_bundle(fp.bundle_key)  # may be older than the scanned window

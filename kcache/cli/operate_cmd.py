@@ -60,7 +60,7 @@ def verify_cmd(read_data, subset, jobs, store_url, index_url, s3_endpoint_url, a
     from kcache.verify import parse_subset, verify
 
     part = parse_subset(subset)
-    with opened(settings(store_url, index_url, s3_endpoint_url), jobs=jobs) as (store, index):
+    with opened(settings(store_url, index_url, s3_endpoint_url), jobs=jobs, write=False) as (store, index):
         result = verify(store, index, read_data=read_data, subset=part, jobs=jobs)
     if as_json:
         click.echo(fmt.to_json(asdict(result)))
@@ -104,13 +104,15 @@ def gc_cmd(keep_last, older_than, grace, dry_run, store_url, index_url, s3_endpo
         "dry_run": dry_run, "bundles_to_delete": [b.id for b in plan.delete_bundles],
         "packs_to_condemn": len(plan.condemn), "packs_to_delete": len(plan.sweep),
         "packs_in_grace": len(plan.waiting), "orphans": [o.key for o in plan.orphans],
+        "orphan_packs_to_condemn": [o.key for o in plan.adopt],
         "bytes_to_free": plan.bytes_freed, "result": asdict(result) if result else None,
     }  # fmt: skip
     if as_json:
         click.echo(fmt.to_json(summary))
         return
     verb = "would" if dry_run else "will"
-    click.echo(f"kcache gc plan: delete {len(plan.delete_bundles)} bundles; condemn {len(plan.condemn)} packs; "
+    click.echo(f"kcache gc plan: delete {len(plan.delete_bundles)} bundles; "
+               f"condemn {len(plan.condemn)} packs and {len(plan.adopt)} orphan packs; "
                f"delete {len(plan.sweep)} condemned packs and {len(plan.orphans)} orphan objects "
                f"({verb} free {fmt.size(plan.bytes_freed)}); {len(plan.waiting)} packs wait out --grace")  # fmt: skip
     for bundle in plan.delete_bundles:

@@ -126,12 +126,20 @@ def open_index(url: str):
 
 
 @contextmanager
-def opened(cfg: config.Settings, *, store: bool = True, index: bool = True, jobs: int = 16) -> Iterator[tuple]:
-    """(store, index) for one command, either None when not asked for; the index is closed at the end."""
+def opened(cfg: config.Settings, *, store: bool = True, index: bool = True, jobs: int = 16,
+           write: bool = True) -> Iterator[tuple]:  # fmt: skip
+    """(store, index) for one command, either None when not asked for; the index is closed at the end.
+
+    The index is checked against the store it describes (kcache.binding); a writer binds an
+    unbound one, a reader (`write=False`) never creates an index file."""
+    from kcache import binding
     from kcache.store import open_store
 
+    if index and cfg.index_url == NO_INDEX:
+        raise ConfigError("--index", cfg.index_url,
+                          "this command needs an index; only `kcache restore` works from refs/")  # fmt: skip
     the_store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs) if store else None
-    the_index = open_index(cfg.index_url) if index else None
+    the_index = binding.open_index(cfg, the_store, write=write) if index else None
     try:
         yield the_store, the_index
     finally:

@@ -1,14 +1,20 @@
-"""`kcache publish`: upload this machine's caches (only what the store lacks) as a bundle."""
+"""`kcache publish`: upload this machine's caches (only what the store lacks) as a bundle.
+
+Also home of the publish configuration every publishing command builds the same way
+(`publish_options`, `publish_config`): publish, prebake and watch sign, cache hashes and
+refuse empty bundles alike.
+"""
 
 from __future__ import annotations
 
 import logging
+import sqlite3
 from dataclasses import asdict
 from pathlib import Path
 
 import click
 
-from kcache import sources
+from kcache import binding, sources
 from kcache.cli import format as fmt
 from kcache.cli.options import (
     compute_fingerprint,
@@ -16,16 +22,48 @@ from kcache.cli.options import (
     handle_errors,
     json_option,
     load_signing_key,
-    open_index,
     settings,
     stderr_is_terminal,
     store_options,
 )
+from kcache.config import Settings
 from kcache.hashcache import HashCache
-from kcache.publish import publish
+from kcache.publish import PublishConfig, publish, workload_of
 from kcache.store import open_store
 
 log = logging.getLogger(__name__)
+
+
+def signing_key_option(fn):
+    return click.option(
+        "--signing-key",
+        type=click.Path(dir_okay=False, path_type=Path),
+        envvar="KCACHE_SIGNING_KEY",
+        help="Sign the manifest with this key from `kcache keygen`.",
+    )(fn)
+
+
+def allow_empty_option(fn):
+    return click.option(
+        "--allow-empty",
+        is_flag=True,
+        help="Publish even when no cache file was found (the empty bundle becomes the newest).",
+    )(fn)
+
+
+def publish_config(
+    cfg: Settings, *, jobs: int = 8, signing_key: Path | None = None, allow_empty: bool = False
+) -> PublishConfig:
+    """The one publish configuration; its hash cache stays open until the command ends."""
+    key = load_signing_key(signing_key)
+    try:
+        cache = HashCache(cfg.home / "hashcache.db")
+    except (OSError, sqlite3.Error) as exc:  # a read-only home: slower re-publishes, not a failed one
+        log.warning("no hash cache in %s (%s); every file is read again", cfg.home, exc)
+        cache = None
+    else:
+        click.get_current_context().call_on_close(cache.close)
+    return PublishConfig(jobs=jobs, signing_key=key, hash_cache=cache, allow_empty=allow_empty)
 
 
 @click.command("publish")
@@ -37,8 +75,8 @@ log = logging.getLogger(__name__)
 )
 @click.option("--extra-dir", "extra_dirs", multiple=True, metavar="NAME=PATH",
               help="Also carry a directory of your own; restored to ROOT/extra/NAME.")  # fmt: skip
-@click.option("--signing-key", type=click.Path(dir_okay=False, path_type=Path), envvar="KCACHE_SIGNING_KEY",
-              help="Sign the manifest with this key from `kcache keygen`.")  # fmt: skip
+@signing_key_option
+@allow_empty_option
 @click.option("--compile-seconds", type=click.FloatRange(min=0), metavar="S",
               help="Seconds the cold warmup took; `kcache stats` counts this minus restore time as saved.")  # fmt: skip
 @click.option("--jobs", type=click.IntRange(1, 256), default=8, show_default=True, help="Parallel hashing and uploads.")
@@ -46,34 +84,34 @@ log = logging.getLogger(__name__)
 @store_options
 @json_option
 @handle_errors
-def publish_cmd(root, layers, extra_dirs, signing_key, compile_seconds, jobs, model, model_config, facts, extras,
-                store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
+def publish_cmd(root, layers, extra_dirs, signing_key, allow_empty, compile_seconds, jobs, model, model_config, facts,
+                extras, store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
     """Publish the compiled-kernel caches as a bundle for this machine's fingerprint.
 
     Uploads only blobs the index does not have: re-publishing an unchanged cache uploads
-    nothing. Safe to run from many pods at once.
+    nothing. Safe to run from many pods at once. Without --model, `--from ROOT` publishes under
+    the model (and config, extras) that the restore into ROOT used; elsewhere a model is required.
+    A bundle with no files needs --allow-empty.
 
     \b
     Examples:
       kcache publish --model my-llm                      # live cache dirs after warmup
       kcache publish --from /cache --model my-llm --json # what `restore --into /cache` laid out
     """
-    fp = compute_fingerprint(model, model_config, facts, extras)
+    fp = workload_of(compute_fingerprint(model, model_config, facts, extras), root)
     names = layers.split(",") if layers else None
     extras = [sources.parse_extra_dir(s) for s in extra_dirs]
     chosen = sources.in_root(root, names, extras) if root else sources.select(names, extras)
-    key = load_signing_key(signing_key)
     cfg = settings(store_url, index_url, s3_endpoint_url)
     store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
-    index = open_index(cfg.index_url)
-    hashes = HashCache(cfg.home / "hashcache.db")
+    note = (lambda msg: click.echo(f"kcache: {msg}", err=True)) if stderr_is_terminal() and not as_json else None
+    config = publish_config(cfg, jobs=jobs, signing_key=signing_key, allow_empty=allow_empty)
+    index = binding.open_index(cfg, store, write=True)
     try:
-        note = (lambda msg: click.echo(f"kcache: {msg}", err=True)) if stderr_is_terminal() and not as_json else None
-        result = publish(store, index, fp, chosen, root=root, jobs=jobs, progress=note, signing_key=key,
-                         compile_seconds=compile_seconds, hash_cache=hashes)  # fmt: skip
+        result = publish(store, index, fp, chosen, root=root, config=config, progress=note,
+                         compile_seconds=compile_seconds)  # fmt: skip
     finally:
         index.close()
-        hashes.close()
     if as_json:
         click.echo(fmt.to_json(asdict(result)))
         return

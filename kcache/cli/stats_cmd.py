@@ -32,7 +32,7 @@ def stats_cmd(since, model, store_url, index_url, s3_endpoint_url, as_json):
       kcache stats --since 24h --model my-llm --json
     """
     window = durations.parse(since, "--since") if since else None
-    with opened(settings(store_url, index_url, s3_endpoint_url), store=False) as (_, index):
+    with opened(settings(store_url, index_url, s3_endpoint_url), store=False, write=False) as (_, index):
         result = stats.summarize(index, window=window, model=model)
     if as_json:
         doc = {**asdict(result), "since": result.since.isoformat() if result.since else None,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
+from kcache import binding, warmup
 from kcache import profiles as profile_files
-from kcache import warmup
 from kcache.cli import format as fmt
 from kcache.cli.errors import ExitCode
 from kcache.cli.options import (
@@ -17,12 +17,11 @@ from kcache.cli.options import (
     fingerprint_options,
     handle_errors,
     json_option,
-    load_signing_key,
-    open_index,
     settings,
     stderr_is_terminal,
     store_options,
 )
+from kcache.cli.publish_cmd import publish_config
 from kcache.config import redact_text
 from kcache.errors import ConfigError
 from kcache.prebake import ChildWarmup, ServerWarmup, prebake
@@ -187,13 +186,12 @@ def prebake_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_
         warmer = ServerWarmup(_http(url, request_timeout, wait_timeout, served_model), _profiles(profiles_file),
                               parallel)  # fmt: skip
     fp = compute_fingerprint(model, model_config, facts, extras)
-    key = load_signing_key(signing_key)
     cfg = settings(store_url, index_url, s3_endpoint_url)
     store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
-    index = open_index(cfg.index_url)
+    config = publish_config(cfg, jobs=jobs, signing_key=signing_key)
+    index = binding.open_index(cfg, store, write=True)
     try:
-        note = None if as_json else _note()
-        result = prebake(store, index, fp, root, warmer, jobs=jobs, progress=note, signing_key=key)
+        result = prebake(store, index, fp, root, warmer, config=config, progress=None if as_json else _note())
     finally:
         index.close()
     if as_json:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from kcache import durations
+from kcache import binding, durations
 from kcache.cli import format as fmt
 from kcache.cli.errors import ExitCode
 from kcache.cli.options import (
@@ -14,15 +14,15 @@ from kcache.cli.options import (
     fingerprint_options,
     handle_errors,
     json_option,
-    open_index,
     settings,
     store_options,
 )
+from kcache.cli.publish_cmd import publish_config, signing_key_option
 from kcache.cli.ready_cmd import root_option
 from kcache.cli.serve_cmd import host_port_options, stop_on_signals
-from kcache.config import redact_text
+from kcache.config import Settings, redact_text
 from kcache.errors import ConfigError
-from kcache.publish import publish
+from kcache.publish import PublishConfig, publish, workload_of
 from kcache.serve import make_server, start_in_thread
 from kcache.store import open_store
 from kcache.watch import Publisher, Step, Watcher
@@ -43,16 +43,19 @@ class Duration(click.ParamType):
             self.fail(f"{value!r} is not a duration such as 30s, 10m or 1h ({exc.why})", param, ctx)
 
 
-def _publisher(root: Path, fingerprint_args, store_args) -> Publisher:
-    """Publishes ROOT's layers as a bundle for this pod's fingerprint; the index is opened per publish."""
+def _publisher(root: Path, fingerprint_args, cfg: Settings, config: PublishConfig) -> Publisher:
+    """Publishes ROOT's layers as a bundle for this pod's fingerprint; the index is opened per publish.
+
+    Without a model the workload comes from ROOT's restore record, read at each publish: the
+    sidecar may start before the restore has written it.
+    """
     fp = compute_fingerprint(*fingerprint_args)
-    cfg = settings(*store_args)
     store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url)
 
     def publish_delta(layers):
-        index = open_index(cfg.index_url)
+        index = binding.open_index(cfg, store, write=True)
         try:
-            return publish(store, index, fp, layers, root=root)
+            return publish(store, index, workload_of(fp, root), layers, root=root, config=config)
         finally:
             index.close()
 
@@ -68,11 +71,12 @@ def _publisher(root: Path, fingerprint_args, store_args) -> Publisher:
 @click.option("--once", is_flag=True, help="Scan once (taking the baseline if the pod just became ready) and exit.")
 @host_port_options(port_help="Also serve /healthz, /readyz and /metrics on this port (as `kcache serve`).",
                    port_required=False)  # fmt: skip
+@signing_key_option
 @fingerprint_options
 @store_options
 @json_option
 @handle_errors
-def watch_cmd(root, interval, publish_every, once, host, port, model, model_config, facts, extras,
+def watch_cmd(root, interval, publish_every, once, host, port, signing_key, model, model_config, facts, extras,
               store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
     """Notice cache files that appear after the pod became ready: shapes warmup did not cover.
 
@@ -88,7 +92,10 @@ def watch_cmd(root, interval, publish_every, once, host, port, model, model_conf
     """
     publisher = None
     if publish_every is not None:
-        publisher = _publisher(root, (model, model_config, facts, extras), (store_url, index_url, s3_endpoint_url))
+        cfg = settings(store_url, index_url, s3_endpoint_url)
+        publisher = _publisher(
+            root, (model, model_config, facts, extras), cfg, publish_config(cfg, signing_key=signing_key)
+        )
     watcher = Watcher(root, publisher=publisher, publish_every=publish_every)
     if once:
         _report(watcher.step(publish_now=True), as_json)

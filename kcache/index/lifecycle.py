@@ -3,6 +3,9 @@
 GC's two phases meet publishers in these rows:
 
     condemn(packs)          GC, phase 1: packs no retained bundle references get condemned_at = now
+    adopt(packs)            GC, phase 1: a pack object with no row at all (a publish crashed before
+                            its rows) gets a row that is condemned from the start, so it is swept by
+                            the same two-phase rule, and a re-publish that rebuilds it revives it
     revive(packs)           publish, before its commit point: condemned_at = NULL on every pack the
                             new manifest uses; reports packs whose rows are already gone
     delete_condemned(...)   GC, phase 2: rows of packs still condemned since before the cutoff are
@@ -21,7 +24,7 @@ from datetime import datetime
 from sqlalchemy import delete, select, update
 
 from kcache.index.models import BlobRow, BundleRow, PackRow
-from kcache.index.repo import Index, _bundle
+from kcache.index.repo import Index, bundle_of
 from kcache.records import Bundle
 
 _CHUNK = 500
@@ -38,32 +41,34 @@ class PackInfo:
 def set_status(index: Index, bundle_id: str, status: str) -> Bundle:
     """Mark a bundle active or yanked; returns it as it is now."""
     bundle = index.get_bundle(bundle_id)
-    with index._guard(), index._session() as s, s.begin():
-        s.execute(update(BundleRow).where(BundleRow.id == bundle.id).values(status=status))
+    index.transaction(lambda s: s.execute(update(BundleRow).where(BundleRow.id == bundle.id).values(status=status)))
     return index.get_bundle(bundle.id)
 
 
 def all_bundles(index: Index) -> list[Bundle]:
     """Every bundle, newest first."""
-    with index._guard(), index._session() as s:
-        return [_bundle(r) for r in s.scalars(select(BundleRow).order_by(BundleRow.created_at.desc(), BundleRow.id))]
+    query = select(BundleRow).order_by(BundleRow.created_at.desc(), BundleRow.id)
+    return index.read(lambda s: [bundle_of(r) for r in s.scalars(query)])
+
+
+def has_bundle(index: Index, bundle_id: str) -> bool:
+    return index.read(lambda s: s.get(BundleRow, bundle_id) is not None)
 
 
 def delete_bundle(index: Index, bundle_id: str) -> None:
-    with index._guard(), index._session() as s, s.begin():
-        s.execute(delete(BundleRow).where(BundleRow.id == bundle_id))
+    index.transaction(lambda s: s.execute(delete(BundleRow).where(BundleRow.id == bundle_id)))
 
 
 def packs(index: Index) -> list[PackInfo]:
-    with index._guard(), index._session() as s:
-        rows = s.scalars(select(PackRow)).all()
-        return [PackInfo(r.id, r.size, r.created_at, r.condemned_at) for r in rows]
+    return index.read(lambda s: [PackInfo(r.id, r.size, r.created_at, r.condemned_at)
+                                 for r in s.scalars(select(PackRow))])  # fmt: skip
 
 
 def condemn(index: Index, pack_ids: Iterable[str], at: datetime) -> None:
     """Phase 1: condemn packs not yet condemned (an older condemnation keeps its time)."""
     ids = sorted(set(pack_ids))
-    with index._guard(), index._session() as s, s.begin():
+
+    def work(s) -> None:
         for i in range(0, len(ids), _CHUNK):
             s.execute(
                 update(PackRow)
@@ -71,17 +76,45 @@ def condemn(index: Index, pack_ids: Iterable[str], at: datetime) -> None:
                 .values(condemned_at=at)
             )
 
+    index.transaction(work)
+
+
+def adopt(index: Index, packs: Iterable[tuple[str, int]], at: datetime) -> None:
+    """Phase 1 for orphan pack objects: a condemned row for each (id, size) that has no row yet.
+
+    Insert-or-ignore: a publisher that recorded the pack meanwhile keeps its live row.
+    """
+    rows = sorted(({"id": p, "size": size, "created_at": at, "condemned_at": at} for p, size in packs),
+                  key=lambda row: row["id"])  # fmt: skip
+
+    def work(s) -> None:
+        for i in range(0, len(rows), _CHUNK):
+            s.execute(index.insert_ignore(PackRow, rows[i : i + _CHUNK]))
+
+    if rows:
+        index.transaction(work)
+
+
+def forget(index: Index, pack_ids: Iterable[str]) -> None:
+    """Drop the rows of packs the store has lost: the index must not offer their blobs any more."""
+    ids = sorted(set(pack_ids))
+    for i in range(0, len(ids), _CHUNK):
+        index.transaction(lambda s, chunk=ids[i : i + _CHUNK]: _delete_rows(s, (PackRow.id.in_(chunk),)))
+
 
 def revive(index: Index, pack_ids: Iterable[str]) -> set[str]:
     """Publish's side: un-condemn these packs. Returns the ids whose rows no longer exist."""
     ids = sorted(set(pack_ids))
-    present: set[str] = set()
-    with index._guard(), index._session() as s, s.begin():
+
+    def work(s) -> set[str]:
+        present: set[str] = set()
         for i in range(0, len(ids), _CHUNK):
             chunk = ids[i : i + _CHUNK]
             s.execute(update(PackRow).where(PackRow.id.in_(chunk)).values(condemned_at=None))
             present.update(s.scalars(select(PackRow.id).where(PackRow.id.in_(chunk))))
-    return set(ids) - present
+        return present
+
+    return set(ids) - index.transaction(work)
 
 
 def delete_condemned(index: Index, pack_ids: Iterable[str], cutoff: datetime) -> set[str]:
@@ -98,12 +131,12 @@ def delete_condemned(index: Index, pack_ids: Iterable[str], cutoff: datetime) ->
             PackRow.condemned_at.is_not(None),
             PackRow.condemned_at < cutoff,
         )
-        with index._guard(), index._session() as s, s.begin():
-            unsynced = {"synchronize_session": False}  # no ORM objects are loaded here
-            s.execute(
-                delete(BlobRow).where(BlobRow.pack_id.in_(select(PackRow.id).where(*doomed))),
-                execution_options=unsynced,
-            )
-            gone = s.execute(delete(PackRow).where(*doomed).returning(PackRow.id), execution_options=unsynced)
-            deleted.update(gone.scalars())
+        deleted.update(index.transaction(lambda s, doomed=doomed: _delete_rows(s, doomed)))
     return deleted
+
+
+def _delete_rows(s, doomed) -> set[str]:
+    """Blob rows, then pack rows, of the packs matching `doomed`; the ids of the packs deleted."""
+    unsynced = {"synchronize_session": False}  # no ORM objects are loaded here
+    s.execute(delete(BlobRow).where(BlobRow.pack_id.in_(select(PackRow.id).where(*doomed))), execution_options=unsynced)
+    return set(s.execute(delete(PackRow).where(*doomed).returning(PackRow.id), execution_options=unsynced).scalars())

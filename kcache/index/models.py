@@ -4,6 +4,7 @@
     packs    one row per pack object; condemned_at is set by GC's first phase
     blobs    content id -> the pack, offset and compressed length that hold it
     events   restore/publish outcomes, the source of hit-rate and time-saved stats
+    store_binding  one row: the id of the store these rows describe (kcache.binding)
 
 Schema changes go through a new Alembic migration in migrations/versions; a test checks that
 these models and the migrations agree.
@@ -15,6 +16,9 @@ from datetime import datetime
 
 from sqlalchemy import BigInteger, DateTime, Float, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# PostgreSQL refuses a btree entry over ~2.7 kB: an indexed TEXT column still needs a bound.
+MAX_MODEL_ID = 1024
 
 
 class Base(DeclarativeBase):
@@ -28,9 +32,9 @@ class BundleRow(Base):
     bundle_key: Mapped[str] = mapped_column(String(64), index=True)
     toolchain_key: Mapped[str] = mapped_column(String(64), index=True)
     workload_key: Mapped[str] = mapped_column(String(64))
-    model: Mapped[str | None] = mapped_column(String(512), index=True)
+    model: Mapped[str | None] = mapped_column(Text, index=True)  # at most MAX_MODEL_ID (btree entry limit)
     facts: Mapped[str] = mapped_column(Text)  # canonical JSON
-    layers: Mapped[str] = mapped_column(String(512))  # comma-separated layer names
+    layers: Mapped[str] = mapped_column(Text)  # comma-separated layer names
     files: Mapped[int] = mapped_column(Integer)
     bytes: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
@@ -73,3 +77,12 @@ class EventRow(Base):
     seconds: Mapped[float] = mapped_column(Float, default=0.0)
     reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class StoreBindingRow(Base):
+    __tablename__ = "store_binding"
+
+    slot: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)  # always 1: one store
+    store_id: Mapped[str] = mapped_column(String(64))
+    store_url: Mapped[str] = mapped_column(Text)  # as first bound; for messages, never compared
+    bound_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -2,33 +2,54 @@
 
 Writes are idempotent (insert-or-ignore on content ids), so any number of publishers can race:
 the first row for a blob wins, and every row points at a pack that was stored before the row was.
+Every write takes its row locks in one canonical order (ascending id), so two writers holding the
+same contents under differently sorted paths never lock in opposite orders; a transaction that
+PostgreSQL still aborts (deadlock 40P01, serialization failure 40001) is run again, a few times.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
+import logging
+import random
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
+from typing import TypeVar
 
 from sqlalchemy import Engine, func, select
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from kcache.errors import IndexDbError, NotFound
+from kcache.errors import ConfigError, IndexConflict, IndexDbError, NotFound
 from kcache.index.db import describe_error, ensure_schema, make_engine
-from kcache.index.models import BlobRow, BundleRow, EventRow, PackRow
+from kcache.index.models import MAX_MODEL_ID, BlobRow, BundleRow, EventRow, PackRow, StoreBindingRow
 from kcache.records import BlobLocation, Bundle, Event
 
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 _IN_CHUNK = 500  # bound on bind parameters per IN (...) query
+# Prefixes reach LIKE: only hex digits, so no wildcard can widen them ("%%%%%%" once yanked a bundle).
+_HEX_ID_PREFIX = re.compile(r"[0-9a-f]{6,64}\Z")
+_HEX_KEY_PREFIX = re.compile(r"[0-9a-f]{1,32}\Z")
+_RETRY_SQLSTATES = frozenset({"40001", "40P01"})  # serialization failure, deadlock detected
+_ATTEMPTS = 5
+_BACKOFF = 0.05  # seconds; doubled per attempt, jittered so the losers do not collide again
+
+
+def transient(exc: BaseException) -> bool:
+    """True for an error that says "run the same transaction again": a deadlock or serialization failure."""
+    return getattr(getattr(exc, "orig", None), "sqlstate", None) in _RETRY_SQLSTATES
 
 
 def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def _bundle(row: BundleRow) -> Bundle:
+def bundle_of(row: BundleRow) -> Bundle:
     created = row.created_at if row.created_at.tzinfo else row.created_at.replace(tzinfo=timezone.utc)
     return Bundle(
         row.id, row.bundle_key, row.toolchain_key, row.workload_key, row.model,
@@ -49,13 +70,49 @@ class Index:
         ensure_schema(engine, url)
         return cls(engine, url)
 
+    @classmethod
+    def in_memory(cls, url: str) -> Index:
+        """An empty index that lives in memory, named `url` in messages: what a reader sees
+        where no index file exists, without creating one."""
+        from sqlalchemy import create_engine
+        from sqlalchemy.pool import StaticPool
+
+        from kcache.index.db import upgrade
+
+        engine = create_engine("sqlite://", poolclass=StaticPool)  # one connection: one in-memory database
+        upgrade(engine)
+        return cls(engine, url)
+
     def close(self) -> None:
         self.engine.dispose()
 
     def _session(self) -> Session:
         return Session(self.engine, expire_on_commit=False)
 
-    def _insert_ignore(self, model, rows: list[dict]):
+    def read(self, work: Callable[[Session], T]) -> T:
+        """Run `work(session)` for reading; SQLAlchemy's errors become IndexDbError."""
+        with self._guard(), self._session() as s:
+            return work(s)
+
+    def transaction(self, work: Callable[[Session], T]) -> T:
+        """Run `work(session)` in one transaction; again when PostgreSQL aborted it for a deadlock or
+        a serialization failure (the work must be safe to repeat: every kcache write is)."""
+        for attempt in range(1, _ATTEMPTS + 1):
+            try:
+                with self._session() as s, s.begin():
+                    return work(s)
+            except DBAPIError as exc:
+                if not transient(exc):
+                    raise IndexDbError(self.url, describe_error(exc)) from None
+                if attempt == _ATTEMPTS:
+                    raise IndexConflict(self.url, describe_error(exc), _ATTEMPTS) from None
+                log.info("index write aborted (%s); attempt %d of %d", describe_error(exc), attempt + 1, _ATTEMPTS)
+                time.sleep(random.uniform(0, _BACKOFF * 2**attempt))
+            except SQLAlchemyError as exc:
+                raise IndexDbError(self.url, describe_error(exc)) from None
+        raise AssertionError("unreachable")
+
+    def insert_ignore(self, model, rows: list[dict]):
         dialect = postgresql if self.engine.dialect.name == "postgresql" else sqlite
         return dialect.insert(model).values(rows).on_conflict_do_nothing()
 
@@ -71,13 +128,18 @@ class Index:
 
     def add_pack(self, pack_id: str, size: int, blobs: Sequence[BlobLocation]) -> None:
         """Record a pack already written to the store, and the blobs it holds (first writer wins)."""
-        with self._guard(), self._session() as s, s.begin():
-            s.execute(self._insert_ignore(PackRow, [{"id": pack_id, "size": size, "created_at": _now()}]))
+        # By blob id, not pack order (which follows paths): the canonical lock order.
+        rows = sorted(({"id": b.id, "pack_id": pack_id, "offset": b.offset, "length": b.length, "size": b.size}
+                       for b in blobs), key=lambda row: row["id"])  # fmt: skip
+
+        def work(s: Session) -> None:
+            s.execute(self.insert_ignore(PackRow, [{"id": pack_id, "size": size, "created_at": _now()}]))
             # A publish that reuses a condemned pack saves it from GC's second phase.
             s.query(PackRow).filter(PackRow.id == pack_id).update({"condemned_at": None})
-            rows = [dict(id=b.id, pack_id=pack_id, offset=b.offset, length=b.length, size=b.size) for b in blobs]
             for i in range(0, len(rows), _IN_CHUNK):
-                s.execute(self._insert_ignore(BlobRow, rows[i : i + _IN_CHUNK]))
+                s.execute(self.insert_ignore(BlobRow, rows[i : i + _IN_CHUNK]))
+
+        self.transaction(work)
 
     def locate(self, blob_ids: Iterable[str]) -> dict[str, BlobLocation]:
         """Where each known blob lives; unknown ids are absent from the result."""
@@ -91,19 +153,36 @@ class Index:
                     found[row[0]] = BlobLocation(*row)
         return found
 
-    def add_bundle(self, bundle: Bundle) -> bool:
-        """The commit point of a publish. False if this exact manifest was already a bundle."""
+    def add_bundle(self, bundle: Bundle, *, keep_time: bool = False) -> bool:
+        """The commit point of a publish. False if this exact manifest was already a bundle.
+
+        The row is stamped with the index's clock, not `bundle.created_at`: "newest" must not be
+        whatever the publisher's clock claims (a node a year ahead would stay newest for a year).
+        PostgreSQL stamps with its server time; SQLite, a file on this host, with this host's.
+        `keep_time` keeps the given time, for `kcache reindex` rebuilding history from the store.
+        """
+        created = bundle.created_at if keep_time else self._clock()
         row = dict(
             id=bundle.id, bundle_key=bundle.bundle_key, toolchain_key=bundle.toolchain_key,
             workload_key=bundle.workload_key, model=bundle.model,
             facts=json.dumps(bundle.facts, sort_keys=True), layers=",".join(bundle.layers),
-            files=bundle.files, bytes=bundle.bytes, created_at=bundle.created_at,
+            files=bundle.files, bytes=bundle.bytes, created_at=created,
             created_by=bundle.created_by, status=bundle.status, compile_seconds=bundle.compile_seconds,
         )  # fmt: skip
-        with self._guard(), self._session() as s, s.begin():
-            # RETURNING, not rowcount: psycopg reports -1 for ON CONFLICT inserts.
-            stmt = self._insert_ignore(BundleRow, [row]).returning(BundleRow.id)
-            return s.connection().execute(stmt).first() is not None
+        # RETURNING, not rowcount: psycopg reports -1 for ON CONFLICT inserts.
+        stmt = self.insert_ignore(BundleRow, [row]).returning(BundleRow.id)
+        return self.transaction(lambda s: s.connection().execute(stmt).first() is not None)
+
+    @staticmethod
+    def check_bundle(bundle: Bundle) -> None:
+        """Refuse, before anything is uploaded, a bundle row the database would refuse after."""
+        if bundle.model is not None and len(bundle.model) > MAX_MODEL_ID:
+            raise ConfigError("--model", bundle.model[:40] + "...", f"is longer than {MAX_MODEL_ID} characters")
+        for column in BundleRow.__table__.columns:
+            limit = getattr(column.type, "length", None)
+            value = getattr(bundle, column.name, None)
+            if limit and isinstance(value, str) and len(value) > limit:
+                raise ConfigError(f"bundle {column.name}", value[:40] + "...", f"is longer than {limit} characters")
 
     def newest_bundle(self, bundle_key: str) -> Bundle | None:
         """The newest active bundle for `bundle_key`: what restore lays down."""
@@ -115,7 +194,7 @@ class Index:
         )
         with self._guard(), self._session() as s:
             row = s.scalars(query).first()
-            return _bundle(row) if row else None
+            return bundle_of(row) if row else None
 
     def newest_for_toolchain(self, toolchain_key: str) -> Bundle | None:
         """The newest active bundle built on this toolchain, whatever its workload (--fallback toolchain)."""
@@ -127,35 +206,59 @@ class Index:
         )
         with self._guard(), self._session() as s:
             row = s.scalars(query).first()
-            return _bundle(row) if row else None
+            return bundle_of(row) if row else None
 
     def get_bundle(self, id_or_prefix: str) -> Bundle:
         """A bundle by its id or an unambiguous prefix of at least 6 hex digits."""
-        if len(id_or_prefix) < 6:
-            raise NotFound("bundle (give at least 6 characters of its id)", id_or_prefix)
+        if not _HEX_ID_PREFIX.match(id_or_prefix):
+            raise NotFound("bundle (give at least 6 hex digits of its id)", id_or_prefix)
         with self._guard(), self._session() as s:
-            rows = s.scalars(select(BundleRow).where(BundleRow.id.startswith(id_or_prefix)).limit(2)).all()
+            query = select(BundleRow).where(BundleRow.id.startswith(id_or_prefix, autoescape=True)).limit(2)
+            rows = s.scalars(query).all()
         if len(rows) != 1:
             raise NotFound("bundle" if not rows else "unique bundle with prefix", id_or_prefix)
-        return _bundle(rows[0])
+        return bundle_of(rows[0])
 
     def list_bundles(self, *, bundle_key: str | None = None, model: str | None = None, limit: int = 50) -> list[Bundle]:
         """Bundles newest first, optionally filtered by bundle key (or prefix) and model."""
         query = select(BundleRow).order_by(BundleRow.created_at.desc(), BundleRow.id).limit(limit)
         if bundle_key:
-            query = query.where(BundleRow.bundle_key.startswith(bundle_key))
+            if not _HEX_KEY_PREFIX.match(bundle_key):
+                raise NotFound("bundle key (bundle keys are 32 hex digits)", bundle_key)
+            query = query.where(BundleRow.bundle_key.startswith(bundle_key, autoescape=True))
         if model:
             query = query.where(BundleRow.model == model)
         with self._guard(), self._session() as s:
-            return [_bundle(row) for row in s.scalars(query)]
+            return [bundle_of(row) for row in s.scalars(query)]
 
     def count_bundles(self) -> int:
         with self._guard(), self._session() as s:
             return s.scalar(select(func.count()).select_from(BundleRow)) or 0
 
+    def bound_store(self) -> tuple[str, str] | None:
+        """(store id, store URL) of the store these rows describe; None while unbound."""
+        with self._guard(), self._session() as s:
+            row = s.get(StoreBindingRow, 1)
+            return (row.store_id, row.store_url) if row else None
+
+    def bind_store(self, store_id: str, store_url: str) -> tuple[str, str]:
+        """Bind this index to a store unless it is bound already; returns the binding that holds."""
+        row = {"slot": 1, "store_id": store_id, "store_url": store_url, "bound_at": _now()}
+        self.transaction(lambda s: s.execute(self.insert_ignore(StoreBindingRow, [row])))  # a racing binder may win
+        return self.bound_store() or (store_id, store_url)
+
+    def knows_key(self, bundle_key: str) -> bool:
+        """Whether any bundle row, active or yanked, has this bundle key."""
+        with self._guard(), self._session() as s:
+            return s.scalar(select(BundleRow.id).where(BundleRow.bundle_key == bundle_key).limit(1)) is not None
+
     def record_event(self, event: Event) -> None:
-        with self._guard(), self._session() as s, s.begin():
-            s.add(EventRow(**event.__dict__, created_at=_now()))
+        """Stamped by the index's clock, like bundles: `kcache stats --since` windows agree across pods."""
+        self.transaction(lambda s: s.add(EventRow(**event.__dict__, created_at=self._clock())))
+
+    def _clock(self):
+        """The index's own time: PostgreSQL's server clock; SQLite's file lives on this host."""
+        return func.now() if self.engine.dialect.name == "postgresql" else _now()
 
     @contextmanager
     def _guard(self) -> Iterator[None]:

@@ -146,7 +146,8 @@ def test_db_upgrade_against_a_closed_port_is_an_index_error():
     assert result.stderr.startswith("kcache: error: index ") and "cannot connect" in result.stderr
 
 
-@pytest.mark.parametrize("args", [["publish", "--from", "{tmp}", "--index", "sqlite:///{tmp}/i.db"], ["ls"],
+@pytest.mark.parametrize("args", [["publish", "--from", "{tmp}", "--model", "m", "--index", "sqlite:///{tmp}/i.db"],
+                                  ["ls"],
                                   ["config"], ["restore", "--into", "{tmp}/r", "--strict"]])  # fmt: skip
 def test_kcache_home_that_is_a_file_is_a_usage_error(tmp_path, args):
     (tmp_path / "home").write_text("not a directory")

@@ -43,7 +43,8 @@ def test_unmigrated_postgres_is_refused_with_a_hint(pg_database):
 
     engine = create_engine(pg_database)
     with engine.begin() as conn:
-        conn.exec_driver_sql("DROP TABLE IF EXISTS events, blobs, packs, bundles, alembic_version")
+        tables = ", ".join(t.name for t in reversed(Base.metadata.sorted_tables))
+        conn.exec_driver_sql(f"DROP TABLE IF EXISTS {tables}, alembic_version")
     engine.dispose()
     with pytest.raises(IndexDbError, match="kcache db upgrade"):
         Index.open(pg_database)

@@ -60,11 +60,11 @@ def test_get_bundle_by_prefix(index):
 def test_list_filters_and_orders(index):
     now = datetime.now(timezone.utc)
     index.add_bundle(bundle("1" * 64, at=now - timedelta(minutes=2), model="a"))
-    index.add_bundle(bundle("2" * 64, key="k2", at=now - timedelta(minutes=1), model="b"))
+    index.add_bundle(bundle("2" * 64, key="2" * 32, at=now - timedelta(minutes=1), model="b"))
     index.add_bundle(bundle("3" * 64, at=now, model="a"))
     assert [b.id[0] for b in index.list_bundles()] == ["3", "2", "1"]
     assert [b.id[0] for b in index.list_bundles(model="a")] == ["3", "1"]
-    assert [b.id[0] for b in index.list_bundles(bundle_key="k2")] == ["2"]
+    assert [b.id[0] for b in index.list_bundles(bundle_key="22")] == ["2"]
     loaded = index.list_bundles(limit=1)[0]
     assert loaded.facts == {"os": "linux"} and loaded.layers == ("inductor",)
     assert loaded.created_at.tzinfo is not None
@@ -76,3 +76,37 @@ def test_record_event(index):
 
     with index.engine.connect() as conn:
         assert conn.execute(text("select kind, status, files from events")).all() == [("restore", "hit", 3)]
+
+
+def test_newest_is_by_the_index_clock_not_the_publisher_clock(index):
+    now = datetime.now(timezone.utc)
+    assert index.add_bundle(bundle("1" * 64, at=now + timedelta(days=365)))  # a node a year ahead
+    assert index.add_bundle(bundle("2" * 64, at=now - timedelta(hours=1)))  # a slow node, published later
+    assert index.newest_bundle("k1").id == "2" * 64
+    assert [b.id[0] for b in index.list_bundles()] == ["2", "1"]
+    stamped = index.get_bundle("1" * 64).created_at
+    assert stamped < now + timedelta(days=1)  # the claim of next year is not kept
+
+
+def test_reindex_keeps_the_history_it_rebuilds(index):
+    then = datetime(2025, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    index.add_bundle(bundle("5" * 64, at=then), keep_time=True)
+    assert index.get_bundle("5" * 64).created_at == then
+
+
+@pytest.mark.parametrize("prefix", ["%%%%%%", "______", "abc%ef", "ABCDEF", "abcdef%"])
+def test_id_prefixes_are_hex_and_never_wildcards(index, prefix):
+    index.add_bundle(bundle("abcdef" + "0" * 58))
+    with pytest.raises(NotFound):
+        index.get_bundle(prefix)
+    with pytest.raises(NotFound):
+        index.list_bundles(bundle_key=prefix)
+
+
+def test_long_model_ids_and_many_layers_fit(index):
+    many = tuple(f"extra:layer-{i:03d}" for i in range(60))  # 900+ characters of layer names
+    long_model = "org/" + "m" * 1000
+    assert index.add_bundle(Bundle("6" * 64, "k", "tk", "wk", long_model, {}, many, 1, 1,
+                                   datetime.now(timezone.utc), "host", "active"))  # fmt: skip
+    loaded = index.get_bundle("6" * 64)
+    assert loaded.model == long_model and loaded.layers == many

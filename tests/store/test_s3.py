@@ -79,7 +79,7 @@ def _publish_cli(tmp_path, url, endpoint):
     from kcache.cli import main
 
     write_tree(tmp_path / "src", {f"inductor/{i}": f"content {i}".encode() * 100 for i in range(20)})
-    args = ["--store", url, "--s3-endpoint-url", endpoint, "--index", f"sqlite:///{tmp_path / 'i.db'}"]
+    args = ["--store", url, "--s3-endpoint-url", endpoint, "--index", f"sqlite:///{tmp_path / 'i.db'}", "--model", "m"]
     out = CliRunner().invoke(
         main, ["publish", "--from", str(tmp_path / "src"), *args, "--json"], catch_exceptions=False
     )

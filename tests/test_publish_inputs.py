@@ -1,0 +1,104 @@
+"""Typos never replace good bundles: missing paths are errors, empty bundles need --allow-empty, and
+a publish from a restored ROOT publishes under the workload that restore used."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from trees import write_tree
+
+from kcache.cli import main
+from kcache.publish import restore_inputs
+
+WORKLOAD = ("--model", "my-llm", "--extra", "tp=2")
+
+
+def _cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def _bundles():
+    return json.loads(_cli("ls", "--json").output)
+
+
+def test_missing_from_dir_is_an_error_not_an_empty_bundle(tmp_path):
+    result = _cli("publish", "--from", tmp_path / "no" / "such" / "dir", "--model", "m")
+    assert result.exit_code == 7 and "does not exist" in result.stderr
+    assert _bundles() == []
+
+
+def test_missing_extra_dir_is_an_error(tmp_path):
+    write_tree(tmp_path / "src", {"inductor/a.py": b"a"})
+    result = _cli("publish", "--from", tmp_path / "src", "--model", "m", "--extra-dir", f"trt={tmp_path / 'missing'}")
+    assert result.exit_code == 7 and "--extra-dir trt" in result.stderr
+    assert _bundles() == []
+
+
+def test_from_root_carries_the_extra_dirs_named(tmp_path):
+    write_tree(tmp_path / "src", {"inductor/a.py": b"a"})
+    write_tree(tmp_path / "trt", {"engine.timing": b"timing cache"})
+    result = _cli("publish", "--from", tmp_path / "src", "--model", "m", "--extra-dir", f"trt={tmp_path / 'trt'}",
+                  "--json")  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.output)
+    assert "extra:trt" in doc["layers"] and doc["files"] == 2
+
+
+def test_empty_bundle_needs_allow_empty(tmp_path):
+    (tmp_path / "empty").mkdir()
+    refused = _cli("publish", "--from", tmp_path / "empty", "--model", "m")
+    assert refused.exit_code == 2 and "--allow-empty" in refused.stderr
+    assert _bundles() == []
+    allowed = _cli("publish", "--from", tmp_path / "empty", "--model", "m", "--allow-empty", "--json")
+    assert allowed.exit_code == 0 and json.loads(allowed.output)["files"] == 0
+
+
+@pytest.mark.parametrize("where", ["live", "root"])
+def test_publish_without_a_model_is_refused(tmp_path, monkeypatch, where):
+    write_tree(tmp_path / "src", {"inductor/a.py": b"a"})
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "src" / "inductor"))
+    args = ["publish"] + (["--from", tmp_path / "src"] if where == "root" else [])
+    result = _cli(*args)
+    assert result.exit_code == 2 and "--model" in result.stderr
+    assert _bundles() == []
+
+
+def test_publish_from_a_restored_root_uses_the_restore_workload(tmp_path):
+    root = tmp_path / "cache"
+    missed = json.loads(_cli("restore", "--into", root, *WORKLOAD, "--json").output)
+    assert missed["status"] == "miss"
+    assert restore_inputs(root) == {"model.id": "my-llm", "extra.tp": "2"}
+    write_tree(root, {"inductor/fxgraph/k.py": b"compiled while cold"})
+    published = json.loads(_cli("publish", "--from", root, "--json").output)  # no --model: ROOT says
+    assert published["bundle_key"] == missed["bundle_key"]
+    again = json.loads(_cli("restore", "--into", tmp_path / "next-pod", *WORKLOAD, "--json").output)
+    assert (again["status"], again["bundle_id"]) == ("hit", published["bundle_id"])
+
+
+def test_hostile_restore_record_is_ignored(tmp_path):
+    (tmp_path / ".kcache-state.json").write_text(json.dumps({"status": "miss", "inputs": {"gpu.sm": "sm_90"}}))
+    assert restore_inputs(tmp_path) is None  # only workload facts may come from ROOT
+
+
+def test_a_model_id_the_index_would_refuse_fails_before_any_upload(tmp_path):
+    write_tree(tmp_path / "src", {"inductor/a.py": b"a"})
+    result = _cli("publish", "--from", tmp_path / "src", "--model", "m" * 5000, "--store", f"file://{tmp_path / 's'}")
+    assert result.exit_code == 2 and "longer than" in result.stderr
+    assert not (tmp_path / "s" / "packs").exists()
+
+
+def test_yank_with_wildcards_yanks_nothing(tmp_path):
+    write_tree(tmp_path / "src", {"inductor/a.py": b"a"})
+    assert _cli("publish", "--from", tmp_path / "src", "--model", "m").exit_code == 0
+    result = _cli("yank", "%%%%%%")
+    assert result.exit_code == 3
+    assert [b["status"] for b in _bundles()] == ["active"]
+
+
+def test_publish_without_a_writable_home_skips_the_hash_cache(tmp_path, monkeypatch):
+    write_tree(tmp_path / "src", {"inductor/a.py": b"a"})
+    (tmp_path / "home-is-a-file").write_text("")
+    monkeypatch.setenv("KCACHE_HOME", str(tmp_path / "home-is-a-file" / "home"))  # cannot be created
+    store, index = f"file://{tmp_path / 's'}", f"sqlite:///{tmp_path / 'i.db'}"
+    result = _cli("publish", "--from", tmp_path / "src", "--model", "m", "--store", store, "--index", index)
+    assert result.exit_code == 0, result.stderr
