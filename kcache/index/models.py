@@ -23,12 +23,19 @@ class Base(DeclarativeBase):
 
 class BundleRow(Base):
     __tablename__ = "bundles"
+    # Equality columns first, then the one a query orders by: see migrations/versions/0100_index_scale.py.
+    __table_args__ = (
+        Index("ix_bundles_key_newest", "bundle_key", "status", "created_at"),
+        Index("ix_bundles_toolchain_newest", "toolchain_key", "status", "created_at"),
+        Index("ix_bundles_model_created", "model", "created_at"),
+        Index("ix_bundles_created", "created_at"),
+    )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    bundle_key: Mapped[str] = mapped_column(String(64), index=True)
-    toolchain_key: Mapped[str] = mapped_column(String(64), index=True)
+    bundle_key: Mapped[str] = mapped_column(String(64))
+    toolchain_key: Mapped[str] = mapped_column(String(64))
     workload_key: Mapped[str] = mapped_column(String(64))
-    model: Mapped[str | None] = mapped_column(String(512), index=True)
+    model: Mapped[str | None] = mapped_column(String(512))
     facts: Mapped[str] = mapped_column(Text)  # canonical JSON
     layers: Mapped[str] = mapped_column(String(512))  # comma-separated layer names
     files: Mapped[int] = mapped_column(Integer)
@@ -61,7 +68,11 @@ class BlobRow(Base):
 
 class EventRow(Base):
     __tablename__ = "events"
-    __table_args__ = (Index("ix_events_kind_created", "kind", "created_at"),)
+    __table_args__ = (
+        Index("ix_events_kind_created", "kind", "created_at"),
+        Index("ix_events_created", "created_at"),
+        Index("ix_events_key_created", "bundle_key", "created_at"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     kind: Mapped[str] = mapped_column(String(16))  # restore | publish
