@@ -24,8 +24,17 @@ class Base(DeclarativeBase):
 class BundleRow(Base):
     __tablename__ = "bundles"
     # Equality columns first, then the one a query orders by: see migrations/versions/0100_index_scale.py.
+    # varchar_pattern_ops: the id and bundle_key prefix searches (LIKE 'abc%') can use these indexes
+    # under any collation, not only "C"; equality still can.
     __table_args__ = (
-        Index("ix_bundles_key_newest", "bundle_key", "status", "created_at"),
+        Index(
+            "ix_bundles_key_newest",
+            "bundle_key",
+            "status",
+            "created_at",
+            postgresql_ops={"bundle_key": "varchar_pattern_ops"},
+        ),
+        Index("ix_bundles_id_prefix", "id", postgresql_ops={"id": "varchar_pattern_ops"}),
         Index("ix_bundles_toolchain_newest", "toolchain_key", "status", "created_at"),
         Index("ix_bundles_model_created", "model", "created_at"),
         Index("ix_bundles_created", "created_at"),

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, String, any_, func, literal, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
@@ -59,6 +59,14 @@ class Index:
         dialect = postgresql if self.engine.dialect.name == "postgresql" else sqlite
         return dialect.insert(model).values(rows).on_conflict_do_nothing()
 
+    def _one_of(self, column, values: list[str]):
+        """`column IN values`. PostgreSQL gets one array parameter instead of one per value: the statement
+        text stays the same, so neither SQLAlchemy nor psycopg re-renders and re-parses 500 placeholders on
+        every call (a third of a publish's index time at 500 files)."""
+        if self.engine.dialect.name == "postgresql":
+            return column == any_(literal(values, postgresql.ARRAY(String)))
+        return column.in_(values)
+
     def find_missing(self, blob_ids: Iterable[str]) -> set[str]:
         """The ids among `blob_ids` that no pack in the index holds."""
         wanted = sorted(set(blob_ids))
@@ -66,15 +74,16 @@ class Index:
         with self._guard(), self._session() as s:
             for i in range(0, len(wanted), _IN_CHUNK):
                 chunk = wanted[i : i + _IN_CHUNK]
-                present.update(s.scalars(select(BlobRow.id).where(BlobRow.id.in_(chunk))))
+                present.update(s.scalars(select(BlobRow.id).where(self._one_of(BlobRow.id, chunk))))
         return set(wanted) - present
 
     def add_pack(self, pack_id: str, size: int, blobs: Sequence[BlobLocation]) -> None:
         """Record a pack already written to the store, and the blobs it holds (first writer wins)."""
         with self._guard(), self._session() as s, s.begin():
             s.execute(self._insert_ignore(PackRow, [{"id": pack_id, "size": size, "created_at": _now()}]))
-            # A publish that reuses a condemned pack saves it from GC's second phase.
-            s.query(PackRow).filter(PackRow.id == pack_id).update({"condemned_at": None})
+            # A publish that reuses a condemned pack saves it from GC's second phase (a live row is left as is).
+            condemned = (PackRow.id == pack_id, PackRow.condemned_at.is_not(None))
+            s.query(PackRow).filter(*condemned).update({"condemned_at": None})
             rows = [dict(id=b.id, pack_id=pack_id, offset=b.offset, length=b.length, size=b.size) for b in blobs]
             for i in range(0, len(rows), _IN_CHUNK):
                 s.execute(self._insert_ignore(BlobRow, rows[i : i + _IN_CHUNK]))
@@ -87,7 +96,7 @@ class Index:
             for i in range(0, len(wanted), _IN_CHUNK):
                 # Plain columns, not ORM objects: a 20k-file bundle locates in a tenth of the time.
                 columns = select(BlobRow.id, BlobRow.pack_id, BlobRow.offset, BlobRow.length, BlobRow.size)
-                for row in s.execute(columns.where(BlobRow.id.in_(wanted[i : i + _IN_CHUNK]))):
+                for row in s.execute(columns.where(self._one_of(BlobRow.id, wanted[i : i + _IN_CHUNK]))):
                     found[row[0]] = BlobLocation(*row)
         return found
 
