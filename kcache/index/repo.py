@@ -62,7 +62,7 @@ class Index:
     def _one_of(self, column, values: list[str]):
         """`column IN values`. PostgreSQL gets one array parameter instead of one per value: the statement
         text stays the same, so neither SQLAlchemy nor psycopg re-renders and re-parses 500 placeholders on
-        every call (a third of a publish's index time at 500 files)."""
+        every call (about 1.4 ms of client time per 500 ids; the plan is the same)."""
         if self.engine.dialect.name == "postgresql":
             return column == any_(literal(values, postgresql.ARRAY(String)))
         return column.in_(values)
