@@ -23,22 +23,6 @@ class Base(DeclarativeBase):
 
 class BundleRow(Base):
     __tablename__ = "bundles"
-    # Equality columns first, then the one a query orders by: see migrations/versions/0100_index_scale.py.
-    # varchar_pattern_ops: the id and bundle_key prefix searches (LIKE 'abc%') can use these indexes
-    # under any collation, not only "C"; equality still can.
-    __table_args__ = (
-        Index(
-            "ix_bundles_key_newest",
-            "bundle_key",
-            "status",
-            "created_at",
-            postgresql_ops={"bundle_key": "varchar_pattern_ops"},
-        ),
-        Index("ix_bundles_id_prefix", "id", postgresql_ops={"id": "varchar_pattern_ops"}),
-        Index("ix_bundles_toolchain_newest", "toolchain_key", "status", "created_at"),
-        Index("ix_bundles_model_created", "model", "created_at"),
-        Index("ix_bundles_created", "created_at"),
-    )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     bundle_key: Mapped[str] = mapped_column(String(64))
@@ -54,6 +38,25 @@ class BundleRow(Base):
     status: Mapped[str] = mapped_column(String(16), default="active")
     # Cold warmup/compile seconds the publisher measured; what a hit on this bundle saves.
     compile_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+# The fleet's bundle queries, each served by one index: equality columns first, then the query's own
+# ORDER BY (created_at DESC, id) exactly, so PostgreSQL reads the rows it returns and never prefers
+# walking every bundle newest first in search of an old key's rows. varchar_pattern_ops lets the id
+# and bundle_key prefix searches (LIKE 'abc%') use an index under any collation, not only "C";
+# equality still can. See migrations/versions/0100_index_scale.py and docs/index-scale.md.
+_NEWEST = (BundleRow.created_at.desc(), BundleRow.id)
+Index(
+    "ix_bundles_key_newest",
+    BundleRow.bundle_key,
+    BundleRow.status,
+    *_NEWEST,
+    postgresql_ops={"bundle_key": "varchar_pattern_ops"},
+)
+Index("ix_bundles_toolchain_newest", BundleRow.toolchain_key, BundleRow.status, *_NEWEST)
+Index("ix_bundles_model_created", BundleRow.model, *_NEWEST)
+Index("ix_bundles_created", *_NEWEST)
+Index("ix_bundles_id_prefix", BundleRow.id, postgresql_ops={"id": "varchar_pattern_ops"})
 
 
 class PackRow(Base):

@@ -116,26 +116,25 @@ class Index:
 
     def newest_bundle(self, bundle_key: str) -> Bundle | None:
         """The newest active bundle for `bundle_key`: what restore lays down."""
-        query = (
-            select(BundleRow)
-            .where(BundleRow.bundle_key == bundle_key, BundleRow.status == "active")
-            .order_by(BundleRow.created_at.desc(), BundleRow.id)
-            .limit(1)
-        )
-        with self._guard(), self._session() as s:
-            row = s.scalars(query).first()
-            return _bundle(row) if row else None
+        return self._newest_active(BundleRow.bundle_key == bundle_key)
 
     def newest_for_toolchain(self, toolchain_key: str) -> Bundle | None:
         """The newest active bundle built on this toolchain, whatever its workload (--fallback toolchain)."""
-        query = (
-            select(BundleRow)
-            .where(BundleRow.toolchain_key == toolchain_key, BundleRow.status == "active")
+        return self._newest_active(BundleRow.toolchain_key == toolchain_key)
+
+    def _newest_active(self, match) -> Bundle | None:
+        # The id first, from the (key, status, created_at DESC, id) index alone, then its row. Asked for the
+        # whole row at once, PostgreSQL may instead walk all bundles newest first when a key holds many of
+        # them, and pass every newer bundle when that key's newest is old (docs/index-scale.md).
+        newest_id = (
+            select(BundleRow.id)
+            .where(match, BundleRow.status == "active")
             .order_by(BundleRow.created_at.desc(), BundleRow.id)
             .limit(1)
+            .scalar_subquery()
         )
         with self._guard(), self._session() as s:
-            row = s.scalars(query).first()
+            row = s.scalars(select(BundleRow).where(BundleRow.id == newest_id)).first()
             return _bundle(row) if row else None
 
     def get_bundle(self, id_or_prefix: str) -> Bundle:
