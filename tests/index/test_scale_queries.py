@@ -16,8 +16,8 @@ from kcache.index.plans import captured, explain
 from kcache.index.stats import event_stats
 
 NOW = datetime.now(timezone.utc)
-KEY, TOOLCHAIN = "k" * 64, "t" * 64
-OLD_KEY, OLD_TOOLCHAIN = "o" * 63 + "k", "o" * 63 + "t"  # a retired model's
+KEY, TOOLCHAIN = "f" * 64, "e" * 64  # hex like real keys: prefix searches take hex digits only
+OLD_KEY, OLD_TOOLCHAIN = "d" * 63 + "1", "d" * 63 + "2"  # a retired model's
 
 
 def key(i: int) -> str:
@@ -62,7 +62,7 @@ QUERIES = {
     "toolchain fallback": (lambda ix: ix.newest_for_toolchain(TOOLCHAIN), "ix_bundles_toolchain_newest"),
     "ls": (lambda ix: ix.list_bundles(limit=50), "ix_bundles_created"),
     "ls --model": (lambda ix: ix.list_bundles(model="model-3", limit=50), "ix_bundles_model_created"),
-    "ls --key PREFIX": (lambda ix: ix.list_bundles(bundle_key="kkkkkk", limit=50), "ix_bundles_key_newest"),
+    "ls --key PREFIX": (lambda ix: ix.list_bundles(bundle_key="ffffff", limit=50), "ix_bundles_key_newest"),
     "show PREFIX": (lambda ix: ix.get_bundle("00000a"), "ix_bundles_id_prefix"),
     "stats --since": (lambda ix: event_stats(ix, since=WEEK_AGO), "ix_events_created"),
 }
