@@ -18,7 +18,7 @@ from kcache.errors import ConfigError, IndexDbError
 log = logging.getLogger(__name__)
 
 # The newest migration in migrations/versions; tests/index/test_migrations.py keeps the two in step.
-HEAD = "0004"
+HEAD = "0100_index_scale"
 
 
 def make_engine(url: str) -> Engine:

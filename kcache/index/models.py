@@ -29,10 +29,10 @@ class BundleRow(Base):
     __tablename__ = "bundles"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    bundle_key: Mapped[str] = mapped_column(String(64), index=True)
-    toolchain_key: Mapped[str] = mapped_column(String(64), index=True)
+    bundle_key: Mapped[str] = mapped_column(String(64))
+    toolchain_key: Mapped[str] = mapped_column(String(64))
     workload_key: Mapped[str] = mapped_column(String(64))
-    model: Mapped[str | None] = mapped_column(Text, index=True)  # at most MAX_MODEL_ID (btree entry limit)
+    model: Mapped[str | None] = mapped_column(Text)  # at most MAX_MODEL_ID (btree entry limit)
     facts: Mapped[str] = mapped_column(Text)  # canonical JSON
     layers: Mapped[str] = mapped_column(Text)  # comma-separated layer names
     files: Mapped[int] = mapped_column(Integer)
@@ -42,6 +42,25 @@ class BundleRow(Base):
     status: Mapped[str] = mapped_column(String(16), default="active")
     # Cold warmup/compile seconds the publisher measured; what a hit on this bundle saves.
     compile_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+# The fleet's bundle queries, each served by one index: equality columns first, then the query's own
+# ORDER BY (created_at DESC, id) exactly, so PostgreSQL reads the rows it returns and never prefers
+# walking every bundle newest first in search of an old key's rows. varchar_pattern_ops lets the id
+# and bundle_key prefix searches (LIKE 'abc%') use an index under any collation, not only "C";
+# equality still can. See migrations/versions/0100_index_scale.py and docs/index-scale.md.
+_NEWEST = (BundleRow.created_at.desc(), BundleRow.id)
+Index(
+    "ix_bundles_key_newest",
+    BundleRow.bundle_key,
+    BundleRow.status,
+    *_NEWEST,
+    postgresql_ops={"bundle_key": "varchar_pattern_ops"},
+)
+Index("ix_bundles_toolchain_newest", BundleRow.toolchain_key, BundleRow.status, *_NEWEST)
+Index("ix_bundles_model_created", BundleRow.model, *_NEWEST)
+Index("ix_bundles_created", *_NEWEST)
+Index("ix_bundles_id_prefix", BundleRow.id, postgresql_ops={"id": "varchar_pattern_ops"})
 
 
 class PackRow(Base):
@@ -65,7 +84,11 @@ class BlobRow(Base):
 
 class EventRow(Base):
     __tablename__ = "events"
-    __table_args__ = (Index("ix_events_kind_created", "kind", "created_at"),)
+    __table_args__ = (
+        Index("ix_events_kind_created", "kind", "created_at"),
+        Index("ix_events_created", "created_at"),
+        Index("ix_events_key_created", "bundle_key", "created_at"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     kind: Mapped[str] = mapped_column(String(16))  # restore | publish

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import TypeVar
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, String, any_, func, literal, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session
@@ -116,6 +116,14 @@ class Index:
         dialect = postgresql if self.engine.dialect.name == "postgresql" else sqlite
         return dialect.insert(model).values(rows).on_conflict_do_nothing()
 
+    def _one_of(self, column, values: list[str]):
+        """`column IN values`. PostgreSQL gets one array parameter instead of one per value: the statement
+        text stays the same, so neither SQLAlchemy nor psycopg re-renders and re-parses 500 placeholders on
+        every call (about 1.4 ms of client time per 500 ids; the plan is the same)."""
+        if self.engine.dialect.name == "postgresql":
+            return column == any_(literal(values, postgresql.ARRAY(String)))
+        return column.in_(values)
+
     def find_missing(self, blob_ids: Iterable[str]) -> set[str]:
         """The ids among `blob_ids` that no pack in the index holds."""
         wanted = sorted(set(blob_ids))
@@ -123,7 +131,7 @@ class Index:
         with self._guard(), self._session() as s:
             for i in range(0, len(wanted), _IN_CHUNK):
                 chunk = wanted[i : i + _IN_CHUNK]
-                present.update(s.scalars(select(BlobRow.id).where(BlobRow.id.in_(chunk))))
+                present.update(s.scalars(select(BlobRow.id).where(self._one_of(BlobRow.id, chunk))))
         return set(wanted) - present
 
     def add_pack(self, pack_id: str, size: int, blobs: Sequence[BlobLocation]) -> None:
@@ -134,8 +142,9 @@ class Index:
 
         def work(s: Session) -> None:
             s.execute(self.insert_ignore(PackRow, [{"id": pack_id, "size": size, "created_at": _now()}]))
-            # A publish that reuses a condemned pack saves it from GC's second phase.
-            s.query(PackRow).filter(PackRow.id == pack_id).update({"condemned_at": None})
+            # A publish that reuses a condemned pack saves it from GC's second phase (a live row is left as is).
+            condemned = (PackRow.id == pack_id, PackRow.condemned_at.is_not(None))
+            s.query(PackRow).filter(*condemned).update({"condemned_at": None})
             for i in range(0, len(rows), _IN_CHUNK):
                 s.execute(self.insert_ignore(BlobRow, rows[i : i + _IN_CHUNK]))
 
@@ -149,7 +158,7 @@ class Index:
             for i in range(0, len(wanted), _IN_CHUNK):
                 # Plain columns, not ORM objects: a 20k-file bundle locates in a tenth of the time.
                 columns = select(BlobRow.id, BlobRow.pack_id, BlobRow.offset, BlobRow.length, BlobRow.size)
-                for row in s.execute(columns.where(BlobRow.id.in_(wanted[i : i + _IN_CHUNK]))):
+                for row in s.execute(columns.where(self._one_of(BlobRow.id, wanted[i : i + _IN_CHUNK]))):
                     found[row[0]] = BlobLocation(*row)
         return found
 
@@ -186,26 +195,25 @@ class Index:
 
     def newest_bundle(self, bundle_key: str) -> Bundle | None:
         """The newest active bundle for `bundle_key`: what restore lays down."""
-        query = (
-            select(BundleRow)
-            .where(BundleRow.bundle_key == bundle_key, BundleRow.status == "active")
-            .order_by(BundleRow.created_at.desc(), BundleRow.id)
-            .limit(1)
-        )
-        with self._guard(), self._session() as s:
-            row = s.scalars(query).first()
-            return bundle_of(row) if row else None
+        return self._newest_active(BundleRow.bundle_key == bundle_key)
 
     def newest_for_toolchain(self, toolchain_key: str) -> Bundle | None:
         """The newest active bundle built on this toolchain, whatever its workload (--fallback toolchain)."""
-        query = (
-            select(BundleRow)
-            .where(BundleRow.toolchain_key == toolchain_key, BundleRow.status == "active")
+        return self._newest_active(BundleRow.toolchain_key == toolchain_key)
+
+    def _newest_active(self, match) -> Bundle | None:
+        # The id first, from the (key, status, created_at DESC, id) index alone, then its row. Asked for the
+        # whole row at once, PostgreSQL may instead walk all bundles newest first when a key holds many of
+        # them, and pass every newer bundle when that key's newest is old (docs/index-scale.md).
+        newest_id = (
+            select(BundleRow.id)
+            .where(match, BundleRow.status == "active")
             .order_by(BundleRow.created_at.desc(), BundleRow.id)
             .limit(1)
+            .scalar_subquery()
         )
         with self._guard(), self._session() as s:
-            row = s.scalars(query).first()
+            row = s.scalars(select(BundleRow).where(BundleRow.id == newest_id)).first()
             return bundle_of(row) if row else None
 
     def get_bundle(self, id_or_prefix: str) -> Bundle:
