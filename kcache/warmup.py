@@ -27,20 +27,20 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import math
 import os
+import random
 import statistics
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from kcache import readiness
+from kcache import http_client, readiness
 from kcache.errors import ConfigError, KcacheError
 from kcache.profiles import Profile
 
@@ -60,11 +60,11 @@ class Target(Protocol):
 
 
 class ServerUnavailable(KcacheError):
-    """The warmup server did not become healthy in time."""
+    """The warmup server did not become healthy in time; `flag` is the limit that ended the wait."""
 
-    def __init__(self, url: str, seconds: float, why: str):
-        self.url, self.seconds, self.why = url, seconds, why
-        super().__init__(f"{url} was not healthy within {seconds:g} s: {why}")
+    def __init__(self, url: str, seconds: float, why: str, flag: str = "--wait-timeout"):
+        self.url, self.seconds, self.why, self.flag = url, seconds, why, flag
+        super().__init__(f"{url} was not healthy within {seconds:g} s ({flag}): {why}")
 
 
 @dataclass(frozen=True)
@@ -227,55 +227,75 @@ def prompt(tokens: int, nonce: int) -> str:
     return " ".join(words)
 
 
+MAX_HEALTH_ANSWER = 64 * 1024
+MAX_MODELS_ANSWER = 1024 * 1024
+MAX_COMPLETION_ANSWER = 8 * 1024 * 1024  # ~100 times a 128k-token answer's text; the sidecar has 1 GiB
+MAX_BACKOFF = 10.0
+
+
 class HttpTarget:
-    """An OpenAI-compatible completions server; see the module docstring for the request shape."""
+    """An OpenAI-compatible completions server; see the module docstring for the request shape.
+
+    `budget` (seconds from `prepare`, wait included) bounds everything: each request's deadline is
+    cut to what is left, and a transient failure is retried (`retries` times, with backoff) only
+    while the budget lasts. None: no overall limit.
+    """
+
+    weights_on_prepare = True  # a healthy server has loaded its weights
 
     def __init__(self, url: str, *, request_timeout: float = 120.0, wait_timeout: float = 600.0,
-                 served_model: str | None = None, poll_interval: float = 0.5):  # fmt: skip
-        if not url.startswith(("http://", "https://")):
-            raise ConfigError("--url", url, "expected http://host:port")
+                 served_model: str | None = None, poll_interval: float = 0.5, retries: int = 3,
+                 budget: float | None = None, backoff: float = 0.5):  # fmt: skip
+        http_client.split_url(url)
         self.name = self.url = url.rstrip("/")
         self.request_timeout, self.wait_timeout, self.poll_interval = request_timeout, wait_timeout, poll_interval
+        self.retries, self.budget, self.backoff = retries, budget, backoff
         self.model = served_model
+        self._deadline: float | None = None
         self._nonce = 0
         self._lock = threading.Lock()
 
     def prepare(self) -> None:
-        deadline = time.monotonic() + self.wait_timeout
+        now = time.monotonic()
+        self._deadline = now + self.budget if self.budget else None
+        wait_end = min(now + self.wait_timeout, self._deadline or math.inf)
         why = "no answer"
         while True:
-            remaining = deadline - time.monotonic()
+            remaining = wait_end - time.monotonic()
             try:
-                if self._healthy(max(0.1, min(remaining, self.request_timeout, 10.0))):
+                healthy, why = self._healthy(max(0.1, min(remaining, self.request_timeout, 10.0)))
+                if healthy:
                     break
-                why = "health endpoint answered but not 200"
-            except (OSError, ValueError) as exc:
-                why = _http_error(exc, self.request_timeout)
-            remaining = deadline - time.monotonic()
+            except http_client.RequestFailed as exc:
+                why = exc.why
+            remaining = wait_end - time.monotonic()
             if remaining <= 0:
-                raise ServerUnavailable(self.url, self.wait_timeout, why)
+                flag = "--wait-timeout" if wait_end < (self._deadline or math.inf) else "--budget"
+                raise ServerUnavailable(self.url, wait_end - now, why, flag)
             time.sleep(min(self.poll_interval, remaining))  # a retry interval, not synchronisation
         if self.model is None:
             self.model = self._first_model()
 
-    def _healthy(self, timeout: float) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as response:
-                return response.status == 200
-        except urllib.error.HTTPError as exc:
-            if exc.code not in (404, 405):
-                raise
-        with urllib.request.urlopen(self.url + "/v1/models", timeout=timeout) as response:
-            return response.status == 200
+    def _get(self, path: str, timeout: float, max_body: int = MAX_HEALTH_ANSWER) -> http_client.Response:
+        return http_client.request("GET", self.url + path, timeout=timeout, max_body=max_body)
+
+    def _healthy(self, timeout: float) -> tuple[bool, str]:
+        """(healthy, why not): /health, or /v1/models on a server without /health."""
+        path = "/health"
+        answer = self._get(path, timeout)
+        if answer.status in (404, 405):
+            path = "/v1/models"
+            answer = self._get(path, timeout)
+        return answer.status == 200, f"GET {path}: {_status_text(answer)}"
 
     def _first_model(self) -> str | None:
         """The first served model's id; None lets the server use its default."""
         try:
-            with urllib.request.urlopen(self.url + "/v1/models", timeout=self.request_timeout) as response:
-                data = json.load(response).get("data") or []
-            return str(data[0]["id"]) if data else None
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            log.info("no model list at %s/v1/models (%s); requests name no model", self.url, exc)
+            answer = self._get("/v1/models", self._time_left(self.request_timeout)[0], MAX_MODELS_ANSWER)
+            data = (json.loads(answer.body).get("data") or []) if answer.status == 200 else []
+            return http_client.printable(str(data[0]["id"])) if data else None
+        except (KcacheError, ValueError, RecursionError, KeyError, TypeError, AttributeError, IndexError) as exc:
+            log.info("no model list at %s/v1/models (%s); requests name no model", self.url, describe(exc))
             return None
 
     def __call__(self, profile: Profile) -> None:
@@ -293,29 +313,59 @@ class HttpTarget:
                                 "max_tokens": profile.output_tokens, "temperature": 0}  # fmt: skip
         if self.model:
             body["model"] = self.model
-        request = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"}, method="POST")  # fmt: skip
+        payload = json.dumps(body).encode()
+        for attempt in range(self.retries + 1):
+            timeout, flag = self._time_left(self.request_timeout)
+            try:
+                return self._complete_once(payload, timeout)
+            except http_client.RequestFailed as exc:
+                why = f"no complete answer within {timeout:g} s ({flag})" if exc.timed_out else exc.why
+                tries = f" (attempt {attempt + 1} of {self.retries + 1})" if attempt else ""
+                if not exc.transient or attempt == self.retries:
+                    raise WarmupRequestError(why + tries) from None
+                pause = min(MAX_BACKOFF, self.backoff * 2**attempt) * random.uniform(0.5, 1.0)
+                if self._deadline is not None and time.monotonic() + pause >= self._deadline:
+                    raise WarmupRequestError(f"{why}{tries}; no warmup budget left to retry (--budget)") from None
+                log.info("warmup request to %s failed (%s); retrying in %.1f s", self.url, why, pause)
+                time.sleep(pause)  # backoff between retries, not synchronisation
+
+    def _time_left(self, limit: float) -> tuple[float, str]:
+        """(this request's deadline in seconds, the flag that set it); raises when the budget is spent."""
+        if self._deadline is None:
+            return limit, "--request-timeout"
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise WarmupRequestError(f"the warmup budget of {self.budget:g} s is spent (--budget)")
+        return (limit, "--request-timeout") if limit <= left else (left, "--budget")
+
+    def _complete_once(self, payload: bytes, timeout: float) -> None:
+        url = self.url + "/v1/completions"
+        answer = http_client.request("POST", url, timeout=timeout, max_body=MAX_COMPLETION_ANSWER, body=payload,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        if 300 <= answer.status < 400:
+            why = f"POST /v1/completions: {_status_text(answer)}; kcache follows no redirects: give --url the server"
+            raise http_client.RequestFailed(url, why, transient=False)
+        if answer.status != 200:
+            raise http_client.RequestFailed(url, _status_text(answer),
+                                            transient=answer.status in http_client.TRANSIENT_STATUS)  # fmt: skip
         try:
-            with urllib.request.urlopen(request, timeout=self.request_timeout) as response:
-                answer = json.load(response)
-        except (OSError, ValueError) as exc:
-            raise WarmupRequestError(_http_error(exc, self.request_timeout)) from None
-        if not isinstance(answer, dict) or not answer.get("choices"):
-            raise WarmupRequestError(f"answer has no choices: {str(answer)[:200]}")
+            doc = json.loads(answer.body)
+        except (ValueError, RecursionError):
+            raise http_client.RequestFailed(url, "answer is not JSON", transient=False) from None
+        if not isinstance(doc, dict) or not doc.get("choices"):
+            text = http_client.printable(answer.body.decode("utf-8", "replace"))
+            raise http_client.RequestFailed(url, f"answer has no choices: {text}", transient=False)
 
 
 class WarmupRequestError(KcacheError):
     """One warmup request failed; the message is what the report shows (the profile fails, not the run)."""
 
 
-def _http_error(exc: BaseException, timeout: float) -> str:
-    if isinstance(exc, urllib.error.HTTPError):
-        detail = exc.read(300).decode("utf-8", "replace").strip()
-        return f"HTTP {exc.code} {exc.reason}" + (f": {detail}" if detail else "")
-    reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-    if isinstance(reason, TimeoutError):
-        return f"no answer within {timeout:g} s (--request-timeout)"
-    return f"{type(reason).__name__}: {reason}"
+def _status_text(answer: http_client.Response) -> str:
+    if 300 <= answer.status < 400:
+        return f"HTTP {answer.status} redirect to {answer.location or '(no Location)'}"
+    detail = http_client.printable(answer.body[:300].decode("utf-8", "replace").strip())
+    return f"HTTP {answer.status} {answer.reason}" + (f": {detail}" if detail else "")
 
 
 # ---- reports ---------------------------------------------------------------------------------------

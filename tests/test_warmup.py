@@ -162,10 +162,10 @@ def test_http_500_fails_the_profile_with_the_error(tmp_path):
 def test_http_request_timeout_fails_the_profile(tmp_path, profiles_file):
     with OpenAIServer(hold=True) as server:
         out = cli("warmup", "--url", server.url, "--profiles", str(profiles_file), "--request-timeout", "0.3",
-                  "--json", code=1)  # fmt: skip
+                  "--retries", "0", "--json", code=1)  # fmt: skip
     report = json.loads(out.output)
     assert report["status"] == "failed"
-    assert all("no answer within 0.3 s" in p["error"] for p in report["profiles"])
+    assert all(p["error"] == "no complete answer within 0.3 s (--request-timeout)" for p in report["profiles"])
 
 
 def test_health_wait_polls_until_healthy():
@@ -184,7 +184,7 @@ def test_health_falls_back_to_models_when_there_is_no_health_endpoint():
 def test_unhealthy_server_fails_after_wait_timeout(tmp_path):
     with OpenAIServer(unhealthy=-1) as server:
         out = cli("warmup", "--url", server.url, "--wait-timeout", "0.2", "--root", str(tmp_path), code=1)
-    assert "was not healthy within 0.2 s: HTTP 503" in out.output
+    assert "was not healthy within 0.2 s (--wait-timeout): GET /health: HTTP 503" in out.output
     assert not server.completions
     assert readiness.read_marker(tmp_path, readiness.WARMUP_MARKER)["status"] == "failed"
 

@@ -55,6 +55,12 @@ def target_options(fn):
                      help="Seconds to wait for the server's /health (or /v1/models) to answer 200 (--url)."),
         click.option("--served-model", metavar="NAME",
                      help="The `model` field of requests (--url; default: the first of /v1/models)."),
+        click.option("--retries", type=click.IntRange(0, 100), default=3, show_default=True,
+                     help="Retries of a request that failed transiently (connection error, timeout, 408, 429, "
+                          "502-504), with backoff (--url)."),
+        click.option("--budget", type=click.FloatRange(min=0), default=0, show_default=True,
+                     help="Seconds the whole warmup may take, the wait included; requests and retries stop "
+                          "when it is spent (--url; 0: no limit)."),
     )  # fmt: skip
     for option in reversed(options):
         fn = option(fn)
@@ -70,8 +76,9 @@ def _check_target(entrypoint: str | None, url: str | None) -> None:
         raise ConfigError("target", entrypoint or url or "", "pass exactly one of --entrypoint and --url")
 
 
-def _http(url, request_timeout, wait_timeout, served_model) -> warmup.HttpTarget:
-    return warmup.HttpTarget(url, request_timeout=request_timeout, wait_timeout=wait_timeout, served_model=served_model)
+def _http(url, request_timeout, wait_timeout, served_model, retries, budget) -> warmup.HttpTarget:
+    return warmup.HttpTarget(url, request_timeout=request_timeout, wait_timeout=wait_timeout, served_model=served_model,
+                             retries=retries, budget=budget or None)  # fmt: skip
 
 
 def _note():
@@ -85,7 +92,8 @@ def _note():
                    "Without it no marker is written.")  # fmt: skip
 @json_option
 @handle_errors
-def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_timeout, served_model, root, as_json):
+def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_timeout, served_model, retries, budget,
+               root, as_json):  # fmt: skip
     """Send every warmup profile's shape once, singles first, then batches by size.
 
     Reports each profile's first latency (the compile) and steady-state median. Exits 1 if any
@@ -105,7 +113,7 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
         report = warmup.run(target, chosen, parallel=parallel, progress=_note(), probe=warmup.torch_counters)
         report = warmup.save_megacache(report)
     else:
-        report = warmup.run(_http(url, request_timeout, wait_timeout, served_model), chosen,
+        report = warmup.run(_http(url, request_timeout, wait_timeout, served_model, retries, budget), chosen,
                             parallel=parallel, progress=_note())  # fmt: skip
     marker = warmup.write_marker(root, report) if root else None
     if as_json:
@@ -154,7 +162,8 @@ def _secs(value: float | None) -> str:
 @store_options
 @json_option
 @handle_errors
-def prebake_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_timeout, served_model, root,
+def prebake_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_timeout, served_model, retries, budget,
+                root,
                 signing_key, jobs, model, model_config, facts, extras,
                 store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
     """Warm up, then publish: the build-pipeline step that ships warm caches.
@@ -176,8 +185,8 @@ def prebake_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_
             _profiles(profiles_file)  # fail here, before the restore, on a bad file
         warmer = ChildWarmup(entrypoint, profiles_file, parallel)
     else:
-        warmer = ServerWarmup(_http(url, request_timeout, wait_timeout, served_model), _profiles(profiles_file),
-                              parallel)  # fmt: skip
+        warmer = ServerWarmup(_http(url, request_timeout, wait_timeout, served_model, retries, budget),
+                              _profiles(profiles_file), parallel)  # fmt: skip
     fp = compute_fingerprint(model, model_config, facts, extras)
     key = load_signing_key(signing_key)
     cfg = settings(store_url, index_url, s3_endpoint_url)
