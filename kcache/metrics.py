@@ -1,6 +1,8 @@
 """Prometheus text exposition (format 0.0.4) of what the markers under a restore root say.
 
     kcache_ready                                 1 when `kcache ready` would exit 0
+    kcache_ready_signal{signal}                  1 per readiness signal met: restore, weights, graphs, warmup
+    kcache_ready_cold                            1 when ready only because a failed warmup asked for ready-cold
     kcache_restore_info{status,bundle_key}       1; status is hit | miss | error
     kcache_restore_files / _bytes / _seconds     when the restore marker carries them
     kcache_warmup_info{status}                   1; status is ok | failed
@@ -70,8 +72,14 @@ def _number(value: float) -> str:
 def collect(root: Path) -> list[Family]:
     """Every family the markers under `root` support right now."""
     state = readiness.check(root)
-    families = [family("kcache_ready", "gauge", "1 when restore finished and warmup completed ok.",
-                       ({}, 1 if state.ready else 0))]  # fmt: skip
+    families = [
+        family("kcache_ready", "gauge", "1 when restore finished, the weights loaded, graphs compiled and warmup ok.",
+               ({}, 1 if state.ready else 0)),
+        family("kcache_ready_signal", "gauge", "1 for each readiness signal that holds.",
+               *(({"signal": s.name}, 1 if s.ok else 0) for s in state.signals)),
+        family("kcache_ready_cold", "gauge", "1 when ready although warmup failed (--on-failure ready-cold).",
+               ({}, 1 if state.cold else 0)),
+    ]  # fmt: skip
     families += _restore(state.restore)
     families += _warmup(state.warmup)
     families += _watch(readiness.read_marker(root, readiness.WATCH_MARKER))

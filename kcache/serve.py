@@ -45,12 +45,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(200, "text/plain; charset=utf-8", b"ok\n")
         elif path == "/readyz":
             state = readiness.check(self.server.root)
-            body = {
-                "ready": state.ready,
-                "reason": state.reason,
-                "restore": (state.restore or {}).get("status"),
-                "warmup": (state.warmup or {}).get("status"),
-            }
+            body = readiness.to_dict(state)
             self._send(200 if state.ready else 503, "application/json", json.dumps(body).encode() + b"\n")
         elif path == "/metrics":
             self._send(200, metrics.CONTENT_TYPE, metrics.render(metrics.collect(self.server.root)).encode())

@@ -51,6 +51,7 @@ Counters = Mapping[str, int]
 
 class Target(Protocol):
     name: str
+    weights_on_prepare: bool  # True: a target that passed prepare() has its weights loaded
 
     def prepare(self) -> None:
         """Block until the target can take requests; raise KcacheError if it never can."""
@@ -95,6 +96,8 @@ class WarmupReport:
     error: str = ""  # the target never became usable
     counters: Counters | None = None  # torch cache counters of the whole process, if torch ran here
     megacache: str | None = None  # the Mega-Cache blob written after warmup
+    weights: bool = False  # readiness signal: the target answered (a server's health) or served a run
+    graphs: bool = False  # readiness signal: every profile's first (compiling) run returned
 
     @property
     def failed(self) -> tuple[ProfileResult, ...]:
@@ -116,27 +119,39 @@ def run(
     parallel: int = 1,
     progress: Callable[[str], None] | None = None,
     probe: Callable[[], Counters | None] | None = None,
+    checkpoint: Callable[[WarmupReport], None] | None = None,
 ) -> WarmupReport:
     """Run every profile against `target` in schedule order. Never raises for a failing profile.
 
     `probe` returns cache counters (e.g. torch's) so each sequential profile reports what it hit.
+    `checkpoint` gets a "running" report whenever a readiness signal may have turned (after the
+    wait, after each phase), so the marker shows what holds the pod back while warmup runs.
     """
     started = time.perf_counter()
     note = progress or (lambda _msg: None)
+    mark = checkpoint or (lambda _report: None)
+    profiles = tuple(profiles)
     try:
         target.prepare()
     except KcacheError as exc:
         return WarmupReport("failed", target.name, time.perf_counter() - started, (), error=str(exc))
     results: list[ProfileResult] = []
+
+    def report(status: str, counters: Counters | None = None) -> WarmupReport:
+        weights = getattr(target, "weights_on_prepare", False) or any(r.latencies for r in results)
+        graphs = len(results) == len(profiles) and all(r.latencies for r in results)
+        return WarmupReport(status, target.name, time.perf_counter() - started, tuple(results), counters=counters,
+                            weights=weights, graphs=graphs)  # fmt: skip
+
+    mark(report("running"))
     for phase in schedule(profiles):
         if parallel <= 1:
             results += [_run_profile(target, p, note, probe) for p in phase]
         else:
             with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="kcache-warmup") as pool:
                 results += list(pool.map(lambda p: _run_profile(target, p, note, None), phase))
-    status = "ok" if all(r.ok for r in results) else "failed"
-    counters = probe() if probe else None
-    return WarmupReport(status, target.name, time.perf_counter() - started, tuple(results), counters=counters)
+        mark(report("running"))
+    return report("ok" if all(r.ok for r in results) else "failed", probe() if probe else None)
 
 
 def _run_profile(target: Target, profile: Profile, note, probe) -> ProfileResult:
@@ -168,6 +183,7 @@ def describe(exc: BaseException) -> str:
 class CallableTarget:
     name: str
     fn: Callable[[int, int, int], Any]
+    weights_on_prepare = False  # the function loads its model on the first call
 
     def prepare(self) -> None:
         pass
@@ -374,6 +390,7 @@ def _status_text(answer: http_client.Response) -> str:
 def to_dict(report: WarmupReport) -> dict[str, Any]:
     """The report as JSON-ready data (raw seconds), also the readiness marker's content."""
     doc = asdict(report)
+    doc["signals"] = {"weights": doc.pop("weights"), "graphs": doc.pop("graphs")}
     doc["profiles"] = [
         {**asdict(r.profile), "ok": r.ok, "first_s": r.first, "steady_s": r.steady,
          "latencies_s": list(r.latencies), "error": r.error, "counters": r.counters}
@@ -392,11 +409,16 @@ def from_dict(doc: Mapping[str, Any]) -> WarmupReport:
         )  # fmt: skip
         for p in doc["profiles"]
     )
+    signals = doc.get("signals") or {}
     return WarmupReport(doc["status"], doc["target"], doc["seconds"], results, doc.get("error", ""),
-                        doc.get("counters"), doc.get("megacache"))  # fmt: skip
+                        doc.get("counters"), doc.get("megacache"), signals.get("weights") is True,
+                        signals.get("graphs") is True)  # fmt: skip
 
 
-def write_marker(root: Path, report: WarmupReport) -> Path:
-    """ROOT/.kcache-warmup.json: readiness turns green only on status "ok"."""
+def write_marker(root: Path, report: WarmupReport, on_failure: str = "unready") -> Path:
+    """ROOT/.kcache-warmup.json: readiness turns green on status "ok", or on "failed" with
+    `on_failure` "ready-cold" once the weights loaded (kcache.readiness.check)."""
+    if on_failure not in readiness.ON_FAILURE:
+        raise ConfigError("--on-failure", on_failure, f"expected one of {', '.join(readiness.ON_FAILURE)}")
     Path(root).mkdir(parents=True, exist_ok=True)
-    return readiness.write_marker(Path(root), readiness.WARMUP_MARKER, to_dict(report))
+    return readiness.write_marker(Path(root), readiness.WARMUP_MARKER, {**to_dict(report), "on_failure": on_failure})

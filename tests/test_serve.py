@@ -13,7 +13,7 @@ from served import kcache_server
 
 from kcache import metrics
 from kcache.cli import main
-from kcache.readiness import RESTORE_MARKER, WARMUP_MARKER, WATCH_MARKER, write_marker
+from kcache.readiness import RESTORE_MARKER, SIGNALS, WARMUP_MARKER, WATCH_MARKER, write_marker
 from kcache.serve import make_server, start_in_thread
 
 # name{labels} value, as the 0.0.4 text format writes a sample (no timestamps here)
@@ -67,14 +67,18 @@ def test_readyz_turns_green_when_the_markers_say_so(served):
 
     write_marker(root, WARMUP_MARKER, {"status": "ok", "seconds": 3.5, "profiles": []})
     code, _, body = get(url + "/readyz")
-    assert code == 200 and json.loads(body) == {"ready": True, "reason": "", "restore": "miss", "warmup": "ok"}
+    doc = json.loads(body)
+    assert code == 200 and {k: doc[k] for k in ("ready", "reason", "restore", "warmup", "cold")} == {
+        "ready": True, "reason": "", "restore": "miss", "warmup": "ok", "cold": False}  # fmt: skip
+    assert all(signal["ok"] for signal in doc["signals"].values()) and len(doc["signals"]) == 4
 
 
 def test_metrics_parse_and_carry_the_required_series(served):
     root, url = served
     code, ctype, text = get(url + "/metrics")
     assert code == 200 and ctype.startswith("text/plain; version=0.0.4")
-    assert parse(text) == {("kcache_ready", ""): 0.0}  # nothing finished: no made-up zeros
+    assert parse(text) == {("kcache_ready", ""): 0.0, ("kcache_ready_cold", ""): 0.0,  # nothing else made up
+                           **{("kcache_ready_signal", f'{{signal="{s}"}}'): 0.0 for s in SIGNALS}}  # fmt: skip
 
     write_marker(root, RESTORE_MARKER, {"status": "hit", "bundle_key": "abc", "bundle_id": "b1",
                                         "files": 12, "bytes": 4096, "seconds": 1.25})  # fmt: skip
@@ -84,6 +88,7 @@ def test_metrics_parse_and_carry_the_required_series(served):
                                       "publish_errors": 0})  # fmt: skip
     samples = parse(get(url + "/metrics")[2])
     assert samples[("kcache_ready", "")] == 1
+    assert all(samples[("kcache_ready_signal", f'{{signal="{s}"}}')] == 1 for s in SIGNALS)
     assert samples[("kcache_restore_info", '{bundle_key="abc",status="hit"}')] == 1
     assert samples[("kcache_restore_files", "")] == 12
     assert samples[("kcache_restore_bytes", "")] == 4096
@@ -96,6 +101,21 @@ def test_metrics_parse_and_carry_the_required_series(served):
     assert samples[("kcache_watch_publishes_total", "")] == 1
     types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", get(url + "/metrics")[2], re.M))
     assert types["kcache_watch_publishes_total"] == "counter" and types["kcache_ready"] == "gauge"
+
+
+def test_metrics_show_which_signal_holds_the_pod_and_a_cold_ready(served):
+    root, url = served
+    write_marker(root, RESTORE_MARKER, {"status": "miss", "bundle_key": "k"})
+    write_marker(root, WARMUP_MARKER, {"status": "running", "signals": {"weights": True, "graphs": False}})
+    samples = parse(get(url + "/metrics")[2])
+    assert {s: samples[("kcache_ready_signal", f'{{signal="{s}"}}')] for s in SIGNALS} == {
+        "restore": 1, "weights": 1, "graphs": 0, "warmup": 0}  # fmt: skip
+    assert json.loads(get(url + "/readyz")[2])["reason"] == "warmup running: compiled graphs not done"
+    write_marker(root, WARMUP_MARKER, {"status": "failed", "on_failure": "ready-cold",
+                                       "signals": {"weights": True, "graphs": False}})  # fmt: skip
+    samples = parse(get(url + "/metrics")[2])
+    assert samples[("kcache_ready", "")] == 1 and samples[("kcache_ready_cold", "")] == 1
+    assert get(url + "/readyz")[0] == 200
 
 
 def test_label_values_and_help_are_escaped():

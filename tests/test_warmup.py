@@ -232,3 +232,52 @@ def test_prebake_url_needs_a_laid_out_root_then_publishes_what_the_server_compil
                              "--model", "m", "--json").output)  # fmt: skip
     assert doc["restore"] is None and doc["warmup"]["status"] == "ok"
     assert doc["publish"]["files"] == 4  # one kernel per request shape
+
+
+# ---- readiness signals and a failed warmup ---------------------------------------------------------
+
+
+def test_marker_shows_signals_while_warmup_runs(tmp_path, profiles_file):
+    root = tmp_path / "root"
+    root.mkdir()
+    readiness.write_marker(root, readiness.RESTORE_MARKER, {"status": "hit"})
+    with OpenAIServer(hold=True) as server:
+        worker = threading.Thread(target=cli, args=("warmup", "--url", server.url, "--root", str(root),
+                                                    "--profiles", str(profiles_file)))  # fmt: skip
+        worker.start()
+        assert server.arrived.wait(30)  # the first request is held: weights loaded, nothing compiled yet
+        state = readiness.check(root)
+        server.release.set()
+        worker.join()
+    assert state.warmup["status"] == "running" and not state.ready
+    assert (state.signal("weights").ok, state.signal("graphs").ok) == (True, False)
+    assert state.reason == "warmup running: compiled graphs not done"
+    done = readiness.check(root)
+    assert done.ready and all(s.ok for s in done.signals)
+
+
+def test_ready_cold_serves_after_a_failed_warmup_once_the_server_answered(tmp_path):
+    readiness.write_marker(tmp_path, readiness.RESTORE_MARKER, {"status": "miss"})
+    with OpenAIServer(fail_status=500) as server:
+        cli("warmup", "--url", server.url, "--root", str(tmp_path), "--on-failure", "ready-cold", code=1)
+    state = readiness.check(tmp_path)
+    assert state.ready and state.cold and state.warmup["status"] == "failed"
+    assert state.signal("weights").ok and not state.signal("warmup").ok
+    assert cli("ready", "--root", str(tmp_path)).output.startswith("kcache: ready (cold)")
+
+
+def test_ready_cold_never_covers_a_server_that_never_answered(tmp_path):
+    readiness.write_marker(tmp_path, readiness.RESTORE_MARKER, {"status": "miss"})
+    with OpenAIServer(unhealthy=-1) as server:
+        cli("warmup", "--url", server.url, "--root", str(tmp_path), "--on-failure", "ready-cold",
+            "--wait-timeout", "0.2", code=1)  # fmt: skip
+    state = readiness.check(tmp_path)
+    assert not state.ready and state.reason == "warmup failed (weights not loaded)"
+
+
+def test_entrypoint_signals_weights_once_a_run_returned(tmp_path, profiles_file):
+    out = cli("warmup", "--entrypoint", "test_warmup:record", "--profiles", str(profiles_file), "--json")
+    assert json.loads(out.output)["signals"] == {"weights": True, "graphs": True}
+    out = cli("warmup", "--entrypoint", "test_warmup:fail_on_batches", "--profiles", str(profiles_file), "--json",
+              code=1)  # fmt: skip
+    assert json.loads(out.output)["signals"] == {"weights": True, "graphs": False}

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from kcache import profiles as profile_files
-from kcache import warmup
+from kcache import readiness, warmup
 from kcache.cli import format as fmt
 from kcache.cli.options import (
     compute_fingerprint,
@@ -90,14 +90,20 @@ def _note():
 @click.option("--root", type=click.Path(file_okay=False, path_type=Path), envvar="KCACHE_ROOT",
               help="Write the readiness marker ROOT/.kcache-warmup.json (env KCACHE_ROOT). "
                    "Without it no marker is written.")  # fmt: skip
+@click.option("--on-failure", type=click.Choice(readiness.ON_FAILURE), default="unready", show_default=True,
+              envvar="KCACHE_WARMUP_ON_FAILURE",
+              help="What a failed warmup means for readiness: stay unready, or ready-cold (ready once the "
+                   "server answered, with kcache_ready_cold 1) so a rollout never stalls on one hiccup.")  # fmt: skip
 @json_option
 @handle_errors
 def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_timeout, served_model, retries, budget,
-               root, as_json):  # fmt: skip
+               root, on_failure, as_json):  # fmt: skip
     """Send every warmup profile's shape once, singles first, then batches by size.
 
     Reports each profile's first latency (the compile) and steady-state median. Exits 1 if any
-    profile failed or the server never became healthy; the marker then says "failed". With
+    profile failed or the server never became healthy; the marker then says "failed", and the pod
+    stays unready unless --on-failure ready-cold. While warmup runs, the marker says "running" and
+    which readiness signals (weights loaded, graphs compiled) hold already. With
     --entrypoint, a process that imported torch also saves torch's Mega-Cache to
     $KCACHE_MEGACACHE when that is set (ROOT/kcache.env sets it).
 
@@ -108,14 +114,16 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
     """
     _check_target(entrypoint, url)
     chosen = _profiles(profiles_file)
+    checkpoint = (lambda partial: warmup.write_marker(root, partial, on_failure)) if root else None
     if entrypoint:
         target = warmup.load_entrypoint(entrypoint)
-        report = warmup.run(target, chosen, parallel=parallel, progress=_note(), probe=warmup.torch_counters)
+        report = warmup.run(target, chosen, parallel=parallel, progress=_note(), probe=warmup.torch_counters,
+                            checkpoint=checkpoint)  # fmt: skip
         report = warmup.save_megacache(report)
     else:
         report = warmup.run(_http(url, request_timeout, wait_timeout, served_model, retries, budget), chosen,
-                            parallel=parallel, progress=_note())  # fmt: skip
-    marker = warmup.write_marker(root, report) if root else None
+                            parallel=parallel, progress=_note(), checkpoint=checkpoint)  # fmt: skip
+    marker = warmup.write_marker(root, report, on_failure) if root else None
     if as_json:
         click.echo(fmt.to_json({**warmup.to_dict(report), "marker": str(marker) if marker else None}))
     else:
