@@ -1,9 +1,12 @@
 """`kcache serve`: real HTTP on 127.0.0.1 port 0, Prometheus text that parses, a clean SIGTERM."""
 
 import json
+import logging
 import re
 import signal
 import socket
+import struct
+import threading
 import urllib.error
 import urllib.request
 
@@ -11,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 from served import kcache_server
 
-from kcache import metrics
+from kcache import metrics, serve
 from kcache.cli import main
 from kcache.readiness import RESTORE_MARKER, SIGNALS, WARMUP_MARKER, WATCH_MARKER, write_marker
 from kcache.serve import make_server, start_in_thread
@@ -137,3 +140,114 @@ def test_port_in_use_is_a_one_line_error(tmp_path):
         taken.listen()
         result = CliRunner().invoke(main, ["serve", "--port", str(taken.getsockname()[1]), "--root", str(tmp_path)])
     assert result.exit_code == 2 and "kcache: error:" in result.stderr and "Traceback" not in result.output
+
+
+# ---- a server that is hard to starve ---------------------------------------------------------------
+
+
+class Recorded(logging.Handler):
+    """Collects kcache.serve's log lines; `wait(n)` returns once n lines arrived."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines, self._cond = [], threading.Condition()
+
+    def emit(self, record):
+        with self._cond:
+            self.lines.append((record.getMessage(), record.exc_info))
+            self._cond.notify_all()
+
+    def wait(self, count, timeout=20):
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self.lines) >= count, timeout)
+
+
+@pytest.fixture
+def recorded():
+    handler, logger = Recorded(), logging.getLogger("kcache.serve")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(logging.NOTSET)
+
+
+def open_connections(port, count, send=b""):
+    conns = []
+    for _ in range(count):
+        conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+        if send:
+            conn.sendall(send)
+        conns.append(conn)
+    return conns
+
+
+@pytest.mark.parametrize("send", [b"", b"GET /readyz HTTP/1.1\r\nX-Slow: "], ids=["idle", "slow-headers"])
+def test_hundreds_of_stalled_connections_do_not_starve_probes_or_add_threads(served, send):
+    root, url = served
+    port = int(url.rsplit(":", 1)[1])
+    threads_before = threading.active_count()
+    conns = open_connections(port, 300, send)
+    try:
+        for _ in range(5):
+            assert get(url + "/healthz")[0] == 200
+        assert get(url + "/readyz")[0] == 503  # answered (not ready yet), not timed out
+        assert threading.active_count() <= threads_before + serve.WORKERS
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def test_an_idle_connection_is_closed_after_the_idle_timeout(tmp_path, recorded):
+    server = serve.ProbeServer(("127.0.0.1", 0), tmp_path, idle_timeout=0.2)
+    start_in_thread(server)
+    try:
+        (conn,) = open_connections(server.port, 1, b"GET /healthz HTTP/1.1\r\n")
+        assert conn.recv(100) == b""  # closed by the server, long before the 10 s client timeout
+        assert recorded.wait(1)
+        assert recorded.lines[0][0].endswith("aborted: no complete request within 0.2 s")
+        conn.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_aborted_requests_are_one_line_each_without_a_traceback(served, recorded):
+    _, url = served
+    port = int(url.rsplit(":", 1)[1])
+    for conn in open_connections(port, 20, b"GET /metrics HTTP/1.1\r\n"):
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()  # a reset in the middle of the request head
+    assert recorded.wait(20)
+    assert len(recorded.lines) == 20 and all(exc is None for _, exc in recorded.lines)
+    assert all("aborted" in line for line, _ in recorded.lines)
+
+
+def test_an_oversized_head_gets_431_and_other_methods_405(served):
+    _, url = served
+    port = int(url.rsplit(":", 1)[1])
+    (conn,) = open_connections(port, 1, b"GET /healthz HTTP/1.1\r\nX-Big: " + b"x" * (2 * serve.MAX_HEAD))
+    assert conn.makefile("rb").readline().startswith(b"HTTP/1.1 431")
+    conn.close()
+    request = urllib.request.Request(url + "/readyz", data=b"{}", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=10)
+    assert caught.value.code == 405
+
+
+def test_head_requests_get_headers_only(served):
+    _, url = served
+    with urllib.request.urlopen(urllib.request.Request(url + "/healthz", method="HEAD"), timeout=10) as response:
+        assert response.status == 200 and response.headers["Content-Length"] == "3" and response.read() == b""
+
+
+def test_serve_command_logs_dropped_connections_without_tracebacks(tmp_path):
+    with kcache_server("serve", "--port", "0", "--root", str(tmp_path)) as (proc, port):
+        for conn in open_connections(port, 30, b"GET /readyz HTTP/1.1\r\n"):
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+        assert get(f"http://127.0.0.1:{port}/healthz")[0] == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        stderr = proc.stderr.read()
+    assert "Traceback" not in stderr and len(stderr.splitlines()) <= 30
