@@ -21,15 +21,14 @@ MAX_YAML_NODES nodes (no billion laughs), nesting is capped, every value has an 
 
 from __future__ import annotations
 
-import os
 import re
-import stat
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kcache import boundedread
 from kcache.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -89,18 +88,17 @@ def load(path: Path) -> tuple[Profile, ...]:
 
 
 def _read(path: Path) -> str:
-    """The file's text; only a regular file, at most MAX_FILE_BYTES (O_NONBLOCK: a FIFO cannot hang open)."""
+    """The file's text: only a regular file of at most MAX_FILE_BYTES (kcache.boundedread)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        data = boundedread.read_bytes(path, MAX_FILE_BYTES)
+    except boundedread.NotRegularFile:
+        raise ProfileError(
+            str(path), "not a regular file (a FIFO, device or directory cannot be read as profiles)"
+        ) from None
+    except boundedread.FileTooLarge:
+        raise ProfileError(str(path), f"file is over the {MAX_FILE_BYTES}-byte limit") from None
     except OSError as exc:
         raise ProfileError(str(path), f"cannot read: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ProfileError(str(path), "not a regular file (a FIFO, device or directory cannot be read as profiles)")
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(MAX_FILE_BYTES + 1)
-    if len(data) > MAX_FILE_BYTES:
-        raise ProfileError(str(path), f"file is over the {MAX_FILE_BYTES}-byte limit")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

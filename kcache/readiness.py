@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from kcache import boundedread
+
 RESTORE_MARKER = ".kcache-state.json"
 WARMUP_MARKER = ".kcache-warmup.json"
 WATCH_MARKER = ".kcache-watch.json"
@@ -42,11 +44,15 @@ def write_marker(root: Path, name: str, doc: dict) -> Path:
     return root / name
 
 
+MAX_MARKER_BYTES = 4 * 1024 * 1024  # a warmup marker with 256 profiles is ~100 KB
+
+
 def read_marker(root: Path, name: str) -> dict | None:
-    """The marker's content, or None when it is absent or unreadable."""
+    """The marker's content, or None when it is absent or unreadable. Another container can write
+    under ROOT, so a FIFO, a device or a huge file in a marker's place reads as no marker."""
     try:
-        doc = json.loads((Path(root) / name).read_text())
-    except (OSError, ValueError):
+        doc = json.loads(boundedread.read_bytes(Path(root) / name, MAX_MARKER_BYTES))
+    except (OSError, ValueError, RecursionError):
         return None
     return doc if isinstance(doc, dict) else None
 

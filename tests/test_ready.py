@@ -1,6 +1,7 @@
 """`kcache ready`: exit codes and one-line reasons for each marker state, and a light import."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -101,3 +102,17 @@ def test_probe_imports_nothing_heavy(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     line, exit_code, loaded = out.splitlines()
     assert line.startswith("kcache: ready") and exit_code == "0" and loaded == "[]"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "huge"])
+def test_a_marker_that_is_no_small_regular_file_reads_as_absent(tmp_path, kind):
+    mark(tmp_path, "hit")
+    marker = tmp_path / WARMUP_MARKER
+    if kind == "fifo":
+        os.mkfifo(marker)  # opening it for reading would block until a writer came
+    elif kind == "device":
+        marker.symlink_to("/dev/zero")
+    else:
+        marker.write_bytes(b'{"status": "ok", "pad": "' + b"x" * (5 * 1024 * 1024) + b'"}')
+    result = ready("--root", str(tmp_path))
+    assert result.exit_code == 1 and "warmup has not completed" in result.output
