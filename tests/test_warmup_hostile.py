@@ -16,7 +16,7 @@ from hostile_http import (
     trickle,
 )
 
-from kcache import http_client, readiness, warmup
+from kcache import http_client, readiness, warmup, warmup_http
 from kcache.cli import main
 from kcache.profiles import Profile
 
@@ -33,14 +33,14 @@ def test_a_2gb_body_is_refused_without_reading_it():
         report = run(server)
     assert report.status == "failed"
     assert "over the 8388608-byte limit" in report.results[0].error
-    assert server.sent < 2 * warmup.MAX_COMPLETION_ANSWER  # what the socket buffers took, not 2 GB
+    assert server.sent < 2 * warmup_http.MAX_COMPLETION_ANSWER  # what the socket buffers took, not 2 GB
 
 
 def test_an_endless_chunked_body_stops_at_the_cap():
     with HostileServer({"POST /v1/completions": endless_chunks, "GET /v1/models": endless_chunks}) as server:
         report = run(server)
     assert report.status == "failed" and "over the 8388608-byte limit" in report.results[0].error
-    assert server.sent < 4 * warmup.MAX_COMPLETION_ANSWER
+    assert server.sent < 4 * warmup_http.MAX_COMPLETION_ANSWER
 
 
 def test_a_byte_at_a_time_body_meets_the_request_deadline():
@@ -125,7 +125,7 @@ def test_retries_stop_when_the_budget_is_spent():
 
 
 def test_retries_are_logged_one_line_each(caplog):
-    caplog.set_level("INFO", logger="kcache.warmup")
+    caplog.set_level("INFO", logger="kcache.warmup_http")
     with HostileServer({"POST /v1/completions": fail_then_ok(1)}) as server:
         assert run(server, retries=1).status == "ok"
     (line,) = [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
