@@ -85,7 +85,8 @@ def request(method: str, url: str, *, timeout: float, max_body: int, body: bytes
             raise RequestFailed(
                 url, f"no complete answer within {timeout:g} s", transient=True, timed_out=True
             ) from None
-        raise RequestFailed(url, printable(f"{type(exc).__name__}: {exc}"), transient=True) from None
+        hostile = isinstance(exc, http.client.LineTooLong) or "got more than" in str(exc)  # header limits
+        raise RequestFailed(url, printable(f"{type(exc).__name__}: {exc}"), transient=not hostile) from None
     finally:
         watchdog.cancel()
         conn.close()

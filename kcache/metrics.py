@@ -122,17 +122,25 @@ def _warmup(doc: dict | None) -> list[Family]:
 def _watch(doc: dict | None) -> list[Family]:
     if doc is None:
         return []
-    files, sizes = doc.get("new_files") or {}, doc.get("new_bytes") or {}
+    files, sizes = _per_layer(doc, "new_files"), _per_layer(doc, "new_bytes")
     return [
         family("kcache_jit_files_after_ready", "gauge",
                "Cache files that appeared after the pod became ready: shapes warmup did not cover.",
-               *(({"layer": layer}, count) for layer, count in sorted(files.items()))),
+               *(({"layer": layer}, count) for layer, count in files)),
         family("kcache_jit_bytes_after_ready", "gauge", "Bytes of those files.",
-               *(({"layer": layer}, size) for layer, size in sorted(sizes.items()))),
+               *(({"layer": layer}, size) for layer, size in sizes)),
         family("kcache_watch_baseline_files", "gauge", "Cache files present when the pod became ready.",
-               ({}, int(doc.get("baseline_files", 0)))),
+               ({}, _numeric(doc, "baseline_files") or 0)),
         family("kcache_watch_publishes_total", "counter", "Delta publishes by kcache watch.",
-               ({}, int(doc.get("publishes", 0)))),
+               ({}, _numeric(doc, "publishes") or 0)),
         family("kcache_watch_publish_errors_total", "counter", "Delta publishes that failed.",
-               ({}, int(doc.get("publish_errors", 0)))),
+               ({}, _numeric(doc, "publish_errors") or 0)),
     ]  # fmt: skip
+
+
+def _per_layer(doc: Mapping, field: str) -> list[tuple[str, float]]:
+    """(layer, number) pairs of a {layer: number} field, sorted; anything else in it is left out."""
+    values = doc.get(field)
+    if not isinstance(values, Mapping):
+        return []
+    return sorted((str(k), v) for k, v in ((k, _numeric(values, k)) for k in values) if v is not None)

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from kcache import metrics, readiness
 from kcache.errors import ConfigError
+from kcache.http_client import printable
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,11 @@ class ProbeServer:
         elif not method:
             status, ctype, body = 400, "text/plain; charset=utf-8", b"bad request line\n"
         else:
-            status, ctype, body = answer(self.root, method, target)
+            try:
+                status, ctype, body = answer(self.root, method, target)
+            except Exception as exc:  # a marker no code path expected: answer 500, keep serving
+                log.warning("probe request %s %s failed: %s: %s", method, target, type(exc).__name__, exc)
+                status, ctype, body = 500, "text/plain; charset=utf-8", b"internal error; see the server's log\n"
         reason = HTTPStatus(status).phrase
         header = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
                   "Connection: close\r\n\r\n").encode()  # fmt: skip
@@ -210,7 +215,7 @@ def _request_line(head: bytes) -> tuple[str, str]:
     parts = line.split(" ")
     if len(parts) != 3 or not parts[2].startswith("HTTP/") or not parts[1].startswith("/"):
         return "", ""
-    return parts[0], parts[1]
+    return printable(parts[0], 16), printable(parts[1])  # they reach the log
 
 
 def _address(addr) -> str:

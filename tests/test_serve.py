@@ -251,3 +251,14 @@ def test_serve_command_logs_dropped_connections_without_tracebacks(tmp_path):
         assert proc.wait(timeout=20) == 0
         stderr = proc.stderr.read()
     assert "Traceback" not in stderr and len(stderr.splitlines()) <= 30
+
+
+def test_a_watch_marker_with_wrong_types_still_gives_metrics(served):
+    root, url = served
+    write_marker(root, WATCH_MARKER, {"baseline_files": "many", "new_files": ["inductor"],
+                                      "new_bytes": {"triton": "big", "cuda": 5}, "publishes": None})  # fmt: skip
+    code, _, text = get(url + "/metrics")
+    samples = parse(text)
+    assert code == 200 and samples[("kcache_watch_baseline_files", "")] == 0
+    assert samples[("kcache_jit_bytes_after_ready", '{layer="cuda"}')] == 5
+    assert not any(name == "kcache_jit_files_after_ready" for name, _ in samples)
