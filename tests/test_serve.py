@@ -3,9 +3,11 @@
 import json
 import logging
 import re
+import shutil
 import signal
 import socket
 import struct
+import subprocess
 import threading
 import urllib.error
 import urllib.request
@@ -262,3 +264,12 @@ def test_a_watch_marker_with_wrong_types_still_gives_metrics(served):
     assert code == 200 and samples[("kcache_watch_baseline_files", "")] == 0
     assert samples[("kcache_jit_bytes_after_ready", '{layer="cuda"}')] == 5
     assert not any(name == "kcache_jit_files_after_ready" for name, _ in samples)
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to read a listen backlog")
+def test_the_listen_backlog_takes_a_burst_of_probes(served):
+    _, url = served
+    port = url.rsplit(":", 1)[1]
+    out = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout
+    (line,) = out.splitlines()
+    assert int(line.split()[2]) >= 128  # a listening socket's Send-Q column is its backlog
