@@ -1,6 +1,8 @@
 """Prometheus text exposition (format 0.0.4) of what the markers under a restore root say.
 
     kcache_ready                                 1 when `kcache ready` would exit 0
+    kcache_ready_signal{signal}                  1 per readiness signal met: restore, weights, graphs, warmup
+    kcache_ready_cold                            1 when ready only because a failed warmup asked for ready-cold
     kcache_restore_info{status,bundle_key}       1; status is hit | miss | error
     kcache_restore_files / _bytes / _seconds     when the restore marker carries them
     kcache_warmup_info{status}                   1; status is ok | failed
@@ -70,8 +72,14 @@ def _number(value: float) -> str:
 def collect(root: Path) -> list[Family]:
     """Every family the markers under `root` support right now."""
     state = readiness.check(root)
-    families = [family("kcache_ready", "gauge", "1 when restore finished and warmup completed ok.",
-                       ({}, 1 if state.ready else 0))]  # fmt: skip
+    families = [
+        family("kcache_ready", "gauge", "1 when restore finished, the weights loaded, graphs compiled and warmup ok.",
+               ({}, 1 if state.ready else 0)),
+        family("kcache_ready_signal", "gauge", "1 for each readiness signal that holds.",
+               *(({"signal": s.name}, 1 if s.ok else 0) for s in state.signals)),
+        family("kcache_ready_cold", "gauge", "1 when ready although warmup failed (--on-failure ready-cold).",
+               ({}, 1 if state.cold else 0)),
+    ]  # fmt: skip
     families += _restore(state.restore)
     families += _warmup(state.warmup)
     families += _watch(readiness.read_marker(root, readiness.WATCH_MARKER))
@@ -114,17 +122,25 @@ def _warmup(doc: dict | None) -> list[Family]:
 def _watch(doc: dict | None) -> list[Family]:
     if doc is None:
         return []
-    files, sizes = doc.get("new_files") or {}, doc.get("new_bytes") or {}
+    files, sizes = _per_layer(doc, "new_files"), _per_layer(doc, "new_bytes")
     return [
         family("kcache_jit_files_after_ready", "gauge",
                "Cache files that appeared after the pod became ready: shapes warmup did not cover.",
-               *(({"layer": layer}, count) for layer, count in sorted(files.items()))),
+               *(({"layer": layer}, count) for layer, count in files)),
         family("kcache_jit_bytes_after_ready", "gauge", "Bytes of those files.",
-               *(({"layer": layer}, size) for layer, size in sorted(sizes.items()))),
+               *(({"layer": layer}, size) for layer, size in sizes)),
         family("kcache_watch_baseline_files", "gauge", "Cache files present when the pod became ready.",
-               ({}, int(doc.get("baseline_files", 0)))),
+               ({}, _numeric(doc, "baseline_files") or 0)),
         family("kcache_watch_publishes_total", "counter", "Delta publishes by kcache watch.",
-               ({}, int(doc.get("publishes", 0)))),
+               ({}, _numeric(doc, "publishes") or 0)),
         family("kcache_watch_publish_errors_total", "counter", "Delta publishes that failed.",
-               ({}, int(doc.get("publish_errors", 0)))),
+               ({}, _numeric(doc, "publish_errors") or 0)),
     ]  # fmt: skip
+
+
+def _per_layer(doc: Mapping, field: str) -> list[tuple[str, float]]:
+    """(layer, number) pairs of a {layer: number} field, sorted; anything else in it is left out."""
+    values = doc.get(field)
+    if not isinstance(values, Mapping):
+        return []
+    return sorted((str(k), v) for k, v in ((k, _numeric(values, k)) for k in values) if v is not None)

@@ -4,8 +4,11 @@
     ROOT/.kcache-warmup.json   written by `kcache warmup`: {"status": "ok"|"failed", "seconds", "profiles", ...}
     ROOT/.kcache-watch.json    written by `kcache watch`: JIT compiles seen after the pod became ready
 
-A pod is ready when restore has finished, whatever its outcome (a cold pod must still serve), and
-warmup has completed with status "ok". Markers are JSON, written atomically and world-readable,
+A pod is ready when four signals hold: restore has finished, whatever its outcome (a cold pod must
+still serve); the weights loaded (the server's /health or /v1/models answered); the compiled graphs
+are done (every warmup profile's first, compiling run returned); and warmup completed with status
+"ok". The warmup marker carries the middle two under "signals" and is rewritten as they turn, with
+status "running" until warmup ends. Markers are JSON, written atomically and world-readable,
 because probes may run as another user than the init container.
 """
 
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from kcache import atomic
+from kcache import atomic, boundedread
 
 RESTORE_MARKER = ".kcache-state.json"
 WARMUP_MARKER = ".kcache-warmup.json"
@@ -31,13 +34,28 @@ def write_marker(root: Path, name: str, doc: dict) -> Path:
     return target
 
 
+MAX_MARKER_BYTES = 4 * 1024 * 1024  # a warmup marker with 256 profiles is ~100 KB
+
+
 def read_marker(root: Path, name: str) -> dict | None:
-    """The marker's content, or None when it is absent or unreadable."""
+    """The marker's content, or None when it is absent or unreadable. Another container can write
+    under ROOT, so a FIFO, a device or a huge file in a marker's place reads as no marker."""
     try:
-        doc = json.loads((Path(root) / name).read_text())
-    except (OSError, ValueError):
+        doc = json.loads(boundedread.read_bytes(Path(root) / name, MAX_MARKER_BYTES))
+    except (OSError, ValueError, RecursionError):
         return None
     return doc if isinstance(doc, dict) else None
+
+
+SIGNALS = ("restore", "weights", "graphs", "warmup")
+ON_FAILURE = ("unready", "ready-cold")
+
+
+@dataclass(frozen=True)
+class Signal:
+    name: str  # one of SIGNALS
+    ok: bool
+    detail: str  # what the marker says, for an operator
 
 
 @dataclass(frozen=True)
@@ -46,18 +64,69 @@ class Readiness:
     restore: dict | None
     warmup: dict | None
     reason: str  # why not ready; empty when ready
+    signals: tuple[Signal, ...] = ()
+    cold: bool = False  # ready although warmup failed: the marker asked for ready-cold
+
+    def signal(self, name: str) -> Signal:
+        return next(s for s in self.signals if s.name == name)
 
 
 def check(root: Path) -> Readiness:
-    """Ready = restore finished (any outcome) and warmup completed with status ok."""
+    """Ready = restore finished (any outcome), the weights loaded, the graphs compiled and warmup ok.
+
+    A warmup marker whose `on_failure` is "ready-cold" turns a failed warmup into ready-but-cold,
+    as long as the weights loaded: a rollout must not stall because one warmup request failed, and
+    `kcache_ready_cold` shows it. Markers from before the signals existed count weights and graphs
+    as done when warmup was ok.
+    """
     restore = read_marker(root, RESTORE_MARKER)
     warmup = read_marker(root, WARMUP_MARKER)
-    if restore is None:
-        reason = "restore has not finished"
-    elif warmup is None:
-        reason = "warmup has not completed"
-    elif warmup.get("status") != "ok":
-        reason = f"warmup {warmup.get('status', 'unknown')}"
-    else:
-        reason = ""
-    return Readiness(not reason, restore, warmup, reason)
+    signals = _signals(restore, warmup)
+    reason = _reason(warmup, {s.name: s for s in signals})
+    warmed = signals[-1].ok
+    return Readiness(not reason, restore, warmup, reason, signals, cold=not reason and not warmed)
+
+
+def _reason(warmup: dict | None, signal: dict[str, Signal]) -> str:
+    """Why not ready (the first signal that holds the pod back); empty when ready."""
+    if not signal["restore"].ok:
+        return "restore has not finished"
+    if warmup is None:
+        return "warmup has not completed"
+    status = warmup.get("status", "unknown")
+    if status == "running":
+        if not signal["weights"].ok:
+            return "warmup running: weights not loaded yet"
+        return "warmup running: compiled graphs not done" if not signal["graphs"].ok else "warmup running"
+    if status == "ok":
+        return ""
+    loaded = signal["weights"].ok or "signals" not in warmup  # markers from before the signals: unknown
+    if warmup.get("on_failure") == "ready-cold" and signal["weights"].ok:
+        return ""
+    return f"warmup {status}" + ("" if loaded else " (weights not loaded)")
+
+
+def _signals(restore: dict | None, warmup: dict | None) -> tuple[Signal, ...]:
+    status = str((warmup or {}).get("status", ""))
+    marked = (warmup or {}).get("signals")
+    marked = marked if isinstance(marked, dict) else {"weights": status == "ok", "graphs": status == "ok"}
+    weights, graphs = marked.get("weights") is True, marked.get("graphs") is True
+    not_started = "warmup has not started"
+    return (
+        Signal("restore", restore is not None, str((restore or {}).get("status", "not finished"))),
+        Signal("weights", weights, "loaded" if weights else (f"warmup {status}" if warmup else not_started)),
+        Signal("graphs", graphs, "compiled" if graphs else (f"warmup {status}" if warmup else not_started)),
+        Signal("warmup", status == "ok", status or "not completed"),
+    )
+
+
+def to_dict(state: Readiness) -> dict:
+    """What /readyz and `kcache ready --json` answer: the verdict and each signal apart."""
+    return {
+        "ready": state.ready,
+        "reason": state.reason,
+        "cold": state.cold,
+        "restore": (state.restore or {}).get("status"),
+        "warmup": (state.warmup or {}).get("status"),
+        "signals": {s.name: {"ok": s.ok, "detail": s.detail} for s in state.signals},
+    }

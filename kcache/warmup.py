@@ -11,12 +11,8 @@ Two targets:
 * `CallableTarget`: `module:function`, called in this process as fn(batch_size, input_tokens,
   output_tokens). torch.compile is not thread-safe while compiling: use parallel > 1 only if
   the function is.
-* `HttpTarget`: an OpenAI-compatible server (vLLM, SGLang, TGI). It waits for GET /health (a
-  404 there falls back to GET /v1/models), then sends a batch of B as B concurrent POSTs to
-  /v1/completions, each with one prompt of about `input_tokens` tokens and max_tokens =
-  `output_tokens`. Concurrent single-prompt requests rather than one request with a list of
-  prompts: every server accepts them, and they reach the server's batcher the way real traffic
-  does. Each prompt starts with a unique number so that prefix caching cannot shorten it.
+* `HttpTarget` (kcache.warmup_http): an OpenAI-compatible server (vLLM, SGLang, TGI), sent a
+  batch of B as B concurrent POSTs to /v1/completions after its health check answered.
 
 Each profile's first run (the compile) and the median of its later runs (the steady state) are
 reported; a profile whose run raises is failed with the error and the others still run.
@@ -25,15 +21,11 @@ reported; a profile whose run raises is failed with the error and the others sti
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import os
 import statistics
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
@@ -43,6 +35,9 @@ from typing import Any, Protocol
 from kcache import readiness
 from kcache.errors import ConfigError, KcacheError
 from kcache.profiles import Profile
+from kcache.warmup_http import HttpTarget as HttpTarget  # re-exported: callers name warmup.HttpTarget
+from kcache.warmup_http import ServerUnavailable as ServerUnavailable
+from kcache.warmup_http import WarmupRequestError as WarmupRequestError
 
 log = logging.getLogger(__name__)
 
@@ -51,20 +46,13 @@ Counters = Mapping[str, int]
 
 class Target(Protocol):
     name: str
+    weights_on_prepare: bool  # True: a target that passed prepare() has its weights loaded
 
     def prepare(self) -> None:
         """Block until the target can take requests; raise KcacheError if it never can."""
 
     def __call__(self, profile: Profile) -> None:
         """Run one request (or one batch) of the profile's shape; raise on failure."""
-
-
-class ServerUnavailable(KcacheError):
-    """The warmup server did not become healthy in time."""
-
-    def __init__(self, url: str, seconds: float, why: str):
-        self.url, self.seconds, self.why = url, seconds, why
-        super().__init__(f"{url} was not healthy within {seconds:g} s: {why}")
 
 
 @dataclass(frozen=True)
@@ -95,6 +83,8 @@ class WarmupReport:
     error: str = ""  # the target never became usable
     counters: Counters | None = None  # torch cache counters of the whole process, if torch ran here
     megacache: str | None = None  # the Mega-Cache blob written after warmup
+    weights: bool = False  # readiness signal: the target answered (a server's health) or served a run
+    graphs: bool = False  # readiness signal: every profile's first (compiling) run returned
 
     @property
     def failed(self) -> tuple[ProfileResult, ...]:
@@ -116,27 +106,39 @@ def run(
     parallel: int = 1,
     progress: Callable[[str], None] | None = None,
     probe: Callable[[], Counters | None] | None = None,
+    checkpoint: Callable[[WarmupReport], None] | None = None,
 ) -> WarmupReport:
     """Run every profile against `target` in schedule order. Never raises for a failing profile.
 
     `probe` returns cache counters (e.g. torch's) so each sequential profile reports what it hit.
+    `checkpoint` gets a "running" report whenever a readiness signal may have turned (after the
+    wait, after each phase), so the marker shows what holds the pod back while warmup runs.
     """
     started = time.perf_counter()
     note = progress or (lambda _msg: None)
+    mark = checkpoint or (lambda _report: None)
+    profiles = tuple(profiles)
     try:
         target.prepare()
     except KcacheError as exc:
         return WarmupReport("failed", target.name, time.perf_counter() - started, (), error=str(exc))
     results: list[ProfileResult] = []
+
+    def report(status: str, counters: Counters | None = None) -> WarmupReport:
+        weights = getattr(target, "weights_on_prepare", False) or any(r.latencies for r in results)
+        graphs = len(results) == len(profiles) and all(r.latencies for r in results)
+        return WarmupReport(status, target.name, time.perf_counter() - started, tuple(results), counters=counters,
+                            weights=weights, graphs=graphs)  # fmt: skip
+
+    mark(report("running"))
     for phase in schedule(profiles):
         if parallel <= 1:
             results += [_run_profile(target, p, note, probe) for p in phase]
         else:
             with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="kcache-warmup") as pool:
                 results += list(pool.map(lambda p: _run_profile(target, p, note, None), phase))
-    status = "ok" if all(r.ok for r in results) else "failed"
-    counters = probe() if probe else None
-    return WarmupReport(status, target.name, time.perf_counter() - started, tuple(results), counters=counters)
+        mark(report("running"))
+    return report("ok" if all(r.ok for r in results) else "failed", probe() if probe else None)
 
 
 def _run_profile(target: Target, profile: Profile, note, probe) -> ProfileResult:
@@ -168,6 +170,7 @@ def describe(exc: BaseException) -> str:
 class CallableTarget:
     name: str
     fn: Callable[[int, int, int], Any]
+    weights_on_prepare = False  # the function loads its model on the first call
 
     def prepare(self) -> None:
         pass
@@ -215,115 +218,13 @@ def save_megacache(report: WarmupReport, env: Mapping[str, str] | None = None) -
     return replace(report, megacache=str(saved.path)) if saved else report
 
 
-# ---- HTTP target ---------------------------------------------------------------------------------
-
-# Common English words that most BPE vocabularies hold as one token each (with a leading space).
-_WORDS = ("time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world", "school")
-
-
-def prompt(tokens: int, nonce: int) -> str:
-    """About `tokens` tokens; the leading number makes each prompt's prefix unique."""
-    words = [str(nonce)] + [_WORDS[i % len(_WORDS)] for i in range(max(0, tokens - 2))]
-    return " ".join(words)
-
-
-class HttpTarget:
-    """An OpenAI-compatible completions server; see the module docstring for the request shape."""
-
-    def __init__(self, url: str, *, request_timeout: float = 120.0, wait_timeout: float = 600.0,
-                 served_model: str | None = None, poll_interval: float = 0.5):  # fmt: skip
-        if not url.startswith(("http://", "https://")):
-            raise ConfigError("--url", url, "expected http://host:port")
-        self.name = self.url = url.rstrip("/")
-        self.request_timeout, self.wait_timeout, self.poll_interval = request_timeout, wait_timeout, poll_interval
-        self.model = served_model
-        self._nonce = 0
-        self._lock = threading.Lock()
-
-    def prepare(self) -> None:
-        deadline = time.monotonic() + self.wait_timeout
-        why = "no answer"
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                if self._healthy(max(0.1, min(remaining, self.request_timeout, 10.0))):
-                    break
-                why = "health endpoint answered but not 200"
-            except (OSError, ValueError) as exc:
-                why = _http_error(exc, self.request_timeout)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ServerUnavailable(self.url, self.wait_timeout, why)
-            time.sleep(min(self.poll_interval, remaining))  # a retry interval, not synchronisation
-        if self.model is None:
-            self.model = self._first_model()
-
-    def _healthy(self, timeout: float) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as response:
-                return response.status == 200
-        except urllib.error.HTTPError as exc:
-            if exc.code not in (404, 405):
-                raise
-        with urllib.request.urlopen(self.url + "/v1/models", timeout=timeout) as response:
-            return response.status == 200
-
-    def _first_model(self) -> str | None:
-        """The first served model's id; None lets the server use its default."""
-        try:
-            with urllib.request.urlopen(self.url + "/v1/models", timeout=self.request_timeout) as response:
-                data = json.load(response).get("data") or []
-            return str(data[0]["id"]) if data else None
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            log.info("no model list at %s/v1/models (%s); requests name no model", self.url, exc)
-            return None
-
-    def __call__(self, profile: Profile) -> None:
-        with self._lock:
-            first, self._nonce = self._nonce, self._nonce + profile.batch_size
-        if profile.batch_size == 1:
-            self._complete(profile, first)
-            return
-        with ThreadPoolExecutor(max_workers=profile.batch_size, thread_name_prefix="kcache-http") as pool:
-            for future in [pool.submit(self._complete, profile, first + i) for i in range(profile.batch_size)]:
-                future.result()  # the first failure fails the batch
-
-    def _complete(self, profile: Profile, nonce: int) -> None:
-        body: dict[str, Any] = {"prompt": prompt(profile.input_tokens, nonce),
-                                "max_tokens": profile.output_tokens, "temperature": 0}  # fmt: skip
-        if self.model:
-            body["model"] = self.model
-        request = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"}, method="POST")  # fmt: skip
-        try:
-            with urllib.request.urlopen(request, timeout=self.request_timeout) as response:
-                answer = json.load(response)
-        except (OSError, ValueError) as exc:
-            raise WarmupRequestError(_http_error(exc, self.request_timeout)) from None
-        if not isinstance(answer, dict) or not answer.get("choices"):
-            raise WarmupRequestError(f"answer has no choices: {str(answer)[:200]}")
-
-
-class WarmupRequestError(KcacheError):
-    """One warmup request failed; the message is what the report shows (the profile fails, not the run)."""
-
-
-def _http_error(exc: BaseException, timeout: float) -> str:
-    if isinstance(exc, urllib.error.HTTPError):
-        detail = exc.read(300).decode("utf-8", "replace").strip()
-        return f"HTTP {exc.code} {exc.reason}" + (f": {detail}" if detail else "")
-    reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-    if isinstance(reason, TimeoutError):
-        return f"no answer within {timeout:g} s (--request-timeout)"
-    return f"{type(reason).__name__}: {reason}"
-
-
 # ---- reports ---------------------------------------------------------------------------------------
 
 
 def to_dict(report: WarmupReport) -> dict[str, Any]:
     """The report as JSON-ready data (raw seconds), also the readiness marker's content."""
     doc = asdict(report)
+    doc["signals"] = {"weights": doc.pop("weights"), "graphs": doc.pop("graphs")}
     doc["profiles"] = [
         {**asdict(r.profile), "ok": r.ok, "first_s": r.first, "steady_s": r.steady,
          "latencies_s": list(r.latencies), "error": r.error, "counters": r.counters}
@@ -342,11 +243,16 @@ def from_dict(doc: Mapping[str, Any]) -> WarmupReport:
         )  # fmt: skip
         for p in doc["profiles"]
     )
+    signals = doc.get("signals") or {}
     return WarmupReport(doc["status"], doc["target"], doc["seconds"], results, doc.get("error", ""),
-                        doc.get("counters"), doc.get("megacache"))  # fmt: skip
+                        doc.get("counters"), doc.get("megacache"), signals.get("weights") is True,
+                        signals.get("graphs") is True)  # fmt: skip
 
 
-def write_marker(root: Path, report: WarmupReport) -> Path:
-    """ROOT/.kcache-warmup.json: readiness turns green only on status "ok"."""
+def write_marker(root: Path, report: WarmupReport, on_failure: str = "unready") -> Path:
+    """ROOT/.kcache-warmup.json: readiness turns green on status "ok", or on "failed" with
+    `on_failure` "ready-cold" once the weights loaded (kcache.readiness.check)."""
+    if on_failure not in readiness.ON_FAILURE:
+        raise ConfigError("--on-failure", on_failure, f"expected one of {', '.join(readiness.ON_FAILURE)}")
     Path(root).mkdir(parents=True, exist_ok=True)
-    return readiness.write_marker(Path(root), readiness.WARMUP_MARKER, to_dict(report))
+    return readiness.write_marker(Path(root), readiness.WARMUP_MARKER, {**to_dict(report), "on_failure": on_failure})

@@ -23,6 +23,7 @@ class OpenAIServer:
         self.fail_status, self.hold, self.unhealthy, self.no_health = fail_status, hold, unhealthy, no_health
         self.compile_into = compile_into
         self.release = threading.Event()
+        self.arrived = threading.Event()  # set when the first completion request has arrived
         self.completions: list[dict] = []  # request bodies, in arrival order
         self.health_checks = 0
         self._lock = threading.Lock()
@@ -83,6 +84,7 @@ class OpenAIServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with owner._lock:
                     owner.completions.append(body)
+                    owner.arrived.set()
                     if owner.compile_into is not None:
                         shape = f"{len(body['prompt'].split())}-{body['max_tokens']}"
                         (owner.compile_into / f"kernel-{shape}.so").write_text(shape)

@@ -1,5 +1,7 @@
 """The Kubernetes examples are wired the way kcache needs them: one volume, one root, one fingerprint."""
 
+import json
+import re
 import shlex
 from pathlib import Path
 
@@ -161,15 +163,151 @@ def test_watch_sidecar_publishes_under_the_restore_fingerprint():
         assert fingerprint_args(args) == fingerprint_args(restore_args), resolve(args)[0]
 
 
-def test_store_and_credentials_come_from_the_same_places():
-    def settings(container):
-        env = {e["name"]: e.get("value") or e["valueFrom"]["secretKeyRef"]["key"] for e in container.get("env", [])}
-        store = [v for a in kcache_calls(container) for v in option(a, "--store")] or [env.get("KCACHE_STORE")]
-        return store[0], env.get("KCACHE_INDEX"), env.get("AWS_SECRET_ACCESS_KEY")
+def env_of(container) -> dict[str, str]:
+    """name -> value, or "secret:NAME/KEY" for a value from a Secret."""
+    env = {}
+    for e in container.get("env", []):
+        ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+        env[e["name"]] = f"secret:{ref['name']}/{ref['key']}" if ref else str(e.get("value"))
+    return env
 
-    users = [c for _, _, s in pod_specs() for c in containers(s) if kcache_calls(c)]
-    assert len(users) == 3 and len({settings(c) for c in users}) == 1
-    assert settings(users[0])[0].startswith("s3://")
+
+def kcache_users():
+    """(verb, container) for each container that runs kcache: restore, watch or prebake."""
+    for _, _, spec in pod_specs():
+        for container in containers(spec):
+            verbs = [resolve(a)[0] for a in kcache_calls(container)]
+            for verb in ("restore", "watch", "prebake"):
+                if [verb] in verbs:
+                    yield verb, container
+
+
+def test_store_is_one_and_credentials_are_least_privilege():
+    users = dict(kcache_users())
+    assert sorted(users) == ["prebake", "restore", "watch"]
+
+    def store(container):
+        flag = [v for a in kcache_calls(container) for v in option(a, "--store")]
+        return flag[0] if flag else env_of(container).get("KCACHE_STORE")
+
+    assert len({store(c) for c in users.values()}) == 1 and store(users["restore"]).startswith("s3://")
+    restore_env = env_of(users["restore"])
+    assert restore_env["KCACHE_INDEX"] == "none", "restore reads refs/: no database credentials in the init container"
+    assert restore_env["AWS_ROLE_ARN"].endswith("role/kcache-reader")
+    for verb in ("watch", "prebake"):
+        env = env_of(users[verb])
+        assert env["AWS_ROLE_ARN"].endswith("role/kcache-writer"), verb
+        assert env["KCACHE_INDEX"] == "secret:kcache-index/writer-url", verb
+
+
+def test_no_pod_uses_static_keys_and_the_fallback_secret_says_so():
+    secrets = {doc["metadata"]["name"]: doc for _, doc in documents() if doc["kind"] == "Secret"}
+    assert "fallback" in secrets["kcache-static-keys"]["metadata"]["annotations"]["kcache.example/fallback"]
+    for _, _, spec in pod_specs():
+        for container in containers(spec):
+            env = env_of(container)
+            assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} & set(env), container["name"]
+            assert not any(v.startswith("secret:kcache-static-keys/") for v in env.values()), container["name"]
+
+
+def test_pods_use_a_service_account_with_workload_identity():
+    accounts = {doc["metadata"]["name"]: doc for _, doc in documents() if doc["kind"] == "ServiceAccount"}
+    for name, _, spec in pod_specs():
+        account = accounts[spec["serviceAccountName"]]
+        assert account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"].startswith("arn:aws:iam::"), name
+        assert spec["automountServiceAccountToken"] is False, f"{name}: no Kubernetes API token in the pod"
+        tokens = {v["name"]: v for v in spec["volumes"] if "projected" in v}
+        for container in containers(spec):
+            env = env_of(container)
+            if "AWS_ROLE_ARN" not in env:
+                assert not kcache_calls(container) or container["name"] == "model", container["name"]
+                continue
+            (volume,) = [m for m in container["volumeMounts"] if env["AWS_WEB_IDENTITY_TOKEN_FILE"].startswith(
+                m["mountPath"] + "/")]  # fmt: skip
+            source = tokens[volume["name"]]["projected"]["sources"][0]["serviceAccountToken"]
+            assert source["audience"] == "sts.amazonaws.com" and volume["readOnly"], container["name"]
+
+
+def test_the_model_container_has_no_cache_credentials():
+    spec, _, _, model = deployment()
+    env = env_of(model)
+    assert not [n for n in env if n.startswith("AWS_") or n == "KCACHE_INDEX"]
+
+
+def test_every_container_is_locked_down():
+    for name, _, spec in pod_specs():
+        pod = spec.get("securityContext", {})
+        assert pod.get("runAsNonRoot") is True and pod["seccompProfile"]["type"] == "RuntimeDefault", name
+        for container in containers(spec):
+            where, ctx = f"{name}:{container['name']}", container.get("securityContext", {})
+            assert ctx.get("runAsNonRoot", pod.get("runAsNonRoot")) is True, where
+            assert ctx.get("runAsUser", 1) != 0, where
+            assert ctx.get("readOnlyRootFilesystem") is True, where
+            assert ctx.get("allowPrivilegeEscalation") is False, where
+            assert ctx.get("capabilities", {}).get("drop") == ["ALL"] and not ctx["capabilities"].get("add"), where
+            assert ctx.get("seccompProfile", pod["seccompProfile"])["type"] == "RuntimeDefault", where
+            assert not ctx.get("privileged"), where
+
+
+def writable_mounts(spec, container) -> list[str]:
+    empty = {v["name"] for v in spec["volumes"] if "emptyDir" in v}
+    return [m["mountPath"] for m in container.get("volumeMounts", []) if m["name"] in empty and not m.get("readOnly")]
+
+
+def test_every_path_a_container_writes_is_an_emptydir():
+    for name, _, spec in pod_specs():
+        for container in containers(spec):
+            env, mounts = env_of(container), writable_mounts(spec, container)
+            wanted = [env[v] for v in ("TMPDIR", "HOME", "KCACHE_HOME", "HF_HOME") if v in env]
+            for args in kcache_calls(container):
+                wanted += option(args, "--root") + option(args, "--into")
+                wanted += [] if "TMPDIR" in env or "KCACHE_HOME" in env else ["/tmp"]  # the image's KCACHE_HOME
+            for path in wanted:
+                assert any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounts), (
+                    f"{name}:{container['name']} writes {path} on a read-only root filesystem"
+                )
+
+
+def test_images_are_pinned():
+    for name, _, spec in pod_specs():
+        for container in containers(spec):
+            image = container["image"]
+            if "@sha256:" in image:
+                continue
+            repo, _, tag = image.rpartition(":")
+            assert repo and "/" not in tag and re.fullmatch(r"v?\d+(\.\d+)+", tag), f"{name}: {image} is not pinned"
+
+
+def test_every_container_has_requests_and_limits():
+    for name, _, spec in pod_specs():
+        for container in containers(spec):
+            resources, where = container.get("resources", {}), f"{name}:{container['name']}"
+            assert {"cpu", "memory"} <= set(resources.get("requests", {})), where
+            assert {"cpu", "memory"} <= set(resources.get("limits", {})), where
+
+
+def test_the_job_is_bounded_in_time_and_cleaned_up():
+    (job,) = [doc for _, doc in documents() if doc["kind"] == "Job"]
+    assert 0 < job["spec"]["activeDeadlineSeconds"] <= 6 * 3600
+    assert job["spec"]["ttlSecondsAfterFinished"] > 0
+
+
+def test_pods_land_on_the_node_type_the_facts_describe():
+    (configmap,) = [doc for _, doc in documents() if doc["metadata"]["name"] == "llm-kcache-facts"]
+    facts = json.loads(configmap["data"]["facts.json"])["facts"]
+    for name, _, spec in pod_specs():
+        labels = spec["nodeSelector"]
+        assert labels["nvidia.com/gpu.product"] == facts["gpu.name"].replace(" ", "-"), name
+        driver = ".".join(labels[f"nvidia.com/cuda.driver.{part}"] for part in ("major", "minor", "rev"))
+        assert driver == facts["gpu.driver"], name
+
+
+def test_a_failed_warmup_does_not_stall_a_rollout():
+    spec, _, _, _ = deployment()
+    (warm,) = [a for c in spec["containers"] for a in kcache_calls(c) if resolve(a)[0] == ["warmup"]]
+    assert option(warm, "--on-failure") == ["ready-cold"]
+    assert int(option(warm, "--retries")[0]) > 0 and float(option(warm, "--budget")[0]) > 0
+    assert float(option(warm, "--budget")[0]) >= float(option(warm, "--wait-timeout")[0])
 
 
 CALLS = [(f"{name}:{c['name']}", args) for name, _, s in pod_specs() for c in containers(s) for args in kcache_calls(c)]

@@ -1,5 +1,7 @@
 """Warmup profiles from YAML and TOML: defaults, parsing, and errors that say where."""
 
+import os
+
 import pytest
 from click.testing import CliRunner
 
@@ -125,3 +127,104 @@ def test_cli_shows_the_error_with_its_hint_and_exit_code(tmp_path):
     assert result.exit_code == 2
     assert f"{path}:8: profile 2 (burst): batch_size must be a positive integer" in result.output
     assert "hint: fix the profiles file" in result.output
+
+
+# ---- hostile files --------------------------------------------------------------------------------
+
+LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{c}: &{c} [{', '.join(['*' + p] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi")
+)
+
+
+def test_a_device_is_refused_before_reading(tmp_path):
+    (tmp_path / "zero.yaml").symlink_to("/dev/zero")
+    with pytest.raises(ProfileError, match="not a regular file"):
+        profiles.load(tmp_path / "zero.yaml")
+
+
+def test_a_fifo_is_refused_without_hanging(tmp_path):
+    os.mkfifo(tmp_path / "p.yaml")
+    with pytest.raises(ProfileError, match="not a regular file"):
+        profiles.load(tmp_path / "p.yaml")
+
+
+def test_a_directory_is_refused(tmp_path):
+    (tmp_path / "d.yaml").mkdir()
+    with pytest.raises(ProfileError, match="not a regular file"):
+        profiles.load(tmp_path / "d.yaml")
+
+
+def test_a_file_over_the_size_cap_is_refused(tmp_path):
+    path = tmp_path / "big.yaml"
+    path.write_text(YAML + "#" * profiles.MAX_FILE_BYTES)
+    with pytest.raises(ProfileError, match="over the 1048576-byte limit"):
+        profiles.load(path)
+
+
+def test_billion_laughs_in_a_field_value_is_refused_with_a_short_message():
+    text = (
+        LAUGHS.replace("a: &a", "x: &a")
+        + "profiles:\n  - {name: p, batch_size: *i, input_tokens: 1, output_tokens: 1}\n"
+    )
+    with pytest.raises(ProfileError) as caught:
+        profiles.parse_yaml(text, "p.yaml")
+    assert "aliases expand to more than" in str(caught.value) and len(str(caught.value)) < 300
+
+
+def test_a_list_value_is_described_not_printed():
+    with pytest.raises(ProfileError) as caught:
+        profiles.parse_yaml("profiles:\n  - {name: p, batch_size: [1, 2, 3], input_tokens: 1, output_tokens: 1}\n")
+    assert str(caught.value).endswith("batch_size must be a positive integer (got a list)")
+
+
+def test_merge_keys_and_a_few_aliases_still_work():
+    text = "base: &base {input_tokens: 8, output_tokens: 2}\nprofiles:\n  - {<<: *base, name: a, batch_size: 1}\n"
+    with pytest.raises(ProfileError, match="unknown top-level key 'base'"):  # aliases parse; the key is unknown
+        profiles.parse_yaml(text)
+
+
+@pytest.mark.parametrize("parse, text", [
+    (profiles.parse_yaml, "profiles: " + "[" * 5000 + "]" * 5000 + "\n"),
+    (profiles.parse_toml, "profiles = " + "[" * 5000 + "]" * 5000 + "\n"),
+])  # fmt: skip
+def test_deep_nesting_is_a_clear_error(parse, text):
+    with pytest.raises(ProfileError, match="nested too deeply"):
+        parse(text)
+
+
+@pytest.mark.parametrize("parse, text", [
+    (profiles.parse_toml, TOML.replace("batch_size = 8", "batch_size = " + "1" * 4400)),
+    (profiles.parse_yaml, YAML.replace("batch_size: 8", "batch_size: " + "1" * 4400)),
+])  # fmt: skip
+def test_a_4400_digit_integer_is_a_clear_error(parse, text):
+    with pytest.raises(ProfileError) as caught:
+        parse(text)
+    assert "number" in str(caught.value) and len(str(caught.value)) < 300
+
+
+FIRST = {"batch_size": 1, "input_tokens": 512, "output_tokens": 64, "repeats": 3}
+
+
+@pytest.mark.parametrize("field, limit", sorted(profiles.LIMITS.items()))
+def test_upper_bounds_are_named_in_the_error(field, limit):
+    def with_value(value):
+        return YAML.replace(f"    {field}: {FIRST[field]}\n", f"    {field}: {value}\n", 1)
+
+    with pytest.raises(ProfileError) as caught:
+        profiles.parse_yaml(with_value(10**12))
+    assert str(caught.value).endswith(f"{field} must be at most {limit} (got 1000000000000)")
+    assert profiles.parse_yaml(with_value(limit))[0] == Profile("chat", **{**FIRST, field: limit})
+
+
+def test_a_long_name_is_refused():
+    with pytest.raises(ProfileError, match="name must be at most 200 characters"):
+        profiles.parse_yaml(YAML.replace("name: chat", "name: " + "n" * 5000))
+
+
+def test_too_many_profiles_is_refused():
+    text = "profiles:\n" + "".join(
+        f"  - {{name: p{i}, batch_size: 1, input_tokens: 1, output_tokens: 1}}\n"
+        for i in range(profiles.MAX_PROFILES + 1)
+    )
+    with pytest.raises(ProfileError, match=f"at most {profiles.MAX_PROFILES} profiles"):
+        profiles.parse_yaml(text)

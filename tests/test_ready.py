@@ -1,6 +1,7 @@
 """`kcache ready`: exit codes and one-line reasons for each marker state, and a light import."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -45,6 +46,35 @@ def test_exit_code_and_reason(tmp_path, restore, warmup, code, says):
     assert says in result.output and len(result.output.splitlines()) == 1
 
 
+def signalled(root, status, weights, graphs, on_failure="unready"):
+    mark(root, "hit")
+    write_marker(root, WARMUP_MARKER, {"status": status, "profiles": [], "on_failure": on_failure,
+                                       "signals": {"weights": weights, "graphs": graphs}})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "status, weights, graphs, on_failure, code, says",
+    [
+        ("running", False, False, "unready", 1, "not ready: warmup running: weights not loaded yet"),
+        ("running", True, False, "unready", 1, "not ready: warmup running: compiled graphs not done"),
+        ("running", True, True, "unready", 1, "not ready: warmup running"),
+        ("failed", True, False, "unready", 1, "not ready: warmup failed"),
+        ("failed", False, False, "unready", 1, "not ready: warmup failed (weights not loaded)"),
+        ("failed", True, False, "ready-cold", 0, "ready (cold): restore hit, warmup failed"),
+        ("failed", False, False, "ready-cold", 1, "not ready: warmup failed (weights not loaded)"),
+        ("ok", True, True, "ready-cold", 0, "ready: restore hit, warmup ok"),
+    ],
+)
+def test_each_signal_holds_the_pod_back(tmp_path, status, weights, graphs, on_failure, code, says):
+    signalled(tmp_path, status, weights, graphs, on_failure)
+    result = ready("--root", str(tmp_path))
+    assert result.exit_code == (NOT_READY if code else 0) and says in result.output, result.output
+    doc = json.loads(ready("--root", str(tmp_path), "--json").output)
+    assert {k: v["ok"] for k, v in doc["signals"].items()} == {
+        "restore": True, "weights": weights, "graphs": graphs, "warmup": status == "ok"}  # fmt: skip
+    assert doc["cold"] is (code == 0 and status != "ok")
+
+
 def test_missing_root_is_not_ready(tmp_path):
     result = ready("--root", str(tmp_path / "nowhere"))
     assert result.exit_code == NOT_READY and "restore has not finished" in result.output
@@ -54,8 +84,13 @@ def test_root_from_environment_and_json(tmp_path):
     mark(tmp_path, "miss", "failed")
     result = ready("--json", env={"KCACHE_ROOT": str(tmp_path)})
     assert result.exit_code == NOT_READY
-    assert json.loads(result.output) == {"ready": False, "reason": "warmup failed", "restore": "miss",
-                                         "warmup": "failed", "root": str(tmp_path)}  # fmt: skip
+    assert json.loads(result.output) == {
+        "ready": False, "reason": "warmup failed", "restore": "miss", "warmup": "failed", "root": str(tmp_path),
+        "cold": False, "signals": {"restore": {"ok": True, "detail": "miss"},
+                                   "weights": {"ok": False, "detail": "warmup failed"},
+                                   "graphs": {"ok": False, "detail": "warmup failed"},
+                                   "warmup": {"ok": False, "detail": "failed"}},
+    }  # fmt: skip
 
 
 def test_probe_imports_nothing_heavy(tmp_path):
@@ -70,3 +105,17 @@ def test_probe_imports_nothing_heavy(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     line, exit_code, loaded = out.splitlines()
     assert line.startswith("kcache: ready") and exit_code == "0" and loaded == "[]"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "huge"])
+def test_a_marker_that_is_no_small_regular_file_reads_as_absent(tmp_path, kind):
+    mark(tmp_path, "hit")
+    marker = tmp_path / WARMUP_MARKER
+    if kind == "fifo":
+        os.mkfifo(marker)  # opening it for reading would block until a writer came
+    elif kind == "device":
+        marker.symlink_to("/dev/zero")
+    else:
+        marker.write_bytes(b'{"status": "ok", "pad": "' + b"x" * (5 * 1024 * 1024) + b'"}')
+    result = ready("--root", str(tmp_path))
+    assert result.exit_code == NOT_READY and "warmup has not completed" in result.output

@@ -1,9 +1,14 @@
 """`kcache serve`: real HTTP on 127.0.0.1 port 0, Prometheus text that parses, a clean SIGTERM."""
 
 import json
+import logging
 import re
+import shutil
 import signal
 import socket
+import struct
+import subprocess
+import threading
 import urllib.error
 import urllib.request
 
@@ -11,9 +16,9 @@ import pytest
 from click.testing import CliRunner
 from served import kcache_server
 
-from kcache import metrics
+from kcache import metrics, serve
 from kcache.cli import main
-from kcache.readiness import RESTORE_MARKER, WARMUP_MARKER, WATCH_MARKER, write_marker
+from kcache.readiness import RESTORE_MARKER, SIGNALS, WARMUP_MARKER, WATCH_MARKER, write_marker
 from kcache.serve import make_server, start_in_thread
 
 # name{labels} value, as the 0.0.4 text format writes a sample (no timestamps here)
@@ -67,14 +72,18 @@ def test_readyz_turns_green_when_the_markers_say_so(served):
 
     write_marker(root, WARMUP_MARKER, {"status": "ok", "seconds": 3.5, "profiles": []})
     code, _, body = get(url + "/readyz")
-    assert code == 200 and json.loads(body) == {"ready": True, "reason": "", "restore": "miss", "warmup": "ok"}
+    doc = json.loads(body)
+    assert code == 200 and {k: doc[k] for k in ("ready", "reason", "restore", "warmup", "cold")} == {
+        "ready": True, "reason": "", "restore": "miss", "warmup": "ok", "cold": False}  # fmt: skip
+    assert all(signal["ok"] for signal in doc["signals"].values()) and len(doc["signals"]) == 4
 
 
 def test_metrics_parse_and_carry_the_required_series(served):
     root, url = served
     code, ctype, text = get(url + "/metrics")
     assert code == 200 and ctype.startswith("text/plain; version=0.0.4")
-    assert parse(text) == {("kcache_ready", ""): 0.0}  # nothing finished: no made-up zeros
+    assert parse(text) == {("kcache_ready", ""): 0.0, ("kcache_ready_cold", ""): 0.0,  # nothing else made up
+                           **{("kcache_ready_signal", f'{{signal="{s}"}}'): 0.0 for s in SIGNALS}}  # fmt: skip
 
     write_marker(root, RESTORE_MARKER, {"status": "hit", "bundle_key": "abc", "bundle_id": "b1",
                                         "files": 12, "bytes": 4096, "seconds": 1.25})  # fmt: skip
@@ -84,6 +93,7 @@ def test_metrics_parse_and_carry_the_required_series(served):
                                       "publish_errors": 0})  # fmt: skip
     samples = parse(get(url + "/metrics")[2])
     assert samples[("kcache_ready", "")] == 1
+    assert all(samples[("kcache_ready_signal", f'{{signal="{s}"}}')] == 1 for s in SIGNALS)
     assert samples[("kcache_restore_info", '{bundle_key="abc",status="hit"}')] == 1
     assert samples[("kcache_restore_files", "")] == 12
     assert samples[("kcache_restore_bytes", "")] == 4096
@@ -96,6 +106,21 @@ def test_metrics_parse_and_carry_the_required_series(served):
     assert samples[("kcache_watch_publishes_total", "")] == 1
     types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", get(url + "/metrics")[2], re.M))
     assert types["kcache_watch_publishes_total"] == "counter" and types["kcache_ready"] == "gauge"
+
+
+def test_metrics_show_which_signal_holds_the_pod_and_a_cold_ready(served):
+    root, url = served
+    write_marker(root, RESTORE_MARKER, {"status": "miss", "bundle_key": "k"})
+    write_marker(root, WARMUP_MARKER, {"status": "running", "signals": {"weights": True, "graphs": False}})
+    samples = parse(get(url + "/metrics")[2])
+    assert {s: samples[("kcache_ready_signal", f'{{signal="{s}"}}')] for s in SIGNALS} == {
+        "restore": 1, "weights": 1, "graphs": 0, "warmup": 0}  # fmt: skip
+    assert json.loads(get(url + "/readyz")[2])["reason"] == "warmup running: compiled graphs not done"
+    write_marker(root, WARMUP_MARKER, {"status": "failed", "on_failure": "ready-cold",
+                                       "signals": {"weights": True, "graphs": False}})  # fmt: skip
+    samples = parse(get(url + "/metrics")[2])
+    assert samples[("kcache_ready", "")] == 1 and samples[("kcache_ready_cold", "")] == 1
+    assert get(url + "/readyz")[0] == 200
 
 
 def test_label_values_and_help_are_escaped():
@@ -117,3 +142,134 @@ def test_port_in_use_is_a_one_line_error(tmp_path):
         taken.listen()
         result = CliRunner().invoke(main, ["serve", "--port", str(taken.getsockname()[1]), "--root", str(tmp_path)])
     assert result.exit_code == 2 and "kcache: error:" in result.stderr and "Traceback" not in result.output
+
+
+# ---- a server that is hard to starve ---------------------------------------------------------------
+
+
+class Recorded(logging.Handler):
+    """Collects kcache.serve's log lines; `wait(n)` returns once n lines arrived."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines, self._cond = [], threading.Condition()
+
+    def emit(self, record):
+        with self._cond:
+            self.lines.append((record.getMessage(), record.exc_info))
+            self._cond.notify_all()
+
+    def wait(self, count, timeout=20):
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self.lines) >= count, timeout)
+
+
+@pytest.fixture
+def recorded():
+    handler, logger = Recorded(), logging.getLogger("kcache.serve")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(logging.NOTSET)
+
+
+def open_connections(port, count, send=b""):
+    conns = []
+    for _ in range(count):
+        conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+        if send:
+            conn.sendall(send)
+        conns.append(conn)
+    return conns
+
+
+@pytest.mark.parametrize("send", [b"", b"GET /readyz HTTP/1.1\r\nX-Slow: "], ids=["idle", "slow-headers"])
+def test_hundreds_of_stalled_connections_do_not_starve_probes_or_add_threads(served, send):
+    root, url = served
+    port = int(url.rsplit(":", 1)[1])
+    threads_before = threading.active_count()
+    conns = open_connections(port, 300, send)
+    try:
+        for _ in range(5):
+            assert get(url + "/healthz")[0] == 200
+        assert get(url + "/readyz")[0] == 503  # answered (not ready yet), not timed out
+        assert threading.active_count() <= threads_before + serve.WORKERS
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def test_an_idle_connection_is_closed_after_the_idle_timeout(tmp_path, recorded):
+    server = serve.ProbeServer(("127.0.0.1", 0), tmp_path, idle_timeout=0.2)
+    start_in_thread(server)
+    try:
+        (conn,) = open_connections(server.port, 1, b"GET /healthz HTTP/1.1\r\n")
+        assert conn.recv(100) == b""  # closed by the server, long before the 10 s client timeout
+        assert recorded.wait(1)
+        assert recorded.lines[0][0].endswith("aborted: no complete request within 0.2 s")
+        conn.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_aborted_requests_are_one_line_each_without_a_traceback(served, recorded):
+    _, url = served
+    port = int(url.rsplit(":", 1)[1])
+    for conn in open_connections(port, 20, b"GET /metrics HTTP/1.1\r\n"):
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()  # a reset in the middle of the request head
+    assert recorded.wait(20)
+    assert len(recorded.lines) == 20 and all(exc is None for _, exc in recorded.lines)
+    assert all("aborted" in line for line, _ in recorded.lines)
+
+
+def test_an_oversized_head_gets_431_and_other_methods_405(served):
+    _, url = served
+    port = int(url.rsplit(":", 1)[1])
+    (conn,) = open_connections(port, 1, b"GET /healthz HTTP/1.1\r\nX-Big: " + b"x" * (2 * serve.MAX_HEAD))
+    assert conn.makefile("rb").readline().startswith(b"HTTP/1.1 431")
+    conn.close()
+    request = urllib.request.Request(url + "/readyz", data=b"{}", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=10)
+    assert caught.value.code == 405
+
+
+def test_head_requests_get_headers_only(served):
+    _, url = served
+    with urllib.request.urlopen(urllib.request.Request(url + "/healthz", method="HEAD"), timeout=10) as response:
+        assert response.status == 200 and response.headers["Content-Length"] == "3" and response.read() == b""
+
+
+def test_serve_command_logs_dropped_connections_without_tracebacks(tmp_path):
+    with kcache_server("serve", "--port", "0", "--root", str(tmp_path)) as (proc, port):
+        for conn in open_connections(port, 30, b"GET /readyz HTTP/1.1\r\n"):
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+        assert get(f"http://127.0.0.1:{port}/healthz")[0] == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        stderr = proc.stderr.read()
+    assert "Traceback" not in stderr and len(stderr.splitlines()) <= 30
+
+
+def test_a_watch_marker_with_wrong_types_still_gives_metrics(served):
+    root, url = served
+    write_marker(root, WATCH_MARKER, {"baseline_files": "many", "new_files": ["inductor"],
+                                      "new_bytes": {"triton": "big", "cuda": 5}, "publishes": None})  # fmt: skip
+    code, _, text = get(url + "/metrics")
+    samples = parse(text)
+    assert code == 200 and samples[("kcache_watch_baseline_files", "")] == 0
+    assert samples[("kcache_jit_bytes_after_ready", '{layer="cuda"}')] == 5
+    assert not any(name == "kcache_jit_files_after_ready" for name, _ in samples)
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to read a listen backlog")
+def test_the_listen_backlog_takes_a_burst_of_probes(served):
+    _, url = served
+    port = url.rsplit(":", 1)[1]
+    out = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout
+    (line,) = out.splitlines()
+    assert int(line.split()[2]) >= 128  # a listening socket's Send-Q column is its backlog

@@ -163,10 +163,10 @@ def test_http_500_fails_the_profile_with_the_error(tmp_path):
 def test_http_request_timeout_fails_the_profile(tmp_path, profiles_file):
     with OpenAIServer(hold=True) as server:
         out = cli("warmup", "--url", server.url, "--profiles", str(profiles_file), "--request-timeout", "0.3",
-                  "--json", code=ExitCode.WARMUP)  # fmt: skip
+                  "--retries", "0", "--json", code=ExitCode.WARMUP)  # fmt: skip
     report = json.loads(out.output)
     assert report["status"] == "failed"
-    assert all("no answer within 0.3 s" in p["error"] for p in report["profiles"])
+    assert all(p["error"] == "no complete answer within 0.3 s (--request-timeout)" for p in report["profiles"])
 
 
 def test_health_wait_polls_until_healthy():
@@ -185,7 +185,7 @@ def test_health_falls_back_to_models_when_there_is_no_health_endpoint():
 def test_unhealthy_server_fails_after_wait_timeout(tmp_path):
     with OpenAIServer(unhealthy=-1) as server:
         out = cli("warmup", "--url", server.url, "--wait-timeout", "0.2", "--root", str(tmp_path), code=ExitCode.WARMUP)
-    assert "was not healthy within 0.2 s: HTTP 503" in out.output
+    assert "was not healthy within 0.2 s (--wait-timeout): GET /health: HTTP 503" in out.output
     assert not server.completions
     assert readiness.read_marker(tmp_path, readiness.WARMUP_MARKER)["status"] == "failed"
 
@@ -234,3 +234,52 @@ def test_prebake_url_needs_a_laid_out_root_then_publishes_what_the_server_compil
                              "--model", "m", "--json").output)  # fmt: skip
     assert doc["restore"] is None and doc["warmup"]["status"] == "ok"
     assert doc["publish"]["files"] == 4  # one kernel per request shape
+
+
+# ---- readiness signals and a failed warmup ---------------------------------------------------------
+
+
+def test_marker_shows_signals_while_warmup_runs(tmp_path, profiles_file):
+    root = tmp_path / "root"
+    root.mkdir()
+    readiness.write_marker(root, readiness.RESTORE_MARKER, {"status": "hit"})
+    with OpenAIServer(hold=True) as server:
+        worker = threading.Thread(target=cli, args=("warmup", "--url", server.url, "--root", str(root),
+                                                    "--profiles", str(profiles_file)))  # fmt: skip
+        worker.start()
+        assert server.arrived.wait(30)  # the first request is held: weights loaded, nothing compiled yet
+        state = readiness.check(root)
+        server.release.set()
+        worker.join()
+    assert state.warmup["status"] == "running" and not state.ready
+    assert (state.signal("weights").ok, state.signal("graphs").ok) == (True, False)
+    assert state.reason == "warmup running: compiled graphs not done"
+    done = readiness.check(root)
+    assert done.ready and all(s.ok for s in done.signals)
+
+
+def test_ready_cold_serves_after_a_failed_warmup_once_the_server_answered(tmp_path):
+    readiness.write_marker(tmp_path, readiness.RESTORE_MARKER, {"status": "miss"})
+    with OpenAIServer(fail_status=500) as server:
+        cli("warmup", "--url", server.url, "--root", str(tmp_path), "--on-failure", "ready-cold", code=ExitCode.WARMUP)
+    state = readiness.check(tmp_path)
+    assert state.ready and state.cold and state.warmup["status"] == "failed"
+    assert state.signal("weights").ok and not state.signal("warmup").ok
+    assert cli("ready", "--root", str(tmp_path)).output.startswith("kcache: ready (cold)")
+
+
+def test_ready_cold_never_covers_a_server_that_never_answered(tmp_path):
+    readiness.write_marker(tmp_path, readiness.RESTORE_MARKER, {"status": "miss"})
+    with OpenAIServer(unhealthy=-1) as server:
+        cli("warmup", "--url", server.url, "--root", str(tmp_path), "--on-failure", "ready-cold",
+            "--wait-timeout", "0.2", code=ExitCode.WARMUP)  # fmt: skip
+    state = readiness.check(tmp_path)
+    assert not state.ready and state.reason == "warmup failed (weights not loaded)"
+
+
+def test_entrypoint_signals_weights_once_a_run_returned(tmp_path, profiles_file):
+    out = cli("warmup", "--entrypoint", "test_warmup:record", "--profiles", str(profiles_file), "--json")
+    assert json.loads(out.output)["signals"] == {"weights": True, "graphs": True}
+    out = cli("warmup", "--entrypoint", "test_warmup:fail_on_batches", "--profiles", str(profiles_file), "--json",
+              code=ExitCode.WARMUP)  # fmt: skip
+    assert json.loads(out.output)["signals"] == {"weights": True, "graphs": False}

@@ -7,7 +7,7 @@ import os
 
 import click
 
-from kcache import __version__
+from kcache import buildinfo
 from kcache.cli.bundles_cmd import ls_cmd, show_cmd
 from kcache.cli.config_cmd import config_cmd
 from kcache.cli.db_cmd import db_group
@@ -30,9 +30,16 @@ from kcache.cli.watch_cmd import watch_cmd
 from kcache.config import redact_text
 
 
+def _show_version(ctx: click.Context, _param, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        click.echo(buildinfo.version_line())
+        ctx.exit()
+
+
 @click.group(cls=KcacheGroup, epilog=epilog(),
              context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})  # fmt: skip
-@click.version_option(__version__, prog_name="kcache")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_show_version,
+              help="Show the version and the commit it was built from, then exit.")  # fmt: skip
 @click.option("-v", "--verbose", count=True, help="More logging on stderr (-vv for debug).")
 def main(verbose: int) -> None:
     """kcache: warm starts for GPU inference services.

@@ -10,8 +10,10 @@ from __future__ import annotations
 from enum import IntEnum
 
 from kcache import errors
+from kcache.boundedread import FileTooLarge, NotRegularFile
 from kcache.config import redact_text
 from kcache.fetch import Cancelled
+from kcache.http_client import RequestFailed
 from kcache.prebake import WarmupChildFailed
 from kcache.profiles import ProfileError
 from kcache.relocate import Unmappable
@@ -60,6 +62,9 @@ TABLE: tuple[tuple[type[Exception], ExitCode, str], ...] = (
     (errors.SignatureError, ExitCode.SIGNATURE, "sign with `publish --signing-key`; trust the .pub with --trusted-key"),
     (errors.RootError, ExitCode.ROOT, "pass --into a directory kcache may create and own"),
     (errors.RestoreTimeout, ExitCode.TIMEOUT, "raise --timeout, or check the store's bandwidth"),
+    (NotRegularFile, ExitCode.USAGE, "give a regular file (not a FIFO, device or directory)"),
+    (FileTooLarge, ExitCode.USAGE, "the file is larger than kcache reads for this purpose; check it is the right one"),
+    (RequestFailed, ExitCode.WARMUP, "the server gave no usable answer; see the message, or raise --request-timeout"),
     (ServerUnavailable, ExitCode.WARMUP, "check that the server at --url starts, or raise --wait-timeout"),
     (WarmupRequestError, ExitCode.WARMUP, "the server answered the warmup request with an error; see its log"),
     (WarmupChildFailed, ExitCode.WARMUP, "fix the --entrypoint error printed above (try `kcache warmup` alone)"),

@@ -18,8 +18,11 @@ __all__ = ["ready_cmd", "root_option"]  # watch and serve import root_option fro
 def ready_cmd(root, as_json):
     """Exit 0 when the pod may take traffic, else 11 (not ready) with one line saying why.
 
-    Ready means restore has finished (hit, miss or error: a cold pod must still serve) and
-    `kcache warmup` completed with status ok. Fast enough for an exec readiness probe.
+    Ready means four signals hold: restore has finished (hit, miss or error: a cold pod must
+    still serve), the weights loaded (the server answered warmup's health check), the compiled
+    graphs are done (every profile's first run returned) and `kcache warmup` completed with
+    status ok. A warmup run with --on-failure ready-cold is ready (cold) once the weights loaded.
+    --json reports each signal apart. Fast enough for an exec readiness probe.
 
     \b
     Examples:
@@ -28,15 +31,16 @@ def ready_cmd(root, as_json):
     """
     state = readiness.check(root)
     restore = (state.restore or {}).get("status")
-    warmup = (state.warmup or {}).get("status")
+    signals = ", ".join(f"{s.name} {'yes' if s.ok else 'no'}" for s in state.signals)
     if as_json:
-        click.echo(fmt.to_json({"ready": state.ready, "reason": state.reason, "restore": restore,
-                                "warmup": warmup, "root": str(root)}))  # fmt: skip
+        click.echo(fmt.to_json({**readiness.to_dict(state), "root": str(root)}))
+    elif state.cold:
+        click.echo(f"kcache: ready (cold): restore {restore}, warmup failed; serving without warmup ({signals})")
     elif state.ready:
         seconds = (state.warmup or {}).get("seconds")
         took = f" in {fmt.seconds(seconds)}" if isinstance(seconds, (int, float)) else ""
         click.echo(f"kcache: ready: restore {restore}, warmup ok{took}")
     else:
-        click.echo(f"kcache: not ready: {state.reason} (root {root})")
+        click.echo(f"kcache: not ready: {state.reason} (root {root}; {signals})")
     if not state.ready:
         raise click.exceptions.Exit(ExitCode.NOT_READY)

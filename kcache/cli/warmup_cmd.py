@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from kcache import binding, warmup
+from kcache import binding, readiness, warmup
 from kcache import profiles as profile_files
 from kcache.cli import format as fmt
 from kcache.cli.errors import ExitCode
@@ -52,11 +52,18 @@ def target_options(fn):
         click.option("--parallel", type=click.IntRange(1, 64), default=1, show_default=True,
                      help="Profiles run at once (singles still finish before batches)."),
         click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=300.0,
-                     show_default=True, help="Seconds one HTTP request may take (--url)."),
+                     show_default=True,
+                     help="Seconds one HTTP request may take in all: connect, headers and body (--url)."),
         click.option("--wait-timeout", type=click.FloatRange(min=0), default=600.0, show_default=True,
                      help="Seconds to wait for the server's /health (or /v1/models) to answer 200 (--url)."),
         click.option("--served-model", metavar="NAME",
                      help="The `model` field of requests (--url; default: the first of /v1/models)."),
+        click.option("--retries", type=click.IntRange(0, 100), default=3, show_default=True,
+                     help="Retries of a request that failed transiently (connection error, timeout, 408, 429, "
+                          "502-504), with backoff (--url)."),
+        click.option("--budget", type=click.FloatRange(min=0), default=0, show_default=True,
+                     help="Seconds the whole warmup may take, the wait included; requests and retries stop "
+                          "when it is spent (--url; 0: no limit)."),
     )  # fmt: skip
     for option in reversed(options):
         fn = option(fn)
@@ -72,8 +79,9 @@ def _check_target(entrypoint: str | None, url: str | None) -> None:
         raise ConfigError("target", entrypoint or url or "", "pass exactly one of --entrypoint and --url")
 
 
-def _http(url, request_timeout, wait_timeout, served_model) -> warmup.HttpTarget:
-    return warmup.HttpTarget(url, request_timeout=request_timeout, wait_timeout=wait_timeout, served_model=served_model)
+def _http(url, request_timeout, wait_timeout, served_model, retries, budget) -> warmup.HttpTarget:
+    return warmup.HttpTarget(url, request_timeout=request_timeout, wait_timeout=wait_timeout, served_model=served_model,
+                             retries=retries, budget=budget or None)  # fmt: skip
 
 
 def _note():
@@ -85,13 +93,20 @@ def _note():
 @click.option("--root", type=click.Path(file_okay=False, path_type=Path), envvar="KCACHE_ROOT",
               help="Write the readiness marker ROOT/.kcache-warmup.json. "
                    "Without it no marker is written.")  # fmt: skip
+@click.option("--on-failure", type=click.Choice(readiness.ON_FAILURE), default="unready", show_default=True,
+              envvar="KCACHE_WARMUP_ON_FAILURE",
+              help="What a failed warmup means for readiness: stay unready, or ready-cold (ready once the "
+                   "server answered, with kcache_ready_cold 1) so a rollout never stalls on one hiccup.")  # fmt: skip
 @json_option
 @handle_errors
-def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_timeout, served_model, root, as_json):
+def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_timeout, served_model, retries, budget,
+               root, on_failure, as_json):  # fmt: skip
     """Send every warmup profile's shape once, singles first, then batches by size.
 
     Reports each profile's first latency (the compile) and steady-state median. Exits 13 if any
-    profile failed or the server never became healthy; the marker then says "failed". With
+    profile failed or the server never became healthy; the marker then says "failed", and the pod
+    stays unready unless --on-failure ready-cold. While warmup runs, the marker says "running" and
+    which readiness signals (weights loaded, graphs compiled) hold already. With
     --entrypoint, a process that imported torch also saves torch's Mega-Cache to
     $KCACHE_MEGACACHE when that is set (ROOT/kcache.env sets it).
 
@@ -102,14 +117,16 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
     """
     _check_target(entrypoint, url)
     chosen = _profiles(profiles_file)
+    checkpoint = (lambda partial: warmup.write_marker(root, partial, on_failure)) if root else None
     if entrypoint:
         target = warmup.load_entrypoint(entrypoint)
-        report = warmup.run(target, chosen, parallel=parallel, progress=_note(), probe=warmup.torch_counters)
+        report = warmup.run(target, chosen, parallel=parallel, progress=_note(), probe=warmup.torch_counters,
+                            checkpoint=checkpoint)  # fmt: skip
         report = warmup.save_megacache(report)
     else:
-        report = warmup.run(_http(url, request_timeout, wait_timeout, served_model), chosen,
-                            parallel=parallel, progress=_note())  # fmt: skip
-    marker = warmup.write_marker(root, report) if root else None
+        report = warmup.run(_http(url, request_timeout, wait_timeout, served_model, retries, budget), chosen,
+                            parallel=parallel, progress=_note(), checkpoint=checkpoint)  # fmt: skip
+    marker = warmup.write_marker(root, report, on_failure) if root else None
     if as_json:
         click.echo(fmt.to_json({**_report_json(report), "marker": str(marker) if marker else None}))
     else:
@@ -161,7 +178,8 @@ def _secs(value: float | None) -> str:
 @store_options
 @json_option
 @handle_errors
-def prebake_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_timeout, served_model, root,
+def prebake_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_timeout, served_model, retries, budget,
+                root,
                 signing_key, jobs, model, model_config, facts, extras,
                 store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
     """Warm up, then publish: the build-pipeline step that ships warm caches.
@@ -183,8 +201,8 @@ def prebake_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_
             _profiles(profiles_file)  # fail here, before the restore, on a bad file
         warmer = ChildWarmup(entrypoint, profiles_file, parallel)
     else:
-        warmer = ServerWarmup(_http(url, request_timeout, wait_timeout, served_model), _profiles(profiles_file),
-                              parallel)  # fmt: skip
+        warmer = ServerWarmup(_http(url, request_timeout, wait_timeout, served_model, retries, budget),
+                              _profiles(profiles_file), parallel)  # fmt: skip
     fp = compute_fingerprint(model, model_config, facts, extras)
     cfg = settings(store_url, index_url, s3_endpoint_url)
     store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)

@@ -1,0 +1,189 @@
+"""The warmup target that is an OpenAI-compatible HTTP server (vLLM, SGLang, TGI).
+
+It waits for GET /health (a 404 there falls back to GET /v1/models), then sends a batch of B as B
+concurrent POSTs to /v1/completions, each with one prompt of about `input_tokens` tokens and
+max_tokens = `output_tokens`. Concurrent single-prompt requests rather than one request with a
+list of prompts: every server accepts them, and they reach the server's batcher the way real
+traffic does. Each prompt starts with a unique number so that prefix caching cannot shorten it.
+
+The server is not trusted (kcache.http_client): every request has one deadline, a capped answer and
+no redirects. A transient failure (connection error, timeout, 408/429/502/503/504) is retried with
+exponential backoff and jitter, `retries` times, and only while the warmup `budget` lasts; any
+other failure fails the profile at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kcache import http_client
+from kcache.errors import KcacheError
+from kcache.profiles import Profile
+
+log = logging.getLogger(__name__)
+
+
+class ServerUnavailable(KcacheError):
+    """The warmup server did not become healthy in time; `flag` is the limit that ended the wait."""
+
+    def __init__(self, url: str, seconds: float, why: str, flag: str = "--wait-timeout"):
+        self.url, self.seconds, self.why, self.flag = url, seconds, why, flag
+        super().__init__(f"{url} was not healthy within {seconds:g} s ({flag}): {why}")
+
+
+# Common English words that most BPE vocabularies hold as one token each (with a leading space).
+_WORDS = ("time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world", "school")
+
+
+def prompt(tokens: int, nonce: int) -> str:
+    """About `tokens` tokens; the leading number makes each prompt's prefix unique."""
+    words = [str(nonce)] + [_WORDS[i % len(_WORDS)] for i in range(max(0, tokens - 2))]
+    return " ".join(words)
+
+
+MAX_HEALTH_ANSWER = 64 * 1024
+MAX_MODELS_ANSWER = 1024 * 1024
+MAX_COMPLETION_ANSWER = 8 * 1024 * 1024  # ~100 times a 128k-token answer's text; the sidecar has 1 GiB
+MAX_BACKOFF = 10.0
+
+
+class HttpTarget:
+    """An OpenAI-compatible completions server; see the module docstring for the request shape.
+
+    `budget` (seconds from `prepare`, wait included) bounds everything: each request's deadline is
+    cut to what is left, and a transient failure is retried (`retries` times, with backoff) only
+    while the budget lasts. None: no overall limit.
+    """
+
+    weights_on_prepare = True  # a healthy server has loaded its weights
+
+    def __init__(self, url: str, *, request_timeout: float = 120.0, wait_timeout: float = 600.0,
+                 served_model: str | None = None, poll_interval: float = 0.5, retries: int = 3,
+                 budget: float | None = None, backoff: float = 0.5):  # fmt: skip
+        http_client.split_url(url)
+        self.name = self.url = url.rstrip("/")
+        self.request_timeout, self.wait_timeout, self.poll_interval = request_timeout, wait_timeout, poll_interval
+        self.retries, self.budget, self.backoff = retries, budget, backoff
+        self.model = served_model
+        self._deadline: float | None = None
+        self._nonce = 0
+        self._lock = threading.Lock()
+
+    def prepare(self) -> None:
+        now = time.monotonic()
+        self._deadline = now + self.budget if self.budget else None
+        wait_end = min(now + self.wait_timeout, self._deadline or math.inf)
+        why = "no answer"
+        while True:
+            remaining = wait_end - time.monotonic()
+            try:
+                healthy, why = self._healthy(max(0.1, min(remaining, self.request_timeout, 10.0)))
+                if healthy:
+                    break
+            except http_client.RequestFailed as exc:
+                why = exc.why
+            remaining = wait_end - time.monotonic()
+            if remaining <= 0:
+                flag = "--wait-timeout" if wait_end < (self._deadline or math.inf) else "--budget"
+                raise ServerUnavailable(self.url, wait_end - now, why, flag)
+            time.sleep(min(self.poll_interval, remaining))  # a retry interval, not synchronisation
+        if self.model is None:
+            self.model = self._first_model()
+
+    def _get(self, path: str, timeout: float, max_body: int = MAX_HEALTH_ANSWER) -> http_client.Response:
+        return http_client.request("GET", self.url + path, timeout=timeout, max_body=max_body)
+
+    def _healthy(self, timeout: float) -> tuple[bool, str]:
+        """(healthy, why not): /health, or /v1/models on a server without /health."""
+        path = "/health"
+        answer = self._get(path, timeout)
+        if answer.status in (404, 405):
+            path = "/v1/models"
+            answer = self._get(path, timeout)
+        return answer.status == 200, f"GET {path}: {_status_text(answer)}"
+
+    def _first_model(self) -> str | None:
+        """The first served model's id; None lets the server use its default."""
+        try:
+            answer = self._get("/v1/models", self._time_left(self.request_timeout)[0], MAX_MODELS_ANSWER)
+            data = (json.loads(answer.body).get("data") or []) if answer.status == 200 else []
+            return http_client.printable(str(data[0]["id"])) if data else None
+        except (KcacheError, ValueError, RecursionError, KeyError, TypeError, AttributeError, IndexError) as exc:
+            log.info("no model list at %s/v1/models (%s); requests name no model", self.url, exc)
+            return None
+
+    def __call__(self, profile: Profile) -> None:
+        with self._lock:
+            first, self._nonce = self._nonce, self._nonce + profile.batch_size
+        if profile.batch_size == 1:
+            self._complete(profile, first)
+            return
+        with ThreadPoolExecutor(max_workers=profile.batch_size, thread_name_prefix="kcache-http") as pool:
+            for future in [pool.submit(self._complete, profile, first + i) for i in range(profile.batch_size)]:
+                future.result()  # the first failure fails the batch
+
+    def _complete(self, profile: Profile, nonce: int) -> None:
+        body: dict[str, Any] = {"prompt": prompt(profile.input_tokens, nonce),
+                                "max_tokens": profile.output_tokens, "temperature": 0}  # fmt: skip
+        if self.model:
+            body["model"] = self.model
+        payload = json.dumps(body).encode()
+        for attempt in range(self.retries + 1):
+            timeout, flag = self._time_left(self.request_timeout)
+            try:
+                return self._complete_once(payload, timeout)
+            except http_client.RequestFailed as exc:
+                why = f"no complete answer within {timeout:g} s ({flag})" if exc.timed_out else exc.why
+                tries = f" (attempt {attempt + 1} of {self.retries + 1})" if attempt else ""
+                if not exc.transient or attempt == self.retries:
+                    raise WarmupRequestError(why + tries) from None
+                pause = min(MAX_BACKOFF, self.backoff * 2**attempt) * random.uniform(0.5, 1.0)
+                if self._deadline is not None and time.monotonic() + pause >= self._deadline:
+                    raise WarmupRequestError(f"{why}{tries}; no warmup budget left to retry (--budget)") from None
+                log.info("warmup request to %s failed (%s); retrying in %.1f s", self.url, why, pause)
+                time.sleep(pause)  # backoff between retries, not synchronisation
+
+    def _time_left(self, limit: float) -> tuple[float, str]:
+        """(this request's deadline in seconds, the flag that set it); raises when the budget is spent."""
+        if self._deadline is None:
+            return limit, "--request-timeout"
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise WarmupRequestError(f"the warmup budget of {self.budget:g} s is spent (--budget)")
+        return (limit, "--request-timeout") if limit <= left else (left, "--budget")
+
+    def _complete_once(self, payload: bytes, timeout: float) -> None:
+        url = self.url + "/v1/completions"
+        answer = http_client.request("POST", url, timeout=timeout, max_body=MAX_COMPLETION_ANSWER, body=payload,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        if 300 <= answer.status < 400:
+            why = f"POST /v1/completions: {_status_text(answer)}; kcache follows no redirects: give --url the server"
+            raise http_client.RequestFailed(url, why, transient=False)
+        if answer.status != 200:
+            raise http_client.RequestFailed(url, _status_text(answer),
+                                            transient=answer.status in http_client.TRANSIENT_STATUS)  # fmt: skip
+        try:
+            doc = json.loads(answer.body)
+        except (ValueError, RecursionError):
+            raise http_client.RequestFailed(url, "answer is not JSON", transient=False) from None
+        if not isinstance(doc, dict) or not doc.get("choices"):
+            text = http_client.printable(answer.body.decode("utf-8", "replace"))
+            raise http_client.RequestFailed(url, f"answer has no choices: {text}", transient=False)
+
+
+class WarmupRequestError(KcacheError):
+    """One warmup request failed; the message is what the report shows (the profile fails, not the run)."""
+
+
+def _status_text(answer: http_client.Response) -> str:
+    if 300 <= answer.status < 400:
+        return f"HTTP {answer.status} redirect to {answer.location or '(no Location)'}"
+    detail = http_client.printable(answer.body[:300].decode("utf-8", "replace").strip())
+    return f"HTTP {answer.status} {answer.reason}" + (f": {detail}" if detail else "")
