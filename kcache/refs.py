@@ -48,7 +48,7 @@ def parse(data: bytes, bundle_key: str) -> Ref:
     try:
         doc = json.loads(data)
         ref = Ref(str(doc["bundle_key"]), str(doc["manifest"]), datetime.fromisoformat(doc["created_at"]))
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: hostile nesting
         raise IntegrityError("ref", bundle_key, f"does not parse: {exc}") from None
     if ref.bundle_key != bundle_key:
         raise IntegrityError("ref", bundle_key, f"names bundle key {ref.bundle_key}")

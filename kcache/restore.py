@@ -3,6 +3,7 @@
     ROOT/
       kcache.env                   exports for torch, Triton, CUDA, vLLM (written on hit, miss, error)
       .kcache-state.json           outcome of the last restore: what `kcache ready` reads
+      .kcache-lock                 flock'ed for the whole of a restore: one restore into ROOT at a time
       inductor/ triton/ cuda/ vllm/ megacache/ extra/<name>/
       tmp/torchinductor_<user>/precompiled_headers/
       .kcache-staging-<pid>-<rand>/  only while a restore runs:
@@ -12,17 +13,30 @@
 Every blob is fetched into the staging directory and verified (size and SHA-256) before any
 layer moves; then each layer is swapped in with renames. A failure or timeout before the swap
 leaves ROOT as it was. Ranges of a pack that lie close together are fetched with one read.
+
+Fail-open: everything a restore does, opening the store and the index and computing the
+fingerprint included, runs inside its time budget, and whatever goes wrong, the restore that
+holds ROOT's lock leaves kcache.env and an "error" marker behind, so the pod starts cold and
+`kcache ready` sees that restore finished. Only a ROOT that cannot be written gets neither.
+
+Ownership of ROOT is the lock, not a pid in a directory name: in a container kcache is often
+pid 1, and pids are reused, so "is the owner alive" says nothing. Whoever holds the lock owns
+every staging directory it finds and removes them.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -35,6 +49,7 @@ from kcache.errors import (
     IntegrityError,
     KcacheError,
     RestoreTimeout,
+    RootBusy,
     RootError,
     SignatureError,
     UnsafePath,
@@ -44,10 +59,14 @@ from kcache.packs import unpack_frame
 from kcache.readiness import RESTORE_MARKER, read_marker, write_marker
 from kcache.records import Event
 from kcache.store import Store, manifest_key
+from kcache.untrusted import one_line
 
 log = logging.getLogger(__name__)
 
 STAGING_PREFIX = ".kcache-staging-"
+SHARED_DIR_MODE = 0o2775  # rwxrwsr-x: the group writes, new entries keep ROOT's group
+LOCK_NAME = ".kcache-lock"
+_LOCK_POLL = 0.05  # seconds between tries while another restore holds ROOT
 # Layers keyed by their own content (kernel source, graph hash): safe to share between workloads
 # that run on one toolchain. vLLM's cache and user directories are keyed by the workload itself.
 PARTIAL_LAYERS = ("inductor", "inductor-pch", "triton", "cuda")
@@ -56,7 +75,7 @@ PARTIAL_LAYERS = ("inductor", "inductor-pch", "triton", "cuda")
 @dataclass(frozen=True)
 class RestoreResult:
     status: str  # hit | partial (--fallback toolchain) | miss (| error, only in the marker written on failure)
-    bundle_key: str
+    bundle_key: str | None  # None when restore failed before it had a fingerprint
     bundle_id: str | None
     root: Path
     env_file: Path
@@ -88,52 +107,96 @@ class Catalog(Protocol):
     def record_event(self, event: Event) -> None: ...
 
 
+@dataclass(frozen=True)
+class Opened:
+    """What a restore works with. Opening it is part of the restore: it runs inside the budget."""
+
+    store: Store
+    index: Catalog
+    fingerprint: Fingerprint
+    trusted: tuple[signing.TrustedKey, ...] = ()
+
+
 def restore(
     store: Store,
     index: Catalog,
     fingerprint: Fingerprint,
     root: Path,
     *,
+    trusted: tuple[signing.TrustedKey, ...] = (),
+    **options,
+) -> RestoreResult:
+    """Restore the newest bundle for `fingerprint` into `root` (see `restore_opening` for options)."""
+    return restore_opening(lambda: Opened(store, index, fingerprint, trusted), root, **options)
+
+
+def restore_opening(
+    open_inputs: Callable[[], Opened],
+    root: Path,
+    *,
     jobs: int = 16,
     timeout: float | None = None,
     bundle_id: str | None = None,
-    trusted: tuple[signing.TrustedKey, ...] = (),
     require_signature: bool = False,
     fallback: str | None = None,
 ) -> RestoreResult:
-    """Restore the newest bundle for `fingerprint` (or the pinned `bundle_id`) into `root`.
+    """Open what `open_inputs` opens, then restore the newest bundle (or the pinned `bundle_id`).
 
     A pinned bundle must still match the fingerprint. With trusted keys, a signature that does
     not verify is refused; with `require_signature`, so is an unsigned bundle. With
     fallback="toolchain", a miss restores the kernel layers of the newest bundle built on the same
-    toolchain (status "partial"). Raises KcacheError.
+    toolchain (status "partial"). Raises KcacheError, or whatever `open_inputs` raised; either
+    way kcache.env and an error marker are written first, unless ROOT itself is unusable
+    (RootError) or another restore held ROOT for the whole budget (RootBusy: that one writes them).
     """
+    started = time.perf_counter()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    root = Path(root).absolute()
+    _prepare_root(root)
+    with _locked(root, timeout, deadline):
+        _remove_staging(root)
+        opened: list[Opened] = []  # filled by the worker, read here: what the error path may use
+
+        def work(budget: _Budget) -> RestoreResult:
+            return _open_and_restore(open_inputs, opened, root, jobs, budget, bundle_id, require_signature, fallback)
+
+        try:
+            try:
+                result = _within(timeout, deadline, work)
+            except OSError as exc:  # the disk, not the bundle: ENOSPC, EACCES, a read-only volume
+                raise _root_error(root, exc) from exc
+        except Exception as exc:  # noqa: BLE001 - any failure, a kcache bug included, must leave a pod that starts
+            _fail(root, opened, exc, time.perf_counter() - started)
+            raise
+        _finish(root, result)
+        _record(opened[0].index, Event("restore", result.status, result.bundle_key, result.bundle_id,
+                                       result.files, result.bytes, result.seconds, result.reason or None))  # fmt: skip
+        return result
+
+
+def _open_and_restore(open_inputs, opened: list, root: Path, jobs: int, budget: _Budget, pinned: str | None,
+                      require_signature: bool, fallback: str | None) -> RestoreResult:  # fmt: skip
     if fallback not in (None, "toolchain"):
         raise ConfigError("--fallback", str(fallback), "the only fallback is 'toolchain'")
-    if require_signature and not trusted:
+    inputs = open_inputs()
+    opened.append(inputs)
+    if require_signature and not inputs.trusted:
         raise ConfigError("--require-signature", "on", "needs at least one --trusted-key (or KCACHE_TRUSTED_KEYS)")
-    policy = _Policy(trusted, require_signature)
-    started = time.perf_counter()
-    root = Path(root).absolute()
+    policy = _Policy(inputs.trusted, require_signature)
+    return _restore(inputs.store, inputs.index, inputs.fingerprint, root, jobs, budget, pinned, policy, fallback)
+
+
+def _fail(root: Path, opened: list[Opened], exc: Exception, seconds: float) -> None:
+    """The pod starts cold, but with the right env and a marker that says why."""
+    reason = one_line(exc if isinstance(exc, KcacheError) else f"{type(exc).__name__}: {exc}")
+    bundle_key = opened[0].fingerprint.bundle_key if opened else None
+    failed = RestoreResult("error", bundle_key, None, root, root / envfile.NAME, seconds=seconds, reason=reason)
     try:
-        try:
-            result = _within(
-                timeout,
-                lambda budget: _restore(store, index, fingerprint, root, jobs, budget, bundle_id, policy, fallback),
-            )
-        except OSError as exc:  # the disk, not the bundle: ENOSPC, EACCES, a read-only volume
-            raise _root_error(root, exc) from exc
-    except KcacheError as exc:
-        seconds = time.perf_counter() - started
-        _record(index, Event("restore", "error", fingerprint.bundle_key, None, 0, 0, seconds, str(exc)))
-        failed = RestoreResult("error", fingerprint.bundle_key, None, root, root / envfile.NAME,
-                               seconds=seconds, reason=str(exc))  # fmt: skip
-        _finish_quietly(root, fingerprint, failed)  # the pod starts cold, but with the right env
-        raise
-    _record(index, Event("restore", result.status, result.bundle_key, result.bundle_id,
-                         result.files, result.bytes, result.seconds, result.reason or None))  # fmt: skip
-    _write_state(result)
-    return result
+        _finish(root, failed)
+    except (OSError, KcacheError) as write_error:
+        log.warning("cannot write kcache.env in %s: %s", root, write_error)
+    if opened:
+        _record(opened[0].index, Event("restore", "error", bundle_key, None, 0, 0, seconds, reason))
 
 
 def _root_error(root: Path, exc: OSError) -> RootError:
@@ -142,9 +205,43 @@ def _root_error(root: Path, exc: OSError) -> RootError:
     return RootError(str(root), f"cannot write {exc.filename or root}: {exc.strerror or exc}")
 
 
-def _within(timeout: float | None, work) -> RestoreResult:
+@contextmanager
+def _locked(root: Path, timeout: float | None, deadline: float | None) -> Iterator[None]:
+    """Hold ROOT/.kcache-lock; wait for another restore until the deadline, then RootBusy.
+
+    flock belongs to the open file: a restore that is killed releases it with its process.
+    """
+    try:
+        fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise RootError(str(root), f"cannot create {LOCK_NAME}: {exc.strerror}") from None
+    try:
+        waiting = False
+        while not _try_lock(fd):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise RootBusy(str(root), timeout or 0.0)
+            if not waiting:
+                log.warning("another restore into %s is running; waiting for it", root)
+                waiting = True
+            time.sleep(_LOCK_POLL)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as exc:  # a filesystem without flock (some FUSE and NFS mounts): go on unserialized
+        log.warning("cannot lock the restore root (%s); concurrent restores into it are not serialized", exc)
+    return True
+
+
+def _within(timeout: float | None, deadline: float | None, work) -> RestoreResult:
     budget = _Budget()
-    if timeout is None:
+    if deadline is None:
         return work(budget)
     box: dict = {}
 
@@ -156,13 +253,13 @@ def _within(timeout: float | None, work) -> RestoreResult:
 
     worker = threading.Thread(target=run, name="kcache-restore", daemon=True)
     worker.start()
-    worker.join(timeout)
+    worker.join(max(0.0, deadline - time.monotonic()))
     with budget.lock:
         if worker.is_alive() and not budget.swapping:
             budget.expired = True
             if budget.staging is not None:
                 shutil.rmtree(budget.staging, ignore_errors=True)
-            raise RestoreTimeout(timeout)
+            raise RestoreTimeout(timeout or 0.0)
     worker.join()  # the swap had begun: it is a few renames, let it finish
     if "error" in box:
         raise box["error"]
@@ -199,12 +296,10 @@ def _restore(
     fallback: str | None = None,
 ) -> RestoreResult:
     started = time.perf_counter()
-    _prepare_root(root)
     manifest_id, partial, miss_reason = _choose(store, index, fp, pinned, fallback)
     if manifest_id is None:
-        env_file = _write_env(root, fp, [], f"miss, {miss_reason}")
-        return RestoreResult("miss", fp.bundle_key, None, root, env_file, seconds=time.perf_counter() - started,
-                             reason=miss_reason)  # fmt: skip
+        return RestoreResult("miss", fp.bundle_key, None, root, root / envfile.NAME,
+                             seconds=time.perf_counter() - started, reason=one_line(miss_reason))  # fmt: skip
     data = store.get_bytes(manifest_key(manifest_id))
     manifest = manifests.parse(data, manifest_id)
     if partial and manifest.toolchain_key != fp.toolchain_key:
@@ -218,11 +313,11 @@ def _restore(
     layer_names = tuple(n for n in manifest.layers if n in PARTIAL_LAYERS) if partial else manifest.layers
     entries = tuple(e for e in manifest.entries if not partial or e.path.split("/", 1)[0] in PARTIAL_LAYERS)
     _lay_out(store, root, entries, layers.for_manifest(layer_names), jobs, budget)
-    env_file = _write_env(root, fp, layer_names, f"{'partial' if partial else 'hit'}, bundle {manifest.id}")
     reason = (
         f"kernel layers of bundle {manifest.id[:12]}, built on this toolchain for another workload" if partial else ""
     )
-    return RestoreResult("partial" if partial else "hit", fp.bundle_key, manifest.id, root, env_file, layer_names,
+    return RestoreResult("partial" if partial else "hit", fp.bundle_key, manifest.id, root, root / envfile.NAME,
+                         layer_names,
                          len(entries), sum(e.size for e in entries), time.perf_counter() - started, reason,
                          signer)  # fmt: skip
 
@@ -273,38 +368,56 @@ def _prepare_root(root: Path) -> None:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise RootError(str(root), f"cannot be created: {exc.strerror}") from None
+
+
+def _remove_staging(root: Path) -> None:
+    """Under ROOT's lock every staging directory is a leftover of a restore that was killed."""
     for stale in root.glob(STAGING_PREFIX + "*"):
-        pid = stale.name.removeprefix(STAGING_PREFIX).split("-", 1)[0]
-        if not (pid.isdigit() and _alive(int(pid))):
-            shutil.rmtree(stale, ignore_errors=True)  # left by a restore that was killed
+        shutil.rmtree(stale, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
+def _group_shared(root: Path) -> bool:
+    """A setgid ROOT (what Kubernetes' fsGroup gives a volume) is shared with the group: the model
+    container, running as another user of that group, must compile into the restored layers."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return bool(root.stat().st_mode & stat.S_ISGID)
+    except OSError:
         return False
-    except PermissionError:
-        return True
-    return True
+
+
+def _make_dirs(top: Path, path: Path, shared: bool) -> None:
+    """mkdir -p `path` below `top`; with `shared`, every directory on the way is group-writable."""
+    chain = [p for p in (path, *path.parents) if p.is_relative_to(top) and p != top]
+    for directory in reversed(chain):
+        directory.mkdir(exist_ok=True)
+        if shared:
+            try:
+                os.chmod(directory, SHARED_DIR_MODE)
+            except PermissionError:  # another user's directory: theirs to share
+                pass
+
+
+def _file_mode(mode: int, shared: bool) -> int:
+    """With a shared ROOT the group may read (and run) what the owner may: copy u+r, u+x to g."""
+    return mode | ((mode & 0o500) >> 3) if shared else mode
 
 
 def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path, jobs: int, budget: _Budget) -> None:
     """Every blob into its staged path (verified), then the paths that share a blob as copies."""
     files = staging / "files"
+    shared = _group_shared(staging.parent)
     # Directories once up front: per-file mkdir calls cost more than the writes on small caches.
     for directory in sorted({(files / e.path).parent for e in entries}):
-        directory.mkdir(parents=True, exist_ok=True)
+        _make_dirs(staging, directory, shared)
     umask = _umask()
 
     def lay(entry: manifests.Entry, write) -> None:
         path = files / entry.path  # manifest.parse already refused absolute paths and '..'
-        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, entry.mode), "wb") as out:
+        mode = _file_mode(entry.mode, shared)
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as out:
             write(out)
-        if entry.mode & umask:  # the umask took bits the manifest asks for
-            os.chmod(path, entry.mode)
+        if mode & umask:  # the umask took bits the manifest asks for
+            os.chmod(path, mode)
 
     def place(entry: manifests.Entry, frame) -> None:
         lay(entry, lambda out: unpack_frame(frame, entry.blob, entry.size, out))
@@ -340,7 +453,7 @@ def _swap(root: Path, staging: Path, sources: list[layers.Source]) -> None:
         if not staged.is_dir():
             continue
         target = _inside(root, source.restore_dir(root))
-        target.parent.mkdir(parents=True, exist_ok=True)
+        _make_dirs(root, target.parent, _group_shared(root))
         if target.exists() or target.is_symlink():
             os.rename(target, retired / str(i))
         os.rename(staged, target)
@@ -353,18 +466,31 @@ def _inside(root: Path, path: Path) -> Path:
     return path
 
 
-def _write_env(root: Path, fp: Fingerprint, layer_names, comment: str) -> Path:
-    """Create every layer directory and write kcache.env."""
+def _finish(root: Path, result: RestoreResult) -> None:
+    """kcache.env, then the marker: once the marker is there, the env file matches it."""
+    comment = {"hit": f"hit, bundle {result.bundle_id}", "partial": f"partial, bundle {result.bundle_id}"}
+    _write_env(root, result.layers, f"kcache restore: {comment.get(result.status, result.status)}"
+                                    f"{', ' + result.reason if result.reason else ''}")  # fmt: skip
+    _write_state(result)
+
+
+def _write_env(root: Path, layer_names, comment: str) -> Path:
+    """Create every layer directory and write kcache.env.
+
+    No TORCH_COMPILE_CACHE_KEY_TAG: torch puts the tag into its FX graph keys, so a bundle
+    published from a run without kcache.env (the plain live directories) would miss every graph
+    when restored with one. The bundle key already holds every fact the tag carried (toolchain
+    key), restore only lays out a bundle whose key matches, and a tag the user sets is a keyed
+    fact (env.*), so the same tag is in effect on both sides.
+    """
     exports = layers.all_exports(root, layer_names)
-    # Torch's own keys then carry the toolchain: a cache that reaches another machine by other
-    # means misses instead of running kernels built for another ISA.
-    exports["TORCH_COMPILE_CACHE_KEY_TAG"] = key_tag(fp)
+    shared = _group_shared(root)
     for source in layers.BUILTIN:
         place = _inside(root, source.restore_dir(root))
         if place.is_symlink() and not place.exists():
             place.unlink()  # a dangling link would make every run fail: replace it with a directory
-        place.mkdir(parents=True, exist_ok=True)
-    return envfile.write(root, exports, f"kcache restore: {comment}")
+        _make_dirs(root, place, shared)
+    return envfile.write(root, exports, comment)
 
 
 def _write_state(result: RestoreResult) -> None:
@@ -374,19 +500,6 @@ def _write_state(result: RestoreResult) -> None:
         "files": result.files, "bytes": result.bytes, "seconds": round(result.seconds, 4),
         "reason": result.reason, "layers": list(result.layers),
     })  # fmt: skip
-
-
-def key_tag(fp: Fingerprint) -> str:
-    return f"kcache-{fp.toolchain_key}"
-
-
-def _finish_quietly(root: Path, fp: Fingerprint, failed: RestoreResult) -> None:
-    try:
-        if root.is_dir():
-            _write_env(root, fp, [], f"error, {failed.reason}")
-            _write_state(failed)
-    except (OSError, KcacheError) as exc:
-        log.warning("cannot write kcache.env in %s: %s", root, exc)
 
 
 def read_state(root: Path) -> dict | None:

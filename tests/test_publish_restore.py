@@ -123,7 +123,8 @@ def test_restore_writes_env_and_layout(tmp_path, store, sqlite_index, fp):
     assert env["VLLM_CACHE_ROOT"] == str(root / "vllm")
     assert env["TMPDIR"] == str(root / "tmp")
     assert env["KCACHE_EXTRA_TRT"] == str(root / "extra/trt")
-    assert env["TORCH_COMPILE_CACHE_KEY_TAG"].endswith(fp.toolchain_key)
+    # The bundle key carries the toolchain; a tag torch keys on would split publisher and restorer.
+    assert "TORCH_COMPILE_CACHE_KEY_TAG" not in env
     assert read_state(root)["status"] == "hit"
 
 

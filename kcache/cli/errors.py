@@ -17,6 +17,7 @@ TABLE: tuple[tuple[type[Exception], int, str], ...] = (
     (errors.IntegrityError, 6, "the stored data is corrupt; re-publish the bundle from a good cache"),
     (errors.SignatureError, 9, "sign with `kcache publish --signing-key`; trust the .pub with --trusted-key"),
     (errors.RootError, 7, "pass --into a directory kcache may create and own"),
+    (errors.RootBusy, 8, "run one restore per root at a time; the one that holds it writes kcache.env"),
     (errors.RestoreTimeout, 8, "raise --timeout, or check the store's bandwidth"),
     (errors.KcacheError, 1, "run with KCACHE_DEBUG=1 for a traceback"),
 )
