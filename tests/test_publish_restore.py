@@ -274,6 +274,16 @@ def test_stale_staging_from_a_killed_restore_is_cleaned(tmp_path, store, sqlite_
     assert not stale.exists()
 
 
+@pytest.mark.parametrize("pid", [1, os.getpid()], ids=["pid-1", "live-pid"])
+def test_staging_named_for_a_live_pid_is_cleaned(tmp_path, store, sqlite_index, fp, pid):
+    """In a container kcache is pid 1 and pids are reused: a live pid in the name proves nothing."""
+    _published(tmp_path, store, sqlite_index, fp)
+    stale = tmp_path / "dst" / f"{STAGING_PREFIX}{pid}-abc"
+    write_tree(stale, {"files/inductor/half": b"half"})
+    assert restore(store, sqlite_index, fp, tmp_path / "dst").status == "hit"
+    assert not stale.exists()
+
+
 def test_same_content_at_two_paths_is_fetched_once_and_laid_twice(tmp_path, store, sqlite_index, fp):
     write_tree(tmp_path / "src", {"inductor/a": b"same", "inductor/sub/b": (b"same", 0o755)})
     publish_tree(store, sqlite_index, fp, tmp_path / "src")
