@@ -67,6 +67,9 @@ STAGING_PREFIX = ".kcache-staging-"
 SHARED_DIR_MODE = 0o2775  # rwxrwsr-x: the group writes, new entries keep ROOT's group
 LOCK_NAME = ".kcache-lock"
 _LOCK_POLL = 0.05  # seconds between tries while another restore holds ROOT
+# Seconds recording the outcome may take: a healthy index answers in milliseconds, and the pod
+# is ready to start; at least a second even once the budget is spent.
+_RECORD_LIMIT, _RECORD_GRACE = 5.0, 1.0
 # Layers keyed by their own content (kernel source, graph hash): safe to share between workloads
 # that run on one toolchain. vLLM's cache and user directories are keyed by the workload itself.
 PARTIAL_LAYERS = ("inductor", "inductor-pch", "triton", "cuda")
@@ -163,14 +166,15 @@ def restore_opening(
         try:
             try:
                 result = _within(timeout, deadline, work)
+                _finish(root, result)
             except OSError as exc:  # the disk, not the bundle: ENOSPC, EACCES, a read-only volume
                 raise _root_error(root, exc) from exc
         except Exception as exc:  # noqa: BLE001 - any failure, a kcache bug included, must leave a pod that starts
-            _fail(root, opened, exc, time.perf_counter() - started)
+            _fail(root, opened, exc, time.perf_counter() - started, deadline)
             raise
-        _finish(root, result)
         _record(opened[0].index, Event("restore", result.status, result.bundle_key, result.bundle_id,
-                                       result.files, result.bytes, result.seconds, result.reason or None))  # fmt: skip
+                                       result.files, result.bytes, result.seconds, result.reason or None),
+                deadline)  # fmt: skip
         return result
 
 
@@ -186,7 +190,7 @@ def _open_and_restore(open_inputs, opened: list, root: Path, jobs: int, budget: 
     return _restore(inputs.store, inputs.index, inputs.fingerprint, root, jobs, budget, pinned, policy, fallback)
 
 
-def _fail(root: Path, opened: list[Opened], exc: Exception, seconds: float) -> None:
+def _fail(root: Path, opened: list[Opened], exc: Exception, seconds: float, deadline: float | None) -> None:
     """The pod starts cold, but with the right env and a marker that says why."""
     reason = one_line(exc if isinstance(exc, KcacheError) else f"{type(exc).__name__}: {exc}")
     bundle_key = opened[0].fingerprint.bundle_key if opened else None
@@ -194,9 +198,9 @@ def _fail(root: Path, opened: list[Opened], exc: Exception, seconds: float) -> N
     try:
         _finish(root, failed)
     except (OSError, KcacheError) as write_error:
-        log.warning("cannot write kcache.env in %s: %s", root, write_error)
+        log.warning("cannot write kcache.env in %s: %s", root, one_line(write_error))
     if opened:
-        _record(opened[0].index, Event("restore", "error", bundle_key, None, 0, 0, seconds, reason))
+        _record(opened[0].index, Event("restore", "error", bundle_key, None, 0, 0, seconds, reason), deadline)
 
 
 def _root_error(root: Path, exc: OSError) -> RootError:
@@ -507,8 +511,20 @@ def read_state(root: Path) -> dict | None:
     return read_marker(root, RESTORE_MARKER)
 
 
-def _record(index: Catalog, event: Event) -> None:
-    try:
-        index.record_event(event)
-    except KcacheError as exc:  # stats are worth less than the pod's start
-        log.warning("cannot record restore event: %s", exc)
+def _record(index: Catalog, event: Event, deadline: float | None) -> None:
+    """Record the outcome, but never hold the pod up for it: the marker and env are written, and
+    an index that hangs (the reason a restore timed out, say) gets a few seconds at most."""
+
+    def run() -> None:
+        try:
+            index.record_event(event)
+        except KcacheError as exc:  # stats are worth less than the pod's start
+            log.warning("cannot record restore event: %s", one_line(exc))
+
+    if deadline is None:
+        return run()
+    worker = threading.Thread(target=run, name="kcache-record", daemon=True)
+    worker.start()
+    worker.join(max(_RECORD_GRACE, min(_RECORD_LIMIT, deadline - time.monotonic())))
+    if worker.is_alive():
+        log.warning("gave up recording the restore event: the index did not answer")

@@ -266,6 +266,32 @@ def test_timeout_gives_up_without_touching_root(tmp_path, store, sqlite_index, f
     assert read_tree(tmp_path / "dst/inductor") == {"old": (b"previous", 0o644)}
 
 
+class HangingEvents:
+    """A catalog that answers, but whose event recording hangs until released (a wedged index)."""
+
+    def __init__(self, inner, release: threading.Event):
+        self.inner, self.release, self.recording = inner, release, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def record_event(self, event) -> None:
+        self.recording.set()
+        self.release.wait()
+
+
+def test_recording_the_outcome_never_holds_the_pod_up(tmp_path, store, sqlite_index, fp):
+    _published(tmp_path, store, sqlite_index, fp)
+    release = threading.Event()
+    index = HangingEvents(sqlite_index, release)
+    try:
+        result = restore(store, index, fp, tmp_path / "dst", timeout=60)
+    finally:
+        release.set()
+    assert result.status == "hit" and index.recording.is_set()
+    assert read_state(tmp_path / "dst")["status"] == "hit"
+
+
 def test_stale_staging_from_a_killed_restore_is_cleaned(tmp_path, store, sqlite_index, fp):
     _published(tmp_path, store, sqlite_index, fp)
     stale = tmp_path / "dst" / f"{STAGING_PREFIX}999999999-abc"
