@@ -389,9 +389,13 @@ def _group_shared(root: Path) -> bool:
         return False
 
 
-def _make_dirs(top: Path, path: Path, shared: bool) -> None:
-    """mkdir -p `path` below `top`; with `shared`, every directory on the way is group-writable."""
-    chain = [p for p in (path, *path.parents) if p.is_relative_to(top) and p != top]
+def _make_dirs(top: Path, path: Path, shared: bool, made: set[Path] | None = None) -> None:
+    """mkdir -p `path` below `top`; with `shared`, every directory on the way is group-writable.
+    `made` remembers what earlier calls created, so a tree's directories cost one mkdir each."""
+    chain = []
+    while path != top and path.is_relative_to(top) and (made is None or path not in made):
+        chain.append(path)
+        path = path.parent
     for directory in reversed(chain):
         directory.mkdir(exist_ok=True)
         if shared:
@@ -399,6 +403,8 @@ def _make_dirs(top: Path, path: Path, shared: bool) -> None:
                 os.chmod(directory, SHARED_DIR_MODE)
             except PermissionError:  # another user's directory: theirs to share
                 pass
+        if made is not None:
+            made.add(directory)
 
 
 def _file_mode(mode: int, shared: bool) -> int:
@@ -411,8 +417,9 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
     files = staging / "files"
     shared = _group_shared(staging.parent)
     # Directories once up front: per-file mkdir calls cost more than the writes on small caches.
+    made: set[Path] = set()
     for directory in sorted({(files / e.path).parent for e in entries}):
-        _make_dirs(staging, directory, shared)
+        _make_dirs(staging, directory, shared, made)
     umask = _umask()
 
     def lay(entry: manifests.Entry, write) -> None:
