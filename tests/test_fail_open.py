@@ -100,6 +100,7 @@ CASES = {
     "timeout-zero": lambda t, f, r: (["--timeout", "0"], {}),
     "timeout-huge": lambda t, f, r: (["--timeout", "9" * 400], {}),
     "env-timeout-garbage": lambda t, f, r: ([], {"KCACHE_RESTORE_TIMEOUT": "abc"}),
+    "env-require-signature-garbage": lambda t, f, r: ([], {"KCACHE_REQUIRE_SIGNATURE": "abc"}),
 }
 
 
@@ -193,3 +194,10 @@ def test_silent_postgresql_index_fails_on_its_own_connect_timeout():
         worker.join(90)  # generous: the default connect timeout is far shorter, a hang is forever
         assert not worker.is_alive(), "connecting to a silent PostgreSQL never gave up"
     assert outcome and "cannot connect" in str(outcome[0])
+
+
+@pytest.mark.parametrize("value", ["1", "true", "ON"])
+def test_require_signature_from_the_environment_still_applies(tmp_path, facts_file, value):
+    result = run_restore(tmp_path / "root", facts_file, [], {"KCACHE_REQUIRE_SIGNATURE": value}, "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["status"] == "error"
+    assert "--require-signature" in assert_cold_but_ready_to_start(tmp_path / "root")["reason"]

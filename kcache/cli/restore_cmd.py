@@ -41,7 +41,7 @@ MAX_TIMEOUT = 86400.0
               help="Pin this bundle (full id) instead of the newest; it must still match the fingerprint.")  # fmt: skip
 @click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
               help="A .pub from `kcache keygen`; repeatable (env KCACHE_TRUSTED_KEYS, ':'-separated).")  # fmt: skip
-@click.option("--require-signature", is_flag=True, envvar="KCACHE_REQUIRE_SIGNATURE",
+@click.option("--require-signature", is_flag=True,
               help="Refuse bundles not signed by a trusted key (env KCACHE_REQUIRE_SIGNATURE=1).")  # fmt: skip
 @click.option("--fallback", type=click.Choice(["toolchain"]),
               help="On a miss, restore the kernel layers (inductor, triton, cuda) of the newest bundle built "
@@ -69,14 +69,16 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
     """
     started = time.perf_counter()
     timeout, bad_timeout = _parse_timeout(timeout_text)
+    required, bad_flag = _env_flag("KCACHE_REQUIRE_SIGNATURE")
     ctx = click.get_current_context()
     opened: list[Opened] = []
 
     def open_inputs() -> Opened:
         # Runs in restore's worker thread, inside the budget: a typo here is an error marker and a
         # cold start like any other failure, not a usage error that crash-loops the init container.
-        if bad_timeout is not None:
-            raise bad_timeout
+        for bad in (bad_timeout, bad_flag):
+            if bad is not None:
+                raise bad
         with ctx.scope(cleanup=False):  # the fingerprint options live on click's context
             fp = compute_fingerprint(model, model_config, facts, extras)
         trusted = load_trusted_keys(trusted_keys)
@@ -87,7 +89,7 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
 
     try:
         result = restore_opening(open_inputs, root, jobs=jobs, timeout=timeout, bundle_id=bundle_id,
-                                 require_signature=require_signature, fallback=fallback)  # fmt: skip
+                                 require_signature=require_signature or required, fallback=fallback)  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - an init container must never crash-loop on a kcache bug
         if os.environ.get("KCACHE_DEBUG") == "1":
             raise
@@ -128,6 +130,17 @@ def _parse_timeout(text: str) -> tuple[float, ConfigError | None]:
     if seconds > MAX_TIMEOUT:
         return DEFAULT_TIMEOUT, ConfigError("--timeout", text, f"is longer than a day ({MAX_TIMEOUT:g} s)")
     return seconds, None
+
+
+def _env_flag(name: str) -> tuple[bool, ConfigError | None]:
+    """(value, None), or (True, the error) for a value that is no boolean: a garbled request for
+    signatures starts cold (restores nothing unverified) instead of failing as a usage error."""
+    text = os.environ.get(name, "").strip().lower()
+    if text in ("", "0", "false", "no", "off"):
+        return False, None
+    if text in ("1", "true", "yes", "on"):
+        return True, None
+    return True, ConfigError(name, text, "expected 1/true/yes/on or 0/false/no/off")
 
 
 def _close_quietly(index) -> None:
