@@ -201,3 +201,15 @@ def test_require_signature_from_the_environment_still_applies(tmp_path, facts_fi
     result = run_restore(tmp_path / "root", facts_file, [], {"KCACHE_REQUIRE_SIGNATURE": value}, "--json")
     assert result.exit_code == 0 and json.loads(result.stdout)["status"] == "error"
     assert "--require-signature" in assert_cold_but_ready_to_start(tmp_path / "root")["reason"]
+
+
+def test_postgresql_sessions_carry_a_statement_timeout_unless_the_url_sets_one(pg_database):
+    from kcache.index.db import make_engine
+
+    for url, expected in ((pg_database, "2min"), (f"{pg_database}?options=-c%20statement_timeout%3D5000", "5s")):
+        engine = make_engine(url)
+        try:
+            with engine.connect() as conn:
+                assert conn.exec_driver_sql("SHOW statement_timeout").scalar() == expected
+        finally:
+            engine.dispose()
