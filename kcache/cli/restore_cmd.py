@@ -56,8 +56,9 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
     """Lay the bundle that matches this machine into ROOT and write ROOT/kcache.env.
 
     On a miss, ROOT still gets empty layer directories and kcache.env, so the cold pod's compile
-    lands where `kcache publish --from ROOT` will find it. Any failure prints one line and exits 0
-    (the pod starts cold) unless --strict. Never imports torch.
+    lands where `kcache publish --from ROOT` will find it. Any failure (a typo in a flag included)
+    prints one line, writes kcache.env and an error marker for `kcache ready`, and exits 0 (the pod
+    starts cold) unless --strict. Never imports torch.
 
     With --index none (or no index named and no local one), the bundle is found through the
     store's refs/, so the pod needs only read access to the bucket.
