@@ -9,6 +9,7 @@ without control or format characters, and bounded.
 
 from __future__ import annotations
 
+import logging
 import unicodedata
 
 LIMIT = 300  # characters: enough for any message kcache writes, short enough for a log line
@@ -31,3 +32,11 @@ def one_line(text: object, limit: int = LIMIT) -> str:
             chars.append(ch)
     line = " ".join("".join(chars).split())
     return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+class OneLineFormatter(logging.Formatter):
+    """Log lines for a terminal: each message on one line (tracebacks, with KCACHE_DEBUG=1, stay)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        record.message = one_line(record.message, limit=2000)
+        return super().formatMessage(record)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import tempfile
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
@@ -258,3 +259,12 @@ def test_hostile_s3_error_reaches_no_shell_and_no_terminal(tmp_path, monkeypatch
     lines = result.stderr.splitlines()
     assert [line.split(":", 1)[0] for line in lines] == ["kcache", "  hint"], result.stderr
     assert not any(ch in result.stderr for ch in "\x1b\x07\x00\r\x85\u2028")
+
+
+def test_log_lines_on_the_terminal_are_one_line_each():
+    code = (
+        "import logging\nfrom kcache.cli import main\nmain.callback(0)\n"
+        "logging.getLogger('kcache.restore').warning('bundle %s', 'x\\n: > CANARY\\x1b[2J\\u2028y')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stderr == "kcache: WARNING: bundle x : > CANARY?[2J y\n"

@@ -22,6 +22,7 @@ from kcache.cli.serve_cmd import serve_cmd
 from kcache.cli.stats_cmd import stats_cmd
 from kcache.cli.warmup_cmd import prebake_cmd, warmup_cmd
 from kcache.cli.watch_cmd import watch_cmd
+from kcache.untrusted import OneLineFormatter
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -39,7 +40,9 @@ def main(verbose: int) -> None:
     level = logging.WARNING - 10 * verbose if verbose else logging.WARNING
     if os.environ.get("KCACHE_DEBUG") == "1":
         level = logging.DEBUG
-    logging.basicConfig(level=max(level, logging.DEBUG), format="kcache: %(levelname)s: %(message)s")
+    handler = logging.StreamHandler()  # messages may quote text from the store or the network
+    handler.setFormatter(OneLineFormatter("kcache: %(levelname)s: %(message)s"))
+    logging.basicConfig(level=max(level, logging.DEBUG), handlers=[handler])
 
 
 for command in (fingerprint_cmd, publish_cmd, restore_cmd, ls_cmd, show_cmd, reindex_cmd, keygen_cmd, db_group,
