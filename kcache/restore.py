@@ -195,10 +195,13 @@ def _fail(root: Path, opened: list[Opened], exc: Exception, seconds: float, dead
     reason = one_line(exc if isinstance(exc, KcacheError) else f"{type(exc).__name__}: {exc}")
     bundle_key = opened[0].fingerprint.bundle_key if opened else None
     failed = RestoreResult("error", bundle_key, None, root, root / envfile.NAME, seconds=seconds, reason=reason)
-    try:
-        _finish(root, failed)
-    except (OSError, KcacheError) as write_error:
-        log.warning("cannot write kcache.env in %s: %s", root, one_line(write_error))
+    # Each on its own: a ROOT whose tmp/ links outside gets no env file, but still its marker.
+    for what, write in (("kcache.env", lambda: _write_env(root, (), _env_comment(failed))),
+                        ("the restore marker", lambda: _write_state(failed))):  # fmt: skip
+        try:
+            write()
+        except (OSError, KcacheError) as write_error:
+            log.warning("cannot write %s in %s: %s", what, root, one_line(write_error))
     if opened:
         _record(opened[0].index, Event("restore", "error", bundle_key, None, 0, 0, seconds, reason), deadline)
 
@@ -479,10 +482,14 @@ def _inside(root: Path, path: Path) -> Path:
 
 def _finish(root: Path, result: RestoreResult) -> None:
     """kcache.env, then the marker: once the marker is there, the env file matches it."""
-    comment = {"hit": f"hit, bundle {result.bundle_id}", "partial": f"partial, bundle {result.bundle_id}"}
-    _write_env(root, result.layers, f"kcache restore: {comment.get(result.status, result.status)}"
-                                    f"{', ' + result.reason if result.reason else ''}")  # fmt: skip
+    _write_env(root, result.layers, _env_comment(result))
     _write_state(result)
+
+
+def _env_comment(result: RestoreResult) -> str:
+    """Fixed text, the bundle id, the reason; envfile makes the whole of it one inert line."""
+    what = f"{result.status}, bundle {result.bundle_id}" if result.bundle_id else result.status
+    return f"kcache restore: {what}{', ' + result.reason if result.reason else ''}"
 
 
 def _write_env(root: Path, layer_names, comment: str) -> Path:
