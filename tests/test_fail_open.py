@@ -52,19 +52,15 @@ def bundle_key(facts_file: Path) -> str:
 
 
 @pytest.fixture
-def empty_pg_database():
-    """A PostgreSQL database nobody ran `kcache db upgrade` on; skipped without PostgreSQL."""
-    sqlalchemy = pytest.importorskip("sqlalchemy")
-    from conftest import PG_ADMIN_URL
+def empty_pg_database(pg_database):
+    """A PostgreSQL database nobody ran `kcache db upgrade` on, on the test run's server."""
+    import sqlalchemy
 
     name = f"kcache_empty_{uuid.uuid4().hex[:8]}"
-    admin = sqlalchemy.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    except sqlalchemy.exc.OperationalError as exc:
-        pytest.skip(f"PostgreSQL not reachable: {exc.orig}")
-    yield PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
+    admin = sqlalchemy.create_engine(pg_database, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    yield pg_database.rsplit("/", 1)[0] + "/" + name
     with admin.connect() as conn:
         conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     admin.dispose()
