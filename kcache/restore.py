@@ -3,7 +3,7 @@
     ROOT/
       kcache.env                   exports for torch, Triton, CUDA, vLLM (written on hit, miss, error)
       .kcache-state.json           outcome of the last restore: what `kcache ready` reads
-      .kcache-lock                 flock'ed for the whole of a restore: one restore into ROOT at a time
+      .kcache-lock                 flock'ed for the whole of a restore (kcache.rootdir)
       inductor/ triton/ cuda/ vllm/ megacache/ extra/<name>/
       tmp/torchinductor_<user>/precompiled_headers/
       .kcache-staging-<pid>-<rand>/  only while a restore runs:
@@ -18,30 +18,23 @@ Fail-open: everything a restore does, opening the store and the index and comput
 fingerprint included, runs inside its time budget, and whatever goes wrong, the restore that
 holds ROOT's lock leaves kcache.env and an "error" marker behind, so the pod starts cold and
 `kcache ready` sees that restore finished. Only a ROOT that cannot be written gets neither.
-
-Ownership of ROOT is the lock, not a pid in a directory name: in a container kcache is often
-pid 1, and pids are reused, so "is the owner alive" says nothing. Whoever holds the lock owns
-every staging directory it finds and removes them.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import shutil
-import stat
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from kcache import envfile, fetch, refs, signing
+from kcache import envfile, fetch, refs, rootdir, signing
 from kcache import manifest as manifests
 from kcache import sources as layers
 from kcache.errors import (
@@ -49,7 +42,6 @@ from kcache.errors import (
     IntegrityError,
     KcacheError,
     RestoreTimeout,
-    RootBusy,
     RootError,
     SignatureError,
     UnsafePath,
@@ -58,15 +50,12 @@ from kcache.fingerprint import Fingerprint
 from kcache.packs import unpack_frame
 from kcache.readiness import RESTORE_MARKER, read_marker, write_marker
 from kcache.records import Event
+from kcache.rootdir import STAGING_PREFIX
 from kcache.store import Store, manifest_key
 from kcache.untrusted import one_line
 
 log = logging.getLogger(__name__)
 
-STAGING_PREFIX = ".kcache-staging-"
-SHARED_DIR_MODE = 0o2775  # rwxrwsr-x: the group writes, new entries keep ROOT's group
-LOCK_NAME = ".kcache-lock"
-_LOCK_POLL = 0.05  # seconds between tries while another restore holds ROOT
 # Seconds recording the outcome may take: a healthy index answers in milliseconds, and the pod
 # is ready to start; at least a second even once the budget is spent.
 _RECORD_LIMIT, _RECORD_GRACE = 5.0, 1.0
@@ -155,9 +144,9 @@ def restore_opening(
     started = time.perf_counter()
     deadline = None if timeout is None else time.monotonic() + timeout
     root = Path(root).absolute()
-    _prepare_root(root)
-    with _locked(root, timeout, deadline):
-        _remove_staging(root)
+    rootdir.prepare(root)
+    with rootdir.locked(root, timeout, deadline):
+        rootdir.remove_staging(root)
         opened: list[Opened] = []  # filled by the worker, read here: what the error path may use
 
         def work(budget: _Budget) -> RestoreResult:
@@ -210,40 +199,6 @@ def _root_error(root: Path, exc: OSError) -> RootError:
     if exc.errno == errno.ENOSPC:
         return RootError(str(root), "no space left on device while staging the bundle; give the volume more room")
     return RootError(str(root), f"cannot write {exc.filename or root}: {exc.strerror or exc}")
-
-
-@contextmanager
-def _locked(root: Path, timeout: float | None, deadline: float | None) -> Iterator[None]:
-    """Hold ROOT/.kcache-lock; wait for another restore until the deadline, then RootBusy.
-
-    flock belongs to the open file: a restore that is killed releases it with its process.
-    """
-    try:
-        fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        raise RootError(str(root), f"cannot create {LOCK_NAME}: {exc.strerror}") from None
-    try:
-        waiting = False
-        while not _try_lock(fd):
-            if deadline is not None and time.monotonic() >= deadline:
-                raise RootBusy(str(root), timeout or 0.0)
-            if not waiting:
-                log.warning("another restore into %s is running; waiting for it", root)
-                waiting = True
-            time.sleep(_LOCK_POLL)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def _try_lock(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    except OSError as exc:  # a filesystem without flock (some FUSE and NFS mounts): go on unserialized
-        log.warning("cannot lock the restore root (%s); concurrent restores into it are not serialized", exc)
-    return True
 
 
 def _within(timeout: float | None, deadline: float | None, work) -> RestoreResult:
@@ -324,9 +279,8 @@ def _restore(
         f"kernel layers of bundle {manifest.id[:12]}, built on this toolchain for another workload" if partial else ""
     )
     return RestoreResult("partial" if partial else "hit", fp.bundle_key, manifest.id, root, root / envfile.NAME,
-                         layer_names,
-                         len(entries), sum(e.size for e in entries), time.perf_counter() - started, reason,
-                         signer)  # fmt: skip
+                         layer_names, len(entries), sum(e.size for e in entries), time.perf_counter() - started,
+                         reason, signer)  # fmt: skip
 
 
 def _check_layers(manifest: manifests.Manifest) -> None:
@@ -368,66 +322,19 @@ def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jo
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _prepare_root(root: Path) -> None:
-    if root.exists() and not root.is_dir():
-        raise RootError(str(root), "exists and is not a directory; pass an empty or kcache-managed directory")
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise RootError(str(root), f"cannot be created: {exc.strerror}") from None
-
-
-def _remove_staging(root: Path) -> None:
-    """Under ROOT's lock every staging directory is a leftover of a restore that was killed."""
-    for stale in root.glob(STAGING_PREFIX + "*"):
-        shutil.rmtree(stale, ignore_errors=True)
-
-
-def _group_shared(root: Path) -> bool:
-    """A setgid ROOT (what Kubernetes' fsGroup gives a volume) is shared with the group: the model
-    container, running as another user of that group, must compile into the restored layers."""
-    try:
-        return bool(root.stat().st_mode & stat.S_ISGID)
-    except OSError:
-        return False
-
-
-def _make_dirs(top: Path, path: Path, shared: bool, made: set[Path] | None = None) -> None:
-    """mkdir -p `path` below `top`; with `shared`, every directory on the way is group-writable.
-    `made` remembers what earlier calls created, so a tree's directories cost one mkdir each."""
-    chain = []
-    while path != top and path.is_relative_to(top) and (made is None or path not in made):
-        chain.append(path)
-        path = path.parent
-    for directory in reversed(chain):
-        directory.mkdir(exist_ok=True)
-        if shared:
-            try:
-                os.chmod(directory, SHARED_DIR_MODE)
-            except PermissionError:  # another user's directory: theirs to share
-                pass
-        if made is not None:
-            made.add(directory)
-
-
-def _file_mode(mode: int, shared: bool) -> int:
-    """With a shared ROOT the group may read (and run) what the owner may: copy u+r, u+x to g."""
-    return mode | ((mode & 0o500) >> 3) if shared else mode
-
-
 def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path, jobs: int, budget: _Budget) -> None:
     """Every blob into its staged path (verified), then the paths that share a blob as copies."""
     files = staging / "files"
-    shared = _group_shared(staging.parent)
+    shared = rootdir.group_shared(staging.parent)
     # Directories once up front: per-file mkdir calls cost more than the writes on small caches.
     made: set[Path] = set()
     for directory in sorted({(files / e.path).parent for e in entries}):
-        _make_dirs(staging, directory, shared, made)
+        rootdir.make_dirs(staging, directory, shared, made)
     umask = _umask()
 
     def lay(entry: manifests.Entry, write) -> None:
         path = files / entry.path  # manifest.parse already refused absolute paths and '..'
-        mode = _file_mode(entry.mode, shared)
+        mode = rootdir.file_mode(entry.mode, shared)
         with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as out:
             write(out)
         if mode & umask:  # the umask took bits the manifest asks for
@@ -467,7 +374,7 @@ def _swap(root: Path, staging: Path, sources: list[layers.Source]) -> None:
         if not staged.is_dir():
             continue
         target = _inside(root, source.restore_dir(root))
-        _make_dirs(root, target.parent, _group_shared(root))
+        rootdir.make_dirs(root, target.parent, rootdir.group_shared(root))
         if target.exists() or target.is_symlink():
             os.rename(target, retired / str(i))
         os.rename(staged, target)
@@ -502,12 +409,12 @@ def _write_env(root: Path, layer_names, comment: str) -> Path:
     fact (env.*), so the same tag is in effect on both sides.
     """
     exports = layers.all_exports(root, layer_names)
-    shared = _group_shared(root)
+    shared = rootdir.group_shared(root)
     for source in layers.BUILTIN:
         place = _inside(root, source.restore_dir(root))
         if place.is_symlink() and not place.exists():
             place.unlink()  # a dangling link would make every run fail: replace it with a directory
-        _make_dirs(root, place, shared)
+        rootdir.make_dirs(root, place, shared)
     return envfile.write(root, exports, comment)
 
 
