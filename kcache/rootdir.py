@@ -88,10 +88,7 @@ def locked(root: Path, timeout: float | None, deadline: float | None) -> Iterato
 
     flock belongs to the open file: a restore that is killed releases it with its process.
     """
-    try:
-        fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        raise RootError(str(root), f"cannot create {LOCK_NAME}: {exc.strerror}") from None
+    fd = _open_lock(root / LOCK_NAME)
     try:
         waiting = False
         while not _try_lock(fd):
@@ -104,6 +101,19 @@ def locked(root: Path, timeout: float | None, deadline: float | None) -> Iterato
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _open_lock(path: Path) -> int:
+    flags = os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o644)
+    except PermissionError:  # left by a restore as another user: flock needs no write access
+        try:
+            return os.open(path, os.O_RDONLY | flags)
+        except OSError as exc:
+            raise RootError(str(path.parent), f"cannot open {LOCK_NAME}: {exc.strerror}") from None
+    except OSError as exc:
+        raise RootError(str(path.parent), f"cannot create {LOCK_NAME}: {exc.strerror}") from None
 
 
 def _try_lock(fd: int) -> bool:

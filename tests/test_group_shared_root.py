@@ -98,3 +98,23 @@ def test_root_that_is_not_group_shared_keeps_the_umask(tmp_path, store, sqlite_i
     finally:
         os.umask(old_umask)
     assert stat.S_IMODE((tmp_path / "root/inductor").stat().st_mode) == 0o755
+
+
+def test_lock_left_by_another_user_still_serializes(shared_root):
+    """The init container ran as root once, as the model's user now: the lock file is not theirs."""
+    from kcache import rootdir
+
+    with rootdir.locked(shared_root, None, None):
+        pass
+    assert (shared_root / rootdir.LOCK_NAME).stat().st_uid == 0
+    pid = os.fork()
+    if pid == 0:  # the child only makes system calls of modules already imported
+        code = 1
+        try:
+            as_model_user()
+            with rootdir.locked(shared_root, 5.0, None):
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
