@@ -35,6 +35,21 @@ ARG KCACHE_COMMIT=unknown
 RUN printf '%s\n' "$KCACHE_COMMIT" > kcache/_commit.txt \
  && /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels .
 
+# The `kcache proxy` sidecar (examples/k8s/proxy-sidecar.yaml): the same kcache plus the `proxy`
+# extra (aiohttp, redis), which the init image never carries. Its two packages come from PyPI within
+# pyproject's bounds, not from the hashed lock:
+#   docker build --target proxy -t kcache-proxy:0.1.0 .
+FROM ${PYTHON_IMAGE} AS proxy
+COPY --from=deps /opt/kcache /opt/kcache
+COPY --from=build /wheels /wheels
+RUN /opt/kcache/bin/pip install --no-cache-dir --no-deps --no-index /wheels/kcache-*.whl && rm -rf /wheels \
+ && /opt/kcache/bin/pip install --no-cache-dir "aiohttp>=3.9,<4" "redis>=5.0,<9"
+ENV PATH=/opt/kcache/bin:$PATH
+USER 65532:65532
+ENTRYPOINT ["kcache"]
+CMD ["proxy", "--help"]
+
+# The init-container image (the default target).
 FROM ${PYTHON_IMAGE}
 COPY --from=deps /opt/kcache /opt/kcache
 COPY --from=build /wheels /wheels

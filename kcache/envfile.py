@@ -5,22 +5,36 @@
     ...
 
 Source it (`. /cache/kcache.env`) before the model starts, or read it with `read()`.
+
+A shell runs this file, so nothing that came from the store, the index or the network reaches
+it except as a shlex-quoted value: the comment is made one line (kcache.untrusted) and every
+variable name must be a plain shell name.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from kcache.errors import ConfigError
+from kcache.untrusted import one_line
+
 NAME = "kcache.env"
+_SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 def render(exports: Mapping[str, str], comment: str = "") -> str:
-    lines = [f"# {comment}"] if comment else []
-    lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(exports.items())]
+    lines = [f"# {one_line(comment)}"] if comment else []
+    for name, value in sorted(exports.items()):
+        if not _SHELL_NAME.match(name):
+            raise ConfigError("environment variable", name, "is not a shell variable name")
+        if "\0" in value:  # a shell cannot hold it: bash would drop the byte and change the value
+            raise ConfigError(name, value, "contains a NUL byte")
+        lines.append(f"export {name}={shlex.quote(value)}")
     return "\n".join(lines) + "\n"
 
 
@@ -29,7 +43,8 @@ def write(root: Path, exports: Mapping[str, str], comment: str = "") -> Path:
     target = root / NAME
     fd, tmp = tempfile.mkstemp(prefix=".kcache-env-", dir=root)
     try:
-        with os.fdopen(fd, "w") as f:
+        # surrogateescape: a ROOT given as non-UTF-8 bytes is written back as those bytes.
+        with os.fdopen(fd, "w", encoding="utf-8", errors="surrogateescape") as f:
             f.write(render(exports, comment))
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)
@@ -42,7 +57,7 @@ def write(root: Path, exports: Mapping[str, str], comment: str = "") -> Path:
 def read(path: Path) -> dict[str, str]:
     """Parse a file written by `write` back into a mapping."""
     exports: dict[str, str] = {}
-    for line in Path(path).read_text().splitlines():
+    for line in Path(path).read_text(encoding="utf-8", errors="surrogateescape").splitlines():
         words = shlex.split(line, comments=True)
         if len(words) == 2 and words[0] == "export" and "=" in words[1]:
             name, _, value = words[1].partition("=")

@@ -102,6 +102,14 @@ class RestoreTimeout(KcacheError):
         super().__init__(f"restore did not finish within {seconds:g} s")
 
 
+class RootBusy(KcacheError):
+    """Another restore held the restore root for the whole time budget."""
+
+    def __init__(self, path: str, seconds: float):
+        self.path, self.seconds = path, seconds
+        super().__init__(f"another restore into {path} held it for the whole {seconds:g} s budget")
+
+
 class SignatureError(KcacheError):
     """A bundle is unsigned, or signed by no trusted key, where a signature is required."""
 

@@ -3,6 +3,7 @@
     ROOT/
       kcache.env                   exports for torch, Triton, CUDA, vLLM (written on hit, miss, error)
       .kcache-state.json           outcome of the last restore: what `kcache ready` reads
+      .kcache-lock                 flock'ed for the whole of a restore (kcache.rootdir)
       inductor/ triton/ cuda/ vllm/ megacache/ extra/<name>/
       tmp/torchinductor_<user>/precompiled_headers/
       .kcache-staging-<pid>-<rand>/  only while a restore runs:
@@ -12,6 +13,11 @@
 Every blob is fetched into the staging directory and verified (size and SHA-256) before any
 layer moves; then each layer is swapped in with renames. A failure or timeout before the swap
 leaves ROOT as it was. Ranges of a pack that lie close together are fetched with one read.
+
+Fail-open: everything a restore does, opening the store and the index and computing the
+fingerprint included, runs inside its time budget, and whatever goes wrong, the restore that
+holds ROOT's lock leaves kcache.env and an "error" marker behind, so the pod starts cold and
+`kcache ready` sees that restore finished. Only a ROOT that cannot be written gets neither.
 """
 
 from __future__ import annotations
@@ -23,11 +29,12 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from kcache import choice, envfile, fetch, layerkeys, signing
+from kcache import choice, envfile, fetch, layerkeys, rootdir, signing
 from kcache import manifest as manifests
 from kcache import sources as layers
 from kcache.errors import (
@@ -42,11 +49,15 @@ from kcache.packs import unpack_frame
 from kcache.readiness import RESTORE_MARKER, read_marker, write_marker
 from kcache.records import Event
 from kcache.relocate import relocate_staged
+from kcache.rootdir import STAGING_PREFIX
 from kcache.store import Store
+from kcache.untrusted import one_line
 
 log = logging.getLogger(__name__)
 
-STAGING_PREFIX = ".kcache-staging-"
+# Seconds recording the outcome may take: a healthy index answers in milliseconds, and the pod
+# is ready to start; at least a second even once the budget is spent.
+_RECORD_LIMIT, _RECORD_GRACE = 5.0, 1.0
 # Layers keyed by their own content (kernel source, graph hash): safe to share between workloads
 # that run on one toolchain. vLLM's cache and user directories are keyed by the workload itself.
 PARTIAL_LAYERS = ("inductor", "inductor-pch", "triton", "cuda")
@@ -55,7 +66,7 @@ PARTIAL_LAYERS = ("inductor", "inductor-pch", "triton", "cuda")
 @dataclass(frozen=True)
 class RestoreResult:
     status: str  # hit | partial (--fallback toolchain|layers) | miss (| error, only in the marker on failure)
-    bundle_key: str
+    bundle_key: str | None  # None when restore failed before it had a fingerprint
     bundle_id: str | None
     root: Path
     env_file: Path
@@ -66,6 +77,7 @@ class RestoreResult:
     reason: str = ""
     signed_by: str | None = None
     donors: tuple[tuple[str, str], ...] = ()  # (layer, bundle id) of a --fallback layers restore
+    user: str | None = None  # the user the precompiled header was laid out for (None: this process's)
 
 
 @dataclass
@@ -88,21 +100,41 @@ class Catalog(Protocol):
     def record_event(self, event: Event) -> None: ...
 
 
+@dataclass(frozen=True)
+class Opened:
+    """What a restore works with. Opening it is part of the restore: it runs inside the budget."""
+
+    store: Store
+    index: Catalog
+    fingerprint: Fingerprint
+    trusted: tuple[signing.TrustedKey, ...] = ()
+
+
 def restore(
     store: Store,
     index: Catalog,
     fingerprint: Fingerprint,
     root: Path,
     *,
+    trusted: tuple[signing.TrustedKey, ...] = (),
+    **options,
+) -> RestoreResult:
+    """Restore the newest bundle for `fingerprint` into `root` (see `restore_opening` for options)."""
+    return restore_opening(lambda: Opened(store, index, fingerprint, trusted), root, **options)
+
+
+def restore_opening(
+    open_inputs: Callable[[], Opened],
+    root: Path,
+    *,
     jobs: int = 16,
     timeout: float | None = None,
     bundle_id: str | None = None,
-    trusted: tuple[signing.TrustedKey, ...] = (),
     require_signature: bool = False,
     fallback: str | None = None,
     run_as: str | None = None,
 ) -> RestoreResult:
-    """Restore the newest bundle for `fingerprint` (or the pinned `bundle_id`) into `root`.
+    """Open what `open_inputs` opens, then restore the newest bundle (or the pinned `bundle_id`).
 
     `run_as` is the user the model will run as (torch names the precompiled header's directory for
     it); default KCACHE_RUN_AS, else the user publish recorded, else the current user.
@@ -112,35 +144,65 @@ def restore(
     fallback="toolchain", a miss restores the kernel layers of the newest bundle built on the same
     toolchain (status "partial"); with fallback="layers", each reusable layer of the newest bundle
     whose layer key matches ours (kcache.layerkeys; status "partial", donors say from where).
-    Raises KcacheError.
+    Raises KcacheError, or whatever `open_inputs` raised; either
+    way kcache.env and an error marker are written first, unless ROOT itself is unusable
+    (RootError) or another restore held ROOT for the whole budget (RootBusy: that one writes them).
     """
+    started = time.perf_counter()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    root = Path(root).absolute()
+    rootdir.prepare(root)
+    with rootdir.locked(root, timeout, deadline):
+        rootdir.remove_staging(root)
+        opened: list[Opened] = []  # filled by the worker, read here: what the error path may use
+
+        def work(budget: _Budget) -> RestoreResult:
+            return _open_and_restore(open_inputs, opened, root, jobs, budget, bundle_id, require_signature, fallback,
+                                     run_as)
+
+        try:
+            try:
+                result = _within(timeout, deadline, work)
+                _finish(root, result, opened[0].fingerprint)
+            except OSError as exc:  # the disk, not the bundle: ENOSPC, EACCES, a read-only volume
+                raise _root_error(root, exc) from exc
+        except Exception as exc:  # noqa: BLE001 - any failure, a kcache bug included, must leave a pod that starts
+            _fail(root, opened, exc, time.perf_counter() - started, deadline)
+            raise
+        _record(opened[0].index, Event("restore", result.status, result.bundle_key, result.bundle_id,
+                                       result.files, result.bytes, result.seconds, result.reason or None),
+                deadline)  # fmt: skip
+        return result
+
+
+def _open_and_restore(open_inputs, opened: list, root: Path, jobs: int, budget: _Budget, pinned: str | None,
+                      require_signature: bool, fallback: str | None, run_as: str | None) -> RestoreResult:  # fmt: skip
     if fallback not in (None, "toolchain", "layers"):
         raise ConfigError("--fallback", str(fallback), "a fallback is 'toolchain' or 'layers'")
-    if require_signature and not trusted:
+    inputs = open_inputs()
+    opened.append(inputs)
+    if require_signature and not inputs.trusted:
         raise ConfigError("--require-signature", "on", "needs at least one --trusted-key (or KCACHE_TRUSTED_KEYS)")
-    policy = choice.Policy(trusted, require_signature)
-    started = time.perf_counter()
-    root = Path(root).absolute()
-    try:
+    policy = choice.Policy(inputs.trusted, require_signature)
+    return _restore(inputs.store, inputs.index, inputs.fingerprint, root, jobs, budget, pinned, policy, fallback,
+                    run_as)
+
+
+def _fail(root: Path, opened: list[Opened], exc: Exception, seconds: float, deadline: float | None) -> None:
+    """The pod starts cold, but with the right env and a marker that says why."""
+    reason = one_line(exc if isinstance(exc, KcacheError) else f"{type(exc).__name__}: {exc}")
+    bundle_key = opened[0].fingerprint.bundle_key if opened else None
+    failed = RestoreResult("error", bundle_key, None, root, root / envfile.NAME, seconds=seconds, reason=reason)
+    # Each on its own: a ROOT whose tmp/ links outside gets no env file, but still its marker.
+    fp = opened[0].fingerprint if opened else None
+    for what, write in (("kcache.env", lambda: _write_env(root, (), _env_comment(failed), failed.user)),
+                        ("the restore marker", lambda: _write_state(failed, fp))):  # fmt: skip
         try:
-            result = _within(
-                timeout,
-                lambda budget: _restore(store, index, fingerprint, root, jobs, budget, bundle_id, policy, fallback,
-                                        run_as),
-            )
-        except OSError as exc:  # the disk, not the bundle: ENOSPC, EACCES, a read-only volume
-            raise _root_error(root, exc) from exc
-    except KcacheError as exc:
-        seconds = time.perf_counter() - started
-        _record(index, Event("restore", "error", fingerprint.bundle_key, None, 0, 0, seconds, str(exc)))
-        failed = RestoreResult("error", fingerprint.bundle_key, None, root, root / envfile.NAME,
-                               seconds=seconds, reason=str(exc))  # fmt: skip
-        _finish_quietly(root, fingerprint, failed, run_as)  # the pod starts cold, but with the right env
-        raise
-    _record(index, Event("restore", result.status, result.bundle_key, result.bundle_id,
-                         result.files, result.bytes, result.seconds, result.reason or None))  # fmt: skip
-    _write_state(result, fingerprint)
-    return result
+            write()
+        except (OSError, KcacheError) as write_error:
+            log.warning("cannot write %s in %s: %s", what, root, one_line(write_error))
+    if opened:
+        _record(opened[0].index, Event("restore", "error", bundle_key, None, 0, 0, seconds, reason), deadline)
 
 
 def _root_error(root: Path, exc: OSError) -> RootError:
@@ -149,9 +211,9 @@ def _root_error(root: Path, exc: OSError) -> RootError:
     return RootError(str(root), f"cannot write {exc.filename or root}: {exc.strerror or exc}")
 
 
-def _within(timeout: float | None, work) -> RestoreResult:
+def _within(timeout: float | None, deadline: float | None, work) -> RestoreResult:
     budget = _Budget()
-    if timeout is None:
+    if deadline is None:
         return work(budget)
     box: dict = {}
 
@@ -163,13 +225,13 @@ def _within(timeout: float | None, work) -> RestoreResult:
 
     worker = threading.Thread(target=run, name="kcache-restore", daemon=True)
     worker.start()
-    worker.join(timeout)
+    worker.join(max(0.0, deadline - time.monotonic()))
     with budget.lock:
         if worker.is_alive() and not budget.swapping:
             budget.expired = True
             if budget.staging is not None:
                 shutil.rmtree(budget.staging, ignore_errors=True)
-            raise RestoreTimeout(timeout)
+            raise RestoreTimeout(timeout or 0.0)
     worker.join()  # the swap had begun: it is a few renames, let it finish
     if "error" in box:
         raise box["error"]
@@ -189,7 +251,6 @@ def _restore(
     run_as: str | None = None,
 ) -> RestoreResult:
     started = time.perf_counter()
-    _prepare_root(root)
     if fp.mismatches:  # the facts file describes another machine: its bundle would be a wrong hit
         chosen = fp.mismatch_reason()
     else:
@@ -199,9 +260,9 @@ def _restore(
         if donors:
             return _from_layers(store, fp, root, jobs, budget, donors, run_as, started)
     if isinstance(chosen, str):
-        env_file = _write_env(root, fp, [], f"miss, {chosen}", layers.run_as_user(run_as, {}))
-        return RestoreResult("miss", fp.bundle_key, None, root, env_file, seconds=time.perf_counter() - started,
-                             reason=chosen)  # fmt: skip
+        return RestoreResult("miss", fp.bundle_key, None, root, root / envfile.NAME,
+                             seconds=time.perf_counter() - started, reason=one_line(chosen),
+                             user=layers.run_as_user(run_as, {}))  # fmt: skip
     partial = chosen.partial
     manifest, signer = choice.read_manifest(store, chosen, fp, policy)
     _check_layers(manifest)
@@ -209,13 +270,12 @@ def _restore(
     entries = tuple(e for e in manifest.entries if not partial or e.path.split("/", 1)[0] in PARTIAL_LAYERS)
     user = layers.run_as_user(run_as, manifest.layer_info)
     _lay_out(store, root, entries, layers.for_manifest(layer_names, user), jobs, budget)
-    env_file = _write_env(root, fp, layer_names, f"{'partial' if partial else 'hit'}, bundle {manifest.id}", user)
     reason = (
         f"kernel layers of bundle {manifest.id[:12]}, built on this toolchain for another workload" if partial else ""
     )
-    return RestoreResult("partial" if partial else "hit", fp.bundle_key, manifest.id, root, env_file, layer_names,
-                         len(entries), sum(e.size for e in entries), time.perf_counter() - started, reason,
-                         signer)  # fmt: skip
+    return RestoreResult("partial" if partial else "hit", fp.bundle_key, manifest.id, root, root / envfile.NAME,
+                         layer_names, len(entries), sum(e.size for e in entries), time.perf_counter() - started,
+                         reason, signer, user=user)  # fmt: skip
 
 
 def _donors(store: Store, fp: Fingerprint, policy: choice.Policy) -> list[layerkeys.Donor]:
@@ -247,11 +307,10 @@ def _from_layers(store: Store, fp: Fingerprint, root: Path, jobs: int, budget: _
     user = layers.run_as_user(run_as, pch)
     _lay_out(store, root, tuple(entries), layers.for_manifest(names, user), jobs, budget)
     origin = ", ".join(f"{d.layer} from {d.manifest.id[:12]}" for d in donors)
-    env_file = _write_env(root, fp, names, f"partial, {origin}", user)
-    return RestoreResult("partial", fp.bundle_key, None, root, env_file, tuple(names), len(entries),
+    return RestoreResult("partial", fp.bundle_key, None, root, root / envfile.NAME, tuple(names), len(entries),
                          sum(e.size for e in entries), time.perf_counter() - started,
-                         f"layers whose own keys match, from other bundles: {origin}",
-                         donors=tuple((d.layer, d.manifest.id) for d in donors))  # fmt: skip
+                         one_line(f"layers whose own keys match, from other bundles: {origin}"),
+                         donors=tuple((d.layer, d.manifest.id) for d in donors), user=user)  # fmt: skip
 
 
 def _check_layers(manifest: manifests.Manifest) -> None:
@@ -279,45 +338,23 @@ def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jo
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _prepare_root(root: Path) -> None:
-    if root.exists() and not root.is_dir():
-        raise RootError(str(root), "exists and is not a directory; pass an empty or kcache-managed directory")
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise RootError(str(root), f"cannot be created: {exc.strerror}") from None
-    for stale in root.glob(STAGING_PREFIX + "*"):
-        pid = stale.name.removeprefix(STAGING_PREFIX).split("-", 1)[0]
-        if not (pid.isdigit() and _alive(int(pid))):
-            shutil.rmtree(stale, ignore_errors=True)  # left by a restore that was killed
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path, jobs: int, budget: _Budget) -> None:
     """Every blob into its staged path (verified), then the paths that share a blob as copies."""
     files = staging / "files"
+    shared = rootdir.group_shared(staging.parent)
     # Directories once up front: per-file mkdir calls cost more than the writes on small caches.
+    made: set[Path] = set()
     for directory in sorted({(files / e.path).parent for e in entries}):
-        directory.mkdir(parents=True, exist_ok=True)
+        rootdir.make_dirs(staging, directory, shared, made)
     umask = _umask()
 
     def lay(entry: manifests.Entry, write) -> None:
         path = files / entry.path  # manifest.parse already refused absolute paths and '..'
-        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, entry.mode), "wb") as out:
+        mode = rootdir.file_mode(entry.mode, shared)
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as out:
             write(out)
-        if entry.mode & umask:  # the umask took bits the manifest asks for
-            os.chmod(path, entry.mode)
+        if mode & umask:  # the umask took bits the manifest asks for
+            os.chmod(path, mode)
         if entry.mtime_ns:  # builders (ninja) judge "up to date" by mtime; set after the last write
             os.utime(path, ns=(entry.mtime_ns, entry.mtime_ns))
 
@@ -355,7 +392,7 @@ def _swap(root: Path, staging: Path, sources: list[layers.Source]) -> None:
         if not staged.is_dir():
             continue
         target = _inside(root, source.restore_dir(root))
-        target.parent.mkdir(parents=True, exist_ok=True)
+        rootdir.make_dirs(root, target.parent, rootdir.group_shared(root))
         if target.exists() or target.is_symlink():
             os.rename(target, retired / str(i))
         os.rename(staged, target)
@@ -368,42 +405,46 @@ def _inside(root: Path, path: Path) -> Path:
     return path
 
 
-def _write_env(root: Path, fp: Fingerprint, layer_names, comment: str, run_as: str | None = None) -> Path:
-    """Create every layer directory and write kcache.env."""
+def _finish(root: Path, result: RestoreResult, fp: Fingerprint) -> None:
+    """kcache.env, then the marker: once the marker is there, the env file matches it."""
+    _write_env(root, result.layers, _env_comment(result), result.user)
+    _write_state(result, fp)
+
+
+def _env_comment(result: RestoreResult) -> str:
+    """Fixed text, the bundle id, the reason; envfile makes the whole of it one inert line."""
+    what = f"{result.status}, bundle {result.bundle_id}" if result.bundle_id else result.status
+    return f"kcache restore: {what}{', ' + result.reason if result.reason else ''}"
+
+
+def _write_env(root: Path, layer_names, comment: str, run_as: str | None = None) -> Path:
+    """Create every layer directory and write kcache.env.
+
+    No TORCH_COMPILE_CACHE_KEY_TAG: torch puts the tag into its FX graph keys, so a bundle
+    published from a run without kcache.env (the plain live directories) would miss every graph
+    when restored with one. The bundle key already holds every fact the tag carried (toolchain
+    key), restore only lays out a bundle whose key matches, and a tag the user sets is a keyed
+    fact (env.*), so the same tag is in effect on both sides.
+    """
     exports = layers.all_exports(root, layer_names)
-    # Torch's own keys then carry the toolchain: a cache that reaches another machine by other
-    # means misses instead of running kernels built for another ISA.
-    exports["TORCH_COMPILE_CACHE_KEY_TAG"] = key_tag(fp)
+    shared = rootdir.group_shared(root)
     for source in layers.builtin(run_as):
         place = _inside(root, source.restore_dir(root))
         if place.is_symlink() and not place.exists():
             place.unlink()  # a dangling link would make every run fail: replace it with a directory
-        place.mkdir(parents=True, exist_ok=True)
-    return envfile.write(root, exports, f"kcache restore: {comment}")
+        rootdir.make_dirs(root, place, shared)
+    return envfile.write(root, exports, comment)
 
 
-def _write_state(result: RestoreResult, fp: Fingerprint) -> None:
+def _write_state(result: RestoreResult, fp: Fingerprint | None) -> None:
     """The restore marker: restore has finished, with what outcome (readiness and /metrics read it),
     and the workload it computed ("inputs": what `publish --from ROOT` publishes under)."""
     write_marker(result.root, RESTORE_MARKER, {
         "status": result.status, "bundle_key": result.bundle_key, "bundle_id": result.bundle_id,
         "files": result.files, "bytes": result.bytes, "seconds": round(result.seconds, 4),
         "reason": result.reason, "layers": list(result.layers), "donors": dict(result.donors),
-        "inputs": {k: v for k, v in fp.facts.items() if is_workload_fact(k)},
+        "inputs": {k: v for k, v in fp.facts.items() if is_workload_fact(k)} if fp else {},
     })  # fmt: skip
-
-
-def key_tag(fp: Fingerprint) -> str:
-    return f"kcache-{fp.toolchain_key}"
-
-
-def _finish_quietly(root: Path, fp: Fingerprint, failed: RestoreResult, run_as: str | None) -> None:
-    try:
-        if root.is_dir():
-            _write_env(root, fp, [], f"error, {failed.reason}", layers.run_as_user(run_as, {}))
-            _write_state(failed, fp)
-    except (OSError, KcacheError) as exc:
-        log.warning("cannot write kcache.env in %s: %s", root, exc)
 
 
 def read_state(root: Path) -> dict | None:
@@ -411,8 +452,20 @@ def read_state(root: Path) -> dict | None:
     return read_marker(root, RESTORE_MARKER)
 
 
-def _record(index: Catalog, event: Event) -> None:
-    try:
-        index.record_event(event)
-    except KcacheError as exc:  # stats are worth less than the pod's start
-        log.warning("cannot record restore event: %s", exc)
+def _record(index: Catalog, event: Event, deadline: float | None) -> None:
+    """Record the outcome, but never hold the pod up for it: the marker and env are written, and
+    an index that hangs (the reason a restore timed out, say) gets a few seconds at most."""
+
+    def run() -> None:
+        try:
+            index.record_event(event)
+        except KcacheError as exc:  # stats are worth less than the pod's start
+            log.warning("cannot record restore event: %s", one_line(exc))
+
+    if deadline is None:
+        return run()
+    worker = threading.Thread(target=run, name="kcache-record", daemon=True)
+    worker.start()
+    worker.join(max(_RECORD_GRACE, min(_RECORD_LIMIT, deadline - time.monotonic())))
+    if worker.is_alive():
+        log.warning("gave up recording the restore event: the index did not answer")

@@ -118,14 +118,12 @@ def test_model_container_env_matches_what_kcache_env_exports(tmp_path, fp):
     env = {e["name"]: e.get("value") for e in model.get("env", [])}
     for name, value in sources.all_exports(Path(root)).items():
         assert env.get(name) == value, f"{model['name']} should set {name}={value}"
-    # What a real restore writes (a miss here) is the source of truth, the key tag aside.
+    # What a real restore writes (a miss here) is the source of truth.
     restore(LocalStore(tmp_path / "store"), RefCatalog(LocalStore(tmp_path / "store")), fp, tmp_path / "root")
     written = envfile.read(tmp_path / "root" / envfile.NAME)
-    assert written[KEY_TAG].startswith("kcache-")
     for name, value in written.items():
-        if name != KEY_TAG:
-            assert env.get(name) == value.replace(str(tmp_path / "root"), root), name
-    assert KEY_TAG not in env, "the key tag comes from kcache.env: a fixed value would go stale"
+        assert env.get(name) == value.replace(str(tmp_path / "root"), root), name
+    assert KEY_TAG not in written, "restore sets no key tag: a bundle published without one would miss"
     script = " ".join(model.get("command", []) + model.get("args", []))
     sourced, started = script.find(f". {root}/{envfile.NAME}"), script.find("exec vllm serve")
     assert 0 <= sourced < started, "the model must source kcache.env before the server starts"

@@ -51,10 +51,8 @@ def kcache_child(*args, env: dict | None = None, **popen) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "kcache", *[str(a) for a in args]],
         env={**os.environ, **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
         text=True,
-        **popen,
+        **{"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen},
     )
 
 
@@ -274,6 +272,65 @@ def test_sigkill_mid_restore_leaves_old_content_and_rerun_cleans_up(tmp_path, is
     rerun = cli("restore", "--into", root, "--model", MODEL, "--json")
     assert json.loads(rerun.output)["status"] == "hit"
     assert read_tree(root / "inductor") == read_tree(tmp_path / "v2/inductor")  # the new bundle, whole
+    assert not list(root.glob(STAGING_PREFIX + "*"))
+
+
+def parked_restore(tmp_path: Path, isolated_home: Path):
+    """Publish v1, then v2 whose new pack is a FIFO; start a restore of v2 that parks on it while
+    holding ROOT. Returns (child, root, FIFO path, v1 bundle id, v1 tree); the caller releases."""
+    v1 = {"inductor/a": b"old a" * 100, "inductor/keep": b"kept" * 100}
+    write_tree(tmp_path / "v1", v1)
+    first = json.loads(cli("publish", "--from", tmp_path / "v1", "--model", MODEL, "--json").output)
+    store = home_store(isolated_home)
+    old_packs = pack_keys(store)
+    write_tree(tmp_path / "v2", {**v1, "inductor/a": b"new a" * 100, "inductor/b": os.urandom(4000)})
+    cli("publish", "--from", tmp_path / "v2", "--model", MODEL)
+    (new_pack,) = pack_keys(store) - old_packs
+    fifo = store.root / new_pack
+    os.unlink(fifo)
+    os.mkfifo(fifo)
+    root = tmp_path / "dst"
+    child = kcache_child("restore", "--into", root, "--model", MODEL, "--json")
+
+    def keep_staged() -> bool:
+        return any((s / "files/inductor/keep").is_file() for s in root.glob(STAGING_PREFIX + "*"))
+
+    wait_until(keep_staged, child, "staged file")
+    return child, root, fifo, first["bundle_id"], read_tree(tmp_path / "v1/inductor")
+
+
+def release(fifo: Path) -> None:
+    """Let the parked restore's read of the FIFO go on (it fails: a FIFO cannot seek)."""
+    os.close(os.open(fifo, os.O_WRONLY))
+
+
+def test_concurrent_restores_into_one_root_take_turns(tmp_path, isolated_home):
+    first, root, fifo, v1_id, v1_tree = parked_restore(tmp_path, isolated_home)
+    try:
+        (staging,) = root.glob(STAGING_PREFIX + "*")
+        # A second restore with a short budget gives up on ROOT, fails open, and touches nothing.
+        code, _out, err, _s = finish(kcache_child("restore", "--into", root, "--model", MODEL, "--bundle", v1_id,
+                                                  "--timeout", "1"), 60)  # fmt: skip
+        assert code == 0 and "another restore into" in err, err
+        assert staging.is_dir() and read_state(root) is None
+        # One with time to spare waits for the first, then lays out its own bundle.
+        second = kcache_child("restore", "--into", root, "--model", MODEL, "--bundle", v1_id, "--json",
+                              stderr=open(tmp_path / "second.err", "w"))  # fmt: skip
+        wait_until(lambda: "waiting for it" in (tmp_path / "second.err").read_text(), second, "second waiting")
+        assert staging.is_dir()  # the waiting restore did not take the first one's staging away
+        release(fifo)
+        first_out, _ = first.communicate(timeout=60)
+        second_out, _ = second.communicate(timeout=60)
+    finally:
+        for child in (first, locals().get("second")):
+            if child is not None and child.poll() is None:
+                child.kill()
+                child.wait()
+    assert json.loads(first_out)["status"] == "error"
+    assert json.loads(second_out)["status"] == "hit"
+    state = read_state(root)  # the marker names the bundle that is laid out
+    assert state["status"] == "hit" and state["bundle_id"] == v1_id
+    assert read_tree(root / "inductor") == v1_tree
     assert not list(root.glob(STAGING_PREFIX + "*"))
 
 

@@ -87,4 +87,4 @@ def test_the_sidecar_runs_locked_down_with_a_pinned_image():
     assert image and tag and tag != "latest" and "/" not in tag
     assert {"cpu", "memory"} <= proxy["resources"]["requests"].keys() and "memory" in proxy["resources"]["limits"]
     dockerfile = (Path(__file__).resolve().parents[1] / "Dockerfile").read_text()
-    assert "ARG KCACHE_EXTRAS" in dockerfile, "the proxy image is built with the proxy extra"
+    assert "AS proxy" in dockerfile and '"aiohttp' in dockerfile, "the proxy image is built with the proxy extra"

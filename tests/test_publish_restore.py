@@ -123,7 +123,8 @@ def test_restore_writes_env_and_layout(tmp_path, store, sqlite_index, fp):
     assert env["VLLM_CACHE_ROOT"] == str(root / "vllm")
     assert env["TMPDIR"] == str(root / "tmp")
     assert env["KCACHE_EXTRA_TRT"] == str(root / "extra/trt")
-    assert env["TORCH_COMPILE_CACHE_KEY_TAG"].endswith(fp.toolchain_key)
+    # The bundle key carries the toolchain; a tag torch keys on would split publisher and restorer.
+    assert "TORCH_COMPILE_CACHE_KEY_TAG" not in env
     assert read_state(root)["status"] == "hit"
 
 
@@ -267,11 +268,47 @@ def test_timeout_gives_up_without_touching_root(tmp_path, store, sqlite_index, f
     assert read_tree(tmp_path / "dst/inductor") == {"old": (b"previous", 0o644)}
 
 
+class HangingEvents:
+    """A catalog that answers, but whose event recording hangs until released (a wedged index)."""
+
+    def __init__(self, inner, release: threading.Event):
+        self.inner, self.release, self.recording = inner, release, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def record_event(self, event) -> None:
+        self.recording.set()
+        self.release.wait()
+
+
+def test_recording_the_outcome_never_holds_the_pod_up(tmp_path, store, sqlite_index, fp):
+    _published(tmp_path, store, sqlite_index, fp)
+    release = threading.Event()
+    index = HangingEvents(sqlite_index, release)
+    try:
+        result = restore(store, index, fp, tmp_path / "dst", timeout=60)
+    finally:
+        release.set()
+    assert result.status == "hit" and index.recording.is_set()
+    assert read_state(tmp_path / "dst")["status"] == "hit"
+
+
 def test_stale_staging_from_a_killed_restore_is_cleaned(tmp_path, store, sqlite_index, fp):
     _published(tmp_path, store, sqlite_index, fp)
     stale = tmp_path / "dst" / f"{STAGING_PREFIX}999999999-abc"
     write_tree(stale, {"inductor/half": b"half"})
     restore(store, sqlite_index, fp, tmp_path / "dst")
+    assert not stale.exists()
+
+
+@pytest.mark.parametrize("pid", [1, os.getpid()], ids=["pid-1", "live-pid"])
+def test_staging_named_for_a_live_pid_is_cleaned(tmp_path, store, sqlite_index, fp, pid):
+    """In a container kcache is pid 1 and pids are reused: a live pid in the name proves nothing."""
+    _published(tmp_path, store, sqlite_index, fp)
+    stale = tmp_path / "dst" / f"{STAGING_PREFIX}{pid}-abc"
+    write_tree(stale, {"files/inductor/half": b"half"})
+    assert restore(store, sqlite_index, fp, tmp_path / "dst").status == "hit"
     assert not stale.exists()
 
 
@@ -295,6 +332,7 @@ def test_link_in_root_cannot_carry_a_layer_outside(tmp_path, store, sqlite_index
     with pytest.raises(UnsafePath, match="outside"):
         restore(store, sqlite_index, fp, tmp_path / "dst")
     assert list(outside.rglob("*")) == []
+    assert read_state(tmp_path / "dst")["status"] == "error"  # no env file here, but the pod can start
 
 
 def test_publish_from_root_keeps_extra_layers_a_restore_laid_down(tmp_path, store, sqlite_index, fp):

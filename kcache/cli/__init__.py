@@ -28,6 +28,7 @@ from kcache.cli.stats_cmd import stats_cmd
 from kcache.cli.warmup_cmd import prebake_cmd, warmup_cmd
 from kcache.cli.watch_cmd import watch_cmd
 from kcache.config import redact_text
+from kcache.untrusted import OneLineFormatter
 
 
 def _show_version(ctx: click.Context, _param, value: bool) -> None:
@@ -54,13 +55,14 @@ def main(verbose: int) -> None:
     level = logging.WARNING - 10 * verbose if verbose else logging.WARNING
     if os.environ.get("KCACHE_DEBUG") == "1":
         level = logging.DEBUG
-    handler = logging.StreamHandler()
+    handler = logging.StreamHandler()  # messages may quote text from the store or the network
     handler.setFormatter(RedactingFormatter("kcache: %(levelname)s: %(message)s"))
     logging.basicConfig(level=max(level, logging.DEBUG), handlers=[handler])
 
 
-class RedactingFormatter(logging.Formatter):
-    """Log lines quote URLs (store, index, endpoint); their passwords stay out of pod logs."""
+class RedactingFormatter(OneLineFormatter):
+    """Log lines quote URLs (store, index, endpoint): their passwords stay out of pod logs, and text
+    from the store stays on one line."""
 
     def format(self, record: logging.LogRecord) -> str:
         return redact_text(super().format(record))

@@ -61,6 +61,7 @@ TABLE: tuple[tuple[type[Exception], ExitCode, str], ...] = (
     (errors.IntegrityError, ExitCode.CORRUPT, "the stored data is corrupt; re-publish the bundle from a good cache"),
     (errors.SignatureError, ExitCode.SIGNATURE, "sign with `publish --signing-key`; trust the .pub with --trusted-key"),
     (errors.RootError, ExitCode.ROOT, "pass --into a directory kcache may create and own"),
+    (errors.RootBusy, ExitCode.TIMEOUT, "run one restore per root at a time; the one that holds it writes kcache.env"),
     (errors.RestoreTimeout, ExitCode.TIMEOUT, "raise --timeout, or check the store's bandwidth"),
     (NotRegularFile, ExitCode.USAGE, "give a regular file (not a FIFO, device or directory)"),
     (FileTooLarge, ExitCode.USAGE, "the file is larger than kcache reads for this purpose; check it is the right one"),

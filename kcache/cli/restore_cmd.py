@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from kcache import durations
 from kcache.catalog import open_for_restore
 from kcache.cli import format as fmt
 from kcache.cli.errors import ExitCode, describe
@@ -19,22 +20,30 @@ from kcache.cli.options import (
     settings,
     store_options,
 )
-from kcache.restore import restore
+from kcache.errors import ConfigError
+from kcache.restore import Opened, restore_opening
 from kcache.store import open_store
+from kcache.untrusted import one_line
+
+DEFAULT_TIMEOUT = 300.0
+# A budget beyond a day is a typo (or "forever", which an init container must never be).
+MAX_TIMEOUT = 86400.0
 
 
 @click.command("restore")
 @click.option("--into", "root", required=True, type=click.Path(path_type=Path),
               help="Restore root, e.g. an emptyDir shared with the model container.")  # fmt: skip
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
-              envvar="KCACHE_RESTORE_TIMEOUT", help="Seconds before giving up and starting cold.")  # fmt: skip
+@click.option("--timeout", "timeout_text", metavar="DURATION", default=str(int(DEFAULT_TIMEOUT)), show_default=True,
+              envvar="KCACHE_RESTORE_TIMEOUT",
+              help="Time budget for the whole restore: seconds (300) or a duration (90s, 5m); "
+                   "then start cold.")  # fmt: skip
 @click.option("--bundle", "bundle_id", metavar="ID",
               help="Pin this bundle (full id) instead of the newest; it must still match the fingerprint.")  # fmt: skip
 @click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
               envvar="KCACHE_TRUSTED_KEYS", help="A .pub from `kcache keygen`; repeatable (env: ':'-separated).",
               )  # fmt: skip
-@click.option("--require-signature", is_flag=True, envvar="KCACHE_REQUIRE_SIGNATURE",
-              help="Refuse bundles not signed by a trusted key.")  # fmt: skip
+@click.option("--require-signature", is_flag=True,  # the environment is read by restore: a typo must not crash-loop
+              help="Refuse bundles not signed by a trusted key.  [env var: KCACHE_REQUIRE_SIGNATURE=1]")  # fmt: skip
 @click.option("--fallback", type=click.Choice(["toolchain", "layers"]),
               help="On a miss, restore the kernel layers (inductor, triton, cuda) of the newest bundle built "
                    "on this toolchain for another workload; 'layers': each reusable layer from the newest "
@@ -48,13 +57,14 @@ from kcache.store import open_store
 @fingerprint_options
 @store_options(index_none=True)
 @json_option
-def restore_cmd(root, timeout, bundle_id, trusted_keys, require_signature, fallback, run_as, strict, jobs,
+def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, fallback, run_as, strict, jobs,
                 model, model_config, facts, extras, store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
     """Lay the bundle that matches this machine into ROOT and write ROOT/kcache.env.
 
     On a miss, ROOT still gets empty layer directories and kcache.env, so the cold pod's compile
-    lands where `kcache publish --from ROOT` will find it. Any failure prints one line and exits 0
-    (the pod starts cold) unless --strict. Never imports torch.
+    lands where `kcache publish --from ROOT` will find it. Any failure (a typo in a flag included)
+    prints one line, writes kcache.env and an error marker for `kcache ready`, and exits 0 (the pod
+    starts cold) unless --strict. Never imports torch.
 
     With --index none (or no index named and no local one), the bundle is found through the
     store's refs/, so the pod needs only read access to the bucket.
@@ -65,23 +75,37 @@ def restore_cmd(root, timeout, bundle_id, trusted_keys, require_signature, fallb
       kcache restore --into /cache --strict --timeout 60 --json
     """
     started = time.perf_counter()
-    try:
-        fp = compute_fingerprint(model, model_config, facts, extras)
+    timeout, bad_timeout = _parse_timeout(timeout_text)
+    required, bad_flag = _env_flag("KCACHE_REQUIRE_SIGNATURE")
+    ctx = click.get_current_context()
+    opened: list[Opened] = []
+
+    def open_inputs() -> Opened:
+        # Runs in restore's worker thread, inside the budget: a typo here is an error marker and a
+        # cold start like any other failure, not a usage error that crash-loops the init container.
+        for bad in (bad_timeout, bad_flag):
+            if bad is not None:
+                raise bad
+        with ctx.scope(cleanup=False):  # the fingerprint options live on click's context
+            fp = compute_fingerprint(model, model_config, facts, extras)
         trusted = load_trusted_keys(trusted_keys)
         cfg = settings(store_url, index_url, s3_endpoint_url)
         store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
-        index = open_for_restore(cfg, store)
-        try:
-            result = restore(store, index, fp, root, jobs=jobs, timeout=timeout, bundle_id=bundle_id,
-                             trusted=trusted, require_signature=require_signature, fallback=fallback,
-                             run_as=run_as)  # fmt: skip
-        finally:
-            index.close()
+        opened.append(Opened(store, open_for_restore(cfg, store), fp, trusted))
+        return opened[-1]
+
+    try:
+        result = restore_opening(open_inputs, root, jobs=jobs, timeout=timeout, bundle_id=bundle_id,
+                                 require_signature=require_signature or required, fallback=fallback,
+                                 run_as=run_as)  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - an init container must never crash-loop on a kcache bug
         if os.environ.get("KCACHE_DEBUG") == "1":
             raise
         _report_error(exc, strict, as_json, time.perf_counter() - started)
         return
+    finally:
+        for inputs in opened:
+            _close_quietly(inputs.index)
     payload = {
         "status": result.status, "bundle_key": result.bundle_key, "bundle_id": result.bundle_id,
         "files": result.files, "bytes": result.bytes, "seconds": round(result.seconds, 4),
@@ -100,14 +124,47 @@ def restore_cmd(root, timeout, bundle_id, trusted_keys, require_signature, fallb
                    f"{fmt.size(result.bytes)}) into {result.root} in {fmt.seconds(result.seconds)}; "
                    f"source {result.env_file}")  # fmt: skip
     else:
-        click.echo(f"kcache: miss: {result.reason} (key {result.bundle_key}); starting cold. "
+        click.echo(f"kcache: miss: {one_line(result.reason)} (key {result.bundle_key}); starting cold. "
                    f"Source {result.env_file}, then `kcache publish --from {result.root}` after warmup.")  # fmt: skip
     if strict and result.status == "miss":
-        raise click.exceptions.Exit(ExitCode.FACTS_DISAGREE if fp.mismatches else ExitCode.MISS)
+        raise click.exceptions.Exit(ExitCode.FACTS_DISAGREE if opened and opened[0].fingerprint.mismatches
+                                    else ExitCode.MISS)  # fmt: skip
+
+
+def _parse_timeout(text: str) -> tuple[float, ConfigError | None]:
+    """(seconds, None), or (the default, the error) for a value that is no usable budget."""
+    try:
+        seconds = durations.parse(text, "--timeout", bare_seconds=True, positive=True).total_seconds()
+    except ConfigError as exc:
+        return DEFAULT_TIMEOUT, exc
+    except OverflowError:
+        seconds = float("inf")
+    if seconds > MAX_TIMEOUT:
+        return DEFAULT_TIMEOUT, ConfigError("--timeout", text, f"is longer than a day ({MAX_TIMEOUT:g} s)")
+    return seconds, None
+
+
+def _env_flag(name: str) -> tuple[bool, ConfigError | None]:
+    """(value, None), or (True, the error) for a value that is no boolean: a garbled request for
+    signatures starts cold (restores nothing unverified) instead of failing as a usage error."""
+    text = os.environ.get(name, "").strip().lower()
+    if text in ("", "0", "false", "no", "off"):
+        return False, None
+    if text in ("1", "true", "yes", "on"):
+        return True, None
+    return True, ConfigError(name, text, "expected 1/true/yes/on or 0/false/no/off")
+
+
+def _close_quietly(index) -> None:
+    try:
+        index.close()
+    except Exception as exc:  # noqa: BLE001 - the restore's outcome is already decided
+        click.echo(f"kcache: warning: closing the index failed: {one_line(exc)}", err=True)
 
 
 def _report_error(exc: Exception, strict: bool, as_json: bool, seconds: float) -> None:
     message, hint, code = describe(exc)
+    message = one_line(message)  # may quote text from the store or the network
     if as_json:
         click.echo(fmt.to_json({"status": "error", "bundle_id": None, "files": 0, "bytes": 0,
                                 "seconds": round(seconds, 4), "reason": message, "error": message, "hint": hint,

@@ -2,6 +2,10 @@
 
 SQLite (the embedded default) upgrades itself on first use; any other database must be upgraded
 on purpose with `kcache db upgrade`, so a fleet of pods never races to migrate production.
+
+PostgreSQL connections get a connect timeout and a statement timeout, so an index that accepts
+TCP but never answers (a wedged proxy) fails instead of holding a command forever. A URL that
+sets `connect_timeout` or `options` itself keeps its own values.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import logging
 from importlib import resources
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event, inspect, text
+from sqlalchemy import Engine, create_engine, event, inspect, make_url, text
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError, SQLAlchemyError
 
 from kcache.errors import ConfigError, IndexDbError
@@ -19,6 +23,8 @@ log = logging.getLogger(__name__)
 
 # The newest migration in migrations/versions; tests/index/test_migrations.py keeps the two in step.
 HEAD = "0100_index_scale"
+PG_CONNECT_TIMEOUT = 10  # seconds, for connecting and logging in
+PG_STATEMENT_TIMEOUT_MS = 120_000  # no single kcache statement should run longer, GC's included
 
 
 def make_engine(url: str) -> Engine:
@@ -29,13 +35,26 @@ def make_engine(url: str) -> Engine:
             engine = create_engine(url, connect_args={"timeout": 30})
             event.listen(engine, "connect", _sqlite_pragmas)
             return engine
-        return create_engine(url, pool_pre_ping=True)
+        return create_engine(url, pool_pre_ping=True, connect_args=_pg_connect_args(url))
     except (ArgumentError, NoSuchModuleError) as exc:
         raise ConfigError("index URL", url, f"not a usable SQLAlchemy URL ({exc})") from None
     except ModuleNotFoundError as exc:
         raise ConfigError("index URL", url, f"driver {exc.name!r} is not installed") from None
     except OSError as exc:
         raise IndexDbError(url, f"cannot create its directory: {exc.strerror}") from None
+
+
+def _pg_connect_args(url: str) -> dict:
+    """libpq timeouts for psycopg (3 or 2); other drivers get their defaults."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "postgresql" or parsed.get_driver_name() not in ("psycopg", "psycopg2"):
+        return {}
+    args: dict = {}
+    if "connect_timeout" not in parsed.query:
+        args["connect_timeout"] = PG_CONNECT_TIMEOUT
+    if "options" not in parsed.query:
+        args["options"] = f"-c statement_timeout={PG_STATEMENT_TIMEOUT_MS}"
+    return args
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
@@ -74,9 +93,14 @@ def ensure_schema(engine: Engine, url: str) -> None:
         if revision == HEAD:
             return
         if engine.dialect.name == "sqlite":
+            from alembic.util import CommandError
+
             log.info("upgrading index %s from %s to %s", url, revision, HEAD)
             try:
                 upgrade(engine)
+            except CommandError:  # a revision this kcache has no migration for: a newer kcache's
+                raise IndexDbError(url, f"schema is at {revision}, which this kcache (schema {HEAD}) does not "
+                                        "know: use a newer kcache") from None  # fmt: skip
             except SQLAlchemyError:
                 # Another process may have migrated the same file a moment earlier.
                 if current_revision(engine) != HEAD:

@@ -73,7 +73,9 @@ def test_errors_fail_open_with_one_line_and_strict_fails(tmp_path):
     open_ = run(*args)
     assert "restore failed, starting cold" in open_.stderr and "gopher" in open_.stderr
     assert "Traceback" not in open_.output
-    assert (tmp_path / "r").exists() is False  # the failure came before any write
+    # Even a failure before any store access leaves a pod that starts: env file and error marker.
+    assert (tmp_path / "r/kcache.env").is_file()
+    assert json.loads((tmp_path / "r/.kcache-state.json").read_text())["status"] == "error"
     strict = run(*args, "--strict", ok=False)
     assert strict.exit_code == 2 and "failing (--strict)" in strict.stderr
 

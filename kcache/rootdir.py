@@ -1,0 +1,126 @@
+"""The restore root as restore owns it: one restore at a time, leftovers, and sharing with a group.
+
+    ROOT/.kcache-lock               flock'ed for the whole of a restore
+    ROOT/.kcache-staging-<pid>-*    a restore's staging; any found under the lock is a leftover
+
+Ownership of ROOT is the lock, not a pid in a directory name: in a container kcache is often
+pid 1, and pids are reused, so "is the owner alive" says nothing. flock belongs to the open
+file, so a restore that is killed releases it with its process.
+
+A setgid ROOT (what Kubernetes' fsGroup gives a volume) is shared with its group: the model
+container, running as another user of that group, must compile into the restored layers, so
+directories restore creates there are group-writable and files group-readable.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import stat
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from kcache.errors import RootBusy, RootError
+
+log = logging.getLogger(__name__)
+
+STAGING_PREFIX = ".kcache-staging-"
+LOCK_NAME = ".kcache-lock"
+SHARED_DIR_MODE = 0o2775  # rwxrwsr-x: the group writes, new entries keep ROOT's group
+_LOCK_POLL = 0.05  # seconds between tries while another restore holds ROOT
+
+
+def prepare(root: Path) -> None:
+    """Create ROOT; RootError when it cannot be a restore root (then nothing can be written there)."""
+    if root.exists() and not root.is_dir():
+        raise RootError(str(root), "exists and is not a directory; pass an empty or kcache-managed directory")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RootError(str(root), f"cannot be created: {exc.strerror}") from None
+
+
+def remove_staging(root: Path) -> None:
+    """Under ROOT's lock every staging directory is a leftover of a restore that was killed."""
+    for stale in root.glob(STAGING_PREFIX + "*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def group_shared(root: Path) -> bool:
+    """A setgid ROOT (what Kubernetes' fsGroup gives a volume) is shared with the group: the model
+    container, running as another user of that group, must compile into the restored layers."""
+    try:
+        return bool(root.stat().st_mode & stat.S_ISGID)
+    except OSError:
+        return False
+
+
+def make_dirs(top: Path, path: Path, shared: bool, made: set[Path] | None = None) -> None:
+    """mkdir -p `path` below `top`; with `shared`, every directory on the way is group-writable.
+    `made` remembers what earlier calls created, so a tree's directories cost one mkdir each."""
+    chain = []
+    while path != top and path.is_relative_to(top) and (made is None or path not in made):
+        chain.append(path)
+        path = path.parent
+    for directory in reversed(chain):
+        directory.mkdir(exist_ok=True)
+        if shared:
+            try:
+                os.chmod(directory, SHARED_DIR_MODE)
+            except PermissionError:  # another user's directory: theirs to share
+                pass
+        if made is not None:
+            made.add(directory)
+
+
+def file_mode(mode: int, shared: bool) -> int:
+    """With a shared ROOT the group may read (and run) what the owner may: copy u+r, u+x to g."""
+    return mode | ((mode & 0o500) >> 3) if shared else mode
+
+
+@contextmanager
+def locked(root: Path, timeout: float | None, deadline: float | None) -> Iterator[None]:
+    """Hold ROOT/.kcache-lock; wait for another restore until the deadline, then RootBusy.
+
+    flock belongs to the open file: a restore that is killed releases it with its process.
+    """
+    fd = _open_lock(root / LOCK_NAME)
+    try:
+        waiting = False
+        while not _try_lock(fd):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise RootBusy(str(root), timeout or 0.0)
+            if not waiting:
+                log.warning("another restore into %s is running; waiting for it", root)
+                waiting = True
+            time.sleep(_LOCK_POLL)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _open_lock(path: Path) -> int:
+    flags = os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o644)
+    except PermissionError:  # left by a restore as another user: flock needs no write access
+        try:
+            return os.open(path, os.O_RDONLY | flags)
+        except OSError as exc:
+            raise RootError(str(path.parent), f"cannot open {LOCK_NAME}: {exc.strerror}") from None
+    except OSError as exc:
+        raise RootError(str(path.parent), f"cannot create {LOCK_NAME}: {exc.strerror}") from None
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as exc:  # a filesystem without flock (some FUSE and NFS mounts): go on unserialized
+        log.warning("cannot lock the restore root (%s); concurrent restores into it are not serialized", exc)
+    return True

@@ -1,0 +1,211 @@
+"""Fail-open for real: every restore that returns leaves kcache.env and an error marker behind.
+
+Whatever goes wrong before the layout (the index, a flag, the store URL, a hostile ref, the
+time budget itself), the init container must exit 0 with a pod that starts cold, and `kcache
+ready` must see that restore finished. Only an unusable --into gets neither.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from hanging_server import SilentServer
+
+from kcache import envfile, sources
+from kcache.cli import main
+from kcache.readiness import check
+from kcache.restore import read_state
+from kcache.store import ref_key
+from kcache.store.local import LocalStore
+
+MODEL = "fail-open-model"
+
+
+@pytest.fixture(scope="module")
+def facts_file(tmp_path_factory) -> Path:
+    """This machine's own facts, as the model container would hand them to the init container."""
+    path = tmp_path_factory.mktemp("facts") / "facts.json"
+    done = subprocess.run([sys.executable, "-m", "kcache", "fingerprint", "--json", "--model", MODEL],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    path.write_text(done.stdout)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def bundle_key(facts_file: Path) -> str:
+    out = CliRunner().invoke(main, ["fingerprint", "--json", "--facts-file", str(facts_file), "--model", MODEL])
+    return json.loads(out.output)["bundle_key"]
+
+
+@pytest.fixture
+def empty_pg_database(pg_database):
+    """A PostgreSQL database nobody ran `kcache db upgrade` on, on the test run's server."""
+    import sqlalchemy
+
+    name = f"kcache_empty_{uuid.uuid4().hex[:8]}"
+    admin = sqlalchemy.create_engine(pg_database, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    yield pg_database.rsplit("/", 1)[0] + "/" + name
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    admin.dispose()
+
+
+def newer_sqlite_index(tmp_path: Path) -> str:
+    """A SQLite index that a newer kcache migrated past anything this one knows."""
+    path = tmp_path / "newer.db"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)")
+        db.execute("INSERT INTO alembic_version VALUES ('9999')")
+    return f"sqlite:///{path}"
+
+
+def nested_ref_store(tmp_path: Path, key: str) -> str:
+    """A store whose ref for our key is JSON nested deep enough to exhaust Python's recursion."""
+    store = LocalStore(tmp_path / "store")
+    store.put_bytes(ref_key(key), b"[" * 100_000 + b"]" * 100_000)
+    return store.url
+
+
+# Each case: (extra arguments, extra environment); callables get (tmp_path, facts_file, request).
+CASES = {
+    "index-down": lambda t, f, r: (["--index", f"postgresql+psycopg://root@127.0.0.1:{free_port()}/none"], {}),
+    "index-not-upgraded": lambda t, f, r: (["--index", r.getfixturevalue("empty_pg_database")], {}),
+    "index-newer-than-kcache": lambda t, f, r: (["--index", newer_sqlite_index(t)], {}),
+    "facts-file-typo": lambda t, f, r: (["--facts-file", str(t / "no-such-facts.json")], {}),
+    "trusted-key-typo": lambda t, f, r: (["--trusted-key", str(t / "no-such.pub")], {}),
+    "unknown-store-scheme": lambda t, f, r: (["--store", "gs://bucket/cache"], {}),
+    "deeply-nested-ref": lambda t, f, r: (["--store", nested_ref_store(t, bundle_key(f)), "--index", "none"], {}),
+    "timeout-nan": lambda t, f, r: (["--timeout", "nan"], {}),
+    "timeout-inf": lambda t, f, r: (["--timeout", "inf"], {}),
+    "timeout-zero": lambda t, f, r: (["--timeout", "0"], {}),
+    "timeout-huge": lambda t, f, r: (["--timeout", "9" * 400], {}),
+    "env-timeout-garbage": lambda t, f, r: ([], {"KCACHE_RESTORE_TIMEOUT": "abc"}),
+    "env-require-signature-garbage": lambda t, f, r: ([], {"KCACHE_REQUIRE_SIGNATURE": "abc"}),
+}
+
+
+def run_restore(root: Path, facts_file: Path, args: list[str], env: dict, *extra: str):
+    base = ["restore", "--into", str(root), "--model", MODEL, "--facts-file", str(facts_file)]
+    return CliRunner().invoke(main, [*base, *args, *extra], env=env, catch_exceptions=False)
+
+
+def assert_cold_but_ready_to_start(root: Path) -> dict:
+    state = read_state(root)
+    assert state is not None and state["status"] == "error" and state["reason"], state
+    exports = envfile.read(root / envfile.NAME)
+    assert exports == sources.all_exports(root)
+    for source in sources.BUILTIN:
+        assert source.restore_dir(root).is_dir()
+    assert check(root).reason != "restore has not finished"
+    return state
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_early_failure_writes_marker_and_env_and_exits_0(tmp_path, facts_file, request, case):
+    args, env = CASES[case](tmp_path, facts_file, request)
+    result = run_restore(tmp_path / "root", facts_file, args, env)
+    assert result.exit_code == 0, result.output + result.stderr
+    assert "Traceback" not in result.output + result.stderr
+    assert [line for line in result.stderr.splitlines() if "restore failed, starting cold" in line], result.stderr
+    assert_cold_but_ready_to_start(tmp_path / "root")
+
+    os.unlink(tmp_path / "root" / ".kcache-state.json")
+    strict = run_restore(tmp_path / "root", facts_file, args, env, "--strict")
+    assert strict.exit_code not in (0, 70), strict.stderr  # a named failure, not "a bug in kcache"
+    assert_cold_but_ready_to_start(tmp_path / "root")
+
+
+@pytest.mark.parametrize("value", ["300", "5m", "90s", "1m30s", "2.5"])
+def test_restore_timeout_accepts_seconds_and_durations(tmp_path, facts_file, value):
+    result = run_restore(tmp_path / "root", facts_file, [], {"KCACHE_RESTORE_TIMEOUT": value}, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["status"] == "miss"
+    assert read_state(tmp_path / "root")["status"] == "miss"
+
+
+def test_unusable_into_is_the_one_failure_without_a_marker(tmp_path, facts_file):
+    (tmp_path / "file").write_text("not a directory")
+    result = run_restore(tmp_path / "file", facts_file, [], {})
+    assert result.exit_code == 0 and "restore failed, starting cold" in result.stderr
+
+
+# ---- a PostgreSQL index that accepts and never answers --------------------------------------
+
+
+def test_silent_postgresql_index_fails_open_within_the_budget(tmp_path, facts_file):
+    """A real init container process: the budget covers opening the index, so it ends cold."""
+    root = tmp_path / "root"
+    with SilentServer() as server:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "kcache", "restore", "--into", str(root), "--model", MODEL, "--facts-file",
+             str(facts_file), "--timeout", "3", "--index", f"postgresql+psycopg://root@127.0.0.1:{server.port}/x"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            _out, err = child.communicate(timeout=60)  # generous: a hang would last forever
+        except subprocess.TimeoutExpired:
+            child.kill()
+            pytest.fail("restore hung on an index that never answers")
+        assert server.accepted.is_set()  # it really went to the silent server
+    assert child.returncode == 0, err
+    state = assert_cold_but_ready_to_start(root)
+    assert "did not finish within 3 s" in state["reason"]
+
+
+def test_silent_postgresql_index_fails_on_its_own_connect_timeout():
+    """Outside restore's budget too (gc, publish, ls): connecting gives up instead of hanging."""
+    import threading
+
+    from kcache.errors import IndexDbError
+    from kcache.index import Index
+
+    outcome: list = []
+    with SilentServer() as server:
+        url = f"postgresql+psycopg://root@127.0.0.1:{server.port}/x"
+
+        def attempt() -> None:
+            try:
+                Index.open(url)
+            except IndexDbError as exc:
+                outcome.append(exc)
+
+        worker = threading.Thread(target=attempt, daemon=True)
+        worker.start()
+        worker.join(90)  # generous: the default connect timeout is far shorter, a hang is forever
+        assert not worker.is_alive(), "connecting to a silent PostgreSQL never gave up"
+    assert outcome and "cannot connect" in str(outcome[0])
+
+
+@pytest.mark.parametrize("value", ["1", "true", "ON"])
+def test_require_signature_from_the_environment_still_applies(tmp_path, facts_file, value):
+    result = run_restore(tmp_path / "root", facts_file, [], {"KCACHE_REQUIRE_SIGNATURE": value}, "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["status"] == "error"
+    assert "--require-signature" in assert_cold_but_ready_to_start(tmp_path / "root")["reason"]
+
+
+def test_postgresql_sessions_carry_a_statement_timeout_unless_the_url_sets_one(pg_database):
+    from kcache.index.db import make_engine
+
+    for url, expected in ((pg_database, "2min"), (f"{pg_database}?options=-c%20statement_timeout%3D5000", "5s")):
+        engine = make_engine(url)
+        try:
+            with engine.connect() as conn:
+                assert conn.exec_driver_sql("SHOW statement_timeout").scalar() == expected
+        finally:
+            engine.dispose()
