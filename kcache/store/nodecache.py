@@ -146,7 +146,7 @@ class NodeCacheStore:
         try:
             held = self._open_cached(pack_id, key)
         except OSError as exc:
-            raise RootError(str(self.directory), f"cannot use the node cache: {exc.strerror or exc}") from None
+            raise self._root_error(exc) from None
         if held is None:
             raise RootError(str(self.directory), f"pack {pack_id[:12]} is larger than the cap or stayed locked")
         with held:
@@ -154,12 +154,23 @@ class NodeCacheStore:
         return Warmed(pack_id, pack_id in self._fetched, size)
 
     def usage(self) -> Usage:
-        files = self._cached_files()
+        try:
+            files = self._cached_files()
+        except OSError as exc:
+            raise self._root_error(exc) from None
         return Usage(len(files), sum(f.size for f in files), self.max_bytes)
 
     def trim(self) -> None:
         """Evict down to the cap and remove what killed fills left behind."""
-        self._make_room(0)
+        if not self.directory.is_dir():
+            return
+        try:
+            self._make_room(0)
+        except OSError as exc:
+            raise self._root_error(exc) from None
+
+    def _root_error(self, exc: OSError) -> RootError:
+        return RootError(str(self.directory), f"cannot use the node cache: {exc.strerror or exc}")
 
     # ---- reading and filling ---------------------------------------------------------------------
 
