@@ -24,6 +24,7 @@ from trees import read_tree, write_tree
 
 from kcache import filelock, publish
 from kcache.cli import main
+from kcache.cli.errors import ExitCode
 from kcache.store import open_store
 
 KiB = 1024
@@ -215,3 +216,21 @@ def wait_for(condition, timeout: float) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out waiting"
         done.wait(0.02)
+
+
+def test_a_prefetch_loop_outlives_a_failing_round_and_once_reports_it(tmp_path):
+    unreachable = ["--index", "postgresql+psycopg://root@127.0.0.1:1/kcache"]  # nothing listens on port 1
+    base = ["prefetch", "--node-cache", tmp_path / "node", "--model", MODEL, "--store", tmp_path / "store", "--json"]
+    once = cli(*base, *unreachable, "--once", ok=False)
+    assert once.exit_code == ExitCode.INDEX and json.loads(once.stdout)["status"] == "error"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    args = [sys.executable, "-m", "kcache", *map(str, base), *unreachable, "--every", "1s"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        for _ in range(2):  # two rounds, both failed, and still running
+            assert json.loads(read_line(proc, 120))["status"] == "error"
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()

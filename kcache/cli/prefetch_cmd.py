@@ -21,7 +21,7 @@ from kcache.cli.options import (
 )
 from kcache.cli.serve_cmd import stop_on_signals
 from kcache.cli.watch_cmd import Duration
-from kcache.errors import ConfigError
+from kcache.errors import ConfigError, KcacheError
 from kcache.prefetch import Prefetched, Target, bundle_key_target, prefetch
 from kcache.store import open_store
 from kcache.store.nodecache import MAX_BYTES_ENV, NodeCacheStore
@@ -99,19 +99,35 @@ def prefetch_cmd(node_cache, bundle_keys, max_bytes, once, every, jobs, trusted_
     stop = None if once else stop_on_signals()
     while True:
         started = time.perf_counter()
-        index = open_for_restore(cfg, store)  # per round: a long-lived DaemonSet must survive an index restart
         try:
-            results = prefetch(store, index, cache, targets, policy, jobs=jobs, stop=stop)
-        finally:
-            index.close()
-        _report(results, cache, time.perf_counter() - started, as_json)
-        if once:
+            results = _round(cfg, store, cache, targets, policy, jobs, stop)
+        except KcacheError as exc:
+            if once:
+                raise
+            _report_failed_round(exc, as_json)  # a DaemonSet keeps going: the index may be back next round
+        else:
+            _report(results, cache, time.perf_counter() - started, as_json)
             failed = next((r.error for r in results if r.error is not None), None)
-            if failed is not None:
+            if once and failed is not None:
                 raise click.exceptions.Exit(describe(failed)[2])
+        if once or stop.wait(every):
             return
-        if stop.wait(every):
-            return
+
+
+def _round(cfg, store, cache, targets, policy, jobs, stop) -> tuple[Prefetched, ...]:
+    index = open_for_restore(cfg, store)  # per round: a long-lived DaemonSet must outlive an index restart
+    try:
+        return prefetch(store, index, cache, targets, policy, jobs=jobs, stop=stop)
+    finally:
+        index.close()
+
+
+def _report_failed_round(exc: KcacheError, as_json: bool) -> None:
+    message, hint, _code = describe(exc)
+    if as_json:
+        click.echo(fmt.to_json({"status": "error", "error": message, "hint": hint, "targets": []}))
+    click.echo(f"kcache: prefetch round failed, trying again later: {message}", err=True)
+    click.echo(f"  hint: {hint}", err=True)
 
 
 def _targets(models, model_config, facts, extras, bundle_keys) -> tuple[Target, ...]:
