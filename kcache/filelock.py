@@ -46,7 +46,8 @@ def acquire(path: Path, mode: int, deadline: float | None) -> FileLock | None:
     has passed. A deadline in the past means one try; None waits as long as it takes.
     OSError from the file system propagates."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # O_NOFOLLOW: whoever can write the directory must not make us create a file elsewhere.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
             if not _flock(fd, mode, deadline):
                 os.close(fd)

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from kcache import atomic, filelock, sizes
-from kcache.errors import IntegrityError, KcacheError, RootError
+from kcache.errors import IntegrityError, KcacheError, RootError, StoreError
 from kcache.store.base import ObjectInfo
 from kcache.streams import GuardedReader, Resumable, Window
 
@@ -97,6 +97,8 @@ class NodeCacheStore:
         if pack_id is not None:
             try:
                 held = self._open_cached(pack_id, key)
+            except StoreError:
+                pass  # the store's own failure: the read below meets it again and reports it
             except (OSError, KcacheError) as exc:
                 self._warn_once(pack_id, exc)
         if held is None:
@@ -108,7 +110,10 @@ class NodeCacheStore:
         self.inner.delete(key)
         pack_id = _pack_id(key)
         if pack_id is not None:
-            self._remove(pack_id, wait=True)
+            try:
+                self._remove(pack_id, wait=True)
+            except OSError as exc:
+                self._warn_once(pack_id, exc)
 
     def put_file(self, key: str, path: Path) -> bool:
         return self.inner.put_file(key, path)
