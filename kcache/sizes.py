@@ -21,7 +21,8 @@ def parse(text: str, what: str) -> int:
     match = _SIZE.fullmatch(compact)
     if not match or (match.group(2) == "" and not compact.isdigit()):
         raise ConfigError(what, str(text), "expected a size such as 1073741824, 512Mi or 50Gi")
-    value = int(float(match.group(1)) * _UNITS[match.group(2)])
+    number, unit = match.group(1), _UNITS[match.group(2)]
+    value = int(number) * unit if number.isdigit() else int(float(number) * unit)  # no float for whole numbers
     if value <= 0:
         raise ConfigError(what, str(text), "the size must be larger than zero")
     return value

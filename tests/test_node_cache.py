@@ -113,6 +113,8 @@ def test_eight_concurrent_restores_read_each_pack_from_the_store_once(tmp_path, 
         assert proc.returncode == 0, err.decode()
         assert json.loads(out)["status"] == "hit"
     assert gets.by_pack == Counter({pack: 1 for pack in packs}), "each pack once from the store, for all eight"
+    for pack in packs:  # and the node now holds every pack, verified, for the next pod
+        assert hashlib.sha256((node / "packs" / pack[:2] / pack).read_bytes()).hexdigest() == pack
     for i in range(RESTORES):
         assert_restored(tmp_path / f"root{i}", files)
 

@@ -8,8 +8,10 @@ import threading
 
 import pytest
 from faulty import CountingStore, corrupting
+from hypothesis import given
+from hypothesis import strategies as st
 
-from kcache import filelock
+from kcache import filelock, sizes
 from kcache.errors import ConfigError, IntegrityError, StoreError
 from kcache.store import pack_key
 from kcache.store.local import LocalStore
@@ -184,3 +186,10 @@ def test_the_cap_comes_from_the_environment(text, expected):
 def test_a_bad_cap_is_a_config_error(text):
     with pytest.raises(ConfigError):
         max_bytes_from_env({"KCACHE_NODE_CACHE_MAX_BYTES": text})
+
+
+@given(st.integers(min_value=1, max_value=2**70), st.sampled_from([("", 1), ("Ki", 1024), ("Mi", 1024**2),
+                                                                   ("GiB", 1024**3), ("T", 1024**4)]))  # fmt: skip
+def test_sizes_read_every_unit_as_binary(n, unit):
+    suffix, factor = unit
+    assert sizes.parse(f"{n}{suffix}", "--max-bytes") == n * factor
