@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -14,10 +15,19 @@ PREPULL = EXAMPLES / "image-prepull-daemonset.yaml"
 SNIPPET = re.compile(r"^# --- restore-node-cache-snippet\n(.*?)^# --- end$", re.MULTILINE | re.DOTALL)
 
 
+def docs(path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
 def daemonset(path):
-    (doc,) = [d for d in yaml.safe_load_all(path.read_text()) if d]
-    assert (doc["apiVersion"], doc["kind"]) == ("apps/v1", "DaemonSet")
+    (doc,) = [d for d in docs(path) if d["kind"] == "DaemonSet"]
+    assert doc["apiVersion"] == "apps/v1"
     return doc
+
+
+def facts() -> dict:
+    (configmap,) = [d for d in docs(EXAMPLES / "deployment.yaml") if d["metadata"]["name"] == "llm-kcache-facts"]
+    return json.loads(configmap["data"]["facts.json"])["facts"]
 
 
 def all_containers(spec):
@@ -60,14 +70,26 @@ def node_cache_volume(spec, container, path: str) -> dict:
 
 
 @pytest.mark.parametrize("path", [PREFETCH, PREPULL], ids=lambda p: p.name)
-def test_daemonsets_run_on_gpu_nodes_and_select_their_own_pods(path):
+def test_daemonsets_run_on_the_gpu_nodes_the_facts_describe(path):
     doc = daemonset(path)
     spec = doc["spec"]["template"]["spec"]
     assert doc["spec"]["selector"]["matchLabels"].items() <= doc["spec"]["template"]["metadata"]["labels"].items()
-    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    labels = spec["nodeSelector"]
+    assert labels["nvidia.com/gpu.product"] == facts()["gpu.name"].replace(" ", "-")
+    dspec, _, _, _ = deployment()
+    assert dspec.get("nodeSelector", {}).get("nvidia.com/gpu.product", labels["nvidia.com/gpu.product"]) == labels[
+        "nvidia.com/gpu.product"]  # fmt: skip
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
     for container in all_containers(spec):
         assert "nvidia.com/gpu" not in str(container.get("resources")), "a DaemonSet must not take the model's GPU"
+
+
+def test_prefetch_runs_only_where_the_facts_file_matches_the_node():
+    spec, _, _ = prefetch_container()
+    labels, dspec = spec["nodeSelector"], deployment()[0]
+    driver = ".".join(labels[f"nvidia.com/cuda.driver.{part}"] for part in ("major", "minor", "rev"))
+    assert driver == facts()["gpu.driver"], "elsewhere every round would be a miss"
+    assert dspec.get("nodeSelector", {}).items() <= labels.items(), "at least where the Deployment's pods may land"
 
 
 @pytest.mark.parametrize("path", [PREFETCH, PREPULL], ids=lambda p: p.name)
@@ -81,7 +103,7 @@ def test_daemonsets_are_locked_down(path):
         assert context["allowPrivilegeEscalation"] is False and context["readOnlyRootFilesystem"] is True
         assert context["capabilities"]["drop"] == ["ALL"], container["name"]
         resources = container["resources"]
-        assert resources["requests"]["cpu"] and resources["requests"]["memory"] and resources["limits"]["memory"]
+        assert {"cpu", "memory"} <= set(resources["requests"]) and {"cpu", "memory"} <= set(resources["limits"])
         image = container["image"]
         assert re.fullmatch(r"[\w./-]+(:[\w.-]+|@sha256:[0-9a-f]{64})", image) and not image.endswith(":latest")
         if context.get("runAsUser") == 0:  # the one root step: chown the hostPath, with CAP_CHOWN only
@@ -110,16 +132,32 @@ def test_prefetch_fingerprints_as_the_deployment_restores():
         return sorted((flag, value) for flag in FINGERPRINT_FLAGS for value in option(call, flag))
 
     assert fingerprint_args(args) == fingerprint_args(restore_args)
-    restore_env, prefetch_env = env_of(init), env_of(container)
-    for name in ("KCACHE_STORE", "KCACHE_INDEX", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        assert prefetch_env[name] == restore_env[name], name
-    (facts,) = option(args, "--facts-file")
-    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-    (mounted,) = [name for path, name in mounts.items() if facts.startswith(path.rstrip("/") + "/")]
+    (path,) = option(args, "--facts-file")
     volumes = {v["name"]: v for v in daemonset(PREFETCH)["spec"]["template"]["spec"]["volumes"]}
     dvolumes = {v["name"]: v for v in dspec["volumes"]}
-    (restore_facts,) = [m["name"] for m in init["volumeMounts"] if facts.startswith(m["mountPath"].rstrip("/") + "/")]
-    assert volumes[mounted]["configMap"] == dvolumes[restore_facts]["configMap"], "the same facts ConfigMap"
+    assert volumes[mounted(container, path)]["configMap"] == dvolumes[mounted(init, path)]["configMap"]
+
+
+def mounted(container, path: str) -> str:
+    """The volume the container reads `path` from."""
+    (name,) = [m["name"] for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
+    return name
+
+
+def test_prefetch_only_reads_the_store_restore_reads():
+    spec, container, _ = prefetch_container()
+    _, init, _, _ = deployment()
+    env, restore_env = env_of(container), env_of(init)
+    assert env["KCACHE_STORE"] == restore_env["KCACHE_STORE"]
+    assert env["KCACHE_INDEX"] == "none", "bundles through refs/: no index credentials on every node"
+    assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} & set(env), "a role, not static keys"
+    assert env["AWS_ROLE_ARN"].endswith("role/kcache-reader") and env["AWS_ROLE_ARN"] == restore_env.get(
+        "AWS_ROLE_ARN", env["AWS_ROLE_ARN"])  # fmt: skip
+    token = {v["name"]: v for v in spec["volumes"]}[mounted(container, env["AWS_WEB_IDENTITY_TOKEN_FILE"])]
+    assert token["projected"]["sources"][0]["serviceAccountToken"]["audience"] == "sts.amazonaws.com"
+    (account,) = [d for d in docs(PREFETCH) if d["kind"] == "ServiceAccount"]
+    assert spec["serviceAccountName"] == account["metadata"]["name"] and spec["automountServiceAccountToken"] is False
+    assert account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"] == env["AWS_ROLE_ARN"]
 
 
 def test_the_restore_snippet_uses_the_same_node_cache_and_cap():
