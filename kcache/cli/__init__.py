@@ -17,6 +17,7 @@ from kcache.cli.fingerprint_cmd import fingerprint_cmd
 from kcache.cli.keygen_cmd import keygen_cmd
 from kcache.cli.operate_cmd import gc_cmd, verify_cmd, yank_cmd
 from kcache.cli.options import KcacheGroup
+from kcache.cli.prefetch_cmd import prefetch_cmd
 from kcache.cli.proxy_cmd import proxy_cmd
 from kcache.cli.publish_cmd import publish_cmd
 from kcache.cli.ready_cmd import ready_cmd
@@ -80,6 +81,6 @@ def _show_envvars(command: click.Command) -> None:
 
 for command in (fingerprint_cmd, publish_cmd, restore_cmd, ls_cmd, show_cmd, reindex_cmd, keygen_cmd, db_group,
                 ready_cmd, serve_cmd, watch_cmd, warmup_cmd, prebake_cmd, explain_cmd, stats_cmd,
-                yank_cmd, verify_cmd, gc_cmd, config_cmd, refresh_cmd, proxy_cmd):  # fmt: skip
+                yank_cmd, verify_cmd, gc_cmd, config_cmd, refresh_cmd, proxy_cmd, prefetch_cmd):  # fmt: skip
     main.add_command(command)
 _show_envvars(main)

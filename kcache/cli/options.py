@@ -19,11 +19,15 @@ from kcache.cli.errors import ExitCode, describe
 from kcache.errors import ConfigError
 
 
-def fingerprint_options(fn):
-    """--model, --model-config, --fact, --extra: what describes the workload and overrides facts."""
+def fingerprint_options(fn=None, *, many_models: bool = False):
+    """--model, --model-config, --fact, --extra: what describes the workload and overrides facts.
+    `many_models`: --model may repeat (prefetch), each one a workload of its own."""
+    if fn is None:
+        return functools.partial(fingerprint_options, many_models=many_models)
+    more = " Repeatable." if many_models else ""
     options = (
-        click.option("--model", metavar="ID", envvar="KCACHE_MODEL",
-                   help="Model identity, e.g. meta-llama/Llama-3.1-8B@rev."),
+        click.option("--model", metavar="ID", envvar="KCACHE_MODEL", multiple=many_models,
+                   help=f"Model identity, e.g. meta-llama/Llama-3.1-8B@rev.{more}"),
         click.option("--model-config", type=click.Path(dir_okay=False, path_type=Path),
                      help="The model's config.json; its content becomes part of the workload key."),
         click.option("--facts-file", type=click.Path(dir_okay=False, path_type=Path), expose_value=False,

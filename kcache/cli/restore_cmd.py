@@ -20,9 +20,11 @@ from kcache.cli.options import (
     settings,
     store_options,
 )
+from kcache.cli.prefetch_cmd import node_cache_option
 from kcache.errors import ConfigError
 from kcache.restore import Opened, restore_opening
 from kcache.store import open_store
+from kcache.store.nodecache import NodeCacheStore
 from kcache.untrusted import one_line
 
 DEFAULT_TIMEOUT = 300.0
@@ -54,10 +56,12 @@ MAX_TIMEOUT = 86400.0
 @click.option("--strict", is_flag=True, help="Exit non-zero on a miss (10; 15 when the facts file contradicts this "
               "machine) or an error instead of starting cold.")
 @click.option("--jobs", type=click.IntRange(1, 256), default=16, show_default=True, help="Parallel pack reads.")
+@node_cache_option
 @fingerprint_options
 @store_options(index_none=True)
 @json_option
 def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, fallback, run_as, strict, jobs,
+                node_cache,
                 model, model_config, facts, extras, store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
     """Lay the bundle that matches this machine into ROOT and write ROOT/kcache.env.
 
@@ -91,6 +95,8 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
         trusted = load_trusted_keys(trusted_keys)
         cfg = settings(store_url, index_url, s3_endpoint_url)
         store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
+        if node_cache is not None:  # waiting on another pod's download may take half the budget, no more
+            store = NodeCacheStore(store, node_cache, wait=timeout / 2)
         opened.append(Opened(store, open_for_restore(cfg, store), fp, trusted))
         return opened[-1]
 

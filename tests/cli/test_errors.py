@@ -68,6 +68,7 @@ ARGS = {
     ("gc",): ["--dry-run"],
     ("keygen",): ["k", "--dir", "{tmp}"],
     ("ls",): [],
+    ("prefetch",): ["--node-cache", "{tmp}/node", "--model", "m", "--once"],
     ("prebake",): ["--root", "{tmp}/r", "--url", "http://127.0.0.1:1"],
     ("publish",): ["--from", "{tmp}"],
     ("ready",): ["--root", "{tmp}"],

@@ -1,0 +1,167 @@
+"""`kcache prefetch`: keep the packs of named models in a node cache (a DaemonSet, one per GPU node)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from kcache import choice, sizes
+from kcache.catalog import open_for_restore
+from kcache.cli import format as fmt
+from kcache.cli.errors import describe
+from kcache.cli.options import (
+    compute_fingerprint,
+    fingerprint_options,
+    json_option,
+    load_trusted_keys,
+    settings,
+    store_options,
+)
+from kcache.cli.serve_cmd import stop_on_signals
+from kcache.cli.watch_cmd import Duration
+from kcache.errors import ConfigError, KcacheError
+from kcache.prefetch import Prefetched, Target, bundle_key_target, prefetch
+from kcache.store import open_store
+from kcache.store.nodecache import MAX_BYTES_ENV, NodeCacheStore
+
+
+def node_cache_option(fn=None, *, required: bool = False):
+    """--node-cache DIR (KCACHE_NODE_CACHE): the node-local pack cache restore reads and prefetch fills."""
+    if fn is None:
+        return lambda f: node_cache_option(f, required=required)
+    return click.option(
+        "--node-cache", type=click.Path(file_okay=False, path_type=Path), envvar="KCACHE_NODE_CACHE",
+        required=required, metavar="DIR",
+        help="Node-local pack cache (a hostPath shared by the pods of a node): packs are read from it "
+             "first, verified, and fetched into it on a miss (see `kcache prefetch`).",
+    )(fn)  # fmt: skip
+
+
+class Size(click.ParamType):
+    """`1073741824`, `512Mi`, `50Gi` -> bytes (kcache.sizes' rules)."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        try:
+            return sizes.parse(value, param.opts[0] if param else "size")
+        except ConfigError as exc:
+            self.fail(f"{value!r}: {exc.why}", param, ctx)
+
+
+@click.command("prefetch")
+@node_cache_option(required=True)
+@click.option("--bundle-key", "bundle_keys", multiple=True, metavar="KEY",
+              help="Prefetch the newest bundle of this key (`kcache fingerprint` prints it); repeatable.")  # fmt: skip
+@click.option("--max-bytes", type=Size(), envvar=MAX_BYTES_ENV, metavar="SIZE",
+              help="Cap on the node cache (e.g. 50Gi); least recently used packs go first. Default 32Gi.")  # fmt: skip
+@click.option("--once", is_flag=True, help="One round, then exit (non-zero if a target failed).")
+@click.option("--every", type=Duration(), default="10m", show_default=True, metavar="DURATION",
+              help="Without --once: time between rounds, to follow new bundles.")  # fmt: skip
+@click.option("--jobs", type=click.IntRange(1, 64), default=4, show_default=True, help="Packs fetched at once.")
+@click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+              envvar="KCACHE_TRUSTED_KEYS", help="A .pub from `kcache keygen`; repeatable (env: ':'-separated).",
+              )  # fmt: skip
+@click.option("--require-signature", is_flag=True, envvar="KCACHE_REQUIRE_SIGNATURE",
+              help="Prefetch only bundles signed by a trusted key (as restore takes them).")  # fmt: skip
+@fingerprint_options(many_models=True)
+@store_options(index_none=True)
+@json_option
+def prefetch_cmd(node_cache, bundle_keys, max_bytes, once, every, jobs, trusted_keys, require_signature,
+                 model, model_config, facts, extras, store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
+    """Keep the packs of the newest bundle of each --model (or --bundle-key) in the node cache DIR.
+
+    Run it as a DaemonSet on the GPU nodes with a hostPath DIR, and give `kcache restore` the same
+    --node-cache: a pod starting on the node then reads its packs from local disk, and 8 pods
+    starting at once fetch each pack from the store once between them. The fingerprint flags are
+    restore's (--model repeats; --model-config needs a single --model), so prefetch picks the
+    bundle restore will pick. Every round re-reads which bundle is newest, fetches only the packs
+    the node lacks, verifies each against its SHA-256 id, and evicts least recently used packs
+    over --max-bytes.
+
+    \b
+    Examples:
+      kcache prefetch --node-cache /var/cache/kcache --model meta-llama/Llama-3.1-8B-Instruct \\
+        --extra tp=1 --facts-file /etc/kcache-facts/facts.json --max-bytes 50Gi --every 10m
+      kcache prefetch --node-cache /tmp/kc --bundle-key 3f0c... --once --json
+    """
+    targets = _targets(model, model_config, facts, extras, bundle_keys)
+    policy = choice.Policy(load_trusted_keys(trusted_keys), require_signature)
+    if policy.required and not policy.trusted:
+        raise ConfigError("--require-signature", "on", "needs at least one --trusted-key (or KCACHE_TRUSTED_KEYS)")
+    cfg = settings(store_url, index_url, s3_endpoint_url)
+    store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
+    cache = NodeCacheStore(store, node_cache, max_bytes=max_bytes)
+    stop = None if once else stop_on_signals()
+    while True:
+        started = time.perf_counter()
+        try:
+            results = _round(cfg, store, cache, targets, policy, jobs, stop)
+        except KcacheError as exc:
+            if once:
+                raise
+            _report_failed_round(exc, as_json)  # a DaemonSet keeps going: the index may be back next round
+        else:
+            _report(results, cache, time.perf_counter() - started, as_json)
+            failed = next((r.error for r in results if r.error is not None), None)
+            if once and failed is not None:
+                raise click.exceptions.Exit(describe(failed)[2])
+        if once or stop.wait(every):
+            return
+
+
+def _round(cfg, store, cache, targets, policy, jobs, stop) -> tuple[Prefetched, ...]:
+    index = open_for_restore(cfg, store)  # per round: a long-lived DaemonSet must outlive an index restart
+    try:
+        return prefetch(store, index, cache, targets, policy, jobs=jobs, stop=stop)
+    finally:
+        index.close()
+
+
+def _report_failed_round(exc: KcacheError, as_json: bool) -> None:
+    message, hint, _code = describe(exc)
+    if as_json:
+        click.echo(fmt.to_json({"status": "error", "error": message, "hint": hint, "targets": []}))
+    click.echo(f"kcache: prefetch round failed, trying again later: {message}", err=True)
+    click.echo(f"  hint: {hint}", err=True)
+
+
+def _targets(models, model_config, facts, extras, bundle_keys) -> tuple[Target, ...]:
+    if model_config is not None and len(models) > 1:
+        raise ConfigError("--model-config", str(model_config), "describes one model; give a single --model with it")
+    if not models and not bundle_keys and model_config is None:
+        raise ConfigError("--model", "", "name at least one --model or --bundle-key to prefetch")
+    names = list(models) or ([None] if model_config is not None else [])
+    targets = [Target(name or str(model_config), compute_fingerprint(name, model_config, facts, extras))
+               for name in names]  # fmt: skip
+    return tuple(targets) + tuple(bundle_key_target(key) for key in bundle_keys)
+
+
+def _report(results: tuple[Prefetched, ...], cache: NodeCacheStore, seconds: float, as_json: bool) -> None:
+    usage = cache.usage()
+    if as_json:
+        click.echo(fmt.to_json({
+            "status": "error" if any(r.status == "error" for r in results) else "ok",
+            "seconds": round(seconds, 4),
+            "targets": [{"target": r.target, "bundle_key": r.bundle_key, "status": r.status,
+                         "bundle_id": r.bundle_id, "packs": r.packs, "fetched": r.fetched, "bytes": r.bytes,
+                         "fetched_bytes": r.fetched_bytes, "reason": r.reason} for r in results],
+            "node_cache": {"dir": str(cache.directory), "packs": usage.packs, "bytes": usage.bytes,
+                           "max_bytes": usage.max_bytes},
+        }))  # fmt: skip
+        return
+    for r in results:
+        if r.status in ("cached", "stopped"):
+            click.echo(f"kcache: {r.target}: bundle {r.bundle_id[:12]}, {r.packs} packs ({fmt.size(r.bytes)}) "
+                       f"cached, {r.fetched} fetched ({fmt.size(r.fetched_bytes)})"
+                       + ("; stopped early" if r.status == "stopped" else ""))  # fmt: skip
+        elif r.status == "miss":
+            click.echo(f"kcache: {r.target}: nothing to prefetch: {r.reason}")
+        else:
+            click.echo(f"kcache: {r.target}: prefetch failed: {r.reason}", err=True)
+    click.echo(f"kcache: node cache {cache.directory}: {usage.packs} packs, {fmt.size(usage.bytes)} of "
+               f"{fmt.size(usage.max_bytes)} in {fmt.seconds(seconds)}")  # fmt: skip

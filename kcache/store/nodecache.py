@@ -1,0 +1,394 @@
+"""A node cache in front of a store: packs read from a directory on the node before the network.
+
+`NodeCacheStore(inner, DIR)` is a Store: pack reads (`open_range` on packs/...) are served from DIR,
+which it fills with whole packs as they are first asked for; everything else goes to `inner`.
+`kcache restore --node-cache DIR` reads through it, and `kcache prefetch` (a DaemonSet, one per GPU
+node) keeps the packs of named models in DIR before any pod asks.
+
+    DIR/
+      .evict.lock                   held (exclusive) by whoever is making room
+      packs/<hh>/<pack-id>          a whole pack, copied from the store and verified
+      packs/<hh>/.lock-<pack-id>    flock: shared while a reader has the pack open, exclusive while
+                                    one process fills, replaces or evicts it
+      packs/<hh>/.tmp-<pack-id>-*   a fill in progress (kcache.atomic's temp sibling)
+
+Rules, because many pods on a node restore at once and DIR outlives every one of them:
+
+- A pack id is the SHA-256 of the whole pack. A fill hashes the bytes as they arrive and renames
+  them into place only if they match; a reader hashes a cached pack once per process before it
+  serves a byte of it. A file that does not match is corrupt: deleted and fetched again.
+- One fetch per pack per node: the first reader takes the pack's lock exclusively and downloads it;
+  the others wait on the lock (until `wait` seconds after the wrapper was made, then they read
+  the store directly) and read the cached file.
+- Size cap `max_bytes` (KCACHE_NODE_CACHE_MAX_BYTES): before a fill, the least recently used packs
+  go first. Use is the file's mtime, set on every read, because atime is off on most node disks
+  (noatime). A pack someone holds a lock on (a reader or a filler) is never evicted, so the cap
+  can be exceeded while every pack is in use.
+- The node cache can only cost time: when DIR cannot be used, reads go to `inner`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from kcache import atomic, filelock, sizes
+from kcache.errors import IntegrityError, KcacheError, RootError, StoreError
+from kcache.store.base import ObjectInfo
+from kcache.streams import GuardedReader, Resumable, Window
+
+log = logging.getLogger(__name__)
+
+MAX_BYTES_ENV = "KCACHE_NODE_CACHE_MAX_BYTES"
+DEFAULT_MAX_BYTES = 32 * 1024**3
+_PACK_KEY = re.compile(r"packs/([0-9a-f]{2})/([0-9a-f]{64})\Z")
+_TEMP = re.compile(r"\.tmp-([0-9a-f]{64})-")
+_CHUNK = 1024 * 1024
+
+
+def max_bytes_from_env(env=None) -> int:
+    """The cap: KCACHE_NODE_CACHE_MAX_BYTES (`50Gi`, or bytes), else 32 GiB."""
+    text = (os.environ if env is None else env).get(MAX_BYTES_ENV, "").strip()
+    return sizes.parse(text, MAX_BYTES_ENV) if text else DEFAULT_MAX_BYTES
+
+
+@dataclass(frozen=True)
+class Usage:
+    packs: int
+    bytes: int
+    max_bytes: int
+
+
+@dataclass(frozen=True)
+class Warmed:
+    pack: str
+    fetched: bool  # False: it was already cached (and verified)
+    bytes: int
+
+
+class NodeCacheStore:
+    """`inner` with pack reads served from (and filling) the node cache directory `directory`."""
+
+    def __init__(self, inner, directory: Path, *, max_bytes: int | None = None, wait: float | None = None):
+        self.inner, self.url = inner, inner.url
+        self.directory = Path(directory)
+        self.max_bytes = max_bytes_from_env() if max_bytes is None else max_bytes
+        self._deadline = None if wait is None else time.monotonic() + wait
+        self._verified: set[tuple[int, int, int]] = set()  # (dev, inode, size) hashed by this process
+        self._mutexes: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
+        self._guard = threading.Lock()
+        self._fetched: set[str] = set()  # packs this wrapper downloaded, so `warm` can tell a fetch from a hit
+        self._warned = False
+
+    # ---- the Store protocol: packs from the node cache, everything else from the store -----------
+
+    def open_range(self, key: str, offset: int, length: int) -> BinaryIO:
+        pack_id = _pack_id(key)
+        held = None
+        if pack_id is not None:
+            try:
+                held = self._open_cached(pack_id, key)
+            except StoreError:
+                pass  # the store's own failure: the read below meets it again and reports it
+            except (OSError, KcacheError) as exc:
+                self._warn_once(pack_id, exc)
+        if held is None:
+            return self.inner.open_range(key, offset, length)
+        held.seek(offset)
+        return Window(GuardedReader(held, str(self.directory), key), length)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+        pack_id = _pack_id(key)
+        if pack_id is not None:
+            try:
+                self._remove(pack_id, wait=True)
+            except OSError as exc:
+                self._warn_once(pack_id, exc)
+
+    def put_file(self, key: str, path: Path) -> bool:
+        return self.inner.put_file(key, path)
+
+    def put_bytes(self, key: str, data: bytes) -> bool:
+        return self.inner.put_bytes(key, data)
+
+    def get_bytes(self, key: str) -> bytes:
+        return self.inner.get_bytes(key)
+
+    def size(self, key: str) -> int:
+        return self.inner.size(key)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        return self.inner.get_versioned(key)
+
+    def put_if(self, key: str, data: bytes, version: str | None) -> bool:
+        return self.inner.put_if(key, data, version)
+
+    # ---- what prefetch uses ----------------------------------------------------------------------
+
+    def warm(self, pack_id: str) -> Warmed:
+        """Make sure the pack is cached and verified; its use time becomes now.
+        Raises StoreError/ObjectMissing/IntegrityError from the store, RootError for DIR."""
+        key = f"packs/{pack_id[:2]}/{pack_id}"
+        if _pack_id(key) is None:
+            raise IntegrityError("pack", pack_id, "is not a SHA-256 hex digest")
+        self._fetched.discard(pack_id)
+        try:
+            held = self._open_cached(pack_id, key)
+        except OSError as exc:
+            raise self._root_error(exc) from None
+        if held is None:
+            raise RootError(str(self.directory), f"pack {pack_id[:12]} is larger than the cap or stayed locked")
+        with held:
+            size = os.fstat(held.fileno()).st_size
+        return Warmed(pack_id, pack_id in self._fetched, size)
+
+    def usage(self) -> Usage:
+        try:
+            files = self._cached_files()
+        except OSError as exc:
+            raise self._root_error(exc) from None
+        return Usage(len(files), sum(f.size for f in files), self.max_bytes)
+
+    def trim(self) -> None:
+        """Evict down to the cap and remove what killed fills left behind."""
+        if not self.directory.is_dir():
+            return
+        try:
+            self._make_room(0)
+        except OSError as exc:
+            raise self._root_error(exc) from None
+
+    def _root_error(self, exc: OSError) -> RootError:
+        return RootError(str(self.directory), f"cannot use the node cache: {exc.strerror or exc}")
+
+    # ---- reading and filling ---------------------------------------------------------------------
+
+    def _path(self, pack_id: str) -> Path:
+        return self.directory / "packs" / pack_id[:2] / pack_id
+
+    def _lock_path(self, pack_id: str) -> Path:
+        return self.directory / "packs" / pack_id[:2] / f".lock-{pack_id}"
+
+    def _open_cached(self, pack_id: str, key: str) -> _Held | None:
+        """The cached pack, open and verified, holding its shared lock; None: read the store instead.
+
+        Threads of this process take the pack's mutex before any file lock: a thread must never
+        wait for the mutex while it holds a lock another thread of ours is waiting to upgrade past.
+        """
+        with self._guard:
+            mutex = self._mutexes[pack_id]
+        timeout = -1 if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+        if not mutex.acquire(timeout=timeout):
+            return None
+        try:
+            self._lock_path(pack_id).parent.mkdir(parents=True, exist_ok=True)
+            for _attempt in range(3):  # missing -> filled -> read; or bad -> replaced -> read
+                lock = filelock.acquire(self._lock_path(pack_id), filelock.SHARED, self._deadline)
+                if lock is None:
+                    return None
+                found = self._open_verified(pack_id, lock)
+                if isinstance(found, _Held):
+                    return found
+                lock.release()
+                if not self._fill(pack_id, key, bad=found):
+                    return None
+            return None
+        finally:
+            mutex.release()
+
+    def _open_verified(self, pack_id: str, lock: filelock.FileLock) -> _Held | os.stat_result | None:
+        """The pack held open under `lock` if it hashes to its id; else the stat of the bad file
+        (to be replaced) or None (no file)."""
+        path = self._path(pack_id)
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            return None
+        st = os.fstat(f.fileno())
+        identity = (st.st_dev, st.st_ino, st.st_size)
+        if identity not in self._verified:
+            if _sha256(f) != pack_id:
+                f.close()
+                log.warning("node cache: %s does not hash to its id; fetching it again", path)
+                return st
+            self._verified.add(identity)
+        _touch(path)
+        return _Held(f, lock)
+
+    def _fill(self, pack_id: str, key: str, bad: os.stat_result | None) -> bool:
+        """Fetch the pack into the cache under its exclusive lock. False: leave it to the store."""
+        lock = filelock.acquire(self._lock_path(pack_id), filelock.EXCLUSIVE, self._deadline)
+        if lock is None:
+            log.info("node cache: waited too long for pack %s; reading it from the store", pack_id[:12])
+            return False
+        with lock:
+            path = self._path(pack_id)
+            try:
+                now = os.stat(path)
+            except FileNotFoundError:
+                now = None
+            if now is not None and (bad is None or (now.st_ino, now.st_size) != (bad.st_ino, bad.st_size)):
+                return True  # another reader filled or replaced it while we waited
+            if now is not None:
+                path.unlink()
+            size = self.inner.size(key)
+            if size > self.max_bytes:
+                log.info("node cache: pack %s (%d bytes) is larger than the cap; not cached", pack_id[:12], size)
+                return False
+            self._make_room(size)
+            atomic.write(path, lambda dst: self._download(key, pack_id, size, dst))
+            st = os.stat(path)
+            self._verified.add((st.st_dev, st.st_ino, st.st_size))
+            self._fetched.add(pack_id)
+            return True
+
+    def _download(self, key: str, pack_id: str, size: int, dst: BinaryIO) -> None:
+        """The whole pack from the store into `dst`, hashed on the way: the rename waits for the match."""
+        digest = hashlib.sha256()
+
+        def open_at(offset: int, length: int):
+            return GuardedReader(self.inner.open_range(key, offset, length), self.inner.url, key)
+
+        got = 0
+        with Resumable(open_at(0, size), open_at, 0, size, name=key) as src:
+            while got < size and (chunk := src.read(min(_CHUNK, size - got))):
+                digest.update(chunk)
+                dst.write(chunk)
+                got += len(chunk)
+        if got != size or digest.hexdigest() != pack_id:
+            raise IntegrityError("pack", pack_id, f"from {self.inner.url} does not hash to its id")
+
+    # ---- the size cap ----------------------------------------------------------------------------
+
+    def _make_room(self, need: int) -> None:
+        """Evict least recently used packs until `need` more bytes fit under the cap."""
+        evicting = filelock.acquire(self.directory / ".evict.lock", filelock.EXCLUSIVE, self._deadline)
+        if evicting is None:
+            return  # someone else is evicting; our fill may overshoot the cap by one pack
+        with evicting:
+            files = self._cached_files(clean=True)
+            total = sum(f.size for f in files)
+            for f in sorted(files, key=lambda f: f.used):
+                if total + need <= self.max_bytes:
+                    break
+                if self._remove(f.pack, wait=False):
+                    log.info("node cache: evicted pack %s (%d bytes, least recently used)", f.pack[:12], f.size)
+                    total -= f.size
+
+    def _remove(self, pack_id: str, *, wait: bool) -> bool:
+        """Delete a cached pack and its lock file; False when someone holds its lock (in use)."""
+        lock_path = self._lock_path(pack_id)
+        if not lock_path.parent.is_dir():
+            return True
+        lock = filelock.acquire(lock_path, filelock.EXCLUSIVE, self._deadline if wait else 0.0)
+        if lock is None:
+            return False
+        with lock:
+            try:
+                st = os.stat(self._path(pack_id))
+                self._verified.discard((st.st_dev, st.st_ino, st.st_size))  # the inode may be reused
+            except FileNotFoundError:
+                pass
+            for path in (self._path(pack_id), lock_path):  # the lock file last, while we still hold it
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    pass
+        return True
+
+    def _cached_files(self, *, clean: bool = False) -> list[_Cached]:
+        """Every cached pack; with `clean`, temp files of fills no process is running are removed."""
+        found = []
+        for dirpath, _dirs, names in os.walk(self.directory / "packs"):
+            for name in names:
+                if clean and (temp := _TEMP.match(name)):
+                    self._remove_stale_temp(Path(dirpath) / name, temp.group(1))
+                if _pack_id(f"packs/{Path(dirpath).name}/{name}") is None:
+                    continue
+                try:
+                    st = os.stat(os.path.join(dirpath, name))
+                except FileNotFoundError:
+                    continue
+                found.append(_Cached(name, st.st_size, st.st_mtime_ns))
+        return found
+
+    def _remove_stale_temp(self, temp: Path, pack_id: str) -> None:
+        lock = filelock.acquire(self._lock_path(pack_id), filelock.EXCLUSIVE, 0.0)
+        if lock is None:
+            return  # a fill is writing it
+        with lock:
+            temp.unlink(missing_ok=True)
+
+    def _warn_once(self, pack_id: str, exc: BaseException) -> None:
+        level = logging.DEBUG if self._warned else logging.WARNING
+        self._warned = True
+        log.log(level, "node cache %s not used for pack %s (%s); reading the store", self.directory, pack_id[:12], exc)
+
+
+@dataclass(frozen=True)
+class _Cached:
+    pack: str
+    size: int
+    used: int  # mtime in ns: the last read
+
+
+class _Held:
+    """An open cached pack and its shared lock: closing it lets the pack be evicted or replaced."""
+
+    def __init__(self, f: BinaryIO, lock: filelock.FileLock):
+        self._f, self._lock = f, lock
+
+    def seek(self, offset: int) -> None:
+        self._f.seek(offset)
+
+    def read(self, n: int = -1) -> bytes:
+        return self._f.read(n)
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def close(self) -> None:
+        self._f.close()
+        self._lock.release()
+
+    def __enter__(self) -> _Held:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _pack_id(key: str) -> str | None:
+    match = _PACK_KEY.match(key)
+    return match.group(2) if match and match.group(2).startswith(match.group(1)) else None
+
+
+def _sha256(f: BinaryIO) -> str:
+    digest = hashlib.sha256()
+    while chunk := f.read(_CHUNK):
+        digest.update(chunk)
+    f.seek(0)
+    return digest.hexdigest()
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError as exc:  # another user's file: LRU order degrades, reads do not
+        log.debug("node cache: cannot mark %s as used: %s", path, exc)

@@ -1,0 +1,195 @@
+"""The node cache wrapper: packs from local disk first, verified, filled once, capped by LRU."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+
+import pytest
+from faulty import CountingStore, corrupting
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kcache import filelock, sizes
+from kcache.errors import ConfigError, IntegrityError, StoreError
+from kcache.store import pack_key
+from kcache.store.local import LocalStore
+from kcache.store.nodecache import NodeCacheStore, max_bytes_from_env
+
+KiB = 1024
+
+
+def put_pack(store, data: bytes) -> str:
+    pack_id = hashlib.sha256(data).hexdigest()
+    store.put_bytes(pack_key(pack_id), data)
+    return pack_id
+
+
+def read(store, pack_id: str, offset: int = 0, length: int | None = None) -> bytes:
+    key = pack_key(pack_id)
+    with store.open_range(key, offset, store.size(key) - offset if length is None else length) as stream:
+        return stream.read()
+
+
+@pytest.fixture
+def backing(tmp_path):
+    return CountingStore(LocalStore(tmp_path / "store"))
+
+
+def cached_path(directory, pack_id):
+    return directory / "packs" / pack_id[:2] / pack_id
+
+
+def test_a_pack_is_fetched_once_then_read_from_the_node(tmp_path, backing):
+    data = os.urandom(300 * KiB)
+    pack_id = put_pack(backing, data)
+    node = tmp_path / "node"
+    assert read(NodeCacheStore(backing, node), pack_id, 1000, 5000) == data[1000:6000]
+    assert backing.read["packs"] == len(data)  # the whole pack, once
+    assert cached_path(node, pack_id).read_bytes() == data
+    # another process (a fresh wrapper) reads it from the node: nothing more from the store
+    assert read(NodeCacheStore(backing, node), pack_id) == data
+    assert backing.read["packs"] == len(data)
+
+
+def test_a_corrupt_cached_pack_is_detected_refetched_and_replaced(tmp_path, backing):
+    data = os.urandom(200 * KiB)
+    pack_id = put_pack(backing, data)
+    node = tmp_path / "node"
+    read(NodeCacheStore(backing, node), pack_id)
+    damaged = bytearray(data)
+    damaged[123] ^= 0x01
+    cached_path(node, pack_id).write_bytes(bytes(damaged))
+    assert read(NodeCacheStore(backing, node), pack_id) == data
+    assert backing.read["packs"] == 2 * len(data)
+    assert cached_path(node, pack_id).read_bytes() == data
+
+
+def test_a_pack_that_does_not_hash_to_its_id_in_the_store_is_not_cached(tmp_path, backing):
+    data = os.urandom(100 * KiB)
+    pack_id = put_pack(backing, data)
+    node = tmp_path / "node"
+    # the store returns damaged bytes: the fill refuses them and the reader gets the store's bytes
+    got = read(NodeCacheStore(corrupting(backing), node), pack_id)
+    assert got != data and len(got) == len(data)
+    assert not cached_path(node, pack_id).exists()
+    with pytest.raises(IntegrityError):
+        NodeCacheStore(corrupting(backing), node).warm(pack_id)
+    assert not list((node / "packs").rglob(".tmp-*"))
+
+
+def test_a_reader_whose_wait_runs_out_reads_the_store(tmp_path, backing):
+    data = os.urandom(50 * KiB)
+    pack_id = put_pack(backing, data)
+    node = tmp_path / "node"
+    lock_path = node / "packs" / pack_id[:2] / f".lock-{pack_id}"
+    lock_path.parent.mkdir(parents=True)
+    with filelock.acquire(lock_path, filelock.EXCLUSIVE, None):  # another pod is filling it
+        assert read(NodeCacheStore(backing, node, wait=0.0), pack_id) == data
+    assert not cached_path(node, pack_id).exists()
+
+
+def test_waiters_read_what_the_first_reader_fetched(tmp_path, backing):
+    data = os.urandom(400 * KiB)
+    pack_id = put_pack(backing, data)
+    node = tmp_path / "node"
+    results, barrier = [], threading.Barrier(6)
+
+    def reader():
+        store = NodeCacheStore(backing, node)  # one per thread: each its own file locks, as processes
+        barrier.wait()
+        results.append(read(store, pack_id))
+
+    threads = [threading.Thread(target=reader) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [data] * 6
+    assert backing.read["packs"] == len(data)
+
+
+def test_least_recently_used_packs_are_evicted_over_the_cap(tmp_path, backing):
+    packs = [put_pack(backing, os.urandom(100 * KiB)) for _ in range(4)]
+    node = tmp_path / "node"
+    cache = NodeCacheStore(backing, node, max_bytes=250 * KiB)
+    for pack_id in packs[:2]:
+        cache.warm(pack_id)
+    os.utime(cached_path(node, packs[0]), ns=(1, 1))  # packs[0] was used long ago
+    os.utime(cached_path(node, packs[1]), ns=(2, 2))
+    read(NodeCacheStore(backing, node), packs[0])  # ...and now again: packs[1] is the oldest
+    cache.warm(packs[2])
+    assert sorted(p for p in packs if cached_path(node, p).exists()) == sorted([packs[0], packs[2]])
+    assert not (node / "packs" / packs[1][:2] / f".lock-{packs[1]}").exists()
+    assert cache.usage().bytes <= 250 * KiB
+
+
+def test_a_pack_being_read_is_never_evicted(tmp_path, backing):
+    packs = [put_pack(backing, os.urandom(100 * KiB)) for _ in range(2)]
+    node = tmp_path / "node"
+    reader = NodeCacheStore(backing, node, max_bytes=150 * KiB)
+    stream = reader.open_range(pack_key(packs[0]), 0, 10)
+    try:
+        NodeCacheStore(backing, node, max_bytes=150 * KiB).warm(packs[1])
+        assert cached_path(node, packs[0]).exists()  # held: the cap waits
+    finally:
+        stream.close()
+    NodeCacheStore(backing, node, max_bytes=150 * KiB).trim()
+    assert not cached_path(node, packs[0]).exists() and cached_path(node, packs[1]).exists()
+
+
+def test_a_pack_over_the_cap_is_read_from_the_store(tmp_path, backing):
+    data = os.urandom(100 * KiB)
+    pack_id = put_pack(backing, data)
+    node = tmp_path / "node"
+    assert read(NodeCacheStore(backing, node, max_bytes=10 * KiB), pack_id) == data
+    assert not cached_path(node, pack_id).exists()
+
+
+def test_temp_files_of_killed_fills_are_removed(tmp_path, backing):
+    pack_id = put_pack(backing, os.urandom(10 * KiB))
+    node = tmp_path / "node"
+    stale = node / "packs" / pack_id[:2] / f".tmp-{pack_id}-abc123"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"half a pack")
+    NodeCacheStore(backing, node).trim()
+    assert not stale.exists()
+
+
+def test_an_unusable_node_cache_only_costs_time(tmp_path, backing):
+    data = os.urandom(10 * KiB)
+    pack_id = put_pack(backing, data)
+    (tmp_path / "node").write_text("a file, not a directory")
+    assert read(NodeCacheStore(backing, tmp_path / "node"), pack_id) == data
+
+
+def test_keys_other_than_packs_pass_through(tmp_path, backing):
+    backing.put_bytes("manifests/ab/abc", b"m")
+    backing.put_bytes("packs/ab/not-a-sha256", b"p")
+    store = NodeCacheStore(backing, tmp_path / "node")
+    for key in ("manifests/ab/abc", "packs/ab/not-a-sha256"):
+        with store.open_range(key, 0, 1) as stream:
+            assert stream.read()
+    with pytest.raises(StoreError):  # the store's own refusal, never a path under the node cache
+        store.open_range("packs/../../etc/passwd", 0, 1)
+    assert not (tmp_path / "node").exists()
+
+
+@pytest.mark.parametrize("text, expected", [("", 32 * 1024**3), ("1048576", 1024**2), ("50Gi", 50 * 1024**3),
+                                            ("512MiB", 512 * 1024**2)])  # fmt: skip
+def test_the_cap_comes_from_the_environment(text, expected):
+    assert max_bytes_from_env({"KCACHE_NODE_CACHE_MAX_BYTES": text}) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "-5", "0", "12b", "1.5x"])
+def test_a_bad_cap_is_a_config_error(text):
+    with pytest.raises(ConfigError):
+        max_bytes_from_env({"KCACHE_NODE_CACHE_MAX_BYTES": text})
+
+
+@given(st.integers(min_value=1, max_value=2**70), st.sampled_from([("", 1), ("Ki", 1024), ("Mi", 1024**2),
+                                                                   ("GiB", 1024**3), ("T", 1024**4)]))  # fmt: skip
+def test_sizes_read_every_unit_as_binary(n, unit):
+    suffix, factor = unit
+    assert sizes.parse(f"{n}{suffix}", "--max-bytes") == n * factor

@@ -1,0 +1,238 @@
+"""The node cache tier end to end: real restore processes, a real S3 server, GETs counted on the wire.
+
+restore x8 ──► CuttingProxy (counts pack GETs, cuts nothing) ──► moto's S3 server
+    └─ --node-cache DIR (one node: one directory)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+import pytest
+from click.testing import CliRunner
+from cutting_proxy import CuttingProxy
+from trees import read_tree, write_tree
+
+from kcache import filelock, publish
+from kcache.cli import main
+from kcache.cli.errors import ExitCode
+from kcache.store import open_store
+
+KiB = 1024
+MODEL = "node-cache-model"
+RESTORES = 8
+
+
+class PackGets:
+    """Counts GETs per pack as the proxy sees them (its `cut_if`, which never asks for a cut)."""
+
+    def __init__(self):
+        self.by_pack: Counter[str] = Counter()
+        self.manifests = 0
+
+    def __call__(self, head: bytes) -> bool:
+        line = head.split(b"\r\n", 1)[0].decode()
+        if line.startswith("GET "):
+            path = line.split()[1].split("?")[0]
+            if "/packs/" in path:
+                self.by_pack[path.rsplit("/", 1)[-1]] += 1
+            elif "/manifests/" in path:
+                self.manifests += 1
+        return False
+
+
+def cli(*args, ok=True):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    if ok:
+        assert result.exit_code == 0, result.output + result.stderr
+    return result
+
+
+@pytest.fixture
+def bundle(tmp_path, s3_bucket, monkeypatch):
+    """A bundle of several small packs in S3 (packs of ~256 KiB instead of 32 MiB keep it quick)."""
+    url, endpoint = s3_bucket
+    monkeypatch.setattr(publish, "TARGET_PACK_BYTES", 256 * KiB)
+    files = {f"inductor/fx/{i:02d}": os.urandom(200 * KiB) for i in range(5)}
+    files["triton/k/kernel.cubin"] = os.urandom(150 * KiB)
+    write_tree(tmp_path / "src", files)
+    cli("publish", "--from", tmp_path / "src", "--model", MODEL, "--store", url, "--s3-endpoint-url", endpoint,
+        "--index", f"sqlite:///{tmp_path / 'pub.db'}")  # fmt: skip
+    packs = sorted(info.key.rsplit("/", 1)[-1] for info in open_store(url, endpoint_url=endpoint).list("packs/"))
+    assert len(packs) >= 4
+    return url, endpoint, packs, files
+
+
+def restore_args(url, proxy, root, node):
+    return ["restore", "--into", root, "--model", MODEL, "--store", url, "--s3-endpoint-url", proxy.url,
+            "--index", "none", "--node-cache", node, "--strict", "--json"]  # fmt: skip
+
+
+def prefetch_args(url, endpoint, node, *extra):
+    return ["prefetch", "--node-cache", node, "--model", MODEL, "--store", url, "--s3-endpoint-url", endpoint,
+            "--index", "none", "--json", *extra]  # fmt: skip
+
+
+def assert_restored(root, files):
+    tree = {f"{layer}/{path}": content for layer in ("inductor", "triton")
+            for path, (content, _mode) in read_tree(root / layer).items()}  # fmt: skip
+    assert tree == files
+
+
+def test_eight_concurrent_restores_read_each_pack_from_the_store_once(tmp_path, bundle):
+    url, endpoint, packs, files = bundle
+    node = tmp_path / "node"
+    gets = PackGets()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    # Hold every pack's node lock until all eight have read the manifest: they then race for the
+    # packs at once, which is what many pods scheduled onto one node do.
+    held = []
+    for pack in packs:
+        (node / "packs" / pack[:2]).mkdir(parents=True, exist_ok=True)
+        held.append(filelock.acquire(node / "packs" / pack[:2] / f".lock-{pack}", filelock.EXCLUSIVE, None))
+    with CuttingProxy(endpoint, after=0, cuts=0, cut_if=gets) as proxy:
+        procs = [subprocess.Popen([sys.executable, "-m", "kcache", *map(str, restore_args(url, proxy, tmp_path /
+                                   f"root{i}", node))], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for i in range(RESTORES)]  # fmt: skip
+        try:
+            wait_for(lambda: gets.manifests >= RESTORES or any(p.poll() is not None for p in procs), 120)
+        finally:
+            for lock in held:
+                lock.release()
+        outputs = [p.communicate(timeout=120) for p in procs]
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err.decode()
+        assert json.loads(out)["status"] == "hit"
+    assert gets.by_pack == Counter({pack: 1 for pack in packs}), "each pack once from the store, for all eight"
+    for pack in packs:  # and the node now holds every pack, verified, for the next pod
+        assert hashlib.sha256((node / "packs" / pack[:2] / pack).read_bytes()).hexdigest() == pack
+    for i in range(RESTORES):
+        assert_restored(tmp_path / f"root{i}", files)
+
+
+def test_after_a_prefetch_restores_get_no_pack_from_the_store(tmp_path, bundle):
+    url, endpoint, packs, files = bundle
+    node = tmp_path / "node"
+    first = json.loads(cli(*prefetch_args(url, endpoint, node, "--once")).stdout)
+    (target,) = first["targets"]
+    assert (target["status"], target["packs"], target["fetched"]) == ("cached", len(packs), len(packs))
+    assert first["node_cache"]["packs"] == len(packs)
+    again = json.loads(cli(*prefetch_args(url, endpoint, node, "--once")).stdout)
+    assert again["targets"][0]["fetched"] == 0  # already there and verified
+    gets = PackGets()
+    with CuttingProxy(endpoint, after=0, cuts=0, cut_if=gets) as proxy:
+        for i in range(2):
+            result = cli(*restore_args(url, proxy, tmp_path / f"root{i}", node))
+            assert json.loads(result.stdout)["status"] == "hit"
+    assert sum(gets.by_pack.values()) == 0
+    assert_restored(tmp_path / "root1", files)
+
+
+def test_a_corrupt_node_cache_file_is_detected_refetched_and_replaced(tmp_path, bundle):
+    url, endpoint, packs, files = bundle
+    node = tmp_path / "node"
+    cli(*prefetch_args(url, endpoint, node, "--once"))
+    victim = node / "packs" / packs[0][:2] / packs[0]
+    damaged = bytearray(victim.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x40
+    victim.write_bytes(bytes(damaged))
+    gets = PackGets()
+    with CuttingProxy(endpoint, after=0, cuts=0, cut_if=gets) as proxy:
+        result = cli(*restore_args(url, proxy, tmp_path / "root", node))
+    assert json.loads(result.stdout)["status"] == "hit"
+    assert gets.by_pack == Counter({packs[0]: 1})  # only the damaged one, once
+    assert hashlib.sha256(victim.read_bytes()).hexdigest() == packs[0]
+    assert_restored(tmp_path / "root", files)
+
+
+def test_prefetch_of_an_unpublished_model_is_a_miss_not_a_failure(tmp_path, s3_bucket):
+    url, endpoint = s3_bucket
+    result = cli("prefetch", "--node-cache", tmp_path / "node", "--model", "nobody-published-this", "--store", url,
+                 "--s3-endpoint-url", endpoint, "--index", "none", "--once", "--json")  # fmt: skip
+    (target,) = json.loads(result.stdout)["targets"]
+    assert target["status"] == "miss" and "no bundle" in target["reason"]
+
+
+def test_prefetch_by_bundle_key_and_text_output(tmp_path, bundle):
+    url, endpoint, packs, _ = bundle
+    key = json.loads(cli("fingerprint", "--model", MODEL, "--json").stdout)["bundle_key"]
+    result = cli("prefetch", "--node-cache", tmp_path / "node", "--bundle-key", key, "--store", url,
+                 "--s3-endpoint-url", endpoint, "--index", "none", "--once")  # fmt: skip
+    assert f"{len(packs)} packs" in result.stdout and f"{len(packs)} fetched" in result.stdout
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--model", "a", "--model", "b", "--model-config", "{config}"], "give a single --model"),
+    ([], "at least one --model or --bundle-key"),
+])  # fmt: skip
+def test_prefetch_refuses_targets_it_cannot_fingerprint(tmp_path, args, why):
+    (tmp_path / "config.json").write_text("{}")
+    args = [a.format(config=tmp_path / "config.json") for a in args]
+    result = cli("prefetch", "--node-cache", tmp_path / "node", *args, "--once", ok=False)
+    assert result.exit_code == 2 and why in result.stderr
+
+
+def test_prefetch_loops_every_interval_follows_new_bundles_and_stops_on_sigterm(tmp_path, bundle, monkeypatch):
+    url, endpoint, packs, files = bundle
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    args = [sys.executable, "-m", "kcache", *map(str, prefetch_args(url, endpoint, tmp_path / "node", "--every",
+                                                                   "1s"))]  # fmt: skip
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        first = json.loads(read_line(proc, 120))["targets"][0]
+        assert first["fetched"] == len(packs)
+        write_tree(tmp_path / "src", {"inductor/fx/new": os.urandom(100 * KiB)})  # a pod published more
+        cli("publish", "--from", tmp_path / "src", "--model", MODEL, "--store", url, "--s3-endpoint-url", endpoint,
+            "--index", f"sqlite:///{tmp_path / 'pub.db'}")  # fmt: skip
+        newer = next(t for line in iter(lambda: read_line(proc, 120), None)
+                     if (t := json.loads(line)["targets"][0])["bundle_id"] != first["bundle_id"])  # fmt: skip
+        assert newer["fetched"] == 1 and newer["packs"] == len(packs) + 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()
+
+
+def read_line(proc: subprocess.Popen, timeout: float) -> str:
+    """The next line the process prints, failing the test if none comes within `timeout`."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, "no output from kcache prefetch"
+    line = proc.stdout.readline()
+    assert line, proc.stderr.read().decode()
+    return line.decode()
+
+
+def wait_for(condition, timeout: float) -> None:
+    """Return once `condition()` holds; fail the test after `timeout` seconds."""
+    done = threading.Event()
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        done.wait(0.02)
+
+
+def test_a_prefetch_loop_outlives_a_failing_round_and_once_reports_it(tmp_path):
+    unreachable = ["--index", "postgresql+psycopg://root@127.0.0.1:1/kcache"]  # nothing listens on port 1
+    base = ["prefetch", "--node-cache", tmp_path / "node", "--model", MODEL, "--store", tmp_path / "store", "--json"]
+    once = cli(*base, *unreachable, "--once", ok=False)
+    assert once.exit_code == ExitCode.INDEX and json.loads(once.stdout)["status"] == "error"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    args = [sys.executable, "-m", "kcache", *map(str, base), *unreachable, "--every", "1s"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        for _ in range(2):  # two rounds, both failed, and still running
+            assert json.loads(read_line(proc, 120))["status"] == "error"
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()
