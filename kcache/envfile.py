@@ -13,13 +13,12 @@ variable name must be a plain shell name.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from kcache import atomic
 from kcache.errors import ConfigError
 from kcache.untrusted import one_line
 
@@ -39,18 +38,10 @@ def render(exports: Mapping[str, str], comment: str = "") -> str:
 
 
 def write(root: Path, exports: Mapping[str, str], comment: str = "") -> Path:
-    """Write ROOT/kcache.env atomically (temp sibling, then rename)."""
+    """Write ROOT/kcache.env atomically (kcache.atomic: temp sibling, fsync, rename)."""
     target = root / NAME
-    fd, tmp = tempfile.mkstemp(prefix=".kcache-env-", dir=root)
-    try:
-        # surrogateescape: a ROOT given as non-UTF-8 bytes is written back as those bytes.
-        with os.fdopen(fd, "w", encoding="utf-8", errors="surrogateescape") as f:
-            f.write(render(exports, comment))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    # surrogateescape: a ROOT given as non-UTF-8 bytes is written back as those bytes.
+    atomic.write_bytes(target, render(exports, comment).encode("utf-8", errors="surrogateescape"), mode=0o644)
     return target
 
 

@@ -139,6 +139,14 @@ def parse(data: bytes, expected_id: str) -> Manifest:
         )
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise IntegrityError("manifest", expected_id, f"does not parse: {exc}") from None
+    # Only the canonical form is a manifest: its id is then the same whether taken from the stored
+    # bytes or from the fields (and text a canonical encoder cannot write, a lone surrogate, is refused).
+    try:
+        canonical_form = manifest.to_bytes()
+    except (UnicodeEncodeError, ValueError) as exc:
+        raise IntegrityError("manifest", expected_id, f"holds text no manifest can: {exc}") from None
+    if canonical_form != data:
+        raise IntegrityError("manifest", expected_id, "is not in canonical form")
     _check_entries(entries)
     return manifest
 

@@ -58,7 +58,6 @@ OWN_WRITES = {
     "atomic.py": "the helper itself",
     "packs.py": "a scratch file for building a pack, uploaded and deleted, never renamed into place",
     "restore.py": "swaps whole layer directories into place (directories, not files)",
-    "envfile.py": "to convert: edited in parallel while kcache.atomic was written",
 }
 
 

@@ -67,3 +67,19 @@ def test_manifest_that_does_not_match_its_id_is_refused():
     built = manifest_of(entry("inductor/a"))
     with pytest.raises(IntegrityError, match="hashes to"):
         m.parse(built.to_bytes().replace(b"inductor/a", b"inductor/b"), built.id)
+
+
+def test_only_the_canonical_form_parses():
+    """Stored under its own hash but spaced out: its id from the fields would differ from the stored one."""
+    data = manifest_of(entry("inductor/a")).to_bytes()
+    spaced = data.replace(b",", b", ", 1)
+    with pytest.raises(IntegrityError, match="canonical"):
+        m.parse(spaced, canonical.sha256(spaced))
+
+
+def test_text_no_manifest_can_hold_is_refused_not_a_crash():
+    data = manifest_of(entry("inductor/a")).to_bytes()
+    lone_surrogate = data.replace(b'"model.id"', b'"model.id\\ud800"') if b'"model.id"' in data else None
+    hostile = lone_surrogate or data.replace(b'"layers":[', b'"layers":["\\ud800",', 1)
+    with pytest.raises(IntegrityError, match="holds text"):
+        m.parse(hostile, canonical.sha256(hostile))
