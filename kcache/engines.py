@@ -27,14 +27,22 @@ ENGINES: dict[str, tuple[str, tuple[str, ...]]] = {
 _VERSION = re.compile(r"-([^-]+)\.dist-info\Z")
 
 
-def _installed_version(module: str, dists: tuple[str, ...]) -> str | None:
+def package_dir(name: str) -> Path | None:
+    """Where a package would be imported from, without importing it (probes read torch's this way too)."""
     try:
-        spec = importlib.util.find_spec(module)
+        spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         return None
     if spec is None or not spec.submodule_search_locations:
         return None
-    site = Path(next(iter(spec.submodule_search_locations))).parent
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _installed_version(module: str, dists: tuple[str, ...]) -> str | None:
+    where = package_dir(module)
+    if where is None:
+        return None
+    site = where.parent
     for dist in dists:
         for info in sorted(site.glob(f"{dist}-*.dist-info"), reverse=True):
             match = _VERSION.search(info.name)

@@ -10,7 +10,6 @@ triton: versions are read from their files, GPUs through kcache.gpus (NVML, else
 from __future__ import annotations
 
 import ast
-import importlib.util
 import os
 import platform
 import re
@@ -19,7 +18,7 @@ import subprocess
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from kcache import canonical, gpus
+from kcache import canonical, engines, gpus
 
 NONE = gpus.NONE  # one spelling for an absent fact
 
@@ -86,13 +85,7 @@ def probe_platform(env: Mapping[str, str]) -> dict[str, str]:
 
 def _package_dir(name: str) -> Path | None:
     """Where a package would be imported from, without importing it."""
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
+    return engines.package_dir(name)
 
 
 def _assignments(source: str) -> dict[str, object]:
@@ -303,6 +296,7 @@ def physical_cores() -> tuple[int, int]:
 
 
 PROBES: tuple[Probe, ...] = (
+    engines.probe_engines,  # vLLM, FlashInfer, TensorRT-LLM...: only those installed (kcache/engines.py)
     probe_platform,
     probe_torch,
     probe_triton,

@@ -25,6 +25,11 @@ def test_installed_engines_become_facts(tmp_path, monkeypatch):
     assert "vllm" not in sys.modules  # read, never imported
 
 
+def test_a_probed_fingerprint_carries_the_engines(tmp_path, monkeypatch):
+    fake_site(tmp_path, monkeypatch, {"vllm": ("vllm", "0.8.5")})
+    assert fingerprint.collect(env={}).facts["engine.vllm"] == "0.8.5"
+
+
 def test_absent_engines_leave_the_facts_alone(monkeypatch):
     monkeypatch.setattr(engines, "ENGINES", {"nope": ("kcache_no_such_module", ("nope",))})
     assert engines.probe_engines({}) == {}

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
+from command_tree import commands
 from trees import write_tree
 
 from kcache.cli import main
@@ -23,12 +24,6 @@ def run(*args, ok=True):
     return result
 
 
-def commands(group: click.Group, prefix=()):
-    for name, command in group.commands.items():
-        if isinstance(command, click.Group):
-            yield from commands(command, prefix + (name,))
-        else:
-            yield prefix + (name,), command
 
 
 @pytest.mark.parametrize(

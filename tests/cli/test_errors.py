@@ -5,22 +5,13 @@ import json
 import pkgutil
 import socket
 
-import click
 import pytest
 from click.testing import CliRunner
+from command_tree import commands
 
 import kcache
 from kcache.cli import main
 from kcache.cli.errors import TABLE, ExitCode, describe
-
-
-def commands(group: click.Group, prefix=()):
-    for name, command in group.commands.items():
-        if isinstance(command, click.Group):
-            yield from commands(command, prefix + (name,))
-        else:
-            yield prefix + (name,), command
-
 
 ALL_COMMANDS = sorted(path for path, _ in commands(main))
 
