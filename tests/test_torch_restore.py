@@ -87,13 +87,14 @@ def test_restore_never_imports_torch(published):
 
 
 def counting_compiler(bin_dir: Path, log: Path) -> dict:
-    """A `g++` first on PATH that logs each call and runs the real one (the name torch keys on stays g++)."""
-    real = subprocess.run(["sh", "-c", "command -v g++"], capture_output=True, text=True, check=True).stdout.strip()
+    """A `g++` first on PATH that logs each call and runs the real one by the same name: torch keys on
+    the name and on `g++ -v`, whose COLLECT_GCC line repeats the name the compiler was started by."""
     bin_dir.mkdir()
     wrapper = bin_dir / "g++"
-    wrapper.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {str(log)!r}\nexec {real!r} "$@"\n')
+    path = os.environ["PATH"]
+    wrapper.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {str(log)!r}\nPATH={path!r} exec g++ "$@"\n')
     wrapper.chmod(0o755)
-    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    return {"PATH": f"{bin_dir}{os.pathsep}{path}"}
 
 
 def compiles(log: Path) -> list[str]:
