@@ -70,3 +70,23 @@ def test_a_cache_dir_behind_a_link_is_still_trusted(tmp_path):
     assert cache is not None
     through_link = tmp_path / "mounted" / "inductor" / probe.relative_to(tmp_path / "real" / "inductor")
     assert is_restored(str(through_link), cache)
+
+
+@pytest.mark.torch
+def test_restored_libraries_load_here_and_every_other_goes_to_torch(tmp_path, monkeypatch):
+    cpu_vec_isa = pytest.importorskip("torch._inductor.cpu_vec_isa")
+    probe = layout(tmp_path)  # not a real library: loading it fails, as torch's child would report
+    children = []
+
+    def torch_child(self, path):
+        children.append(path)
+        return True
+
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "_probe_load", torch_child)  # monkeypatch puts torch's back
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    assert trust_restored_probes(env) and trust_restored_probes(env)
+    patched = cpu_vec_isa.VecISA._probe_load
+    assert patched.__wrapped__ is torch_child, "a second call wrapped the wrapper"
+    assert patched(None, str(probe)) is False and children == []
+    elsewhere = tmp_path / "elsewhere.so"
+    assert patched(None, str(elsewhere)) is True and children == [str(elsewhere)]
