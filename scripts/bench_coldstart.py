@@ -142,10 +142,12 @@ class Bench:
 
 def sample(payload: dict[str, Any], wall: float, extra_wall: float = 0.0) -> Sample:
     spawned = payload.get("subprocesses", {})  # absent in the Mega-Cache child (no audit hook there)
-    return Sample(round(wall + extra_wall, 3), round(payload["seconds"] + extra_wall, 3),
-                  payload["fxgraph_hit"], payload["fxgraph_miss"], payload["compiled_artifacts"],
-                  payload["output_checksum"], round(extra_wall, 3), payload.get("import_seconds", 0.0),
-                  payload.get("compile_seconds", 0.0), spawned.get("python", 0), spawned.get("compiler", 0))  # fmt: skip
+    return Sample(wall=round(wall + extra_wall, 3), first_output=round(payload["seconds"] + extra_wall, 3),
+                  fxgraph_hit=payload["fxgraph_hit"], fxgraph_miss=payload["fxgraph_miss"],
+                  compiled_artifacts=payload["compiled_artifacts"], output_checksum=payload["output_checksum"],
+                  restore=round(extra_wall, 3), import_torch=payload.get("import_seconds", 0.0),
+                  compile_first_call=payload.get("compile_seconds", 0.0), python_children=spawned.get("python", 0),
+                  compiler_calls=spawned.get("compiler", 0))  # fmt: skip
 
 
 def run_cold_and_warm(b: Bench) -> dict[str, list[Sample]]:
