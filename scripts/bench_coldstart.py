@@ -15,7 +15,9 @@ transformer on CPU). Scenarios, in the order they run:
 
 Two columns per scenario: the median wall time of the whole child process(es) and the median
 "time to first output" the workload reports itself (from the top of its module, so it includes
-``import torch``). Every root is laid out by `kcache restore` from a store that is never
+``import torch``). A second table breaks the first output of warm and kcache down: the restore
+process, interpreter start through ``import torch``, compile and first call, and the child
+processes the workload started (ISA-probe interpreters, compiler calls). Every root is laid out by `kcache restore` from a store that is never
 published to, so all scenarios share the env shape (cache dir, TMPDIR, cache key tag) and differ
 only in what the directories hold:
 
@@ -41,15 +43,18 @@ import shutil  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
+from dataclasses import asdict, dataclass, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import _procs  # noqa: E402  (scripts/ is sys.path[0] when this file runs as a script)
 
 SCENARIOS = ("cold", "warm", "kcache", "mega")
+# Where a first output's time goes (Sample fields, medians), shown for the warm and kcache scenarios.
+BREAKDOWN = ("restore", "restore_work", "import_torch", "compile_first_call", "python_children", "compiler_calls")
+SECONDS = BREAKDOWN[:4]
 # (name, numerator, denominator, bound, "max" means numerator/denominator must stay at or below it)
-TARGETS = (("kcache/warm", "kcache", "warm", 1.2, "max"),
+TARGETS = (("kcache/warm", "kcache", "warm", 1.0, "max"),  # issue 11: a restored start beats warm
            ("cold/kcache", "cold", "kcache", 3.0, "min"),
            ("mega/kcache", "mega", "kcache", 3.0, "min"))  # fmt: skip
 
@@ -62,6 +67,12 @@ class Sample:
     fxgraph_miss: int
     compiled_artifacts: int
     output_checksum: float
+    restore: float = 0.0  # seconds, the restore process's wall (kcache only)
+    restore_work: float = 0.0  # seconds of it inside restore() (its JSON "seconds"); the rest is CLI start/exit
+    import_torch: float = 0.0  # seconds, top of the workload's module through `import torch`
+    compile_first_call: float = 0.0  # seconds, torch.compile and the first call
+    python_children: int = 0  # interpreters the workload started (torch's ISA probes)
+    compiler_calls: int = 0  # g++ runs: version queries, header preprocessing, builds
 
 
 def child_main(mode: str, blob: Path, blocks: int, dim: int, seq: int) -> int:
@@ -130,9 +141,13 @@ class Bench:
 
 
 def sample(payload: dict[str, Any], wall: float, extra_wall: float = 0.0) -> Sample:
-    return Sample(round(wall + extra_wall, 3), round(payload["seconds"] + extra_wall, 3),
-                  payload["fxgraph_hit"], payload["fxgraph_miss"], payload["compiled_artifacts"],
-                  payload["output_checksum"])  # fmt: skip
+    spawned = payload.get("subprocesses", {})  # absent in the Mega-Cache child (no audit hook there)
+    return Sample(wall=round(wall + extra_wall, 3), first_output=round(payload["seconds"] + extra_wall, 3),
+                  fxgraph_hit=payload["fxgraph_hit"], fxgraph_miss=payload["fxgraph_miss"],
+                  compiled_artifacts=payload["compiled_artifacts"], output_checksum=payload["output_checksum"],
+                  restore=round(extra_wall, 3), import_torch=payload.get("import_seconds", 0.0),
+                  compile_first_call=payload.get("compile_seconds", 0.0), python_children=spawned.get("python", 0),
+                  compiler_calls=spawned.get("compiler", 0))  # fmt: skip
 
 
 def run_cold_and_warm(b: Bench) -> dict[str, list[Sample]]:
@@ -167,7 +182,7 @@ def run_kcache(b: Bench) -> list[Sample]:
         restores.append(restore_wall)
         result, wall = _procs.run_workload(_procs.env_for(root, b.home), *b.shape)
         shutil.rmtree(root)
-        return sample(result, wall, restore_wall)
+        return replace(sample(result, wall, restore_wall), restore_work=round(payload["seconds"], 3))
 
     samples = b.repeat("kcache", one)
     b.facts["restore_wall_median"] = round(statistics.median(restores), 3)
@@ -203,6 +218,7 @@ def medians(samples: list[Sample]) -> dict[str, Any]:
         "fxgraph_miss": spread([s.fxgraph_miss for s in samples]),
         "compiled_artifacts": spread([s.compiled_artifacts for s in samples]),
         "checksums": sorted({s.output_checksum for s in samples}),
+        "breakdown": {part: round(statistics.median(getattr(s, part) for s in samples), 3) for part in BREAKDOWN},
     }
 
 
@@ -231,11 +247,27 @@ def print_report(table: dict[str, dict[str, Any]], rows: list[dict[str, Any]], f
         mark = {True: "ok", False: "MISSED"}
         print("{:<14}{:>12}{:>16}{:>10}".format(r["ratio"], f"{r['wall']:.2f} {mark[r['wall_ok']]}",
                                                 f"{r['first_output']:.2f} {mark[r['first_output_ok']]}", r["target"]))  # fmt: skip
+    print()
+    print_breakdown(table)
     checksums = sorted({c for t in table.values() for c in t["checksums"]})
     print(f"\nkcache restore wall (median) {facts['restore_wall_median']:.2f} s; bundle {facts['bundle_files']} files, "
           f"{facts['bundle_bytes'] / 1e6:.1f} MB raw, {facts['bundle_packed_bytes'] / 1e6:.1f} MB packed; "
           f"Mega-Cache blob {facts['mega_bytes'] / 1e6:.2f} MB; output checksums "
           f"{'all equal' if len(checksums) == 1 else 'DIFFER: ' + str(checksums)}")  # fmt: skip
+
+
+def print_breakdown(table: dict[str, dict[str, Any]]) -> None:
+    """Warm and kcache side by side: seconds per part of the first output, then the children started."""
+    line = "{:<34}{:>10}{:>10}"
+    print(line.format("first output, medians", "warm", "kcache"))
+    labels = {"restore": "kcache restore (process wall) s", "restore_work": "  of it restore() itself s",
+              "import_torch": "interpreter + import torch s",
+              "compile_first_call": "compile + first call s", "python_children": "ISA-probe interpreters",
+              "compiler_calls": "compiler calls (g++)"}  # fmt: skip
+    for part in BREAKDOWN:
+        warm, kc = (table[name]["breakdown"][part] for name in ("warm", "kcache"))
+        shown = (f"{v:.2f}" if part in SECONDS else f"{v:g}" for v in (warm, kc))
+        print(line.format(labels[part], *shown))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

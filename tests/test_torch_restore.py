@@ -84,3 +84,41 @@ def test_restore_never_imports_torch(published):
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert "hit" in out.stdout and out.stdout.strip().endswith("CLEAN")
+
+
+def counting_compiler(bin_dir: Path, log: Path) -> dict:
+    """A `g++` first on PATH that logs each call and runs the real one by the same name: torch keys on
+    the name and on `g++ -v`, whose COLLECT_GCC line repeats the name the compiler was started by."""
+    bin_dir.mkdir()
+    wrapper = bin_dir / "g++"
+    path = os.environ["PATH"]
+    wrapper.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {str(log)!r}\nPATH={path!r} exec g++ "$@"\n')
+    wrapper.chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{path}"}
+
+
+def compiles(log: Path) -> list[str]:
+    """Logged calls that build something: not the version queries, not the header's preprocessing (-E)."""
+    calls = log.read_text().splitlines() if log.exists() else []
+    return [call for call in calls if " -o " in f" {call} " and " -E " not in f" {call} "]
+
+
+def test_restored_process_answers_isa_probes_without_children_or_compiles(published):
+    base, env, cold, _pub = published
+    assert cold["subprocesses"]["python"] > 0, "torch 2.13 probes each vector ISA in a child interpreter"
+    assert kcache("restore", "--into", str(base / "E"), "--model", "tiny", env=env)["status"] == "hit"
+    log = base / "gxx-E.log"
+    warm = workload(base / "E", {**env, **counting_compiler(base / "bin-E", log)})
+    assert warm["restored_probes"] is True
+    assert warm["subprocesses"]["python"] == 0, "an ISA probe started an interpreter in a restored pod"
+    assert log.exists() and compiles(log) == [], "a restored pod ran the compiler to build something"
+    assert warm["fxgraph_hit"] >= 1 and warm["fxgraph_miss"] == 0 and warm["compiled_artifacts"] == 0
+    assert warm["output_checksum"] == cold["output_checksum"]
+
+
+def test_probes_outside_a_restored_root_run_as_torch_does(published):
+    base, env, cold, _pub = published
+    again = workload(base / "A", env)  # warm in place: A was laid out by a miss, nothing vouches for its files
+    assert again["restored_probes"] is False
+    assert again["subprocesses"]["python"] == cold["subprocesses"]["python"]
+    assert again["fxgraph_hit"] >= 1 and again["output_checksum"] == cold["output_checksum"]

@@ -2,32 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
+from collections.abc import Iterator, MutableMapping
 
 import click
 
 from kcache import buildinfo
-from kcache.cli.bundles_cmd import ls_cmd, show_cmd
-from kcache.cli.config_cmd import config_cmd
-from kcache.cli.db_cmd import db_group
 from kcache.cli.errors import epilog
-from kcache.cli.explain_cmd import explain_cmd
-from kcache.cli.fingerprint_cmd import fingerprint_cmd
-from kcache.cli.keygen_cmd import keygen_cmd
-from kcache.cli.operate_cmd import gc_cmd, verify_cmd, yank_cmd
 from kcache.cli.options import KcacheGroup
-from kcache.cli.prefetch_cmd import prefetch_cmd
-from kcache.cli.proxy_cmd import proxy_cmd
-from kcache.cli.publish_cmd import publish_cmd
-from kcache.cli.ready_cmd import ready_cmd
-from kcache.cli.refresh_cmd import refresh_cmd
-from kcache.cli.reindex_cmd import reindex_cmd
-from kcache.cli.restore_cmd import restore_cmd
-from kcache.cli.serve_cmd import serve_cmd
-from kcache.cli.stats_cmd import stats_cmd
-from kcache.cli.warmup_cmd import prebake_cmd, warmup_cmd
-from kcache.cli.watch_cmd import watch_cmd
 from kcache.config import redact_text
 from kcache.untrusted import OneLineFormatter
 
@@ -38,7 +22,55 @@ def _show_version(ctx: click.Context, _param, value: bool) -> None:
         ctx.exit()
 
 
-@click.group(cls=KcacheGroup, epilog=epilog(),
+# name -> (module under kcache.cli, attribute). A command's module is imported when that command is
+# looked up, not when `kcache` starts: `kcache restore` in an init container does not pay for the
+# proxy's, the server's or warmup's imports (issue 11: restore <= 0.3 s with the CLI's start).
+COMMANDS = {
+    "fingerprint": ("fingerprint_cmd", "fingerprint_cmd"), "publish": ("publish_cmd", "publish_cmd"),
+    "restore": ("restore_cmd", "restore_cmd"), "ls": ("bundles_cmd", "ls_cmd"), "show": ("bundles_cmd", "show_cmd"),
+    "reindex": ("reindex_cmd", "reindex_cmd"), "keygen": ("keygen_cmd", "keygen_cmd"), "db": ("db_cmd", "db_group"),
+    "ready": ("ready_cmd", "ready_cmd"), "serve": ("serve_cmd", "serve_cmd"), "watch": ("watch_cmd", "watch_cmd"),
+    "warmup": ("warmup_cmd", "warmup_cmd"), "prebake": ("warmup_cmd", "prebake_cmd"),
+    "explain": ("explain_cmd", "explain_cmd"), "stats": ("stats_cmd", "stats_cmd"), "yank": ("operate_cmd", "yank_cmd"),
+    "verify": ("operate_cmd", "verify_cmd"), "gc": ("operate_cmd", "gc_cmd"), "config": ("config_cmd", "config_cmd"),
+    "refresh": ("refresh_cmd", "refresh_cmd"), "proxy": ("proxy_cmd", "proxy_cmd"),
+    "prefetch": ("prefetch_cmd", "prefetch_cmd"),
+}  # fmt: skip
+
+
+class LazyCommands(MutableMapping):
+    """The group's commands: every name is known up front, each command is imported on first use."""
+
+    def __init__(self, table: dict[str, tuple[str, str]]) -> None:
+        self._table = dict(table)
+        self._loaded: dict[str, click.Command] = {}
+
+    def __getitem__(self, name: str) -> click.Command:
+        if name not in self._loaded:
+            module, attr = self._table[name]  # KeyError for an unknown name, as a dict would
+            command = getattr(importlib.import_module(f"kcache.cli.{module}"), attr)
+            _show_envvars(command)
+            self._loaded[name] = command
+        return self._loaded[name]
+
+    def __setitem__(self, name: str, command: click.Command) -> None:
+        self._table.pop(name, None)
+        self._loaded[name] = command
+
+    def __delitem__(self, name: str) -> None:
+        if self._table.pop(name, None) is None:
+            del self._loaded[name]
+        else:
+            self._loaded.pop(name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(set(self._table) | set(self._loaded)))
+
+    def __len__(self) -> int:
+        return len(set(self._table) | set(self._loaded))
+
+
+@click.group(cls=KcacheGroup, epilog=epilog(), commands=LazyCommands(COMMANDS),
              context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})  # fmt: skip
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_show_version,
               help="Show the version and the commit it was built from, then exit.")  # fmt: skip
@@ -77,10 +109,3 @@ def _show_envvars(command: click.Command) -> None:
     for param in command.params:
         if isinstance(param, click.Option) and param.envvar:
             param.show_envvar = True
-
-
-for command in (fingerprint_cmd, publish_cmd, restore_cmd, ls_cmd, show_cmd, reindex_cmd, keygen_cmd, db_group,
-                ready_cmd, serve_cmd, watch_cmd, warmup_cmd, prebake_cmd, explain_cmd, stats_cmd,
-                yank_cmd, verify_cmd, gc_cmd, config_cmd, refresh_cmd, proxy_cmd, prefetch_cmd):  # fmt: skip
-    main.add_command(command)
-_show_envvars(main)

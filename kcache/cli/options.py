@@ -230,3 +230,15 @@ def handle_errors(fn):
 
 def stderr_is_terminal() -> bool:
     return sys.stderr.isatty()
+
+
+def node_cache_option(fn=None, *, required: bool = False):
+    """--node-cache DIR (KCACHE_NODE_CACHE): the node-local pack cache restore reads and prefetch fills."""
+    if fn is None:
+        return lambda f: node_cache_option(f, required=required)
+    return click.option(
+        "--node-cache", type=click.Path(file_okay=False, path_type=Path), envvar="KCACHE_NODE_CACHE",
+        required=required, metavar="DIR",
+        help="Node-local pack cache (a hostPath shared by the pods of a node): packs are read from it "
+             "first, verified, and fetched into it on a miss (see `kcache prefetch`).",
+    )(fn)  # fmt: skip

@@ -16,6 +16,7 @@ from kcache.cli.options import (
     fingerprint_options,
     json_option,
     load_trusted_keys,
+    node_cache_option,
     settings,
     store_options,
 )
@@ -25,18 +26,6 @@ from kcache.errors import ConfigError, KcacheError
 from kcache.prefetch import Prefetched, Target, bundle_key_target, prefetch
 from kcache.store import open_store
 from kcache.store.nodecache import MAX_BYTES_ENV, NodeCacheStore
-
-
-def node_cache_option(fn=None, *, required: bool = False):
-    """--node-cache DIR (KCACHE_NODE_CACHE): the node-local pack cache restore reads and prefetch fills."""
-    if fn is None:
-        return lambda f: node_cache_option(f, required=required)
-    return click.option(
-        "--node-cache", type=click.Path(file_okay=False, path_type=Path), envvar="KCACHE_NODE_CACHE",
-        required=required, metavar="DIR",
-        help="Node-local pack cache (a hostPath shared by the pods of a node): packs are read from it "
-             "first, verified, and fetched into it on a miss (see `kcache prefetch`).",
-    )(fn)  # fmt: skip
 
 
 class Size(click.ParamType):

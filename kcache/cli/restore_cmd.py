@@ -17,10 +17,10 @@ from kcache.cli.options import (
     fingerprint_options,
     json_option,
     load_trusted_keys,
+    node_cache_option,
     settings,
     store_options,
 )
-from kcache.cli.prefetch_cmd import node_cache_option
 from kcache.errors import ConfigError
 from kcache.restore import Opened, restore_opening
 from kcache.store import open_store

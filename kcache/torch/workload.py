@@ -11,7 +11,13 @@ compiles a small transformer on CPU with Inductor, then reports
 * ``compiled_artifacts``: how many ``.so``/``.gch``/``.pch`` files g++ wrote during the run.
   Torch's counters can report hits while every kernel is rebuilt (e.g. torch installed at another
   path, or the precompiled header missing), so "warm" must be judged by this number too;
-* a checksum of the output, so a cache that hits but computes garbage is caught.
+* a checksum of the output, so a cache that hits but computes garbage is caught;
+* where the time went: ``import_seconds`` (from the top of this module through ``import torch``),
+  ``compile_seconds`` (compile and first call), and the child processes the run started
+  (``subprocesses``: compiler, python, other), counted by an audit hook when run as a script.
+
+Like a service that integrates kcache, it calls ``kcache.torch.isa.trust_restored_probes()``
+before compiling (``restored_probes`` says whether that took effect: only after a restore hit).
 
 Torch is imported lazily, inside functions: importing this module must stay cheap and must work
 where torch is not installed (the kcache CLI imports it to reuse the helpers).
@@ -31,11 +37,36 @@ from typing import Any  # noqa: E402
 
 from kcache.sources.base import torch_user  # noqa: E402
 from kcache.torch import counters as inductor_counters  # noqa: E402
+from kcache.torch.isa import trust_restored_probes  # noqa: E402
 
 ARTIFACT_SUFFIXES = (".so", ".gch", ".pch")
 HEADS = 4
 
 Snapshot = dict[str, tuple[int, int]]
+COMPILERS = ("g++", "gcc", "c++", "cc", "clang", "clang++")
+_SPAWNED = {"compiler": 0, "python": 0, "other": 0}
+_WATCHING: list[bool] = []
+
+
+def watch_subprocesses() -> None:
+    """Count every child process this interpreter starts, by kind (an audit hook: cannot be removed)."""
+    if _WATCHING:
+        return
+    _WATCHING.append(True)
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "subprocess.Popen":
+            _SPAWNED[spawn_kind(args[0])] += 1
+
+    sys.addaudithook(hook)
+
+
+def spawn_kind(executable: Any) -> str:
+    """compiler, python or other, from the program a child process runs."""
+    name = os.path.basename(os.fsdecode(executable)) if isinstance(executable, (str, bytes, os.PathLike)) else ""
+    if name in COMPILERS or name.endswith(("-g++", "-gcc")):
+        return "compiler"
+    return "python" if os.path.realpath(executable or "") == os.path.realpath(sys.executable) else "other"
 
 
 def default_cache_dir() -> str:
@@ -154,14 +185,22 @@ def run(blocks: int = 4, dim: int = 256, seq: int = 64, batch: int = 2, start: f
     dirs = artifact_dirs()
     before = artifact_snapshot(dirs)
 
+    origin = _MODULE_START if start is None else start
     import torch
 
+    imported = time.perf_counter()
+    restored_probes = trust_restored_probes()
     model = torch.compile(build_model(blocks, dim), dynamic=False)
     with torch.no_grad():
         output = model(make_input(batch, seq, dim))
-    seconds = time.perf_counter() - (_MODULE_START if start is None else start)
+    seconds = time.perf_counter() - origin
 
     result: dict[str, Any] = {"seconds": round(seconds, 3)}
+    result["import_seconds"] = round(imported - origin, 3)
+    result["compile_seconds"] = round(seconds - (imported - origin), 3)
+    result["restored_probes"] = restored_probes
+    if _WATCHING:
+        result["subprocesses"] = dict(_SPAWNED)
     result.update(inductor_counters())
     result["compiled_artifacts"] = count_changed(before, artifact_snapshot(dirs))
     result["output_checksum"] = round(float(output.sum()), 4)
@@ -199,6 +238,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    watch_subprocesses()
     result = run(args.blocks, args.dim, args.seq, args.batch)
     print(json.dumps(result) if args.json else format_summary(result))
     return 0
