@@ -37,7 +37,7 @@ def yank_cmd(bundle, undo, reason, signing_key, store_url, index_url, s3_endpoin
     if as_json:
         click.echo(fmt.to_json({"bundle_id": changed.id, "status": "active" if undo else "yanked"}))
     else:
-        click.echo(f"kcache: bundle {changed.id[:12]} is {'active again' if undo else 'yanked'}")
+        click.echo(f"kcache: bundle {fmt.text(changed.id[:12])} is {'active again' if undo else 'yanked'}")
 
 
 @click.command("verify")
@@ -69,7 +69,7 @@ def verify_cmd(read_data, subset, jobs, store_url, index_url, s3_endpoint_url, a
         click.echo(f"kcache: checked {result.bundles} bundles over {result.packs} packs{read}: "
                    f"{len(result.problems) or 'no'} problems")  # fmt: skip
         for problem in result.problems:
-            click.echo(f"  {problem}", err=True)
+            click.echo(f"  {fmt.text(problem)}", err=True)
     if result.problems:
         raise click.exceptions.Exit(ExitCode.PROBLEMS)
 
@@ -116,7 +116,8 @@ def gc_cmd(keep_last, older_than, grace, dry_run, store_url, index_url, s3_endpo
                f"delete {len(plan.sweep)} condemned packs and {len(plan.orphans)} orphan objects "
                f"({verb} free {fmt.size(plan.bytes_freed)}); {len(plan.waiting)} packs wait out --grace")  # fmt: skip
     for bundle in plan.delete_bundles:
-        click.echo(f"  bundle {bundle.id[:12]} {bundle.model or '-'} {fmt.when(bundle.created_at)} {bundle.status}")
+        click.echo(f"  bundle {bundle.id[:12]} {fmt.text(bundle.model or '-')} {fmt.when(bundle.created_at)} "
+                   f"{fmt.text(bundle.status)}")  # fmt: skip
     if result:
         click.echo(f"kcache gc: deleted {result.bundles_deleted} bundles, {result.packs_deleted} packs, "
                    f"{result.orphans_deleted} orphans; freed {fmt.size(result.bytes_freed)}")  # fmt: skip
