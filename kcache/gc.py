@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING
 
+from kcache import limits, refs
 from kcache import manifest as manifests
-from kcache import refs
-from kcache.errors import ObjectMissing
+from kcache.errors import ObjectTooLarge
 from kcache.records import Bundle
 from kcache.store import Store, manifest_key, pack_key
 from kcache.store.base import ObjectInfo
@@ -147,15 +147,24 @@ def _delete_orphan(store: Store, index: Index, orphan: ObjectInfo) -> None:
     from kcache.index import lifecycle
 
     owner = _owner(orphan.key)
-    try:
-        data = store.get_bytes(orphan.key)
-    except ObjectMissing:
+    if not _ID.match(owner):  # a stray upload or temp file: no publish can name it, nothing to keep
+        store.delete(orphan.key)
         return
-    if lifecycle.has_bundle(index, owner):
+    try:
+        # Capped: a stray object can be gigabytes. One over the cap is refused by every restore
+        # anyway, so it is deleted unread; a publish that committed on it writes it again.
+        data = limits.read_capped(store, orphan.key, _keep_limit(orphan.key), "orphan")
+    except ObjectTooLarge:
+        data = b""
+    if data is None or lifecycle.has_bundle(index, owner):
         return
     store.delete(orphan.key)
-    if lifecycle.has_bundle(index, owner):
+    if data and lifecycle.has_bundle(index, owner):
         store.put_bytes(orphan.key, data)
+
+
+def _keep_limit(key: str) -> int:
+    return limits.SIGNATURE_BYTES if key.startswith("signatures/") else limits.max_manifest_bytes()
 
 
 def _manifest(store: Store, bundle_id: str) -> manifests.Manifest:
