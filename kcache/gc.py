@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING
 
-from kcache import limits, refs
+from kcache import limits, refs, signing
 from kcache import manifest as manifests
 from kcache.errors import ObjectTooLarge
 from kcache.records import Bundle
@@ -94,11 +94,12 @@ def plan(store: Store, index: Index, policy: Policy, now: datetime | None = None
     return Plan(now, policy, tuple(doomed), condemn, sweep, waiting, orphans, adopt)
 
 
-def execute(store: Store, index: Index, gc_plan: Plan) -> Result:
+def execute(store: Store, index: Index, gc_plan: Plan, *, signer: signing.SigningKey | None = None) -> Result:
+    """Carry out the plan. `signer` signs the refs gc moves, so pods requiring signatures follow them."""
     from kcache.index import lifecycle
 
     for bundle in gc_plan.delete_bundles:
-        _delete_bundle(store, index, bundle)
+        _delete_bundle(store, index, bundle, signer)
     lifecycle.condemn(index, (p.id for p in gc_plan.condemn), gc_plan.now)
     lifecycle.adopt(index, ((_owner(o.key), o.size) for o in gc_plan.adopt), gc_plan.now)
     swept = lifecycle.delete_condemned(index, (p.id for p in gc_plan.sweep), gc_plan.now - gc_plan.policy.grace)
@@ -123,14 +124,15 @@ def _expired(bundles: list[Bundle], policy: Policy, now: datetime) -> list[Bundl
     return doomed
 
 
-def _delete_bundle(store: Store, index: Index, bundle: Bundle) -> None:
+def _delete_bundle(store: Store, index: Index, bundle: Bundle, signer: signing.SigningKey | None) -> None:
     """Row first (restores stop seeing it), then the ref, then the objects."""
     from kcache.index import lifecycle
 
     lifecycle.delete_bundle(index, bundle.id)
     newest = index.newest_bundle(bundle.bundle_key)
-    refs.repoint(store, bundle.bundle_key, bundle.id,
-                 refs.Ref(newest.bundle_key, newest.id, newest.created_at) if newest else None)  # fmt: skip
+    # Written from the index like every signer's ref: the newest active bundle and the key's yank list.
+    refs.repoint(store, bundle.bundle_key, bundle.id, refs.for_bundle(index, newest.id) if newest else None,
+                 signer=signer)  # fmt: skip
     for signature in store.list(f"signatures/{bundle.id}"):
         store.delete(signature.key)
     store.delete(refs.yank_key(bundle.id))
