@@ -1,0 +1,48 @@
+"""A ref stamped by a fast clock does not freeze its key (issue 9.8).
+
+`refs.advance` moves a ref only forward, by the created_at inside the ref it replaces. A ref
+written a year ahead (a publisher or an index host with a wrong clock, or a store writer) would
+keep every later bundle out of refs/ for that year: refs-mode pods would restore the frozen
+bundle forever. A created_at more than refs.MAX_CLOCK_SKEW ahead of the writer's clock does not
+block a newer publish; within the bound, forward-only still holds.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from kcache import refs
+from kcache.store import ref_key
+
+KEY = "b" * 32
+OLD, NEW, OTHER = "1" * 64, "2" * 64, "3" * 64
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def test_a_ref_from_a_year_ahead_does_not_block_a_newer_publish(store):
+    assert refs.advance(store, refs.Ref(KEY, OLD, now() + timedelta(days=365)))
+    assert refs.advance(store, refs.Ref(KEY, NEW, now()))
+    assert refs.read(store, KEY).manifest == NEW
+
+
+def test_a_ref_just_ahead_within_the_bound_still_wins(store):
+    ahead = now() + refs.MAX_CLOCK_SKEW - timedelta(minutes=1)
+    assert refs.advance(store, refs.Ref(KEY, OLD, ahead))
+    assert not refs.advance(store, refs.Ref(KEY, NEW, now()))
+    assert refs.read(store, KEY).manifest == OLD
+
+
+def test_forward_only_still_holds_for_honest_clocks(store):
+    assert refs.advance(store, refs.Ref(KEY, NEW, now()))
+    assert not refs.advance(store, refs.Ref(KEY, OLD, now() - timedelta(hours=1)))
+    assert refs.read(store, KEY).manifest == NEW
+
+
+def test_a_hand_written_future_ref_is_replaced(store):
+    """What a store writer (or a broken publisher) leaves: a valid schema-1 ref dated 2999."""
+    store.put_bytes(ref_key(KEY), refs.Ref(KEY, OTHER, datetime(2999, 1, 1, tzinfo=timezone.utc)).to_bytes())
+    assert refs.advance(store, refs.Ref(KEY, NEW, now()))
+    assert refs.read(store, KEY).manifest == NEW
