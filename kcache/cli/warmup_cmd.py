@@ -85,7 +85,7 @@ def _http(url, request_timeout, wait_timeout, served_model, retries, budget) -> 
 
 
 def _note():
-    return (lambda msg: click.echo(f"kcache: {msg}", err=True)) if stderr_is_terminal() else None
+    return (lambda msg: click.echo(f"kcache: {fmt.text(msg)}", err=True)) if stderr_is_terminal() else None
 
 
 @click.command("warmup", epilog=PROFILES_HELP)

@@ -114,3 +114,14 @@ def test_ready_shows_a_hostile_marker_inert(tmp_path):
     result = run("ready", "--root", str(root))
     assert "\nkcache: not ready: forged" not in result.output, result.output
     assert_inert(result.output)
+
+
+def test_the_error_boundary_prints_hostile_error_text_inert(capsys):
+    """Errors quote what failed: an object key, an S3 <Message>, a value read from the store."""
+    from kcache.cli.options import report
+    from kcache.errors import IntegrityError
+
+    report(IntegrityError("ref", f"refs/{EVIL}", "does not parse"), False)
+    err = capsys.readouterr().err
+    assert_inert(err)
+    assert len(err.splitlines()) == 2, err  # the message and the hint
