@@ -177,7 +177,7 @@ def advance(store: Store, ref: Ref, *, signer: signing.SigningKey | None = None,
             return _KEEP
         if current is None:
             return ref
-        if _from_the_future(current):
+        if from_the_future(current):
             log.warning("replacing %s: its created_at %s is ahead of this clock by more than %s",
                         ref_key(ref.bundle_key), _utc(current.created_at).isoformat(), MAX_CLOCK_SKEW)  # fmt: skip
             return ref
@@ -190,7 +190,8 @@ def advance(store: Store, ref: Ref, *, signer: signing.SigningKey | None = None,
     return _write(store, ref.bundle_key, decide, signer, ttl) is not _KEEP
 
 
-def _from_the_future(current: Ref) -> bool:
+def from_the_future(current: Ref) -> bool:
+    """Dated more than MAX_CLOCK_SKEW ahead of this clock: a fast clock's (or a forger's) ref."""
     return _utc(current.created_at) > datetime.now(timezone.utc) + MAX_CLOCK_SKEW
 
 

@@ -91,7 +91,8 @@ def reindex(store: Store, index: Index, *, jobs: int = 16) -> ReindexResult:
         except KcacheError as exc:
             skipped.append(f"{info.key}: {exc}")
             continue
-        created = ref.created_at if ref and ref.manifest == manifest_id else info.modified
+        dated = ref and ref.manifest == manifest_id and not refs.from_the_future(ref)  # else newest for good
+        created = ref.created_at if dated else info.modified
         status = "yanked" if manifest_id in yanked or (ref and manifest_id in ref.yanked) else "active"
         bundles += 1
         added = index.add_bundle(Bundle(

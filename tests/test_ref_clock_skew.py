@@ -46,3 +46,26 @@ def test_a_hand_written_future_ref_is_replaced(store):
     store.put_bytes(ref_key(KEY), refs.Ref(KEY, OTHER, datetime(2999, 1, 1, tzinfo=timezone.utc)).to_bytes())
     assert refs.advance(store, refs.Ref(KEY, NEW, now()))
     assert refs.read(store, KEY).manifest == NEW
+
+
+def test_reindex_does_not_take_a_future_created_at_from_a_ref(tmp_path, store, sqlite_index, fp):
+    """reindex dates a bundle by its ref: a ref from 2999 would make it the newest, and kept, forever."""
+    from trees import write_tree
+
+    from kcache import sources
+    from kcache.index import Index
+    from kcache.publish import publish
+    from kcache.reindex import reindex
+
+    write_tree(tmp_path / "src", {"inductor/a": b"a"})
+    bundle = publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={}).bundle_id
+    store.delete(ref_key(fp.bundle_key))
+    far = datetime(2999, 1, 1, tzinfo=timezone.utc)
+    store.put_bytes(ref_key(fp.bundle_key), refs.Ref(fp.bundle_key, bundle, far).to_bytes())
+    fresh = Index.open(f"sqlite:///{tmp_path / 'fresh.db'}")
+    try:
+        reindex(store, fresh, jobs=1)
+        created = fresh.get_bundle(bundle).created_at
+        assert (created if created.tzinfo else created.replace(tzinfo=timezone.utc)) < now() + refs.MAX_CLOCK_SKEW
+    finally:
+        fresh.close()
