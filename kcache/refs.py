@@ -289,7 +289,12 @@ def _load(store: Store, key: str, bundle_key: str) -> tuple[Ref | None, str | No
 def _stamp(draft: Ref, current: Ref | None, signer, ttl: timedelta) -> Ref:
     now = datetime.now(timezone.utc)
     # Never below the clock (in ms): a replayed old ref in the store cannot pull the next one back.
-    generation = max((current.generation if current else 0) + 1, int(now.timestamp() * 1000))
+    # A generation past the clock's bound is a fast clock's or a forger's: carried, it would be
+    # re-signed forever (or, past 4300 digits, make every write fail), so the clock restarts it.
+    clock = int(now.timestamp() * 1000)
+    bound = clock + int(MAX_CLOCK_SKEW.total_seconds() * 1000)
+    carried = current.generation + 1 if current and current.generation < bound else 0
+    generation = max(carried, clock)
     ref = replace(draft, generation=generation, signatures=(), expires=now + ttl if signer else None)
     if signer is None:
         return ref

@@ -69,3 +69,20 @@ def test_reindex_does_not_take_a_future_created_at_from_a_ref(tmp_path, store, s
         assert (created if created.tzinfo else created.replace(tzinfo=timezone.utc)) < now() + refs.MAX_CLOCK_SKEW
     finally:
         fresh.close()
+
+
+def test_a_forged_huge_generation_is_not_carried_forward(store):
+    """generation is one more than the replaced ref's: a ref with a 4300-digit generation made the next
+    write overflow Python's int-to-text limit, and any huge one would be re-signed forever."""
+    doc = (
+        refs.Ref(KEY, OLD, now() - timedelta(hours=1))
+        .to_bytes()
+        .replace(b'"generation":0', b'"generation":' + b"9" * 4300)
+    )
+    assert b"9" * 4300 in doc
+    store.put_bytes(ref_key(KEY), doc)
+    assert refs.read(store, KEY).generation > 10**4000  # a valid ref, as far as its shape goes
+    assert refs.advance(store, refs.Ref(KEY, NEW, now()))
+    written = refs.read(store, KEY)
+    assert written.manifest == NEW
+    assert written.generation <= (now() + refs.MAX_CLOCK_SKEW).timestamp() * 1000
