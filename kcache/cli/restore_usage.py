@@ -4,8 +4,9 @@ click turns a typo in --jobs or --fallback, an unknown option, or an environment
 wrong type into exit 2 before the command runs, and an init container that exits 2 crash-loops.
 `RestoreCommand` catches its own usage errors: when --into can be read from the raw arguments it
 runs restore's failure path there (kcache.env and an error marker, under ROOT's lock), prints one
-line and exits 0, or, with --strict among the arguments, exits with click's usage error. Without a
-usable --into nothing can be written, and the usage error stands.
+line and exits 0, or, with --strict among the arguments, exits with click's usage error. A ROOT
+that cannot be written gets nothing but still exits 0, as restore does; without --into the usage
+error stands.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from kcache.errors import ConfigError, KcacheError, RootError
+from kcache.errors import ConfigError, KcacheError
 from kcache.restore import restore_opening
 
 # Seconds the failure path may wait for another restore holding ROOT's lock.
@@ -29,7 +30,10 @@ class RestoreCommand(click.Command):
             return super().parse_args(ctx, args)
         except click.UsageError as exc:
             root, strict = into(raw), "--strict" in _options(raw)
-            if root is None or not _fail_open(root, exc, raw, strict) or strict:
+            if root is None:
+                raise
+            _fail_open(root, exc, raw, strict)
+            if strict:
                 raise
             raise click.exceptions.Exit(0) from None
 
@@ -50,9 +54,10 @@ def _options(args: list[str]) -> list[str]:
     return args[: args.index("--")] if "--" in args else args
 
 
-def _fail_open(root: Path, usage: click.UsageError, raw: list[str], strict: bool) -> bool:
+def _fail_open(root: Path, usage: click.UsageError, raw: list[str], strict: bool) -> None:
     """Write restore's error marker and kcache.env into `root`, and unless `strict` (click reports
-    then) say so; False when `root` is unusable."""
+    then) print the usage error as restore prints any failure. A ROOT that cannot be written gets
+    nothing, as on restore's own failure path, and the pod still starts cold."""
     from kcache.cli.restore_cmd import _report_error
 
     started = time.perf_counter()
@@ -63,9 +68,7 @@ def _fail_open(root: Path, usage: click.UsageError, raw: list[str], strict: bool
 
     try:
         restore_opening(open_inputs, root, timeout=_LOCK_WAIT)
-    except RootError:
-        return False
-    except KcacheError as exc:  # ours, or RootBusy: the restore holding ROOT writes its own marker
-        if not strict:
-            _report_error(exc, False, "--json" in _options(raw), time.perf_counter() - started)
-    return True
+    except KcacheError:  # ours; or ROOT unusable (RootError) or held by a restore that writes its own marker
+        pass
+    if not strict:
+        _report_error(error, False, "--json" in _options(raw), time.perf_counter() - started)

@@ -89,11 +89,13 @@ def test_without_into_a_usage_error_stays_a_usage_error(tmp_path):
     assert result.exit_code == 2
 
 
-def test_unusable_into_keeps_the_usage_error(tmp_path):
+def test_unusable_into_starts_cold_as_restore_does_and_names_the_usage_error(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     result = invoke(["--into", str(tmp_path / "file"), "--jobs", "1O"])
-    assert result.exit_code == 2
+    assert result.exit_code == 0 and "restore failed, starting cold" in result.stderr
+    assert "--jobs" in result.stderr
     assert (tmp_path / "file").read_text() == "not a directory"
+    assert invoke(["--strict", "--into", str(tmp_path / "file"), "--jobs", "1O"]).exit_code == 2
 
 
 def test_help_still_exits_0_without_writing(tmp_path):
