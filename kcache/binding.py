@@ -22,10 +22,10 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kcache import canonical
+from kcache import canonical, limits
 from kcache.catalog import NO_INDEX
 from kcache.config import Settings
-from kcache.errors import IntegrityError, ObjectMissing, StoreMismatch
+from kcache.errors import IntegrityError, StoreMismatch
 from kcache.refs import RefCatalog
 from kcache.store import Store
 
@@ -36,16 +36,16 @@ log = logging.getLogger(__name__)
 
 STORE_ID_KEY = "kcache-store.json"
 _ID = re.compile(r"[0-9a-f]{32}\Z")
+_STORE_ID_BYTES = 4096  # {"schema": 1, "store_id": <32 hex>} is 50 bytes
 
 
 def read_store_id(store: Store) -> str | None:
     """The store's id, or None when no kcache writer has named it yet."""
-    try:
-        data = store.get_bytes(STORE_ID_KEY)
-    except ObjectMissing:
+    data = limits.read_capped(store, STORE_ID_KEY, _STORE_ID_BYTES, "store id")
+    if data is None:
         return None
     try:
-        store_id = json.loads(data[:4096])["store_id"]
+        store_id = json.loads(data)["store_id"]
     except (ValueError, KeyError, TypeError) as exc:
         raise IntegrityError("store id", STORE_ID_KEY, f"does not parse: {type(exc).__name__}") from None
     if not isinstance(store_id, str) or not _ID.match(store_id):

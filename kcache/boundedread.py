@@ -12,6 +12,8 @@ import os
 import stat
 from pathlib import Path
 
+from kcache.errors import ConfigError
+
 
 class NotRegularFile(OSError):
     """The path is a FIFO, a device, a socket or a directory."""
@@ -34,3 +36,18 @@ def read_bytes(path: Path, limit: int) -> bytes:
     if len(data) > limit:
         raise FileTooLarge(f"{path} is over the {limit}-byte limit")
     return data
+
+
+def read_named(path: Path, limit: int, what: str) -> bytes:
+    """`read_bytes` of a file a flag or an environment variable names (`what`): every failure is a
+    ConfigError that says which file and why, so a typo or a FIFO is a usage error, not a hang."""
+    try:
+        return read_bytes(path, limit)
+    except NotRegularFile:
+        raise ConfigError(
+            what, str(path), "is not a regular file (a FIFO, device or directory cannot be read)"
+        ) from None
+    except FileTooLarge:
+        raise ConfigError(what, str(path), f"is over the {limit}-byte limit") from None
+    except OSError as exc:
+        raise ConfigError(what, str(path), f"cannot be read: {exc.strerror or exc}") from None

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kcache import canonical
+from kcache import boundedread, canonical
 from kcache import probes as probing
 from kcache.errors import ConfigError
 from kcache.probes import NONE
@@ -77,6 +77,12 @@ class Fingerprint:
     def mismatch_reason(self) -> str:
         """One line naming every disagreement, for a miss's reason."""
         return "the facts file does not describe this machine: " + "; ".join(map(_describe, self.mismatches))
+
+
+# What --facts-file and --model-config may hold: `kcache fingerprint --json` prints a few KiB and a
+# model's config.json is tens of KiB; anything far larger is not the file meant (or /dev/zero).
+MAX_FACTS_FILE_BYTES = 1 << 20
+MAX_MODEL_CONFIG_BYTES = 4 << 20
 
 
 def _describe(m: Mismatch) -> str:
@@ -171,7 +177,7 @@ def find_mismatches(facts: Mapping[str, str], env: Mapping[str, str], checks: It
 
 def load_facts_file(path: Path) -> dict[str, str]:
     """Facts from `kcache fingerprint --json` output, or a flat JSON object of name -> value."""
-    doc = _read_json(path, "--facts-file")
+    doc = _read_json(path, "--facts-file", MAX_FACTS_FILE_BYTES)
     facts = doc.get("facts", doc) if isinstance(doc, dict) else None
     if not isinstance(facts, dict) or not all(isinstance(v, str) for v in facts.values()):
         raise ConfigError("--facts-file", str(path), "expected `kcache fingerprint --json` output or {name: value}")
@@ -194,17 +200,16 @@ def workload_facts(model: str | None, config_path: Path | None, extra: Mapping[s
     return facts
 
 
-def _read_json(path: Path, flag: str):
+def _read_json(path: Path, flag: str, limit: int):
+    data = boundedread.read_named(path, limit, flag)
     try:
-        return json.loads(path.read_text())
-    except OSError as exc:
-        raise ConfigError(flag, str(path), f"cannot be read: {exc.strerror}") from None
+        return json.loads(data)
     except ValueError as exc:
         raise ConfigError(flag, str(path), f"is not JSON: {exc}") from None
 
 
 def _model_config_facts(path: Path) -> dict[str, str]:
-    config = _read_json(path, "--model-config")
+    config = _read_json(path, "--model-config", MAX_MODEL_CONFIG_BYTES)
     if not isinstance(config, dict):
         raise ConfigError("--model-config", str(path), "is not a JSON object")
     kept = {k: v for k, v in config.items() if k not in _CONFIG_VOLATILE}

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING
 
+from kcache import limits, refs, signing
 from kcache import manifest as manifests
-from kcache import refs
-from kcache.errors import ObjectMissing
+from kcache.errors import ObjectTooLarge
 from kcache.records import Bundle
 from kcache.store import Store, manifest_key, pack_key
 from kcache.store.base import ObjectInfo
@@ -94,11 +94,12 @@ def plan(store: Store, index: Index, policy: Policy, now: datetime | None = None
     return Plan(now, policy, tuple(doomed), condemn, sweep, waiting, orphans, adopt)
 
 
-def execute(store: Store, index: Index, gc_plan: Plan) -> Result:
+def execute(store: Store, index: Index, gc_plan: Plan, *, signer: signing.SigningKey | None = None) -> Result:
+    """Carry out the plan. `signer` signs the refs gc moves, so pods requiring signatures follow them."""
     from kcache.index import lifecycle
 
     for bundle in gc_plan.delete_bundles:
-        _delete_bundle(store, index, bundle)
+        _delete_bundle(store, index, bundle, signer)
     lifecycle.condemn(index, (p.id for p in gc_plan.condemn), gc_plan.now)
     lifecycle.adopt(index, ((_owner(o.key), o.size) for o in gc_plan.adopt), gc_plan.now)
     swept = lifecycle.delete_condemned(index, (p.id for p in gc_plan.sweep), gc_plan.now - gc_plan.policy.grace)
@@ -123,14 +124,15 @@ def _expired(bundles: list[Bundle], policy: Policy, now: datetime) -> list[Bundl
     return doomed
 
 
-def _delete_bundle(store: Store, index: Index, bundle: Bundle) -> None:
+def _delete_bundle(store: Store, index: Index, bundle: Bundle, signer: signing.SigningKey | None) -> None:
     """Row first (restores stop seeing it), then the ref, then the objects."""
     from kcache.index import lifecycle
 
     lifecycle.delete_bundle(index, bundle.id)
     newest = index.newest_bundle(bundle.bundle_key)
-    refs.repoint(store, bundle.bundle_key, bundle.id,
-                 refs.Ref(newest.bundle_key, newest.id, newest.created_at) if newest else None)  # fmt: skip
+    # Written from the index like every signer's ref: the newest active bundle and the key's yank list.
+    refs.repoint(store, bundle.bundle_key, bundle.id, refs.for_bundle(index, newest.id) if newest else None,
+                 signer=signer)  # fmt: skip
     for signature in store.list(f"signatures/{bundle.id}"):
         store.delete(signature.key)
     store.delete(refs.yank_key(bundle.id))
@@ -147,15 +149,24 @@ def _delete_orphan(store: Store, index: Index, orphan: ObjectInfo) -> None:
     from kcache.index import lifecycle
 
     owner = _owner(orphan.key)
-    try:
-        data = store.get_bytes(orphan.key)
-    except ObjectMissing:
+    if not _ID.match(owner):  # a stray upload or temp file: no publish can name it, nothing to keep
+        store.delete(orphan.key)
         return
-    if lifecycle.has_bundle(index, owner):
+    try:
+        # Capped: a stray object can be gigabytes. One over the cap is refused by every restore
+        # anyway, so it is deleted unread; a publish that committed on it writes it again.
+        data = limits.read_capped(store, orphan.key, _keep_limit(orphan.key), "orphan")
+    except ObjectTooLarge:
+        data = b""
+    if data is None or lifecycle.has_bundle(index, owner):
         return
     store.delete(orphan.key)
-    if lifecycle.has_bundle(index, owner):
+    if data and lifecycle.has_bundle(index, owner):
         store.put_bytes(orphan.key, data)
+
+
+def _keep_limit(key: str) -> int:
+    return limits.SIGNATURE_BYTES if key.startswith("signatures/") else limits.max_manifest_bytes()
 
 
 def _manifest(store: Store, bundle_id: str) -> manifests.Manifest:

@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -28,8 +29,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kcache import boundedread, layerkeys, readiness, refs, signing
 from kcache import fingerprint as fingerprints
-from kcache import layerkeys, readiness, refs, signing
 from kcache import manifest as manifests
 from kcache.errors import ConfigError, IntegrityError, RootError
 from kcache.fingerprint import Fingerprint
@@ -111,8 +112,14 @@ def collect(sources: Iterable[Source], *, root: Path | None, env: Mapping[str, s
 
 def hash_file(path: Path) -> str:
     digest = hashlib.sha256()
-    # O_NOFOLLOW: a file swapped for a link after the walk is not read through it.
-    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+    # O_NOFOLLOW: a file swapped for a link after the walk is not read through it; O_NONBLOCK and
+    # fstat: one swapped for a FIFO (the model container writes ROOT while watch publishes) is not
+    # waited on.
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise boundedread.NotRegularFile(f"{path} is not a regular file")
+    with open(fd, "rb") as f:
         while chunk := f.read(_HASH_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
@@ -129,6 +136,9 @@ def _hash_or_skip(path: Path) -> str | None:
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # replaced by a link since the walk (O_NOFOLLOW)
             log.warning("skipping %r: became a symbolic link since it was listed", str(path))
+            return None
+        if isinstance(exc, boundedread.NotRegularFile):
+            log.warning("skipping %r: no longer a regular file since it was listed", str(path))
             return None
         raise
 

@@ -8,7 +8,8 @@
 
 A pod that may read the bucket but not the SQL index restores through its ref. Publishers move
 a ref forward with compare-and-swap, and only forward: a slow publisher whose bundle is older
-than the ref's never overwrites it.
+than the ref's never overwrites it. A ref dated more than MAX_CLOCK_SKEW ahead of the writer's
+clock holds nothing off: a fast clock must not freeze its key.
 
 A store writer without the signing key must not be able to roll pods back, so under
 `--require-signature` the ref itself must be signed (like TUF's timestamp role):
@@ -55,6 +56,9 @@ _CAS_ATTEMPTS = 20
 _YANK_SCAN = 10_000  # bundles of one key looked at for its yank list; gc keeps far fewer
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 _KEEP = object()  # a decision: leave the ref as it is
+# How far ahead of the writer's clock a ref's created_at may be and still hold a newer bundle off.
+# Further ahead is a fast clock (or a store writer): obeying it would freeze the key until then.
+MAX_CLOCK_SKEW = timedelta(minutes=10)
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,10 @@ def advance(store: Store, ref: Ref, *, signer: signing.SigningKey | None = None,
             return _KEEP
         if current is None:
             return ref
+        if from_the_future(current):
+            log.warning("replacing %s: its created_at %s is ahead of this clock by more than %s",
+                        ref_key(ref.bundle_key), _utc(current.created_at).isoformat(), MAX_CLOCK_SKEW)  # fmt: skip
+            return ref
         if (_utc(current.created_at), current.manifest) > (_utc(ref.created_at), ref.manifest):
             return _KEEP
         if current.manifest == ref.manifest and not _stale(current, ref, signer, ttl):
@@ -180,6 +188,11 @@ def advance(store: Store, ref: Ref, *, signer: signing.SigningKey | None = None,
         return ref
 
     return _write(store, ref.bundle_key, decide, signer, ttl) is not _KEEP
+
+
+def from_the_future(current: Ref) -> bool:
+    """Dated more than MAX_CLOCK_SKEW ahead of this clock: a fast clock's (or a forger's) ref."""
+    return _utc(current.created_at) > datetime.now(timezone.utc) + MAX_CLOCK_SKEW
 
 
 def repoint(store: Store, bundle_key: str, away_from: str, to: Ref | None, *,
@@ -276,7 +289,12 @@ def _load(store: Store, key: str, bundle_key: str) -> tuple[Ref | None, str | No
 def _stamp(draft: Ref, current: Ref | None, signer, ttl: timedelta) -> Ref:
     now = datetime.now(timezone.utc)
     # Never below the clock (in ms): a replayed old ref in the store cannot pull the next one back.
-    generation = max((current.generation if current else 0) + 1, int(now.timestamp() * 1000))
+    # A generation past the clock's bound is a fast clock's or a forger's: carried, it would be
+    # re-signed forever (or, past 4300 digits, make every write fail), so the clock restarts it.
+    clock = int(now.timestamp() * 1000)
+    bound = clock + int(MAX_CLOCK_SKEW.total_seconds() * 1000)
+    carried = current.generation + 1 if current and current.generation < bound else 0
+    generation = max(carried, clock)
     ref = replace(draft, generation=generation, signatures=(), expires=now + ttl if signer else None)
     if signer is None:
         return ref

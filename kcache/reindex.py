@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from kcache import limits, packs, refs
 from kcache import manifest as manifests
-from kcache.errors import KcacheError, ObjectTooLarge
+from kcache.errors import IntegrityError, KcacheError, ObjectTooLarge
 from kcache.records import BlobLocation, Bundle
 from kcache.store import Store
 
@@ -42,6 +42,8 @@ class ReindexResult:
 def _pack_blobs(store: Store, info: ObjectInfo) -> tuple[packs.PackedBlob, ...]:
     """The pack's trailer, read from its end: one read, or two when it is longer than _TAIL."""
     pack_id = info.key.rsplit("/", 1)[-1]
+    if not _HEX64.match(pack_id):  # a stray object (a failed upload, a hand copy) can be gigabytes: unread
+        raise IntegrityError("pack", info.key, "is not named by a pack id")
     tail = _read_end(store, info, min(info.size, _TAIL))
     span = packs.trailer_span(pack_id, tail, info.size)
     if span > len(tail):
@@ -89,7 +91,8 @@ def reindex(store: Store, index: Index, *, jobs: int = 16) -> ReindexResult:
         except KcacheError as exc:
             skipped.append(f"{info.key}: {exc}")
             continue
-        created = ref.created_at if ref and ref.manifest == manifest_id else info.modified
+        dated = ref and ref.manifest == manifest_id and not refs.from_the_future(ref)  # else newest for good
+        created = ref.created_at if dated else info.modified
         status = "yanked" if manifest_id in yanked or (ref and manifest_id in ref.yanked) else "active"
         bundles += 1
         added = index.add_bundle(Bundle(

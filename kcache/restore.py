@@ -37,6 +37,7 @@ from typing import Protocol
 from kcache import choice, envfile, fetch, layerkeys, rootdir, signing
 from kcache import manifest as manifests
 from kcache import sources as layers
+from kcache.config import redact_text
 from kcache.errors import (
     ConfigError,
     KcacheError,
@@ -190,7 +191,9 @@ def _open_and_restore(open_inputs, opened: list, root: Path, jobs: int, budget: 
 
 def _fail(root: Path, opened: list[Opened], exc: Exception, seconds: float, deadline: float | None) -> None:
     """The pod starts cold, but with the right env and a marker that says why."""
-    reason = one_line(exc if isinstance(exc, KcacheError) else f"{type(exc).__name__}: {exc}")
+    # Redacted: a driver's or a bug's message may quote a URL with its password, and every
+    # container of the pod reads ROOT.
+    reason = one_line(redact_text(str(exc) if isinstance(exc, KcacheError) else f"{type(exc).__name__}: {exc}"))
     bundle_key = opened[0].fingerprint.bundle_key if opened else None
     failed = RestoreResult("error", bundle_key, None, root, root / envfile.NAME, seconds=seconds, reason=reason)
     # Each on its own: a ROOT whose tmp/ links outside gets no env file, but still its marker.

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kcache import atomic, canonical, limits
+from kcache import atomic, boundedread, canonical, limits
 from kcache.errors import ConfigError, SignatureError
 from kcache.store import Store
 
@@ -40,6 +40,10 @@ class SigningKey:
 class TrustedKey:
     name: str
     public: bytes  # the 32-byte Ed25519 public key
+
+
+# A key file is one line of about 60 characters.
+MAX_KEY_FILE_BYTES = 4096
 
 
 def signature_key(manifest_id: str, key_name: str) -> str:
@@ -87,17 +91,15 @@ def _exists(path: Path) -> ConfigError:
 
 
 def _read_key_file(path: Path, tag: str) -> tuple[str, bytes]:
+    data = boundedread.read_named(Path(path), MAX_KEY_FILE_BYTES, "key file")
     try:
-        words = Path(path).read_text().split()
-    except OSError as exc:
-        raise ConfigError("key file", str(path), f"cannot be read: {exc.strerror}") from None
-    try:
+        words = data.decode("ascii").split()
         if len(words) != 3 or words[0] != tag or not _NAME.match(words[1]):
             raise ValueError
         raw = base64.b64decode(words[2], validate=True)
         if len(raw) != 32:
             raise ValueError
-    except (ValueError, binascii.Error):
+    except (ValueError, binascii.Error):  # UnicodeDecodeError is a ValueError
         raise ConfigError("key file", str(path), f"is not a '{tag} NAME BASE64' key (see `kcache keygen`)") from None
     return words[1], raw
 

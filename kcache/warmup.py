@@ -21,6 +21,7 @@ reported; a profile whose run raises is failed with the error and the others sti
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import statistics
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kcache import readiness
+from kcache.config import redact_text
 from kcache.errors import ConfigError, KcacheError
 from kcache.profiles import Profile
 from kcache.warmup_http import HttpTarget as HttpTarget  # re-exported: callers name warmup.HttpTarget
@@ -255,4 +257,7 @@ def write_marker(root: Path, report: WarmupReport, on_failure: str = "unready") 
     if on_failure not in readiness.ON_FAILURE:
         raise ConfigError("--on-failure", on_failure, f"expected one of {', '.join(readiness.ON_FAILURE)}")
     Path(root).mkdir(parents=True, exist_ok=True)
-    return readiness.write_marker(Path(root), readiness.WARMUP_MARKER, {**to_dict(report), "on_failure": on_failure})
+    # Every container of the pod reads ROOT, and `kcache ready --json` shows the marker: --url and
+    # the errors quoting it may carry a password (http://user:pass@host).
+    doc = json.loads(redact_text(json.dumps({**to_dict(report), "on_failure": on_failure})))
+    return readiness.write_marker(Path(root), readiness.WARMUP_MARKER, doc)

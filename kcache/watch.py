@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kcache import readiness
+from kcache.config import redact_text
 from kcache.errors import KcacheError
 from kcache.publish import PublishResult
 from kcache.sources import Source, in_root
@@ -128,8 +129,9 @@ def save_baseline(root: Path, baseline: Baseline) -> None:
 
 
 def describe(exc: Exception) -> str:
-    """kcache's own errors say what went wrong; anything else is named by its type too."""
-    return str(exc) if isinstance(exc, KcacheError) else f"{type(exc).__name__}: {exc}"
+    """kcache's own errors say what went wrong; anything else is named by its type too. Redacted:
+    the text goes to --json and the pod log, and a driver's message may quote the index URL whole."""
+    return redact_text(str(exc) if isinstance(exc, KcacheError) else f"{type(exc).__name__}: {exc}")
 
 
 class Watcher:

@@ -67,10 +67,10 @@ def _echo(fp, result: explain.Explanation, per_layer) -> None:
     if result.hit is not None:
         b = result.hit
         click.echo(f"hit: bundle {b.id[:12]} ({b.files} files, {fmt.size(b.bytes)}, created {fmt.when(b.created_at)} "
-                   f"UTC by {b.created_by}) matches; `kcache restore` lays it down.")  # fmt: skip
+                   f"UTC by {fmt.text(b.created_by)}) matches; `kcache restore` lays it down.")  # fmt: skip
         return
     if result.mismatches:
-        click.echo(f"miss: {fp.mismatch_reason()}; restore misses whatever the index holds")
+        click.echo(f"miss: {fmt.text(fp.mismatch_reason())}; restore misses whatever the index holds")
     if not result.nearest:
         click.echo("miss: the index holds no bundles; run `kcache publish` after a warmup")
         return
@@ -79,17 +79,17 @@ def _echo(fp, result: explain.Explanation, per_layer) -> None:
     for n, cand in enumerate(result.nearest, 1):
         b = cand.bundle
         click.echo()
-        click.echo(f"{n}. bundle {b.id[:12]}  model {b.model or '-'}  created {fmt.when(b.created_at)} UTC  "
-                   f"{b.status}  {len(cand.differences)} fact(s) differ")  # fmt: skip
+        click.echo(f"{n}. bundle {b.id[:12]}  model {fmt.text(b.model or '-')}  created {fmt.when(b.created_at)} UTC  "
+                   f"{fmt.text(b.status)}  {len(cand.differences)} fact(s) differ")  # fmt: skip
         rows = [(d.group, d.name, _value(d.here), _value(d.bundle)) for d in cand.differences]
         if rows:
             table = fmt.table(["group", "fact", "this machine", "bundle"], rows)
             click.echo("\n".join("   " + line for line in table.splitlines()))
-        click.echo(f"   verdict: {cand.verdict}")
+        click.echo(f"   verdict: {fmt.text(cand.verdict)}")
     click.echo()
     click.echo("per layer (what `kcache restore --fallback layers` would reuse):")
     for v in per_layer:
-        click.echo(f"   {v.layer:<13} {v.verdict}")
+        click.echo(f"   {v.layer:<13} {fmt.text(v.verdict)}")
 
 
 def _value(v: str | None) -> str:

@@ -8,6 +8,11 @@ from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
+from kcache.untrusted import one_line
+
+# Characters a table cell or a value line may show: a manifest path can be long, a screen is wider.
+CELL_LIMIT = 1000
+
 
 def size(n: int) -> str:
     value = float(n)
@@ -26,8 +31,15 @@ def when(ts: datetime) -> str:
     return ts.strftime("%Y-%m-%d %H:%M:%S")
 
 
+def text(value: Any, limit: int = CELL_LIMIT) -> str:
+    """A value from the index, the store or another container, safe on a terminal: one line, no
+    escape sequences (kcache.untrusted). Every human-readable line that shows such a value uses this."""
+    return one_line(value, limit)
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
+    """Columns of `rows`; every cell passes through `text`, so a hostile value cannot break the table."""
+    cells = [list(map(str, headers))] + [[text(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 

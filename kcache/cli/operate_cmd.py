@@ -12,12 +12,18 @@ from kcache.cli.errors import ExitCode
 from kcache.cli.options import handle_errors, json_option, load_signing_key, opened, settings, store_options
 
 
+def ref_signing_key_option(fn):
+    """--signing-key for commands that move refs (yank, gc): what they write, pods requiring signatures follow."""
+    return click.option("--signing-key", type=click.Path(dir_okay=False), envvar="KCACHE_SIGNING_KEY",
+                        help="Sign the refs this command moves with this key, so pods requiring signatures "
+                             "follow them.")(fn)  # fmt: skip
+
+
 @click.command("yank")
 @click.argument("bundle")
 @click.option("--undo", is_flag=True, help="Make a yanked bundle restorable again.")
 @click.option("--reason", default="", help="Why, kept in the store beside the yank.")
-@click.option("--signing-key", type=click.Path(dir_okay=False), envvar="KCACHE_SIGNING_KEY",
-              help="Re-sign the bundle key's ref with this key, so pods requiring signatures follow it.")  # fmt: skip
+@ref_signing_key_option
 @store_options
 @json_option
 @handle_errors
@@ -37,7 +43,7 @@ def yank_cmd(bundle, undo, reason, signing_key, store_url, index_url, s3_endpoin
     if as_json:
         click.echo(fmt.to_json({"bundle_id": changed.id, "status": "active" if undo else "yanked"}))
     else:
-        click.echo(f"kcache: bundle {changed.id[:12]} is {'active again' if undo else 'yanked'}")
+        click.echo(f"kcache: bundle {fmt.text(changed.id[:12])} is {'active again' if undo else 'yanked'}")
 
 
 @click.command("verify")
@@ -69,7 +75,7 @@ def verify_cmd(read_data, subset, jobs, store_url, index_url, s3_endpoint_url, a
         click.echo(f"kcache: checked {result.bundles} bundles over {result.packs} packs{read}: "
                    f"{len(result.problems) or 'no'} problems")  # fmt: skip
         for problem in result.problems:
-            click.echo(f"  {problem}", err=True)
+            click.echo(f"  {fmt.text(problem)}", err=True)
     if result.problems:
         raise click.exceptions.Exit(ExitCode.PROBLEMS)
 
@@ -81,10 +87,11 @@ def verify_cmd(read_data, subset, jobs, store_url, index_url, s3_endpoint_url, a
 @click.option("--grace", default="6h", show_default=True,
               help="A condemned pack is deleted only after this long, so running publishes can revive it.")  # fmt: skip
 @click.option("--dry-run", is_flag=True, help="Print the plan and the bytes it would free; change nothing.")
+@ref_signing_key_option
 @store_options
 @json_option
 @handle_errors
-def gc_cmd(keep_last, older_than, grace, dry_run, store_url, index_url, s3_endpoint_url, as_json):
+def gc_cmd(keep_last, older_than, grace, dry_run, signing_key, store_url, index_url, s3_endpoint_url, as_json):
     """Delete old bundles and the packs nobody needs, in two phases that are safe while publishes run.
 
     A first run condemns unreferenced packs; a run after --grace deletes those still condemned.
@@ -97,9 +104,10 @@ def gc_cmd(keep_last, older_than, grace, dry_run, store_url, index_url, s3_endpo
     from kcache import gc
 
     policy = gc.Policy(keep_last, durations.parse(older_than, "--older-than"), durations.parse(grace, "--grace"))
+    key = load_signing_key(signing_key)
     with opened(settings(store_url, index_url, s3_endpoint_url)) as (store, index):
         plan = gc.plan(store, index, policy)
-        result = None if dry_run else gc.execute(store, index, plan)
+        result = None if dry_run else gc.execute(store, index, plan, signer=key)
     summary = {
         "dry_run": dry_run, "bundles_to_delete": [b.id for b in plan.delete_bundles],
         "packs_to_condemn": len(plan.condemn), "packs_to_delete": len(plan.sweep),
@@ -116,7 +124,8 @@ def gc_cmd(keep_last, older_than, grace, dry_run, store_url, index_url, s3_endpo
                f"delete {len(plan.sweep)} condemned packs and {len(plan.orphans)} orphan objects "
                f"({verb} free {fmt.size(plan.bytes_freed)}); {len(plan.waiting)} packs wait out --grace")  # fmt: skip
     for bundle in plan.delete_bundles:
-        click.echo(f"  bundle {bundle.id[:12]} {bundle.model or '-'} {fmt.when(bundle.created_at)} {bundle.status}")
+        click.echo(f"  bundle {bundle.id[:12]} {fmt.text(bundle.model or '-')} {fmt.when(bundle.created_at)} "
+                   f"{fmt.text(bundle.status)}")  # fmt: skip
     if result:
         click.echo(f"kcache gc: deleted {result.bundles_deleted} bundles, {result.packs_deleted} packs, "
                    f"{result.orphans_deleted} orphans; freed {fmt.size(result.bytes_freed)}")  # fmt: skip

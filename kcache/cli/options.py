@@ -181,7 +181,7 @@ def report(exc: BaseException, as_json: bool) -> click.exceptions.Exit:
     message, hint, code = describe(exc)
     if as_json:
         click.echo(fmt.to_json({"status": "error", "error": message, "hint": hint, "exit_code": int(code)}))
-    click.echo(f"kcache: error: {message}", err=True)
+    click.echo(f"kcache: error: {fmt.text(message)}", err=True)  # may quote the store, the index, a server
     click.echo(f"  hint: {hint}", err=True)
     return click.exceptions.Exit(code)
 

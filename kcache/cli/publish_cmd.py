@@ -104,7 +104,8 @@ def publish_cmd(root, layers, extra_dirs, signing_key, allow_empty, compile_seco
     chosen = sources.in_root(root, names, extras) if root else sources.select(names, extras)
     cfg = settings(store_url, index_url, s3_endpoint_url)
     store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
-    note = (lambda msg: click.echo(f"kcache: {msg}", err=True)) if stderr_is_terminal() and not as_json else None
+    show = stderr_is_terminal() and not as_json
+    note = (lambda msg: click.echo(f"kcache: {fmt.text(msg)}", err=True)) if show else None  # names files of ROOT
     config = publish_config(cfg, jobs=jobs, signing_key=signing_key, allow_empty=allow_empty)
     index = binding.open_index(cfg, store, write=True)
     try:

@@ -30,7 +30,7 @@ def ready_cmd(root, as_json):
       KCACHE_ROOT=/kcache kcache ready --json
     """
     state = readiness.check(root)
-    restore = (state.restore or {}).get("status")
+    restore = fmt.text((state.restore or {}).get("status"))  # a marker anyone in the pod may write
     signals = ", ".join(f"{s.name} {'yes' if s.ok else 'no'}" for s in state.signals)
     if as_json:
         click.echo(fmt.to_json({**readiness.to_dict(state), "root": str(root)}))
@@ -41,6 +41,6 @@ def ready_cmd(root, as_json):
         took = f" in {fmt.seconds(seconds)}" if isinstance(seconds, (int, float)) else ""
         click.echo(f"kcache: ready: restore {restore}, warmup ok{took}")
     else:
-        click.echo(f"kcache: not ready: {state.reason} (root {root}; {signals})")
+        click.echo(f"kcache: not ready: {fmt.text(state.reason)} (root {root}; {signals})")
     if not state.ready:
         raise click.exceptions.Exit(ExitCode.NOT_READY)

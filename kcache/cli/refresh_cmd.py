@@ -51,4 +51,4 @@ def refresh_cmd(bundle_keys, model, signing_key, ttl, store_url, index_url, s3_e
     click.echo(f"kcache: re-signed {sum(1 for r in done.values() if r)} refs with key {key.name!r}")
     for row in rows:
         what = f"-> {row['bundle_id'][:12]}, generation {row['generation']}, expires {row['expires']}"
-        click.echo(f"  {row['bundle_key']} {what if row['bundle_id'] else 'removed (no active bundle)'}")
+        click.echo(f"  {fmt.text(row['bundle_key'])} {what if row['bundle_id'] else 'removed (no active bundle)'}")

@@ -34,6 +34,6 @@ def reindex_cmd(jobs, store_url, index_url, s3_endpoint_url, as_json):
         click.echo(f"kcache: indexed {result.packs} packs ({result.blobs} blobs) and {result.bundles} bundles "
                    f"({result.new_bundles} new)")  # fmt: skip
         for problem in result.skipped:
-            click.echo(f"  skipped {problem}", err=True)
+            click.echo(f"  skipped {fmt.text(problem)}", err=True)
     if result.skipped:
         raise click.exceptions.Exit(ExitCode.PROBLEMS)

@@ -21,6 +21,7 @@ from kcache.cli.options import (
     settings,
     store_options,
 )
+from kcache.cli.restore_usage import RestoreCommand
 from kcache.errors import ConfigError
 from kcache.restore import Opened, restore_opening
 from kcache.store import open_store
@@ -32,7 +33,7 @@ DEFAULT_TIMEOUT = 300.0
 MAX_TIMEOUT = 86400.0
 
 
-@click.command("restore")
+@click.command("restore", cls=RestoreCommand)
 @click.option("--into", "root", required=True, type=click.Path(path_type=Path),
               help="Restore root, e.g. an emptyDir shared with the model container.")  # fmt: skip
 @click.option("--timeout", "timeout_text", metavar="DURATION", default=str(int(DEFAULT_TIMEOUT)), show_default=True,

@@ -85,7 +85,7 @@ def _http(url, request_timeout, wait_timeout, served_model, retries, budget) -> 
 
 
 def _note():
-    return (lambda msg: click.echo(f"kcache: {msg}", err=True)) if stderr_is_terminal() else None
+    return (lambda msg: click.echo(f"kcache: {fmt.text(msg)}", err=True)) if stderr_is_terminal() else None
 
 
 @click.command("warmup", epilog=PROFILES_HELP)
@@ -155,12 +155,12 @@ def _print_report(report: warmup.WarmupReport) -> None:
         click.echo(f"torch caches: fx graph {c['fxgraph_hit']} hit / {c['fxgraph_miss']} miss, "
                    f"aot autograd {c['aotautograd_hit']} hit / {c['aotautograd_miss']} miss")  # fmt: skip
     verdict = "ok" if report.status == "ok" else "FAILED"
-    click.echo(f"kcache: warmup of {redact_text(report.target)}: {verdict}, {len(report.results)} profiles "
+    click.echo(f"kcache: warmup of {fmt.text(redact_text(report.target))}: {verdict}, {len(report.results)} profiles "
                f"in {fmt.seconds(report.seconds)}")  # fmt: skip
     if report.error:
-        click.echo(f"kcache: error: {redact_text(report.error)}", err=True)
+        click.echo(f"kcache: error: {fmt.text(redact_text(report.error))}", err=True)
     for r in report.failed:
-        click.echo(f"kcache: profile {r.profile.name} failed: {redact_text(r.error)}", err=True)
+        click.echo(f"kcache: profile {fmt.text(r.profile.name)} failed: {fmt.text(redact_text(r.error))}", err=True)
 
 
 def _secs(value: float | None) -> str:

@@ -124,14 +124,14 @@ def _report(step: Step, as_json: bool) -> None:
             "publish_error": step.publish_error or None,
         }))  # fmt: skip
     elif not step.ready:
-        click.echo(f"kcache: not ready yet ({step.reason}); nothing to watch")
+        click.echo(f"kcache: not ready yet ({fmt.text(step.reason)}); nothing to watch")
     else:
         click.echo(f"kcache: {len(step.new)} cache files appeared after ready")
         for f in step.new:
-            click.echo(f"  {f.layer}  {f.rel}  {fmt.size(f.size)}")
+            click.echo(f"  {f.layer}  {fmt.text(f.rel)}  {fmt.size(f.size)}")
         if step.published:
             click.echo(f"kcache: published bundle {step.published.bundle_id[:12]} "
                        f"({step.published.new_blobs} new blobs)")  # fmt: skip
     if step.publish_error:
-        click.echo(f"kcache: publish failed: {redact_text(step.publish_error)}", err=True)
+        click.echo(f"kcache: publish failed: {fmt.text(redact_text(step.publish_error))}", err=True)
         raise click.exceptions.Exit(ExitCode.PUBLISH)
