@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from kcache import choice, envfile, fetch, signing
+from kcache import choice, envfile, fetch, progress, signing
 from kcache import manifest as manifests
 from kcache import sources as layers
 from kcache.errors import (
@@ -98,13 +98,15 @@ def restore(
     trusted: tuple[signing.TrustedKey, ...] = (),
     require_signature: bool = False,
     fallback: str | None = None,
+    report: progress.Report | None = None,
 ) -> RestoreResult:
     """Restore the newest bundle for `fingerprint` (or the pinned `bundle_id`) into `root`.
 
     A pinned bundle must still match the fingerprint. With trusted keys, a signature that does
     not verify is refused; with `require_signature`, so is an unsigned bundle. With
     fallback="toolchain", a miss restores the kernel layers of the newest bundle built on the same
-    toolchain (status "partial"). Raises KcacheError.
+    toolchain (status "partial"). `report` receives the fetch's progress (kcache.progress).
+    Raises KcacheError.
     """
     if fallback not in (None, "toolchain"):
         raise ConfigError("--fallback", str(fallback), "the only fallback is 'toolchain'")
@@ -115,10 +117,8 @@ def restore(
     root = Path(root).absolute()
     try:
         try:
-            result = _within(
-                timeout,
-                lambda budget: _restore(store, index, fingerprint, root, jobs, budget, bundle_id, policy, fallback),
-            )
+            result = _within(timeout, lambda budget: _restore(store, index, fingerprint, root, jobs, budget,
+                                                              bundle_id, policy, fallback, report))  # fmt: skip
         except OSError as exc:  # the disk, not the bundle: ENOSPC, EACCES, a read-only volume
             raise _root_error(root, exc) from exc
     except KcacheError as exc:
@@ -177,6 +177,7 @@ def _restore(
     pinned: str | None,
     policy: choice.Policy,
     fallback: str | None = None,
+    report: progress.Report | None = None,
 ) -> RestoreResult:
     started = time.perf_counter()
     _prepare_root(root)
@@ -193,7 +194,7 @@ def _restore(
     _check_layers(manifest)
     layer_names = tuple(n for n in manifest.layers if n in PARTIAL_LAYERS) if partial else manifest.layers
     entries = tuple(e for e in manifest.entries if not partial or e.path.split("/", 1)[0] in PARTIAL_LAYERS)
-    _lay_out(store, root, entries, layers.for_manifest(layer_names), jobs, budget)
+    _lay_out(store, root, entries, layers.for_manifest(layer_names), jobs, budget, report)
     env_file = _write_env(root, fp, layer_names, f"{'partial' if partial else 'hit'}, bundle {manifest.id}")
     reason = (
         f"kernel layers of bundle {manifest.id[:12]}, built on this toolchain for another workload" if partial else ""
@@ -211,13 +212,16 @@ def _check_layers(manifest: manifests.Manifest) -> None:
             raise UnsafePath(entry.path, "belongs to no layer of the bundle that this kcache knows")
 
 
-def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jobs: int, budget: _Budget) -> None:
+def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jobs: int, budget: _Budget,
+             report: progress.Report | None = None) -> None:  # fmt: skip
     """Fetch and verify everything into staging, then swap the layers in (unless time ran out)."""
     staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=root))
     with budget.lock:
         budget.staging = staging
     try:
-        _fetch_all(store, entries, staging, jobs, budget)
+        with progress.Meter("restoring", files=len(entries), bytes=sum(e.size for e in entries),
+                            report=report) as meter:  # fmt: skip
+            _fetch_all(store, entries, staging, jobs, budget, meter)
         with budget.lock:
             if budget.expired:
                 raise fetch.Cancelled()
@@ -252,7 +256,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path, jobs: int, budget: _Budget) -> None:
+def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path, jobs: int, budget: _Budget,
+               meter: progress.Meter) -> None:  # fmt: skip
     """Every blob into its staged path (verified), then the paths that share a blob as copies."""
     files = staging / "files"
     # Directories once up front: per-file mkdir calls cost more than the writes on small caches.
@@ -260,23 +265,29 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
         directory.mkdir(parents=True, exist_ok=True)
     umask = _umask()
 
-    def lay(entry: manifests.Entry, write) -> None:
+    def create(entry: manifests.Entry):
         path = files / entry.path  # manifest.parse already refused absolute paths and '..'
-        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, entry.mode), "wb") as out:
+        out = open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, entry.mode), "wb")
+        if entry.mode & umask:  # the umask took bits the manifest asks for (the open descriptor still writes)
+            os.fchmod(out.fileno(), entry.mode)
+        return out
+
+    def lay(entry: manifests.Entry, write) -> None:
+        with create(entry) as out:
             write(out)
-        if entry.mode & umask:  # the umask took bits the manifest asks for
-            os.chmod(path, entry.mode)
 
     def place(entry: manifests.Entry, frame) -> None:
         lay(entry, lambda out: unpack_frame(frame, entry.blob, entry.size, out))
 
-    fetch.fetch_blobs(store, entries, place, jobs=jobs, cancelled=lambda: budget.expired)
+    fetch.fetch_blobs(store, entries, place, jobs=jobs, cancelled=lambda: budget.expired, open_blob=create,
+                      meter=meter)  # fmt: skip
     first_path: dict[str, str] = {}
     for entry in entries:
         origin = first_path.setdefault(entry.blob, entry.path)
         if origin != entry.path:  # already verified when its first path was written
             with open(files / origin, "rb") as src:
                 lay(entry, lambda out, src=src: shutil.copyfileobj(src, out))
+            meter.add(files=1, bytes=entry.size)
 
 
 def _umask() -> int:

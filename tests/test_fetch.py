@@ -1,0 +1,197 @@
+"""Large blobs are stored as chunks and fetched chunk by chunk in parallel, verified as a whole.
+
+The chunk size is shrunk to a few KiB here, so small files exercise every path a multi-GiB one
+takes: seek tables longer than the first tail read, a short last chunk, one-chunk files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import random
+import subprocess
+import threading
+
+import pytest
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kcache import fetch, packs
+from kcache.errors import IntegrityError
+from kcache.manifest import Entry
+from kcache.store import pack_key
+
+CHUNK = 4096
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(packs, "CHUNK_BYTES", CHUNK)
+    monkeypatch.setattr(packs, "SEEK_TAIL_GUESS", 64)  # a table of more than 5 frames takes a second read
+
+
+class Recording:
+    """A store that remembers every range read (offset, length) and what else was asked of it."""
+
+    def __init__(self, inner):
+        self._inner, self.ranges, self.lock = inner, [], threading.Lock()
+        self.url = inner.url
+
+    def open_range(self, key, offset, length):
+        with self.lock:
+            self.ranges.append((offset, length))
+        return self._inner.open_range(key, offset, length)
+
+
+def content(seed: int, size: int) -> bytes:
+    rng = random.Random(seed)
+    return b"".join(rng.randbytes(64) + b"kernel " * rng.randrange(20) for _ in range(size // 64 + 1))[:size]
+
+
+def publish_blob(store, workdir, data: bytes, pool=None) -> Entry:
+    """`data` as the only blob of a pack in `store`; the manifest entry that names it."""
+    source = workdir / "src"
+    source.write_bytes(data)
+    blob = hashlib.sha256(data).hexdigest()
+    writer = packs.PackWriter(workdir, pool)
+    writer.add(blob, source, len(data))
+    pack = writer.finish()
+    store.put_file(pack_key(pack.id), pack.path)
+    (where,) = pack.blobs
+    return Entry("triton/big.cubin", 0o644, len(data), blob, pack.id, where.offset, where.length)
+
+
+def fetch_into(store, entry: Entry, out_path, jobs: int = 8) -> None:
+    def place(_entry, frame):
+        with open(out_path, "wb") as out:
+            packs.unpack_frame(frame, entry.blob, entry.size, out)
+
+    fetch.fetch_blobs(store, [entry], place, jobs=jobs, open_blob=lambda _e: open(out_path, "wb"))
+
+
+def test_a_large_file_is_written_as_frames_of_chunk_bytes_with_a_seek_table(tmp_path, store):
+    data = content(1, 5 * CHUNK + 100)
+    entry = publish_blob(store, tmp_path, data)
+    stored = store.get_bytes(pack_key(entry.pack))[entry.offset : entry.offset + entry.length]
+    chunks = packs.parse_seek_table(stored, entry.length, entry.size)
+    assert [c.size for c in chunks] == [CHUNK] * 5 + [100]
+    for chunk in chunks:  # each frame stands alone
+        frame = stored[chunk.offset : chunk.offset + chunk.length]
+        assert zstandard.ZstdDecompressor().decompress(frame) == data[chunk.start : chunk.start + chunk.size]
+    # Read front to back the frames are the file (the table is a skippable frame): for zstd's CLI too.
+    assert subprocess.run(["zstd", "-dc"], input=stored, capture_output=True, check=True).stdout == data
+    out = io.BytesIO()
+    packs.unpack_to(io.BytesIO(stored), entry.blob, entry.size, out)
+    assert out.getvalue() == data
+
+
+def test_each_chunk_is_its_own_ranged_read(tmp_path, store):
+    data = content(2, 9 * CHUNK + 1)
+    entry = publish_blob(store, tmp_path, data)
+    recording = Recording(store)
+    fetch_into(recording, entry, tmp_path / "out")
+    assert (tmp_path / "out").read_bytes() == data
+    chunks = packs.parse_seek_table(store.get_bytes(pack_key(entry.pack))[entry.offset:][:entry.length],
+                                    entry.length, entry.size)  # fmt: skip
+    reads = set(recording.ranges)
+    assert {(entry.offset + c.offset, c.length) for c in chunks} <= reads
+    # Tails: the first guess, then the whole table (ten frames do not fit in 64 bytes).
+    assert len(recording.ranges) == len(chunks) + 2
+
+
+def test_chunks_compressed_in_a_pool_make_the_same_blob(tmp_path, store):
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = content(3, 7 * CHUNK + 5)
+    alone = publish_blob(store, tmp_path, data)
+    with ThreadPoolExecutor(4) as pool:
+        pooled = publish_blob(store, tmp_path, data, pool)
+    assert pooled == alone  # same pack id: the pool changes the speed, never the bytes
+
+
+def test_a_large_single_frame_blob_from_a_schema_1_pack_is_still_read(tmp_path, store):
+    data = content(4, 3 * CHUNK)
+    frame = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(data)
+    body = b'{"blobs":[["' + hashlib.sha256(data).hexdigest().encode() + b'",0,%d,%d]],"schema":1}' % (
+        len(frame), len(data))  # fmt: skip
+    pack = frame + body + len(body).to_bytes(8, "big") + packs.MAGIC
+    pack_id = hashlib.sha256(pack).hexdigest()
+    store.put_bytes(pack_key(pack_id), pack)
+    (blob,) = packs.parse_trailer(pack_id, pack, len(pack))
+    entry = Entry("triton/old", 0o644, blob.size, blob.id, pack_id, blob.offset, blob.length)
+    fetch_into(store, entry, tmp_path / "out")
+    assert (tmp_path / "out").read_bytes() == data
+
+
+def test_a_chunk_whose_content_is_wrong_fails_the_blob(tmp_path, store):
+    data = content(5, 4 * CHUNK)
+    entry = publish_blob(store, tmp_path, data)
+    pack = bytearray(store.get_bytes(pack_key(entry.pack)))
+    # Swap the first two frames' content by recompressing them in the other order: every frame
+    # and the table stay valid, only the whole-file hash can tell.
+    cctx = zstandard.ZstdCompressor(level=3, write_content_size=True)
+    swapped = data[CHUNK : 2 * CHUNK] + data[:CHUNK] + data[2 * CHUNK :]
+    frames = [cctx.compress(swapped[i : i + CHUNK]) for i in range(0, len(swapped), CHUNK)]
+    blob = b"".join(frames) + packs.seek_table([(len(f), CHUNK) for f in frames])
+    forged = bytes(pack[: entry.offset]) + blob
+    store.put_bytes(pack_key("f" * 64), forged)
+    lying = Entry(entry.path, entry.mode, entry.size, entry.blob, "f" * 64, entry.offset, len(blob))
+    with pytest.raises(IntegrityError, match="hashes to"):
+        fetch_into(store, lying, tmp_path / "out")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(size=st.integers(CHUNK + 1, 12 * CHUNK), seed=st.integers(0, 2**16), flip=st.integers(0, 2**32),
+       jobs=st.integers(1, 8))  # fmt: skip
+def test_any_damaged_byte_fails_the_fetch_or_changes_nothing(tmp_path_factory, size, seed, flip, jobs):
+    """A flipped byte anywhere in a chunked blob (frames, table, footer) never yields other content."""
+    from kcache.store.local import LocalStore
+
+    work = tmp_path_factory.mktemp("blob")
+    store = LocalStore(work / "store")
+    data = content(seed, size)
+    entry = publish_blob(store, work, data)
+    pack = bytearray(store.get_bytes(pack_key(entry.pack)))
+    at = entry.offset + flip % entry.length
+    pack[at] ^= 1 << (flip % 8)
+    store.put_bytes(pack_key("e" * 64), bytes(pack))
+    damaged = Entry(entry.path, entry.mode, entry.size, entry.blob, "e" * 64, entry.offset, entry.length)
+    out = work / "out"
+    try:
+        fetch_into(store, damaged, out, jobs)
+    except IntegrityError:
+        return
+    assert out.read_bytes() == data
+
+
+def test_a_failed_chunk_stops_the_others_and_closes_every_file(tmp_path, store):
+    entries = [publish_blob(store, tmp_path, content(10 + i, 6 * CHUNK)) for i in range(4)]
+    opened = []
+
+    class Broken(Recording):
+        def open_range(self, key, offset, length):
+            if key == pack_key(entries[2].pack) and length > 1000:
+                raise IntegrityError("pack", key, "injected")
+            return super().open_range(key, offset, length)
+
+    def open_blob(entry):
+        opened.append(open(tmp_path / entry.blob, "wb"))
+        return opened[-1]
+
+    with pytest.raises(IntegrityError, match="injected"):
+        fetch.fetch_blobs(Broken(store), entries, lambda e, f: None, jobs=4, open_blob=open_blob)
+    assert opened and all(f.closed for f in opened)
+
+
+def test_the_meter_counts_every_chunk_and_file(tmp_path, store):
+    from kcache.progress import Meter
+
+    entries = [publish_blob(store, tmp_path, content(20 + i, 3 * CHUNK + i)) for i in range(3)]
+    updates = []
+    with Meter("fetching", files=3, bytes=sum(e.size for e in entries), report=updates.append) as meter:
+        fetch.fetch_blobs(store, entries, lambda e, f: None, jobs=3, meter=meter,
+                          open_blob=lambda e: open(os.devnull, "wb"))  # fmt: skip
+    assert meter.counts == (3, sum(e.size for e in entries))
+    assert updates[-1].done and (updates[-1].files, updates[-1].bytes) == meter.counts
