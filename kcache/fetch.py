@@ -6,17 +6,21 @@ exactly one blob's compressed frame: bytes for a small blob, a stream for a larg
 decompresses it into a staged file, verify into nothing); both go through
 kcache.packs.unpack_frame, which checks size and SHA-256.
 
-A caller that also hands in `open_blob(entry)` (a file to write at offsets, or None to drop
-the bytes) gets every chunked blob (kcache.packs: frames of CHUNK_BYTES plus a seek table) in
-two phases, so one 1 GiB file uses every fetch thread and core instead of one stream:
+A caller that also hands in `open_blob(entry)` (a new file, open for reading and writing) gets
+each large chunked blob (kcache.packs: frames of CHUNK_BYTES plus a seek table) split into parts,
+so one 1 GiB file uses every fetch thread and core instead of one stream:
 
-    1. tables   the last bytes of each large blob (its seek table), `jobs` at a time
-    2. chunks   each frame a ranged read of its own, decompressed and pwritten at its offset by
-                whichever thread has it; the blob's SHA-256 runs over the chunks in order (a
-                thread whose chunk is early waits its turn, so at most `jobs` chunks are held)
-                and the file is closed once the last chunk hashes to the blob's id
+    1. tables   the last bytes of each blob to split (its seek table), `jobs` at a time
+    2. parts    runs of frames of about PART_BYTES, each one ranged read; whichever thread has a
+                part decompresses its frames one at a time and pwrites each at its offset
+    3. hash     the blob's SHA-256 runs over its chunks in order: the thread that completes the
+                next chunk due reads it (and every later one already written) back from the file,
+                so no thread waits for another and no chunk is held in memory for ordering; the
+                file is closed once the last chunk hashes to the blob's id
 
-A large blob without a seek table (a schema 1 pack) is streamed as one frame, as before.
+Only a blob too big for one thread's fair share is split (bigger than all the bytes over `jobs`,
+and at least two parts): with many large blobs, one stream each keeps every thread busy with
+fewer requests. Any other blob, and one without a seek table (a schema 1 pack), is streamed.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ MAX_RANGE = 16 * 1024 * 1024
 # A blob is decompressed in memory only when both its frame and its content are this small; any
 # other is streamed. The content counts too: 300 MB of zeros compress to a few KiB.
 IN_MEMORY_BLOB = 4 * 1024 * 1024
-_TURN_POLL = 0.05  # seconds a thread waiting its turn to hash sleeps before it checks for cancellation
+# Stored bytes per ranged read of a split blob: few requests, yet a 1 GiB file is 64 parallel reads.
+PART_BYTES = 16 * 1024 * 1024
+_HASH_PIECE = 1024 * 1024
 
 Place = Callable[[Entry, "bytes | BinaryIO"], None]
 OpenBlob = Callable[[Entry], "BinaryIO | None"]
@@ -108,15 +114,16 @@ def fetch_blobs(
     stop = threading.Event()
     halt = lambda: stop.is_set() or cancelled()
     meter = meter or Meter("fetching", files=0, bytes=0)
-    large = [e for e in blobs if open_blob is not None and e.size > packs.CHUNK_BYTES]
-    tables = run_all([partial(read_seek_table, store, e, halt) for e in large], jobs, stop)
-    chunked = {e.blob for e, chunks in zip(large, tables) if chunks is not None}
-    assemblies = [_Assembly(e, chunks, open_blob, meter) for e, chunks in zip(large, tables) if chunks is not None]
-    tasks = [partial(read_chunk, store, a, i, halt) for a in assemblies for i in range(len(a.chunks))]
+    share = sum(e.size for e in blobs) / max(1, jobs)
+    split = [e for e in blobs if open_blob is not None and e.size >= 2 * PART_BYTES and e.size > share]
+    tables = run_all([partial(read_seek_table, store, e, halt) for e in split], jobs, stop)
+    assemblies = [_Assembly(e, chunks, open_blob, meter) for e, chunks in zip(split, tables) if chunks is not None]
+    tasks = [partial(read_part, store, a, part, halt) for a in assemblies for part in a.parts]
+    whole = {a.entry.blob for a in assemblies}
+    # Longest reads first: a big blob started last would finish alone.
+    ranges = sorted(plan_ranges(e for e in blobs if e.blob not in whole), key=lambda r: r.start - r.end)
     counted = _counting(place, meter)
-    tasks += [
-        partial(read_range, store, rng, counted, halt) for rng in plan_ranges(e for e in blobs if e.blob not in chunked)
-    ]
+    tasks += [partial(read_range, store, rng, counted, halt) for rng in ranges]
     try:
         run_all(tasks, jobs, stop)
     finally:
@@ -194,27 +201,53 @@ def _read_tail(store: Store, entry: Entry, n: int, cancelled: Callable[[], bool]
         return read_exact(stream, n, "pack", entry.pack)
 
 
-def read_chunk(store: Store, assembly: _Assembly, index: int, cancelled: Callable[[], bool]) -> None:
-    """Fetch, decompress and write one chunk, then hash it in its turn."""
-    if cancelled():
-        raise Cancelled()
-    entry, chunk = assembly.entry, assembly.chunks[index]
-    with open_pack(store, entry.pack, entry.offset + chunk.offset, chunk.length, cancelled) as stream:
-        frame = read_exact(stream, chunk.length, "pack", entry.pack)
-    data = packs.unpack_chunk(frame, entry.blob, chunk.size)
-    del frame  # held no longer than needed: a waiting thread keeps only the content
-    assembly.write(chunk.start, data)
-    assembly.hash_in_turn(index, data, cancelled)
+def read_part(store: Store, assembly: _Assembly, part: tuple[int, ...], cancelled: Callable[[], bool]) -> None:
+    """Fetch one run of a split blob's frames with one read; decompress and write each, then let it be hashed."""
+    entry, chunks = assembly.entry, assembly.chunks
+    first, last = chunks[part[0]], chunks[part[-1]]
+    length = last.offset + last.length - first.offset
+    with open_pack(store, entry.pack, entry.offset + first.offset, length, cancelled) as stream:
+        for index in part:
+            if cancelled():
+                raise Cancelled()
+            chunk = chunks[index]
+            frame = Window(stream, chunk.length)
+            at = [chunk.start]
+
+            def write(piece: bytes, at=at) -> None:
+                assembly.write(at[0], piece)
+                at[0] += len(piece)
+
+            packs.unpack_chunk_to(frame, entry.blob, chunk.size, write)
+            skip(frame, frame.remaining, "pack", entry.pack)  # bytes past the frame's end: not content
+            assembly.written(index)
+
+
+def _parts(chunks: tuple[packs.Chunk, ...]) -> tuple[tuple[int, ...], ...]:
+    """Consecutive chunks in runs of about PART_BYTES of stored bytes."""
+    parts: list[tuple[int, ...]] = []
+    current: list[int] = []
+    size = 0
+    for i, chunk in enumerate(chunks):
+        if current and size + chunk.length > PART_BYTES:
+            parts.append(tuple(current))
+            current, size = [], 0
+        current.append(i)
+        size += chunk.length
+    parts.append(tuple(current))
+    return tuple(parts)
 
 
 class _Assembly:
-    """One chunked blob: written at offsets by many threads, hashed in order, closed once verified."""
+    """One split blob: written at offsets by many threads, hashed in order, closed once verified."""
 
     def __init__(self, entry: Entry, chunks: tuple[packs.Chunk, ...], open_blob: OpenBlob, meter: Meter):
-        self.entry, self.chunks, self._open, self._meter = entry, chunks, open_blob, meter
+        self.entry, self.chunks, self.parts = entry, chunks, _parts(chunks)
+        self._open, self._meter = open_blob, meter
         self._lock = threading.Lock()
-        self._turn = threading.Condition()
-        self._next = 0
+        self._written: set[int] = set()
+        self._next = 0  # the first chunk not yet hashed
+        self._hashing = False  # a thread is hashing: the others only mark their chunks written
         self._digest = hashlib.sha256()
         self._file: BinaryIO | None = None
         self._opened = False
@@ -223,27 +256,34 @@ class _Assembly:
         with self._lock:  # opened on the first chunk: only blobs in flight hold a descriptor
             if not self._opened:
                 self._file, self._opened = self._open(self.entry), True
-            fd = None if self._file is None else self._file.fileno()
-        if fd is None:
-            return
+            fd = self._file.fileno()
         view = memoryview(data)
         while view:
             written = os.pwrite(fd, view, start)
             view, start = view[written:], start + written
 
-    def hash_in_turn(self, index: int, data: bytes, cancelled: Callable[[], bool]) -> None:
-        with self._turn:
-            while self._next != index:
-                if cancelled():
-                    raise Cancelled()
-                self._turn.wait(_TURN_POLL)
-        self._digest.update(data)  # only the thread holding turn `index` gets here
-        self._meter.add(bytes=len(data))
-        if index == len(self.chunks) - 1:
-            self._finish()
-        with self._turn:
-            self._next += 1
-            self._turn.notify_all()
+    def written(self, index: int) -> None:
+        """Chunk `index` is on disk; hash every chunk now due, unless another thread already does."""
+        with self._lock:
+            self._written.add(index)
+            if self._hashing:
+                return
+            self._hashing = True
+        while True:
+            with self._lock:
+                if self._next not in self._written:
+                    self._hashing = False
+                    return
+                chunk, fd = self.chunks[self._next], self._file.fileno()
+            _hash_back(self._digest, fd, chunk, self.entry)  # only the hashing thread touches the digest
+            self._meter.add(bytes=chunk.size)
+            with self._lock:
+                self._written.discard(self._next)
+                self._next += 1
+                last = self._next == len(self.chunks)
+            if last:
+                self._finish()
+                return
 
     def _finish(self) -> None:
         actual = self._digest.hexdigest()
@@ -257,6 +297,17 @@ class _Assembly:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+
+
+def _hash_back(digest, fd: int, chunk: packs.Chunk, entry: Entry) -> None:
+    """Hash a chunk as it lies in the staged file, a MiB at a time (it is in the page cache)."""
+    offset, end = chunk.start, chunk.start + chunk.size
+    while offset < end:
+        data = os.pread(fd, min(_HASH_PIECE, end - offset), offset)
+        if not data:
+            raise IntegrityError("blob", entry.blob, f"staged file is shorter than {end} bytes")
+        digest.update(data)
+        offset += len(data)
 
 
 def read_range(store: Store, rng: Range, place: Place, cancelled: Callable[[], bool]) -> None:

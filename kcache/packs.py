@@ -21,12 +21,14 @@ still read: a blob without a seek table is one frame.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import struct
 import tempfile
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -302,15 +304,14 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 def unpack_bytes(frame: bytes, blob_id: str, size: int) -> bytes:
     """Decompress one small blob held in memory, verifying size and SHA-256 (restore's fast path)."""
-    data = unpack_chunk(frame, blob_id, size)
+    data = _decompress_bytes(frame, blob_id, size)
     if hashlib.sha256(data).hexdigest() != blob_id:
         raise IntegrityError("blob", blob_id, f"content hashes to {hashlib.sha256(data).hexdigest()}")
     return data
 
 
-def unpack_chunk(frame: bytes, blob_id: str, size: int) -> bytes:
-    """Decompress one frame held in memory that must hold exactly `size` bytes (a small blob, or
-    one chunk of a large one: the caller hashes).
+def _decompress_bytes(frame: bytes, blob_id: str, size: int) -> bytes:
+    """Decompress one frame held in memory that must hold exactly `size` bytes (the caller hashes).
 
     The frame's declared content size is checked before anything is allocated: zstd trusts it
     over any output limit, so a hostile header could otherwise ask for gigabytes.
@@ -329,11 +330,11 @@ def unpack_chunk(frame: bytes, blob_id: str, size: int) -> bytes:
 
 
 def unpack_frame(frame: bytes | BinaryIO, blob_id: str, size: int, dest: BinaryIO) -> None:
-    """A frame held in memory (small blobs) or a stream of one (large ones) into `dest`, verified."""
-    if isinstance(frame, bytes):
+    """A blob's stored bytes held in memory (small blobs) or a stream of them (large ones) into `dest`, verified."""
+    if isinstance(frame, bytes) and size <= CHUNK_BYTES:  # written as one frame
         dest.write(unpack_bytes(frame, blob_id, size))
     else:
-        unpack_to(frame, blob_id, size, dest)
+        unpack_to(io.BytesIO(frame) if isinstance(frame, bytes) else frame, blob_id, size, dest)
 
 
 def unpack_to(stream: BinaryIO, blob_id: str, size: int, dest: BinaryIO) -> None:
@@ -344,18 +345,35 @@ def unpack_to(stream: BinaryIO, blob_id: str, size: int, dest: BinaryIO) -> None
     written, so a hostile frame cannot fill the disk.
     """
     digest = hashlib.sha256()
+
+    def write(piece: bytes) -> None:
+        digest.update(piece)
+        dest.write(piece)
+
+    _decompress(stream, blob_id, size, write, across_frames=True)
+    if digest.hexdigest() != blob_id:
+        raise IntegrityError("blob", blob_id, f"content hashes to {digest.hexdigest()}")
+
+
+def unpack_chunk_to(stream: BinaryIO, blob_id: str, size: int, write: Callable[[bytes], None]) -> None:
+    """Decompress one frame of a chunked blob from `stream`, handing its content to `write` a piece
+    at a time (a MiB at most: nothing holds a whole chunk); it must hold exactly `size` bytes.
+    The caller hashes the whole blob."""
+    _decompress(stream, blob_id, size, write, across_frames=False)
+
+
+def _decompress(stream: BinaryIO, blob_id: str, size: int, write: Callable[[bytes], None], *,
+                across_frames: bool) -> None:  # fmt: skip
     written = 0
     try:
-        reader = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).stream_reader(stream, read_across_frames=True)
+        dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
+        reader = dctx.stream_reader(stream, read_across_frames=across_frames)
         while chunk := reader.read(min(_CHUNK, size - written + 1)):
             written += len(chunk)
             if written > size:
                 raise IntegrityError("blob", blob_id, f"decompresses past its declared {size} bytes")
-            digest.update(chunk)
-            dest.write(chunk)
+            write(chunk)
     except zstandard.ZstdError as exc:
         raise IntegrityError("blob", blob_id, f"is not a valid zstd frame: {exc}") from None
     if written != size:
         raise IntegrityError("blob", blob_id, f"decompresses to {written} bytes, expected {size}")
-    if digest.hexdigest() != blob_id:
-        raise IntegrityError("blob", blob_id, f"content hashes to {digest.hexdigest()}")

@@ -267,7 +267,8 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
 
     def create(entry: manifests.Entry):
         path = files / entry.path  # manifest.parse already refused absolute paths and '..'
-        out = open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, entry.mode), "wb")
+        # Readable too: a blob fetched in parts is hashed by reading its chunks back (kcache.fetch).
+        out = open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, entry.mode), "r+b")
         if entry.mode & umask:  # the umask took bits the manifest asks for (the open descriptor still writes)
             os.fchmod(out.fileno(), entry.mode)
         return out

@@ -1,14 +1,13 @@
-"""Large blobs are stored as chunks and fetched chunk by chunk in parallel, verified as a whole.
+"""Large blobs are stored as chunks and fetched in parts, in parallel, verified as a whole.
 
-The chunk size is shrunk to a few KiB here, so small files exercise every path a multi-GiB one
-takes: seek tables longer than the first tail read, a short last chunk, one-chunk files.
+Chunk and part sizes are shrunk to a few KiB here, so small files exercise every path a multi-GiB
+one takes: seek tables longer than the first tail read, a short last chunk, a short last part.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
-import os
 import random
 import subprocess
 import threading
@@ -30,6 +29,7 @@ CHUNK = 4096
 def small_chunks(monkeypatch):
     monkeypatch.setattr(packs, "CHUNK_BYTES", CHUNK)
     monkeypatch.setattr(packs, "SEEK_TAIL_GUESS", 64)  # a table of more than 5 frames takes a second read
+    monkeypatch.setattr(fetch, "PART_BYTES", 2 * CHUNK + 200)  # two frames of the kernel-like content a part
 
 
 class Recording:
@@ -68,7 +68,7 @@ def fetch_into(store, entry: Entry, out_path, jobs: int = 8) -> None:
         with open(out_path, "wb") as out:
             packs.unpack_frame(frame, entry.blob, entry.size, out)
 
-    fetch.fetch_blobs(store, [entry], place, jobs=jobs, open_blob=lambda _e: open(out_path, "wb"))
+    fetch.fetch_blobs(store, [entry], place, jobs=jobs, open_blob=lambda _e: open(out_path, "w+b"))
 
 
 def test_a_large_file_is_written_as_frames_of_chunk_bytes_with_a_seek_table(tmp_path, store):
@@ -87,18 +87,35 @@ def test_a_large_file_is_written_as_frames_of_chunk_bytes_with_a_seek_table(tmp_
     assert out.getvalue() == data
 
 
-def test_each_chunk_is_its_own_ranged_read(tmp_path, store):
+def test_a_blob_is_split_into_parts_of_whole_frames_each_its_own_read(tmp_path, store):
     data = content(2, 9 * CHUNK + 1)
     entry = publish_blob(store, tmp_path, data)
     recording = Recording(store)
     fetch_into(recording, entry, tmp_path / "out")
     assert (tmp_path / "out").read_bytes() == data
-    chunks = packs.parse_seek_table(store.get_bytes(pack_key(entry.pack))[entry.offset:][:entry.length],
-                                    entry.length, entry.size)  # fmt: skip
-    reads = set(recording.ranges)
-    assert {(entry.offset + c.offset, c.length) for c in chunks} <= reads
+    stored = store.get_bytes(pack_key(entry.pack))[entry.offset :][: entry.length]
+    chunks = packs.parse_seek_table(stored, entry.length, entry.size)
+    parts = fetch._parts(chunks)
+    assert len(parts) >= 2 and sorted(i for part in parts for i in part) == list(range(len(chunks)))
+    expected = {(entry.offset + chunks[p[0]].offset, sum(chunks[i].length for i in p)) for p in parts}
+    assert expected <= set(recording.ranges)
     # Tails: the first guess, then the whole table (ten frames do not fit in 64 bytes).
-    assert len(recording.ranges) == len(chunks) + 2
+    assert len(recording.ranges) == len(parts) + 2
+
+
+def test_a_blob_within_one_threads_share_is_streamed_whole(tmp_path, store):
+    entries = [publish_blob(store, tmp_path, content(30 + i, 5 * CHUNK)) for i in range(4)]
+    recording = Recording(store)
+    written = []
+
+    def place(entry, frame):
+        out = io.BytesIO()
+        packs.unpack_frame(frame, entry.blob, entry.size, out)
+        written.append(out.getvalue())
+
+    fetch.fetch_blobs(recording, entries, place, jobs=2, open_blob=lambda e: pytest.fail("split a blob"))
+    assert len(recording.ranges) == 4  # one read per blob: no tail, no parts
+    assert sorted(hashlib.sha256(w).hexdigest() for w in written) == sorted(e.blob for e in entries)
 
 
 def test_chunks_compressed_in_a_pool_make_the_same_blob(tmp_path, store):
@@ -167,7 +184,7 @@ def test_any_damaged_byte_fails_the_fetch_or_changes_nothing(tmp_path_factory, s
 
 
 def test_a_failed_chunk_stops_the_others_and_closes_every_file(tmp_path, store):
-    entries = [publish_blob(store, tmp_path, content(10 + i, 6 * CHUNK)) for i in range(4)]
+    entries = [publish_blob(store, tmp_path, content(10 + i, 8 * CHUNK)) for i in range(4)]
     opened = []
 
     class Broken(Recording):
@@ -177,21 +194,44 @@ def test_a_failed_chunk_stops_the_others_and_closes_every_file(tmp_path, store):
             return super().open_range(key, offset, length)
 
     def open_blob(entry):
-        opened.append(open(tmp_path / entry.blob, "wb"))
+        opened.append(open(tmp_path / entry.blob, "w+b"))
         return opened[-1]
 
     with pytest.raises(IntegrityError, match="injected"):
-        fetch.fetch_blobs(Broken(store), entries, lambda e, f: None, jobs=4, open_blob=open_blob)
+        fetch.fetch_blobs(Broken(store), entries, lambda e, f: None, jobs=8, open_blob=open_blob)
     assert opened and all(f.closed for f in opened)
 
 
 def test_the_meter_counts_every_chunk_and_file(tmp_path, store):
     from kcache.progress import Meter
 
-    entries = [publish_blob(store, tmp_path, content(20 + i, 3 * CHUNK + i)) for i in range(3)]
+    entries = [publish_blob(store, tmp_path, content(20 + i, 5 * CHUNK + i)) for i in range(2)]
+    entries.append(publish_blob(store, tmp_path, content(22, 100)))  # and one streamed whole
     updates = []
     with Meter("fetching", files=3, bytes=sum(e.size for e in entries), report=updates.append) as meter:
-        fetch.fetch_blobs(store, entries, lambda e, f: None, jobs=3, meter=meter,
-                          open_blob=lambda e: open(os.devnull, "wb"))  # fmt: skip
+        fetch.fetch_blobs(store, entries, lambda e, f: None, jobs=8, meter=meter,
+                          open_blob=lambda e: open(tmp_path / e.blob, "w+b"))  # fmt: skip
     assert meter.counts == (3, sum(e.size for e in entries))
     assert updates[-1].done and (updates[-1].files, updates[-1].bytes) == meter.counts
+
+
+def test_a_part_read_cut_once_resumes_and_the_blob_is_whole(tmp_path, store):
+    from faulty import RangeFaultStore
+
+    from kcache.errors import StoreError
+
+    data = content(40, 11 * CHUNK + 7)
+    entry = publish_blob(store, tmp_path, data)
+    cuts = []
+
+    def make(length: int):
+        def damage(position: int, chunk: bytes) -> bytes:
+            if length > 2 * CHUNK and not cuts and position + len(chunk) > length // 2:
+                cuts.append(position)
+                raise StoreError(store.url, "connection reset (injected)")
+            return chunk
+
+        return damage
+
+    fetch_into(RangeFaultStore(store, make), entry, tmp_path / "out", jobs=4)
+    assert cuts and (tmp_path / "out").read_bytes() == data
