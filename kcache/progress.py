@@ -59,15 +59,14 @@ class Meter:
             if now - self._last < MIN_INTERVAL:
                 return
             self._last = now
-            update = self._update(False)
-        self._report(update)
+            # Under the lock: the callback sees counts that only grow, one update at a time.
+            self._report(self._update(False))
 
     def close(self) -> None:
         """The final update (done=True): the drawing side may finish its bar."""
         if self._report is not None:
             with self._lock:
-                update = self._update(True)
-            self._report(update)
+                self._report(self._update(True))
 
     @property
     def counts(self) -> tuple[int, int]:

@@ -10,6 +10,7 @@ import click
 
 from kcache import sources
 from kcache.cli import format as fmt
+from kcache.cli import progress_bars
 from kcache.cli.options import (
     compute_fingerprint,
     fingerprint_options,
@@ -69,8 +70,9 @@ def publish_cmd(root, layers, extra_dirs, signing_key, compile_seconds, jobs, mo
     hashes = HashCache(cfg.home / "hashcache.db")
     try:
         note = (lambda msg: click.echo(f"kcache: {msg}", err=True)) if stderr_is_terminal() and not as_json else None
-        result = publish(store, index, fp, chosen, root=root, jobs=jobs, progress=note, signing_key=key,
-                         compile_seconds=compile_seconds, hash_cache=hashes)  # fmt: skip
+        with progress_bars.bars(progress_bars.wanted(as_json)) as report:
+            result = publish(store, index, fp, chosen, root=root, jobs=jobs, progress=note, signing_key=key,
+                             compile_seconds=compile_seconds, hash_cache=hashes, report=report)  # fmt: skip
     finally:
         index.close()
         hashes.close()

@@ -10,6 +10,7 @@ import click
 
 from kcache.catalog import open_for_restore
 from kcache.cli import format as fmt
+from kcache.cli import progress_bars
 from kcache.cli.errors import ExitCode, describe
 from kcache.cli.options import (
     compute_fingerprint,
@@ -68,8 +69,10 @@ def restore_cmd(root, timeout, bundle_id, trusted_keys, require_signature, fallb
         store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
         index = open_for_restore(cfg, store)
         try:
-            result = restore(store, index, fp, root, jobs=jobs, timeout=timeout, bundle_id=bundle_id,
-                             trusted=trusted, require_signature=require_signature, fallback=fallback)  # fmt: skip
+            with progress_bars.bars(progress_bars.wanted(as_json)) as report:
+                result = restore(store, index, fp, root, jobs=jobs, timeout=timeout, bundle_id=bundle_id,
+                                 trusted=trusted, require_signature=require_signature, fallback=fallback,
+                                 report=report)  # fmt: skip
         finally:
             index.close()
     except Exception as exc:  # noqa: BLE001 - an init container must never crash-loop on a kcache bug
