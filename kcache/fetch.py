@@ -107,8 +107,10 @@ def fetch_blobs(
 ) -> None:
     """Hand every distinct blob's frame to `place`, `jobs` reads at a time; the first error wins.
 
-    With `open_blob`, chunked blobs are written through it instead, chunk by chunk in parallel.
-    `meter` counts each blob (and each chunk's bytes) once it is verified and placed.
+    With `open_blob`, a blob worth splitting (see the module docstring) is written through the
+    file it returns instead, in parts fetched in parallel, and closed once verified. `meter`
+    counts each blob (a split one also chunk by chunk) once it is verified and placed.
+    Every pack read goes through `open_pack`.
     """
     blobs = distinct(entries)
     stop = threading.Event()
