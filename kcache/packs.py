@@ -367,7 +367,7 @@ def _decompress(stream: BinaryIO, blob_id: str, size: int, write: Callable[[byte
     written = 0
     try:
         dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
-        reader = dctx.stream_reader(stream, read_across_frames=across_frames)
+        reader = dctx.stream_reader(stream, read_size=_CHUNK, read_across_frames=across_frames)
         while chunk := reader.read(min(_CHUNK, size - written + 1)):
             written += len(chunk)
             if written > size:
