@@ -120,7 +120,6 @@ class PackWriter:
         self._file = os.fdopen(fd, "w+b")
         self._out = _Digesting(self._file)
         self._blobs: list[PackedBlob] = []
-        self._cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
         self._pool = pool
 
     @property
@@ -149,18 +148,13 @@ class PackWriter:
         self._blobs.append(PackedBlob(blob_id, offset, self._out.position - offset, size))
 
     def _add_frame(self, src: BinaryIO, size: int) -> tuple[int, str]:
-        digest = hashlib.sha256()
-        read = 0
-        writer = self._cctx.stream_writer(self._out, size=size, closefd=False)
-        while chunk := src.read(_CHUNK):
-            digest.update(chunk)
-            read += len(chunk)
-            if read > size:
-                break
-            writer.write(chunk)
-        if read == size:
-            writer.flush(zstandard.FLUSH_FRAME)
-        return read, digest.hexdigest()
+        """A file of at most CHUNK_BYTES: read whole and compressed in one call (most files are KiBs,
+        where a streaming compressor's setup costs more than the compression)."""
+        data = src.read(size + 1)  # one byte more shows a file that grew since it was hashed
+        if len(data) != size:
+            return len(data), ""
+        self._out.write(self._compress(data))
+        return size, hashlib.sha256(data).hexdigest()
 
     def _add_chunked(self, src: BinaryIO, size: int) -> tuple[int, str]:
         """CHUNK_BYTES of content per frame, then the seek table; a few chunks compress at once."""
