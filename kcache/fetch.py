@@ -11,7 +11,9 @@ each large chunked blob (kcache.packs: frames of CHUNK_BYTES plus a seek table) 
 so one 1 GiB file uses every fetch thread and core instead of one stream:
 
     1. tables   the last bytes of each blob to split (its seek table), `jobs` at a time
-    2. parts    runs of frames of about PART_BYTES, each one ranged read; whichever thread has a
+    2. parts    runs of frames, each one ranged read of at least PART_BYTES and at most `jobs` per
+                blob (every request has a fixed cost, on some servers one that grows with the
+                object: moto copies the whole object for each ranged GET); whichever thread has a
                 part decompresses its frames one at a time and pwrites each at its offset
     3. hash     the blob's SHA-256 runs over its chunks in order: the thread that completes the
                 next chunk due reads it (and every later one already written) back from the file,
@@ -119,7 +121,7 @@ def fetch_blobs(
     share = sum(e.size for e in blobs) / max(1, jobs)
     split = [e for e in blobs if open_blob is not None and e.size >= 2 * PART_BYTES and e.size > share]
     tables = run_all([partial(read_seek_table, store, e, halt) for e in split], jobs, stop)
-    assemblies = [_Assembly(e, chunks, open_blob, meter) for e, chunks in zip(split, tables) if chunks is not None]
+    assemblies = [_Assembly(e, chunks, jobs, open_blob, meter) for e, chunks in zip(split, tables) if chunks]
     tasks = [partial(read_part, store, a, part, halt) for a in assemblies for part in a.parts]
     whole = {a.entry.blob for a in assemblies}
     # Longest reads first: a big blob started last would finish alone.
@@ -225,13 +227,14 @@ def read_part(store: Store, assembly: _Assembly, part: tuple[int, ...], cancelle
             assembly.written(index)
 
 
-def _parts(chunks: tuple[packs.Chunk, ...]) -> tuple[tuple[int, ...], ...]:
-    """Consecutive chunks in runs of about PART_BYTES of stored bytes."""
+def _parts(chunks: tuple[packs.Chunk, ...], jobs: int) -> tuple[tuple[int, ...], ...]:
+    """Consecutive chunks in runs of at least PART_BYTES of stored bytes, about `jobs` runs at most."""
+    target = max(PART_BYTES, sum(c.length for c in chunks) // max(1, jobs) + 1)
     parts: list[tuple[int, ...]] = []
     current: list[int] = []
     size = 0
     for i, chunk in enumerate(chunks):
-        if current and size + chunk.length > PART_BYTES:
+        if current and size + chunk.length > target:
             parts.append(tuple(current))
             current, size = [], 0
         current.append(i)
@@ -243,8 +246,8 @@ def _parts(chunks: tuple[packs.Chunk, ...]) -> tuple[tuple[int, ...], ...]:
 class _Assembly:
     """One split blob: written at offsets by many threads, hashed in order, closed once verified."""
 
-    def __init__(self, entry: Entry, chunks: tuple[packs.Chunk, ...], open_blob: OpenBlob, meter: Meter):
-        self.entry, self.chunks, self.parts = entry, chunks, _parts(chunks)
+    def __init__(self, entry: Entry, chunks: tuple[packs.Chunk, ...], jobs: int, open_blob: OpenBlob, meter: Meter):
+        self.entry, self.chunks, self.parts = entry, chunks, _parts(chunks, jobs)
         self._open, self._meter = open_blob, meter
         self._lock = threading.Lock()
         self._written: set[int] = set()

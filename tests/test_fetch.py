@@ -95,7 +95,7 @@ def test_a_blob_is_split_into_parts_of_whole_frames_each_its_own_read(tmp_path, 
     assert (tmp_path / "out").read_bytes() == data
     stored = store.get_bytes(pack_key(entry.pack))[entry.offset :][: entry.length]
     chunks = packs.parse_seek_table(stored, entry.length, entry.size)
-    parts = fetch._parts(chunks)
+    parts = fetch._parts(chunks, 8)
     assert len(parts) >= 2 and sorted(i for part in parts for i in part) == list(range(len(chunks)))
     expected = {(entry.offset + chunks[p[0]].offset, sum(chunks[i].length for i in p)) for p in parts}
     assert expected <= set(recording.ranges)
