@@ -14,6 +14,11 @@ Trees, each laid out like a restore root (ROOT/inductor, ROOT/triton, ROOT/tmp/.
     inductor    a real Inductor cache: `python -m kcache.torch.workload` with TORCHINDUCTOR_CACHE_DIR and
                 TMPDIR inside ROOT (skipped when torch is not importable)
 
+The big tree is not split by restore (64 blobs of 16 MiB keep 16 threads busy one stream each).
+A bundle of a few huge files is: each blob's parts are ranged GETs of the same object, and moto
+copies the whole object for every ranged GET, so on moto such a restore (and s5cmd's own ranged
+download of it) pays for the server's copies; S3 and file:// read only the range.
+
 Each repeat uses a fresh bucket, fresh SQLite indexes and fresh target directories, against one
 moto S3 server that runs as a separate process on 127.0.0.1. Every operation is timed as a whole
 child process (wall clock), because that is what a pod's init container pays:
