@@ -105,12 +105,14 @@ def fetch_blobs(
     jobs: int = 16,
     cancelled: Callable[[], bool] = bool,
     open_blob: OpenBlob | None = None,
+    closed: Callable[[Entry], None] = lambda _entry: None,
     meter: Meter | None = None,
 ) -> None:
     """Hand every distinct blob's frame to `place`, `jobs` reads at a time; the first error wins.
 
     With `open_blob`, a blob worth splitting (see the module docstring) is written through the
-    file it returns instead, in parts fetched in parallel, and closed once verified. `meter`
+    file it returns instead, in parts fetched in parallel, closed once verified and then handed
+    to `closed` (for what must follow the last write: permissions, times). `meter`
     counts each blob (a split one also chunk by chunk) once it is verified and placed.
     Every pack read goes through `open_pack`.
     """
@@ -121,7 +123,7 @@ def fetch_blobs(
     share = sum(e.size for e in blobs) / max(1, jobs)
     split = [e for e in blobs if open_blob is not None and e.size >= 2 * PART_BYTES and e.size > share]
     tables = run_all([partial(read_seek_table, store, e, halt) for e in split], jobs, stop)
-    assemblies = [_Assembly(e, chunks, jobs, open_blob, meter) for e, chunks in zip(split, tables) if chunks]
+    assemblies = [_Assembly(e, chunks, jobs, open_blob, closed, meter) for e, chunks in zip(split, tables) if chunks]
     tasks = [partial(read_part, store, a, part, halt) for a in assemblies for part in a.parts]
     whole = {a.entry.blob for a in assemblies}
     # Longest reads first: a big blob started last would finish alone.
@@ -246,9 +248,10 @@ def _parts(chunks: tuple[packs.Chunk, ...], jobs: int) -> tuple[tuple[int, ...],
 class _Assembly:
     """One split blob: written at offsets by many threads, hashed in order, closed once verified."""
 
-    def __init__(self, entry: Entry, chunks: tuple[packs.Chunk, ...], jobs: int, open_blob: OpenBlob, meter: Meter):
+    def __init__(self, entry: Entry, chunks: tuple[packs.Chunk, ...], jobs: int, open_blob: OpenBlob,
+                 closed: Callable[[Entry], None], meter: Meter):  # fmt: skip
         self.entry, self.chunks, self.parts = entry, chunks, _parts(chunks, jobs)
-        self._open, self._meter = open_blob, meter
+        self._open, self._closed, self._meter = open_blob, closed, meter
         self._lock = threading.Lock()
         self._written: set[int] = set()
         self._next = 0  # the first chunk not yet hashed
@@ -295,6 +298,7 @@ class _Assembly:
         if actual != self.entry.blob:
             raise IntegrityError("blob", self.entry.blob, f"content hashes to {actual}")
         self.close()
+        self._closed(self.entry)
         self._meter.add(files=1)
 
     def close(self) -> None:

@@ -268,20 +268,23 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
     def create(entry: manifests.Entry):
         path = files / entry.path  # manifest.parse already refused absolute paths and '..'
         # Readable too: a blob fetched in parts is hashed by reading its chunks back (kcache.fetch).
-        out = open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, entry.mode), "r+b")
-        if entry.mode & umask:  # the umask took bits the manifest asks for (the open descriptor still writes)
-            os.fchmod(out.fileno(), entry.mode)
-        return out
+        return open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, entry.mode), "r+b")
+
+    def finish(entry: manifests.Entry) -> None:
+        """After the last write and close of a verified file."""
+        if entry.mode & umask:  # the umask took bits the manifest asks for
+            os.chmod(files / entry.path, entry.mode)
 
     def lay(entry: manifests.Entry, write) -> None:
         with create(entry) as out:
             write(out)
+        finish(entry)
 
     def place(entry: manifests.Entry, frame) -> None:
         lay(entry, lambda out: unpack_frame(frame, entry.blob, entry.size, out))
 
     fetch.fetch_blobs(store, entries, place, jobs=jobs, cancelled=lambda: budget.expired, open_blob=create,
-                      meter=meter)  # fmt: skip
+                      closed=finish, meter=meter)  # fmt: skip
     first_path: dict[str, str] = {}
     for entry in entries:
         origin = first_path.setdefault(entry.blob, entry.path)

@@ -235,3 +235,20 @@ def test_a_part_read_cut_once_resumes_and_the_blob_is_whole(tmp_path, store):
 
     fetch_into(RangeFaultStore(store, make), entry, tmp_path / "out", jobs=4)
     assert cuts and (tmp_path / "out").read_bytes() == data
+
+
+def test_a_split_blob_is_handed_to_closed_once_its_file_is_verified_and_closed(tmp_path, store):
+    entries = [publish_blob(store, tmp_path, content(50 + i, 8 * CHUNK)) for i in range(2)]
+    files, handed = {}, []
+
+    def open_blob(entry):
+        files[entry.blob] = open(tmp_path / entry.blob, "w+b")
+        return files[entry.blob]
+
+    def closed(entry):
+        assert files[entry.blob].closed
+        assert hashlib.sha256((tmp_path / entry.blob).read_bytes()).hexdigest() == entry.blob
+        handed.append(entry.blob)
+
+    fetch.fetch_blobs(store, entries, lambda e, f: pytest.fail("streamed"), jobs=8, open_blob=open_blob, closed=closed)
+    assert sorted(handed) == sorted(e.blob for e in entries)
