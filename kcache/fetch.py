@@ -1,21 +1,46 @@
-"""Reading blobs out of packs: each blob once, neighbours coalesced into one ranged read.
+"""Reading blobs out of packs: each blob once, neighbours coalesced into one ranged read, and a
+large blob's chunks read, decompressed and written in parallel.
 
 Restore and verify both read this way. A caller hands in `place(entry, frame)`, which consumes
 exactly one blob's compressed frame: bytes for a small blob, a stream for a large one (restore
 decompresses it into a staged file, verify into nothing); both go through
 kcache.packs.unpack_frame, which checks size and SHA-256.
+
+A caller that also hands in `open_blob(entry)` (a new file, open for reading and writing) gets
+each large chunked blob (kcache.packs: frames of CHUNK_BYTES plus a seek table) split into parts,
+so one 1 GiB file uses every fetch thread and core instead of one stream:
+
+    1. tables   the last bytes of each blob to split (its seek table), `jobs` at a time
+    2. parts    runs of frames, each one ranged read of at least PART_BYTES and at most `jobs` per
+                blob (every request has a fixed cost, on some servers one that grows with the
+                object: moto copies the whole object for each ranged GET); whichever thread has a
+                part decompresses its frames one at a time and pwrites each at its offset
+    3. hash     the blob's SHA-256 runs over its chunks in order: the thread that completes the
+                next chunk due reads it (and every later one already written) back from the file,
+                so no thread waits for another and no chunk is held in memory for ordering; the
+                file is closed once the last chunk hashes to the blob's id
+
+Only a blob too big for one thread's fair share is split (bigger than all the bytes over `jobs`,
+and at least two parts): with many large blobs, one stream each keeps every thread busy with
+fewer requests. Any other blob, and one without a seek table (a schema 1 pack), is streamed.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import queue
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import BinaryIO
 
+from kcache import packs
+from kcache.errors import IntegrityError
 from kcache.manifest import Entry
+from kcache.progress import Meter
 from kcache.store import Store, pack_key
 from kcache.streams import GuardedReader, Resumable, Window, read_exact, skip
 
@@ -24,8 +49,12 @@ MAX_RANGE = 16 * 1024 * 1024
 # A blob is decompressed in memory only when both its frame and its content are this small; any
 # other is streamed. The content counts too: 300 MB of zeros compress to a few KiB.
 IN_MEMORY_BLOB = 4 * 1024 * 1024
+# Stored bytes per ranged read of a split blob: few requests, yet a 1 GiB file is 64 parallel reads.
+PART_BYTES = 16 * 1024 * 1024
+_HASH_PIECE = 1024 * 1024
 
 Place = Callable[[Entry, "bytes | BinaryIO"], None]
+OpenBlob = Callable[[Entry], "BinaryIO | None"]
 
 
 class Cancelled(Exception):
@@ -40,13 +69,18 @@ class Range:
     entries: tuple[Entry, ...]
 
 
-def plan_ranges(entries: Iterable[Entry]) -> list[Range]:
-    """One read per run of nearby blobs in a pack; each blob once, however many paths use it."""
+def distinct(entries: Iterable[Entry]) -> list[Entry]:
+    """One entry per blob (the first path that names it)."""
     firsts: dict[str, Entry] = {}
     for entry in entries:
         firsts.setdefault(entry.blob, entry)
+    return list(firsts.values())
+
+
+def plan_ranges(entries: Iterable[Entry]) -> list[Range]:
+    """One read per run of nearby blobs in a pack; each blob once, however many paths use it."""
     by_pack: dict[str, list[Entry]] = defaultdict(list)
-    for entry in firsts.values():
+    for entry in distinct(entries):
         by_pack[entry.pack].append(entry)
     ranges: list[Range] = []
     for pack, items in by_pack.items():
@@ -64,32 +98,79 @@ def plan_ranges(entries: Iterable[Entry]) -> list[Range]:
 
 
 def fetch_blobs(
-    store: Store, entries: Iterable[Entry], place: Place, *, jobs: int = 16, cancelled: Callable[[], bool] = bool
+    store: Store,
+    entries: Iterable[Entry],
+    place: Place,
+    *,
+    jobs: int = 16,
+    cancelled: Callable[[], bool] = bool,
+    open_blob: OpenBlob | None = None,
+    closed: Callable[[Entry], None] = lambda _entry: None,
+    meter: Meter | None = None,
 ) -> None:
-    """Hand every distinct blob's frame to `place`, `jobs` ranges at a time; the first error wins.
+    """Hand every distinct blob's frame to `place`, `jobs` reads at a time; the first error wins.
+
+    With `open_blob`, a blob worth splitting (see the module docstring) is written through the
+    file it returns instead, in parts fetched in parallel, closed once verified and then handed
+    to `closed` (for what must follow the last write: permissions, times). `meter`
+    counts each blob (a split one also chunk by chunk) once it is verified and placed.
+    Every pack read goes through `open_pack`.
+    """
+    blobs = distinct(entries)
+    stop = threading.Event()
+    halt = lambda: stop.is_set() or cancelled()
+    meter = meter or Meter("fetching", files=0, bytes=0)
+    share = sum(e.size for e in blobs) / max(1, jobs)
+    split = [e for e in blobs if open_blob is not None and e.size >= 2 * PART_BYTES and e.size > share]
+    tables = run_all([partial(read_seek_table, store, e, halt) for e in split], jobs, stop)
+    assemblies = [_Assembly(e, chunks, jobs, open_blob, closed, meter) for e, chunks in zip(split, tables) if chunks]
+    tasks = [partial(read_part, store, a, part, halt) for a in assemblies for part in a.parts]
+    whole = {a.entry.blob for a in assemblies}
+    # Longest reads first: a big blob started last would finish alone.
+    ranges = sorted(plan_ranges(e for e in blobs if e.blob not in whole), key=lambda r: r.start - r.end)
+    counted = _counting(place, meter)
+    tasks += [partial(read_range, store, rng, counted, halt) for rng in ranges]
+    try:
+        run_all(tasks, jobs, stop)
+    finally:
+        for assembly in assemblies:
+            assembly.close()
+
+
+def _counting(place: Place, meter: Meter) -> Place:
+    def counted(entry: Entry, frame) -> None:
+        place(entry, frame)
+        meter.add(files=1, bytes=entry.size)
+
+    return counted
+
+
+def run_all(tasks: Sequence[Callable[[], object]], jobs: int, stop: threading.Event) -> list:
+    """Run `tasks` on `jobs` threads, in order of the list; their results, or the first error.
 
     Workers are daemon threads: a read hung on the network must not keep the process alive after
     the caller gave up (a ThreadPoolExecutor's threads are joined at interpreter exit).
     """
-    todo: queue.Queue[Range] = queue.Queue()
-    for rng in plan_ranges(entries):
-        todo.put(rng)
-    stop = threading.Event()
+    todo: queue.Queue[int] = queue.Queue()
+    for i in range(len(tasks)):
+        todo.put(i)
+    results: list = [None] * len(tasks)
     errors: list[BaseException] = []
 
     def worker() -> None:
         while not stop.is_set():
             try:
-                rng = todo.get_nowait()
+                i = todo.get_nowait()
             except queue.Empty:
                 return
             try:
-                read_range(store, rng, place, lambda: stop.is_set() or cancelled())
+                results[i] = tasks[i]()
             except BaseException as exc:  # handed to the caller below
                 errors.append(exc)
                 stop.set()  # the others stop at their next blob
 
-    threads = [threading.Thread(target=worker, daemon=True, name="kcache-fetch") for _ in range(max(1, jobs))]
+    threads = [threading.Thread(target=worker, daemon=True, name="kcache-fetch")
+               for _ in range(max(1, min(jobs, len(tasks))))]  # fmt: skip
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -97,17 +178,150 @@ def fetch_blobs(
     # Report the failure that stopped the others, not a sibling's cancellation.
     for error in sorted(errors, key=lambda e: isinstance(e, Cancelled)):
         raise error
+    return results
+
+
+def open_pack(store: Store, pack: str, offset: int, length: int, cancelled: Callable[[], bool]) -> Resumable:
+    """`length` bytes of a pack from `offset`, resumed where a cut connection stopped them."""
+    key = pack_key(pack)
+
+    def open_at(at: int, n: int) -> GuardedReader:
+        return GuardedReader(store.open_range(key, at, n), store.url, key)
+
+    return Resumable(open_at(offset, length), open_at, offset, length, cancelled=cancelled, name=key)
+
+
+def read_seek_table(store: Store, entry: Entry, cancelled: Callable[[], bool]) -> tuple[packs.Chunk, ...] | None:
+    """The chunks of a large blob from its last bytes, or None when it is one frame."""
+    if cancelled():
+        raise Cancelled()
+    tail = _read_tail(store, entry, min(entry.length, packs.SEEK_TAIL_GUESS), cancelled)
+    span = packs.seek_table_span(tail)
+    if span is not None and len(tail) < span <= entry.length:  # a table longer than the guess: read all of it
+        tail = _read_tail(store, entry, span, cancelled)
+    return packs.parse_seek_table(tail, entry.length, entry.size)
+
+
+def _read_tail(store: Store, entry: Entry, n: int, cancelled: Callable[[], bool]) -> bytes:
+    with open_pack(store, entry.pack, entry.offset + entry.length - n, n, cancelled) as stream:
+        return read_exact(stream, n, "pack", entry.pack)
+
+
+def read_part(store: Store, assembly: _Assembly, part: tuple[int, ...], cancelled: Callable[[], bool]) -> None:
+    """Fetch one run of a split blob's frames with one read; decompress and write each, then let it be hashed."""
+    entry, chunks = assembly.entry, assembly.chunks
+    first, last = chunks[part[0]], chunks[part[-1]]
+    length = last.offset + last.length - first.offset
+    with open_pack(store, entry.pack, entry.offset + first.offset, length, cancelled) as stream:
+        for index in part:
+            if cancelled():
+                raise Cancelled()
+            chunk = chunks[index]
+            frame = Window(stream, chunk.length)
+            at = [chunk.start]
+
+            def write(piece: bytes, at=at) -> None:
+                assembly.write(at[0], piece)
+                at[0] += len(piece)
+
+            packs.unpack_chunk_to(frame, entry.blob, chunk.size, write)
+            skip(frame, frame.remaining, "pack", entry.pack)  # bytes past the frame's end: not content
+            assembly.written(index)
+
+
+def _parts(chunks: tuple[packs.Chunk, ...], jobs: int) -> tuple[tuple[int, ...], ...]:
+    """Consecutive chunks in runs of at least PART_BYTES of stored bytes, about `jobs` runs at most."""
+    target = max(PART_BYTES, sum(c.length for c in chunks) // max(1, jobs) + 1)
+    parts: list[tuple[int, ...]] = []
+    current: list[int] = []
+    size = 0
+    for i, chunk in enumerate(chunks):
+        if current and size + chunk.length > target:
+            parts.append(tuple(current))
+            current, size = [], 0
+        current.append(i)
+        size += chunk.length
+    parts.append(tuple(current))
+    return tuple(parts)
+
+
+class _Assembly:
+    """One split blob: written at offsets by many threads, hashed in order, closed once verified."""
+
+    def __init__(self, entry: Entry, chunks: tuple[packs.Chunk, ...], jobs: int, open_blob: OpenBlob,
+                 closed: Callable[[Entry], None], meter: Meter):  # fmt: skip
+        self.entry, self.chunks, self.parts = entry, chunks, _parts(chunks, jobs)
+        self._open, self._closed, self._meter = open_blob, closed, meter
+        self._lock = threading.Lock()
+        self._written: set[int] = set()
+        self._next = 0  # the first chunk not yet hashed
+        self._hashing = False  # a thread is hashing: the others only mark their chunks written
+        self._digest = hashlib.sha256()
+        self._file: BinaryIO | None = None
+        self._opened = False
+
+    def write(self, start: int, data: bytes) -> None:
+        with self._lock:  # opened on the first chunk: only blobs in flight hold a descriptor
+            if not self._opened:
+                self._file, self._opened = self._open(self.entry), True
+            fd = self._file.fileno()
+        view = memoryview(data)
+        while view:
+            written = os.pwrite(fd, view, start)
+            view, start = view[written:], start + written
+
+    def written(self, index: int) -> None:
+        """Chunk `index` is on disk; hash every chunk now due, unless another thread already does."""
+        with self._lock:
+            self._written.add(index)
+            if self._hashing:
+                return
+            self._hashing = True
+        while True:
+            with self._lock:
+                if self._next not in self._written:
+                    self._hashing = False
+                    return
+                chunk, fd = self.chunks[self._next], self._file.fileno()
+            _hash_back(self._digest, fd, chunk, self.entry)  # only the hashing thread touches the digest
+            self._meter.add(bytes=chunk.size)
+            with self._lock:
+                self._written.discard(self._next)
+                self._next += 1
+                last = self._next == len(self.chunks)
+            if last:
+                self._finish()
+                return
+
+    def _finish(self) -> None:
+        actual = self._digest.hexdigest()
+        if actual != self.entry.blob:
+            raise IntegrityError("blob", self.entry.blob, f"content hashes to {actual}")
+        self.close()
+        self._closed(self.entry)
+        self._meter.add(files=1)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+def _hash_back(digest, fd: int, chunk: packs.Chunk, entry: Entry) -> None:
+    """Hash a chunk as it lies in the staged file, a MiB at a time (it is in the page cache)."""
+    offset, end = chunk.start, chunk.start + chunk.size
+    while offset < end:
+        data = os.pread(fd, min(_HASH_PIECE, end - offset), offset)
+        if not data:
+            raise IntegrityError("blob", entry.blob, f"staged file is shorter than {end} bytes")
+        digest.update(data)
+        offset += len(data)
 
 
 def read_range(store: Store, rng: Range, place: Place, cancelled: Callable[[], bool]) -> None:
-    key = pack_key(rng.pack)
-
-    def open_at(offset: int, length: int) -> GuardedReader:
-        return GuardedReader(store.open_range(key, offset, length), store.url, key)
-
-    length = rng.end - rng.start
-    first = open_at(rng.start, length)
-    with Resumable(first, open_at, rng.start, length, cancelled=cancelled, name=key) as stream:
+    """Hand each blob of one coalesced range to `place`, in pack order."""
+    with open_pack(store, rng.pack, rng.start, rng.end - rng.start, cancelled) as stream:
         position = rng.start
         for entry in rng.entries:
             if cancelled():

@@ -23,13 +23,14 @@ import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kcache import boundedread, layerkeys, readiness, refs, signing
+from kcache import boundedread, layerkeys, progress, readiness, refs, signing
 from kcache import fingerprint as fingerprints
 from kcache import manifest as manifests
 from kcache.errors import ConfigError, IntegrityError, RootError
@@ -143,7 +144,8 @@ def _hash_or_skip(path: Path) -> str | None:
         raise
 
 
-def _hash_all(found: list[tuple[Source, FileInfo]], jobs: int, cache: HashCache | None) -> list[Collected]:
+def _hash_all(found: list[tuple[Source, FileInfo]], jobs: int, cache: HashCache | None,
+              report: progress.Report | None = None) -> list[Collected]:  # fmt: skip
     """SHA-256 of every file, from the hash cache where the file is unchanged since last time.
 
     A file that is gone by the time it is hashed is left out of the bundle."""
@@ -154,9 +156,11 @@ def _hash_all(found: list[tuple[Source, FileInfo]], jobs: int, cache: HashCache 
         digests = [known.get(k) for k in keys]
     todo = [i for i, d in enumerate(digests) if d is None]
     # hashlib releases the GIL on large buffers, so threads overlap reading and hashing.
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    meter = progress.Meter("hashing", files=len(todo), bytes=sum(found[i][1].size for i in todo), report=report)
+    with meter, ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         for i, digest in zip(todo, pool.map(lambda i: _hash_or_skip(found[i][1].path), todo)):
             digests[i] = digest
+            meter.add(files=1, bytes=found[i][1].size)
     if cache and todo:
         cache.remember((keys[i], digests[i]) for i in todo if digests[i] is not None)
     return [
@@ -185,9 +189,12 @@ def _plan_packs(new: list[Collected]) -> list[list[Collected]]:
     return groups
 
 
-def _build_pack(group: list[Collected], workdir: Path, salt: bytes = b""):
-    """The pack of `group`; with `salt`, one more tiny blob makes its bytes (and id) new."""
-    writer = PackWriter(workdir)
+def _build_pack(group: list[Collected], workdir: Path, chunks: Executor, salt: bytes = b""):
+    """The pack of `group`; with `salt`, one more tiny blob makes its bytes (and id) new.
+
+    `chunks` compresses a large file's chunks in parallel: one big file uses every core.
+    """
+    writer = PackWriter(workdir, chunks)
     try:
         for item in group:
             writer.add(item.blob, item.info.path, item.info.size)
@@ -202,7 +209,8 @@ def _build_pack(group: list[Collected], workdir: Path, salt: bytes = b""):
         raise
 
 
-def _write_and_upload(group: list[Collected], store: Store, index: Index, workdir: Path) -> tuple[int, int]:
+def _write_and_upload(group: list[Collected], store: Store, index: Index, workdir: Path, chunks: Executor,
+                      meter: progress.Meter) -> tuple[int, int]:  # fmt: skip
     """Steps 1 and 2 for one pack. Returns (pack bytes written to the store, blobs packed).
 
     A pack is only ever named by the publish that wrote it. When the store already has the
@@ -211,13 +219,13 @@ def _write_and_upload(group: list[Collected], store: Store, index: Index, workdi
     Adopting it could leave our bundle naming an object GC deletes next, so the blobs go into a
     pack with a random salt blob instead, whose id no one else has.
     """
-    pack = _build_pack(group, workdir)
+    pack = _build_pack(group, workdir, chunks)
     try:
         written = store.put_file(pack_key(pack.id), pack.path)
         if not written:
             log.info("pack %s is already in the store; writing a salted copy of its blobs", pack.id[:12])
             pack.path.unlink(missing_ok=True)
-            pack = _build_pack(group, workdir, salt=os.urandom(16))
+            pack = _build_pack(group, workdir, chunks, salt=os.urandom(16))
             written = store.put_file(pack_key(pack.id), pack.path)
         if not written:
             raise IntegrityError("pack", pack.id, "a salted pack id was already taken in the store")
@@ -226,6 +234,7 @@ def _write_and_upload(group: list[Collected], store: Store, index: Index, workdi
         )
     finally:
         pack.path.unlink(missing_ok=True)
+    meter.add(files=len(group), bytes=sum(item.info.size for item in group))
     return pack.size, len(pack.blobs)
 
 
@@ -240,12 +249,14 @@ def publish(
     config: PublishConfig = PublishConfig(),
     progress: Callable[[str], None] | None = None,
     compile_seconds: float | None = None,
+    report: progress.Report | None = None,
 ) -> PublishResult:
     """Publish this machine's caches (or ROOT's) as a bundle for `fingerprint`.
 
     `compile_seconds` is the cold warmup the caller measured: what a hit on this bundle saves.
     Raises RootError for a ROOT that is not a directory, ConfigError for an empty bundle
     unless `config.allow_empty`.
+    `report` receives the hashing and upload progress (kcache.progress).
     """
     if fingerprint.mismatches:  # kernels built here, filed under another machine's keys: a wrong hit for its pods
         names = ", ".join(m.fact for m in fingerprint.mismatches)
@@ -267,8 +278,8 @@ def publish(
     # Before any upload: a row the database would refuse must fail now, not after the packs went up.
     index.check_bundle(_bundle_row(_manifest(fingerprint, layers, [], info)))
     note(f"hashing {len(found)} files")
-    collected = _hash_all(found, config.jobs, config.hash_cache)
-    new, uploaded, pack_count, locations = _upload_until_revived(collected, store, index, config.jobs, note)
+    collected = _hash_all(found, config.jobs, config.hash_cache, report)
+    new, uploaded, pack_count, locations = _upload_until_revived(collected, store, index, config.jobs, note, report)
     manifest = _manifest(fingerprint, layers, [_entry(c, locations[c.blob]) for c in collected], info)
     data = manifest.to_bytes()
     wrote = _write_manifest(store, manifest, data, config.signing_key)  # before the commit point
@@ -294,7 +305,8 @@ def publish(
     return result
 
 
-def _upload_until_revived(collected: list[Collected], store: Store, index: Index, jobs: int, note):
+def _upload_until_revived(collected: list[Collected], store: Store, index: Index, jobs: int, note,
+                          report: progress.Report | None = None):  # fmt: skip
     """Steps 1-2 for whatever the index lacks, then revive every pack the bundle will name.
 
     GC may sweep a condemned pack between our lookup and the revive; its blob rows go with it,
@@ -310,10 +322,14 @@ def _upload_until_revived(collected: list[Collected], store: Store, index: Index
         new = list({c.blob: c for c in collected if c.blob in missing}.values())
         note(f"{len(new)} new blobs of {len(collected)} files")
         groups = _plan_packs(new)
-        with tempfile.TemporaryDirectory(prefix="kcache-publish-") as tmp, ThreadPoolExecutor(max(1, jobs)) as pool:
-            uploaded += sum(
-                sent for sent, _ in pool.map(lambda g: _write_and_upload(g, store, index, Path(tmp)), groups)
-            )
+        with (
+            tempfile.TemporaryDirectory(prefix="kcache-publish-") as tmp,
+            ThreadPoolExecutor(max(1, jobs)) as pool,
+            ThreadPoolExecutor(max(1, jobs), thread_name_prefix="kcache-compress") as chunks,
+            progress.Meter("uploading", files=len(new), bytes=sum(c.info.size for c in new), report=report) as meter,
+        ):
+            work = partial(_write_and_upload, store=store, index=index, workdir=Path(tmp), chunks=chunks, meter=meter)
+            uploaded += sum(sent for sent, _ in pool.map(work, groups))
         new_all += new
         packs += len(groups)
         locations = index.locate(c.blob for c in collected)

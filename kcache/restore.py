@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from kcache import choice, envfile, fetch, layerkeys, rootdir, signing
+from kcache import choice, envfile, fetch, layerkeys, progress, rootdir, signing
 from kcache import manifest as manifests
 from kcache import sources as layers
 from kcache.config import redact_text
@@ -134,6 +134,7 @@ def restore_opening(
     require_signature: bool = False,
     fallback: str | None = None,
     run_as: str | None = None,
+    report: progress.Report | None = None,
 ) -> RestoreResult:
     """Open what `open_inputs` opens, then restore the newest bundle (or the pinned `bundle_id`).
 
@@ -145,6 +146,7 @@ def restore_opening(
     fallback="toolchain", a miss restores the kernel layers of the newest bundle built on the same
     toolchain (status "partial"); with fallback="layers", each reusable layer of the newest bundle
     whose layer key matches ours (kcache.layerkeys; status "partial", donors say from where).
+    `report` receives the fetch's progress (kcache.progress).
     Raises KcacheError, or whatever `open_inputs` raised; either
     way kcache.env and an error marker are written first, unless ROOT itself is unusable
     (RootError) or another restore held ROOT for the whole budget (RootBusy: that one writes them).
@@ -159,7 +161,7 @@ def restore_opening(
 
         def work(budget: _Budget) -> RestoreResult:
             return _open_and_restore(open_inputs, opened, root, jobs, budget, bundle_id, require_signature, fallback,
-                                     run_as)
+                                     run_as, report)
 
         try:
             try:
@@ -177,7 +179,8 @@ def restore_opening(
 
 
 def _open_and_restore(open_inputs, opened: list, root: Path, jobs: int, budget: _Budget, pinned: str | None,
-                      require_signature: bool, fallback: str | None, run_as: str | None) -> RestoreResult:  # fmt: skip
+                      require_signature: bool, fallback: str | None, run_as: str | None,
+                      report: progress.Report | None) -> RestoreResult:  # fmt: skip
     if fallback not in (None, "toolchain", "layers"):
         raise ConfigError("--fallback", str(fallback), "a fallback is 'toolchain' or 'layers'")
     inputs = open_inputs()
@@ -186,7 +189,7 @@ def _open_and_restore(open_inputs, opened: list, root: Path, jobs: int, budget: 
         raise ConfigError("--require-signature", "on", "needs at least one --trusted-key (or KCACHE_TRUSTED_KEYS)")
     policy = choice.Policy(inputs.trusted, require_signature)
     return _restore(inputs.store, inputs.index, inputs.fingerprint, root, jobs, budget, pinned, policy, fallback,
-                    run_as)
+                    run_as, report)
 
 
 def _fail(root: Path, opened: list[Opened], exc: Exception, seconds: float, deadline: float | None) -> None:
@@ -252,6 +255,7 @@ def _restore(
     policy: choice.Policy,
     fallback: str | None = None,
     run_as: str | None = None,
+    report: progress.Report | None = None,
 ) -> RestoreResult:
     started = time.perf_counter()
     if fp.mismatches:  # the facts file describes another machine: its bundle would be a wrong hit
@@ -261,7 +265,7 @@ def _restore(
     if isinstance(chosen, str) and fallback == "layers" and not pinned and not fp.mismatches:
         donors = _donors(store, fp, policy)
         if donors:
-            return _from_layers(store, fp, root, jobs, budget, donors, run_as, started)
+            return _from_layers(store, fp, root, jobs, budget, donors, run_as, started, report)
     if isinstance(chosen, str):
         return RestoreResult("miss", fp.bundle_key, None, root, root / envfile.NAME,
                              seconds=time.perf_counter() - started, reason=one_line(chosen),
@@ -272,7 +276,7 @@ def _restore(
     layer_names = tuple(n for n in manifest.layers if n in PARTIAL_LAYERS) if partial else manifest.layers
     entries = tuple(e for e in manifest.entries if not partial or e.path.split("/", 1)[0] in PARTIAL_LAYERS)
     user = layers.run_as_user(run_as, manifest.layer_info)
-    _lay_out(store, root, entries, layers.for_manifest(layer_names, user), jobs, budget)
+    _lay_out(store, root, entries, layers.for_manifest(layer_names, user), jobs, budget, report)
     reason = (
         f"kernel layers of bundle {manifest.id[:12]}, built on this toolchain for another workload" if partial else ""
     )
@@ -299,7 +303,8 @@ def _donors(store: Store, fp: Fingerprint, policy: choice.Policy) -> list[layerk
 
 
 def _from_layers(store: Store, fp: Fingerprint, root: Path, jobs: int, budget: _Budget,
-                 donors: list[layerkeys.Donor], run_as: str | None, started: float) -> RestoreResult:  # fmt: skip
+                 donors: list[layerkeys.Donor], run_as: str | None, started: float,
+                 report: progress.Report | None = None) -> RestoreResult:  # fmt: skip
     """Lay out each donor's layer: a partial restore assembled layer by layer (--fallback layers)."""
     entries, names = [], []
     for donor in donors:
@@ -308,7 +313,7 @@ def _from_layers(store: Store, fp: Fingerprint, root: Path, jobs: int, budget: _
         names.append(donor.layer)
     pch = next((d.manifest.layer_info for d in donors if d.layer == "inductor-pch"), {})
     user = layers.run_as_user(run_as, pch)
-    _lay_out(store, root, tuple(entries), layers.for_manifest(names, user), jobs, budget)
+    _lay_out(store, root, tuple(entries), layers.for_manifest(names, user), jobs, budget, report)
     origin = ", ".join(f"{d.layer} from {d.manifest.id[:12]}" for d in donors)
     return RestoreResult("partial", fp.bundle_key, None, root, root / envfile.NAME, tuple(names), len(entries),
                          sum(e.size for e in entries), time.perf_counter() - started,
@@ -324,13 +329,16 @@ def _check_layers(manifest: manifests.Manifest) -> None:
             raise UnsafePath(entry.path, "belongs to no layer of the bundle that this kcache knows")
 
 
-def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jobs: int, budget: _Budget) -> None:
+def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jobs: int, budget: _Budget,
+             report: progress.Report | None = None) -> None:  # fmt: skip
     """Fetch and verify everything into staging, then swap the layers in (unless time ran out)."""
     staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=root))
     with budget.lock:
         budget.staging = staging
     try:
-        _fetch_all(store, entries, staging, jobs, budget)
+        with progress.Meter("restoring", files=len(entries), bytes=sum(e.size for e in entries),
+                            report=report) as meter:  # fmt: skip
+            _fetch_all(store, entries, staging, jobs, budget, meter)
         relocate_staged(staging / "files", root, (e.path for e in entries), sources)
         with budget.lock:
             if budget.expired:
@@ -341,7 +349,8 @@ def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jo
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path, jobs: int, budget: _Budget) -> None:
+def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path, jobs: int, budget: _Budget,
+               meter: progress.Meter) -> None:  # fmt: skip
     """Every blob into its staged path (verified), then the paths that share a blob as copies."""
     files = staging / "files"
     shared = rootdir.group_shared(staging.parent)
@@ -351,26 +360,38 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
         rootdir.make_dirs(staging, directory, shared, made)
     umask = _umask()
 
-    def lay(entry: manifests.Entry, write) -> None:
+    def create(entry: manifests.Entry):
         path = files / entry.path  # manifest.parse already refused absolute paths and '..'
         mode = rootdir.file_mode(entry.mode, shared)
-        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as out:
-            write(out)
+        # Readable too: a blob fetched in parts is hashed by reading its chunks back (kcache.fetch).
+        return open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode), "r+b")
+
+    def finish(entry: manifests.Entry) -> None:
+        """After the last write and close of a verified file."""
+        path = files / entry.path
+        mode = rootdir.file_mode(entry.mode, shared)
         if mode & umask:  # the umask took bits the manifest asks for
             os.chmod(path, mode)
         if entry.mtime_ns:  # builders (ninja) judge "up to date" by mtime; set after the last write
             os.utime(path, ns=(entry.mtime_ns, entry.mtime_ns))
 
+    def lay(entry: manifests.Entry, write) -> None:
+        with create(entry) as out:
+            write(out)
+        finish(entry)
+
     def place(entry: manifests.Entry, frame) -> None:
         lay(entry, lambda out: unpack_frame(frame, entry.blob, entry.size, out))
 
-    fetch.fetch_blobs(store, entries, place, jobs=jobs, cancelled=lambda: budget.expired)
+    fetch.fetch_blobs(store, entries, place, jobs=jobs, cancelled=lambda: budget.expired, open_blob=create,
+                      closed=finish, meter=meter)  # fmt: skip
     first_path: dict[str, str] = {}
     for entry in entries:
         origin = first_path.setdefault(entry.blob, entry.path)
         if origin != entry.path:  # already verified when its first path was written
             with open(files / origin, "rb") as src:
                 lay(entry, lambda out, src=src: shutil.copyfileobj(src, out))
+            meter.add(files=1, bytes=entry.size)
 
 
 def _umask() -> int:

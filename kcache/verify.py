@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kcache import fetch
+from kcache import fetch, progress
 from kcache import manifest as manifests
 from kcache.errors import ConfigError, KcacheError
 from kcache.packs import unpack_frame
@@ -54,8 +54,15 @@ def in_subset(pack_id: str, subset: tuple[int, int]) -> bool:
 
 
 def verify(
-    store: Store, index: Index, *, read_data: bool = False, subset: tuple[int, int] = (1, 1), jobs: int = 16
+    store: Store,
+    index: Index,
+    *,
+    read_data: bool = False,
+    subset: tuple[int, int] = (1, 1),
+    jobs: int = 16,
+    report: progress.Report | None = None,
 ) -> VerifyResult:
+    """Check every bundle (see the module docstring); `report` receives --read-data's progress."""
     from kcache.index import lifecycle
 
     problems: list[str] = []
@@ -76,15 +83,17 @@ def verify(
                 problems.append(f"bundle {bundle.id[:12]}: {entry.path}: pack {entry.pack[:12]} is too short")
             elif read_data and in_subset(entry.pack, subset):
                 to_read.setdefault(entry.blob, entry)
-    read = _read_all(store, list(to_read.values()), jobs, problems) if read_data else (0, 0)
+    read = _read_all(store, list(to_read.values()), jobs, problems, report) if read_data else (0, 0)
     packs = len({e.pack for e in to_read.values()}) if read_data else len(sizes)
     return VerifyResult(len(bundles), packs, read[0], read[1], tuple(dict.fromkeys(problems)))
 
 
-def _read_all(store: Store, entries: list[manifests.Entry], jobs: int, problems: list[str]) -> tuple[int, int]:
+def _read_all(store: Store, entries: list[manifests.Entry], jobs: int, problems: list[str],
+              report: progress.Report | None = None) -> tuple[int, int]:  # fmt: skip
     """Re-hash every blob; a bad one is a problem, and the rest of its pack is still read."""
     lock = threading.Lock()
     done = {"blobs": 0, "bytes": 0}
+    meter = progress.Meter("verifying", files=len(entries), bytes=sum(e.size for e in entries), report=report)
 
     def check(entry: manifests.Entry, frame) -> None:
         try:
@@ -93,6 +102,8 @@ def _read_all(store: Store, entries: list[manifests.Entry], jobs: int, problems:
             with lock:
                 problems.append(f"{entry.path}: {exc}")
             return
+        finally:
+            meter.add(files=1, bytes=entry.size)  # checked, good or bad
         with lock:
             done["blobs"] += 1
             done["bytes"] += entry.size
@@ -104,6 +115,6 @@ def _read_all(store: Store, entries: list[manifests.Entry], jobs: int, problems:
             with lock:
                 problems.append(f"pack {rng.pack[:12]}: {exc}")
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    with meter, ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         list(pool.map(one_range, fetch.plan_ranges(entries)))
     return done["blobs"], done["bytes"]

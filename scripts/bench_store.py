@@ -1,15 +1,23 @@
-"""Benchmark (not a test): kcache's packed store against `aws s3 sync` and a local tar|zstd floor.
+"""Benchmark (not a test): kcache's packed store against s5cmd, `aws s3 sync` and a local tar|zstd floor.
 
-    python scripts/bench_store.py [--files 20000] [--repeats 3] [--quick] [--json] [--keep]
+    python scripts/bench_store.py [--files 20000] [--big-files 64] [--big-mib 16] [--shapes synthetic,big]
+                                  [--baselines s5cmd,aws] [--repeats 3] [--quick] [--json] [--keep]
 
-Two trees, each laid out like a restore root (ROOT/inductor, ROOT/triton, ROOT/tmp/...):
+Trees, each laid out like a restore root (ROOT/inductor, ROOT/triton, ROOT/tmp/...):
 
     synthetic   --files files of 1-16 KiB (log-uniform) plus a few files of several MiB, about
                 150 MB at the defaults; half random bytes, half repetitive kernel-like text, so
                 zstd finds roughly what it finds in real caches. A copy 4x smaller is restored too,
                 to show that restore's peak memory does not grow with the bundle.
+    big         --big-files files of --big-mib MiB each (1 GiB at the defaults), random-ish data (runs
+                of random bytes and kernel-like text): the shape of large vLLM/TensorRT caches
     inductor    a real Inductor cache: `python -m kcache.torch.workload` with TORCHINDUCTOR_CACHE_DIR and
                 TMPDIR inside ROOT (skipped when torch is not importable)
+
+The big tree is not split by restore (64 blobs of 16 MiB keep 16 threads busy one stream each).
+A bundle of a few huge files is: each blob's parts are ranged GETs of the same object, and moto
+copies the whole object for every ranged GET, so on moto such a restore (and s5cmd's own ranged
+download of it) pays for the server's copies; S3 and file:// read only the range.
 
 Each repeat uses a fresh bucket, fresh SQLite indexes and fresh target directories, against one
 moto S3 server that runs as a separate process on 127.0.0.1. Every operation is timed as a whole
@@ -18,6 +26,7 @@ child process (wall clock), because that is what a pod's init container pays:
     publish / republish   kcache publish to s3:// into an empty store, then again unchanged
     restore               kcache restore from s3:// into a fresh dir
     sync-up / sync-down   aws s3 sync ROOT s3://bucket/sync/ and back into a fresh dir
+    s5cmd-up / s5cmd-down s5cmd cp ROOT/ s3://bucket/s5/ and back (the fastest per-object S3 tool)
     tar-create / -extract tar -cf - | zstd -T0 and zstd -dc | tar -xf - on local disk: the floor
     publish-file / restore-file   the same kcache commands against a file:// store
 
@@ -62,14 +71,21 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing
 # Inherited cache locations or kcache settings would point children past the scratch dir.
 ISOLATED = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TMPDIR", "TORCH_COMPILE_CACHE_KEY_TAG",
             "KCACHE_STORE", "KCACHE_INDEX", "KCACHE_HOME", "AWS_ENDPOINT_URL", "AWS_PROFILE")  # fmt: skip
-RESTORE_EXTRAS = {"kcache.env", ".kcache-state.json"}  # written by restore, not part of the bundle
+RESTORE_EXTRAS = {"kcache.env", ".kcache-state.json", ".kcache-lock"}  # written by restore, not part of the bundle
 HASH_SAMPLE = 200
 SEED = 20240611
-# (label, numerator op, denominator op, bound, "min": ratio must reach bound, "max": stay at or below)
-TARGETS = (("aws-sync-down / kcache-restore", "sync-down", "restore", 20.0, "min"),
-           ("aws-sync-up / kcache-publish", "sync-up", "publish", 20.0, "min"),
-           ("kcache-restore-file / tar-zstd-extract", "restore-file", "tar-extract", 1.5, "max"),
-           ("republish / publish", "republish", "publish", 0.1, "max"))  # fmt: skip
+# (trees it applies to, label, numerator op, denominator op, bound, "min": ratio must reach bound,
+# "max": stay at or below). Many small files: kcache must beat per-object tools by far; a few big
+# files: per-object tools are at their best, and kcache must still keep up with them.
+SMALL, BIG = ("synthetic", "inductor"), ("big",)
+TARGETS = ((SMALL, "aws-sync-down / kcache-restore", "sync-down", "restore", 20.0, "min"),
+           (SMALL, "aws-sync-up / kcache-publish", "sync-up", "publish", 20.0, "min"),
+           (SMALL, "s5cmd-down / kcache-restore", "s5cmd-down", "restore", 20.0, "min"),
+           (SMALL, "s5cmd-up / kcache-publish", "s5cmd-up", "publish", 20.0, "min"),
+           (BIG, "kcache-restore / s5cmd-down", "restore", "s5cmd-down", 1.0, "max"),
+           (BIG, "kcache-publish / s5cmd-up", "publish", "s5cmd-up", 1.0, "max"),
+           (SMALL + BIG, "kcache-restore-file / tar-zstd-extract", "restore-file", "tar-extract", 1.5, "max"),
+           (SMALL + BIG, "republish / publish", "republish", "publish", 0.1, "max"))  # fmt: skip
 
 
 class BenchError(Exception):
@@ -242,6 +258,19 @@ def build_synthetic(root: Path, files: int, seed: int) -> None:
         path.write_bytes(content(rng, rng.randrange(4, 12) * 1024 * 1024, corpus))
 
 
+def build_big(root: Path, files: int, mib: int, seed: int) -> None:
+    """`files` files of `mib` MiB: 64 KiB runs, alternately random bytes and kernel-like text."""
+    rng = random.Random(seed)
+    corpus = text_corpus(rng)
+    run = 64 * 1024
+    texts = [corpus[i : i + run] for i in range(0, len(corpus) - run, run // 4)]
+    (root / "inductor" / "big").mkdir(parents=True)
+    for i in range(files):
+        with open(root / "inductor" / "big" / f"model-{i:03d}.bin", "wb") as out:
+            for j in range(mib * 1024 * 1024 // run):
+                out.write(rng.randbytes(run) if j % 2 else rng.choice(texts))
+
+
 def build_inductor(root: Path, env: dict[str, str], quick: bool) -> str:
     """Compile kcache.torch.workload once with its caches inside ROOT; returns a note, "" on success."""
     probe = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True)
@@ -315,7 +344,8 @@ class Ctx:
     env: dict[str, str]
     endpoint: str
     kcache: str
-    aws: str
+    aws: str | None
+    s5cmd: str | None
 
 
 def kcache_run(
@@ -363,6 +393,17 @@ def aws_sync(ctx: Ctx, tree: Tree, bucket: str, n: int) -> dict[str, dict]:
     return {"sync-up": sample(up), "sync-down": sample(down)}
 
 
+def s5cmd(ctx: Ctx, tree: Tree, bucket: str, n: int) -> dict[str, dict]:
+    remote = f"s3://{bucket}/s5/"
+    common = [ctx.s5cmd, "--endpoint-url", ctx.endpoint, "--log", "error"]
+    up = run_child([*common, "cp", f"{tree.root}/", remote], ctx.env)
+    target = ctx.work / "out" / f"{tree.name}-s5cmd-{n}"
+    down = run_child([*common, "cp", remote + "*", f"{target}/"], ctx.env)
+    verify(tree, target, f"{tree.name} s5cmd cp down")
+    shutil.rmtree(target)
+    return {"s5cmd-up": sample(up), "s5cmd-down": sample(down)}
+
+
 def tar_zstd(ctx: Ctx, tree: Tree, n: int) -> dict[str, dict]:
     archive = ctx.work / "files" / f"{tree.name}-{n}.tar.zst"
     target = ctx.work / "out" / f"{tree.name}-tar-{n}"
@@ -396,7 +437,10 @@ def one_repeat(ctx: Ctx, tree: Tree, n: int) -> dict[str, dict]:
     client.create_bucket(Bucket=bucket)
     try:
         found = kcache_s3(ctx, tree, bucket, n)
-        found.update(aws_sync(ctx, tree, bucket, n))
+        if ctx.s5cmd:
+            found.update(s5cmd(ctx, tree, bucket, n))
+        if ctx.aws:
+            found.update(aws_sync(ctx, tree, bucket, n))
     finally:
         drop_bucket(client, bucket)
     found.update(tar_zstd(ctx, tree, n))
@@ -438,9 +482,11 @@ def median(samples: list[dict], key: str = "seconds") -> float:
 def ratios(results: dict[str, dict[str, list[dict]]]) -> list[dict]:
     rows = []
     for tree, ops in results.items():
-        if "sync-up" not in ops:
-            continue
-        for label, num, den, bound, kind in TARGETS:
+        if "republish" not in ops or "tar-extract" not in ops:
+            continue  # the quarter-size tree: only there for restore's peak memory
+        for trees, label, num, den, bound, kind in TARGETS:
+            if tree not in trees or num not in ops or den not in ops:
+                continue
             value = median(ops[num]) / median(ops[den])
             ok = value >= bound if kind == "min" else value <= bound
             target = f"{'>=' if kind == 'min' else '<='} {bound:g}"
@@ -453,15 +499,16 @@ def ratios(results: dict[str, dict[str, list[dict]]]) -> list[dict]:
 
 def print_report(trees: dict[str, Tree], results: dict, rows: list[dict], rss: dict) -> None:
     print(f"{'tree':<18} {'files':>6} {'MB':>7}  {'operation':<13} {'median s':>9} {'min s':>8} {'max s':>8} "
-          f"{'peak RSS MiB':>12}")  # fmt: skip
+          f"{'MB/s':>7} {'peak RSS MiB':>12}")  # fmt: skip
     for name, ops in results.items():
         tree = trees[name]
         size = sum(tree.listing.values()) / 1e6
         for op, samples in ops.items():
             rss_mib = max(s["maxrss"] for s in samples) / 2**20
             secs = [s["seconds"] for s in samples]
+            rate = size / median(samples)
             print(f"{name:<18} {len(tree.listing):>6} {size:>7.1f}  {op:<13} {median(samples):>9.3f} "
-                  f"{min(secs):>8.3f} {max(secs):>8.3f} {rss_mib:>12.0f}")  # fmt: skip
+                  f"{min(secs):>8.3f} {max(secs):>8.3f} {rate:>7.0f} {rss_mib:>12.0f}")  # fmt: skip
     print()
     for row in rows:
         value = f"{row['value']:.3f}" if isinstance(row["value"], float) else str(row["value"])
@@ -488,7 +535,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--files", type=int, default=20000, help="small files in the synthetic tree (default 20000)")
     parser.add_argument("--repeats", type=int, default=3, help="samples per operation, medians reported (default 3)")
-    parser.add_argument("--quick", action="store_true", help="a fast check: 2000 files, 1 repeat, a 1-block workload")
+    parser.add_argument("--big-files", type=int, default=64, help="files in the big tree (default 64)")
+    parser.add_argument("--big-mib", type=int, default=16, help="MiB per file in the big tree (default 16)")
+    parser.add_argument(
+        "--shapes",
+        default="synthetic,big,inductor",
+        help="trees to run, comma-separated (default synthetic,big,inductor)",
+    )
+    parser.add_argument(
+        "--baselines", default="s5cmd,aws", help="S3 tools to compare with, comma-separated: s5cmd, aws (default both)"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a fast check: 2000 files, a 4 x 16 MiB big tree, 1 repeat, a 1-block workload",
+    )
     parser.add_argument("--no-inductor", action="store_true", help="skip the real Inductor tree")
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
                         help="print one JSON object instead of the table; with PATH, write it there and "
@@ -496,24 +557,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory and print its path")
     args = parser.parse_args(argv)
     if args.quick:
-        args.files, args.repeats = 2000, 1
+        args.files, args.repeats, args.big_files = 2000, 1, 4
+    args.shapes = set(args.shapes.split(","))
+    args.baselines = set(args.baselines.split(","))
+    if args.no_inductor:
+        args.shapes.discard("inductor")
     return args
 
 
-def check_tools() -> dict[str, str]:
+def check_tools(baselines: set[str]) -> dict[str, str | None]:
     missing = [t for t in ("tar", "zstd", "bash") if shutil.which(t) is None]
     if missing:
         raise BenchError(f"missing {', '.join(missing)}: apt-get install {' '.join(missing)}")
-    return {"kcache": tool("kcache"), "aws": tool("aws")}
+    return {"kcache": tool("kcache"), "aws": tool("aws") if "aws" in baselines else None,
+            "s5cmd": tool("s5cmd") if "s5cmd" in baselines else None}  # fmt: skip
 
 
 def build_trees(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str, Tree]:
     trees = {}
-    for name, files in (("synthetic", args.files), ("synthetic-quarter", max(1, args.files // 4))):
-        root = work / "trees" / name
-        build_synthetic(root, files, SEED + files)
-        trees[name] = make_tree(name, root)
-    if not args.no_inductor:
+    if "synthetic" in args.shapes:
+        for name, files in (("synthetic", args.files), ("synthetic-quarter", max(1, args.files // 4))):
+            root = work / "trees" / name
+            build_synthetic(root, files, SEED + files)
+            trees[name] = make_tree(name, root)
+    if "big" in args.shapes:
+        build_big(work / "trees" / "big", args.big_files, args.big_mib, SEED)
+        trees["big"] = make_tree("big", work / "trees" / "big")
+    if "inductor" in args.shapes:
         root = work / "trees" / "inductor"
         note = build_inductor(root, env, args.quick)
         if (root / "inductor").is_dir():
@@ -528,7 +598,7 @@ def run_all(args: argparse.Namespace, work: Path, tools: dict[str, str]) -> dict
     (work / "files").mkdir(parents=True)
     trees = build_trees(args, work, env)
     with moto_server(work, env) as endpoint:
-        ctx = Ctx(work, env, endpoint, tools["kcache"], tools["aws"])
+        ctx = Ctx(work, env, endpoint, tools["kcache"], tools["aws"], tools["s5cmd"])
         results = {}
         for name, tree in trees.items():
             step = rss_repeat if name == "synthetic-quarter" else one_repeat
@@ -540,7 +610,8 @@ def run_all(args: argparse.Namespace, work: Path, tools: dict[str, str]) -> dict
 def write_json(args: argparse.Namespace, tools: dict[str, str], out: dict) -> None:
     trees = {n: {"files": len(t.listing), "bytes": sum(t.listing.values()), "note": t.note}
              for n, t in out["trees"].items()}  # fmt: skip
-    text = json.dumps({"args": vars(args), "tools": tools, "trees": trees, "results": out["results"],
+    plain_args = {k: sorted(v) if isinstance(v, set) else v for k, v in vars(args).items()}
+    text = json.dumps({"args": plain_args, "tools": tools, "trees": trees, "results": out["results"],
                        "ratios": out["ratios"], "restore_peak_rss": out["rss"]}, sort_keys=True)  # fmt: skip
     if args.json == "-":
         print(text)
@@ -550,7 +621,7 @@ def write_json(args: argparse.Namespace, tools: dict[str, str], out: dict) -> No
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tools = check_tools()
+    tools = check_tools(args.baselines)
     work = Path(tempfile.mkdtemp(prefix="kcache-bench-store-"))
     try:
         out = run_all(args, work, tools)

@@ -16,6 +16,7 @@ ALLOWED = {
     "sqlalchemy": ("index/",),
     "alembic": ("index/",),
     "click": ("cli/",),
+    "rich": ("cli/progress_bars.py",),  # imported only when stderr is a terminal
     "torch": ("sources/", "torch/"),
     "triton": ("sources/", "torch/"),
     "aiohttp": ("proxy/",),

@@ -42,7 +42,11 @@ def ref_fixture() -> refs.Ref:
 MANIFEST = "6a1551c864d925a9ab5527997fd1ca5ba8629e52b5220b63b6c9054d1cfd0be6"
 SIGNATURE_MESSAGE = "2ab721d05feb7b5e54cbdd9d59291f3ffe469e61d0c145537220706a6030363d"
 REF = "5722682cb5c99e9d306252ab55c3b64706c4a1dd03fdd9164f3b6e9be71af2b8"
-TRAILER = "b6af7faf592b1ae75e46856575ef9806d102f8acdddccb6961df59b01b961fab"
+TRAILER = "7506da4224a201d1388b4ab2647a45db32c14a15c8a3c4f774f4fbc1b970adb6"
+# Schema 1 (before chunked blobs): packs already in buckets with it must stay readable.
+_V1_BODY = b'{"blobs":[["' + BLOB_A.encode() + b'",0,17,3]],"schema":1}'
+TRAILER_V1 = _V1_BODY + len(_V1_BODY).to_bytes(8, "big") + b"KCPACK1\n"
+SEEK_TABLE = "4ec954f7fa95bd8c0594707e5f0c175819926a0786443753e0e99295ad6ee786"
 
 GOLDEN = {
     "manifest bytes (manifest.SCHEMA; the hash is the manifest id)": (lambda: manifest_fixture().to_bytes(), MANIFEST),
@@ -51,6 +55,8 @@ GOLDEN = {
     "ref bytes with its signature (refs.SCHEMA)": (lambda: ref_fixture().to_bytes(), REF),
     "pack trailer and footer (packs.TRAILER_SCHEMA, MAGIC)": (
         lambda: packs.trailer([packs.PackedBlob(BLOB_A, 0, 17, 3), packs.PackedBlob(BLOB_B, 17, 20, 5)]), TRAILER),
+    "seek table ending a chunked blob (packs.seek_table, zstd's seekable format)": (
+        lambda: packs.seek_table([(1000, packs.CHUNK_BYTES), (17, 5)]), SEEK_TABLE),
 }  # fmt: skip
 
 
@@ -91,3 +97,13 @@ def test_the_pinned_trailer_parses_back_and_is_what_a_pack_ends_with(tmp_path):
     writer.add(hashlib.sha256(b"abc").hexdigest(), tmp_path / "f", 3)
     pack = writer.finish()
     assert pack.path.read_bytes().endswith(packs.trailer(pack.blobs))
+
+
+def test_a_schema_1_trailer_still_parses():
+    assert packs.parse_trailer(PACK, TRAILER_V1, 17 + len(TRAILER_V1)) == (packs.PackedBlob(BLOB_A, 0, 17, 3),)
+
+
+def test_the_pinned_seek_table_parses_back():
+    table = packs.seek_table([(1000, packs.CHUNK_BYTES), (17, 5)])
+    chunks = packs.parse_seek_table(table, 1017 + len(table), packs.CHUNK_BYTES + 5)
+    assert chunks == (packs.Chunk(0, 1000, 0, packs.CHUNK_BYTES), packs.Chunk(1000, 17, packs.CHUNK_BYTES, 5))

@@ -8,6 +8,7 @@ everything restore does, not one function.
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ from kcache.cli import main
 MiB = 1024 * 1024
 ZEROS = 300 * MiB  # zstd turns this into a few KiB: one small range read, one huge blob
 PEAK_RSS_LIMIT = 150 * MiB  # measured 33 MiB; 329 MiB when the file was decompressed in memory
+RESTORE_RSS_BOUND = 256 * MiB  # the bound restore keeps for any bundle (issue 11)
 
 
 # The restore runs under a small launcher that reports its only child's peak RSS: a child forked
@@ -65,3 +67,23 @@ def test_a_huge_compressible_file_is_restored_in_bounded_memory(tmp_path):
     assert restored.stat().st_size == ZEROS
     assert sha256_file(restored) == sha256_file(big)
     assert peak < PEAK_RSS_LIMIT, f"restore peaked at {peak / MiB:.0f} MiB"
+
+
+def test_a_large_random_file_fetched_in_parallel_parts_stays_within_the_restore_bound(tmp_path):
+    """96 MiB that do not compress: six parts on sixteen threads, each holding at most a MiB or two."""
+    src = tmp_path / "src"
+    big = src / "vllm/torch_compile_cache/h/rank_0_0/weights.bin"
+    big.parent.mkdir(parents=True)
+    with open(big, "wb") as f:
+        for _ in range(12):
+            f.write(os.urandom(8 * MiB))
+    store = f"file://{tmp_path / 'store'}"
+    published = CliRunner().invoke(main, ["publish", "--from", str(src), "--model", "m", "--store", store],
+                                   catch_exceptions=False)  # fmt: skip
+    assert published.exit_code == 0, published.output
+    dest = tmp_path / "dest"
+    code, peak, stderr = restore_peak_rss("--into", str(dest), "--model", "m", "--store", store, "--index", "none",
+                                          "--strict", "--jobs", "16")  # fmt: skip
+    assert code == 0, stderr
+    assert sha256_file(dest / "vllm/torch_compile_cache/h/rank_0_0/weights.bin") == sha256_file(big)
+    assert peak < RESTORE_RSS_BOUND, f"restore peaked at {peak / MiB:.0f} MiB"

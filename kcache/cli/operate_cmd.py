@@ -8,6 +8,7 @@ import click
 
 from kcache import durations
 from kcache.cli import format as fmt
+from kcache.cli import progress_bars
 from kcache.cli.errors import ExitCode
 from kcache.cli.options import handle_errors, json_option, load_signing_key, opened, settings, store_options
 
@@ -67,7 +68,8 @@ def verify_cmd(read_data, subset, jobs, store_url, index_url, s3_endpoint_url, a
 
     part = parse_subset(subset)
     with opened(settings(store_url, index_url, s3_endpoint_url), jobs=jobs, write=False) as (store, index):
-        result = verify(store, index, read_data=read_data, subset=part, jobs=jobs)
+        with progress_bars.bars(progress_bars.wanted(as_json) and read_data) as report:
+            result = verify(store, index, read_data=read_data, subset=part, jobs=jobs, report=report)
     if as_json:
         click.echo(fmt.to_json(asdict(result)))
     else:

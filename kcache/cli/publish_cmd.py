@@ -16,6 +16,7 @@ import click
 
 from kcache import binding, sources
 from kcache.cli import format as fmt
+from kcache.cli import progress_bars
 from kcache.cli.options import (
     compute_fingerprint,
     fingerprint_options,
@@ -109,8 +110,9 @@ def publish_cmd(root, layers, extra_dirs, signing_key, allow_empty, compile_seco
     config = publish_config(cfg, jobs=jobs, signing_key=signing_key, allow_empty=allow_empty)
     index = binding.open_index(cfg, store, write=True)
     try:
-        result = publish(store, index, fp, chosen, root=root, config=config, progress=note,
-                         compile_seconds=compile_seconds)  # fmt: skip
+        with progress_bars.bars(progress_bars.wanted(as_json)) as report:
+            result = publish(store, index, fp, chosen, root=root, config=config, progress=note,
+                             compile_seconds=compile_seconds, report=report)  # fmt: skip
     finally:
         index.close()
     if as_json:

@@ -11,6 +11,7 @@ import click
 from kcache import durations
 from kcache.catalog import open_for_restore
 from kcache.cli import format as fmt
+from kcache.cli import progress_bars
 from kcache.cli.errors import ExitCode, describe
 from kcache.cli.options import (
     compute_fingerprint,
@@ -102,9 +103,10 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
         return opened[-1]
 
     try:
-        result = restore_opening(open_inputs, root, jobs=jobs, timeout=timeout, bundle_id=bundle_id,
-                                 require_signature=require_signature or required, fallback=fallback,
-                                 run_as=run_as)  # fmt: skip
+        with progress_bars.bars(progress_bars.wanted(as_json)) as report:
+            result = restore_opening(open_inputs, root, jobs=jobs, timeout=timeout, bundle_id=bundle_id,
+                                     require_signature=require_signature or required, fallback=fallback,
+                                     run_as=run_as, report=report)  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - an init container must never crash-loop on a kcache bug
         if os.environ.get("KCACHE_DEBUG") == "1":
             raise

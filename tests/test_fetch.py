@@ -1,0 +1,254 @@
+"""Large blobs are stored as chunks and fetched in parts, in parallel, verified as a whole.
+
+Chunk and part sizes are shrunk to a few KiB here, so small files exercise every path a multi-GiB
+one takes: seek tables longer than the first tail read, a short last chunk, a short last part.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import random
+import subprocess
+import threading
+
+import pytest
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kcache import fetch, packs
+from kcache.errors import IntegrityError
+from kcache.manifest import Entry
+from kcache.store import pack_key
+
+CHUNK = 4096
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(packs, "CHUNK_BYTES", CHUNK)
+    monkeypatch.setattr(packs, "SEEK_TAIL_GUESS", 64)  # a table of more than 5 frames takes a second read
+    monkeypatch.setattr(fetch, "PART_BYTES", 2 * CHUNK + 200)  # two frames of the kernel-like content a part
+
+
+class Recording:
+    """A store that remembers every range read (offset, length) and what else was asked of it."""
+
+    def __init__(self, inner):
+        self._inner, self.ranges, self.lock = inner, [], threading.Lock()
+        self.url = inner.url
+
+    def open_range(self, key, offset, length):
+        with self.lock:
+            self.ranges.append((offset, length))
+        return self._inner.open_range(key, offset, length)
+
+
+def content(seed: int, size: int) -> bytes:
+    rng = random.Random(seed)
+    return b"".join(rng.randbytes(64) + b"kernel " * rng.randrange(20) for _ in range(size // 64 + 1))[:size]
+
+
+def publish_blob(store, workdir, data: bytes, pool=None) -> Entry:
+    """`data` as the only blob of a pack in `store`; the manifest entry that names it."""
+    source = workdir / "src"
+    source.write_bytes(data)
+    blob = hashlib.sha256(data).hexdigest()
+    writer = packs.PackWriter(workdir, pool)
+    writer.add(blob, source, len(data))
+    pack = writer.finish()
+    store.put_file(pack_key(pack.id), pack.path)
+    (where,) = pack.blobs
+    return Entry("triton/big.cubin", 0o644, len(data), blob, pack.id, where.offset, where.length)
+
+
+def fetch_into(store, entry: Entry, out_path, jobs: int = 8) -> None:
+    def place(_entry, frame):
+        with open(out_path, "wb") as out:
+            packs.unpack_frame(frame, entry.blob, entry.size, out)
+
+    fetch.fetch_blobs(store, [entry], place, jobs=jobs, open_blob=lambda _e: open(out_path, "w+b"))
+
+
+def test_a_large_file_is_written_as_frames_of_chunk_bytes_with_a_seek_table(tmp_path, store):
+    data = content(1, 5 * CHUNK + 100)
+    entry = publish_blob(store, tmp_path, data)
+    stored = store.get_bytes(pack_key(entry.pack))[entry.offset : entry.offset + entry.length]
+    chunks = packs.parse_seek_table(stored, entry.length, entry.size)
+    assert [c.size for c in chunks] == [CHUNK] * 5 + [100]
+    for chunk in chunks:  # each frame stands alone
+        frame = stored[chunk.offset : chunk.offset + chunk.length]
+        assert zstandard.ZstdDecompressor().decompress(frame) == data[chunk.start : chunk.start + chunk.size]
+    # Read front to back the frames are the file (the table is a skippable frame): for zstd's CLI too.
+    assert subprocess.run(["zstd", "-dc"], input=stored, capture_output=True, check=True).stdout == data
+    out = io.BytesIO()
+    packs.unpack_to(io.BytesIO(stored), entry.blob, entry.size, out)
+    assert out.getvalue() == data
+
+
+def test_a_blob_is_split_into_parts_of_whole_frames_each_its_own_read(tmp_path, store):
+    data = content(2, 9 * CHUNK + 1)
+    entry = publish_blob(store, tmp_path, data)
+    recording = Recording(store)
+    fetch_into(recording, entry, tmp_path / "out")
+    assert (tmp_path / "out").read_bytes() == data
+    stored = store.get_bytes(pack_key(entry.pack))[entry.offset :][: entry.length]
+    chunks = packs.parse_seek_table(stored, entry.length, entry.size)
+    parts = fetch._parts(chunks, 8)
+    assert len(parts) >= 2 and sorted(i for part in parts for i in part) == list(range(len(chunks)))
+    expected = {(entry.offset + chunks[p[0]].offset, sum(chunks[i].length for i in p)) for p in parts}
+    assert expected <= set(recording.ranges)
+    # Tails: the first guess, then the whole table (ten frames do not fit in 64 bytes).
+    assert len(recording.ranges) == len(parts) + 2
+
+
+def test_a_blob_within_one_threads_share_is_streamed_whole(tmp_path, store):
+    entries = [publish_blob(store, tmp_path, content(30 + i, 5 * CHUNK)) for i in range(4)]
+    recording = Recording(store)
+    written = []
+
+    def place(entry, frame):
+        out = io.BytesIO()
+        packs.unpack_frame(frame, entry.blob, entry.size, out)
+        written.append(out.getvalue())
+
+    fetch.fetch_blobs(recording, entries, place, jobs=2, open_blob=lambda e: pytest.fail("split a blob"))
+    assert len(recording.ranges) == 4  # one read per blob: no tail, no parts
+    assert sorted(hashlib.sha256(w).hexdigest() for w in written) == sorted(e.blob for e in entries)
+
+
+def test_chunks_compressed_in_a_pool_make_the_same_blob(tmp_path, store):
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = content(3, 7 * CHUNK + 5)
+    alone = publish_blob(store, tmp_path, data)
+    with ThreadPoolExecutor(4) as pool:
+        pooled = publish_blob(store, tmp_path, data, pool)
+    assert pooled == alone  # same pack id: the pool changes the speed, never the bytes
+
+
+def test_a_large_single_frame_blob_from_a_schema_1_pack_is_still_read(tmp_path, store):
+    data = content(4, 3 * CHUNK)
+    frame = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(data)
+    body = b'{"blobs":[["' + hashlib.sha256(data).hexdigest().encode() + b'",0,%d,%d]],"schema":1}' % (
+        len(frame), len(data))  # fmt: skip
+    pack = frame + body + len(body).to_bytes(8, "big") + packs.MAGIC
+    pack_id = hashlib.sha256(pack).hexdigest()
+    store.put_bytes(pack_key(pack_id), pack)
+    (blob,) = packs.parse_trailer(pack_id, pack, len(pack))
+    entry = Entry("triton/old", 0o644, blob.size, blob.id, pack_id, blob.offset, blob.length)
+    fetch_into(store, entry, tmp_path / "out")
+    assert (tmp_path / "out").read_bytes() == data
+
+
+def test_a_chunk_whose_content_is_wrong_fails_the_blob(tmp_path, store):
+    data = content(5, 4 * CHUNK)
+    entry = publish_blob(store, tmp_path, data)
+    pack = bytearray(store.get_bytes(pack_key(entry.pack)))
+    # Swap the first two frames' content by recompressing them in the other order: every frame
+    # and the table stay valid, only the whole-file hash can tell.
+    cctx = zstandard.ZstdCompressor(level=3, write_content_size=True)
+    swapped = data[CHUNK : 2 * CHUNK] + data[:CHUNK] + data[2 * CHUNK :]
+    frames = [cctx.compress(swapped[i : i + CHUNK]) for i in range(0, len(swapped), CHUNK)]
+    blob = b"".join(frames) + packs.seek_table([(len(f), CHUNK) for f in frames])
+    forged = bytes(pack[: entry.offset]) + blob
+    store.put_bytes(pack_key("f" * 64), forged)
+    lying = Entry(entry.path, entry.mode, entry.size, entry.blob, "f" * 64, entry.offset, len(blob))
+    with pytest.raises(IntegrityError, match="hashes to"):
+        fetch_into(store, lying, tmp_path / "out")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(size=st.integers(CHUNK + 1, 12 * CHUNK), seed=st.integers(0, 2**16), flip=st.integers(0, 2**32),
+       jobs=st.integers(1, 8))  # fmt: skip
+def test_any_damaged_byte_fails_the_fetch_or_changes_nothing(tmp_path_factory, size, seed, flip, jobs):
+    """A flipped byte anywhere in a chunked blob (frames, table, footer) never yields other content."""
+    from kcache.store.local import LocalStore
+
+    work = tmp_path_factory.mktemp("blob")
+    store = LocalStore(work / "store")
+    data = content(seed, size)
+    entry = publish_blob(store, work, data)
+    pack = bytearray(store.get_bytes(pack_key(entry.pack)))
+    at = entry.offset + flip % entry.length
+    pack[at] ^= 1 << (flip % 8)
+    store.put_bytes(pack_key("e" * 64), bytes(pack))
+    damaged = Entry(entry.path, entry.mode, entry.size, entry.blob, "e" * 64, entry.offset, entry.length)
+    out = work / "out"
+    try:
+        fetch_into(store, damaged, out, jobs)
+    except IntegrityError:
+        return
+    assert out.read_bytes() == data
+
+
+def test_a_failed_chunk_stops_the_others_and_closes_every_file(tmp_path, store):
+    entries = [publish_blob(store, tmp_path, content(10 + i, 8 * CHUNK)) for i in range(4)]
+    opened = []
+
+    class Broken(Recording):
+        def open_range(self, key, offset, length):
+            if key == pack_key(entries[2].pack) and length > 1000:
+                raise IntegrityError("pack", key, "injected")
+            return super().open_range(key, offset, length)
+
+    def open_blob(entry):
+        opened.append(open(tmp_path / entry.blob, "w+b"))
+        return opened[-1]
+
+    with pytest.raises(IntegrityError, match="injected"):
+        fetch.fetch_blobs(Broken(store), entries, lambda e, f: None, jobs=8, open_blob=open_blob)
+    assert opened and all(f.closed for f in opened)
+
+
+def test_the_meter_counts_every_chunk_and_file(tmp_path, store):
+    from kcache.progress import Meter
+
+    entries = [publish_blob(store, tmp_path, content(20 + i, 5 * CHUNK + i)) for i in range(2)]
+    entries.append(publish_blob(store, tmp_path, content(22, 100)))  # and one streamed whole
+    updates = []
+    with Meter("fetching", files=3, bytes=sum(e.size for e in entries), report=updates.append) as meter:
+        fetch.fetch_blobs(store, entries, lambda e, f: None, jobs=8, meter=meter,
+                          open_blob=lambda e: open(tmp_path / e.blob, "w+b"))  # fmt: skip
+    assert meter.counts == (3, sum(e.size for e in entries))
+    assert updates[-1].done and (updates[-1].files, updates[-1].bytes) == meter.counts
+
+
+def test_a_part_read_cut_once_resumes_and_the_blob_is_whole(tmp_path, store):
+    from faulty import RangeFaultStore
+
+    from kcache.errors import StoreError
+
+    data = content(40, 11 * CHUNK + 7)
+    entry = publish_blob(store, tmp_path, data)
+    cuts = []
+
+    def make(length: int):
+        def damage(position: int, chunk: bytes) -> bytes:
+            if length > 2 * CHUNK and not cuts and position + len(chunk) > length // 2:
+                cuts.append(position)
+                raise StoreError(store.url, "connection reset (injected)")
+            return chunk
+
+        return damage
+
+    fetch_into(RangeFaultStore(store, make), entry, tmp_path / "out", jobs=4)
+    assert cuts and (tmp_path / "out").read_bytes() == data
+
+
+def test_a_split_blob_is_handed_to_closed_once_its_file_is_verified_and_closed(tmp_path, store):
+    entries = [publish_blob(store, tmp_path, content(50 + i, 8 * CHUNK)) for i in range(2)]
+    files, handed = {}, []
+
+    def open_blob(entry):
+        files[entry.blob] = open(tmp_path / entry.blob, "w+b")
+        return files[entry.blob]
+
+    def closed(entry):
+        assert files[entry.blob].closed
+        assert hashlib.sha256((tmp_path / entry.blob).read_bytes()).hexdigest() == entry.blob
+        handed.append(entry.blob)
+
+    fetch.fetch_blobs(store, entries, lambda e, f: pytest.fail("streamed"), jobs=8, open_blob=open_blob, closed=closed)
+    assert sorted(handed) == sorted(e.blob for e in entries)
