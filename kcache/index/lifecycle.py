@@ -72,7 +72,7 @@ def condemn(index: Index, pack_ids: Iterable[str], at: datetime) -> None:
         for i in range(0, len(ids), _CHUNK):
             s.execute(
                 update(PackRow)
-                .where(index._one_of(PackRow.id, ids[i : i + _CHUNK]), PackRow.condemned_at.is_(None))
+                .where(index.one_of(PackRow.id, ids[i : i + _CHUNK]), PackRow.condemned_at.is_(None))
                 .values(condemned_at=at)
             )
 
@@ -111,9 +111,9 @@ def revive(index: Index, pack_ids: Iterable[str]) -> set[str]:
         for i in range(0, len(ids), _CHUNK):
             chunk = ids[i : i + _CHUNK]
             # Only condemned rows: rewriting every live pack row on each publish left one dead tuple per pack.
-            condemned = (index._one_of(PackRow.id, chunk), PackRow.condemned_at.is_not(None))
+            condemned = (index.one_of(PackRow.id, chunk), PackRow.condemned_at.is_not(None))
             s.execute(update(PackRow).where(*condemned).values(condemned_at=None))
-            present.update(s.scalars(select(PackRow.id).where(index._one_of(PackRow.id, chunk))))
+            present.update(s.scalars(select(PackRow.id).where(index.one_of(PackRow.id, chunk))))
         return present
 
     return set(ids) - index.transaction(work)
@@ -129,7 +129,7 @@ def delete_condemned(index: Index, pack_ids: Iterable[str], cutoff: datetime) ->
     deleted: set[str] = set()
     for i in range(0, len(ids), _CHUNK):
         doomed = (
-            index._one_of(PackRow.id, ids[i : i + _CHUNK]),
+            index.one_of(PackRow.id, ids[i : i + _CHUNK]),
             PackRow.condemned_at.is_not(None),
             PackRow.condemned_at < cutoff,
         )

@@ -119,7 +119,7 @@ class Index:
             from sqlalchemy.dialects import sqlite as dialect
         return dialect.insert(model).values(rows).on_conflict_do_nothing()
 
-    def _one_of(self, column, values: list[str]):
+    def one_of(self, column, values: list[str]):
         """`column IN values`. PostgreSQL gets one array parameter instead of one per value: the statement
         text stays the same, so neither SQLAlchemy nor psycopg re-renders and re-parses 500 placeholders on
         every call (about 1.4 ms of client time per 500 ids; the plan is the same)."""
@@ -136,7 +136,7 @@ class Index:
         with self._guard(), self._session() as s:
             for i in range(0, len(wanted), _IN_CHUNK):
                 chunk = wanted[i : i + _IN_CHUNK]
-                present.update(s.scalars(select(BlobRow.id).where(self._one_of(BlobRow.id, chunk))))
+                present.update(s.scalars(select(BlobRow.id).where(self.one_of(BlobRow.id, chunk))))
         return set(wanted) - present
 
     def add_pack(self, pack_id: str, size: int, blobs: Sequence[BlobLocation]) -> None:
@@ -163,7 +163,7 @@ class Index:
             for i in range(0, len(wanted), _IN_CHUNK):
                 # Plain columns, not ORM objects: a 20k-file bundle locates in a tenth of the time.
                 columns = select(BlobRow.id, BlobRow.pack_id, BlobRow.offset, BlobRow.length, BlobRow.size)
-                for row in s.execute(columns.where(self._one_of(BlobRow.id, wanted[i : i + _IN_CHUNK]))):
+                for row in s.execute(columns.where(self.one_of(BlobRow.id, wanted[i : i + _IN_CHUNK]))):
                     found[row[0]] = BlobLocation(*row)
         return found
 
