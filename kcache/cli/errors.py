@@ -7,17 +7,11 @@ purpose is looked up here; anything else is a bug in kcache (exit 70). The messa
 
 from __future__ import annotations
 
+import importlib
+import sys
 from enum import IntEnum
 
-from kcache import errors
-from kcache.boundedread import FileTooLarge, NotRegularFile
 from kcache.config import redact_text
-from kcache.fetch import Cancelled
-from kcache.http_client import RequestFailed
-from kcache.prebake import WarmupChildFailed
-from kcache.profiles import ProfileError
-from kcache.relocate import Unmappable
-from kcache.warmup import ServerUnavailable, WarmupRequestError
 
 
 class ExitCode(IntEnum):
@@ -45,41 +39,100 @@ class ExitCode(IntEnum):
 
 BUG_HINT = "this is a bug in kcache; run with KCACHE_DEBUG=1 for a traceback and report it"
 
-# Most specific first: the first matching type wins. tests/cli/test_errors.py checks that every
-# exception class kcache defines has a row of its own.
-TABLE: tuple[tuple[type[Exception], ExitCode, str], ...] = (
-    (ProfileError, ExitCode.USAGE, "fix the profiles file where shown; `kcache warmup --help` has the format"),
-    (errors.StoreMismatch, ExitCode.USAGE, "give each store its own index (--index), or restore with --index none"),
-    (errors.ConfigError, ExitCode.USAGE, "check the flag or environment variable named above (see `kcache config`)"),
-    (errors.NotFound, ExitCode.NOT_FOUND, "`kcache ls` lists the bundles the index knows"),
-    (errors.ObjectMissing, ExitCode.STORE, "the store lost an object the index names; re-publish the bundle"),
-    (errors.StoreError, ExitCode.STORE, "check the store URL, that it exists and that you may read and write it"),
-    (errors.IndexConflict, ExitCode.INDEX, "other writers held the same rows; run it again (nothing was committed)"),
-    (errors.IndexDbError, ExitCode.INDEX, "check --index / KCACHE_INDEX; PostgreSQL needs `kcache db upgrade`"),
-    (errors.UnsafePath, ExitCode.CORRUPT, "the bundle is hostile or corrupt; re-publish it from a clean cache"),
-    (errors.ObjectTooLarge, ExitCode.CORRUPT, "a manifest this big needs KCACHE_MAX_MANIFEST_BYTES raised"),
-    (errors.IntegrityError, ExitCode.CORRUPT, "the stored data is corrupt; re-publish the bundle from a good cache"),
-    (errors.SignatureError, ExitCode.SIGNATURE, "sign with `publish --signing-key`; trust the .pub with --trusted-key"),
-    (errors.RootError, ExitCode.ROOT, "pass --into a directory kcache may create and own"),
-    (errors.RootBusy, ExitCode.TIMEOUT, "run one restore per root at a time; the one that holds it writes kcache.env"),
-    (errors.RestoreTimeout, ExitCode.TIMEOUT, "raise --timeout, or check the store's bandwidth"),
-    (NotRegularFile, ExitCode.USAGE, "give a regular file (not a FIFO, device or directory)"),
-    (FileTooLarge, ExitCode.USAGE, "the file is larger than kcache reads for this purpose; check it is the right one"),
-    (RequestFailed, ExitCode.WARMUP, "the server gave no usable answer; see the message, or raise --request-timeout"),
-    (ServerUnavailable, ExitCode.WARMUP, "check that the server at --url starts, or raise --wait-timeout"),
-    (WarmupRequestError, ExitCode.WARMUP, "the server answered the warmup request with an error; see its log"),
-    (WarmupChildFailed, ExitCode.WARMUP, "fix the --entrypoint error printed above (try `kcache warmup` alone)"),
-    (Unmappable, ExitCode.CORRUPT, "a cache file names paths the bundle does not restore; re-publish it"),
-    (errors.BadEntry, ExitCode.CORRUPT, "a cached answer in Redis is damaged; the proxy overwrites it"),
-    (errors.CacheUnavailable, ExitCode.STORE, "check --redis; meanwhile the proxy passes requests to the engine"),
-    (Cancelled, ExitCode.BUG, BUG_HINT),  # internal to fetch (a worker stopped early): never meant to escape
-    (errors.KcacheError, ExitCode.ERROR, "run with KCACHE_DEBUG=1 for a traceback"),
+# Most specific first: the first matching type wins. Rows name their class by module, so that the
+# table costs no imports: an exception can only be an instance of a class whose module is loaded
+# (`kcache restore` does not pay for warmup's or the proxy's modules to describe its errors).
+# tests/cli/test_errors.py checks that every exception class kcache defines has a row of its own.
+_E = "kcache.errors"
+ROWS: tuple[tuple[str, str, ExitCode, str], ...] = (
+    (
+        "kcache.profiles",
+        "ProfileError",
+        ExitCode.USAGE,
+        "fix the profiles file where shown; `kcache warmup --help` has the format",
+    ),
+    (_E, "StoreMismatch", ExitCode.USAGE, "give each store its own index (--index), or restore with --index none"),
+    (_E, "ConfigError", ExitCode.USAGE, "check the flag or environment variable named above (see `kcache config`)"),
+    (_E, "NotFound", ExitCode.NOT_FOUND, "`kcache ls` lists the bundles the index knows"),
+    (_E, "ObjectMissing", ExitCode.STORE, "the store lost an object the index names; re-publish the bundle"),
+    (_E, "StoreError", ExitCode.STORE, "check the store URL, that it exists and that you may read and write it"),
+    (_E, "IndexConflict", ExitCode.INDEX, "other writers held the same rows; run it again (nothing was committed)"),
+    (_E, "IndexDbError", ExitCode.INDEX, "check --index / KCACHE_INDEX; PostgreSQL needs `kcache db upgrade`"),
+    (_E, "UnsafePath", ExitCode.CORRUPT, "the bundle is hostile or corrupt; re-publish it from a clean cache"),
+    (_E, "ObjectTooLarge", ExitCode.CORRUPT, "a manifest this big needs KCACHE_MAX_MANIFEST_BYTES raised"),
+    (_E, "IntegrityError", ExitCode.CORRUPT, "the stored data is corrupt; re-publish the bundle from a good cache"),
+    (_E, "SignatureError", ExitCode.SIGNATURE, "sign with `publish --signing-key`; trust the .pub with --trusted-key"),
+    (_E, "RootError", ExitCode.ROOT, "pass --into a directory kcache may create and own"),
+    (_E, "RootBusy", ExitCode.TIMEOUT, "run one restore per root at a time; the one that holds it writes kcache.env"),
+    (_E, "RestoreTimeout", ExitCode.TIMEOUT, "raise --timeout, or check the store's bandwidth"),
+    ("kcache.boundedread", "NotRegularFile", ExitCode.USAGE, "give a regular file (not a FIFO, device or directory)"),
+    (
+        "kcache.boundedread",
+        "FileTooLarge",
+        ExitCode.USAGE,
+        "the file is larger than kcache reads for this purpose; check it is the right one",
+    ),
+    (
+        "kcache.http_client",
+        "RequestFailed",
+        ExitCode.WARMUP,
+        "the server gave no usable answer; see the message, or raise --request-timeout",
+    ),
+    (
+        "kcache.warmup",
+        "ServerUnavailable",
+        ExitCode.WARMUP,
+        "check that the server at --url starts, or raise --wait-timeout",
+    ),
+    (
+        "kcache.warmup",
+        "WarmupRequestError",
+        ExitCode.WARMUP,
+        "the server answered the warmup request with an error; see its log",
+    ),
+    (
+        "kcache.prebake",
+        "WarmupChildFailed",
+        ExitCode.WARMUP,
+        "fix the --entrypoint error printed above (try `kcache warmup` alone)",
+    ),
+    (
+        "kcache.relocate",
+        "Unmappable",
+        ExitCode.CORRUPT,
+        "a cache file names paths the bundle does not restore; re-publish it",
+    ),
+    (_E, "BadEntry", ExitCode.CORRUPT, "a cached answer in Redis is damaged; the proxy overwrites it"),
+    (_E, "CacheUnavailable", ExitCode.STORE, "check --redis; meanwhile the proxy passes requests to the engine"),
+    (
+        "kcache.fetch",
+        "Cancelled",
+        ExitCode.BUG,
+        BUG_HINT,
+    ),  # internal to fetch (a worker stopped early): never meant to escape
+    (_E, "KcacheError", ExitCode.ERROR, "run with KCACHE_DEBUG=1 for a traceback"),
 )
+
+
+def _loaded(module: str, name: str) -> type[Exception] | None:
+    loaded = sys.modules.get(module)
+    return getattr(loaded, name) if loaded is not None else None
+
+
+def __getattr__(name: str):
+    """TABLE: every row with its class imported (for tests and tools that want the classes)."""
+    if name == "TABLE":
+        return tuple((getattr(importlib.import_module(m), n), code, hint) for m, n, code, hint in ROWS)
+    raise AttributeError(name)
 
 
 def row(exc: BaseException) -> tuple[type[Exception], ExitCode, str] | None:
     """The table's row for `exc`, or None when kcache did not expect it."""
-    return next((r for r in TABLE if isinstance(exc, r[0])), None)
+    for module, name, code, hint in ROWS:
+        kind = _loaded(module, name)
+        if kind is not None and isinstance(exc, kind):
+            return kind, code, hint
+    return None
 
 
 def describe(exc: BaseException) -> tuple[str, str, int]:
