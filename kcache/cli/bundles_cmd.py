@@ -6,7 +6,7 @@ import click
 
 from kcache import manifest as manifests
 from kcache.cli import format as fmt
-from kcache.cli.options import handle_errors, json_option, opened, settings, store_options
+from kcache.cli.options import json_option, opened, settings, store_options
 
 
 @click.command("ls")
@@ -15,7 +15,6 @@ from kcache.cli.options import handle_errors, json_option, opened, settings, sto
 @click.option("--limit", type=click.IntRange(1), default=50, show_default=True, help="At most this many bundles.")
 @store_options
 @json_option
-@handle_errors
 def ls_cmd(key, model, limit, store_url, index_url, s3_endpoint_url, as_json):
     """List bundles, newest first.
 
@@ -42,7 +41,6 @@ def ls_cmd(key, model, limit, store_url, index_url, s3_endpoint_url, as_json):
 @click.option("--files", "list_files", is_flag=True, help="Also list every file with its size and mode.")
 @store_options
 @json_option
-@handle_errors
 def show_cmd(bundle, list_files, store_url, index_url, s3_endpoint_url, as_json):
     """Show one bundle: keys, facts, layers and (with --files) its files.
 

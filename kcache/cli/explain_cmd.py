@@ -10,7 +10,6 @@ from kcache.cli.fingerprint_cmd import echo_fingerprint
 from kcache.cli.options import (
     compute_fingerprint,
     fingerprint_options,
-    handle_errors,
     json_option,
     opened,
     settings,
@@ -29,7 +28,6 @@ ABSENT = "(absent)"
 @fingerprint_options
 @store_options
 @json_option
-@handle_errors
 def explain_cmd(limit, model, model_config, facts, extras, store_url, index_url, s3_endpoint_url, as_json):
     """Explain a hit or a miss: this machine's facts and keys, and on a miss the nearest bundles.
 

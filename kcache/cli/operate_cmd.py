@@ -10,7 +10,7 @@ from kcache import durations
 from kcache.cli import format as fmt
 from kcache.cli import progress_bars
 from kcache.cli.errors import ExitCode
-from kcache.cli.options import handle_errors, json_option, load_signing_key, opened, settings, store_options
+from kcache.cli.options import json_option, load_signing_key, opened, settings, store_options
 
 
 def ref_signing_key_option(fn):
@@ -27,7 +27,6 @@ def ref_signing_key_option(fn):
 @ref_signing_key_option
 @store_options
 @json_option
-@handle_errors
 def yank_cmd(bundle, undo, reason, signing_key, store_url, index_url, s3_endpoint_url, as_json):
     """Stop a bundle from ever being restored again (pods restore the previous one, or start cold).
 
@@ -53,7 +52,6 @@ def yank_cmd(bundle, undo, reason, signing_key, store_url, index_url, s3_endpoin
 @click.option("--jobs", type=click.IntRange(1, 256), default=16, show_default=True, help="Parallel pack reads.")
 @store_options
 @json_option
-@handle_errors
 def verify_cmd(read_data, subset, jobs, store_url, index_url, s3_endpoint_url, as_json):
     """Check that every bundle's blobs exist (and, with --read-data, hash to their ids).
 
@@ -92,7 +90,6 @@ def verify_cmd(read_data, subset, jobs, store_url, index_url, s3_endpoint_url, a
 @ref_signing_key_option
 @store_options
 @json_option
-@handle_errors
 def gc_cmd(keep_last, older_than, grace, dry_run, signing_key, store_url, index_url, s3_endpoint_url, as_json):
     """Delete old bundles and the packs nobody needs, in two phases that are safe while publishes run.
 

@@ -222,12 +222,6 @@ def wants_json(ctx: click.Context) -> bool:
     return bool(ctx.meta.get("kcache.json")) or "--json" in ctx.meta.get("kcache.argv", ())
 
 
-def handle_errors(fn):
-    """No longer needed: `KcacheGroup` is the boundary for every command. Kept (as a no-op) only until
-    the commands still decorated with it stop using it."""
-    return fn
-
-
 def stderr_is_terminal() -> bool:
     return sys.stderr.isatty()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from kcache.cli import format as fmt
-from kcache.cli.options import compute_fingerprint, fingerprint_options, handle_errors, json_option
+from kcache.cli.options import compute_fingerprint, fingerprint_options, json_option
 from kcache.cli.serve_cmd import host_port_options
 from kcache.cli.watch_cmd import Duration
 from kcache.errors import ConfigError
@@ -88,7 +88,6 @@ from kcache.errors import ConfigError
     help="Prompt prefixes remembered for the prefix-reuse measurement.",
 )
 @json_option
-@handle_errors
 def proxy_cmd(upstream, redis_url, root, model, model_config, facts, extras, host, port, ttl, max_entry_bytes,
               redis_timeout, redis_retry_after, key_prefix, no_cache, cache_sampled, prefix_entries,
               as_json):  # fmt: skip

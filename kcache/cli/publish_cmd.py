@@ -20,7 +20,6 @@ from kcache.cli import progress_bars
 from kcache.cli.options import (
     compute_fingerprint,
     fingerprint_options,
-    handle_errors,
     json_option,
     load_signing_key,
     settings,
@@ -84,7 +83,6 @@ def publish_config(
 @fingerprint_options
 @store_options
 @json_option
-@handle_errors
 def publish_cmd(root, layers, extra_dirs, signing_key, allow_empty, compile_seconds, jobs, model, model_config, facts,
                 extras, store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
     """Publish the compiled-kernel caches as a bundle for this machine's fingerprint.

@@ -6,7 +6,7 @@ import click
 
 from kcache import durations
 from kcache.cli import format as fmt
-from kcache.cli.options import handle_errors, json_option, load_signing_key, open_index, settings, store_options
+from kcache.cli.options import json_option, load_signing_key, open_index, settings, store_options
 from kcache.store import open_store
 
 
@@ -19,7 +19,6 @@ from kcache.store import open_store
               help="How long re-signed refs stay valid, e.g. 12h or 7d (default 1d).")  # fmt: skip
 @store_options
 @json_option
-@handle_errors
 def refresh_cmd(bundle_keys, model, signing_key, ttl, store_url, index_url, s3_endpoint_url, as_json):
     """Rewrite and re-sign refs/<bundle-key> from the index: newest active bundle, yanks, a new expiry.
 

@@ -15,7 +15,6 @@ from kcache.cli.errors import ExitCode
 from kcache.cli.options import (
     compute_fingerprint,
     fingerprint_options,
-    handle_errors,
     json_option,
     settings,
     stderr_is_terminal,
@@ -98,7 +97,6 @@ def _note():
               help="What a failed warmup means for readiness: stay unready, or ready-cold (ready once the "
                    "server answered, with kcache_ready_cold 1) so a rollout never stalls on one hiccup.")  # fmt: skip
 @json_option
-@handle_errors
 def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_timeout, served_model, retries, budget,
                root, on_failure, as_json):  # fmt: skip
     """Send every warmup profile's shape once, singles first, then batches by size.
@@ -177,7 +175,6 @@ def _secs(value: float | None) -> str:
 @fingerprint_options
 @store_options
 @json_option
-@handle_errors
 def prebake_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_timeout, served_model, retries, budget,
                 root,
                 signing_key, jobs, model, model_config, facts, extras,

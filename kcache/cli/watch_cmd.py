@@ -12,7 +12,6 @@ from kcache.cli.errors import ExitCode
 from kcache.cli.options import (
     compute_fingerprint,
     fingerprint_options,
-    handle_errors,
     json_option,
     settings,
     store_options,
@@ -75,7 +74,6 @@ def _publisher(root: Path, fingerprint_args, cfg: Settings, config: PublishConfi
 @fingerprint_options
 @store_options
 @json_option
-@handle_errors
 def watch_cmd(root, interval, publish_every, once, host, port, signing_key, model, model_config, facts, extras,
               store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
     """Notice cache files that appear after the pod became ready: shapes warmup did not cover.
