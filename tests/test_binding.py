@@ -124,3 +124,13 @@ def test_default_index_of_another_store_is_skipped_by_restore_and_a_named_one_re
     named = config.resolve(f"file://{tmp_path / 'b'}", f"sqlite:///{isolated_home / 'index.db'}")
     with pytest.raises(StoreMismatch):
         binding.open_for_restore(named, store_b)
+
+
+def test_refresh_never_signs_refs_from_the_index_of_another_store(tmp_path):
+    write_tree(tmp_path / "src", TREE)
+    _publish(tmp_path / "src", f"file://{tmp_path / 'a'}")
+    _cli("keygen", "prod", "--dir", str(tmp_path / "keys"))
+    key = str(tmp_path / "keys" / "prod.key")
+    refused = _cli("refresh", "--signing-key", key, "--store", f"file://{tmp_path / 'b'}", ok=False)
+    assert refused.exit_code == 2 and "describes the store" in refused.stderr
+    assert not (tmp_path / "b" / "refs").exists()  # no ref signed for bundles store b does not hold

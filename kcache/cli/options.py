@@ -119,16 +119,6 @@ def compute_fingerprint(model, model_config, facts, extras) -> fingerprint.Finge
     )
 
 
-def open_index(url: str):
-    """The SQL index. Imported here, not at the top: SQLAlchemy costs ~0.3 s that
-    `kcache fingerprint` and a refs-only restore never need to pay."""
-    if url == NO_INDEX:
-        raise ConfigError("--index", url, "this command needs an index; only `kcache restore` works from refs/")
-    from kcache.index import Index
-
-    return Index.open(url)
-
-
 @contextmanager
 def opened(cfg: config.Settings, *, store: bool = True, index: bool = True, jobs: int = 16,
            write: bool = True) -> Iterator[tuple]:  # fmt: skip

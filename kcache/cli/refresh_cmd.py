@@ -6,8 +6,7 @@ import click
 
 from kcache import durations
 from kcache.cli import format as fmt
-from kcache.cli.options import json_option, load_signing_key, open_index, settings, store_options
-from kcache.store import open_store
+from kcache.cli.options import json_option, load_signing_key, opened, settings, store_options
 
 
 @click.command("refresh")
@@ -36,12 +35,9 @@ def refresh_cmd(bundle_keys, model, signing_key, ttl, store_url, index_url, s3_e
 
     key = load_signing_key(signing_key)
     lifetime = durations.parse(ttl, "--ttl", positive=True) if ttl else None
-    cfg = settings(store_url, index_url, s3_endpoint_url)
-    store, index = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url), open_index(cfg.index_url)
-    try:
+    # Through opened(): refs are signed from the index, so it must be the index of this very store.
+    with opened(settings(store_url, index_url, s3_endpoint_url)) as (store, index):
         done = refs.refresh_all(store, index, bundle_keys=bundle_keys, model=model, signer=key, ttl=lifetime)
-    finally:
-        index.close()
     rows = [{"bundle_key": k, "bundle_id": r.manifest if r else None, "generation": r.generation if r else None,
              "expires": r.expires.isoformat() if r and r.expires else None} for k, r in done.items()]  # fmt: skip
     if as_json:
