@@ -14,7 +14,7 @@ from trees import write_tree
 from kcache import manifest as manifests
 from kcache import metrics, sources
 from kcache.cli import main
-from kcache.cli.watch_cmd import Duration
+from kcache.cli.options import Duration
 from kcache.errors import StoreError
 from kcache.publish import publish
 from kcache.readiness import RESTORE_MARKER, WARMUP_MARKER, WATCH_MARKER, read_marker, write_marker

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from kcache import config, fingerprint
+from kcache import config, durations, fingerprint, sizes
 from kcache.catalog import NO_INDEX
 from kcache.cli import format as fmt
 from kcache.cli.errors import ExitCode, describe
@@ -226,3 +226,36 @@ def node_cache_option(fn=None, *, required: bool = False):
         help="Node-local pack cache (a hostPath shared by the pods of a node): packs are read from it "
              "first, verified, and fetched into it on a miss (see `kcache prefetch`).",
     )(fn)  # fmt: skip
+
+
+class _Parsed(click.ParamType):
+    """A flag value read by one of kcache's parsers; its ConfigError becomes click's usage error."""
+
+    def parse(self, text: str, flag: str):
+        raise NotImplementedError
+
+    def convert(self, value, param, ctx):
+        if not isinstance(value, str):  # a default given as a number, or converted already
+            return value
+        try:
+            return self.parse(value, param.opts[0] if param else self.name)
+        except ConfigError as exc:
+            self.fail(f"{value!r}: {exc.why} ({self.example})", param, ctx)
+
+
+class Duration(_Parsed):
+    """`90`, `90s`, `10m`, `1h` -> seconds (kcache.durations' rules; a bare number is seconds)."""
+
+    name, example = "duration", "e.g. 30s, 10m or 1h"
+
+    def parse(self, text: str, flag: str) -> float:
+        return durations.parse(text, flag, bare_seconds=True, positive=True).total_seconds()
+
+
+class Size(_Parsed):
+    """`1073741824`, `512Mi`, `50Gi` -> bytes (kcache.sizes' rules)."""
+
+    name, example = "size", "e.g. 512Mi or 50Gi"
+
+    def parse(self, text: str, flag: str) -> int:
+        return sizes.parse(text, flag)

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import click
 
-from kcache import choice, sizes
+from kcache import choice
 from kcache.catalog import open_for_restore
 from kcache.cli import format as fmt
 from kcache.cli.errors import describe
 from kcache.cli.options import (
+    Duration,
+    Size,
     compute_fingerprint,
     fingerprint_options,
     json_option,
@@ -21,25 +23,10 @@ from kcache.cli.options import (
     store_options,
 )
 from kcache.cli.serve_cmd import stop_on_signals
-from kcache.cli.watch_cmd import Duration
 from kcache.errors import ConfigError, KcacheError
 from kcache.prefetch import Prefetched, Target, bundle_key_target, prefetch
 from kcache.store import open_store
 from kcache.store.nodecache import MAX_BYTES_ENV, NodeCacheStore
-
-
-class Size(click.ParamType):
-    """`1073741824`, `512Mi`, `50Gi` -> bytes (kcache.sizes' rules)."""
-
-    name = "size"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, int):
-            return value
-        try:
-            return sizes.parse(value, param.opts[0] if param else "size")
-        except ConfigError as exc:
-            self.fail(f"{value!r}: {exc.why}", param, ctx)
 
 
 @click.command("prefetch")

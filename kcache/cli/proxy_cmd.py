@@ -9,9 +9,8 @@ from pathlib import Path
 import click
 
 from kcache.cli import format as fmt
-from kcache.cli.options import compute_fingerprint, fingerprint_options, json_option
+from kcache.cli.options import Duration, compute_fingerprint, fingerprint_options, json_option
 from kcache.cli.serve_cmd import host_port_options
-from kcache.cli.watch_cmd import Duration
 from kcache.errors import ConfigError
 
 

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import click
 
-from kcache import binding, durations
+from kcache import binding
 from kcache.cli import format as fmt
 from kcache.cli.errors import ExitCode
 from kcache.cli.options import (
+    Duration,
     compute_fingerprint,
     fingerprint_options,
     json_option,
@@ -20,26 +21,10 @@ from kcache.cli.publish_cmd import publish_config, signing_key_option
 from kcache.cli.ready_cmd import root_option
 from kcache.cli.serve_cmd import host_port_options, stop_on_signals
 from kcache.config import Settings, redact_text
-from kcache.errors import ConfigError
 from kcache.publish import PublishConfig, publish, workload_of
 from kcache.serve import make_server, start_in_thread
 from kcache.store import open_store
 from kcache.watch import Publisher, Step, Watcher
-
-
-class Duration(click.ParamType):
-    """`90`, `90s`, `10m`, `1h` -> seconds (kcache.durations' rules; a bare number is seconds)."""
-
-    name = "duration"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, (int, float)):
-            return float(value)
-        try:
-            return durations.parse(value, param.opts[0] if param else "duration", bare_seconds=True,
-                                   positive=True).total_seconds()  # fmt: skip
-        except ConfigError as exc:
-            self.fail(f"{value!r} is not a duration such as 30s, 10m or 1h ({exc.why})", param, ctx)
 
 
 def _publisher(root: Path, fingerprint_args, cfg: Settings, config: PublishConfig) -> Publisher:
