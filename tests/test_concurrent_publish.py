@@ -53,18 +53,15 @@ def _publisher(i, root, store_url, endpoint, index_url, facts, barrier, results,
         results.put((i, None, traceback.format_exc()))
 
 
-def test_eight_concurrent_publishers(tmp_path, s3_bucket, pg_index, fp):
-    store_url, endpoint = s3_bucket
-    roots = []
-    for i in range(WRITERS):
-        write_tree(tmp_path / f"tree{i}", tree_for(i))
-        roots.append(tmp_path / f"tree{i}")
+def _run_publishers(roots, store_url, endpoint, index_url, fp, *, barrier_before_inserts=False):
+    """One spawned publisher per tree, released together; (their (i, bundle id, error) outcomes, processes)."""
     ctx = multiprocessing.get_context("spawn")
-    barrier, results = ctx.Barrier(WRITERS), ctx.Queue()
+    barrier, results = ctx.Barrier(len(roots)), ctx.Queue()
+    extra = (ctx.Barrier(len(roots)),) if barrier_before_inserts else ()
     procs = [
         ctx.Process(target=_publisher,
-                    args=(i, roots[i], store_url, endpoint, pg_index.url, dict(fp.facts), barrier, results))
-        for i in range(WRITERS)
+                    args=(i, root, store_url, endpoint, index_url, dict(fp.facts), barrier, results, *extra))
+        for i, root in enumerate(roots)
     ]  # fmt: skip
     for p in procs:
         p.start()
@@ -73,6 +70,16 @@ def test_eight_concurrent_publishers(tmp_path, s3_bucket, pg_index, fp):
         p.join(timeout=60)
     errors = [err for _, _, err in outcomes if err]
     assert not errors, errors[0]
+    return outcomes, procs
+
+
+def test_eight_concurrent_publishers(tmp_path, s3_bucket, pg_index, fp):
+    store_url, endpoint = s3_bucket
+    roots = []
+    for i in range(WRITERS):
+        write_tree(tmp_path / f"tree{i}", tree_for(i))
+        roots.append(tmp_path / f"tree{i}")
+    outcomes, procs = _run_publishers(roots, store_url, endpoint, pg_index.url, fp)
     assert all(p.exitcode == 0 for p in procs)
 
     store = open_store(store_url, endpoint_url=endpoint)
@@ -113,20 +120,7 @@ def test_publishers_with_differently_ordered_trees_do_not_deadlock(tmp_path, pg_
         write_tree(tmp_path / f"tree{i}", ordered_tree(i))
         roots.append(tmp_path / f"tree{i}")
     store_url = f"file://{tmp_path / 'store'}"
-    ctx = multiprocessing.get_context("spawn")
-    barrier, inserts, results = ctx.Barrier(ORDERED_WRITERS), ctx.Barrier(ORDERED_WRITERS), ctx.Queue()
-    procs = [
-        ctx.Process(target=_publisher,
-                    args=(i, roots[i], store_url, None, pg_index.url, dict(fp.facts), barrier, results, inserts))
-        for i in range(ORDERED_WRITERS)
-    ]  # fmt: skip
-    for p in procs:
-        p.start()
-    outcomes = [results.get(timeout=300) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-    errors = [err for _, _, err in outcomes if err]
-    assert not errors, errors[0]
+    outcomes, _ = _run_publishers(roots, store_url, None, pg_index.url, fp, barrier_before_inserts=True)
     with pg_index.engine.connect() as conn:
         assert conn.execute(text("select count(*) from blobs")).scalar() == CONTENTS
     store = open_store(store_url)
