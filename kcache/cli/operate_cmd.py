@@ -7,6 +7,7 @@ from dataclasses import asdict
 import click
 
 from kcache import durations
+from kcache.allocator import reuse_freed_memory
 from kcache.cli import format as fmt
 from kcache.cli import progress_bars
 from kcache.cli.errors import ExitCode
@@ -65,6 +66,7 @@ def verify_cmd(read_data, subset, jobs, store_url, index_url, s3_endpoint_url, a
     from kcache.verify import parse_subset, verify
 
     part = parse_subset(subset)
+    reuse_freed_memory()  # --read-data streams every pack: see kcache.allocator
     with opened(settings(store_url, index_url, s3_endpoint_url), jobs=jobs, write=False) as (store, index):
         with progress_bars.bars(progress_bars.wanted(as_json) and read_data) as report:
             result = verify(store, index, read_data=read_data, subset=part, jobs=jobs, report=report)

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from kcache import choice
+from kcache.allocator import reuse_freed_memory
 from kcache.catalog import open_for_restore
 from kcache.cli import format as fmt
 from kcache.cli.errors import describe
@@ -65,6 +66,7 @@ def prefetch_cmd(node_cache, bundle_keys, max_bytes, once, every, jobs, trusted_
         --extra tp=1 --facts-file /etc/kcache-facts/facts.json --max-bytes 50Gi --every 10m
       kcache prefetch --node-cache /tmp/kc --bundle-key 3f0c... --once --json
     """
+    reuse_freed_memory()  # packs stream through MiB buffers: see kcache.allocator
     targets = _targets(model, model_config, facts, extras, bundle_keys)
     policy = choice.Policy(load_trusted_keys(trusted_keys), require_signature)
     if policy.required and not policy.trusted:

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from kcache import durations
+from kcache.allocator import reuse_freed_memory
 from kcache.catalog import open_for_restore
 from kcache.cli import format as fmt
 from kcache.cli import progress_bars
@@ -81,6 +82,7 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
       kcache restore --into /cache --strict --timeout 60 --json
     """
     started = time.perf_counter()
+    reuse_freed_memory()  # before the first MiB buffer: see kcache.allocator
     timeout, bad_timeout = _parse_timeout(timeout_text)
     required, bad_flag = _env_flag("KCACHE_REQUIRE_SIGNATURE")
     ctx = click.get_current_context()
