@@ -28,7 +28,7 @@ import struct
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +62,8 @@ SEEKABLE_MAGIC = 0x8F92EAB1
 _SKIP_HEADER = struct.Struct("<II")
 _SEEK_ENTRY = struct.Struct("<II")
 _SEEK_FOOTER = struct.Struct("<IBI")
+# Content of small files compressed in one batch call: what a pack build holds in memory at most.
+SMALL_BATCH_BYTES = 4 * 1024 * 1024
 _COMPRESS_AHEAD = 4  # chunks of one file in flight in the pool: ~32 MiB of raw and compressed bytes
 SEEK_TAIL_GUESS = 16 * 1024  # the last bytes of a blob read first: a table of ~2000 frames (8 GiB)
 
@@ -132,29 +134,49 @@ class PackWriter:
         Re-hashing while compressing catches a file rewritten between hashing and packing
         (a compile still running), which would otherwise store bytes under the wrong id.
         """
+        if size <= CHUNK_BYTES:
+            self.add_small([(blob_id, source, size)])
+            return
         offset = self._out.position
-        try:  # O_NOFOLLOW: a file swapped for a link since it was hashed is not read through it
-            src = open(os.open(source, os.O_RDONLY | os.O_NOFOLLOW), "rb")
-        except OSError as exc:  # removed or replaced since it was hashed: the next publish sees it as it is
-            why = f"changed while it was being published ({exc.strerror})"
-            raise IntegrityError("file", str(source), why) from None
-        with src:
-            if size > CHUNK_BYTES:
-                read, digest = self._add_chunked(src, size)
-            else:
-                read, digest = self._add_frame(src, size)
+        with _open_source(source) as src:
+            read, digest = self._add_chunked(src, size)
         if read != size or digest != blob_id:
-            raise IntegrityError("file", str(source), "changed while it was being published")
+            raise _changed(source)
         self._blobs.append(PackedBlob(blob_id, offset, self._out.position - offset, size))
 
-    def _add_frame(self, src: BinaryIO, size: int) -> tuple[int, str]:
-        """A file of at most CHUNK_BYTES: read whole and compressed in one call (most files are KiBs,
-        where a streaming compressor's setup costs more than the compression)."""
-        data = src.read(size + 1)  # one byte more shows a file that grew since it was hashed
-        if len(data) != size:
-            return len(data), ""
-        self._out.write(self._compress(data))
-        return size, hashlib.sha256(data).hexdigest()
+    def add_small(self, files: Iterable[tuple[str, Path, int]], threads: int = 1) -> None:
+        """`add` for many files of at most CHUNK_BYTES each: (blob id, path, size) in pack order.
+
+        Each file is read whole and checked here; a batch of them is then compressed in one call on
+        `threads` threads that hold no GIL (python-zstandard's multi_compress_to_buffer), one frame
+        per file. Python threads compressing one small file each spent more time handing the GIL
+        to one another than compressing: a 20k-file tree packed in 1.6 s on 5 threads, 0.95 s on one.
+        """
+        batch: list[tuple[str, bytes]] = []
+        held = 0
+        for blob_id, source, size in files:
+            if size > CHUNK_BYTES:
+                raise ValueError(f"{source}: {size} bytes is more than one frame holds")
+            data = _read_upto(source, size + 1)  # one byte more shows a file that grew since it was hashed
+            if len(data) != size or hashlib.sha256(data).hexdigest() != blob_id:
+                raise _changed(source)
+            batch.append((blob_id, data))
+            held += size
+            if held >= SMALL_BATCH_BYTES:
+                self._write_frames(batch, threads)
+                batch, held = [], 0
+        self._write_frames(batch, threads)
+
+    def _write_frames(self, batch: list[tuple[str, bytes]], threads: int) -> None:
+        """One frame per (blob id, content), in order, compressed together."""
+        if not batch:
+            return
+        frames = _compress_many([data for _, data in batch], threads)
+        position = self._out.position
+        for (blob_id, data), frame in zip(batch, frames):
+            self._blobs.append(PackedBlob(blob_id, position, len(frame), len(data)))
+            position += len(frame)
+        self._out.write(b"".join(frames))
 
     def _add_chunked(self, src: BinaryIO, size: int) -> tuple[int, str]:
         """CHUNK_BYTES of content per frame, then the seek table; a few chunks compress at once."""
@@ -186,11 +208,8 @@ class PackWriter:
     def _compress(self, chunk: bytes) -> bytes:
         """One frame holding `chunk`, its size in the header. Through a stream writer: python-zstandard's
         one-shot compress() takes 1.3-2x the CPU for the same frame (measured at 4 KiB to 4 MiB)."""
-        cctx = getattr(_local, "cctx", None)  # one per thread: a context must not be shared between threads
-        if cctx is None:
-            cctx = _local.cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
         out = io.BytesIO()
-        writer = cctx.stream_writer(out, size=len(chunk), closefd=False)
+        writer = _compressor().stream_writer(out, size=len(chunk), closefd=False)
         writer.write(chunk)
         writer.flush(zstandard.FLUSH_FRAME)
         return out.getvalue()
@@ -203,6 +222,51 @@ class PackWriter:
     def discard(self) -> None:
         self._file.close()
         self._path.unlink(missing_ok=True)
+
+
+def _open_source(source: Path) -> BinaryIO:
+    try:  # O_NOFOLLOW: a file swapped for a link since it was hashed is not read through it
+        return open(os.open(source, os.O_RDONLY | os.O_NOFOLLOW), "rb")
+    except OSError as exc:  # removed or replaced since it was hashed: the next publish sees it as it is
+        raise _changed(source, exc.strerror) from None
+
+
+def _read_upto(source: Path, limit: int) -> bytes:
+    """The first `limit` bytes of a file (all of it when shorter), without a buffered file object."""
+    try:
+        fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise _changed(source, exc.strerror) from None
+    try:
+        data = os.read(fd, limit)
+        while len(data) < limit and (more := os.read(fd, limit - len(data))):  # a short read: not yet the end
+            data += more
+        return data
+    finally:
+        os.close(fd)
+
+
+def _changed(source: Path, why: str | None = None) -> IntegrityError:
+    return IntegrityError("file", str(source), "changed while it was being published" + (f" ({why})" if why else ""))
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    cctx = getattr(_local, "cctx", None)  # one per thread: a context must not be shared between threads
+    if cctx is None:
+        cctx = _local.cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
+    return cctx
+
+
+def _compress_many(contents: list[bytes], threads: int) -> list[bytes]:
+    """One frame per content, in order: the same frames one call at a time would give (content size
+    in each header), compressed on `threads` threads outside the GIL."""
+    if not any(contents):  # zstd refuses a batch whose every input is empty
+        return [_compressor().compress(data) for data in contents]
+    try:
+        result = _compressor().multi_compress_to_buffer(contents, threads=max(1, threads))
+    except NotImplementedError:  # the cffi backend (PyPy) lacks the batch API
+        return [_compressor().compress(data) for data in contents]
+    return [result[i].tobytes() for i in range(len(result))]
 
 
 def _done(value: bytes) -> Future[bytes]:

@@ -14,6 +14,7 @@ Dedup asks the index which blob ids it already has, so the hundredth identical p
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
@@ -21,6 +22,7 @@ import os
 import socket
 import stat
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -36,7 +38,7 @@ from kcache import manifest as manifests
 from kcache.errors import ConfigError, IntegrityError, RootError
 from kcache.fingerprint import Fingerprint
 from kcache.hashcache import HashCache, key_for
-from kcache.packs import LARGE_FILE_BYTES, TARGET_PACK_BYTES, PackWriter
+from kcache.packs import CHUNK_BYTES, LARGE_FILE_BYTES, TARGET_PACK_BYTES, PackWriter
 from kcache.records import BlobLocation, Bundle, Event
 from kcache.sources import ExtraSource, FileInfo, Source
 from kcache.store import Store, manifest_key, pack_key
@@ -111,25 +113,29 @@ def collect(sources: Iterable[Source], *, root: Path | None, env: Mapping[str, s
     return found
 
 
-def hash_file(path: Path) -> str:
-    digest = hashlib.sha256()
+def hash_file(path: Path, size_hint: int = _HASH_CHUNK) -> str:
+    """The SHA-256 of the file at `path`; `size_hint` (its size at the walk) sizes the first read."""
     # O_NOFOLLOW: a file swapped for a link after the walk is not read through it; O_NONBLOCK and
     # fstat: one swapped for a FIFO (the model container writes ROOT while watch publishes) is not
     # waited on.
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise boundedread.NotRegularFile(f"{path} is not a regular file")
-    with open(fd, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise boundedread.NotRegularFile(f"{path} is not a regular file")
+        digest = hashlib.sha256()
+        want = min(_HASH_CHUNK, max(0, size_hint) + 1)  # a small file in one read, its end seen at once
+        while chunk := os.read(fd, want):
             digest.update(chunk)
-    return digest.hexdigest()
+            want = _HASH_CHUNK
+        return digest.hexdigest()
+    finally:
+        os.close(fd)
 
 
-def _hash_or_skip(path: Path) -> str | None:
+def _hash_or_skip(path: Path, size_hint: int = _HASH_CHUNK) -> str | None:
     """The file's SHA-256, or None (with a warning) when it went away or cannot be read since the walk."""
     try:
-        return hash_file(path)
+        return hash_file(path, size_hint)
     except (FileNotFoundError, PermissionError) as exc:  # a compile removed its temp file; another user's file
         log.warning("skipping %r: %s since it was listed", str(path),
                     "removed" if isinstance(exc, FileNotFoundError) else "unreadable")  # fmt: skip
@@ -155,12 +161,26 @@ def _hash_all(found: list[tuple[Source, FileInfo]], jobs: int, cache: HashCache 
         known = cache.lookup(keys)
         digests = [known.get(k) for k in keys]
     todo = [i for i, d in enumerate(digests) if d is None]
-    # hashlib releases the GIL on large buffers, so threads overlap reading and hashing.
+    # hashlib releases the GIL on large buffers, so threads overlap reading and hashing. Files go
+    # to the threads in batches: a future per 8 KiB file cost more than hashing it (20k files
+    # hashed in 1.3-1.9 s one future each, 0.4 s in batches).
     meter = progress.Meter("hashing", files=len(todo), bytes=sum(found[i][1].size for i in todo), report=report)
-    with meter, ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        for i, digest in zip(todo, pool.map(lambda i: _hash_or_skip(found[i][1].path), todo)):
-            digests[i] = digest
-            meter.add(files=1, bytes=found[i][1].size)
+
+    def hash_batch(batch: list[int]) -> list[str | None]:
+        digests = [_hash_or_skip(found[i][1].path, found[i][1].size) for i in batch]
+        meter.add(files=len(batch), bytes=sum(found[i][1].size for i in batch))
+        return digests
+
+    # Small files on one thread: their cost is Python's, per file, and threads sharing it only
+    # hand the GIL back and forth (20k files: 0.45 s on one thread, 0.6-1.0 s on 2-8); big files
+    # spend their time in read() and SHA-256 outside the GIL, on every core.
+    with meter, ThreadPoolExecutor(max(1, jobs)) as pool, ThreadPoolExecutor(1) as small:
+        little = [i for i in todo if found[i][1].size < _HASH_CHUNK]
+        work = [(pool, [i]) for i in todo if found[i][1].size >= _HASH_CHUNK]
+        work += [(small, batch) for batch in _batches(little, [found[i][1].size for i in little])]
+        for batch, future in [(batch, where.submit(hash_batch, batch)) for where, batch in work]:
+            for i, digest in zip(batch, future.result()):
+                digests[i] = digest
     if cache and todo:
         cache.remember((keys[i], digests[i]) for i in todo if digests[i] is not None)
     return [
@@ -168,6 +188,22 @@ def _hash_all(found: list[tuple[Source, FileInfo]], jobs: int, cache: HashCache 
         for (src, info), blob in zip(found, digests)
         if blob is not None
     ]
+
+
+def _batches(items: list[int], sizes: list[int], files: int = 256, size: int = 8 * 1024 * 1024) -> list[list[int]]:
+    """`items` in order, cut into runs of at most `files` items or about `size` bytes."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    held = 0
+    for item, n in zip(items, sizes):
+        current.append(item)
+        held += n
+        if len(current) >= files or held >= size:
+            batches.append(current)
+            current, held = [], 0
+    if current:
+        batches.append(current)
+    return batches
 
 
 def _plan_packs(new: list[Collected]) -> list[list[Collected]]:
@@ -189,15 +225,18 @@ def _plan_packs(new: list[Collected]) -> list[list[Collected]]:
     return groups
 
 
-def _build_pack(group: list[Collected], workdir: Path, chunks: Executor, salt: bytes = b""):
+def _build_pack(group: list[Collected], workdir: Path, chunks: Executor, salt: bytes = b"", threads: int = 1):
     """The pack of `group`; with `salt`, one more tiny blob makes its bytes (and id) new.
 
-    `chunks` compresses a large file's chunks in parallel: one big file uses every core.
+    Its small files are compressed in batches on `threads` threads; `chunks` compresses a large
+    file's chunks in parallel: either way one pack uses every core.
     """
     writer = PackWriter(workdir, chunks)
     try:
+        writer.add_small([(i.blob, i.info.path, i.info.size) for i in group if i.info.size <= CHUNK_BYTES], threads)
         for item in group:
-            writer.add(item.blob, item.info.path, item.info.size)
+            if item.info.size > CHUNK_BYTES:
+                writer.add(item.blob, item.info.path, item.info.size)
         if salt:
             salted = Path(workdir) / f"salt-{salt.hex()}"
             salted.write_bytes(salt)
@@ -210,8 +249,12 @@ def _build_pack(group: list[Collected], workdir: Path, chunks: Executor, salt: b
 
 
 def _write_and_upload(group: list[Collected], store: Store, index: Index, workdir: Path, chunks: Executor,
-                      meter: progress.Meter) -> tuple[int, int]:  # fmt: skip
+                      meter: progress.Meter, building: threading.Lock) -> tuple[int, int]:  # fmt: skip
     """Steps 1 and 2 for one pack. Returns (pack bytes written to the store, blobs packed).
+
+    A pack of many small files is built under `building`, one at a time, each on every core (see
+    PackWriter.add_small), while the packs built before it upload: reading and checking small
+    files is Python work, and threads doing it side by side only contend for the GIL.
 
     A pack is only ever named by the publish that wrote it. When the store already has the
     identical pack, it is an object nobody may be relying on: an orphan of a crashed publish, or a
@@ -219,13 +262,17 @@ def _write_and_upload(group: list[Collected], store: Store, index: Index, workdi
     Adopting it could leave our bundle naming an object GC deletes next, so the blobs go into a
     pack with a random salt blob instead, whose id no one else has.
     """
-    pack = _build_pack(group, workdir, chunks)
+    many = len(group) > 1
+    threads = _cores()
+    with building if many else contextlib.nullcontext():
+        pack = _build_pack(group, workdir, chunks, threads=threads)
     try:
         written = store.put_file(pack_key(pack.id), pack.path)
         if not written:
             log.info("pack %s is already in the store; writing a salted copy of its blobs", pack.id[:12])
             pack.path.unlink(missing_ok=True)
-            pack = _build_pack(group, workdir, chunks, salt=os.urandom(16))
+            with building if many else contextlib.nullcontext():
+                pack = _build_pack(group, workdir, chunks, salt=os.urandom(16), threads=threads)
             written = store.put_file(pack_key(pack.id), pack.path)
         if not written:
             raise IntegrityError("pack", pack.id, "a salted pack id was already taken in the store")
@@ -236,6 +283,14 @@ def _write_and_upload(group: list[Collected], store: Store, index: Index, workdi
         pack.path.unlink(missing_ok=True)
     meter.add(files=len(group), bytes=sum(item.info.size for item in group))
     return pack.size, len(pack.blobs)
+
+
+def _cores() -> int:
+    """CPUs this process may run on (a container's cpuset, not the host's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 def publish(
@@ -328,7 +383,8 @@ def _upload_until_revived(collected: list[Collected], store: Store, index: Index
             ThreadPoolExecutor(max(1, jobs), thread_name_prefix="kcache-compress") as chunks,
             progress.Meter("uploading", files=len(new), bytes=sum(c.info.size for c in new), report=report) as meter,
         ):
-            work = partial(_write_and_upload, store=store, index=index, workdir=Path(tmp), chunks=chunks, meter=meter)
+            work = partial(_write_and_upload, store=store, index=index, workdir=Path(tmp), chunks=chunks, meter=meter,
+                           building=threading.Lock())  # fmt: skip
             uploaded += sum(sent for sent, _ in pool.map(work, groups))
         new_all += new
         packs += len(groups)

@@ -9,6 +9,7 @@ child blocks on, a SQLite write lock the test holds) and only then looks at the 
 from __future__ import annotations
 
 import errno
+import importlib
 import json
 import os
 import signal
@@ -33,7 +34,7 @@ from kcache.restore import STAGING_PREFIX, read_state, restore
 from kcache.store.local import LocalStore
 
 MODEL = "fault-model"
-RESTORE_CMD = sys.modules["kcache.cli.restore_cmd"]  # the package re-exports the command under this name
+RESTORE_CMD = importlib.import_module("kcache.cli.restore_cmd")  # the CLI loads commands lazily
 TIMEOUT = 2  # --timeout given to restore where the endpoint misbehaves
 MARGIN = 10  # botocore timeouts and process start-up on top of it
 OLD = {"inductor/old": b"previous"}

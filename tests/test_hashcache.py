@@ -18,7 +18,7 @@ def test_unchanged_files_are_not_read_again(tmp_path, store, sqlite_index, fp, m
     )
     reads = []
     real = publishing.hash_file
-    monkeypatch.setattr(publishing, "hash_file", lambda path: reads.append(path) or real(path))
+    monkeypatch.setattr(publishing, "hash_file", lambda path, *hint: reads.append(path) or real(path, *hint))
     (tmp_path / "src/inductor/3").write_bytes(b"changed in place")
     again = publish(
         store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={}, config=PublishConfig(hash_cache=cache)

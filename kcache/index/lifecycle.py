@@ -88,8 +88,7 @@ def adopt(index: Index, packs: Iterable[tuple[str, int]], at: datetime) -> None:
                   key=lambda row: row["id"])  # fmt: skip
 
     def work(s) -> None:
-        for i in range(0, len(rows), _CHUNK):
-            s.execute(index.insert_ignore(PackRow, rows[i : i + _CHUNK]))
+        index.insert_many(s, PackRow, rows)
 
     if rows:
         index.transaction(work)

@@ -112,12 +112,23 @@ class Index:
         raise AssertionError("unreachable")
 
     def insert_ignore(self, model, rows: list[dict]):
+        """INSERT ... ON CONFLICT DO NOTHING of `rows` as literal VALUES: for a row or two (RETURNING needs it)."""
+        return self._insert_or_nothing(model).values(rows)
+
+    def insert_many(self, s: Session, model, rows: list[dict]) -> None:
+        """Insert-or-ignore `rows` as one executemany: the statement is compiled once and cached.
+        A VALUES list of 500 rows is compiled afresh for every call (2500 bind parameters): 20k blob
+        rows took 1.7 s of client CPU on SQLite that way."""
+        if rows:
+            s.connection().execute(self._insert_or_nothing(model), rows)
+
+    def _insert_or_nothing(self, model):
         # Imported here: the PostgreSQL dialect (and asyncio with it) costs a restore on SQLite ~0.1 s.
         if self.engine.dialect.name == "postgresql":
             from sqlalchemy.dialects import postgresql as dialect
         else:
             from sqlalchemy.dialects import sqlite as dialect
-        return dialect.insert(model).values(rows).on_conflict_do_nothing()
+        return dialect.insert(model).on_conflict_do_nothing()
 
     def one_of(self, column, values: list[str]):
         """`column IN values`. PostgreSQL gets one array parameter instead of one per value: the statement
@@ -150,8 +161,7 @@ class Index:
             # A publish that reuses a condemned pack saves it from GC's second phase (a live row is left as is).
             condemned = (PackRow.id == pack_id, PackRow.condemned_at.is_not(None))
             s.query(PackRow).filter(*condemned).update({"condemned_at": None})
-            for i in range(0, len(rows), _IN_CHUNK):
-                s.execute(self.insert_ignore(BlobRow, rows[i : i + _IN_CHUNK]))
+            self.insert_many(s, BlobRow, rows)
 
         self.transaction(work)
 
