@@ -259,14 +259,27 @@ def _compressor() -> zstandard.ZstdCompressor:
 
 def _compress_many(contents: list[bytes], threads: int) -> list[bytes]:
     """One frame per content, in order: the same frames one call at a time would give (content size
-    in each header), compressed on `threads` threads outside the GIL."""
-    if not any(contents):  # zstd refuses a batch whose every input is empty
-        return [_compressor().compress(data) for data in contents]
+    in each header), the non-empty ones compressed on `threads` threads outside the GIL.
+
+    Empty contents never go into the batch: python-zstandard 0.25 drops the output of a thread
+    that got only empty inputs (two inputs b"x", b"" on 2 threads give one frame). Every frame
+    is checked against its content's size, so a batch that came back wrong is redone one by one.
+    """
+    one = _compressor().compress
+    frames = [one(data) if not data else b"" for data in contents]
+    full = [i for i, data in enumerate(contents) if data]
+    if not full:
+        return frames
     try:
-        result = _compressor().multi_compress_to_buffer(contents, threads=max(1, threads))
+        result = _compressor().multi_compress_to_buffer([contents[i] for i in full], threads=max(1, threads))
+        batch = [result[j].tobytes() for j in range(len(result))]
     except NotImplementedError:  # the cffi backend (PyPy) lacks the batch API
-        return [_compressor().compress(data) for data in contents]
-    return [result[i].tobytes() for i in range(len(result))]
+        batch = []
+    if len(batch) != len(full) or any(zstandard.frame_content_size(f) != len(contents[i]) for i, f in zip(full, batch)):
+        batch = [one(contents[i]) for i in full]
+    for i, frame in zip(full, batch):
+        frames[i] = frame
+    return frames
 
 
 def _done(value: bytes) -> Future[bytes]:

@@ -34,6 +34,46 @@ def test_pack_roundtrip_through_trailer(tmp_path_factory, contents):
         assert out.getvalue() == data
 
 
+@settings(max_examples=20, deadline=None)
+@given(contents=st.lists(st.binary(max_size=3000), max_size=40), threads=st.integers(1, 3))
+def test_a_batch_of_small_files_packs_each_as_its_own_frame(tmp_path_factory, contents, threads, monkeypatch_batch):
+    """add_small compresses batches in one call (several batches here, empty files among them):
+    every blob must still be its own frame, at the offset the trailer gives, holding its file."""
+    tmp = tmp_path_factory.mktemp("batch")
+    files = []
+    for i, data in enumerate(contents):
+        (tmp / f"src{i}").write_bytes(data)
+        files.append((canonical.sha256(data), tmp / f"src{i}", len(data)))
+    writer = packs.PackWriter(tmp)
+    writer.add_small(files, threads)
+    pack = writer.finish()
+    raw = pack.path.read_bytes()
+    blobs = packs.parse_trailer(pack.id, raw, len(raw))
+    assert [b.id for b in blobs] == [f[0] for f in files]
+    for blob, data in zip(blobs, contents):
+        assert packs.unpack_bytes(raw[blob.offset : blob.offset + blob.length], blob.id, blob.size) == data
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_batch():
+    """Batches of a few KiB, so that a handful of small files spans several compression calls."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(packs, "SMALL_BATCH_BYTES", 4096)
+        yield
+
+
+def test_a_file_changed_in_a_batch_is_refused(tmp_path):
+    files = []
+    for i in range(5):
+        (tmp_path / f"src{i}").write_bytes(b"x" * i)
+        files.append((canonical.sha256(b"x" * i), tmp_path / f"src{i}", i))
+    (tmp_path / "src3").write_bytes(b"yyy")  # same size, other bytes
+    writer = packs.PackWriter(tmp_path)
+    with pytest.raises(IntegrityError, match="src3.*changed"):
+        writer.add_small(files, 2)
+    writer.discard()
+
+
 def test_file_changed_after_hashing_is_refused(tmp_path):
     src = tmp_path / "f"
     src.write_bytes(b"before")
