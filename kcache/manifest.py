@@ -171,22 +171,30 @@ def _layer_info(doc: Any) -> dict[str, dict[str, str]]:
 
 
 def _entry_from_row(row: Any, length_of_row: int) -> Entry:
-    if not isinstance(row, list) or len(row) != length_of_row:
+    if type(row) is not list or len(row) != length_of_row:
         raise ValueError(f"entry {str(row)[:80]!r} does not have {length_of_row} columns")
     path, mode, size, blob, pack, offset, length = row[:7]
     mtime_ns = row[7] if length_of_row > 7 else None
-    numbers = [("mode", mode), ("size", size), ("offset", offset), ("length", length)]
-    for name, value in numbers + ([("mtime_ns", mtime_ns)] if length_of_row > 7 else []):
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
-            raise ValueError(f"{name} of {path!r} is not a non-negative 64-bit integer")
-    if not isinstance(path, str):
+    # type() is int: JSON numbers parse to exact ints, and a bool (an int subclass) is no number here.
+    if not (type(mode) is int and type(size) is int and type(offset) is int and type(length) is int
+            and (mtime_ns is None or type(mtime_ns) is int)
+            and 0 <= mode < 2**63 and 0 <= size < 2**63 and 0 <= offset < 2**63 and 0 <= length < 2**63
+            and (mtime_ns is None or 0 <= mtime_ns < 2**63)):  # fmt: skip
+        numbers = [("mode", mode), ("size", size), ("offset", offset), ("length", length), ("mtime_ns", mtime_ns)]
+        name = next(n for n, v in numbers if (v is not None or n != "mtime_ns") and not _u63(v))
+        raise ValueError(f"{name} of {path!r} is not a non-negative 64-bit integer")
+    if type(path) is not str:
         raise ValueError("path is not a string")
     for name, value in (("blob", blob), ("pack", pack)):
-        if not isinstance(value, str) or not _HEX64.match(value):
+        if type(value) is not str or not _HEX64.match(value):
             raise ValueError(f"{name} of {path!r} is not a SHA-256 hex digest")
     if mode & ~MODE_MASK:
         raise ValueError(f"mode {mode:o} of {path!r} has bits beyond permissions")
     return Entry(path, mode, size, blob, sys.intern(pack), offset, length, mtime_ns)  # many entries share a pack
+
+
+def _u63(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 2**63
 
 
 def _check_entries(entries: tuple[Entry, ...]) -> None:

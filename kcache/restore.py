@@ -46,7 +46,7 @@ from kcache.errors import (
     UnsafePath,
 )
 from kcache.fingerprint import Fingerprint, is_workload_fact
-from kcache.packs import unpack_frame
+from kcache.packs import CHUNK_BYTES, unpack_bytes, unpack_frame
 from kcache.readiness import RESTORE_MARKER, read_marker, write_marker
 from kcache.records import Event
 from kcache.relocate import relocate_staged
@@ -355,9 +355,7 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
     files = staging / "files"
     shared = rootdir.group_shared(staging.parent)
     # Directories once up front: per-file mkdir calls cost more than the writes on small caches.
-    made: set[Path] = set()
-    for directory in sorted({(files / e.path).parent for e in entries}):
-        rootdir.make_dirs(staging, directory, shared, made)
+    rootdir.make_tree(staging, ("/".join(("files", *e.path.split("/")[:-1])) for e in entries), shared)
     umask = _umask()
 
     def create(entry: manifests.Entry):
@@ -381,7 +379,18 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
         finish(entry)
 
     def place(entry: manifests.Entry, frame) -> None:
-        lay(entry, lambda out: unpack_frame(frame, entry.blob, entry.size, out))
+        if not (isinstance(frame, bytes) and entry.size <= CHUNK_BYTES):
+            lay(entry, lambda out: unpack_frame(frame, entry.blob, entry.size, out))
+            return
+        # A small blob (most of them): verified in memory, then written without a file object.
+        data = memoryview(unpack_bytes(frame, entry.blob, entry.size))
+        fd = os.open(files / entry.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, rootdir.file_mode(entry.mode, shared))
+        try:
+            while data:
+                data = data[os.write(fd, data) :]
+        finally:
+            os.close(fd)
+        finish(entry)
 
     fetch.fetch_blobs(store, entries, place, jobs=jobs, cancelled=lambda: budget.expired, open_blob=create,
                       closed=finish, meter=meter)  # fmt: skip

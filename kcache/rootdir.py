@@ -20,7 +20,7 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -74,6 +74,32 @@ def make_dirs(top: Path, path: Path, shared: bool, made: set[Path] | None = None
             except PermissionError:  # another user's directory: theirs to share
                 pass
         if made is not None:
+            made.add(directory)
+
+
+def make_tree(top: Path, relative: Iterable[str], shared: bool) -> None:
+    """`make_dirs` for many POSIX paths below `top` at once (a bundle's directories): each
+    directory one mkdir, as strings (pathlib cost ~40 us a directory, 0.2 s for a 5k-directory cache)."""
+    made: set[str] = set()
+    base = str(top)
+    for rel in sorted(set(relative)):
+        if not rel or rel in made:
+            continue
+        parts = rel.split("/")
+        for depth in range(1, len(parts) + 1):
+            directory = "/".join(parts[:depth])
+            if directory in made:
+                continue
+            path = f"{base}/{directory}"
+            try:
+                os.mkdir(path)
+            except FileExistsError:
+                pass
+            if shared:
+                try:
+                    os.chmod(path, SHARED_DIR_MODE)
+                except PermissionError:  # another user's directory: theirs to share
+                    pass
             made.add(directory)
 
 

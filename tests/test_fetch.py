@@ -252,3 +252,56 @@ def test_a_split_blob_is_handed_to_closed_once_its_file_is_verified_and_closed(t
 
     fetch.fetch_blobs(store, entries, lambda e, f: pytest.fail("streamed"), jobs=8, open_blob=open_blob, closed=closed)
     assert sorted(handed) == sorted(e.blob for e in entries)
+
+
+def _small_pack(store, workdir, contents: list[bytes]) -> list[Entry]:
+    """`contents` as small blobs of one pack in `store`: their manifest entries, in pack order."""
+    writer = packs.PackWriter(workdir)
+    files = []
+    for i, data in enumerate(contents):
+        (workdir / f"s{i}").write_bytes(data)
+        files.append((hashlib.sha256(data).hexdigest(), workdir / f"s{i}", len(data)))
+    writer.add_small(files)
+    pack = writer.finish()
+    store.put_file(pack_key(pack.id), pack.path)
+    return [Entry(f"inductor/f{i}", 0o644, b.size, b.id, pack.id, b.offset, b.length) for i, b in enumerate(pack.blobs)]
+
+
+def test_small_blobs_are_read_in_runs_and_placed_one_thread_at_a_time(tmp_path, store, monkeypatch):
+    """Runs of at most PLACE_BATCH stored bytes: one ranged read of the pack, several reads of the
+    stream each; placing never runs in two threads at once, and every blob arrives once, whole."""
+    monkeypatch.setattr(fetch, "PLACE_BATCH", 3000)
+    monkeypatch.setattr(fetch, "MAX_RANGE", 9000)  # several ranges, so several threads place
+    contents = [content(seed, 700 + seed * 13) for seed in range(60)]
+    entries = _small_pack(store, tmp_path, contents)
+    recording = Recording(store)
+    placed, inside, overlapped = {}, [0], []
+    lock = threading.Lock()
+
+    def place(entry, frame):
+        with lock:
+            inside[0] += 1
+            overlapped.append(inside[0] > 1)
+        placed[entry.blob] = packs.unpack_bytes(frame, entry.blob, entry.size)
+        with lock:
+            inside[0] -= 1
+
+    fetch.fetch_blobs(recording, entries, place, jobs=4)
+    assert [placed[e.blob] for e in entries] == contents
+    assert not any(overlapped)
+    assert 1 < len(recording.ranges) < len(entries)
+
+
+def test_blobs_that_overlap_in_a_pack_are_refused(tmp_path, store, monkeypatch):
+    """An honest pack never puts two blobs in the same bytes. A hostile manifest that says so fails
+    the fetch: once the stream has passed those bytes it is refused by name (it is never read
+    backwards), and within one run its bytes are read as they lie and fail their hash."""
+    first, second = _small_pack(store, tmp_path, [content(1, 2000), content(2, 2000)])
+    liar = Entry("inductor/liar", 0o644, second.size, second.blob, first.pack, first.offset + 10, second.length)
+    check = lambda e, f: packs.unpack_bytes(f, e.blob, e.size)  # noqa: E731
+    monkeypatch.setattr(fetch, "PLACE_BATCH", 1)  # one blob a run
+    with pytest.raises(IntegrityError, match="overlaps the blob before it"):
+        fetch.fetch_blobs(store, [first, liar], check, jobs=1)
+    monkeypatch.setattr(fetch, "PLACE_BATCH", 1 << 20)
+    with pytest.raises(IntegrityError, match="hashes to|not a valid zstd frame|decompresses"):
+        fetch.fetch_blobs(store, [first, liar], check, jobs=1)
