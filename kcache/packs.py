@@ -144,6 +144,19 @@ class PackWriter:
             raise _changed(source)
         self._blobs.append(PackedBlob(blob_id, offset, self._out.position - offset, size))
 
+    def add_unhashed(self, src: BinaryIO, size: int, name: str) -> str:
+        """`add` for a large file (over CHUNK_BYTES) open as `src`, whose id is not known yet: its
+        SHA-256 is taken from the very bytes packed, and returned. `name` is for the error when the
+        file no longer holds `size` bytes."""
+        if size <= CHUNK_BYTES:
+            raise ValueError(f"{name}: {size} bytes fit one frame; add it with its id")
+        offset = self._out.position
+        read, digest = self._add_chunked(src, size)
+        if read != size:
+            raise _changed(Path(name))
+        self._blobs.append(PackedBlob(digest, offset, self._out.position - offset, size))
+        return digest
+
     def add_small(self, files: Iterable[tuple[str, Path, int]], threads: int = 1) -> None:
         """`add` for many files of at most CHUNK_BYTES each: (blob id, path, size) in pack order.
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from kcache import boundedread, layerkeys, progress, readiness, refs, signing
 from kcache import fingerprint as fingerprints
@@ -38,7 +38,7 @@ from kcache import manifest as manifests
 from kcache.errors import ConfigError, IntegrityError, RootError
 from kcache.fingerprint import Fingerprint
 from kcache.hashcache import HashCache, key_for
-from kcache.packs import CHUNK_BYTES, LARGE_FILE_BYTES, TARGET_PACK_BYTES, PackWriter
+from kcache.packs import CHUNK_BYTES, LARGE_FILE_BYTES, TARGET_PACK_BYTES, Pack, PackWriter
 from kcache.records import BlobLocation, Bundle, Event
 from kcache.sources import ExtraSource, FileInfo, Source
 from kcache.store import Store, manifest_key, pack_key
@@ -132,10 +132,11 @@ def hash_file(path: Path, size_hint: int = _HASH_CHUNK) -> str:
         os.close(fd)
 
 
-def _hash_or_skip(path: Path, size_hint: int = _HASH_CHUNK) -> str | None:
-    """The file's SHA-256, or None (with a warning) when it went away or cannot be read since the walk."""
+def _hash_or_skip(path: Path, size_hint: int = _HASH_CHUNK, read: Callable[[], str] | None = None) -> str | None:
+    """The file's SHA-256 (from `read()` when given), or None (with a warning) when it went away or
+    cannot be read since the walk."""
     try:
-        return hash_file(path, size_hint)
+        return read() if read is not None else hash_file(path, size_hint)
     except (FileNotFoundError, PermissionError) as exc:  # a compile removed its temp file; another user's file
         log.warning("skipping %r: %s since it was listed", str(path),
                     "removed" if isinstance(exc, FileNotFoundError) else "unreadable")  # fmt: skip
@@ -150,11 +151,22 @@ def _hash_or_skip(path: Path, size_hint: int = _HASH_CHUNK) -> str | None:
         raise
 
 
+def _open_regular(path: Path) -> BinaryIO:
+    """`path` open for reading, as hash_file opens it: never through a link, never a FIFO."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise boundedread.NotRegularFile(f"{path} is not a regular file")
+    return open(fd, "rb")
+
+
 def _hash_all(found: list[tuple[Source, FileInfo]], jobs: int, cache: HashCache | None,
-              report: progress.Report | None = None) -> list[Collected]:  # fmt: skip
+              report: progress.Report | None = None,
+              early: _PackWhileHashing | None = None) -> list[Collected]:  # fmt: skip
     """SHA-256 of every file, from the hash cache where the file is unchanged since last time.
 
-    A file that is gone by the time it is hashed is left out of the bundle."""
+    With `early`, a large file the cache does not know is packed (and uploaded when new) as it
+    is hashed. A file that is gone by the time it is hashed is left out of the bundle."""
     keys = [key_for(i.path, i.size, i.mtime_ns, i.ctime_ns, i.ino) for _, i in found] if cache else []
     digests: list[str | None] = [None] * len(found)
     if cache:
@@ -166,8 +178,14 @@ def _hash_all(found: list[tuple[Source, FileInfo]], jobs: int, cache: HashCache 
     # hashed in 1.3-1.9 s one future each, 0.4 s in batches).
     meter = progress.Meter("hashing", files=len(todo), bytes=sum(found[i][1].size for i in todo), report=report)
 
+    def hash_one(i: int) -> str | None:
+        source, info = found[i]
+        if early is not None and info.size >= LARGE_FILE_BYTES:
+            return _hash_or_skip(info.path, read=lambda: early.pack(source, info))
+        return _hash_or_skip(info.path, info.size)
+
     def hash_batch(batch: list[int]) -> list[str | None]:
-        digests = [_hash_or_skip(found[i][1].path, found[i][1].size) for i in batch]
+        digests = [hash_one(i) for i in batch]
         meter.add(files=len(batch), bytes=sum(found[i][1].size for i in batch))
         return digests
 
@@ -266,13 +284,25 @@ def _write_and_upload(group: list[Collected], store: Store, index: Index, workdi
     threads = _cores()
     with building if many else contextlib.nullcontext():
         pack = _build_pack(group, workdir, chunks, threads=threads)
+
+    def salted(salt: bytes) -> Pack:
+        with building if many else contextlib.nullcontext():
+            return _build_pack(group, workdir, chunks, salt=salt, threads=threads)
+
+    stored = _store_pack(pack, salted, store, index)
+    meter.add(files=len(group), bytes=sum(item.info.size for item in group))
+    return stored.size, len(stored.blobs)
+
+
+def _store_pack(pack: Pack, salted: Callable[[bytes], Pack], store: Store, index: Index) -> Pack:
+    """Steps 1 and 2 for a pack built in the workdir (removed here): the pack as stored, which is
+    `salted(salt)` when the store already had the identical one (see _write_and_upload)."""
     try:
         written = store.put_file(pack_key(pack.id), pack.path)
         if not written:
             log.info("pack %s is already in the store; writing a salted copy of its blobs", pack.id[:12])
             pack.path.unlink(missing_ok=True)
-            with building if many else contextlib.nullcontext():
-                pack = _build_pack(group, workdir, chunks, salt=os.urandom(16), threads=threads)
+            pack = salted(os.urandom(16))
             written = store.put_file(pack_key(pack.id), pack.path)
         if not written:
             raise IntegrityError("pack", pack.id, "a salted pack id was already taken in the store")
@@ -281,8 +311,47 @@ def _write_and_upload(group: list[Collected], store: Store, index: Index, workdi
         )
     finally:
         pack.path.unlink(missing_ok=True)
-    meter.add(files=len(group), bytes=sum(item.info.size for item in group))
-    return pack.size, len(pack.blobs)
+    return pack
+
+
+class _PackWhileHashing:
+    """Steps 1-2 for large files, while hashing: a file of LARGE_FILE_BYTES or more gets a pack of
+    its own anyway, so instead of being read once to hash it and again to pack it, it is packed
+    once, its id taken from the very bytes packed, and the pack uploaded at once unless the index
+    already holds that blob (then it is dropped). A 1 GiB publish with a cold hash cache read and
+    hashed every byte twice. What went up is counted here for the publish's result.
+    """
+
+    def __init__(self, store: Store, index: Index, workdir: Path, chunks: Executor):
+        self._store, self._index, self._workdir, self._chunks = store, index, workdir, chunks
+        self._lock = threading.Lock()
+        self._claimed: set[str] = set()  # one upload per blob, when two files hold the same bytes
+        self.new: list[Collected] = []
+        self.uploaded = self.packs = 0
+
+    def pack(self, source: Source, info: FileInfo) -> str:
+        writer = PackWriter(self._workdir, self._chunks)
+        try:
+            with _open_regular(info.path) as src:
+                blob = writer.add_unhashed(src, info.size, str(info.path))
+            pack = writer.finish()
+        except BaseException:
+            writer.discard()
+            raise
+        item = Collected(f"{source.subdir}/{info.rel}", info, blob)
+        with self._lock:
+            first = blob not in self._claimed
+            self._claimed.add(blob)
+        if not (first and self._index.find_missing([blob])):
+            pack.path.unlink(missing_ok=True)
+            return blob
+        stored = _store_pack(pack, lambda salt: _build_pack([item], self._workdir, self._chunks, salt), self._store,
+                             self._index)  # fmt: skip
+        with self._lock:
+            self.new.append(item)
+            self.uploaded += stored.size
+            self.packs += 1
+        return blob
 
 
 def _cores() -> int:
@@ -333,8 +402,14 @@ def publish(
     # Before any upload: a row the database would refuse must fail now, not after the packs went up.
     index.check_bundle(_bundle_row(_manifest(fingerprint, layers, [], info)))
     note(f"hashing {len(found)} files")
-    collected = _hash_all(found, config.jobs, config.hash_cache, report)
+    with (
+        tempfile.TemporaryDirectory(prefix="kcache-publish-") as tmp,
+        ThreadPoolExecutor(max(1, config.jobs), thread_name_prefix="kcache-compress") as chunks,
+    ):
+        early = _PackWhileHashing(store, index, Path(tmp), chunks)
+        collected = _hash_all(found, config.jobs, config.hash_cache, report, early)
     new, uploaded, pack_count, locations = _upload_until_revived(collected, store, index, config.jobs, note, report)
+    new, uploaded, pack_count = early.new + new, early.uploaded + uploaded, early.packs + pack_count
     manifest = _manifest(fingerprint, layers, [_entry(c, locations[c.blob]) for c in collected], info)
     data = manifest.to_bytes()
     wrote = _write_manifest(store, manifest, data, config.signing_key)  # before the commit point
