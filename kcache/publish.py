@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, TypeVar
 
 from kcache import boundedread, layerkeys, progress, readiness, refs, signing
 from kcache import fingerprint as fingerprints
@@ -45,6 +45,8 @@ from kcache.store import Store, manifest_key, pack_key
 
 if TYPE_CHECKING:  # the SQL layer loads only when a caller opens an index
     from kcache.index import Index
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 _HASH_CHUNK = 1024 * 1024
@@ -115,13 +117,8 @@ def collect(sources: Iterable[Source], *, root: Path | None, env: Mapping[str, s
 
 def hash_file(path: Path, size_hint: int = _HASH_CHUNK) -> str:
     """The SHA-256 of the file at `path`; `size_hint` (its size at the walk) sizes the first read."""
-    # O_NOFOLLOW: a file swapped for a link after the walk is not read through it; O_NONBLOCK and
-    # fstat: one swapped for a FIFO (the model container writes ROOT while watch publishes) is not
-    # waited on.
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    fd = _open_regular_fd(path)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise boundedread.NotRegularFile(f"{path} is not a regular file")
         digest = hashlib.sha256()
         want = min(_HASH_CHUNK, max(0, size_hint) + 1)  # a small file in one read, its end seen at once
         while chunk := os.read(fd, want):
@@ -132,11 +129,28 @@ def hash_file(path: Path, size_hint: int = _HASH_CHUNK) -> str:
         os.close(fd)
 
 
-def _hash_or_skip(path: Path, size_hint: int = _HASH_CHUNK, read: Callable[[], str] | None = None) -> str | None:
-    """The file's SHA-256 (from `read()` when given), or None (with a warning) when it went away or
-    cannot be read since the walk."""
+def _open_regular_fd(path: Path) -> int:
+    """`path` open for reading, never through a link, never a FIFO."""
+    # O_NOFOLLOW: a file swapped for a link after the walk is not read through it; O_NONBLOCK and
+    # fstat: one swapped for a FIFO (the model container writes ROOT while watch publishes) is not
+    # waited on.
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise boundedread.NotRegularFile(f"{path} is not a regular file")
+    return fd
+
+
+def _hash_or_skip(path: Path, size_hint: int = _HASH_CHUNK) -> str | None:
+    """The file's SHA-256, or None (with a warning) when it went away or cannot be read since the walk."""
+    return _skipping(path, lambda: hash_file(path, size_hint))
+
+
+def _skipping(path: Path, read: Callable[[], T]) -> T | None:
+    """`read()` of a file listed by the walk, or None (with a warning) when the file went away,
+    became unreadable, a link or no regular file since."""
     try:
-        return read() if read is not None else hash_file(path, size_hint)
+        return read()
     except (FileNotFoundError, PermissionError) as exc:  # a compile removed its temp file; another user's file
         log.warning("skipping %r: %s since it was listed", str(path),
                     "removed" if isinstance(exc, FileNotFoundError) else "unreadable")  # fmt: skip
@@ -149,15 +163,6 @@ def _hash_or_skip(path: Path, size_hint: int = _HASH_CHUNK, read: Callable[[], s
             log.warning("skipping %r: no longer a regular file since it was listed", str(path))
             return None
         raise
-
-
-def _open_regular(path: Path) -> BinaryIO:
-    """`path` open for reading, as hash_file opens it: never through a link, never a FIFO."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise boundedread.NotRegularFile(f"{path} is not a regular file")
-    return open(fd, "rb")
 
 
 def _hash_all(found: list[tuple[Source, FileInfo]], jobs: int, cache: HashCache | None,
@@ -181,7 +186,8 @@ def _hash_all(found: list[tuple[Source, FileInfo]], jobs: int, cache: HashCache 
     def hash_one(i: int) -> str | None:
         source, info = found[i]
         if early is not None and info.size >= LARGE_FILE_BYTES:
-            return _hash_or_skip(info.path, read=lambda: early.pack(source, info))
+            fd = _skipping(info.path, lambda: _open_regular_fd(info.path))  # only opening it may skip it
+            return None if fd is None else early.pack(source, info, fd)
         return _hash_or_skip(info.path, info.size)
 
     def hash_batch(batch: list[int]) -> list[str | None]:
@@ -329,15 +335,16 @@ class _PackWhileHashing:
         self.new: list[Collected] = []
         self.uploaded = self.packs = 0
 
-    def pack(self, source: Source, info: FileInfo) -> str:
-        writer = PackWriter(self._workdir, self._chunks)
-        try:
-            with _open_regular(info.path) as src:
+    def pack(self, source: Source, info: FileInfo, fd: int) -> str:
+        """The blob id of the file `info` describes, open as `fd` (closed here)."""
+        with open(fd, "rb") as src:
+            writer = PackWriter(self._workdir, self._chunks)
+            try:
                 blob = writer.add_unhashed(src, info.size, str(info.path))
-            pack = writer.finish()
-        except BaseException:
-            writer.discard()
-            raise
+                pack = writer.finish()
+            except BaseException:
+                writer.discard()
+                raise
         item = Collected(f"{source.subdir}/{info.rel}", info, blob)
         with self._lock:
             first = blob not in self._claimed

@@ -106,3 +106,23 @@ def test_the_hash_cache_remembers_a_file_hashed_by_packing(tmp_path, store, sqli
     cache.close()
     assert again.bundle_id == first.bundle_id and again.uploaded_bytes == 0
     assert packed == [] and hashed == []  # the id came from the cache: the file was not read at all
+
+
+class RefusingStore:
+    """A store whose writes of packs fail with a permission error, as a misconfigured mount would."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def put_file(self, key, path):
+        raise PermissionError(13, "Permission denied", key)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_a_failed_upload_of_a_large_file_fails_the_publish_not_the_file(tmp_path, store, sqlite_index, fp):
+    """Only a file that cannot be opened since the walk is skipped; an upload error is the publish's."""
+    write_tree(tmp_path / "src", {"vllm/model.bin": big(8)})
+    with pytest.raises(PermissionError):
+        publish(RefusingStore(store), sqlite_index, fp, sources.select(), root=tmp_path / "src", env={})
