@@ -33,7 +33,8 @@ child process (wall clock), because that is what a pod's init container pays:
     publish-file / restore-file   the same kcache commands against a file:// store
 
 Every restored tree is compared with its source (all paths and sizes, a sample of SHA-256s), so a
-fast but wrong restore cannot win. Scratch space lives in one temp dir, removed unless --keep:
+fast but wrong restore cannot win. Scratch space lives in one temp dir (under --scratch DIR when
+given), removed unless --keep:
 
     kcache-bench-store-XXXX/
       trees/<tree>/         sources, pruned to exactly what `kcache publish --from` carries
@@ -564,6 +565,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="print one JSON object instead of the table; with PATH, write it there and "
                              "print the table too")  # fmt: skip
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory and print its path")
+    parser.add_argument("--scratch", metavar="DIR",
+                        help="where trees, stores and restore targets live (default the temp dir); /dev/shm "
+                             "takes the disk out of the comparison, as an emptyDir with medium Memory does")  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:
         args.files, args.repeats, args.big_files = 2000, 1, 4
@@ -631,7 +635,7 @@ def write_json(args: argparse.Namespace, tools: dict[str, str], out: dict) -> No
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tools = check_tools(args.baselines)
-    work = Path(tempfile.mkdtemp(prefix="kcache-bench-store-"))
+    work = Path(tempfile.mkdtemp(prefix="kcache-bench-store-", dir=args.scratch))
     try:
         out = run_all(args, work, tools)
     except BenchError as exc:

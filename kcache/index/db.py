@@ -93,6 +93,8 @@ def ensure_schema(engine: Engine, url: str) -> None:
         if revision == HEAD:
             return
         if engine.dialect.name == "sqlite":
+            if revision is None and _create_fresh(engine):
+                return
             from alembic.util import CommandError
 
             log.info("upgrading index %s from %s to %s", url, revision, HEAD)
@@ -111,6 +113,28 @@ def ensure_schema(engine: Engine, url: str) -> None:
     except SQLAlchemyError as exc:
         raise IndexDbError(url, describe_error(exc)) from None
     raise IndexDbError(url, f"schema is at {revision or 'nothing'}, not {HEAD}: run `kcache db upgrade`")
+
+
+def _create_fresh(engine: Engine) -> bool:
+    """An empty SQLite database gets the schema at HEAD straight from the models, stamped HEAD:
+    0.01 s instead of alembic's 0.12 s of replaying every migration, and the same schema (the
+    migrations test checks that models and migrations agree). False when it holds any table, or
+    another process created them first (then the caller looks again)."""
+    from kcache.index.models import Base
+
+    try:
+        with engine.begin() as conn:
+            if inspect(conn).get_table_names():
+                return False
+            Base.metadata.create_all(conn)
+            conn.execute(text("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL, "
+                              "CONSTRAINT alembic_version_pkc PRIMARY KEY (version_num))"))  # fmt: skip
+            conn.execute(text("INSERT INTO alembic_version (version_num) VALUES (:head)"), {"head": HEAD})
+        return True
+    except SQLAlchemyError:
+        if current_revision(engine) != HEAD:
+            raise
+        return True
 
 
 def describe_error(exc: Exception) -> str:

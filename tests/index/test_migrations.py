@@ -53,3 +53,32 @@ def test_unmigrated_postgres_is_refused_with_a_hint(pg_database):
 def test_unreachable_index_is_one_clear_error():
     with pytest.raises(IndexDbError, match="cannot connect"):
         Index.open("postgresql+psycopg://nobody@127.0.0.1:1/none?connect_timeout=2")
+
+
+def test_a_fresh_sqlite_index_is_created_at_head_with_the_migrated_schema(tmp_path):
+    """A new SQLite file gets its tables from the models, not by replaying the migrations: the schema
+    must be what the migrations make, and a later migration must find it at HEAD."""
+    fresh = Index.open(f"sqlite:///{tmp_path / 'fresh.db'}")
+    migrated = make_engine(f"sqlite:///{tmp_path / 'migrated.db'}")
+    upgrade(migrated)
+    assert current_revision(fresh.engine) == HEAD
+    for engine in (fresh.engine, migrated):
+        with engine.connect() as conn:
+            assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    with fresh.engine.connect() as a, migrated.connect() as b:
+        tables = ("SELECT name FROM sqlite_master WHERE type IN ('table', 'index') AND name NOT LIKE 'sqlite_%' "
+                  "ORDER BY 1")
+        assert a.exec_driver_sql(tables).fetchall() == b.exec_driver_sql(tables).fetchall()
+    assert upgrade(fresh.engine) == (HEAD, HEAD)  # nothing left to apply
+    fresh.close()
+    migrated.dispose()
+
+
+def test_creating_a_fresh_sqlite_index_does_not_load_alembic(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys; from kcache.index import Index; "
+            f"Index.open('sqlite:///{tmp_path / 'i.db'}').close(); print('alembic' in sys.modules)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
