@@ -151,3 +151,20 @@ def test_a_linked_device_directory_under_inductor_is_not_read(tmp_path, outside)
     env = {"TORCHINDUCTOR_CACHE_DIR": str(inductor), "HOME": str(tmp_path / "home")}
     found = collect(sources.select(["triton"]), root=None, env=env)
     assert [info.rel for _, info in found] == ["HASH/k.cubin"]
+
+
+def test_the_walk_lists_regular_files_in_name_order_and_skips_links_fifos_and_junk(tmp_path, outside, caplog):
+    """A directory's files in name order, then its subdirectories the same way; a link to a directory is
+    not entered, a link to a file or a dangling one is skipped with a warning, and so is a FIFO."""
+    top = tmp_path / "inductor"
+    write_tree(top, {"b.py": b"b", "a.py": b"a", "z/2.so": b"2", "z/1.so": b"1", "y/x/deep.cpp": b"d",
+                     "c.lock": b"junk"})  # fmt: skip
+    (top / "linked_dir").symlink_to(outside)
+    (top / "linked_file").symlink_to(top / "a.py")
+    (top / "dangling").symlink_to(tmp_path / "nowhere")
+    os.mkfifo(top / "fifo")
+    listed = [info.rel for info in sources.InductorSource().walk(top)]
+    assert listed == ["a.py", "b.py", "y/x/deep.cpp", "z/1.so", "z/2.so"]
+    for name in ("linked_file", "dangling", "fifo"):
+        assert f"{name}'" in caplog.text
+    assert "linked_dir" not in caplog.text

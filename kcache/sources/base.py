@@ -108,13 +108,16 @@ class Source:
                 continue
             try:
                 is_dir = entry.is_dir()  # through a link, as os.walk sorts them: a link to a directory is dropped
-                st = None if is_dir else entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue  # removed while we walked: a temp file of a running compile
+            except OSError:  # a link whose target cannot be looked at: not a directory (os.walk's rule)
+                is_dir = False
             if is_dir:
                 if not entry.is_symlink():
                     subdirs.append(entry)
                 continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # removed while we walked: a temp file of a running compile
             if not stat.S_ISREG(st.st_mode):
                 _skip(entry.path, "not a regular file")
                 continue
