@@ -364,14 +364,14 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
         # Readable too: a blob fetched in parts is hashed by reading its chunks back (kcache.fetch).
         return open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode), "r+b")
 
-    def finish(entry: manifests.Entry) -> None:
-        """After the last write and close of a verified file."""
-        path = files / entry.path
+    def finish(entry: manifests.Entry, fd: int | None = None) -> None:
+        """After the last write of a verified file: through `fd` while it is open, else by path once closed."""
+        where = files / entry.path if fd is None else fd
         mode = rootdir.file_mode(entry.mode, shared)
         if mode & umask:  # the umask took bits the manifest asks for
-            os.chmod(path, mode)
+            os.chmod(where, mode)
         if entry.mtime_ns:  # builders (ninja) judge "up to date" by mtime; set after the last write
-            os.utime(path, ns=(entry.mtime_ns, entry.mtime_ns))
+            os.utime(where, ns=(entry.mtime_ns, entry.mtime_ns))
 
     def lay(entry: manifests.Entry, write) -> None:
         with create(entry) as out:
@@ -388,9 +388,9 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
         try:
             while data:
                 data = data[os.write(fd, data) :]
+            finish(entry, fd)  # through the descriptor: no second walk down the file's path
         finally:
             os.close(fd)
-        finish(entry)
 
     fetch.fetch_blobs(store, entries, place, jobs=jobs, cancelled=lambda: budget.expired, open_blob=create,
                       closed=finish, meter=meter)  # fmt: skip

@@ -344,3 +344,20 @@ def test_publish_from_root_keeps_extra_layers_a_restore_laid_down(tmp_path, stor
     args = ["publish", "--from", str(tmp_path / "root"), "--model", "m", "--json"]
     out = CliRunner().invoke(main, args, catch_exceptions=False)
     assert "extra:trt" in out.output
+
+
+def test_a_strict_umask_does_not_take_the_bits_a_manifest_asks_for(tmp_path, store, sqlite_index, fp):
+    """Files are created under the umask, then given their modes (and times) through their descriptor."""
+    files = {"inductor/a.so": (b"\x7fELF" * 10, 0o755), "inductor/b.py": (b"x = 1\n", 0o644),
+             "triton/c/k.json": (b"{}", 0o444)}  # fmt: skip
+    write_tree(tmp_path / "src", files)
+    os.utime(tmp_path / "src/inductor/b.py", ns=(1_600_000_000_000_000_000, 1_600_000_000_000_000_000))
+    publish_tree(store, sqlite_index, fp, tmp_path / "src")
+    old = os.umask(0o077)
+    try:
+        assert restore(store, sqlite_index, fp, tmp_path / "dst").status == "hit"
+    finally:
+        os.umask(old)
+    assert layer_dirs(tmp_path / "dst")["inductor"] == read_tree(tmp_path / "src/inductor")
+    assert layer_dirs(tmp_path / "dst")["triton"] == read_tree(tmp_path / "src/triton")
+    assert (tmp_path / "dst/inductor/b.py").stat().st_mtime_ns == 1_600_000_000_000_000_000
