@@ -9,17 +9,25 @@ reused hot by the next read. What stays allocated is bounded by what is in fligh
 fetch threads' pieces), not by the bundle.
 
 Other C libraries (musl) have no mallopt: then nothing changes.
+
+`fewer_collections` is the same kind of setting for Python's cyclic garbage collector: a publish
+of 20k files keeps ~100k small containers alive (walk entries, paths, rows, manifest entries) and
+makes almost no cycles, yet with the default thresholds the collector traversed them over and over
+(13% of publish's CPU samples; 5 runs each: 3.18 s -> 2.67 s wall).
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import sys
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 * 1024 * 1024  # buffers below this come from the heap, and are reused
 TRIM_THRESHOLD = 256 * 1024 * 1024  # free heap kept before it is handed back to the kernel
+# Allocations between young collections, and young (then middle) collections between older ones.
+GC_THRESHOLDS = (50_000, 50, 100)
 
 
 def reuse_freed_memory() -> bool:
@@ -33,3 +41,11 @@ def reuse_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def fewer_collections() -> None:
+    """Collect cycles far less often, for a command that holds many objects and makes few cycles.
+
+    For a CLI command's process only: a library caller's (a torch process') collector is its own.
+    """
+    gc.set_threshold(*GC_THRESHOLDS)

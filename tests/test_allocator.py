@@ -39,3 +39,27 @@ def test_big_buffers_come_from_the_heap_once_freed_memory_is_kept():
     assert allocate("off")["mapped"] == 1  # glibc's default: a buffer over 128 KiB is its own mmap
     on = allocate("on")
     assert on == {"applied": True, "mapped": 0}
+
+
+HOLD = """
+import gc, json, sys
+from kcache.allocator import fewer_collections
+if sys.argv[1] == "on":
+    fewer_collections()
+counts = [0, 0, 0]
+gc.callbacks.append(lambda phase, info: phase == "start" and counts.__setitem__(info["generation"],
+                                                                                 counts[info["generation"]] + 1))
+held = [{"path": str(i), "size": i} for i in range(200_000)]  # what a 20k-file publish keeps alive
+print(json.dumps(counts))
+"""
+
+
+def collections(mode: str) -> list[int]:
+    out = subprocess.run([sys.executable, "-c", HOLD, mode], capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
+def test_fewer_collections_stops_the_collector_walking_what_a_publish_holds():
+    default, fewer = collections("off"), collections("on")
+    assert default[0] > 100 and default[2] >= 1  # the default collector runs hundreds of times, fully at least once
+    assert fewer[0] < default[0] / 20 and fewer[2] == 0
