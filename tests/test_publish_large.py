@@ -7,6 +7,7 @@ milliseconds; the code paths are the ones a 16 MiB file takes.
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 from trees import read_tree, write_tree
@@ -68,15 +69,21 @@ def test_large_files_with_the_same_bytes_go_up_once(tmp_path, store, sqlite_inde
     assert read_tree(tmp_path / "dst/vllm") == read_tree(tmp_path / "src/vllm")
 
 
-def test_a_large_file_the_index_has_is_packed_but_not_uploaded(tmp_path, store, sqlite_index, fp):
+def test_a_large_file_the_index_has_is_packed_but_not_uploaded(tmp_path, store, sqlite_index, fp, monkeypatch):
     """A second publish with a cold hash cache (a new pod): the pack built while hashing is dropped."""
     write_tree(tmp_path / "src", {"vllm/model.bin": big(4)})
     publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={})
     before = packs_in(store)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where publish builds its packs
+    built = []
+    real = packs.PackWriter.finish
+    monkeypatch.setattr(packs.PackWriter, "finish", lambda self: built.append(real(self)) or built[-1])
     again = publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={})
     assert (again.new_blobs, again.uploaded_bytes, again.packs) == (0, 0, 0)
     assert packs_in(store) == before
-    assert not list((tmp_path).glob("kcache-publish-*"))
+    assert len(built) == 1 and not built[0].path.exists()  # packed while hashed, then dropped
+    assert list((tmp_path / "tmp").iterdir()) == []
 
 
 def test_a_large_file_gone_since_the_walk_is_skipped(tmp_path, store, sqlite_index, fp, monkeypatch, caplog):
