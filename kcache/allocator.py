@@ -13,7 +13,7 @@ Other C libraries (musl) have no mallopt: then nothing changes.
 `fewer_collections` is the same kind of setting for Python's cyclic garbage collector: a publish
 of 20k files keeps ~100k small containers alive (walk entries, paths, rows, manifest entries) and
 makes almost no cycles, yet with the default thresholds the collector traversed them over and over
-(13% of publish's CPU samples; 5 runs each: 3.18 s -> 2.67 s wall).
+(13% of publish's CPU samples; 5 alternating runs each: 3.30 s -> 2.87 s wall).
 """
 
 from __future__ import annotations

@@ -364,9 +364,10 @@ def _in_memory(entry: Entry) -> bool:
 
 
 def _small_run(entries: Sequence[Entry], first: int, position: int) -> Sequence[Entry]:
-    """The blobs from `first` on that are read in one piece: small, in order, within PLACE_BATCH of `position`."""
+    """The blobs from `first` on (a range's, in offset order) read in one piece: small, ending within
+    PLACE_BATCH of `position`."""
     last = first + 1
-    while (last < len(entries) and _in_memory(entries[last]) and entries[last].offset >= entries[last - 1].offset
+    while (last < len(entries) and _in_memory(entries[last])
            and entries[last].offset + entries[last].length - position <= PLACE_BATCH):  # fmt: skip
         last += 1
     return entries[first:last]

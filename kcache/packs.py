@@ -237,19 +237,20 @@ class PackWriter:
         self._path.unlink(missing_ok=True)
 
 
-def _open_source(source: Path) -> BinaryIO:
+def _open_fd(source: Path) -> int:
     try:  # O_NOFOLLOW: a file swapped for a link since it was hashed is not read through it
-        return open(os.open(source, os.O_RDONLY | os.O_NOFOLLOW), "rb")
+        return os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as exc:  # removed or replaced since it was hashed: the next publish sees it as it is
         raise _changed(source, exc.strerror) from None
 
 
+def _open_source(source: Path) -> BinaryIO:
+    return open(_open_fd(source), "rb")
+
+
 def _read_upto(source: Path, limit: int) -> bytes:
     """The first `limit` bytes of a file (all of it when shorter), without a buffered file object."""
-    try:
-        fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as exc:
-        raise _changed(source, exc.strerror) from None
+    fd = _open_fd(source)
     try:
         data = os.read(fd, limit)
         while len(data) < limit and (more := os.read(fd, limit - len(data))):  # a short read: not yet the end

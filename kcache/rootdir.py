@@ -59,26 +59,14 @@ def group_shared(root: Path) -> bool:
         return False
 
 
-def make_dirs(top: Path, path: Path, shared: bool, made: set[Path] | None = None) -> None:
-    """mkdir -p `path` below `top`; with `shared`, every directory on the way is group-writable.
-    `made` remembers what earlier calls created, so a tree's directories cost one mkdir each."""
-    chain = []
-    while path != top and path.is_relative_to(top) and (made is None or path not in made):
-        chain.append(path)
-        path = path.parent
-    for directory in reversed(chain):
-        directory.mkdir(exist_ok=True)
-        if shared:
-            try:
-                os.chmod(directory, SHARED_DIR_MODE)
-            except PermissionError:  # another user's directory: theirs to share
-                pass
-        if made is not None:
-            made.add(directory)
+def make_dirs(top: Path, path: Path, shared: bool) -> None:
+    """mkdir -p `path` below `top`; with `shared`, every directory on the way is group-writable."""
+    if path != top:
+        make_tree(top, [path.relative_to(top).as_posix()], shared)
 
 
 def make_tree(top: Path, relative: Iterable[str], shared: bool) -> None:
-    """`make_dirs` for many POSIX paths below `top` at once (a bundle's directories): each
+    """mkdir -p each of the POSIX paths `relative` below `top` (with `shared`, group-writable): each
     directory one mkdir, as strings (pathlib cost ~40 us a directory, 0.2 s for a 5k-directory cache)."""
     made: set[str] = set()
     base = str(top)
