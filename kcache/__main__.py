@@ -1,5 +1,5 @@
 """`python -m kcache` runs the CLI (the same as the `kcache` script)."""
 
-from kcache.cli import main
+from kcache.cli import run
 
-main(prog_name="kcache")
+run()

@@ -290,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         return child_main(args.child, args.mega_file, args.blocks, args.dim, args.seq)
+    _procs.compile_kcache()
     work = Path(tempfile.mkdtemp(prefix="kcache-bench-"))
     bench = Bench(work, args)
     bench.say(f"bench: {args.blocks} blocks, dim {args.dim}, seq {args.seq}, {args.repeats} repeats; "

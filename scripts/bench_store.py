@@ -65,6 +65,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import _procs  # noqa: E402  (scripts/ is sys.path[0] when this file runs as a script)
 import boto3
 
 from kcache import publish as publishing
@@ -635,6 +636,7 @@ def write_json(args: argparse.Namespace, tools: dict[str, str], out: dict) -> No
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tools = check_tools(args.baselines)
+    _procs.compile_kcache()
     work = Path(tempfile.mkdtemp(prefix="kcache-bench-store-", dir=args.scratch))
     try:
         out = run_all(args, work, tools)

@@ -134,6 +134,7 @@ def print_summary(s: dict[str, Any], found: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    _procs.compile_kcache()
     work = Path(tempfile.mkdtemp(prefix="kcache-demo-"))
     home = args.home.absolute() if args.home else work / "home"
     stream = sys.stderr if args.json else sys.stdout

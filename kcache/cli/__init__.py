@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import os
@@ -109,3 +110,18 @@ def _show_envvars(command: click.Command) -> None:
     for param in command.params:
         if isinstance(param, click.Option) and param.envvar:
             param.show_envvar = True
+
+
+def run() -> None:
+    """The `kcache` script and `python -m kcache`: the command, then a cheap end of the process.
+
+    The interpreter's last collections walk every object still alive, and a command leaves many (boto3's
+    modules, a manifest's entries): 0.05-0.06 s of a 1.2 s restore and of each short command. Frozen
+    objects are skipped by those collections, and a process that is ending has nothing left to collect.
+    Only the process's own entry freezes: a caller of `main` (tests, an embedding program) keeps its
+    collector as it was.
+    """
+    try:
+        main(prog_name="kcache")
+    finally:
+        gc.freeze()
