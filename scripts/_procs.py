@@ -91,9 +91,13 @@ def run_json(argv: Sequence[str], env: Mapping[str, str]) -> tuple[Payload, floa
     return json.loads(lines[-1]), wall
 
 
-def restore(root: Path, model: str, env: Mapping[str, str]) -> tuple[Payload, float]:
-    """``kcache restore --into ROOT``; kcache is fail-open, so an "error" status is raised here."""
+def restore(root: Path, model: str, env: Mapping[str, str], index: str | None = None) -> tuple[Payload, float]:
+    """``kcache restore --into ROOT``; kcache is fail-open, so an "error" status is raised here.
+
+    ``index`` is passed as ``--index`` ("none": the store's signed refs, as the example init container).
+    """
     argv = kcache_command() + ["restore", "--into", str(root), "--model", model, "--json"]
+    argv += ["--index", index] if index is not None else []
     payload, wall = run_json(argv, env)
     if payload.get("status") not in ("hit", "miss"):
         raise StepFailed(argv, 0, json.dumps(payload), payload.get("reason") or "")

@@ -7,8 +7,9 @@ transformer on CPU). Scenarios, in the order they run:
 
     cold      empty cache dir, fresh TMPDIR: full compile, ISA probes, precompiled header
     warm      the same dirs as the last finished cold run, again: the floor for any restore
-    kcache    `kcache restore` into a fresh dir, then the workload with its env; the restore
-              process's wall time is added to both columns
+    kcache    `kcache restore --index none` (the store's refs, as the example init container) into
+              a fresh dir, then the workload with its env; the restore process's wall time is
+              added to both columns (a restore through the SQLite index is timed beside it)
     mega      Mega-Cache: once, a cold run that ends with torch.compiler.save_cache_artifacts();
               then each sample: fresh empty dirs, load_cache_artifacts(blob) in the child before
               compiling (so the load is inside the measured time), first output
@@ -57,6 +58,7 @@ SECONDS = BREAKDOWN[:4]
 TARGETS = (("kcache/warm", "kcache", "warm", 1.0, "max"),  # issue 11: a restored start beats warm
            ("cold/kcache", "cold", "kcache", 3.0, "min"),
            ("mega/kcache", "mega", "kcache", 3.0, "min"))  # fmt: skip
+RESTORE_WALL_TARGET = 0.3  # issue 11: seconds for the restore process, CLI start included
 
 
 @dataclass(frozen=True)
@@ -173,12 +175,21 @@ def run_cold_and_warm(b: Bench) -> dict[str, list[Sample]]:
 def run_kcache(b: Bench) -> list[Sample]:
     b.say("kcache: restore into a fresh dir, then the workload (restore wall time included)")
     restores: list[float] = []
+    through_index: list[float] = []
 
-    def one(i: int) -> Sample:
-        root = b.work / f"kcache-{i}"
-        payload, restore_wall = _procs.restore(root, b.model, b.home)
+    def restored(root: Path, index: str | None) -> tuple[dict, float]:
+        payload, restore_wall = _procs.restore(root, b.model, b.home, index)
         if payload["status"] != "hit":
             raise RuntimeError(f"kcache restore into {root} was a {payload['status']}: {payload['reason']}")
+        return payload, restore_wall
+
+    def one(i: int) -> Sample:
+        # Not timed in the sample: the same restore through the SQLite index, for the figure beside it.
+        aside = b.work / f"kcache-index-{i}"
+        through_index.append(restored(aside, None)[1])
+        shutil.rmtree(aside)
+        root = b.work / f"kcache-{i}"
+        payload, restore_wall = restored(root, "none")  # the store's refs, as the example init container
         restores.append(restore_wall)
         result, wall = _procs.run_workload(_procs.env_for(root, b.home), *b.shape)
         shutil.rmtree(root)
@@ -186,6 +197,7 @@ def run_kcache(b: Bench) -> list[Sample]:
 
     samples = b.repeat("kcache", one)
     b.facts["restore_wall_median"] = round(statistics.median(restores), 3)
+    b.facts["restore_index_wall_median"] = round(statistics.median(through_index), 3)
     return samples
 
 
@@ -250,7 +262,11 @@ def print_report(table: dict[str, dict[str, Any]], rows: list[dict[str, Any]], f
     print()
     print_breakdown(table)
     checksums = sorted({c for t in table.values() for c in t["checksums"]})
-    print(f"\nkcache restore wall (median) {facts['restore_wall_median']:.2f} s; bundle {facts['bundle_files']} files, "
+    wall = facts["restore_wall_median"]
+    print(f"\nkcache restore wall (median, refs as the init container) {wall:.2f} s, target <= {RESTORE_WALL_TARGET} "
+          f"{'ok' if wall <= RESTORE_WALL_TARGET else 'MISSED'}; through the SQLite index "
+          f"{facts['restore_index_wall_median']:.2f} s")
+    print(f"bundle {facts['bundle_files']} files, "
           f"{facts['bundle_bytes'] / 1e6:.1f} MB raw, {facts['bundle_packed_bytes'] / 1e6:.1f} MB packed; "
           f"Mega-Cache blob {facts['mega_bytes'] / 1e6:.2f} MB; output checksums "
           f"{'all equal' if len(checksums) == 1 else 'DIFFER: ' + str(checksums)}")  # fmt: skip
