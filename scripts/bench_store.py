@@ -42,6 +42,8 @@ given), removed unless --keep:
       files/                file:// stores, indexes, tar.zst archives
       home/                 KCACHE_HOME, so no user store or index leaks in
       moto.log              the S3 server's request log
+      moto-tmp/             where the S3 server keeps objects: moto spools any over ~5 MiB to a
+                            temp file, which must live on the scratch's file system too
 """
 
 from __future__ import annotations
@@ -181,6 +183,11 @@ def moto_server(work: Path, env: dict[str, str]) -> Iterator[str]:
     """A moto S3 server in its own process, so its CPU and GIL are not the client's."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    # Objects over ~5 MiB go to temp files: in the system's temp dir they would put a disk (and its
+    # writeback after every upload) into a run whose --scratch took the disk out.
+    spool = work / "moto-tmp"
+    spool.mkdir()
+    env = {**env, "TMPDIR": str(spool)}
     with open(work / "moto.log", "wb") as log:
         argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
