@@ -7,7 +7,9 @@ first, an object over its cap is refused unread, and the read itself stops at th
 
     refs/<bundle-key>                  REF_BYTES        (a ref with a long yank list is ~70 bytes an id)
     signatures/<manifest-id>/<key>     SIGNATURE_BYTES  (an Ed25519 signature is 88 base64 characters)
-    manifests/<hh>/<manifest-id>       KCACHE_MAX_MANIFEST_BYTES, default 64 MiB (see manifest.py)
+    manifests/<hh>/<manifest-id>       KCACHE_MAX_MANIFEST_BYTES, default 32 MiB (see manifest.py)
+
+Publish refuses a bundle whose manifest would be over the cap: no restore with the same cap would read it.
 """
 
 from __future__ import annotations
@@ -21,17 +23,19 @@ from kcache.streams import Resumable
 
 REF_BYTES = 1024 * 1024
 SIGNATURE_BYTES = 1024
-DEFAULT_MANIFEST_BYTES = 64 * 1024 * 1024
+# A restore's memory grows ~5.5x the manifest's size (manifest.py): 32 MiB keeps a restore from S3
+# under 256 MiB, with room for ~110k-170k files (the rows' paths decide).
+DEFAULT_MANIFEST_BYTES = 32 * 1024 * 1024
 MANIFEST_ENV = "KCACHE_MAX_MANIFEST_BYTES"
 
 
 def max_manifest_bytes(env: Mapping[str, str] | None = None) -> int:
-    """The manifest cap: KCACHE_MAX_MANIFEST_BYTES (a byte count), else 64 MiB."""
+    """The manifest cap: KCACHE_MAX_MANIFEST_BYTES (a byte count), else 32 MiB."""
     text = (os.environ if env is None else env).get(MANIFEST_ENV, "").strip()
     if not text:
         return DEFAULT_MANIFEST_BYTES
     if not text.isdigit() or int(text) <= 0:
-        raise ConfigError(MANIFEST_ENV, text, "expected a positive number of bytes, e.g. 67108864")
+        raise ConfigError(MANIFEST_ENV, text, "expected a positive number of bytes, e.g. 33554432")
     return int(text)
 
 
@@ -62,3 +66,13 @@ def read_exactly(store: Store, key: str, size: int) -> bytes:
     if len(data) != size:
         raise IntegrityError("object", key, f"ended after {len(data)} of its {size} bytes")
     return data
+
+
+def check_manifest_size(size: int, files: int, *, at_least: bool = False) -> None:
+    """Publish's side of the cap: a manifest of `size` bytes (`at_least`: no fewer) must fit it."""
+    cap = max_manifest_bytes()
+    if size > cap:
+        would = f"at least {size}" if at_least else str(size)
+        raise ConfigError(MANIFEST_ENV, str(cap), f"this bundle's manifest would be {would} bytes for {files} files, "
+                          "and restores refuse one over the cap; publish fewer files, or raise the cap for "
+                          "publishers and pods alike (a restore needs ~5.5x the cap in memory)")

@@ -21,7 +21,7 @@ import functools
 import json
 import re
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,16 +32,18 @@ from kcache.store import Store, manifest_key
 SCHEMA = 2
 _ROW_LENGTH = {1: 7, 2: 8}  # the schemas this kcache reads
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+_ROWS_PER_PIECE = 2048
 # Only permission bits travel: setuid/setgid/sticky from a shared store would be a gift to an attacker.
 MODE_MASK = 0o777
 
 
 # Memory (scripts/bench_manifest_memory.py: tracemalloc, CPython 3.11, 100k entries of ~200
-# canonical bytes each): a parsed entry holds ~410 bytes (slots object, path and blob strings, four
+# canonical bytes each): a parsed entry holds ~415 bytes (slots object, path and blob strings, five
 # ints; pack ids are shared). Parsing peaks at ~950 bytes an entry including the raw bytes, about
-# 4.8x the manifest's size, because json.loads holds the decoded text and every row at once. Restore
-# caps manifests at KCACHE_MAX_MANIFEST_BYTES (default 64 MiB, ~340k entries, a ~310 MiB peak:
-# inside the examples' 1 GiB init container).
+# 4.8x the manifest's size, because json.loads holds the decoded text and every row at once; a parsed
+# manifest keeps neither its bytes nor a second copy for the canonical check. Restore caps manifests
+# at KCACHE_MAX_MANIFEST_BYTES (limits.py: 32 MiB, ~170k such entries), which keeps a whole restore
+# from S3 at ~220 MiB (tests/test_restore_memory.py), under the 256 MiB restore bound.
 @dataclass(frozen=True, slots=True)  # slots: a 20k-file bundle holds 20k of these during restore
 class Entry:
     """One file of a bundle and where its bytes live."""
@@ -73,21 +75,37 @@ class Manifest:
 
     @functools.cached_property
     def _bytes(self) -> bytes:
-        doc = {
+        return b"".join(self.pieces())
+
+    def to_bytes(self) -> bytes:
+        return self._bytes
+
+    def pieces(self) -> Iterator[bytes]:
+        """The canonical bytes in order, the entries _ROWS_PER_PIECE rows at a time: joined, they are
+        to_bytes(). A canonical object is its sorted keys, each with its value's canonical form,
+        so no piece needs the whole document (parse compares a fetched manifest piece by piece)."""
+        fields: dict[str, Any] = {
             "schema": self.schema,
             "bundle_key": self.bundle_key,
             "toolchain_key": self.toolchain_key,
             "workload_key": self.workload_key,
             "facts": dict(self.facts),
             "layers": list(self.layers),
-            "entries": [e.as_row(self.schema) for e in self.entries],
+            "entries": None,  # written below, in pieces
         }
         if self.schema >= 2:
-            doc["layer_info"] = {name: dict(info) for name, info in self.layer_info.items()}
-        return canonical.dumps(doc)
-
-    def to_bytes(self) -> bytes:
-        return self._bytes
+            fields["layer_info"] = {name: dict(info) for name, info in self.layer_info.items()}
+        for n, name in enumerate(sorted(fields)):
+            yield (b"," if n else b"{") + canonical.dumps(name) + b":"
+            if name != "entries":
+                yield canonical.dumps(fields[name])
+                continue
+            yield b"["
+            for start in range(0, len(self.entries), _ROWS_PER_PIECE):
+                rows = [e.as_row(self.schema) for e in self.entries[start : start + _ROWS_PER_PIECE]]
+                yield (b"," if start else b"") + canonical.dumps(rows)[1:-1]
+            yield b"]"
+        yield b"}"
 
     @functools.cached_property
     def id(self) -> str:
@@ -116,6 +134,16 @@ def build(
     return Manifest(bundle_key, toolchain_key, workload_key, dict(facts), tuple(sorted(set(layers))), ordered, info)
 
 
+def least_size(head: Manifest, paths: Sequence[str]) -> int:
+    """The fewest bytes `head` (its entries aside) can take with a file at each of `paths`: every row
+    also holds two ids and numbers of a digit at least. Publish knows this before hashing a byte."""
+    if not paths:
+        return len(head.to_bytes())
+    numbers = _ROW_LENGTH[head.schema] - 3  # path, blob and pack are the strings
+    row_rest = 2 + (_ROW_LENGTH[head.schema] - 1) + 2 * (64 + 2) + numbers  # brackets, commas, ids, digits
+    return len(head.to_bytes()) + len(canonical.dumps(list(paths))) - 2 + row_rest * len(paths)
+
+
 def parse(data: bytes, expected_id: str) -> Manifest:
     """Parse manifest bytes fetched from a store, verifying they hash to `expected_id`."""
     actual = canonical.sha256(data)
@@ -123,6 +151,8 @@ def parse(data: bytes, expected_id: str) -> Manifest:
         raise IntegrityError("manifest", expected_id, f"content hashes to {actual}")
     try:
         doc = json.loads(data)
+        if type(doc) is not dict:
+            raise ValueError("the manifest is not a JSON object")
         schema = doc.get("schema")
         if isinstance(schema, bool) or schema not in _ROW_LENGTH:
             raise ValueError(f"schema {schema!r} is not one of {sorted(_ROW_LENGTH)}")
@@ -139,16 +169,29 @@ def parse(data: bytes, expected_id: str) -> Manifest:
         )
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise IntegrityError("manifest", expected_id, f"does not parse: {exc}") from None
+    del doc  # its rows: every entry holds what it needs of them, and restore's memory peaks here
     # Only the canonical form is a manifest: its id is then the same whether taken from the stored
     # bytes or from the fields (and text a canonical encoder cannot write, a lone surrogate, is refused).
+    # Compared piece by piece: a second copy of the whole manifest would raise the peak by its size.
     try:
-        canonical_form = manifest.to_bytes()
+        canonical_form = _same_bytes(manifest.pieces(), data)
     except (UnicodeEncodeError, ValueError) as exc:
         raise IntegrityError("manifest", expected_id, f"holds text no manifest can: {exc}") from None
-    if canonical_form != data:
+    if not canonical_form:
         raise IntegrityError("manifest", expected_id, "is not in canonical form")
     _check_entries(entries)
+    # The id is known to be right, and the bytes are not kept: what restore holds is the entries.
+    manifest.__dict__["id"] = expected_id  # where functools.cached_property keeps it
     return manifest
+
+
+def _same_bytes(pieces: Iterable[bytes], data: bytes) -> bool:
+    view, at = memoryview(data), 0
+    for piece in pieces:
+        if view[at : at + len(piece)] != piece:
+            return False
+        at += len(piece)
+    return at == len(data)
 
 
 def fetch(store: Store, manifest_id: str) -> Manifest:

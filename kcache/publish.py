@@ -32,7 +32,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from kcache import boundedread, layerkeys, progress, readiness, refs, signing
+from kcache import boundedread, layerkeys, limits, progress, readiness, refs, signing
 from kcache import fingerprint as fingerprints
 from kcache import manifest as manifests
 from kcache.errors import ConfigError, IntegrityError, RootError
@@ -406,8 +406,12 @@ def publish(
     layers = sorted({src.name for src, _ in found})
     info = layerkeys.annotate({src.name: src.layer_info() for src in sources if src.name in layers}, layers,
                               fingerprint.facts)  # fmt: skip
-    # Before any upload: a row the database would refuse must fail now, not after the packs went up.
-    index.check_bundle(_bundle_row(_manifest(fingerprint, layers, [], info)))
+    # Before any upload: a row the database would refuse, or a manifest too big for any restore to
+    # read, must fail now, not after the packs went up.
+    head = _manifest(fingerprint, layers, [], info)
+    index.check_bundle(_bundle_row(head))
+    limits.check_manifest_size(manifests.least_size(head, [f"{src.subdir}/{i.rel}" for src, i in found]),
+                               len(found), at_least=True)  # fmt: skip
     note(f"hashing {len(found)} files")
     with (
         tempfile.TemporaryDirectory(prefix="kcache-publish-") as tmp,
@@ -419,6 +423,7 @@ def publish(
     new, uploaded, pack_count = early.new + new, early.uploaded + uploaded, early.packs + pack_count
     manifest = _manifest(fingerprint, layers, [_entry(c, locations[c.blob]) for c in collected], info)
     data = manifest.to_bytes()
+    limits.check_manifest_size(len(data), len(manifest.entries))  # the bound above was the least it could be
     wrote = _write_manifest(store, manifest, data, config.signing_key)  # before the commit point
     row = _bundle_row(manifest, compile_seconds)
     created = index.add_bundle(row)

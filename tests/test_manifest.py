@@ -83,3 +83,48 @@ def test_text_no_manifest_can_hold_is_refused_not_a_crash():
     hostile = lone_surrogate or data.replace(b'"layers":[', b'"layers":["\\ud800",', 1)
     with pytest.raises(IntegrityError, match="holds text"):
         m.parse(hostile, canonical.sha256(hostile))
+
+
+def _whole_document(manifest: m.Manifest) -> bytes:
+    """The canonical form written the plain way: one document, one dumps."""
+    doc = {"schema": manifest.schema, "bundle_key": manifest.bundle_key, "toolchain_key": manifest.toolchain_key,
+           "workload_key": manifest.workload_key, "facts": dict(manifest.facts), "layers": list(manifest.layers),
+           "entries": [e.as_row(manifest.schema) for e in manifest.entries]}  # fmt: skip
+    if manifest.schema >= 2:
+        doc["layer_info"] = {name: dict(info) for name, info in manifest.layer_info.items()}
+    return canonical.dumps(doc)
+
+
+@pytest.mark.parametrize("count", [0, 1, m._ROWS_PER_PIECE, m._ROWS_PER_PIECE + 1, 3 * m._ROWS_PER_PIECE - 7])
+def test_the_pieces_are_the_one_canonical_document(count):
+    entries = [m.Entry(f"inductor/é/{i:05d}", 0o644, i, BLOB, PACK, i * 10, 10, 10**18 + i) for i in range(count)]
+    built = m.build("bk", "tk", "wk", {"os": "linux", "z": "ü"}, ["inductor"], entries, {"inductor": {"k": "v"}})
+    assert built.to_bytes() == _whole_document(built)
+    parsed = m.parse(built.to_bytes(), built.id)
+    assert parsed == built and parsed.id == built.id
+    assert parsed.to_bytes() == built.to_bytes()  # rebuilt on demand: a parsed manifest does not keep its bytes
+    schema1 = m.Manifest("bk", "tk", "wk", {"os": "linux"}, ("inductor",), tuple(built.entries), {}, 1)
+    assert schema1.to_bytes() == _whole_document(schema1)
+
+
+def test_a_manifest_that_differs_only_past_the_first_piece_is_not_canonical():
+    entries = [m.Entry(f"inductor/{i:05d}", 0o644, 1, BLOB, PACK, i, 1, 0) for i in range(m._ROWS_PER_PIECE + 5)]
+    data = manifest_of(*entries).to_bytes()
+    row = f'"inductor/{m._ROWS_PER_PIECE + 2:05d}",420'.encode()
+    spaced = data.replace(row, row.replace(b",", b", "), 1)
+    assert spaced != data
+    with pytest.raises(IntegrityError, match="canonical"):
+        m.parse(spaced, canonical.sha256(spaced))
+    longer = data + b" "
+    with pytest.raises(IntegrityError, match="canonical|parse"):
+        m.parse(longer, canonical.sha256(longer))
+
+
+@pytest.mark.parametrize("paths", [[], ["inductor/a"], [f"inductor/ü/{i}" for i in range(50)]])
+def test_least_size_is_a_bound_that_single_digit_numbers_reach(paths):
+    head = manifest_of()
+    least = m.build("bk", "tk", "wk", {"os": "linux"}, ["inductor"],
+                    [m.Entry(p, 0, 0, BLOB, PACK, 0, 0, 0) for p in paths])  # fmt: skip
+    assert m.least_size(head, paths) == len(least.to_bytes())
+    real = manifest_of(*(m.Entry(p, 0o644, 12345, BLOB, PACK, 99999, 10, 10**18) for p in paths))
+    assert m.least_size(head, paths) <= len(real.to_bytes())

@@ -87,6 +87,32 @@ def test_a_model_id_the_index_would_refuse_fails_before_any_upload(tmp_path):
     assert not (tmp_path / "s" / "packs").exists()
 
 
+def test_a_bundle_whose_manifest_no_restore_would_read_fails_before_any_upload(tmp_path, monkeypatch):
+    """Every restore refuses a manifest over KCACHE_MAX_MANIFEST_BYTES: publishing one would only make
+    every pod's restore fail. Its size is known from the paths before a byte is hashed."""
+    write_tree(tmp_path / "src", {f"inductor/fx/{i:04d}.py": b"x" for i in range(40)})
+    monkeypatch.setenv("KCACHE_MAX_MANIFEST_BYTES", "4096")  # 40 rows of ~190 bytes do not fit
+    result = _cli("publish", "--from", tmp_path / "src", "--model", "m", "--store", f"file://{tmp_path / 's'}")
+    assert result.exit_code == 2, result.output
+    assert "KCACHE_MAX_MANIFEST_BYTES" in result.stderr and "40 files" in result.stderr
+    assert not (tmp_path / "s" / "packs").exists()
+    assert _bundles() == []
+
+
+def test_a_manifest_just_over_the_cap_is_refused_before_it_is_committed(tmp_path, monkeypatch):
+    """The early bound counts each row's ids and least numbers; the real manifest is checked again."""
+    write_tree(tmp_path / "src", {f"inductor/fx/{i:04d}.py": b"x" * 100_000 for i in range(10)})
+    src = f"file://{tmp_path / 'probe'}"
+    probe = json.loads(_cli("publish", "--from", tmp_path / "src", "--model", "m", "--store", src, "--json").output)
+    size = (tmp_path / "probe" / "manifests" / probe["bundle_id"][:2] / probe["bundle_id"]).stat().st_size
+    monkeypatch.setenv("KCACHE_MAX_MANIFEST_BYTES", str(size - 1))
+    monkeypatch.setenv("KCACHE_HOME", str(tmp_path / "other-home"))  # an index that has not seen the bundle
+    result = _cli("publish", "--from", tmp_path / "src", "--model", "m", "--store", f"file://{tmp_path / 's'}")
+    assert result.exit_code == 2, result.output
+    assert "KCACHE_MAX_MANIFEST_BYTES" in result.stderr
+    assert not (tmp_path / "s" / "manifests").exists() and _bundles() == []
+
+
 def test_yank_with_wildcards_yanks_nothing(tmp_path):
     write_tree(tmp_path / "src", {"inductor/a.py": b"a"})
     assert _cli("publish", "--from", tmp_path / "src", "--model", "m").exit_code == 0

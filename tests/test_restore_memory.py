@@ -8,13 +8,19 @@ everything restore does, not one function.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
+from datetime import datetime, timedelta, timezone
 
 from click.testing import CliRunner
+from trees import write_tree
 
+from kcache import limits, refs
+from kcache import manifest as manifests
 from kcache.cli import main
+from kcache.store import manifest_key, open_store
 
 MiB = 1024 * 1024
 ZEROS = 300 * MiB  # zstd turns this into a few KiB: one small range read, one huge blob
@@ -86,4 +92,43 @@ def test_a_large_random_file_fetched_in_parallel_parts_stays_within_the_restore_
                                           "--strict", "--jobs", "16")  # fmt: skip
     assert code == 0, stderr
     assert sha256_file(dest / "vllm/torch_compile_cache/h/rank_0_0/weights.bin") == sha256_file(big)
+    assert peak < RESTORE_RSS_BOUND, f"restore peaked at {peak / MiB:.0f} MiB"
+
+
+def _manifest_at_the_cap(published: manifests.Manifest, cap: int) -> manifests.Manifest:
+    """As many compact entries as fit under `cap` bytes, all in a pack no store holds."""
+    absent = hashlib.sha256(b"no such pack").hexdigest()
+    widest = ["inductor/fx/00/k0000000.py", 420, 1999, "0" * 64, absent, 9_999_999 * 900, 900, 2**60 + 9_999_999]
+    count = (cap - 4096) // (len(json.dumps(widest, separators=(",", ":"))) + 1)
+    entries = [manifests.Entry(f"inductor/fx/{i % 100:02d}/k{i:07d}.py", 0o644, 1000 + i % 1000,
+                               hashlib.sha256(i.to_bytes(4, "big")).hexdigest(), absent, i * 900, 900, 2**60 + i)
+               for i in range(count)]  # fmt: skip
+    return manifests.build(published.bundle_key, published.toolchain_key, published.workload_key, published.facts,
+                           published.layers, entries)  # fmt: skip
+
+
+def test_a_manifest_at_the_default_cap_is_parsed_within_the_restore_bound(tmp_path, s3_bucket):
+    """The manifest cap is what bounds restore's memory for any bundle, a hostile store's included: one
+    just under the default cap is read from S3 (boto3 and all), verified and planned, and the
+    process stays under the bound."""
+    url, endpoint = s3_bucket
+    write_tree(tmp_path / "src", {"inductor/fx/a.py": b"a"})
+    argv = ["publish", "--from", str(tmp_path / "src"), "--model", "m", "--store", url, "--s3-endpoint-url", endpoint,
+            "--json"]  # fmt: skip
+    published = CliRunner().invoke(main, argv, catch_exceptions=False)
+    assert published.exit_code == 0, published.output
+    store = open_store(url, endpoint_url=endpoint)
+    small = manifests.fetch(store, json.loads(published.output.splitlines()[-1])["bundle_id"])
+    big = _manifest_at_the_cap(small, limits.max_manifest_bytes())
+    data = big.to_bytes()
+    assert 0.95 * limits.max_manifest_bytes() < len(data) <= limits.max_manifest_bytes()
+    (tmp_path / "big.json").write_bytes(data)
+    store.put_file(manifest_key(big.id), tmp_path / "big.json")
+    refs.advance(store, refs.Ref(small.bundle_key, big.id, datetime.now(timezone.utc) + timedelta(hours=1)))
+    del big, data, small
+
+    code, peak, stderr = restore_peak_rss("--into", str(tmp_path / "dest"), "--model", "m", "--store", url,
+                                          "--s3-endpoint-url", endpoint, "--index", "none", "--strict")  # fmt: skip
+    assert code != 0
+    assert "pack" in stderr and "too large" not in stderr, stderr  # parsed and planned; it stopped at the pack
     assert peak < RESTORE_RSS_BOUND, f"restore peaked at {peak / MiB:.0f} MiB"
