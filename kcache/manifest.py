@@ -137,8 +137,6 @@ def build(
 def least_size(head: Manifest, paths: Sequence[str]) -> int:
     """The fewest bytes `head` (its entries aside) can take with a file at each of `paths`: every row
     also holds two ids and numbers of a digit at least. Publish knows this before hashing a byte."""
-    if not paths:
-        return len(head.to_bytes())
     numbers = _ROW_LENGTH[head.schema] - 3  # path, blob and pack are the strings
     row_rest = 2 + (_ROW_LENGTH[head.schema] - 1) + 2 * (64 + 2) + numbers  # brackets, commas, ids, digits
     return len(head.to_bytes()) + len(canonical.dumps(list(paths))) - 2 + row_rest * len(paths)

@@ -423,7 +423,7 @@ def publish(
     new, uploaded, pack_count = early.new + new, early.uploaded + uploaded, early.packs + pack_count
     manifest = _manifest(fingerprint, layers, [_entry(c, locations[c.blob]) for c in collected], info)
     data = manifest.to_bytes()
-    limits.check_manifest_size(len(data), len(manifest.entries))  # the bound above was the least it could be
+    limits.check_manifest_size(len(data), len(manifest.entries))  # exact now: the check above was a lower bound
     wrote = _write_manifest(store, manifest, data, config.signing_key)  # before the commit point
     row = _bundle_row(manifest, compile_seconds)
     created = index.add_bundle(row)
