@@ -17,6 +17,7 @@ import compileall
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -63,6 +64,13 @@ def compile_kcache() -> None:
 
     if not compileall.compile_dir(Path(kcache.__file__).parent, quiet=1):
         raise RuntimeError(f"could not compile kcache's modules under {Path(kcache.__file__).parent}")
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now (for a server a benchmark starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def kcache_command() -> list[str]:

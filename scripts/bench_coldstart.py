@@ -1,6 +1,7 @@
-"""Benchmark (not a test): how fast does a fresh process reach its first output, four ways?
+"""Benchmark (not a test): how fast does a fresh process reach its first output, five ways?
 
     python scripts/bench_coldstart.py [--repeats 3] [--blocks 4] [--dim 256] [--seq 64] [--json] [--keep]
+                                      [--redis-url URL]
 
 Each sample is a fresh process running ``kcache.torch.workload`` (``torch.compile`` of a small
 transformer on CPU). Scenarios, in the order they run:
@@ -13,6 +14,10 @@ transformer on CPU). Scenarios, in the order they run:
     mega      Mega-Cache: once, a cold run that ends with torch.compiler.save_cache_artifacts();
               then each sample: fresh empty dirs, load_cache_artifacts(blob) in the child before
               compiling (so the load is inside the measured time), first output
+    redis     PyTorch's remote cache: Inductor's FX graph (and autotune) cache in Redis
+              (TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE=1); once, a cold run fills it; then each sample:
+              fresh empty dirs against the filled server. A private redis-server on a free port
+              unless --redis-url names one; skipped when neither is there
 
 Two columns per scenario: the median wall time of the whole child process(es) and the median
 "time to first output" the workload reports itself (from the top of its module, so it includes
@@ -25,8 +30,9 @@ only in what the directories hold:
     bench-XXXX/
       empty-home/   KCACHE_HOME that stays empty: restores from it are misses that lay out roots
       home/         KCACHE_HOME the last cold root is published into; kcache restores read it
-      cold-N/ kcache-N/ mega-save/ mega-N/   one root per sample, removed when done
+      cold-N/ kcache-N/ mega-save/ mega-N/ redis-fill/ redis-N/   one root per sample, removed when done
       mega.bin      the Mega-Cache blob
+      redis/        the private redis-server's directory (it persists nothing)
 
 The Mega-Cache child is this script itself (``--child save|load``), so kcache/torch/workload.py stays
 free of benchmark hooks.
@@ -42,22 +48,26 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from dataclasses import asdict, dataclass, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import _procs  # noqa: E402  (scripts/ is sys.path[0] when this file runs as a script)
 
-SCENARIOS = ("cold", "warm", "kcache", "mega")
+SCENARIOS = ("cold", "warm", "kcache", "mega", "redis")
 # Where a first output's time goes (Sample fields, medians), shown for the warm and kcache scenarios.
 BREAKDOWN = ("restore", "restore_work", "import_torch", "compile_first_call", "python_children", "compiler_calls")
 SECONDS = BREAKDOWN[:4]
 # (name, numerator, denominator, bound, "max" means numerator/denominator must stay at or below it)
 TARGETS = (("kcache/warm", "kcache", "warm", 1.0, "max"),  # issue 11: a restored start beats warm
            ("cold/kcache", "cold", "kcache", 3.0, "min"),
-           ("mega/kcache", "mega", "kcache", 3.0, "min"))  # fmt: skip
+           ("mega/kcache", "mega", "kcache", 3.0, "min"),
+           ("redis/kcache", "redis", "kcache", 3.0, "min"))  # fmt: skip
 RESTORE_WALL_TARGET = 0.3  # issue 11: seconds for the restore process, CLI start included
 
 
@@ -218,6 +228,59 @@ def run_mega(b: Bench) -> list[Sample]:
     return b.repeat("mega", one)
 
 
+# Inductor's remote caches, pointed at one Redis (torch._inductor.remote_cache reads these).
+REMOTE_CACHE_ENV = {"TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE": "1", "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE": "1"}
+
+
+@contextmanager
+def redis_server(work: Path, url: str | None) -> Iterator[str | None]:
+    """`url` as given, else a private redis-server's URL, else None (no server to be had)."""
+    if url is not None:
+        yield url
+        return
+    binary = shutil.which("redis-server")
+    if binary is None:
+        yield None
+        return
+    import redis  # the redis extra; torch's remote cache needs the same package
+
+    port = _procs.free_port()
+    (work / "redis").mkdir()
+    argv = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+            "--dir", str(work / "redis")]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1)
+        for _ in range(100):  # until it answers: a few ms after the start
+            try:
+                client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with {proc.returncode} before answering") from None
+                time.sleep(0.05)
+        else:
+            raise RuntimeError(f"redis-server on port {port} did not answer")
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def run_redis(b: Bench, url: str) -> list[Sample]:
+    b.say(f"redis: one cold run fills Inductor's remote cache at {url} (not timed as a sample)")
+
+    def against_redis(root: Path) -> Sample:
+        payload, wall = _procs.run_workload({**_procs.env_for(root, b.empty), **REMOTE_CACHE_ENV,
+                                             "TORCHINDUCTOR_REDIS_URL": url}, *b.shape)  # fmt: skip
+        shutil.rmtree(root)
+        return sample(payload, wall)
+
+    filled = against_redis(b.fresh_root("redis-fill"))
+    b.say(f"  filled: first output {filled.first_output:.2f} s; each sample compiles in fresh empty dirs against it")
+    return b.repeat("redis", lambda i: against_redis(b.fresh_root(f"redis-{i}")))
+
+
 def medians(samples: list[Sample]) -> dict[str, Any]:
     def spread(values: list) -> str:  # counters should not vary; show it when they do
         return str(values[0]) if len(set(values)) == 1 else f"{min(values)}..{max(values)}"
@@ -237,6 +300,8 @@ def medians(samples: list[Sample]) -> dict[str, Any]:
 def ratios(table: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for name, num, den, bound, kind in TARGETS:
+        if num not in table or den not in table:  # a scenario that was skipped
+            continue
         row: dict[str, Any] = {"ratio": name, "target": f"{'<=' if kind == 'max' else '>='} {bound}"}
         for column in ("wall", "first_output"):
             value = table[num][column] / table[den][column]
@@ -249,7 +314,7 @@ def ratios(table: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 def print_report(table: dict[str, dict[str, Any]], rows: list[dict[str, Any]], facts: dict[str, Any]) -> None:
     line = "{:<10}{:>6}{:>10}{:>16}{:>14}{:>20}"
     print(line.format("scenario", "runs", "wall s", "first output s", "fxgraph hits", "compiled artifacts"))
-    for name in SCENARIOS:
+    for name in (n for n in SCENARIOS if n in table):
         t = table[name]
         print(line.format(name, t["runs"], f"{t['wall']:.2f}", f"{t['first_output']:.2f}", t["fxgraph_hit"],
                           t["compiled_artifacts"]))  # fmt: skip
@@ -294,6 +359,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (the blob, the stores)")
+    parser.add_argument("--redis-url", metavar="URL",
+                        help="Redis for the remote-cache scenario (default: a private redis-server on a free port)")
     parser.add_argument("--child", choices=("save", "load"), help=argparse.SUPPRESS)
     parser.add_argument("--mega-file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -310,11 +377,16 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="kcache-bench-"))
     bench = Bench(work, args)
     bench.say(f"bench: {args.blocks} blocks, dim {args.dim}, seq {args.seq}, {args.repeats} repeats; "
-              f"roughly {args.repeats * 60 + 35} s on 2 cores; work dir {work}")  # fmt: skip
+              f"roughly {args.repeats * 80 + 55} s on 2 cores; work dir {work}")  # fmt: skip
     try:
         samples = run_cold_and_warm(bench)
         samples["kcache"] = run_kcache(bench)
         samples["mega"] = run_mega(bench)
+        with redis_server(work, args.redis_url) as url:
+            if url is None:
+                bench.say("redis: skipped (no redis-server on PATH and no --redis-url)")
+            else:
+                samples["redis"] = run_redis(bench, url)
     except _procs.StepFailed as exc:
         print(f"bench: a step failed: {exc.details()}", file=sys.stderr)
         return 2
@@ -324,10 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    table = {name: medians(samples[name]) for name in SCENARIOS}
+    table = {name: medians(samples[name]) for name in SCENARIOS if name in samples}
     rows = ratios(table)
     if args.json:
-        raw = {name: [asdict(s) for s in samples[name]] for name in SCENARIOS}
+        raw = {name: [asdict(s) for s in samples[name]] for name in table}
         print(json.dumps({"table": table, "ratios": rows, "facts": bench.facts, "samples": raw}, sort_keys=True))
     else:
         print_report(table, rows, bench.facts)

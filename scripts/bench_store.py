@@ -54,7 +54,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -158,12 +157,6 @@ def base_env(work: Path) -> dict[str, str]:
 # ---- the S3 server -----------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_until_up(url: str, proc: subprocess.Popen, tries: int = 150) -> None:
     for _ in range(tries):
         if proc.poll() is not None:
@@ -181,7 +174,7 @@ def wait_until_up(url: str, proc: subprocess.Popen, tries: int = 150) -> None:
 @contextmanager
 def moto_server(work: Path, env: dict[str, str]) -> Iterator[str]:
     """A moto S3 server in its own process, so its CPU and GIL are not the client's."""
-    port = free_port()
+    port = _procs.free_port()
     url = f"http://127.0.0.1:{port}"
     # Objects over ~5 MiB go to temp files: in the system's temp dir they would put a disk (and its
     # writeback after every upload) into a run whose --scratch took the disk out.
