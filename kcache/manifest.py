@@ -80,8 +80,8 @@ class Manifest:
     def to_bytes(self) -> bytes:
         return self._bytes
 
-    def pieces(self) -> Iterator[bytes]:
-        """The canonical bytes in order, the entries _ROWS_PER_PIECE rows at a time: joined, they are
+    def pieces(self, rows_per_piece: int = _ROWS_PER_PIECE) -> Iterator[bytes]:
+        """The canonical bytes in order, the entries `rows_per_piece` rows at a time: joined, they are
         to_bytes(). A canonical object is its sorted keys, each with its value's canonical form,
         so no piece needs the whole document (parse compares a fetched manifest piece by piece)."""
         fields: dict[str, Any] = {
@@ -101,8 +101,8 @@ class Manifest:
                 yield canonical.dumps(fields[name])
                 continue
             yield b"["
-            for start in range(0, len(self.entries), _ROWS_PER_PIECE):
-                rows = [e.as_row(self.schema) for e in self.entries[start : start + _ROWS_PER_PIECE]]
+            for start in range(0, len(self.entries), rows_per_piece):
+                rows = [e.as_row(self.schema) for e in self.entries[start : start + rows_per_piece]]
                 yield (b"," if start else b"") + canonical.dumps(rows)[1:-1]
             yield b"]"
         yield b"}"

@@ -128,3 +128,20 @@ def test_least_size_is_a_bound_that_single_digit_numbers_reach(paths):
     assert m.least_size(head, paths) == len(least.to_bytes())
     real = manifest_of(*(m.Entry(p, 0o644, 12345, BLOB, PACK, 99999, 10, 10**18) for p in paths))
     assert m.least_size(head, paths) <= len(real.to_bytes())
+
+
+_ROW_TEXT = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.tuples(_ROW_TEXT, st.integers(0, 2**63 - 1), st.integers(0, 2**63 - 1)), max_size=40),
+       per_piece=st.integers(1, 7), facts=st.dictionaries(_ROW_TEXT, _ROW_TEXT, max_size=4))  # fmt: skip
+def test_pieces_join_to_the_one_document_for_any_rows_and_any_piece_size(rows, per_piece, facts):
+    entries = [m.Entry(f"inductor/{i}/{text}", 0o644, size, BLOB, PACK, offset, 1, size)
+               for i, (text, size, offset) in enumerate(rows)]  # fmt: skip
+    built = m.Manifest("bk", "tk", "wk", facts, ("inductor",), tuple(entries), {"inductor": facts})
+    whole = _whole_document(built)
+    assert b"".join(built.pieces(per_piece)) == whole
+    assert m._same_bytes(built.pieces(per_piece), whole)
+    assert not m._same_bytes(built.pieces(per_piece), whole[:-1]) and not m._same_bytes(built.pieces(per_piece),
+                                                                                          whole + b"}")  # fmt: skip
