@@ -233,17 +233,20 @@ REMOTE_CACHE_ENV = {"TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE": "1", "TORCHINDUCTOR_A
 
 
 @contextmanager
-def redis_server(work: Path, url: str | None) -> Iterator[str | None]:
-    """`url` as given, else a private redis-server's URL, else None (no server to be had)."""
+def redis_server(work: Path, url: str | None) -> Iterator[tuple[str | None, str]]:
+    """(`url` as given, else a private redis-server's URL, ""), or (None, why there is none)."""
+    try:
+        import redis  # torch's remote cache needs the package too (the bench extra has it)
+    except ImportError:
+        yield None, "the redis package is not installed (pip install -e '.[bench]')"
+        return
     if url is not None:
-        yield url
+        yield url, ""
         return
     binary = shutil.which("redis-server")
     if binary is None:
-        yield None
+        yield None, "no redis-server on PATH and no --redis-url"
         return
-    import redis  # the redis extra; torch's remote cache needs the same package
-
     port = _procs.free_port()
     (work / "redis").mkdir()
     argv = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
@@ -261,7 +264,7 @@ def redis_server(work: Path, url: str | None) -> Iterator[str | None]:
                 time.sleep(0.05)
         else:
             raise RuntimeError(f"redis-server on port {port} did not answer")
-        yield f"redis://127.0.0.1:{port}/0"
+        yield f"redis://127.0.0.1:{port}/0", ""
     finally:
         proc.terminate()
         proc.wait(10)
@@ -382,9 +385,9 @@ def main(argv: list[str] | None = None) -> int:
         samples = run_cold_and_warm(bench)
         samples["kcache"] = run_kcache(bench)
         samples["mega"] = run_mega(bench)
-        with redis_server(work, args.redis_url) as url:
+        with redis_server(work, args.redis_url) as (url, why_not):
             if url is None:
-                bench.say("redis: skipped (no redis-server on PATH and no --redis-url)")
+                bench.say(f"redis: skipped ({why_not})")
             else:
                 samples["redis"] = run_redis(bench, url)
     except _procs.StepFailed as exc:
