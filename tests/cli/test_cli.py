@@ -183,8 +183,19 @@ def test_config_says_where_each_value_came_from(tmp_path, monkeypatch, isolated_
     assert rows["index"] == [f"sqlite:///{isolated_home}/index.db", "default"]
     assert rows["root"] == [str(tmp_path / "r"), "flag", "--root"]
     doc = json.loads(run("config", "--json").output)
-    assert set(doc) == {"home", "store", "index", "endpoint", "model", "root"}
+    assert set(doc) == {"home", "store", "index", "endpoint", "model", "root", "max-manifest"}
     assert doc["endpoint"] == {"value": "http://general:9000", "origin": "env AWS_ENDPOINT_URL"}
+
+
+def test_config_shows_the_manifest_cap_publish_and_restore_use(monkeypatch):
+    """A publish refused for its manifest's size points at `kcache config`: the cap is shown there."""
+    cap = lambda: json.loads(run("config", "--json").output)["max-manifest"]  # noqa: E731
+    assert cap() == {"value": 32 * 1024 * 1024, "origin": "default"}
+    monkeypatch.setenv("KCACHE_MAX_MANIFEST_BYTES", "1000")
+    assert cap() == {"value": 1000, "origin": "env KCACHE_MAX_MANIFEST_BYTES"}
+    monkeypatch.setenv("KCACHE_MAX_MANIFEST_BYTES", "lots")
+    bad = run("config", ok=False)
+    assert bad.exit_code == 2 and "KCACHE_MAX_MANIFEST_BYTES" in bad.stderr
 
 
 def test_s3_specific_endpoint_wins_over_the_general_one(monkeypatch):
