@@ -67,6 +67,11 @@ class PublishConfig:
     allow_empty: bool = False  # an empty bundle becomes the newest for its key: only on purpose
 
 
+def _manifest_path(source: Source, info: FileInfo) -> str:
+    """Where a found file lies in the manifest (and under a restore root): its layer's directory first."""
+    return f"{source.subdir}/{info.rel}"
+
+
 @dataclass(frozen=True)
 class Collected:
     """A file found in a layer, with its path in the manifest and its content id."""
@@ -208,7 +213,7 @@ def _hash_all(found: list[tuple[Source, FileInfo]], jobs: int, cache: HashCache 
     if cache and todo:
         cache.remember((keys[i], digests[i]) for i in todo if digests[i] is not None)
     return [
-        Collected(f"{src.subdir}/{info.rel}", info, blob)
+        Collected(_manifest_path(src, info), info, blob)
         for (src, info), blob in zip(found, digests)
         if blob is not None
     ]
@@ -345,7 +350,7 @@ class _PackWhileHashing:
             except BaseException:
                 writer.discard()
                 raise
-        item = Collected(f"{source.subdir}/{info.rel}", info, blob)
+        item = Collected(_manifest_path(source, info), info, blob)
         with self._lock:
             first = blob not in self._claimed
             self._claimed.add(blob)
@@ -410,8 +415,8 @@ def publish(
     # read, must fail now, not after the packs went up.
     head = _manifest(fingerprint, layers, [], info)
     index.check_bundle(_bundle_row(head))
-    limits.check_manifest_size(manifests.least_size(head, [f"{src.subdir}/{i.rel}" for src, i in found]),
-                               len(found), at_least=True)  # fmt: skip
+    limits.check_manifest_size(manifests.least_size(head, [_manifest_path(src, i) for src, i in found]), len(found),
+                               at_least=True)  # fmt: skip
     note(f"hashing {len(found)} files")
     with (
         tempfile.TemporaryDirectory(prefix="kcache-publish-") as tmp,
