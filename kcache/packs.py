@@ -452,18 +452,32 @@ def unpack_chunk_to(stream: BinaryIO, blob_id: str, size: int, write: Callable[[
     _decompress(stream, blob_id, size, write, across_frames=False)
 
 
-def _decompress(stream: BinaryIO, blob_id: str, size: int, write: Callable[[bytes], None], *,
+def _decompress(stream: BinaryIO, blob_id: str, size: int, write: Callable[[memoryview], None], *,
                 across_frames: bool) -> None:  # fmt: skip
+    """Decompress into one buffer per thread, reused: `write` must be done with each view when it returns.
+
+    A fresh MiB per read cost more than decoding into it (new pages, cold caches): 1 GiB decoded
+    and hashed in 1.6-1.8 CPU-seconds that way, 1.15 s through one buffer.
+    """
     written = 0
+    view = _buffer()
     try:
         dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
         reader = dctx.stream_reader(stream, read_size=_CHUNK, read_across_frames=across_frames)
-        while chunk := reader.read(min(_CHUNK, size - written + 1)):
-            written += len(chunk)
+        while n := reader.readinto(view[: min(_CHUNK, size - written + 1)]):
+            written += n
             if written > size:
                 raise IntegrityError("blob", blob_id, f"decompresses past its declared {size} bytes")
-            write(chunk)
+            write(view[:n])
     except zstandard.ZstdError as exc:
         raise IntegrityError("blob", blob_id, f"is not a valid zstd frame: {exc}") from None
     if written != size:
         raise IntegrityError("blob", blob_id, f"decompresses to {written} bytes, expected {size}")
+
+
+def _buffer() -> memoryview:
+    """This thread's decompression buffer."""
+    view = getattr(_local, "buffer", None)
+    if view is None:
+        view = _local.buffer = memoryview(bytearray(_CHUNK))
+    return view
