@@ -200,7 +200,8 @@ def read_seek_table(store: Store, entry: Entry, cancelled: Callable[[], bool]) -
         raise Cancelled()
     tail = _read_tail(store, entry, min(entry.length, packs.SEEK_TAIL_GUESS), cancelled)
     span = packs.seek_table_span(tail)
-    if span is not None and len(tail) < span <= entry.length:  # a table longer than the guess: read all of it
+    if span is not None and len(tail) < span <= min(entry.length, packs.seek_table_limit(entry.size)):
+        # A table longer than the guess: read all of it, if the blob's size allows such a table.
         tail = _read_tail(store, entry, span, cancelled)
     return packs.parse_seek_table(tail, entry.length, entry.size)
 

@@ -318,16 +318,23 @@ def seek_table_span(tail: bytes) -> int | None:
     return _SKIP_HEADER.size + count * _SEEK_ENTRY.size + _SEEK_FOOTER.size
 
 
+def seek_table_limit(size: int) -> int:
+    """The longest seek table a blob of `size` content bytes can have: one frame per CHUNK_BYTES, as
+    written here. A footer may claim any length; a reader that believed it would hold the blob."""
+    frames = max(1, -(-size // CHUNK_BYTES))
+    return _SKIP_HEADER.size + frames * _SEEK_ENTRY.size + _SEEK_FOOTER.size
+
+
 def parse_seek_table(tail: bytes, length: int, size: int) -> tuple[Chunk, ...] | None:
     """The frames of a chunked blob of `length` stored bytes and `size` content bytes, from its last bytes.
 
     None when the blob has no seek table (a single frame, or a schema 1 pack), or one that does
-    not add up to the blob or whose chunks are larger than a reader holds: such a blob is read
-    as one stream. A table can only say where to look: every frame is still checked for its
-    size and the whole content for its SHA-256.
+    not add up to the blob, has more frames than CHUNK_BYTES frames need, or whose chunks are
+    larger than a reader holds: such a blob is read as one stream. A table can only say where to
+    look: every frame is still checked for its size and the whole content for its SHA-256.
     """
     span = seek_table_span(tail)
-    if span is None or span > min(len(tail), length):
+    if span is None or span > min(len(tail), length, seek_table_limit(size)):
         return None
     magic, body = _SKIP_HEADER.unpack(tail[-span : -span + _SKIP_HEADER.size])
     if magic != SKIPPABLE_MAGIC or body != span - _SKIP_HEADER.size:

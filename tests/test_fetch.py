@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import random
+import struct
 import subprocess
 import threading
 
@@ -305,3 +306,30 @@ def test_blobs_that_overlap_in_a_pack_are_refused(tmp_path, store, monkeypatch):
     monkeypatch.setattr(fetch, "PLACE_BATCH", 1 << 20)
     with pytest.raises(IntegrityError, match="hashes to|not a valid zstd frame|decompresses"):
         fetch.fetch_blobs(store, [first, liar], check, jobs=1)
+
+
+def test_a_footer_claiming_a_table_as_long_as_the_blob_costs_no_more_than_an_honest_table(tmp_path, store):
+    # A store writer rewrites a big blob's last 9 bytes so the seek table "spans" the whole blob:
+    # read whole, that is the blob in memory (twice, while joined) before a byte is verified.
+    data = content(11, 40 * CHUNK)
+    entry = publish_blob(store, tmp_path, data)
+    pack = bytearray(store.get_bytes(pack_key(entry.pack)))
+    count = (entry.length - 17) // 8
+    end = entry.offset + entry.length
+    pack[end - 9 : end] = struct.pack("<IBI", count, 0, packs.SEEKABLE_MAGIC)
+    store.put_bytes(pack_key("e" * 64), bytes(pack))
+    lying = Entry(entry.path, entry.mode, entry.size, entry.blob, "e" * 64, entry.offset, entry.length)
+    recording = Recording(store)
+    assert fetch.read_seek_table(recording, lying, bool) is None
+    honest = packs.seek_table_limit(entry.size)
+    assert honest == len(packs.seek_table([(1, CHUNK)] * 40))
+    assert max(n for _, n in recording.ranges) <= max(honest, packs.SEEK_TAIL_GUESS)
+
+
+def test_a_table_of_more_frames_than_the_content_needs_is_not_used(tmp_path, store):
+    data = content(12, 3 * CHUNK)
+    cctx = zstandard.ZstdCompressor(level=3, write_content_size=True)
+    pieces = [data[i : i + CHUNK // 2] for i in range(0, len(data), CHUNK // 2)]  # frames half as big as ours
+    frames = [cctx.compress(p) for p in pieces]
+    blob = b"".join(frames) + packs.seek_table([(len(f), len(p)) for f, p in zip(frames, pieces)])
+    assert packs.parse_seek_table(blob, len(blob), len(data)) is None
