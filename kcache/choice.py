@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_NONE = "no bundle published for this fingerprint"
+
 
 @dataclass(frozen=True)
 class Policy:
@@ -83,20 +85,39 @@ def pick(store: Store, index: Catalog, fp: Fingerprint, pinned: str | None, fall
          policy: Policy) -> Choice | str:  # fmt: skip
     """The bundle to restore for this fingerprint, or why there is none (a miss)."""
     if pinned:
-        why = _pinned_yanked(index, fp, pinned, policy)
+        why = _pinned_yanked(store, index, fp.bundle_key, pinned, policy)
         choice = None if why else Choice(pinned, fp.bundle_key)
     else:
-        choice, why = _newest(index, fp, fallback, policy)
+        choice, why = _newest(index, fp.bundle_key, policy)
+        if why == _NONE and fallback == "toolchain":  # none at all; a ref that fails its checks is a miss
+            other = index.newest_for_toolchain(fp.toolchain_key)
+            if other is not None:
+                choice = Choice(other.id, other.bundle_key, partial=True)
     if choice is None:
         return why
+    return _unless_marked(store, choice)
+
+
+def newest_of(store: Store, index: Catalog, bundle_key: str, policy: Policy) -> Choice | str:
+    """The newest bundle of `bundle_key` that restore may take, checked as `pick` checks ours; or why not.
+
+    For `--fallback layers`: a layer ref (unsigned, anyone's to rewrite) only says which bundle key
+    holds a layer; what that key's catalog entry names (its signed ref, under signatures) is the
+    donor. So no rewritten layer ref can bring back a yanked or an older bundle.
+    """
+    choice, why = _newest(index, bundle_key, policy)
+    return why if choice is None else _unless_marked(store, choice)
+
+
+def _unless_marked(store: Store, choice: Choice) -> Choice | str:
     # The index's word is not enough: a yank marker in the store stops the bundle everywhere.
     if store.exists(refs.yank_key(choice.manifest_id)):
         return f"bundle {choice.manifest_id[:12]} is yanked"
     return choice
 
 
-def _newest(index: Catalog, fp: Fingerprint, fallback: str | None, policy: Policy) -> tuple[Choice | None, str]:
-    answer = index.newest_bundle(fp.bundle_key)
+def _newest(index: Catalog, bundle_key: str, policy: Policy) -> tuple[Choice | None, str]:
+    answer = index.newest_bundle(bundle_key)
     if isinstance(answer, refs.Ref):  # from the store: anyone who can write the bucket wrote it
         problem = policy.ref_problem(answer)
         if problem:
@@ -104,18 +125,14 @@ def _newest(index: Catalog, fp: Fingerprint, fallback: str | None, policy: Polic
         if answer.manifest in answer.yanked:
             return None, f"bundle {answer.manifest[:12]} is yanked (the ref says so)"
     if answer is not None:
-        return Choice(answer.id, fp.bundle_key), ""
-    if fallback == "toolchain":
-        other = index.newest_for_toolchain(fp.toolchain_key)
-        if other is not None:
-            return Choice(other.id, other.bundle_key, partial=True), ""
-    return None, "no bundle published for this fingerprint"
+        return Choice(answer.id, bundle_key), ""
+    return None, _NONE
 
 
-def _pinned_yanked(index: Catalog, fp: Fingerprint, pinned: str, policy: Policy) -> str | None:
+def _pinned_yanked(store: Store, index: Catalog, bundle_key: str, pinned: str, policy: Policy) -> str | None:
     """Why a pinned bundle may not be restored: yanked in the index or in the (signed) ref."""
     if isinstance(index, refs.RefCatalog):
-        ref = index.newest_bundle(fp.bundle_key)
+        ref = index.newest_bundle(bundle_key)
         problem = "there is no ref for this fingerprint" if ref is None else policy.ref_problem(ref)
         if problem and policy.required:  # without a trusted yank list, a deleted marker would un-yank
             return f"pinned bundle {pinned[:12]} cannot be checked for yanks: {problem}"
@@ -123,13 +140,15 @@ def _pinned_yanked(index: Catalog, fp: Fingerprint, pinned: str, policy: Policy)
     else:
         try:
             yanked = (pinned,) if index.get_bundle(pinned).status == "yanked" else ()
-        except NotFound:  # pinned by id from elsewhere; the manifest is still checked in full
-            yanked = ()
+        except NotFound:  # pinned by id from elsewhere: the store's ref holds its yank list, as without an index
+            return _pinned_yanked(store, refs.RefCatalog(store), bundle_key, pinned, policy)
     return f"bundle {pinned[:12]} is yanked" if pinned in yanked else None
 
 
-def read_manifest(store: Store, choice: Choice, fp: Fingerprint, policy: Policy):
+def read_manifest(store: Store, choice: Choice, fp: Fingerprint, policy: Policy, cap: int | None = None):
     """The chosen manifest and its signer. Size and signature are checked before a byte is read.
+
+    `cap` lowers the size cap (what a partial restore from several donors has left of it).
 
     A manifest takes ~950 bytes an entry while it is parsed (see manifest.py), so the size cap
     bounds restore's memory, and the signature check (which covers the size) means an untrusted
@@ -137,8 +156,9 @@ def read_manifest(store: Store, choice: Choice, fp: Fingerprint, policy: Policy)
     """
     key = manifest_key(choice.manifest_id)
     size = store.size(key)
-    if size > policy.max_manifest_bytes:
-        raise ObjectTooLarge("manifest", key, size, policy.max_manifest_bytes)
+    limit = policy.max_manifest_bytes if cap is None else min(cap, policy.max_manifest_bytes)
+    if size > limit:
+        raise ObjectTooLarge("manifest", key, size, limit)
     signer = policy.check(store, choice.bundle_key, choice.manifest_id, size)
     manifest = manifests.parse(limits.read_exactly(store, key, size), choice.manifest_id)
     if choice.partial and manifest.toolchain_key != fp.toolchain_key:

@@ -8,22 +8,25 @@ subset of facts a layer's engine cannot itself tell apart; publish records it in
     refs/layers/<layer>/<layer key>   ->  the newest manifest holding that layer (kcache.refs format)
 
 `restore --fallback layers` assembles, on a miss, each reusable layer from the newest bundle whose
-layer key matches ours, and reports "partial" with where each layer came from. The manifest it
-takes a layer from must itself derive that key from its facts, pass the signature policy, and not
-be yanked.
+layer key matches ours, and reports "partial" with where each layer came from. Layer refs are not
+signed, so a ref only names the bundle key that holds the layer: the donor is that key's newest
+bundle as the catalog gives it, checked like any restore's (its signed ref, yanks, size, signature
+before a byte of the manifest is read), and its manifest must itself derive our layer key. All the
+donors' manifests together stay within KCACHE_MAX_MANIFEST_BYTES, each read once.
 
 Default: off (`--fallback layers` asks for it). The layers in SAFE_BY_CONSTRUCTION are guarded by
 their engines' own keys, so reusing them is never a wrong hit, and turning it on by default would be
 sound; but a partial restore fetches bytes the workload may never use, that cost and the benefit
 have only been measured on CPU, and none of these layers has been restored on a GPU yet (see
 docs/gpu.md). Turn it on by default once scripts/gpu_check has figures. Limits: a layer ref names
-only the newest bundle, so when GC deletes or a yank stops that bundle the layer is not reused
-until the next publish moves the ref.
+one bundle key, so when that key has no bundle left to give (all yanked or collected) the layer is
+not reused until the next publish with our layer key moves the ref.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -106,31 +109,61 @@ class Donor:
     layer: str
     key: str
     manifest: manifests.Manifest
-    size: int  # of the manifest's bytes, for the signature check
 
 
-def find(store: Store, layer: str, facts: Mapping[str, str]) -> Donor | None:
-    """The newest bundle whose `layer` has our layer key, verified to derive that key; else None."""
+@dataclass(frozen=True)
+class Holder:
+    """What a layer ref says: the bundle key whose newest bundle holds the layer. Unverified."""
+
+    layer: str
+    key: str
+    bundle_key: str
+
+
+def holder(store: Store, layer: str, facts: Mapping[str, str]) -> Holder | None:
+    """Which bundle key holds `layer` under our layer key, by its ref; None when none (or unreadable).
+
+    A layer ref is not signed, so it is only a pointer to a bundle key: the bundle restore then
+    takes is that key's newest, chosen and checked as any bundle is (kcache.choice.newest_of), and
+    its manifest must itself derive our layer key (`refusal`).
+    """
     key = layer_key(layer, facts)
     if key is None:
         return None
     try:
         ref = refs.read(store, ref_name(layer, key))
-        if ref is None or store.exists(refs.yank_key(ref.manifest)):
-            return None
-        size = store.size(manifest_key(ref.manifest))
-        manifest = manifests.fetch(store, ref.manifest)  # capped: a store writer cannot make it huge
-    except KcacheError as exc:  # a missing or broken donor costs this layer, not the restore
-        log.warning("layer %s: cannot use its newest bundle: %s", layer, exc)
+        bundle_key = None if ref is None else _bundle_key_of(store, ref.manifest)
+    except KcacheError as exc:  # a missing or broken ref costs this layer, not the restore
+        log.warning("layer %s: cannot read its ref: %s", layer, exc)
         return None
-    # The ref is only a hint: the manifest's own facts must give our key, and it must say so.
+    return None if bundle_key is None else Holder(layer, key, bundle_key)
+
+
+# A manifest is canonical JSON, keys sorted: its first member is its bundle key.
+_HEAD = re.compile(rb'\{"bundle_key":"([0-9a-f]{16,64})"')
+_HEAD_BYTES = 96
+
+
+def _bundle_key_of(store: Store, manifest_id: str) -> str | None:
+    """The bundle key a stored manifest names in its first bytes, without reading the rest of it.
+
+    Only a hint: the bundle restore takes for that key passes the signature check (which names
+    the key) before its manifest is read, and the manifest must then name the key itself."""
+    with store.open_range(manifest_key(manifest_id), 0, _HEAD_BYTES) as stream:
+        head = b""
+        while len(head) < _HEAD_BYTES and (piece := stream.read(_HEAD_BYTES - len(head))):
+            head += piece
+    found = _HEAD.match(head)
+    return found.group(1).decode() if found else None
+
+
+def refusal(layer: str, key: str, manifest: manifests.Manifest) -> str | None:
+    """Why `manifest` may not give `layer` under layer key `key`, or None when it may."""
     if layer not in manifest.layers or layer_key(layer, manifest.facts) != key:
-        log.warning("layer %s: bundle %s does not derive layer key %s; not used", layer, ref.manifest[:12], key)
-        return None
+        return f"bundle {manifest.id[:12]} does not derive layer key {key}"
     if manifest.layer_info.get(layer, {}).get("key") != key:
-        log.warning("layer %s: bundle %s does not record layer key %s; not used", layer, ref.manifest[:12], key)
-        return None
-    return Donor(layer, key, manifest, size)
+        return f"bundle {manifest.id[:12]} does not record layer key {key}"
+    return None
 
 
 @dataclass(frozen=True)

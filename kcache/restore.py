@@ -51,7 +51,7 @@ from kcache.readiness import RESTORE_MARKER, read_marker, write_marker
 from kcache.records import Event
 from kcache.relocate import relocate_staged
 from kcache.rootdir import STAGING_PREFIX
-from kcache.store import Store
+from kcache.store import Store, manifest_key
 from kcache.untrusted import one_line
 
 log = logging.getLogger(__name__)
@@ -263,7 +263,7 @@ def _restore(
     else:
         chosen = choice.pick(store, index, fp, pinned, fallback, policy)
     if isinstance(chosen, str) and fallback == "layers" and not pinned and not fp.mismatches:
-        donors = _donors(store, fp, policy)
+        donors = _donors(store, index, fp, policy)
         if donors:
             return _from_layers(store, fp, root, jobs, budget, donors, run_as, started, report)
     if isinstance(chosen, str):
@@ -285,20 +285,37 @@ def _restore(
                          reason, signer, user=user)  # fmt: skip
 
 
-def _donors(store: Store, fp: Fingerprint, policy: choice.Policy) -> list[layerkeys.Donor]:
-    """For each reusable layer, the newest bundle with our layer key that the trust policy accepts."""
-    donors = []
+def _donors(store: Store, index: Catalog, fp: Fingerprint, policy: choice.Policy) -> list[layerkeys.Donor]:
+    """For each reusable layer, the newest bundle with our layer key that the trust policy accepts.
+
+    Each donor's manifest is read once, however many layers it gives, and all of them together
+    within the manifest cap: one restore holds no more than one manifest's worth, whoever donates.
+    """
+    donors, read = [], {}
+    left = policy.max_manifest_bytes
     for layer in layerkeys.FACTS:
-        donor = layerkeys.find(store, layer, fp.facts)
-        if donor is None:
+        found = layerkeys.holder(store, layer, fp.facts)
+        if found is None:
             continue
         try:
-            policy.check(store, donor.manifest.bundle_key, donor.manifest.id, donor.size)
-            _check_layers(donor.manifest)
-        except KcacheError as exc:  # one untrusted donor costs its layer, not the restore
-            log.warning("layer %s: not taken from bundle %s: %s", layer, donor.manifest.id[:12], exc)
+            chosen = choice.newest_of(store, index, found.bundle_key, policy)
+            if isinstance(chosen, str):
+                log.warning("layer %s: no bundle of key %s to take it from: %s", layer, found.bundle_key, chosen)
+                continue
+            manifest = read.get(chosen.manifest_id)
+            if manifest is None:
+                size = store.size(manifest_key(chosen.manifest_id))
+                manifest, _signer = choice.read_manifest(store, chosen, fp, policy, cap=left)
+                read[manifest.id], left = manifest, left - size
+            refused = layerkeys.refusal(layer, found.key, manifest)
+            if refused:
+                log.warning("layer %s: %s; not used", layer, refused)
+                continue
+            _check_layers(manifest)
+        except KcacheError as exc:  # one untrusted or unreadable donor costs its layer, not the restore
+            log.warning("layer %s: not taken from bundle key %s: %s", layer, found.bundle_key, exc)
             continue
-        donors.append(donor)
+        donors.append(layerkeys.Donor(layer, found.key, manifest))
     return donors
 
 

@@ -18,7 +18,7 @@ from kcache.cli import main
 from kcache.publish import PublishConfig, publish
 from kcache.restore import restore
 from kcache.sources.base import torch_user
-from kcache.store import manifest_key
+from kcache.store import manifest_key, ref_key
 
 GPU = {**FACTS, "gpu.name": "NVIDIA H200", "gpu.sm": "sm_90", "gpu.count": "1", "gpu.driver": "550.54",
        "triton.version": "3.9.0", "libc": "glibc 2.36",
@@ -164,3 +164,86 @@ def test_explain_cli_lists_layers_on_a_miss(tmp_path):
     assert layers["triton"]["donor"] and layers["cuda"]["differing"] == ["gpu.driver"]
     text = runner.invoke(main, ["explain", "--facts-file", str(facts), "--fact", "gpu.driver=9"]).output
     assert "per layer" in text and "reusable from bundle" in text
+
+
+# ---- a store writer without the key, against pods that require signatures --------------------------
+
+
+def _signed(tmp_path):
+    private, public = signing.generate("team", tmp_path / "keys")
+    return PublishConfig(signing_key=signing.load_signing_key(private)), signing.load_trusted_keys([public])
+
+
+def _point_layer_ref(store, layer, facts, bundle_id):
+    """What a store writer can do: overwrite refs/layers/<layer>/<key> (they are not signed)."""
+    name = layerkeys.ref_name(layer, layerkeys.layer_key(layer, facts))
+    store.delete(ref_key(name))
+    assert store.put_bytes(ref_key(name), refs.Ref(name, bundle_id, datetime.now(timezone.utc)).to_bytes())
+
+
+@pytest.mark.parametrize("mode", ["refs", "index"])
+def test_a_layer_ref_put_back_on_a_yanked_signed_bundle_gives_nothing(tmp_path, store, sqlite_index, mode):
+    from kcache.yank import yank
+
+    config, trusted = _signed(tmp_path)
+    bad = published(tmp_path, store, sqlite_index, {**GPU, "model.id": "a"}, {"triton/k1/add.cubin": b"NaN"}, "a",
+                    config=config)  # fmt: skip
+    yank(store, sqlite_index, bad.bundle_id, "NaNs", signer=config.signing_key)
+    published(tmp_path, store, sqlite_index, {**GPU, "model.id": "b"}, {"triton/k1/add.cubin": b"good"}, "b",
+              config=config)  # fmt: skip
+    victim = {**GPU, "model.id": "c"}
+    _point_layer_ref(store, "triton", victim, bad.bundle_id)
+    store.delete(refs.yank_key(bad.bundle_id))
+    catalog = refs.RefCatalog(store) if mode == "refs" else sqlite_index
+    result, _ = restored_layers(store, catalog, victim, tmp_path / "r", trusted=trusted, require_signature=True)
+    assert dict(result.donors).get("triton") != bad.bundle_id
+    kernel = tmp_path / "r/triton/k1/add.cubin"
+    assert not kernel.exists() or kernel.read_bytes() != b"NaN"
+
+
+def test_a_layer_ref_put_back_on_an_older_signed_bundle_takes_the_newest_of_that_key(tmp_path, store, sqlite_index):
+    config, trusted = _signed(tmp_path)
+    facts = {**GPU, "model.id": "a"}
+    old = published(tmp_path, store, sqlite_index, facts, {"triton/k1/add.cubin": b"old"}, "old", config=config)
+    new = published(tmp_path, store, sqlite_index, facts, {"triton/k1/add.cubin": b"new"}, "new", config=config)
+    assert old.bundle_id != new.bundle_id
+    victim = {**GPU, "model.id": "c"}
+    _point_layer_ref(store, "triton", victim, old.bundle_id)
+    result, _ = restored_layers(store, refs.RefCatalog(store), victim, tmp_path / "r", trusted=trusted,
+                                require_signature=True)  # fmt: skip
+    assert dict(result.donors)["triton"] == new.bundle_id
+    assert (tmp_path / "r/triton/k1/add.cubin").read_bytes() == b"new"
+
+
+def test_an_unsigned_donor_manifest_is_never_read_when_signatures_are_required(tmp_path, store, sqlite_index,
+                                                                                monkeypatch):  # fmt: skip
+    _, trusted = _signed(tmp_path)
+    published(tmp_path, store, sqlite_index, GPU)  # unsigned: a store writer's
+    read = []
+    real = manifests.parse
+    monkeypatch.setattr(manifests, "parse", lambda data, *a, **kw: read.append(len(data)) or real(data, *a, **kw))
+    result, reused = restored_layers(store, refs.RefCatalog(store), {**GPU, "model.id": "x"}, tmp_path / "r",
+                                     trusted=trusted, require_signature=True)  # fmt: skip
+    assert result.status == "miss" and reused == set() and read == []
+
+
+def test_one_donor_of_every_layer_is_read_once(tmp_path, store, sqlite_index, monkeypatch):
+    published(tmp_path, store, sqlite_index, GPU)
+    read = []
+    real = manifests.parse
+    monkeypatch.setattr(manifests, "parse", lambda data, *a, **kw: read.append(len(data)) or real(data, *a, **kw))
+    _, reused = restored_layers(store, sqlite_index, {**GPU, "model.id": "other"}, tmp_path / "r")
+    assert reused == set(layerkeys.FACTS) and len(read) == 1
+
+
+def test_donor_manifests_together_stay_within_the_manifest_cap(tmp_path, store, sqlite_index, monkeypatch):
+    """Each layer may come from another bundle: what they weigh together is what restore holds."""
+    a = published(tmp_path, store, sqlite_index, {**GPU, "gpu.driver": "1"}, TREE, "a")
+    b = published(tmp_path, store, sqlite_index, {**GPU, "triton.version": "9"}, TREE, "b")
+    sizes = [store.size(manifest_key(x.bundle_id)) for x in (a, b)]
+    monkeypatch.setenv("KCACHE_MAX_MANIFEST_BYTES", str(max(sizes) + min(sizes) // 2))
+    # triton and cute_dsl key on triton.version / python only: from a; cuda, the toolchain layers: ...
+    victim = {**GPU, "gpu.driver": "1", "triton.version": "9"}
+    result, reused = restored_layers(store, sqlite_index, victim, tmp_path / "r")
+    donors = {bundle for _, bundle in result.donors}
+    assert len(donors) == 1 and reused

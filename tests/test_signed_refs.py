@@ -158,6 +158,25 @@ def test_pinned_yanked_bundle_is_a_miss_even_without_its_marker(tmp_path, store,
     assert unchecked.status == "miss" and "no ref" in unchecked.reason
 
 
+@pytest.mark.parametrize("pod_index", ["empty", "fallback"])
+def test_pinned_yanked_bundle_is_a_miss_through_an_index_that_never_saw_it(tmp_path, store, fp, keys, yanked_v2,
+                                                                            pod_index):  # fmt: skip
+    """The pod's index has no row for the pinned bundle: the signed ref's yank list must decide, as
+    without an index, or deleting the marker un-yanks it."""
+    from kcache.binding import FallbackCatalog
+
+    _v1, v2 = yanked_v2
+    store.delete(refs.yank_key(v2.bundle_id))
+    own = Index.open(f"sqlite:///{tmp_path / 'pod.db'}")
+    catalog = own if pod_index == "empty" else FallbackCatalog(own, refs.RefCatalog(store))
+    try:
+        result = restore(store, catalog, fp, tmp_path / "dst", bundle_id=v2.bundle_id, trusted=(keys["prod"][1],),
+                         require_signature=True)  # fmt: skip
+    finally:
+        own.close()
+    assert result.status == "miss" and "yanked" in result.reason
+
+
 def test_publish_refreshes_a_ref_only_when_it_is_close_to_expiring(tmp_path, store, sqlite_index, fp, keys):
     key = keys["prod"][0]
     _publish(tmp_path, store, sqlite_index, fp, b"a", key)
