@@ -9,12 +9,15 @@ cannot cross file systems; `.tmp*` is junk to publish and skipped by store listi
 The first fsync means a crash never leaves a renamed file without its bytes; the last means the
 rename itself survives a crash. Without `overwrite`, the rename is a hard link, which fails when
 the name exists: create-if-absent for content-addressed objects and keys. The temp file is removed
-in every case.
+in every case. A file that must be written even on a full volume (restore's kcache.env and marker)
+can have room set aside beforehand with `reserve`.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -47,7 +50,59 @@ def write(path: Path, fill: Callable[[BinaryIO], object], *, mode: int = 0o644, 
 
 
 def write_bytes(path: Path, data: bytes, *, mode: int = 0o644, overwrite: bool = True) -> bool:
-    return write(path, lambda f: f.write(data), mode=mode, overwrite=overwrite)
+    """`write` of `data`; on a full volume, into the room `reserve` set aside for `path`, if any."""
+    try:
+        return write(path, lambda f: f.write(data), mode=mode, overwrite=overwrite)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not overwrite or not _into_spare(Path(path), data, mode):
+            raise
+        return True
+
+
+def reserve(path: Path, size: int) -> None:
+    """Set `size` bytes aside for a later write of `path`: a file filled now, while there is room,
+    whose blocks a write on a full volume takes over (see write_bytes). `release` gives them back.
+    Not synced: the space is taken when the bytes are written, and a crash only loses the room."""
+    fd = os.open(_spare(Path(path)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        view = memoryview(bytes(size))
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
+def release(path: Path) -> None:
+    try:
+        os.unlink(_spare(Path(path)))
+    except FileNotFoundError:
+        pass
+
+
+def _spare(path: Path) -> Path:
+    return path.with_name(f".tmp-{path.name}-reserved")
+
+
+def _into_spare(path: Path, data: bytes, mode: int) -> bool:
+    """`data` written over the reserved blocks (no new ones needed), then renamed into place."""
+    try:
+        fd = os.open(_spare(path), os.O_WRONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or os.fstat(fd).st_size < len(data):
+            return False
+        view, done = memoryview(data), 0
+        while done < len(data):
+            done += os.pwrite(fd, view[done:], done)
+        os.ftruncate(fd, len(data))
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(_spare(path), path)
+    _fsync_dir(path.parent)
+    return True
 
 
 def write_text(path: Path, text: str, *, mode: int = 0o644, overwrite: bool = True) -> bool:

@@ -30,11 +30,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from kcache import choice, envfile, fetch, layerkeys, progress, rootdir, signing
+from kcache import atomic, choice, envfile, fetch, layerkeys, progress, rootdir, signing
 from kcache import manifest as manifests
 from kcache import sources as layers
 from kcache.config import redact_text
@@ -51,10 +52,15 @@ from kcache.readiness import RESTORE_MARKER, read_marker, write_marker
 from kcache.records import Event
 from kcache.relocate import relocate_staged
 from kcache.rootdir import STAGING_PREFIX
+from kcache.sources.base import torch_user
 from kcache.store import Store, manifest_key
 from kcache.untrusted import one_line
 
 log = logging.getLogger(__name__)
+
+# Bytes set aside for kcache.env and the restore marker (each a few KiB at most; see _room_for_outcome).
+ENV_RESERVE = 16 * 1024
+MARKER_RESERVE = 64 * 1024
 
 # Seconds recording the outcome may take: a healthy index answers in milliseconds, and the pod
 # is ready to start; at least a second even once the budget is spent.
@@ -155,7 +161,7 @@ def restore_opening(
     deadline = None if timeout is None else time.monotonic() + timeout
     root = Path(root).absolute()
     rootdir.prepare(root)
-    with rootdir.locked(root, timeout, deadline):
+    with rootdir.locked(root, timeout, deadline), _room_for_outcome(root):
         rootdir.remove_staging(root)
         opened: list[Opened] = []  # filled by the worker, read here: what the error path may use
 
@@ -201,7 +207,7 @@ def _fail(root: Path, opened: list[Opened], exc: Exception, seconds: float, dead
     failed = RestoreResult("error", bundle_key, None, root, root / envfile.NAME, seconds=seconds, reason=reason)
     # Each on its own: a ROOT whose tmp/ links outside gets no env file, but still its marker.
     fp = opened[0].fingerprint if opened else None
-    for what, write in (("kcache.env", lambda: _write_env(root, (), _env_comment(failed), failed.user)),
+    for what, write in (("kcache.env", lambda: _write_env(root, (), _env_comment(failed), _safe_user(failed.user))),
                         ("the restore marker", lambda: _write_state(failed, fp))):  # fmt: skip
         try:
             write()
@@ -211,9 +217,42 @@ def _fail(root: Path, opened: list[Opened], exc: Exception, seconds: float, dead
         _record(opened[0].index, Event("restore", "error", bundle_key, None, 0, 0, seconds, reason), deadline)
 
 
+@contextmanager
+def _room_for_outcome(root: Path):
+    """Room set aside for kcache.env and the marker while the bundle is laid out.
+
+    The bundle may take the last free bytes of the volume; then neither the final files nor the
+    error path's could be written, and a pod without kcache.env (its command sources it) or
+    without a marker (readiness waits for one) would never start. kcache.atomic writes them into
+    the reserved blocks when the volume is full.
+    """
+    targets = (root / envfile.NAME, root / RESTORE_MARKER)
+    for target, size in zip(targets, (ENV_RESERVE, MARKER_RESERVE)):
+        try:
+            atomic.reserve(target, size)
+        except OSError as exc:  # already full: the restore itself will say so
+            log.warning("cannot set room aside in %s: %s", root, exc.strerror or exc)
+    try:
+        yield
+    finally:
+        for target in targets:
+            atomic.release(target)
+
+
+def _safe_user(user: str | None) -> str:
+    """The user whose header directory the error path lays out: a bad KCACHE_RUN_AS, which may be
+    what failed, must not also cost the pod its kcache.env (that user is then ours)."""
+    if user:
+        return user
+    try:
+        return layers.run_as_user(None, {})
+    except ConfigError:
+        return torch_user()
+
+
 def _root_error(root: Path, exc: OSError) -> RootError:
     if exc.errno == errno.ENOSPC:
-        return RootError(str(root), "no space left on device while staging the bundle; give the volume more room")
+        return RootError(str(root), "no space left on device for the bundle; give the volume more room")
     return RootError(str(root), f"cannot write {exc.filename or root}: {exc.strerror or exc}")
 
 

@@ -209,3 +209,52 @@ def test_postgresql_sessions_carry_a_statement_timeout_unless_the_url_sets_one(p
                 assert conn.exec_driver_sql("SHOW statement_timeout").scalar() == expected
         finally:
             engine.dispose()
+
+
+def _published(tmp_path, store, index, fp):
+    from trees import write_tree
+
+    from kcache.publish import publish
+
+    write_tree(tmp_path / "src", {"inductor/k.py": b"kernel"})
+    return publish(store, index, fp, sources.select(), root=tmp_path / "src", env={})
+
+
+def test_a_disk_that_fills_after_the_swap_still_leaves_kcache_env_and_a_marker(tmp_path, store, sqlite_index, fp,
+                                                                                 monkeypatch):  # fmt: skip
+    """The bundle took the last free bytes: no new file can be written in ROOT, yet kcache.env and
+    the marker must be (the pod sources one and readiness waits for the other)."""
+    import errno
+
+    from kcache import atomic
+    from kcache import restore as restoring
+
+    _published(tmp_path, store, sqlite_index, fp)
+    real_swap, real_write, full = restoring._swap, atomic.write, []
+    monkeypatch.setattr(restoring, "_swap", lambda *a: (real_swap(*a), full.append(True)))
+
+    def write(*args, **kwargs):
+        if full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(atomic, "write", write)
+    root = tmp_path / "root"
+    result = restoring.restore(store, sqlite_index, fp, root)
+    assert result.status == "hit" and (root / "inductor/k.py").read_bytes() == b"kernel"
+    assert "TORCHINDUCTOR_CACHE_DIR" in (root / envfile.NAME).read_text()
+    assert read_state(root)["status"] == "hit" and check(root).restore["status"] == "hit"
+    assert not [p.name for p in root.iterdir() if "reserved" in p.name]  # the room is given back
+
+
+def test_a_bad_kcache_run_as_still_leaves_kcache_env(tmp_path, store, sqlite_index, fp, monkeypatch):
+    from kcache.errors import ConfigError
+    from kcache.restore import restore
+
+    _published(tmp_path, store, sqlite_index, fp)
+    monkeypatch.setenv("KCACHE_RUN_AS", "model\tuser")
+    root = tmp_path / "root"
+    with pytest.raises(ConfigError, match="run-as"):
+        restore(store, sqlite_index, fp, root)
+    assert "TORCHINDUCTOR_CACHE_DIR" in (root / envfile.NAME).read_text()
+    assert read_state(root)["status"] == "error"
