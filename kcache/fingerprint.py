@@ -36,7 +36,10 @@ log = logging.getLogger(__name__)
 
 # 2: cpu.features (every ISA feature -march=native may use) replaced cpu.flags and cpu.model;
 #    gpu.* describe the CUDA-visible devices; a user's TORCH_COMPILE_CACHE_KEY_TAG is keyed.
-SCHEMA = 2
+# 3: cpu.isa names the vector ISA off x86 as torch does (sve128/sve256 by SVE length, neon, vsx,
+#    zvector, none; ATEN_CPU_CAPABILITY=default is none everywhere); s390x keys its features and
+#    ppc64le/s390x a cpu.model; TORCH_INDUCTOR_INSTALL_GXX is keyed.
+SCHEMA = 3
 WORKLOAD_PREFIXES = ("model.", "workload.", "extra.")
 # A facts file without these would put every machine under one toolchain key. gpu.sm may be "none".
 CORE_FACTS = ("os", "arch", "python", "torch.version", "cpu.isa", "cpu.features", "gpu.sm")
@@ -86,12 +89,31 @@ MAX_MODEL_CONFIG_BYTES = 4 << 20
 
 
 def _describe(m: Mismatch) -> str:
-    if m.fact in _SET_FACTS and m.claimed is not None:  # a long list: name only what differs
-        claimed, probed = set(m.claimed.split()), set(m.probed.split())
-        sides = [(probed - claimed, "here only"), (claimed - probed, "in the facts file only")]
-        said = [f"{len(names)} {side}: {_short(' '.join(sorted(names)), 120)}" for names, side in sides if names]
-        return f"{m.fact} ({', '.join(said)})"
-    return f"{m.fact} ({_short(m.claimed)} in the facts file, {_short(m.probed)} here)"
+    return describe_set_difference(m.fact, m.probed, m.claimed, "in the facts file") or (
+        f"{m.fact} ({_short(m.claimed)} in the facts file, {_short(m.probed)} here)"
+    )
+
+
+def set_difference(fact: str, here: str | None, there: str | None) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """For a set-valued fact (cpu.features): the names only `here` has, and only `there` has; else None."""
+    if fact not in _SET_FACTS or here is None or there is None:
+        return None
+    ours, theirs = set(here.split()), set(there.split())
+    return tuple(sorted(ours - theirs)), tuple(sorted(theirs - ours))
+
+
+def describe_set_difference(fact: str, here: str | None, there: str | None, there_side: str) -> str | None:
+    """`fact (N here only: ..., M <there_side> only: ...)` for a set-valued fact whose sets differ, else None.
+
+    The list is long (hundreds of characters of cpu.features): quoting both values cut short would hide
+    the one feature that differs.
+    """
+    sides = set_difference(fact, here, there)
+    if sides is None or not any(sides):
+        return None
+    said = [f"{len(names)} {side}: {_short(' '.join(names), 120)}"
+            for names, side in zip(sides, ("here only", f"{there_side} only")) if names]  # fmt: skip
+    return f"{fact} ({', '.join(said)})"
 
 
 def _short(value: str | None, limit: int = 60) -> str:

@@ -10,6 +10,7 @@ triton: versions are read from their files, GPUs through kcache.gpus (NVML, else
 from __future__ import annotations
 
 import ast
+import ctypes
 import os
 import platform
 import re
@@ -42,6 +43,10 @@ _NOT_KEYED_ENV = {
     "TORCH_COMPILE_STICKY_PGO_KEY",
 }
 _KEYED_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_")
+# Keyed whatever their prefix: Inductor reads each when compiling, and it changes what is built.
+# TORCH_INDUCTOR_INSTALL_GXX (any non-empty value) has it compile with a conda g++ that it installs
+# itself (cpp_builder.cpp_compiler_search) instead of the `cxx.*` one probed here.
+_KEYED_ENV = ("TORCH_INDUCTOR_INSTALL_GXX",)
 
 # x86 /proc/cpuinfo flags that name an instruction-set extension: the features `-march=native`
 # (which Inductor passes to g++) may enable, each one also a `__FEATURE__` macro that ATen's and
@@ -68,6 +73,9 @@ _X86_FEATURES = frozenset("""
 # user_shstk = shstk; crc32 comes with sse4_2.
 # aarch64's Features line lists only ISA features (-mcpu=native reads the same hwcaps), except these.
 _AARCH64_NOT_ISA = frozenset({"evtstrm", "cpuid"})
+# prctl(2): the calling thread's SVE vector length in bytes, in the low 16 bits (linux/prctl.h).
+_PR_SVE_GET_VL = 51
+_PR_SVE_VL_LEN_MASK = 0xFFFF
 
 
 # ---- platform and software -----------------------------------------------------------------------
@@ -148,12 +156,14 @@ def probe_compiler(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def probe_settings(env: Mapping[str, str]) -> dict[str, str]:
-    """Every Inductor / torch.compile setting from the environment (they change torch's keys)."""
-    return {
+    """Every Inductor / torch.compile setting from the environment (they change torch's keys or code)."""
+    facts = {
         f"env.{name}": value
         for name, value in env.items()
         if name.startswith(_KEYED_ENV_PREFIXES) and name not in _NOT_KEYED_ENV
     }
+    facts.update({f"env.{name}": env[name] for name in _KEYED_ENV if env.get(name)})  # torch tests for truth
+    return facts
 
 
 # ---- CPU -------------------------------------------------------------------------------------------
@@ -179,45 +189,114 @@ def cpu_features(arch: str, flags: set[str]) -> str:
         kept = flags & _X86_FEATURES
     elif arch == "aarch64":
         kept = flags - _AARCH64_NOT_ISA
+    elif arch == "s390x":
+        kept = flags  # hwcaps only (vx, vxe, vxe2, nnpa...), each a facility code may use
     else:
         kept = set()
     return " ".join(sorted(kept)) or NONE
 
 
-def probe_cpu(env: Mapping[str, str], info: Mapping[str, str] | None = None) -> dict[str, str]:
-    """cpu.features and the vector ISA Inductor picks from them.
+def cpu_model(arch: str, info: Mapping[str, str]) -> str:
+    """What `-mcpu=native` (ppc64le) or `-march=native` (s390x) picks the ISA level from (or none).
 
-    No cpu.model: once every feature is keyed, the model only changes -march=native's tuning
-    (scheduling, cache sizes), which makes code faster or slower but never illegal; keying it
-    would split caches between SKUs and cloud VMs that report the same ISA under other names.
+    ppc64le shows no feature line; its 'cpu' line names the model (POWER9, POWER10). On s390x gcc
+    takes -march from the 'machine = TYPE' of a 'processor N' line; that line's identification is
+    the machine's serial, so only the type is kept.
+    """
+    if arch == "ppc64le":
+        return info.get("cpu") or NONE
+    if arch == "s390x":
+        for key, value in info.items():
+            match = re.search(r"\bmachine\s*=\s*([0-9A-Fa-f]+)", value) if key.startswith("processor") else None
+            if match:
+                return match.group(1).upper()
+    return NONE
+
+
+def sve_vector_bits() -> int:
+    """This process's SVE vector length in bits, as cpuinfo (so torch) reads it: prctl(PR_SVE_GET_VL).
+
+    0 where prctl refuses (no SVE, not aarch64), as cpuinfo then reports. A fresh process runs
+    with /proc/sys/abi/sve_default_vector_length, so the model's process reads what this one does.
+    """
+    try:
+        vl = ctypes.CDLL(None, use_errno=True).prctl(_PR_SVE_GET_VL, 0, 0, 0, 0)
+    except (OSError, AttributeError):
+        return 0
+    return (vl & _PR_SVE_VL_LEN_MASK) * 8 if vl >= 0 else 0
+
+
+def probe_cpu(
+    env: Mapping[str, str],
+    info: Mapping[str, str] | None = None,
+    arch: str | None = None,
+    sve_bits: Callable[[], int] = sve_vector_bits,
+) -> dict[str, str]:
+    """cpu.features, the vector ISA Inductor picks from them, and cpu.model where the ISA needs it.
+
+    No cpu.model on x86 and aarch64: once every feature is keyed, the model only changes
+    -march=native's tuning (scheduling, cache sizes), which makes code faster or slower but never
+    illegal; keying it would split caches between SKUs and cloud VMs that report the same ISA under
+    other names. ppc64le and s390x derive the ISA level from the model (`cpu_model`).
     """
     info = _cpuinfo() if info is None else info
-    arch = platform.machine()
-    flags = set((info.get("flags") or info.get("Features") or "").split())
-    return {"cpu.features": cpu_features(arch, flags), "cpu.isa": pick_isa(arch, flags, env)}
+    arch = platform.machine() if arch is None else arch
+    # x86 says 'flags', aarch64 'Features', s390x 'features'; ppc64le has none.
+    flags = set((info.get("flags") or info.get("Features") or info.get("features") or "").split())
+    bits = sve_bits() if arch == "aarch64" else 0
+    facts = {"cpu.features": cpu_features(arch, flags), "cpu.isa": pick_isa(arch, flags, env, bits)}
+    model = cpu_model(arch, info)
+    if model != NONE:
+        facts["cpu.model"] = model
+    return facts
 
 
-def pick_isa(arch: str, flags: set[str], env: Mapping[str, str]) -> str:
+def pick_isa(arch: str, flags: set[str], env: Mapping[str, str], sve_bits: int = 0) -> str:
     """The vector ISA Inductor would generate code for (mirrors torch/_inductor/cpu_vec_isa.py).
 
     Candidates in torch's order, each valid when the CPU has every feature it needs; then
-    ATEN_CPU_CAPABILITY picks the first candidate naming it ('default' means no vector code).
-    Torch also runs compile probes that could veto a candidate; a compiler that cannot build
-    AVX-512 code is already a different `cxx.*` fact.
+    ATEN_CPU_CAPABILITY picks the first candidate naming it ('default' means no vector code, on
+    every architecture). Torch also runs compile probes that could veto a candidate; a compiler
+    that cannot build AVX-512 code is already a different `cxx.*` fact.
     """
     if env.get("TORCHINDUCTOR_VEC_ISA_OK") == "0":
         return NONE
+    candidates = _isa_candidates(arch, flags, sve_bits)
+    wanted = env.get("ATEN_CPU_CAPABILITY")
+    if not candidates or wanted == "default":
+        return NONE
+    if wanted in ("avx2", "avx512"):
+        # torch matches on its ISA names, which all contain "avx512" for the AMX/VNNI variants.
+        chosen = [c for c in candidates if wanted in c or (wanted == "avx512" and c == "amx")]
+        if chosen:
+            return chosen[0]
+    # Any other value: torch ignores a name it does not know (sve256 included), and vsx or zvector
+    # is the one candidate wherever it is valid.
+    return candidates[0]
+
+
+def _isa_candidates(arch: str, flags: set[str], sve_bits: int) -> list[str]:
     if arch in ("x86_64", "AMD64"):
-        return _pick_x86_isa(flags, env.get("ATEN_CPU_CAPABILITY"))
+        return _x86_candidates(flags)
     if arch == "aarch64":
-        return "sve" if ({"sve", "sve2"} & flags) and "bf16" in flags else "neon"
-    return arch
+        # cpuinfo's bf16 is the BF16 or the SVEBF16 hwcap. Torch builds VecSVE(128) only for a 128-bit
+        # length and VecSVE(256) for any other (0 included): -msve-vector-bits and the lane counts.
+        if {"sve", "sve2"} & flags and {"bf16", "svebf16"} & flags:
+            return ["sve128" if sve_bits == 128 else "sve256"]
+        return ["neon"]
+    if arch == "ppc64le":
+        return ["vsx"]
+    if arch == "s390x":
+        # torch's regex wants vxe between spaces; the kernel ends every feature with one, and
+        # the line starts with esan3, so it matches wherever vxe is listed.
+        return ["zvector"] if "vxe" in flags else []
+    return []
 
 
-def _pick_x86_isa(flags: set[str], wanted: str | None) -> str:
+def _x86_candidates(flags: set[str]) -> list[str]:
     avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
     vnni = avx512 and "avx512_vnni" in flags
-    candidates = [
+    return [
         name
         for name, ok in (
             ("amx", vnni and "amx_tile" in flags),
@@ -227,14 +306,6 @@ def _pick_x86_isa(flags: set[str], wanted: str | None) -> str:
         )  # fmt: skip
         if ok
     ]
-    if wanted == "default":
-        return NONE
-    if wanted in ("avx2", "avx512"):
-        # torch matches on its ISA names, which all contain "avx512" for the AMX/VNNI variants.
-        chosen = [c for c in candidates if wanted in c or (wanted == "avx512" and c == "amx")]
-        if chosen:
-            return chosen[0]
-    return candidates[0] if candidates else NONE
 
 
 # Thread settings read by torch's OpenMP/MKL start-up; kept raw as well, in case the rule below
@@ -324,8 +395,8 @@ def check_platform(env: Mapping[str, str]) -> dict[str, str]:
     return _pick(probe_platform(env), "os", "arch")
 
 
-def check_cpu(env: Mapping[str, str]) -> dict[str, str]:
-    return _pick(probe_cpu(env), "cpu.features")
+def check_cpu(env: Mapping[str, str], info: Mapping[str, str] | None = None, arch: str | None = None) -> dict[str, str]:
+    return _pick(probe_cpu(env, info, arch), "cpu.features", "cpu.model")
 
 
 def check_gpu(env: Mapping[str, str], read: Callable[[], gpus.Reading | None] = gpus.read) -> dict[str, str]:

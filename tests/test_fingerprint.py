@@ -266,10 +266,10 @@ GOLDEN_FACTS = {
     "model.id": "meta-llama/Llama-3.1-8B", "model.dtype": "bfloat16", "extra.tp": "8",
 }  # fmt: skip
 GOLDEN_KEYS = {
-    "schema": 2,
-    "toolchain_key": "ff25a2ba52859cc4197803a4b6af0a36",
-    "workload_key": "1367dd8aa6ff8a9769b81ef852197d6b",
-    "bundle_key": "549861adf28fbac309cd26b82311962a",
+    "schema": 3,
+    "toolchain_key": "93c79f15ce7384106d89319026b51bfd",
+    "workload_key": "ad64794794fa2ba830ceee289d467b9a",
+    "bundle_key": "372cc7c7f6f1b5fd9e66af244b030ad8",
 }
 
 

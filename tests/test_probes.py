@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +36,93 @@ def test_isa_choice_mirrors_inductor(flags, env, expected):
     assert p.pick_isa("x86_64", flags, env) == expected
 
 
+SVE_BF16 = {"fp", "asimd", "sve", "bf16"}
+
+
+@pytest.mark.parametrize(
+    "arch, flags, env, sve_bits, expected",
+    [
+        # torch reads cpuinfo's SVE length (prctl PR_SVE_GET_VL): 128 bits gives VecSVE(128), any
+        # other length (256, 512, or 0 when prctl fails) VecSVE(256): another -msve-vector-bits.
+        ("aarch64", SVE_BF16, {}, 128, "sve128"),
+        ("aarch64", SVE_BF16, {}, 256, "sve256"),
+        ("aarch64", SVE_BF16, {}, 512, "sve256"),
+        ("aarch64", SVE_BF16, {}, 0, "sve256"),
+        ("aarch64", SVE_BF16 - {"bf16"} | {"svebf16"}, {}, 128, "sve128"),  # cpuinfo's bf16 takes either
+        ("aarch64", {"fp", "asimd", "sve2", "bf16"}, {}, 256, "sve256"),
+        ("aarch64", {"fp", "asimd", "sve"}, {}, 256, "neon"),
+        ("aarch64", {"fp", "asimd"}, {}, 0, "neon"),
+        # torch maps ATEN_CPU_CAPABILITY=default to no vector ISA on every architecture.
+        ("aarch64", SVE_BF16, {"ATEN_CPU_CAPABILITY": "default"}, 256, "none"),
+        ("aarch64", {"fp", "asimd"}, {"ATEN_CPU_CAPABILITY": "default"}, 0, "none"),
+        ("aarch64", {"fp", "asimd"}, {"ATEN_CPU_CAPABILITY": "avx2"}, 0, "neon"),  # not an aarch64 ISA: ignored
+        ("ppc64le", set(), {}, 0, "vsx"),
+        ("ppc64le", set(), {"ATEN_CPU_CAPABILITY": "default"}, 0, "none"),
+        ("s390x", {"zarch", "vx", "vxe", "vxe2"}, {}, 0, "zvector"),
+        ("s390x", {"zarch", "vx"}, {}, 0, "none"),  # torch picks ZVECTOR only with vxe
+        ("s390x", {"zarch", "vx", "vxe"}, {"ATEN_CPU_CAPABILITY": "default"}, 0, "none"),
+        ("riscv64", {"a"}, {}, 0, "none"),
+    ],
+)
+def test_isa_choice_mirrors_inductor_off_x86(arch, flags, env, sve_bits, expected):
+    assert p.pick_isa(arch, flags, env, sve_bits) == expected
+
+
+def test_the_sve_vector_length_is_keyed():
+    # The same Features line on a 128-bit and a 256-bit SVE machine: torch builds different code.
+    info = {"Features": "fp asimd evtstrm sve sve2 bf16 cpuid"}
+    narrow = p.probe_cpu({}, info, arch="aarch64", sve_bits=lambda: 128)
+    wide = p.probe_cpu({}, info, arch="aarch64", sve_bits=lambda: 256)
+    assert narrow != wide
+    assert (narrow["cpu.isa"], wide["cpu.isa"]) == ("sve128", "sve256")
+    assert narrow["cpu.features"] == wide["cpu.features"] == "asimd bf16 fp sve sve2"
+
+
+def test_the_sve_length_is_read_as_cpuinfo_reads_it():
+    bits = p.sve_vector_bits()
+    default = Path("/proc/sys/abi/sve_default_vector_length")
+    if platform.machine() != "aarch64" or not default.exists():
+        assert bits == 0  # prctl(PR_SVE_GET_VL) fails without SVE; torch then sees length 0
+    else:  # a fresh process runs with the default length, in bytes there
+        assert bits == 8 * int(default.read_text())
+
+
+POWER9 = {"processor": "0", "cpu": "POWER9 (raw), altivec supported", "clock": "2300.000000MHz",
+          "revision": "2.2 (pvr 004e 1202)"}  # fmt: skip
+POWER10 = {**POWER9, "cpu": "POWER10 (raw), altivec supported", "revision": "2.0 (pvr 0080 0200)"}
+
+
+def test_the_power_model_is_keyed():
+    # ppc64le has no feature line, and torch compiles with -mcpu=native: the model sets the ISA level.
+    nine, ten = (p.probe_cpu({}, info, arch="ppc64le") for info in (POWER9, POWER10))
+    assert nine["cpu.model"] == "POWER9 (raw), altivec supported" and nine != ten
+    assert nine["cpu.isa"] == ten["cpu.isa"] == "vsx"
+    assert p.check_cpu({}, POWER9, arch="ppc64le") == {"cpu.model": POWER9["cpu"]}  # a node fact: checked
+
+
+Z15 = {"vendor_id": "IBM/S390", "# processors": "4",
+       "features": "esan3 zarch stfle msa ldisp eimm dfp edat etf3eh highgprs te vx vxd vxe gs vxe2 vxp sort dflt sie",
+       "processor 0": "version = FF,  identification = 0133E8,  machine = 8561"}  # fmt: skip
+Z14 = {**Z15, "features": "esan3 zarch stfle msa ldisp eimm dfp edat etf3eh highgprs te vx vxd vxe gs sie",
+       "processor 0": "version = FF,  identification = 0133E8,  machine = 3906"}  # fmt: skip
+Z13 = {**Z15, "features": "esan3 zarch stfle msa ldisp eimm dfp edat etf3eh highgprs te vx sie",
+       "processor 0": "version = FF,  identification = 2F1D47,  machine = 2964"}  # fmt: skip
+
+
+def test_s390x_features_and_machine_type_are_keyed():
+    # The kernel spells the line 'features'; gcc's -march=native picks -march from the machine type.
+    z15, z14, z13 = (p.probe_cpu({}, info, arch="s390x") for info in (Z15, Z14, Z13))
+    assert {"vx", "vxe", "vxe2"} <= set(z15["cpu.features"].split())
+    assert z15["cpu.features"] != z14["cpu.features"] and z15["cpu.model"] == "8561"
+    assert (z15["cpu.isa"], z14["cpu.isa"], z13["cpu.isa"]) == ("zvector", "zvector", "none")
+    same_features = {**Z15, "processor 0": Z14["processor 0"]}
+    assert p.probe_cpu({}, same_features, arch="s390x") != z15
+    # the identification is the machine's serial: replicas differ in it, so it is not keyed
+    assert p.probe_cpu({}, {**Z15, "processor 0": Z15["processor 0"].replace("0133E8", "0288A1")},
+                       arch="s390x") == z15  # fmt: skip
+    assert p.check_cpu({}, Z13, arch="s390x") == {"cpu.features": z13["cpu.features"], "cpu.model": "2964"}
+
+
 def test_settings_that_change_keys_are_facts_but_paths_are_not():
     env = {"TORCHINDUCTOR_FREEZING": "1", "TORCH_COMPILE_THREADS": "4", "TORCHINDUCTOR_CACHE_DIR": "/x",
            "TORCH_COMPILE_CACHE_KEY_TAG": "t", "HOME": "/root", "HOSTNAME": "pod-123"}  # fmt: skip
@@ -42,6 +130,12 @@ def test_settings_that_change_keys_are_facts_but_paths_are_not():
     # A tag the user sets is in torch's FX graph key, so it must be in ours.
     assert facts == {"env.TORCHINDUCTOR_FREEZING": "1", "env.TORCH_COMPILE_THREADS": "4",
                      "env.TORCH_COMPILE_CACHE_KEY_TAG": "t"}  # fmt: skip
+
+
+def test_asking_torch_to_install_gxx_is_a_setting():
+    # With it set (and no CXX), Inductor compiles with a conda g++ of its own, not the one probed.
+    assert p.probe_settings({"TORCH_INDUCTOR_INSTALL_GXX": "1"}) == {"env.TORCH_INDUCTOR_INSTALL_GXX": "1"}
+    assert p.probe_settings({"TORCH_INDUCTOR_INSTALL_GXX": ""}) == {}  # torch tests it for truth
 
 
 @pytest.mark.parametrize(
@@ -115,10 +209,10 @@ def test_features_are_sorted_whatever_the_flag_order():
 
 
 def test_cpu_probe_has_features_and_no_model():
-    facts = p.probe_cpu({}, {"model name": "Some CPU", "flags": POORER})
-    if platform.machine() == "x86_64":
-        assert facts["cpu.features"] == " ".join(sorted(POORER.split()))
-    assert "cpu.model" not in facts and facts["cpu.isa"]
+    facts = p.probe_cpu({}, {"model name": "Some CPU", "flags": POORER}, arch="x86_64")
+    assert facts == {"cpu.features": " ".join(sorted(POORER.split())), "cpu.isa": "avx512_vnni"}
+    arm = p.probe_cpu({}, {"CPU part": "0xd40", "Features": "fp asimd"}, arch="aarch64", sve_bits=lambda: 0)
+    assert "cpu.model" not in arm
 
 
 # gcc's -m option -> the /proc/cpuinfo flag that names the same extension (same name when absent).
