@@ -17,10 +17,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from kcache import fingerprint
+from kcache import fingerprint, layerkeys
 from kcache.records import Bundle
 
 TOOLCHAIN, WORKLOAD = "toolchain", "workload"
+NO_LAYER_REUSED = "not reused: the facts file does not describe this machine"
 _VALUE_IN_VERDICT = 40  # characters of a fact value quoted in a verdict (cxx.version is long)
 
 # Why a differing fact causes a miss, most decisive first: the verdict names the first that applies.
@@ -63,6 +64,17 @@ class FactDiff:
     @property
     def group(self) -> str:
         return WORKLOAD if fingerprint.is_workload_fact(self.name) else TOOLCHAIN
+
+    @property
+    def here_only(self) -> tuple[str, ...] | None:
+        """For a set-valued fact (cpu.features), the members only this machine has; else None."""
+        sides = fingerprint.set_difference(self.name, self.here, self.bundle)
+        return None if sides is None else sides[0]
+
+    @property
+    def bundle_only(self) -> tuple[str, ...] | None:
+        sides = fingerprint.set_difference(self.name, self.here, self.bundle)
+        return None if sides is None else sides[1]
 
 
 @dataclass(frozen=True)
@@ -122,9 +134,10 @@ def verdict(diffs: tuple[FactDiff, ...], bundle: Bundle, bundle_key: str, contra
         return "identical: restore would use this bundle"
     first = min(diffs, key=lambda d: (_rank(d.name), d.name))
     more = f" and {len(diffs) - 1} more fact{'s' if len(diffs) > 2 else ''}" if len(diffs) > 1 else ""
-    return f"differs in {first.name} ({_quote(first.here, 'here')}, {_quote(first.bundle, 'in bundle')}){more}: " + (
-        reason(first.name)
+    what = fingerprint.describe_set_difference(first.name, first.here, first.bundle, "in bundle") or (
+        f"{first.name} ({_quote(first.here, 'here')}, {_quote(first.bundle, 'in bundle')})"
     )
+    return f"differs in {what}{more}: {reason(first.name)}"
 
 
 def _quote(value: str | None, side: str) -> str:
@@ -159,3 +172,15 @@ def explain(
     # Fewest differences first; among equals the newest, which is what a re-publish would replace.
     candidates.sort(key=lambda c: (len(c.differences), -c.bundle.created_at.timestamp(), c.bundle.id))
     return Explanation(fp, None, tuple(candidates[:limit]), len(unique))
+
+
+def layer_verdicts(fp: fingerprint.Fingerprint, bundles: Iterable[Bundle]) -> tuple[layerkeys.Verdict, ...]:
+    """Per reusable layer, what `restore --fallback layers` would take, as restore decides it.
+
+    Under a facts file this machine contradicts, restore takes no layer at all: a donor's layer key
+    would be derived from the same false facts, so its kernels are as wrong here as a whole bundle's.
+    """
+    if not fp.mismatches:
+        return layerkeys.verdicts(fp.facts, bundles)
+    return tuple(layerkeys.Verdict(layer, layerkeys.layer_key(layer, fp.facts), None, (), NO_LAYER_REUSED)
+                 for layer in layerkeys.FACTS)  # fmt: skip

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
@@ -560,10 +560,11 @@ def names_a_model(fp: Fingerprint) -> bool:
     return fp.facts.get("model.id", fingerprints.NONE) != fingerprints.NONE or "model.config" in fp.facts
 
 
-def workload_of(fp: Fingerprint, root: Path | None) -> Fingerprint:
-    """`fp` when it names a model; else `fp` with the workload ROOT's restore recorded.
+def workload_of(fp: Fingerprint, root: Path | None, given: Mapping[str, str] | None = None) -> Fingerprint:
+    """`fp` when it names a model; else `fp` with the workload ROOT's restore recorded, `given` over it.
 
-    Raises ConfigError when neither names one: a bundle under model "none" reaches no pod that
+    `given` holds the workload facts the command line itself named (--extra, --fact model.*).
+    Raises ConfigError when neither names a model: a bundle under model "none" reaches no pod that
     restores with its model.
     """
     if names_a_model(fp):
@@ -573,4 +574,12 @@ def workload_of(fp: Fingerprint, root: Path | None) -> Fingerprint:
         where = f"and {root} records no restore with one" if root is not None else "(or --from a restored ROOT)"
         raise ConfigError("--model", fingerprints.NONE, f"publishing needs the model identity {where}; pass --model ID")
     toolchain = {k: v for k, v in fp.facts.items() if not fingerprints.is_workload_fact(k)}
-    return fingerprints.compute({**toolchain, **recorded})
+    # The command line wins over the record fact by fact rather than being refused: that is the
+    # precedence everywhere else (a later, more explicit source wins, none drops a fact), --model
+    # already overrides the whole record, and a user who types --extra tp=2 means tp=2; a refusal
+    # would only make them retype the record's model. "none" is collect's placeholder, not a model.
+    flags = {k: v for k, v in (given or {}).items() if (k, v) != ("model.id", fingerprints.NONE)}
+    rebuilt = fingerprints.compute({**toolchain, **recorded, **flags})
+    # The record holds workload facts only, and the facts file was checked against this machine's
+    # own facts: its disagreements still stand, and publish must still refuse them.
+    return replace(rebuilt, mismatches=fp.mismatches)

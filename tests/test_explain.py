@@ -163,9 +163,30 @@ def test_cli_explain_on_an_empty_index(tmp_path):
 
 def test_a_cpu_feature_difference_is_named_with_its_reason():
     rich = {**FACTS, "cpu.features": "avx2 avx512f gfni vaes"}
-    (cand,) = explain({**FACTS, "cpu.features": "avx2 avx512f"}, [bundle(rich)]).nearest
-    assert cand.verdict.startswith("differs in cpu.features (avx2 avx512f here, avx2 avx512f gfni vaes in bundle): ")
+    (cand,) = explain({**FACTS, "cpu.features": "avx2 avx512f sha"}, [bundle(rich)]).nearest
+    assert cand.verdict.startswith("differs in cpu.features (1 here only: sha, 2 in bundle only: gfni vaes): ")
     assert "SIGILL" in cand.verdict
+    (diff,) = cand.differences
+    assert (diff.here_only, diff.bundle_only) == (("sha",), ("gfni", "vaes"))
+
+
+def test_a_long_feature_list_names_the_one_feature_that_differs():
+    """A real cpu.features is hundreds of characters: cut at the same length, both sides looked alike."""
+    features = " ".join(f"feature{i:02d}" for i in range(40))
+    (cand,) = explain({**FACTS, "cpu.features": features},
+                      [bundle({**FACTS, "cpu.features": features + " gfni"})]).nearest  # fmt: skip
+    assert cand.verdict.startswith("differs in cpu.features (1 in bundle only: gfni): ")
+    (cand,) = explain(
+        {**FACTS, "cpu.features": features + " gfni"}, [bundle({**FACTS, "cpu.features": features})]
+    ).nearest
+    assert cand.verdict.startswith("differs in cpu.features (1 here only: gfni): ")
+
+
+def test_a_fact_that_is_not_a_set_is_quoted_whole_sides():
+    (cand,) = explain({**FACTS, "cxx.version": "12.2.0"}, [bundle({**FACTS, "cxx.version": "13.1.0"})]).nearest
+    assert cand.verdict.startswith("differs in cxx.version (12.2.0 here, 13.1.0 in bundle): ")
+    (diff,) = cand.differences
+    assert (diff.here_only, diff.bundle_only) == (None, None)
 
 
 def test_a_contradicted_facts_file_is_never_a_hit():
@@ -208,3 +229,50 @@ def test_cli_explain_shows_features_and_facts_file_disagreements(tmp_path):
 
     probed = json.loads(run("explain", "--store", store_url, "--index", index_url, "--json"))
     assert probed["facts"]["cpu.features"] == here and probed["mismatches"] == []
+
+
+def test_cli_explain_json_names_the_features_only_one_side_has(tmp_path):
+    store_url, index_url = f"file://{tmp_path / 'store'}", f"sqlite:///{tmp_path / 'index.db'}"
+    write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"graph"})
+    here = fingerprint.collect(model="m")
+    richer = fingerprint.collect(model="m", overrides={"cpu.features": here.facts["cpu.features"] + " zz_gfni"})
+    index = Index.open(index_url)
+    try:
+        publish(LocalStore(tmp_path / "store"), index, richer, sources.select(), root=tmp_path / "src", env={})
+    finally:
+        index.close()
+    doc = json.loads(run("explain", "--store", store_url, "--index", index_url, "--model", "m", "--json"))
+    (near,) = doc["nearest"]
+    (diff,) = near["differences"]["toolchain"]
+    assert diff["fact"] == "cpu.features" and (diff["here_only"], diff["bundle_only"]) == ([], ["zz_gfni"])
+    assert "1 in bundle only: zz_gfni" in near["verdict"]
+
+
+def test_cli_explain_reuses_no_layer_when_the_facts_file_is_contradicted(tmp_path):
+    """Restore takes no layer from any bundle then (kcache/restore.py): explain must not promise one."""
+    from kcache import probes
+    from kcache.restore import restore
+
+    facts = {**FACTS, "arch": probes.probe_platform({})["arch"], "cpu.features": "avx avx2 fma"}
+    facts_file = tmp_path / "facts.json"
+    facts_file.write_text(json.dumps({"facts": facts}))
+    write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"graph"})
+    store, index = LocalStore(tmp_path / "store"), Index.open(f"sqlite:///{tmp_path / 'index.db'}")
+    try:  # another model's bundle, published where the facts were taken: its inductor layer key matches
+        other = fingerprint.collect(facts_file=facts_file, checks=(), model="other")
+        publish(store, index, other, sources.select(), root=tmp_path / "src", env={})
+        contradicted = fingerprint.collect(facts_file=facts_file)
+        assert contradicted.mismatches
+        assert restore(store, index, contradicted, tmp_path / "dst", fallback="layers").status == "miss"
+    finally:
+        index.close()
+    where = ("--store", f"file://{tmp_path / 'store'}", "--index", f"sqlite:///{tmp_path / 'index.db'}",
+             "--facts-file", str(facts_file))  # fmt: skip
+
+    layers = json.loads(run("explain", *where, "--json"))["layers"]
+    assert {v["layer"] for v in layers} >= {"inductor", "triton", "cuda"}
+    for v in layers:
+        assert v["donor"] is None and "facts file does not describe this machine" in v["verdict"], v
+    text = run("explain", *where)
+    assert "reusable from bundle" not in text
+    assert "reuses no layer: the facts file does not describe this machine" in text

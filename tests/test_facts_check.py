@@ -94,3 +94,45 @@ def test_the_example_facts_file_has_the_core_facts(tmp_path):
     path.write_text(config_map["data"]["facts.json"])
     facts = fingerprint.load_facts_file(path)
     assert set(fingerprint.CORE_FACTS) <= set(facts) and "cpu.model" not in facts and "cpu.flags" not in facts
+
+
+# ---- publish and watch from a restored ROOT, without --model ---------------------------------------
+
+
+def restored_root(tmp_path):
+    """A facts file without a model (as examples/k8s keeps it), and a ROOT a restore with --model m left."""
+    facts_file = tmp_path / "facts.json"
+    facts_file.write_text(json.dumps({"facts": {k: v for k, v in AVX2_FACTS.items() if k != "model.id"}}))
+    root = tmp_path / "root"
+    write_tree(root, {"inductor/fxgraph/g": b"kernels built on this machine, not on the AVX2 node"})
+    (root / ".kcache-state.json").write_text(json.dumps({"status": "miss", "inputs": {"model.id": "m"}}))
+    where = ["--store", f"file://{tmp_path / 'store'}", "--index", f"sqlite:///{tmp_path / 'i.db'}"]
+    return facts_file, root, where
+
+
+def _bundles(where):
+    return json.loads(CliRunner().invoke(main, ["ls", "--json", *where], catch_exceptions=False).output)
+
+
+@pytest.mark.parametrize("model", [["--model", "m"], []], ids=["model-flag", "model-from-root"])
+def test_publish_from_a_root_refuses_a_contradicted_facts_file_with_or_without_model(tmp_path, model):
+    facts_file, root, where = restored_root(tmp_path)
+    args = ["publish", "--from", str(root), "--facts-file", str(facts_file), *model, *where]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == ExitCode.USAGE and "cpu.features" in result.stderr, result.output
+    assert _bundles(where) == []
+
+
+def test_watch_without_model_refuses_to_publish_under_a_contradicted_facts_file(tmp_path):
+    from kcache.readiness import WARMUP_MARKER, write_marker
+
+    facts_file, root, where = restored_root(tmp_path)
+    write_marker(root, WARMUP_MARKER, {"status": "ok", "seconds": 1.0, "profiles": []})
+    watch = ["watch", "--root", str(root), "--once", "--facts-file", str(facts_file)]
+    assert CliRunner().invoke(main, watch, catch_exceptions=False).exit_code == 0  # the baseline
+    write_tree(root, {"inductor/fxgraph/late": b"compiled after ready"})
+    result = CliRunner().invoke(main, [*watch, "--json", "--publish-every", "10m", *where], catch_exceptions=False)
+    assert result.exit_code == ExitCode.PUBLISH
+    doc = json.loads(result.stdout)
+    assert doc["published"] is None and "cpu.features" in doc["publish_error"]
+    assert _bundles(where) == []

@@ -128,3 +128,20 @@ def test_publish_without_a_writable_home_skips_the_hash_cache(tmp_path, monkeypa
     store, index = f"file://{tmp_path / 's'}", f"sqlite:///{tmp_path / 'i.db'}"
     result = _cli("publish", "--from", tmp_path / "src", "--model", "m", "--store", store, "--index", index)
     assert result.exit_code == 0, result.stderr
+
+
+def test_workload_flags_win_over_the_restore_record_fact_by_fact(tmp_path):
+    """--extra and --fact model.* without --model are not dropped: they win over ROOT's record, as
+    every later source wins over an earlier one, and the model still comes from the record."""
+    root = tmp_path / "cache"
+    _cli("restore", "--into", root, "--model", "my-llm", "--extra", "tp=1", "--extra", "pp=2")
+    write_tree(root, {"inductor/fxgraph/k.py": b"compiled with tp=2"})
+    published = json.loads(_cli("publish", "--from", root, "--extra", "tp=2", "--fact", "model.dtype=bf16",
+                                "--json").output)  # fmt: skip
+    (row,) = _bundles()
+    assert row["bundle_id"] == published["bundle_id"]
+    assert {k: v for k, v in row["facts"].items() if k.startswith(("model.", "extra."))} == {
+        "model.id": "my-llm", "extra.tp": "2", "extra.pp": "2", "model.dtype": "bf16"}  # fmt: skip
+    pod = ("--model", "my-llm", "--extra", "tp=2", "--extra", "pp=2", "--fact", "model.dtype=bf16")
+    again = json.loads(_cli("restore", "--into", tmp_path / "next-pod", *pod, "--json").output)
+    assert (again["status"], again["bundle_id"]) == ("hit", published["bundle_id"])

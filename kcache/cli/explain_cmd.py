@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kcache import explain, layerkeys
+from kcache import explain
 from kcache.cli import format as fmt
 from kcache.cli.fingerprint_cmd import echo_fingerprint
 from kcache.cli.options import (
@@ -50,7 +50,7 @@ def explain_cmd(limit, model, model_config, facts, extras, store_url, index_url,
         if newest is not None:
             bundles.append(newest)
     result = explain.explain(fp.facts, bundles, limit=limit, mismatches=fp.mismatches)
-    per_layer = () if result.hit else layerkeys.verdicts(fp.facts, bundles)
+    per_layer = () if result.hit else explain.layer_verdicts(fp, bundles)
     if as_json:
         click.echo(fmt.to_json({**_as_json(result), "layers": [
             {"layer": v.layer, "key": v.key, "donor": v.donor, "differing": list(v.differing), "verdict": v.verdict}
@@ -85,6 +85,10 @@ def _echo(fp, result: explain.Explanation, per_layer) -> None:
             click.echo("\n".join("   " + line for line in table.splitlines()))
         click.echo(f"   verdict: {fmt.text(cand.verdict)}")
     click.echo()
+    if result.mismatches:
+        click.echo("per layer: `kcache restore --fallback layers` reuses no layer: "
+                   "the facts file does not describe this machine")  # fmt: skip
+        return
     click.echo("per layer (what `kcache restore --fallback layers` would reuse):")
     for v in per_layer:
         click.echo(f"   {v.layer:<13} {fmt.text(v.verdict)}")
@@ -99,14 +103,20 @@ def _bundle(b) -> dict:
                                       "created_by", "status", "files", "bytes", "compile_seconds"))  # fmt: skip
 
 
+def _difference(d: explain.FactDiff) -> dict:
+    doc = {"fact": d.name, "here": d.here, "bundle": d.bundle}
+    if d.here_only is not None:  # a set-valued fact (cpu.features): which members differ, not only both lists
+        doc.update(here_only=list(d.here_only), bundle_only=list(d.bundle_only or ()))
+    return doc
+
+
 def _as_json(result: explain.Explanation) -> dict:
     nearest = [
         {
             "bundle": _bundle(c.bundle),
             "verdict": c.verdict,
             "differences": {
-                group: [{"fact": d.name, "here": d.here, "bundle": d.bundle} for d in c.group(group)]
-                for group in (explain.TOOLCHAIN, explain.WORKLOAD)
+                group: [_difference(d) for d in c.group(group)] for group in (explain.TOOLCHAIN, explain.WORKLOAD)
             },
         }
         for c in result.nearest

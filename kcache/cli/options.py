@@ -119,6 +119,17 @@ def compute_fingerprint(model, model_config, facts, extras) -> fingerprint.Finge
     )
 
 
+def command_line_workload(facts, extras) -> dict[str, str]:
+    """The workload facts --extra and --fact named, which win over a restore root's record.
+
+    --model and --model-config are not here: either names the model, and then no record is read.
+    """
+    given = {f"extra.{k}": v for k, v in fingerprint.parse_assignments(extras, "--extra").items()}
+    overrides = fingerprint.parse_assignments(facts, "--fact")
+    given.update({k: v for k, v in overrides.items() if fingerprint.is_workload_fact(k)})
+    return given
+
+
 @contextmanager
 def opened(cfg: config.Settings, *, store: bool = True, index: bool = True, jobs: int = 16,
            write: bool = True) -> Iterator[tuple]:  # fmt: skip

@@ -19,6 +19,7 @@ from kcache.allocator import fewer_collections, reuse_freed_memory
 from kcache.cli import format as fmt
 from kcache.cli import progress_bars
 from kcache.cli.options import (
+    command_line_workload,
     compute_fingerprint,
     fingerprint_options,
     json_option,
@@ -90,7 +91,8 @@ def publish_cmd(root, layers, extra_dirs, signing_key, allow_empty, compile_seco
 
     Uploads only blobs the index does not have: re-publishing an unchanged cache uploads
     nothing. Safe to run from many pods at once. Without --model, `--from ROOT` publishes under
-    the model (and config, extras) that the restore into ROOT used; elsewhere a model is required.
+    the model (and config, extras) that the restore into ROOT used, with --extra and --fact model.*
+    over them; elsewhere a model is required. A --facts-file this machine contradicts is refused.
     A bundle with no files needs --allow-empty.
 
     \b
@@ -100,7 +102,8 @@ def publish_cmd(root, layers, extra_dirs, signing_key, allow_empty, compile_seco
     """
     reuse_freed_memory()  # packs stream through MiB buffers: see kcache.allocator
     fewer_collections()  # ~100k live objects, almost no cycles: see kcache.allocator
-    fp = workload_of(compute_fingerprint(model, model_config, facts, extras), root)
+    fp = workload_of(compute_fingerprint(model, model_config, facts, extras), root,
+                     command_line_workload(facts, extras))  # fmt: skip
     names = layers.split(",") if layers else None
     extras = [sources.parse_extra_dir(s) for s in extra_dirs]
     chosen = sources.in_root(root, names, extras) if root else sources.select(names, extras)

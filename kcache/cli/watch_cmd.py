@@ -11,6 +11,7 @@ from kcache.cli import format as fmt
 from kcache.cli.errors import ExitCode
 from kcache.cli.options import (
     Duration,
+    command_line_workload,
     compute_fingerprint,
     fingerprint_options,
     json_option,
@@ -34,12 +35,13 @@ def _publisher(root: Path, fingerprint_args, cfg: Settings, config: PublishConfi
     sidecar may start before the restore has written it.
     """
     fp = compute_fingerprint(*fingerprint_args)
+    given = command_line_workload(*fingerprint_args[2:])
     store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url)
 
     def publish_delta(layers):
         index = binding.open_index(cfg, store, write=True)
         try:
-            return publish(store, index, workload_of(fp, root), layers, root=root, config=config)
+            return publish(store, index, workload_of(fp, root, given), layers, root=root, config=config)
         finally:
             index.close()
 
