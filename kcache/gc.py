@@ -1,8 +1,14 @@
 """Garbage collection in two phases, safe while publishes run. Plan first; execute the plan.
 
     retain   per bundle key, the newest --keep-last active bundles, plus every bundle younger than
-             --older-than; everything else is deleted (row, ref, signatures, manifest)
-    mark     the packs that retained bundles' manifests name
+             --older-than; everything else is deleted (row, ref, signatures, manifest), each row
+             only if the rule still dooms it when it is deleted: a yank since the plan keeps the
+             bundle it falls back to, and then this run condemns and sweeps nothing (its pack
+             lists assumed that bundle gone); a publish that commits the bundle again while its
+             objects go gets them back (see _delete_objects)
+    mark     the packs that retained bundles' manifests name; a retained bundle whose manifest is
+             missing or does not verify is reported as broken, and while one is, nothing is
+             swept (which packs it names is unknown)
     condemn  phase 1: packs nobody references get condemned_at = now
     sweep    phase 2: packs condemned more than --grace ago and still condemned lose their rows,
              then their objects (a publish that reused one revived it: see index/lifecycle.py)
@@ -28,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from kcache import limits, refs, signing
 from kcache import manifest as manifests
-from kcache.errors import ObjectTooLarge
+from kcache.errors import IntegrityError, ObjectMissing, ObjectTooLarge
 from kcache.records import Bundle
 from kcache.store import Store, manifest_key, pack_key
 from kcache.store.base import ObjectInfo
@@ -55,9 +61,10 @@ class Plan:
     delete_bundles: tuple[Bundle, ...]
     condemn: tuple[PackInfo, ...]  # unreferenced, not condemned yet
     sweep: tuple[PackInfo, ...]  # unreferenced, condemned before now - grace
-    waiting: tuple[PackInfo, ...]  # unreferenced, condemned within the grace period
+    waiting: tuple[PackInfo, ...]  # unreferenced, condemned within the grace period (or held: see broken)
     orphans: tuple[ObjectInfo, ...]  # manifests, signatures and temp files without rows, older than the grace period
     adopt: tuple[ObjectInfo, ...] = ()  # pack objects without rows, older than the grace period
+    broken: tuple[Bundle, ...] = ()  # retained bundles whose manifest is missing or does not verify
 
     @property
     def bytes_freed(self) -> int:
@@ -72,6 +79,7 @@ class Result:
     orphans_deleted: int
     bytes_freed: int
     orphan_packs_condemned: int = 0
+    bundles_kept: int = 0  # planned for deletion, protected by the time gc got to them
 
 
 def plan(store: Store, index: Index, policy: Policy, now: datetime | None = None) -> Plan:
@@ -81,35 +89,38 @@ def plan(store: Store, index: Index, policy: Policy, now: datetime | None = None
     bundles = lifecycle.all_bundles(index)
     doomed = _expired(bundles, policy, now)
     retained = [b for b in bundles if b.id not in {d.id for d in doomed}]
-    referenced = {e.pack for b in retained for e in _manifest(store, b.id).entries}
+    referenced, broken = _mark(store, retained)
     unreferenced = [p for p in lifecycle.packs(index) if p.id not in referenced]
     cutoff = now - policy.grace
-    sweep = tuple(p for p in unreferenced if p.condemned_at and _utc(p.condemned_at) < cutoff)
-    waiting = tuple(p for p in unreferenced if p.condemned_at and _utc(p.condemned_at) >= cutoff)
+    due = not broken  # a broken manifest may name any pack: hold every sweep until it is fixed
+    sweep = tuple(p for p in unreferenced if p.condemned_at and _utc(p.condemned_at) < cutoff and due)
+    swept = {p.id for p in sweep}
+    waiting = tuple(p for p in unreferenced if p.condemned_at and p.id not in swept)
     condemn = tuple(p for p in unreferenced if p.condemned_at is None)
     known = {p.id for p in lifecycle.packs(index)} | {b.id for b in retained} | {b.id for b in doomed}
     found = list(_orphans(store, known, cutoff))
     adopt = tuple(o for o in found if o.key.startswith("packs/") and _ID.match(_owner(o.key)))
     orphans = tuple(o for o in found if o not in adopt)
-    return Plan(now, policy, tuple(doomed), condemn, sweep, waiting, orphans, adopt)
+    return Plan(now, policy, tuple(doomed), condemn, sweep, waiting, orphans, adopt, broken)
 
 
 def execute(store: Store, index: Index, gc_plan: Plan, *, signer: signing.SigningKey | None = None) -> Result:
     """Carry out the plan. `signer` signs the refs gc moves, so pods requiring signatures follow them."""
     from kcache.index import lifecycle
 
-    for bundle in gc_plan.delete_bundles:
-        _delete_bundle(store, index, bundle, signer)
-    lifecycle.condemn(index, (p.id for p in gc_plan.condemn), gc_plan.now)
+    deleted = sum(_delete_bundle(store, index, gc_plan, bundle, signer) for bundle in gc_plan.delete_bundles)
+    kept = len(gc_plan.delete_bundles) - deleted
+    # A kept bundle names packs the plan counted as unreferenced: its pack lists are stale, the next run's are not.
+    condemn, sweep = (gc_plan.condemn, gc_plan.sweep) if not kept else ((), ())
+    lifecycle.condemn(index, (p.id for p in condemn), gc_plan.now)
     lifecycle.adopt(index, ((_owner(o.key), o.size) for o in gc_plan.adopt), gc_plan.now)
-    swept = lifecycle.delete_condemned(index, (p.id for p in gc_plan.sweep), gc_plan.now - gc_plan.policy.grace)
+    swept = lifecycle.delete_condemned(index, (p.id for p in sweep), gc_plan.now - gc_plan.policy.grace)
     for pack_id in swept:
         store.delete(pack_key(pack_id))
     for orphan in gc_plan.orphans:
         _delete_orphan(store, index, orphan)
-    freed = sum(p.size for p in gc_plan.sweep if p.id in swept) + sum(o.size for o in gc_plan.orphans)
-    return Result(len(gc_plan.delete_bundles), len(gc_plan.condemn), len(swept), len(gc_plan.orphans), freed,
-                  len(gc_plan.adopt))  # fmt: skip
+    freed = sum(p.size for p in sweep if p.id in swept) + sum(o.size for o in gc_plan.orphans)
+    return Result(deleted, len(condemn), len(swept), len(gc_plan.orphans), freed, len(gc_plan.adopt), kept)
 
 
 def _expired(bundles: list[Bundle], policy: Policy, now: datetime) -> list[Bundle]:
@@ -124,19 +135,43 @@ def _expired(bundles: list[Bundle], policy: Policy, now: datetime) -> list[Bundl
     return doomed
 
 
-def _delete_bundle(store: Store, index: Index, bundle: Bundle, signer: signing.SigningKey | None) -> None:
-    """Row first (restores stop seeing it), then the ref, then the objects."""
+def _delete_bundle(store: Store, index: Index, gc_plan: Plan, bundle: Bundle,
+                   signer: signing.SigningKey | None) -> bool:  # fmt: skip
+    """Row first (restores stop seeing it), then the ref, then the objects. False if the bundle stays."""
     from kcache.index import lifecycle
 
-    lifecycle.delete_bundle(index, bundle.id)
+    policy = gc_plan.policy
+    if not lifecycle.delete_expired_bundle(index, bundle, policy.keep_last, gc_plan.now - policy.older_than):
+        return False
     newest = index.newest_bundle(bundle.bundle_key)
     # Written from the index like every signer's ref: the newest active bundle and the key's yank list.
     refs.repoint(store, bundle.bundle_key, bundle.id, refs.for_bundle(index, newest.id) if newest else None,
                  signer=signer)  # fmt: skip
-    for signature in store.list(f"signatures/{bundle.id}"):
-        store.delete(signature.key)
     store.delete(refs.yank_key(bundle.id))
-    store.delete(manifest_key(bundle.id))
+    signatures = [s.key for s in store.list(f"signatures/{bundle.id}/")]
+    return not _delete_objects(store, index, bundle.id, [*signatures, manifest_key(bundle.id)])
+
+
+def _delete_objects(store: Store, index: Index, bundle_id: str, keys: list[str]) -> bool:
+    """Delete a deleted bundle's manifest and signatures; put them back if its row is back (True).
+
+    A publish of the identical manifest may find these objects "already there" and commit the
+    bundle again while we delete them. It checks its manifest and signature after its commit
+    point, and we check its row after our deletes: whichever looks last sees the other's step.
+    """
+    from kcache.index import lifecycle
+
+    kept: dict[str, bytes] = {}
+    for key in keys:
+        data = _read_kept(store, key)
+        store.delete(key)
+        if data:
+            kept[key] = data
+    if not lifecycle.has_bundle(index, bundle_id):
+        return False
+    for key, data in kept.items():
+        store.put_bytes(key, data)  # "already there" if the publish wrote it first
+    return True
 
 
 def _delete_orphan(store: Store, index: Index, orphan: ObjectInfo) -> None:
@@ -152,12 +187,7 @@ def _delete_orphan(store: Store, index: Index, orphan: ObjectInfo) -> None:
     if not _ID.match(owner):  # a stray upload or temp file: no publish can name it, nothing to keep
         store.delete(orphan.key)
         return
-    try:
-        # Capped: a stray object can be gigabytes. One over the cap is refused by every restore
-        # anyway, so it is deleted unread; a publish that committed on it writes it again.
-        data = limits.read_capped(store, orphan.key, _keep_limit(orphan.key), "orphan")
-    except ObjectTooLarge:
-        data = b""
+    data = _read_kept(store, orphan.key)
     if data is None or lifecycle.has_bundle(index, owner):
         return
     store.delete(orphan.key)
@@ -165,12 +195,29 @@ def _delete_orphan(store: Store, index: Index, orphan: ObjectInfo) -> None:
         store.put_bytes(orphan.key, data)
 
 
-def _keep_limit(key: str) -> int:
-    return limits.SIGNATURE_BYTES if key.startswith("signatures/") else limits.max_manifest_bytes()
+def _read_kept(store: Store, key: str) -> bytes | None:
+    """The bytes to put back should a bundle claim `key` after we delete it; None if it is gone.
+
+    Capped: a stray object can be gigabytes. One over the cap is refused by every restore anyway,
+    so it is deleted unread (b""); a publish that committed on it writes it again.
+    """
+    limit = limits.SIGNATURE_BYTES if key.startswith("signatures/") else limits.max_manifest_bytes()
+    try:
+        return limits.read_capped(store, key, limit, "orphan")
+    except ObjectTooLarge:
+        return b""
 
 
-def _manifest(store: Store, bundle_id: str) -> manifests.Manifest:
-    return manifests.fetch(store, bundle_id)
+def _mark(store: Store, retained: list[Bundle]) -> tuple[set[str], tuple[Bundle, ...]]:
+    """The packs the retained bundles' manifests name, and the bundles whose manifest cannot be read."""
+    referenced: set[str] = set()
+    broken = []
+    for bundle in retained:
+        try:
+            referenced.update(e.pack for e in manifests.fetch(store, bundle.id).entries)
+        except (ObjectMissing, IntegrityError):  # ObjectTooLarge is one: no restore reads it either
+            broken.append(bundle)
+    return referenced, tuple(broken)
 
 
 def _orphans(store: Store, known: set[str], cutoff: datetime):

@@ -8,12 +8,13 @@ import pytest
 from click.testing import CliRunner
 from trees import read_tree, write_tree
 
-from kcache import fingerprint, gc, sources
+from kcache import fingerprint, gc, signing, sources
 from kcache.cli import main
 from kcache.index import lifecycle
-from kcache.publish import publish
+from kcache.publish import PublishConfig, publish
 from kcache.restore import restore
 from kcache.store import manifest_key, pack_key
+from kcache.yank import yank
 
 LAYERS = sources.select()
 POLICY = gc.Policy(keep_last=1, older_than=timedelta(days=7), grace=timedelta(hours=6))
@@ -285,3 +286,85 @@ def test_lifecycle_revive_reports_gone_packs(sqlite_index):
     lifecycle.condemn(sqlite_index, ["a" * 64], now - timedelta(hours=1))
     assert lifecycle.revive(sqlite_index, ["a" * 64, "b" * 64]) == {"b" * 64}
     assert lifecycle.delete_condemned(sqlite_index, ["a" * 64], now) == set()  # revived: survives
+
+
+class PublishBeforeDelete:
+    """GC's store: just before GC deletes the first object under `prefix`, a publish runs."""
+
+    def __init__(self, inner, prefix, publish_now):
+        self.inner, self.prefix, self.publish_now, self.result = inner, prefix, publish_now, None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def delete(self, key):
+        if key.startswith(self.prefix) and self.result is None:
+            self.result = self.publish_now()
+        self.inner.delete(key)
+
+
+@pytest.mark.parametrize("prefix", ["signatures/", "manifests/"])
+def test_bundle_republished_while_gc_deletes_it_keeps_its_manifest_and_signature(tmp_path, store, index, fp,
+                                                                                 prefix):  # fmt: skip
+    private, public = signing.generate("prod", tmp_path / "keys")
+    config = PublishConfig(signing_key=signing.load_signing_key(private))
+    for name, content in (("v1", b"old kernel"), ("v2", b"new kernel")):
+        write_tree(tmp_path / name, {"inductor/kernel.so": content * 100})
+    old = publish(store, index, fp, LAYERS, root=tmp_path / "v1", env={}, config=config)
+    publish(store, index, fp, LAYERS, root=tmp_path / "v2", env={}, config=config)
+    policy = gc.Policy(keep_last=1, older_than=timedelta(0), grace=timedelta(hours=6))
+    plan = gc.plan(store, index, policy, now=datetime.now(timezone.utc) + timedelta(seconds=1))
+    assert [b.id for b in plan.delete_bundles] == [old.bundle_id]
+
+    # The bundle row is gone already; the publish commits the identical manifest again on the
+    # objects GC is about to delete.
+    racing = PublishBeforeDelete(
+        store, prefix, lambda: publish(store, index, fp, LAYERS, root=tmp_path / "v1", env={}, config=config)
+    )
+    result = gc.execute(racing, index, plan)
+    assert racing.result.created and racing.result.bundle_id == old.bundle_id
+    assert (result.bundles_deleted, result.bundles_kept) == (0, 1)
+    assert index.newest_bundle(fp.bundle_key).id == old.bundle_id
+    assert store.exists(manifest_key(old.bundle_id))
+    assert store.exists(signing.signature_key(old.bundle_id, "prod"))
+    trusted = signing.load_trusted_keys([public])
+    pod = restore(store, index, fp, tmp_path / "dst", trusted=trusted, require_signature=True)
+    assert (pod.status, pod.bundle_id) == ("hit", old.bundle_id), pod.reason
+    gc.plan(store, index, policy, now=datetime.now(timezone.utc) + timedelta(seconds=1))  # gc runs again
+
+
+def test_plan_reports_a_bundle_whose_manifest_is_missing_and_sweeps_nothing(tmp_path, store, index, fp):
+    old = _publish(tmp_path, store, index, fp, b"old kernel" * 100, "v1")
+    new = _publish(tmp_path, store, index, fp, b"new kernel" * 100, "v2")
+    old_packs = _packs_of(store, old.bundle_id) - _packs_of(store, new.bundle_id)
+    later = datetime.now(timezone.utc) + timedelta(days=8)
+    gc.execute(store, index, gc.plan(store, index, POLICY, now=later))  # old goes, its packs are condemned
+    store.delete(manifest_key(new.bundle_id))  # lost, or deleted by a GC that raced a publish
+
+    held = gc.plan(store, index, POLICY, now=later + timedelta(hours=7))
+    assert [b.id for b in held.broken] == [new.bundle_id]
+    # Which packs the lost manifest names is unknown: none is swept while it is missing.
+    assert held.sweep == () and {p.id for p in held.waiting} == old_packs
+    assert gc.execute(store, index, held).packs_deleted == 0
+    assert all(store.exists(pack_key(p)) for p in old_packs)
+
+
+def test_gc_planned_before_a_yank_keeps_the_bundle_the_yank_falls_back_to(tmp_path, store, index, fp):
+    old = _publish(tmp_path, store, index, fp, b"old kernel" * 100, "v1")
+    new = _publish(tmp_path, store, index, fp, b"new kernel" * 100, "v2")
+    old_packs = _packs_of(store, old.bundle_id) - _packs_of(store, new.bundle_id)
+    later = datetime.now(timezone.utc) + timedelta(days=8)
+    lifecycle.condemn(index, old_packs, later - timedelta(hours=7))  # as if shared with a bundle GC deleted
+    plan = gc.plan(store, index, POLICY, now=later)
+    assert [b.id for b in plan.delete_bundles] == [old.bundle_id]
+    assert {p.id for p in plan.sweep} == old_packs
+
+    yank(store, index, new.bundle_id, "broke pods")  # the operator rolls back to the older bundle
+    result = gc.execute(store, index, plan)
+    assert (result.bundles_deleted, result.bundles_kept, result.packs_deleted) == (0, 1, 0)
+    assert index.newest_bundle(fp.bundle_key).id == old.bundle_id
+    assert store.exists(manifest_key(old.bundle_id))
+    pod = restore(store, index, fp, tmp_path / "dst")
+    assert (pod.status, pod.bundle_id) == ("hit", old.bundle_id), pod.reason
+    assert all(store.exists(pack_key(p)) for p in old_packs)
+    assert [b.id for b in gc.plan(store, index, POLICY, now=later).delete_bundles] == [new.bundle_id]  # yanked

@@ -30,7 +30,8 @@ def test_gc_signs_the_ref_it_repoints_and_keeps_the_yank_list(tmp_path, store, s
     yank(store, sqlite_index, v1.bundle_id, "bad", signer=key)
     nothing = gc.plan(store, sqlite_index, gc.Policy(3, timedelta(days=7), timedelta(hours=6)))
     newest = sqlite_index.get_bundle(v3.bundle_id)
-    gc.execute(store, sqlite_index, replace(nothing, delete_bundles=(newest,)), signer=key)
+    keep_none = gc.Policy(0, timedelta(0), timedelta(hours=6))  # gc re-checks the policy before it deletes
+    gc.execute(store, sqlite_index, replace(nothing, policy=keep_none, delete_bundles=(newest,)), signer=key)
 
     ref = refs.read(store, fp.bundle_key)
     assert (ref.manifest, ref.yanked) == (v2.bundle_id, (v1.bundle_id,))

@@ -114,6 +114,7 @@ def gc_cmd(keep_last, older_than, grace, dry_run, signing_key, store_url, index_
         "packs_to_condemn": len(plan.condemn), "packs_to_delete": len(plan.sweep),
         "packs_in_grace": len(plan.waiting), "orphans": [o.key for o in plan.orphans],
         "orphan_packs_to_condemn": [o.key for o in plan.adopt],
+        "broken_bundles": [b.id for b in plan.broken],
         "bytes_to_free": plan.bytes_freed, "result": asdict(result) if result else None,
     }  # fmt: skip
     if as_json:
@@ -127,6 +128,13 @@ def gc_cmd(keep_last, older_than, grace, dry_run, signing_key, store_url, index_
     for bundle in plan.delete_bundles:
         click.echo(f"  bundle {bundle.id[:12]} {fmt.text(bundle.model or '-')} {fmt.when(bundle.created_at)} "
                    f"{fmt.text(bundle.status)}")  # fmt: skip
+    for bundle in plan.broken:
+        click.echo(f"  broken bundle {bundle.id[:12]} {fmt.text(bundle.model or '-')}: its manifest is missing "
+                   "or does not verify, so no pack is deleted; publish it again, or yank it "
+                   "(gc deletes it after --older-than)")  # fmt: skip
     if result:
         click.echo(f"kcache gc: deleted {result.bundles_deleted} bundles, {result.packs_deleted} packs, "
                    f"{result.orphans_deleted} orphans; freed {fmt.size(result.bytes_freed)}")  # fmt: skip
+    if result and result.bundles_kept:
+        click.echo(f"kcache gc: kept {result.bundles_kept} planned bundles (yanks or publishes since the plan); "
+                   "packs are condemned and deleted on the next run")  # fmt: skip

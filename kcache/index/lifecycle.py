@@ -2,6 +2,9 @@
 
 GC's two phases meet publishers in these rows:
 
+    delete_expired_bundle   GC: a bundle row goes only if, in the same statement, it is still outside
+                            its key's newest keep-last active bundles and older than the cutoff (a
+                            yank since the plan, or a publish that committed it again, keeps it)
     condemn(packs)          GC, phase 1: packs no retained bundle references get condemned_at = now
     adopt(packs)            GC, phase 1: a pack object with no row at all (a publish crashed before
                             its rows) gets a row that is condemned from the start, so it is swept by
@@ -55,8 +58,24 @@ def has_bundle(index: Index, bundle_id: str) -> bool:
     return index.read(lambda s: s.get(BundleRow, bundle_id) is not None)
 
 
-def delete_bundle(index: Index, bundle_id: str) -> None:
-    index.transaction(lambda s: s.execute(delete(BundleRow).where(BundleRow.id == bundle_id)))
+def delete_expired_bundle(index: Index, bundle: Bundle, keep_last: int, cutoff: datetime) -> bool:
+    """Delete `bundle`'s row if it is still expired by gc's rule; True if it was deleted.
+
+    One statement re-checks the rule against the rows as they are now: not among its key's newest
+    `keep_last` active bundles (the order of `all_bundles`), created before `cutoff`. A yank that
+    committed before the statement is seen, so the bundle it falls back to stays; one that commits
+    after it is ordered after this GC (a ref it points at the deleted bundle meanwhile, gc re-points).
+    """
+    kept = (
+        select(BundleRow.id)
+        .where(BundleRow.bundle_key == bundle.bundle_key, BundleRow.status == "active")
+        .order_by(BundleRow.created_at.desc(), BundleRow.id)
+        .limit(keep_last)
+    )
+    doomed = (BundleRow.id == bundle.id, BundleRow.created_at < cutoff, BundleRow.id.not_in(kept))
+    stmt = delete(BundleRow).where(*doomed).returning(BundleRow.id)
+    return index.transaction(lambda s: s.execute(stmt, execution_options={"synchronize_session": False}).first()
+                             is not None)  # fmt: skip
 
 
 def packs(index: Index) -> list[PackInfo]:
