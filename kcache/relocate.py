@@ -22,10 +22,12 @@ under ROOT.
 from __future__ import annotations
 
 import ast
+import io
 import json
 import logging
 import os
 import pprint
+import tokenize
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -34,8 +36,15 @@ from kcache import atomic
 
 log = logging.getLogger(__name__)
 
-# Index files are small; anything larger is not one (and is not read into memory).
+# Index files are small; anything larger is not one (and is not read into memory). vLLM's table
+# holds one ~200-byte handle per (compile range, piece) pair: a few hundred KiB for a large model
+# compiled for many sizes. A Triton group names a kernel's few files: hundreds of bytes.
 _MAX_INDEX_BYTES = 4 * 1024 * 1024
+_MAX_GROUP_BYTES = 1024 * 1024  # json.loads of 4 MiB of `[],` held ~100 MiB
+# ast.literal_eval builds the whole AST first, ~470 bytes a token for the worst text (`0,0,0,...`:
+# 4 MiB of it peaked at ~2 GiB). Real tables take ~15 tokens a handle, so this allows ~6,500
+# handles and bounds the AST to ~50 MiB; a table past it is dropped before it is parsed.
+_MAX_TABLE_TOKENS = 100_000
 
 
 @dataclass(frozen=True)
@@ -84,7 +93,18 @@ def _triton_group(text: str, layer: Layer) -> str | None:
     return json.dumps({**doc, "child_paths": moved})  # Triton's own writer: json.dumps, default separators
 
 
+def _count_tokens(text: str, cap: int) -> None:
+    """Unmappable past `cap` Python tokens in `text`; tokenize streams, so this holds one at a time."""
+    try:
+        for count, _ in enumerate(tokenize.generate_tokens(io.StringIO(text).readline), 1):
+            if count > cap:
+                raise Unmappable(f"has over {cap} tokens, too many for a handle table")
+    except tokenize.TokenError as exc:
+        raise Unmappable(f"is not a Python literal: {exc.args[0]}") from None
+
+
 def _vllm_handles(text: str, layer: Layer) -> str | None:
+    _count_tokens(text, _MAX_TABLE_TOKENS)
     table = ast.literal_eval(text)  # what vLLM itself uses to read it: literals only, never code
     if not isinstance(table, dict):
         raise Unmappable("is not a dict literal")
@@ -111,11 +131,13 @@ class Rewriter:
     name: str
     matches: Callable[[str], bool]  # on the file's base name
     rewrite: Callable[[str, Layer], str | None]  # new text, None when already right; raises on refusal
+    max_bytes: int = _MAX_INDEX_BYTES  # a larger file is dropped unread
 
 
 REWRITERS: dict[str, Rewriter] = {
     "triton-groups": Rewriter(
-        "triton-groups", lambda n: n.startswith("__grp__") and n.endswith(".json"), _triton_group
+        "triton-groups", lambda n: n.startswith("__grp__") and n.endswith(".json"), _triton_group,
+        max_bytes=_MAX_GROUP_BYTES,
     ),
     "vllm-handles": Rewriter("vllm-handles", lambda n: n == "vllm_compile_cache.py", _vllm_handles),
 }
@@ -165,7 +187,7 @@ def _apply(rewriter: Rewriter, layer: Layer, rel: str) -> bool:
     path = layer.staged / rel
     st = path.stat()
     try:
-        if st.st_size > _MAX_INDEX_BYTES:
+        if st.st_size > rewriter.max_bytes:
             raise Unmappable(f"is {st.st_size} bytes, too large for an index file")
         text = path.read_text(encoding="utf-8")
         new = rewriter.rewrite(text, layer)

@@ -172,3 +172,34 @@ def test_vllm_table_that_is_code_is_never_run(tmp_path):
     layer = Layer(tmp_path, tmp_path / "t", known_paths(["x/vllm_compile_cache.py"]))
     assert relocate(layer, ["x/vllm_compile_cache.py"], ["vllm-handles"]) == ["x/vllm_compile_cache.py"]
     assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("extra, kept", [(0, True), (2, False)])
+def test_vllm_table_past_the_token_cap_is_dropped_unparsed(tmp_path, monkeypatch, caplog, extra, kept):
+    """literal_eval builds the whole AST first (~470 bytes a token): the tokens are counted before."""
+    from kcache import relocate as relocation
+
+    monkeypatch.setattr(relocation, "_MAX_TABLE_TOKENS", 1000)
+    (tmp_path / "x").mkdir()
+    # { "k" : [ 0 , ... ] } NEWLINE ENDMARKER: 8 tokens around 2 a zero
+    (tmp_path / "x/vllm_compile_cache.py").write_text('{"k": [' + "0," * (496 + extra // 2) + "]}")
+    layer = Layer(tmp_path, tmp_path / "t", known_paths(["x/vllm_compile_cache.py"]))
+    with caplog.at_level(logging.WARNING, logger="kcache.relocate"):
+        dropped = relocate(layer, ["x/vllm_compile_cache.py"], ["vllm-handles"])
+    assert dropped == ([] if kept else ["x/vllm_compile_cache.py"])
+    assert (tmp_path / "x/vllm_compile_cache.py").exists() == kept
+    assert kept or "over 1000 tokens" in caplog.text
+
+
+def test_vllm_table_of_thousands_of_handles_is_relocated(tmp_path):
+    """The token cap leaves room for a large model (127 pieces) compiled for 20 sizes: 2,540 handles."""
+    table = {(size, piece, "inductor_standalone"): (f"artifact_shape_{size}_subgraph_{piece}",
+                                                    f"/pub/{RANK}/artifact_shape_{size}_subgraph_{piece}")
+             for size in range(20) for piece in range(127)}  # fmt: skip
+    index = f"{RANK}/vllm_compile_cache.py"
+    rels = [f"{RANK}/{name}" for name, _ in table.values()] + [index]
+    write_tree(tmp_path, {index: pprint.pformat(table, indent=4).encode()})  # as CompilerManager writes it
+    layer = Layer(tmp_path, Path("/restored/vllm"), known_paths(rels), frozenset(rels))
+    assert relocate(layer, [index], ["vllm-handles"]) == []
+    moved = ast.literal_eval((tmp_path / index).read_text())
+    assert moved[(19, 126, "inductor_standalone")][1] == f"/restored/vllm/{RANK}/artifact_shape_19_subgraph_126"

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from datetime import datetime, timedelta, timezone
 
+import pytest
 from click.testing import CliRunner
 from trees import write_tree
 
@@ -132,3 +133,38 @@ def test_a_manifest_at_the_default_cap_is_parsed_within_the_restore_bound(tmp_pa
     assert code != 0
     assert "pack" in stderr and "too large" not in stderr, stderr  # parsed and planned; it stopped at the pack
     assert peak < RESTORE_RSS_BOUND, f"restore peaked at {peak / MiB:.0f} MiB"
+
+
+
+def _zeros_table(tokens: int) -> bytes:
+    """A vLLM table of `tokens` Python tokens, nearly all `0` and `,`: the most AST per byte."""
+    return b'{"k": [' + b"0," * ((tokens - 8) // 2) + b"]}"  # 8: { "k" : [ ] } NEWLINE ENDMARKER
+
+
+@pytest.mark.parametrize("case", ["at-the-byte-cap", "at-the-token-cap"])
+def test_a_vllm_index_of_tiny_literals_stays_within_the_restore_bound(tmp_path, case):
+    """A vllm_compile_cache.py just under relocate's byte cap holding millions of `0,` compresses to
+    a few KiB; parsed into an AST it took restore to ~2 GiB. It is dropped unparsed instead, and the
+    largest table still parsed keeps restore well under its bound."""
+    from kcache import relocate
+
+    rank = "vllm/torch_compile_cache/h/rank_0_0"
+    if case == "at-the-byte-cap":
+        table = b'{"k": [' + b"0," * (relocate._MAX_INDEX_BYTES // 2 - 8) + b"]}"
+    else:
+        table = _zeros_table(relocate._MAX_TABLE_TOKENS)
+    assert len(table) <= relocate._MAX_INDEX_BYTES
+    src = tmp_path / "src"
+    write_tree(src, {f"{rank}/vllm_compile_cache.py": table, f"{rank}/artifact": b"kept"})
+    store = f"file://{tmp_path / 'store'}"
+    published = CliRunner().invoke(main, ["publish", "--from", str(src), "--model", "m", "--store", store],
+                                   catch_exceptions=False)  # fmt: skip
+    assert published.exit_code == 0, published.output
+    dest = tmp_path / "dest"
+    code, peak, stderr = restore_peak_rss("--into", str(dest), "--model", "m", "--store", store, "--index", "none",
+                                          "--strict")  # fmt: skip
+    assert code == 0, stderr
+    # Refused: the engine rebuilds it. At the cap: parsed, nothing to move, kept as published.
+    assert (dest / rank / "vllm_compile_cache.py").exists() == (case == "at-the-token-cap")
+    assert (dest / rank / "artifact").read_bytes() == b"kept"
+    assert peak < PEAK_RSS_LIMIT, f"restore peaked at {peak / MiB:.0f} MiB"
