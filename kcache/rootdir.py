@@ -9,7 +9,8 @@ file, so a restore that is killed releases it with its process.
 
 A setgid ROOT (what Kubernetes' fsGroup gives a volume) is shared with its group: the model
 container, running as another user of that group, must compile into the restored layers, so
-directories restore creates there are group-writable and files group-readable.
+directories restore creates there are group-writable and files group-readable. No restored file
+is ever group- or world-writable, shared or not, whatever mode its manifest row names.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 STAGING_PREFIX = ".kcache-staging-"
 LOCK_NAME = ".kcache-lock"
 SHARED_DIR_MODE = 0o2775  # rwxrwsr-x: the group writes, new entries keep ROOT's group
+FILE_MODE_MASK = 0o755  # what a restored file may have of its manifest mode: no g+w, no o+w
 _LOCK_POLL = 0.05  # seconds between tries while another restore holds ROOT
 
 
@@ -84,16 +86,35 @@ def make_tree(top: Path, relative: Iterable[str], shared: bool) -> None:
             except FileExistsError:
                 pass
             if shared:
-                try:
-                    os.chmod(path, SHARED_DIR_MODE)
-                except PermissionError:  # another user's directory: theirs to share
-                    pass
+                _share(path)
             made.add(directory)
 
 
+def _share(path: str) -> None:
+    """chmod `path` to SHARED_DIR_MODE if it is a directory itself, never through a link: a link
+    left in ROOT (say ROOT/vllm -> a private directory of the node) keeps its target's mode."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:  # a link (ELOOP), not a directory, or not ours to open: not ours to share
+        return
+    try:
+        os.fchmod(fd, SHARED_DIR_MODE)
+    except PermissionError:  # another user's directory: theirs to share
+        pass
+    finally:
+        os.close(fd)
+
+
 def file_mode(mode: int, shared: bool) -> int:
-    """With a shared ROOT the group may read (and run) what the owner may: copy u+r, u+x to g."""
-    return mode | ((mode & 0o500) >> 3) if shared else mode
+    """The mode a restored file gets from its manifest row's `mode` (the publisher's bits).
+
+    Never group- or world-writable, whatever the row asks: a kernel that another user of the
+    volume may rewrite runs as the model. Engines replace their cache files (temp file, rename),
+    which needs the directory's write bit, not the file's. With a shared ROOT the group may read
+    (and run) what the owner may: copy u+r, u+x to g."""
+    if shared:
+        mode |= (mode & 0o500) >> 3
+    return mode & FILE_MODE_MASK
 
 
 @contextmanager

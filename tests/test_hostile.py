@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -209,6 +210,42 @@ def test_unused_layer_link_outside_gets_no_writes(tmp_path, bundle, store, sqlit
     (root / "vllm").symlink_to(outside)  # the bundle has no vllm layer; restore only ensures it exists
     assert restore(store, sqlite_index, fp, root).status == "hit"
     assert read_tree(outside) == before
+
+
+@pytest.mark.parametrize("outcome", ["hit", "miss"])
+def test_layer_link_outside_a_group_shared_root_is_not_chmodded(tmp_path, store, sqlite_index, fp, outcome):
+    """A setgid ROOT (fsGroup) makes restore chmod its layer directories: never through a link."""
+    if outcome == "hit":
+        write_tree(tmp_path / "src", {"inductor/a": b"new a"})
+        publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={})
+    outside, before = outside_dir(tmp_path)
+    outside.chmod(0o700)
+    root = tmp_path / "root"
+    root.mkdir()
+    root.chmod(0o2775)
+    (root / "vllm").symlink_to(outside)  # left by someone else; the bundle has no vllm layer
+    assert restore(store, sqlite_index, fp, root).status == outcome
+    assert stat.S_IMODE(outside.stat().st_mode) == 0o700
+    assert read_tree(outside) == before
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("mode", [0o777, 0o666, 0o775, 0o646])
+def test_manifest_cannot_ask_for_a_file_others_may_write(tmp_path, store, sqlite_index, fp, hello_pack, shared, mode):
+    """The manifest's mode is the publisher's, but a file others (or the group) may rewrite is a kernel
+    any user of the volume could replace: restore never lays one out."""
+    root = tmp_path / "root"
+    root.mkdir()
+    if shared:
+        root.chmod(0o2775)
+    evil = put_manifest(store, fp, [row("inductor/ab/kernel.so", hello_pack, mode=mode)])
+    old_umask = os.umask(0)  # nothing left for the umask to take away
+    try:
+        assert restore(store, sqlite_index, fp, root, bundle_id=evil).status == "hit"
+    finally:
+        os.umask(old_umask)
+    got = stat.S_IMODE((root / "inductor/ab/kernel.so").stat().st_mode)
+    assert got == mode & 0o755, oct(got)
 
 
 def test_tmp_link_outside_is_refused_even_without_a_header_layer(tmp_path, bundle, store, sqlite_index, fp):
