@@ -79,10 +79,22 @@ def distinct(entries: Iterable[Entry]) -> list[Entry]:
     return list(firsts.values())
 
 
+def pack_extents(entries: Iterable[Entry]) -> dict[str, int]:
+    """Per pack, the largest offset+length `entries` name in it: how far into it a restore reads."""
+    extents: dict[str, int] = {}
+    for entry in entries:
+        extents[entry.pack] = max(extents.get(entry.pack, 0), entry.offset + entry.length)
+    return extents
+
+
 def plan_ranges(entries: Iterable[Entry]) -> list[Range]:
-    """One read per run of nearby blobs in a pack; each blob once, however many paths use it."""
+    """One read per run of nearby blobs in a pack; each stored copy (pack, offset) once, however
+    many paths name it. Restore passes one entry a blob (`distinct`); verify passes every copy."""
+    copies: dict[tuple[str, int, str], Entry] = {}
+    for entry in entries:
+        copies.setdefault((entry.pack, entry.offset, entry.blob), entry)
     by_pack: dict[str, list[Entry]] = defaultdict(list)
-    for entry in distinct(entries):
+    for entry in copies.values():
         by_pack[entry.pack].append(entry)
     ranges: list[Range] = []
     for pack, items in by_pack.items():
@@ -119,6 +131,9 @@ def fetch_blobs(
     Every pack read goes through `open_pack`.
     """
     blobs = distinct(entries)
+    announce = getattr(store, "expect_reads", None)  # the node cache sizes its fills by it
+    if callable(announce):
+        announce(pack_extents(blobs))
     stop = threading.Event()
     halt = lambda: stop.is_set() or cancelled()
     meter = meter or Meter("fetching", files=0, bytes=0)

@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kcache import choice
+from kcache import choice, fetch
 from kcache.errors import KcacheError
 from kcache.fingerprint import Fingerprint
 from kcache.store import Store
@@ -74,11 +74,12 @@ def _one(store, index, cache, target: Target, policy, jobs: int, stop: threading
     if isinstance(chosen, str):
         return Prefetched(target.name, fp.bundle_key, "miss", reason=chosen)
     manifest, _signer = choice.read_manifest(store, chosen, fp, policy)
-    packs = sorted({entry.pack for entry in manifest.entries})
+    needs = fetch.pack_extents(manifest.entries)
+    packs = sorted(needs)
     started = time.perf_counter()
 
     def warm(pack_id: str):
-        return None if stop.is_set() else cache.warm(pack_id)
+        return None if stop.is_set() else cache.warm(pack_id, needs[pack_id])
 
     with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="kcache-prefetch") as pool:
         warmed = list(pool.map(warm, packs))

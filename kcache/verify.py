@@ -2,8 +2,9 @@
 
 Without --read-data, each pack a manifest names must exist and be long enough for every blob
 range in it (one listing of packs/, no data read). With --read-data, every blob is fetched the
-way restore fetches it and re-hashed; `--subset n/t` reads only the packs whose id falls in the
-n-th of t slices, so a large store can be checked a slice a night.
+way restore fetches it and re-hashed, each copy in each pack that holds it; `--subset n/t` reads
+only the packs whose id falls in the n-th of t slices, so a large store can be checked a slice a
+night.
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ def verify(
     problems: list[str] = []
     sizes = {info.key.rsplit("/", 1)[-1]: info.size for info in store.list("packs/")}
     bundles = lifecycle.all_bundles(index)
-    to_read: dict[str, manifests.Entry] = {}
+    # Every stored copy, not every blob: restore of a bundle reads the copy in the pack its manifest
+    # names, so a bad copy fails that bundle even where another pack holds the blob intact.
+    to_read: dict[tuple[str, str, int], manifests.Entry] = {}
     for bundle in bundles:
         try:
             manifest = manifests.fetch(store, bundle.id)
@@ -82,7 +85,7 @@ def verify(
             elif entry.offset + entry.length > size:
                 problems.append(f"bundle {bundle.id[:12]}: {entry.path}: pack {entry.pack[:12]} is too short")
             elif read_data and in_subset(entry.pack, subset):
-                to_read.setdefault(entry.blob, entry)
+                to_read.setdefault((entry.blob, entry.pack, entry.offset), entry)
     read = _read_all(store, list(to_read.values()), jobs, problems, report) if read_data else (0, 0)
     packs = len({e.pack for e in to_read.values()}) if read_data else len(sizes)
     return VerifyResult(len(bundles), packs, read[0], read[1], tuple(dict.fromkeys(problems)))
@@ -100,7 +103,7 @@ def _read_all(store: Store, entries: list[manifests.Entry], jobs: int, problems:
             unpack_frame(frame, entry.blob, entry.size, _Discard())
         except KcacheError as exc:
             with lock:
-                problems.append(f"{entry.path}: {exc}")
+                problems.append(f"pack {entry.pack[:12]}: {entry.path}: {exc}")
             return
         finally:
             meter.add(files=1, bytes=entry.size)  # checked, good or bad

@@ -9,6 +9,7 @@ from trees import read_tree, write_tree
 
 from kcache import fingerprint, refs, sources
 from kcache.cli import main
+from kcache.errors import IntegrityError
 from kcache.publish import publish
 from kcache.restore import restore
 from kcache.verify import in_subset, parse_subset, verify
@@ -67,6 +68,39 @@ def test_verify_finds_missing_and_corrupt_packs(tmp_path, store, sqlite_index, f
     missing = verify(store, sqlite_index)
     assert missing.problems and all("missing" in p for p in missing.problems)
 
+
+
+@pytest.mark.parametrize("victim", ["a", "b"])
+def test_verify_reads_every_copy_of_a_blob(tmp_path, store, fp, victim):
+    """Two publishers that never saw each other's index pack the same file twice: a corrupt copy is
+    found whichever pack it is in, since restore of the bundle naming that pack would fail."""
+    from kcache import manifest as manifests
+    from kcache.index import Index
+    from kcache.reindex import reindex
+    from kcache.store import pack_key
+
+    same = {"inductor/k.so": os.urandom(5000)}
+    models = {}
+    for model in ("a", "b"):
+        models[model] = fingerprint.compute({**fp.facts, "model.id": model})
+        _publish(tmp_path, store, Index.open(f"sqlite:///{tmp_path / model}.db"), models[model], same, model)
+    index = Index.open(f"sqlite:///{tmp_path / 'all.db'}")
+    reindex(store, index)
+    assert len(list(store.list("packs/"))) == 2
+    clean = verify(store, index, read_data=True)
+    assert clean.problems == () and clean.blobs_read == 2 and clean.packs == 2
+
+    parsed = [manifests.parse(store.get_bytes(i.key), i.key.rsplit("/", 1)[-1]) for i in store.list("manifests/")]
+    (entry,) = next(m for m in parsed if m.facts["model.id"] == victim).entries
+    path = store.root / pack_key(entry.pack)
+    data = bytearray(path.read_bytes())
+    data[entry.offset + entry.length // 2] ^= 0xFF
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(data))
+    damaged = verify(store, index, read_data=True)
+    assert damaged.blobs_read == 1 and len(damaged.problems) == 1 and entry.pack[:12] in damaged.problems[0]
+    with pytest.raises(IntegrityError):  # what verify warned of
+        restore(store, index, models[victim], tmp_path / "r")
 
 def test_subsets_partition_the_packs():
     ids = [f"{i:08x}" + "0" * 56 for i in range(0, 2**32, 2**32 // 97)]

@@ -20,6 +20,11 @@ Rules, because many pods on a node restore at once and DIR outlives every one of
 - One fetch per pack per node: the first reader takes the pack's lock exclusively and downloads it;
   the others wait on the lock (until `wait` seconds after the wrapper was made, then they read
   the store directly) and read the cached file.
+- A fill reads no more than the pack can be: at most `fill_limit(need)` bytes, where `need` is the
+  largest offset+length its reader will read from it (restore announces every pack's through
+  `expect_reads`, prefetch passes it to `warm`; else the range asked for). A store object larger
+  than that is not the pack the (signed) manifest names, only padding that would fail its hash:
+  it is refused before anything is evicted or written, and read from the store range by range.
 - Size cap `max_bytes` (KCACHE_NODE_CACHE_MAX_BYTES): before a fill, the least recently used packs
   go first. Use is the file's mtime, set on every read, because atime is off on most node disks
   (noatime). A pack someone holds a lock on (a reader or a filler) is never evicted, so the cap
@@ -43,6 +48,7 @@ from typing import BinaryIO
 
 from kcache import atomic, filelock, sizes
 from kcache.errors import IntegrityError, KcacheError, RootError, StoreError
+from kcache.packs import TARGET_PACK_BYTES
 from kcache.store.base import ObjectInfo
 from kcache.streams import GuardedReader, Resumable, Window
 
@@ -53,6 +59,17 @@ DEFAULT_MAX_BYTES = 32 * 1024**3
 _PACK_KEY = re.compile(r"packs/([0-9a-f]{2})/([0-9a-f]{64})\Z")
 _TEMP = re.compile(r"\.tmp-([0-9a-f]{64})-")
 _CHUNK = 1024 * 1024
+# How far a pack may reach past the last byte its bundle names. A pack shared by small files holds
+# at most TARGET_PACK_BYTES of content (a few % more once compressed, with frame headers), and a
+# later bundle may name only its first blobs; a large file's pack holds that file alone, but its
+# trailer (~100 bytes a blob) and a publisher's salt blob follow it.
+_SHARED_PACK_BOUND = TARGET_PACK_BYTES + TARGET_PACK_BYTES // 16
+_TAIL_SLACK = 8 * 1024 * 1024
+
+
+def fill_limit(need: int) -> int:
+    """The largest store object a fill accepts as the pack a reader needs `need` bytes of."""
+    return max(need, _SHARED_PACK_BOUND) + _TAIL_SLACK
 
 
 def max_bytes_from_env(env=None) -> int:
@@ -87,6 +104,7 @@ class NodeCacheStore:
         self._mutexes: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._guard = threading.Lock()
         self._fetched: set[str] = set()  # packs this wrapper downloaded, so `warm` can tell a fetch from a hit
+        self._needs: dict[str, int] = {}  # pack id -> the largest offset+length a reader announced
         self._warned = False
 
     # ---- the Store protocol: packs from the node cache, everything else from the store -----------
@@ -95,8 +113,10 @@ class NodeCacheStore:
         pack_id = _pack_id(key)
         held = None
         if pack_id is not None:
+            with self._guard:
+                need = max(self._needs.get(pack_id, 0), offset + length)
             try:
-                held = self._open_cached(pack_id, key)
+                held = self._open_cached(pack_id, key, need)
             except StoreError:
                 pass  # the store's own failure: the read below meets it again and reports it
             except (OSError, KcacheError) as exc:
@@ -139,17 +159,25 @@ class NodeCacheStore:
     def put_if(self, key: str, data: bytes, version: str | None) -> bool:
         return self.inner.put_if(key, data, version)
 
-    # ---- what prefetch uses ----------------------------------------------------------------------
+    # ---- what restore and prefetch use --------------------------------------------------------------
 
-    def warm(self, pack_id: str) -> Warmed:
-        """Make sure the pack is cached and verified; its use time becomes now.
+    def expect_reads(self, needs: dict[str, int]) -> None:
+        """Announce, per pack id, the largest offset+length about to be read (kcache.fetch does, from
+        the manifest): a fill then accepts the pack up to `fill_limit` of that, not of one range."""
+        with self._guard:
+            for pack_id, need in needs.items():
+                self._needs[pack_id] = max(need, self._needs.get(pack_id, 0))
+
+    def warm(self, pack_id: str, need: int = 0) -> Warmed:
+        """Make sure the pack is cached and verified; its use time becomes now. `need`: the largest
+        offset+length the bundle names in it (a store object past `fill_limit(need)` is refused).
         Raises StoreError/ObjectMissing/IntegrityError from the store, RootError for DIR."""
         key = f"packs/{pack_id[:2]}/{pack_id}"
         if _pack_id(key) is None:
             raise IntegrityError("pack", pack_id, "is not a SHA-256 hex digest")
         self._fetched.discard(pack_id)
         try:
-            held = self._open_cached(pack_id, key)
+            held = self._open_cached(pack_id, key, need)
         except OSError as exc:
             raise self._root_error(exc) from None
         if held is None:
@@ -185,7 +213,7 @@ class NodeCacheStore:
     def _lock_path(self, pack_id: str) -> Path:
         return self.directory / "packs" / pack_id[:2] / f".lock-{pack_id}"
 
-    def _open_cached(self, pack_id: str, key: str) -> _Held | None:
+    def _open_cached(self, pack_id: str, key: str, need: int) -> _Held | None:
         """The cached pack, open and verified, holding its shared lock; None: read the store instead.
 
         Threads of this process take the pack's mutex before any file lock: a thread must never
@@ -206,7 +234,7 @@ class NodeCacheStore:
                 if isinstance(found, _Held):
                     return found
                 lock.release()
-                if not self._fill(pack_id, key, bad=found):
+                if not self._fill(pack_id, key, found, need):
                     return None
             return None
         finally:
@@ -231,8 +259,9 @@ class NodeCacheStore:
         _touch(path)
         return _Held(f, lock)
 
-    def _fill(self, pack_id: str, key: str, bad: os.stat_result | None) -> bool:
-        """Fetch the pack into the cache under its exclusive lock. False: leave it to the store."""
+    def _fill(self, pack_id: str, key: str, bad: os.stat_result | None, need: int) -> bool:
+        """Fetch the pack into the cache under its exclusive lock. False: leave it to the store.
+        IntegrityError: the store's object is larger than the pack can be (see `fill_limit`)."""
         lock = filelock.acquire(self._lock_path(pack_id), filelock.EXCLUSIVE, self._deadline)
         if lock is None:
             log.info("node cache: waited too long for pack %s; reading it from the store", pack_id[:12])
@@ -248,6 +277,9 @@ class NodeCacheStore:
             if now is not None:
                 path.unlink()
             size = self.inner.size(key)
+            if size > fill_limit(need):  # before any eviction: padding must not cost the node its packs
+                raise IntegrityError("pack", pack_id, f"is {size} bytes in {self.inner.url}, more than the "
+                                     f"{fill_limit(need)} a pack its readers need {need} bytes of can be")  # fmt: skip
             if size > self.max_bytes:
                 log.info("node cache: pack %s (%d bytes) is larger than the cap; not cached", pack_id[:12], size)
                 return False

@@ -147,6 +147,88 @@ def test_a_pack_over_the_cap_is_read_from_the_store(tmp_path, backing):
     assert not cached_path(node, pack_id).exists()
 
 
+
+MiB = 1024 * KiB
+PADDED = 64 * MiB  # past any pack its bundle's 50 KiB could be in, well under the cap
+
+
+def pad(backing, pack_id: str, size: int) -> None:
+    """What a store writer can do: grow the object, junk after the real pack."""
+    path = backing.inner.root / pack_key(pack_id)
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.truncate(size)  # sparse: costs no disk here
+
+
+@pytest.mark.parametrize("how", ["read-as-restore", "read-without-hint", "warm-as-prefetch"])
+def test_a_padded_pack_is_refused_unread_and_evicts_nothing(tmp_path, backing, how):
+    """The fill sizes a pack by what its bundle needs, not by the store's object: a pack padded to
+    just under the cap would evict every other pack and then fail its hash, on every pod."""
+    node = tmp_path / "node"
+    cache = NodeCacheStore(backing, node, max_bytes=PADDED + 64 * KiB)
+    kept = put_pack(backing, os.urandom(100 * KiB))
+    cache.warm(kept)
+    data = os.urandom(50 * KiB)
+    padded = put_pack(backing, data)
+    pad(backing, padded, PADDED)
+    before = backing.read["packs"]
+    if how == "warm-as-prefetch":
+        with pytest.raises(IntegrityError, match="more than"):
+            cache.warm(padded, need=len(data))
+    else:
+        if how == "read-as-restore":
+            cache.expect_reads({padded: len(data)})
+        assert read(cache, padded, 0, 1000) == data[:1000]  # from the store
+    assert backing.read["packs"] - before <= 1000  # the padding was never downloaded
+    assert cached_path(node, kept).exists()
+    assert sorted(p.name for p in node.rglob("*") if p.is_file() and padded in p.name) in ([], [f".lock-{padded}"])
+
+
+def test_a_large_pack_read_from_its_start_is_cached_when_its_bundle_needs_it_whole(tmp_path, backing):
+    """The hint restore gives (the largest offset+length it will read from each pack) is what lets a
+    pack larger than the slack for unnamed blobs be cached at all."""
+    data = b"\0" * (48 * MiB)  # one large file's pack
+    pack_id = put_pack(backing, data)
+    node = tmp_path / "node"
+    assert read(NodeCacheStore(backing, node), pack_id, 0, 10) == data[:10]
+    assert not cached_path(node, pack_id).exists()  # 10 bytes asked for: 48 MiB is more than a pack's slack
+    cache = NodeCacheStore(backing, node)
+    cache.expect_reads({pack_id: len(data) - 100})  # the trailer lies past the last blob
+    assert read(cache, pack_id, 0, 10) == data[:10]
+    assert cached_path(node, pack_id).stat().st_size == len(data)
+
+
+def test_restore_through_the_node_cache_keeps_other_packs_when_a_pack_is_padded(tmp_path, store, sqlite_index):
+    """The reviewer's case end to end: restore hits, the node keeps what it had, no junk is written."""
+    from fixed_facts import FACTS
+    from trees import write_tree
+
+    from kcache import fingerprint, sources
+    from kcache import manifest as manifests
+    from kcache.publish import publish
+    from kcache.restore import restore
+    from kcache.store import manifest_key
+
+    def packs_of(bundle_id: str) -> set[str]:
+        return {e.pack for e in manifests.parse(store.get_bytes(manifest_key(bundle_id)), bundle_id).entries}
+
+    backing = CountingStore(store)
+    node = tmp_path / "node"
+    published = {}
+    for model in ("a", "b"):
+        fp = fingerprint.compute({**FACTS, "model.id": model})
+        write_tree(tmp_path / model, {f"inductor/{model}": os.urandom(4096)})
+        published[model] = (fp, packs_of(publish(store, sqlite_index, fp, sources.select(), root=tmp_path / model,
+                                                 env={}).bundle_id))  # fmt: skip
+    restore(NodeCacheStore(backing, node, max_bytes=PADDED + MiB), sqlite_index, published["a"][0], tmp_path / "ra")
+    (padded,) = published["b"][1]
+    pad(backing, padded, PADDED)
+    before = backing.read["packs"]
+    result = restore(NodeCacheStore(backing, node, max_bytes=PADDED), sqlite_index, published["b"][0], tmp_path / "rb")
+    assert result.status == "hit"
+    assert {p.name for p in (node / "packs").rglob("*") if p.is_file() and "." not in p.name} == published["a"][1]
+    assert backing.read["packs"] - before < 64 * KiB  # B's blobs by their range, none of the padding
+
 def test_temp_files_of_killed_fills_are_removed(tmp_path, backing):
     pack_id = put_pack(backing, os.urandom(10 * KiB))
     node = tmp_path / "node"
