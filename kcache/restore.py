@@ -95,6 +95,7 @@ class _Budget:
     expired: bool = False
     swapping: bool = False
     staging: Path | None = None  # removed by the caller on expiry: a hung worker may never return
+    deadline: float | None = None  # time.monotonic(): when the pod's budget ends
 
 
 class Catalog(Protocol):
@@ -162,7 +163,7 @@ def restore_opening(
     root = Path(root).absolute()
     rootdir.prepare(root)
     with rootdir.locked(root, timeout, deadline), _room_for_outcome(root):
-        rootdir.remove_staging(root)
+        rootdir.remove_staging(root, deadline)  # what does not go in time waits for the next restore
         opened: list[Opened] = []  # filled by the worker, read here: what the error path may use
 
         def work(budget: _Budget) -> RestoreResult:
@@ -257,7 +258,7 @@ def _root_error(root: Path, exc: OSError) -> RootError:
 
 
 def _within(timeout: float | None, deadline: float | None, work) -> RestoreResult:
-    budget = _Budget()
+    budget = _Budget(deadline=deadline)
     if deadline is None:
         return work(budget)
     box: dict = {}
@@ -274,8 +275,8 @@ def _within(timeout: float | None, deadline: float | None, work) -> RestoreResul
     with budget.lock:
         if worker.is_alive() and not budget.swapping:
             budget.expired = True
-            if budget.staging is not None:
-                shutil.rmtree(budget.staging, ignore_errors=True)
+            if budget.staging is not None:  # the next restore deletes what is left when we exit
+                rootdir.delete_in_background(budget.staging)
             raise RestoreTimeout(timeout or 0.0)
     worker.join()  # the swap had begun: it is a few renames, let it finish
     if "error" in box:
@@ -401,8 +402,8 @@ def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jo
                 raise fetch.Cancelled()
             budget.swapping = True
         _swap(root, staging, sources)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    finally:  # the previous layers are in staging now: as much of them as the budget allows
+        rootdir.delete_until(staging, budget.deadline)
 
 
 def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path, jobs: int, budget: _Budget,

@@ -15,11 +15,13 @@ is ever group- or world-writable, shared or not, whatever mode its manifest row 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
 import shutil
 import stat
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -46,10 +48,43 @@ def prepare(root: Path) -> None:
         raise RootError(str(root), f"cannot be created: {exc.strerror}") from None
 
 
-def remove_staging(root: Path) -> None:
-    """Under ROOT's lock every staging directory is a leftover of a restore that was killed."""
-    for stale in root.glob(STAGING_PREFIX + "*"):
-        shutil.rmtree(stale, ignore_errors=True)
+def remove_staging(root: Path, deadline: float | None = None) -> bool:
+    """Under ROOT's lock every staging directory is a leftover: of a restore that was killed, or of
+    one whose budget ran out while it deleted (the previous layers go into its staging directory).
+    Deleted until `deadline` (see delete_until); True when none is left."""
+    return all(delete_until(stale, deadline) for stale in sorted(root.glob(STAGING_PREFIX + "*")))
+
+
+_now = time.monotonic  # the clock deadlines are read on
+
+
+def delete_until(path: Path, deadline: float | None) -> bool:
+    """rm -rf `path`, waiting for it until `deadline` (time.monotonic) at most; True when it is gone.
+
+    A layer being replaced can be a hundred thousand files, and the budget is the pod's: past the
+    deadline the deletion goes on in a daemon thread for as long as the process lives, and the
+    next restore's remove_staging deletes what is left. A link is removed, never followed.
+    """
+    if os.path.islink(path) or not os.path.isdir(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return True
+    if deadline is None:
+        shutil.rmtree(path, ignore_errors=True)
+        return not os.path.lexists(path)
+    left = deadline - _now()
+    if left <= 0:
+        return False
+    delete_in_background(path).join(left)
+    return not os.path.lexists(path)
+
+
+def delete_in_background(path: Path) -> threading.Thread:
+    """rm -rf `path` on a daemon thread (it ends with the process, whatever is left)."""
+    worker = threading.Thread(target=shutil.rmtree, args=(path,), kwargs={"ignore_errors": True}, daemon=True,
+                              name="kcache-delete")  # fmt: skip
+    worker.start()
+    return worker
 
 
 def group_shared(root: Path) -> bool:

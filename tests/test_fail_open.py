@@ -24,6 +24,7 @@ from kcache import envfile, sources
 from kcache.cli import main
 from kcache.readiness import check
 from kcache.restore import read_state
+from kcache.rootdir import STAGING_PREFIX
 from kcache.store import ref_key
 from kcache.store.local import LocalStore
 
@@ -258,3 +259,41 @@ def test_a_bad_kcache_run_as_still_leaves_kcache_env(tmp_path, store, sqlite_ind
         restore(store, sqlite_index, fp, root)
     assert "TORCHINDUCTOR_CACHE_DIR" in (root / envfile.NAME).read_text()
     assert read_state(root)["status"] == "error"
+
+
+def test_cleanup_stops_at_the_budget_and_the_next_restore_finishes_it(tmp_path, store, sqlite_index, fp, monkeypatch):
+    """Deleting the previous layers and a killed restore's leftovers is bounded by --timeout: a
+    restore past its deadline leaves the rest behind (out of the layers' way) for the next one."""
+    from kcache import rootdir
+    from kcache.restore import restore
+
+    _published(tmp_path, store, sqlite_index, fp)
+    root = tmp_path / "root"
+    leftover = root / f"{STAGING_PREFIX}1-killed" / "files/inductor"
+    for d in range(3):
+        (leftover / f"d{d}").mkdir(parents=True)
+        (leftover / f"d{d}/f").write_bytes(b"x")
+    (root / "inductor").mkdir()
+    (root / "inductor/old.py").write_bytes(b"previous bundle")
+    monkeypatch.setattr(rootdir, "_now", lambda: float("inf"))  # every deadline has passed
+    result = restore(store, sqlite_index, fp, root, timeout=60)
+    assert result.status == "hit" and (root / "inductor/k.py").read_bytes() == b"kernel"
+    assert not (root / "inductor/old.py").exists()
+    left = sorted(p.name for p in root.glob(STAGING_PREFIX + "*"))
+    assert left and read_state(root)["status"] == "hit"
+    monkeypatch.undo()
+    assert restore(store, sqlite_index, fp, root, timeout=60).status == "hit"
+    assert not list(root.glob(STAGING_PREFIX + "*"))
+
+
+def test_cleanup_without_a_budget_removes_everything(tmp_path):
+    from kcache import rootdir
+
+    stale = tmp_path / f"{STAGING_PREFIX}1-killed"
+    (stale / "a/b").mkdir(parents=True)
+    (stale / "a/b/f").write_bytes(b"x")
+    (stale / "link").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere/keep").write_bytes(b"not ours")
+    rootdir.remove_staging(tmp_path)
+    assert not stale.exists() and (tmp_path / "elsewhere/keep").read_bytes() == b"not ours"
