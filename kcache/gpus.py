@@ -13,7 +13,15 @@ CUDA_VISIBLE_DEVICES, as the CUDA runtime reads it: unset means every device; an
 means none; otherwise a comma-separated list of indices, `GPU-<uuid>` (a unique prefix is
 enough) or `MIG-<uuid>` (or the older `MIG-<GPU uuid>/<gi>/<ci>`) entries, and the list ends at
 the first entry that names no device (or one already named): "0,2,-1,1" is devices 0 and 2.
-MIG instances are visible only when named (nvidia-smi, the fallback, lists none).
+
+MIG: a GPU in MIG mode is no CUDA device; its instances are, and a process uses only the first
+MIG instance it is given (a MIG pod in Kubernetes, CUDA_VISIBLE_DEVICES unset, sees the parent and
+its own instance in NVML, and torch counts one device named "<GPU> MIG 1g.5gb"). So unset means the
+GPUs not in MIG mode plus the first instance NVML lists; later `MIG-` entries are ignored; an index
+or `GPU-` entry naming a GPU in MIG mode is refused (name the instance). An instance keeps its own
+name (its profile) and its parent's SM. On a node mixing MIG and whole GPUs, where CUDA's numbering
+is not measured here, indices count NVML's GPUs, those in MIG mode included.
+
 Indices count in CUDA_DEVICE_ORDER: PCI_BUS_ID is NVML's order. The default,
 FASTEST_FIRST, puts a heuristic's fastest device first and leaves the rest "unspecified": on a
 node whose devices are all alike that is the same facts in any order; on a mixed node kcache keys
@@ -25,6 +33,7 @@ CUDA_DEVICE_ORDER=PCI_BUS_ID).
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -46,6 +55,7 @@ class Device:
     sm: str  # "sm_90"
     parent: str | None = None
     legacy_id: str | None = None  # a MIG instance's pre-R470 name, "MIG-<GPU uuid>/<gi>/<ci>"
+    mig_mode: bool = False  # a whole GPU with MIG on: CUDA sees its instances, never the GPU itself
 
 
 @dataclass(frozen=True)
@@ -58,26 +68,38 @@ class Reading:
 
 def visible(devices: Sequence[Device], env: Mapping[str, str]) -> tuple[Device, ...]:
     """The devices CUDA would enumerate, in its order."""
+    in_mig = {d.parent for d in devices if d.parent is not None} | {d.uuid for d in devices if d.mig_mode}
     whole = [d for d in devices if d.parent is None]
     spec = env.get("CUDA_VISIBLE_DEVICES")
-    ordered = _cuda_order(whole, env)
     if spec is None:
-        return tuple(ordered if ordered is not None else sorted(whole, key=lambda d: (d.name, d.sm, d.uuid)))
+        cuda = [d for d in devices if d.uuid not in in_mig and (d.parent is None or d is _first_mig(devices))]
+        ordered = _cuda_order(cuda, env)
+        return tuple(ordered if ordered is not None else sorted(cuda, key=lambda d: (d.name, d.sm, d.uuid)))
+    ordered = _cuda_order(whole, env)
     chosen: list[Device] = []
     for entry in (e.strip() for e in spec.split(",")) if spec.strip() else ():
         device = _lookup(entry, whole, devices, ordered, env)
         if device is None or device in chosen:
             break  # CUDA stops at the first entry it cannot use
-        chosen.append(device)
+        if device.uuid in in_mig:
+            why = (f"names GPU {device.uuid}, which is in MIG mode and so no CUDA device; "
+                   "name its MIG instance by its MIG- uuid (nvidia-smi -L) or leave the variable unset")  # fmt: skip
+            raise ConfigError("CUDA_VISIBLE_DEVICES", spec, why)
+        if device.parent is None or _first_mig(chosen) is None:
+            chosen.append(device)  # CUDA uses the first MIG instance it is given and ignores the others
     return tuple(chosen)
 
 
-def _cuda_order(whole: list[Device], env: Mapping[str, str]) -> list[Device] | None:
+def _first_mig(devices: Sequence[Device]) -> Device | None:
+    return next((d for d in devices if d.parent is not None), None)
+
+
+def _cuda_order(cuda: list[Device], env: Mapping[str, str]) -> list[Device] | None:
     """Devices by CUDA index, or None when CUDA's numbering cannot be known (see the module doc)."""
     if env.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST") == "PCI_BUS_ID":
-        return whole
-    if len({(d.name, d.sm) for d in whole}) <= 1:
-        return whole
+        return cuda
+    if len({(d.name, d.sm) for d in cuda}) <= 1:
+        return cuda
     return None
 
 
@@ -148,39 +170,64 @@ def _read_nvml() -> Reading | None:
 
 
 def _nvml_device(pynvml, handle) -> list[Device]:
-    """A GPU, followed by its MIG instances when MIG mode is on."""
+    """A GPU, followed by the MIG instances NVML shows this process when MIG mode is on."""
     major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
-    gpu = Device(_text(pynvml.nvmlDeviceGetUUID(handle)), _text(pynvml.nvmlDeviceGetName(handle)), f"sm_{major}{minor}")
-    found = [gpu]
+    uuid, name = _text(pynvml.nvmlDeviceGetUUID(handle)), _text(pynvml.nvmlDeviceGetName(handle))
+    sm = f"sm_{major}{minor}"
     try:
-        if pynvml.nvmlDeviceGetMigMode(handle)[0] != 1:
-            return found
-        for slot in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
-            try:
-                mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
-            except pynvml.NVMLError:
-                continue  # an empty slot
-            gi, ci = pynvml.nvmlDeviceGetGpuInstanceId(mig), pynvml.nvmlDeviceGetComputeInstanceId(mig)
-            legacy = f"MIG-{gpu.uuid}/{gi}/{ci}"
-            found.append(Device(_text(pynvml.nvmlDeviceGetUUID(mig)), _text(pynvml.nvmlDeviceGetName(mig)),
-                                gpu.sm, gpu.uuid, legacy))  # fmt: skip
+        mig_mode = pynvml.nvmlDeviceGetMigMode(handle)[0] == 1  # [current, pending]; 1 is NVML_DEVICE_MIG_ENABLE
     except pynvml.NVMLError:  # no MIG support on this GPU
-        pass
+        mig_mode = False
+    found = [Device(uuid, name, sm, mig_mode=mig_mode)]
+    if not mig_mode:
+        return found
+    for slot in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+        try:
+            mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+        except pynvml.NVMLError:
+            continue  # an empty slot, or an instance another pod was given
+        gi, ci = pynvml.nvmlDeviceGetGpuInstanceId(mig), pynvml.nvmlDeviceGetComputeInstanceId(mig)
+        # An instance's own name carries its profile ("... MIG 1g.5gb"), as torch's device name does;
+        # it runs on its parent's SM architecture.
+        found.append(Device(_text(pynvml.nvmlDeviceGetUUID(mig)), _text(pynvml.nvmlDeviceGetName(mig)), sm, uuid,
+                            f"MIG-{uuid}/{gi}/{ci}"))  # fmt: skip
     return found
 
 
 def _read_nvidia_smi() -> Reading | None:
-    """Whole GPUs only (nvidia-smi's index order is NVML's); MIG instances need NVML."""
+    """GPUs with their MIG mode from --query-gpu, MIG instances from -L (nvidia-smi's order is NVML's)."""
     smi = shutil.which("nvidia-smi")
     if not smi:
         return None
-    query = [smi, "--query-gpu=uuid,name,compute_cap,driver_version", "--format=csv,noheader"]
+    query = [smi, "--query-gpu=uuid,name,compute_cap,driver_version,mig.mode.current", "--format=csv,noheader"]
     try:
         out = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True).stdout
+        listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
-    if not rows or any(len(row) != 4 for row in rows):
+    return _parse_nvidia_smi(out, listing)
+
+
+_SMI_GPU = re.compile(r"^GPU \d+: .*\(UUID: (GPU-[^)\s]+)\)")
+_SMI_MIG = re.compile(r"^\s+(MIG \S+)\s+Device\s+\d+: \(UUID: (MIG-[^)\s]+)\)")
+
+
+def _parse_nvidia_smi(query: str, listing: str) -> Reading | None:
+    rows = [[c.strip() for c in line.split(",")] for line in query.splitlines() if line.strip()]
+    if not rows or any(len(row) != 5 for row in rows):
         return None
-    devices = tuple(Device(uuid, name, "sm_" + cap.replace(".", "")) for uuid, name, cap, _ in rows)
-    return Reading(devices, rows[0][3])
+    instances: dict[str, list[tuple[str, str]]] = {}  # GPU uuid -> [(profile, MIG uuid)]
+    parent = None
+    for line in listing.splitlines():
+        if gpu := _SMI_GPU.match(line):
+            parent = gpu.group(1)
+        elif (mig := _SMI_MIG.match(line)) and parent is not None:
+            instances.setdefault(parent, []).append((mig.group(1), mig.group(2)))
+    devices: list[Device] = []
+    for uuid, name, cap, _, mode in rows:
+        sm = "sm_" + cap.replace(".", "")
+        devices.append(Device(uuid, name, sm, mig_mode=mode == "Enabled"))
+        for profile, mig_uuid in instances.get(uuid, []) if mode == "Enabled" else ():
+            legacy = mig_uuid if "/" in mig_uuid else None  # drivers before R470 name instances MIG-<GPU uuid>/gi/ci
+            devices.append(Device(mig_uuid, f"{name} {profile}", sm, uuid, legacy))
+    return Reading(tuple(devices), rows[0][3])

@@ -13,6 +13,11 @@ MIXED = [H100[0], A10, H100[1]]  # NVML (PCI bus) order
 MIG = gpus.Device(
     "MIG-cccc0-0000", "NVIDIA H100 80GB HBM3 MIG 1g.10gb", "sm_90", H100[0].uuid, f"MIG-{H100[0].uuid}/7/0"
 )
+H100_MIG = gpus.Device(H100[0].uuid, H100[0].name, "sm_90", mig_mode=True)
+A100 = gpus.Device("GPU-dddd0-0000", "NVIDIA A100-SXM4-40GB", "sm_80")
+A100_MIG = gpus.Device(A100.uuid, A100.name, A100.sm, mig_mode=True)  # MIG mode on: not itself a CUDA device
+A100_1G = gpus.Device("MIG-eeee0-0000", "NVIDIA A100-SXM4-40GB MIG 1g.5gb", "sm_80", A100.uuid, f"MIG-{A100.uuid}/7/0")
+A100_3G = gpus.Device("MIG-eeee1-0000", "NVIDIA A100-SXM4-40GB MIG 3g.20gb", "sm_80", A100.uuid, f"MIG-{A100.uuid}/2/0")
 PCI = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
@@ -60,11 +65,105 @@ def test_the_list_ends_at_the_first_unusable_entry():
 
 
 def test_mig_instances_are_named_by_uuid():
-    got = facts([H100[0], MIG, H100[1]], {"CUDA_VISIBLE_DEVICES": "MIG-cccc0-0000"})
+    got = facts([H100_MIG, MIG, H100[1]], {"CUDA_VISIBLE_DEVICES": "MIG-cccc0-0000"})
     assert got["gpu.name"] == "NVIDIA H100 80GB HBM3 MIG 1g.10gb" and got["gpu.count"] == "1"
-    assert gpus.visible([H100[0], MIG], {}) == (H100[0],)  # instances only when named
-    assert gpus.visible([H100[0], MIG], {"CUDA_VISIBLE_DEVICES": f"MIG-{H100[0].uuid}/7/0"}) == (MIG,)
-    assert gpus.visible([H100[0], MIG], {"CUDA_VISIBLE_DEVICES": f"MIG-{H100[0].uuid}/1/0"}) == ()
+    assert gpus.visible([H100_MIG, MIG], {"CUDA_VISIBLE_DEVICES": f"MIG-{H100[0].uuid}/7/0"}) == (MIG,)
+    assert gpus.visible([H100_MIG, MIG], {"CUDA_VISIBLE_DEVICES": f"MIG-{H100[0].uuid}/1/0"}) == ()
+
+
+def test_a_mig_pod_is_keyed_as_its_instance_not_the_whole_gpu():
+    # Kubernetes leaves CUDA_VISIBLE_DEVICES unset; NVML lists the parent and the pod's instance.
+    slice_1g, slice_3g, whole = (facts(node, {}) for node in ([A100_MIG, A100_1G], [A100_MIG, A100_3G], [A100]))
+    assert slice_1g == {"gpu.name": "NVIDIA A100-SXM4-40GB MIG 1g.5gb", "gpu.sm": "sm_80", "gpu.count": "1",
+                        "gpu.driver": "570.124.06"}  # fmt: skip
+    assert slice_3g["gpu.name"] == "NVIDIA A100-SXM4-40GB MIG 3g.20gb"
+    assert whole["gpu.name"] == "NVIDIA A100-SXM4-40GB" and len({str(slice_1g), str(slice_3g), str(whole)}) == 3
+
+
+def test_cuda_uses_only_the_first_mig_instance():
+    two = [A100_MIG, A100_1G, A100_3G]
+    assert gpus.visible(two, {}) == (A100_1G,)
+    assert gpus.visible(two, {"CUDA_VISIBLE_DEVICES": f"{A100_3G.uuid},{A100_1G.uuid}"}) == (A100_3G,)
+    assert facts(two, {"CUDA_VISIBLE_DEVICES": f"{A100_1G.uuid},{A100_3G.uuid}"})["gpu.count"] == "1"
+
+
+def test_a_gpu_in_mig_mode_is_no_cuda_device():
+    assert facts([A100_MIG], {})["gpu.count"] == "0"  # MIG on, no instance given to this pod
+    assert gpus.visible([A100_MIG, A100_1G, A10], PCI) == (A100_1G, A10)
+    assert gpus.visible([A100, A100_1G], {}) == (A100_1G,)  # an instance's parent is in MIG mode, flagged or not
+    for named in ("0", A100_MIG.uuid, "GPU-dddd"):
+        with pytest.raises(ConfigError, match="MIG-"):  # the hint: name the instance
+            gpus.visible([A100_MIG, A100_1G], {**PCI, "CUDA_VISIBLE_DEVICES": named})
+
+
+class FakeNvml:
+    """pynvml's calls over one GPU handle (a string); `slots` maps MIG slots to (uuid, name, gi, ci)."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, mig_mode, slots=None):
+        self.mig_mode, self.slots = mig_mode, slots or {}
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle):
+        return (8, 0)
+
+    def nvmlDeviceGetUUID(self, handle):
+        return A100.uuid.encode() if handle == "gpu" else self.slots[handle][0]
+
+    def nvmlDeviceGetName(self, handle):
+        return A100.name.encode() if handle == "gpu" else self.slots[handle][1]
+
+    def nvmlDeviceGetMigMode(self, handle):
+        if self.mig_mode is None:
+            raise self.NVMLError("Not Supported")
+        return [self.mig_mode, self.mig_mode]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle):
+        return 7
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle, slot):
+        if slot not in self.slots:
+            raise self.NVMLError("Not Found")
+        return slot
+
+    def nvmlDeviceGetGpuInstanceId(self, mig):
+        return self.slots[mig][2]
+
+    def nvmlDeviceGetComputeInstanceId(self, mig):
+        return self.slots[mig][3]
+
+
+def test_nvml_reads_mig_mode_and_the_instances_by_their_own_names():
+    nvml = FakeNvml(1, {2: (A100_1G.uuid, A100_1G.name, 7, 0)})
+    parent, instance = gpus._nvml_device(nvml, "gpu")
+    assert parent == A100_MIG and instance == A100_1G
+    assert facts([parent, instance], {})["gpu.name"] == "NVIDIA A100-SXM4-40GB MIG 1g.5gb"
+    assert gpus._nvml_device(FakeNvml(0), "gpu") == [A100]
+    assert gpus._nvml_device(FakeNvml(None), "gpu") == [A100]  # no MIG support
+    assert gpus._nvml_device(FakeNvml(1), "gpu") == [A100_MIG]  # MIG on, no instance visible here
+
+
+SMI_QUERY = """\
+GPU-dddd0-0000, NVIDIA A100-SXM4-40GB, 8.0, 570.124.06, Enabled
+GPU-bbbb0-0000, NVIDIA A10, 8.6, 570.124.06, [N/A]
+"""
+SMI_LIST = """\
+GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-dddd0-0000)
+  MIG 1g.5gb      Device  0: (UUID: MIG-eeee0-0000)
+GPU 1: NVIDIA A10 (UUID: GPU-bbbb0-0000)
+"""
+
+
+def test_nvidia_smi_lists_mig_mode_and_instances():
+    reading = gpus._parse_nvidia_smi(SMI_QUERY, SMI_LIST)
+    assert reading == gpus.Reading((A100_MIG, gpus.Device(A100_1G.uuid, A100_1G.name, "sm_80", A100.uuid), A10),
+                                   "570.124.06")  # fmt: skip
+    assert gpus.facts(reading, {"CUDA_VISIBLE_DEVICES": A100_1G.uuid})["gpu.name"] == A100_1G.name
+    old_driver = SMI_LIST.replace("MIG-eeee0-0000", f"MIG-{A100.uuid}/7/0")
+    legacy = gpus._parse_nvidia_smi(SMI_QUERY, old_driver).devices[1]
+    assert legacy.uuid == legacy.legacy_id == f"MIG-{A100.uuid}/7/0" and legacy.parent == A100.uuid
+    assert gpus._parse_nvidia_smi(SMI_QUERY, "").devices == (A100_MIG, A10)
 
 
 def test_fastest_first_on_a_mixed_node():
