@@ -11,6 +11,7 @@ error stands.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import click
 from kcache.errors import ConfigError, KcacheError
 from kcache.restore import restore_opening
 
-# Seconds the failure path may wait for another restore holding ROOT's lock.
+# Seconds the failure path may wait for another restore holding ROOT's lock, at most (see _lock_wait).
 _LOCK_WAIT = 30.0
 
 
@@ -54,6 +55,24 @@ def _options(args: list[str]) -> list[str]:
     return args[: args.index("--")] if "--" in args else args
 
 
+def _lock_wait(raw: list[str]) -> float:
+    """How long the failure path may wait for ROOT's lock: the restore's own budget (the last
+    --timeout, else KCACHE_RESTORE_TIMEOUT) when it can be read and is shorter than _LOCK_WAIT."""
+    from kcache.cli.restore_cmd import _parse_timeout
+
+    text = os.environ.get("KCACHE_RESTORE_TIMEOUT")
+    options = _options(raw)
+    for i, arg in enumerate(options):
+        if arg == "--timeout" and i + 1 < len(options):
+            text = options[i + 1]
+        elif arg.startswith("--timeout="):
+            text = arg.split("=", 1)[1]
+    if text is None:
+        return _LOCK_WAIT
+    seconds, bad = _parse_timeout(text)
+    return _LOCK_WAIT if bad else min(seconds, _LOCK_WAIT)
+
+
 def _fail_open(root: Path, usage: click.UsageError, raw: list[str], strict: bool) -> None:
     """Write restore's error marker and kcache.env into `root`, and unless `strict` (click reports
     then) print the usage error as restore prints any failure. A ROOT that cannot be written gets
@@ -67,7 +86,7 @@ def _fail_open(root: Path, usage: click.UsageError, raw: list[str], strict: bool
         raise error
 
     try:
-        restore_opening(open_inputs, root, timeout=_LOCK_WAIT)
+        restore_opening(open_inputs, root, timeout=_lock_wait(raw))
     except KcacheError:  # ours; or ROOT unusable (RootError) or held by a restore that writes its own marker
         pass
     if not strict:

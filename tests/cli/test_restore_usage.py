@@ -109,3 +109,20 @@ def test_usage_error_under_strict_and_json_prints_one_object_with_the_usage_code
     assert result.exit_code == 2
     doc = json.loads(result.stdout)
     assert doc["exit_code"] == 2 and "--jobs" in doc["error"]
+
+
+@pytest.mark.parametrize("given, env, budget", [
+    (["--timeout", "2"], {}, 2.0),
+    (["--timeout=5s"], {}, 5.0),
+    ([], {"KCACHE_RESTORE_TIMEOUT": "3"}, 3.0),
+    (["--timeout", "1h"], {}, 30.0),  # waiting for another restore's lock stays short
+    (["--timeout", "soon"], {}, 30.0),
+])  # fmt: skip
+def test_the_failure_path_waits_for_roots_lock_no_longer_than_the_budget(tmp_path, monkeypatch, given, env, budget):
+    from kcache.cli import restore_usage
+
+    seen = []
+    real = restore_usage.restore_opening
+    monkeypatch.setattr(restore_usage, "restore_opening", lambda *a, **kw: seen.append(kw["timeout"]) or real(*a, **kw))
+    result = invoke(["--into", str(tmp_path / "root"), "--jobs", "abc", *given], env)
+    assert result.exit_code == 0 and seen == [budget]
