@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,7 +67,7 @@ def resolve(
     found: dict[str, str] = {}
     for name in ("home", *given):
         values[name], found[name] = _lookup(name, given.get(name), env, origins or {})
-    home = Path(values["home"] or Path.home() / ".cache" / "kcache").expanduser().absolute()
+    home = Path(values["home"] or _default_home()).expanduser().absolute()
     if home.exists() and not home.is_dir():
         raise _config_error("KCACHE_HOME", str(home), "is not a directory")
     return Settings(
@@ -77,6 +78,15 @@ def resolve(
         index_explicit=bool(values["index"]),
         origins=tuple(found.items()),
     )
+
+
+def _default_home() -> Path:
+    """~/.cache/kcache; a user without a home (no HOME and no passwd entry: an arbitrary uid in a
+    container) gets kcache-<uid> in the temp dir, so commands given explicit places still run."""
+    try:
+        return Path.home() / ".cache" / "kcache"
+    except (RuntimeError, KeyError):
+        return Path(tempfile.gettempdir()) / f"kcache-{os.getuid()}"
 
 
 def _lookup(name: str, value: str | None, env: Mapping[str, str], origins: Mapping[str, str]):

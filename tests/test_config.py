@@ -76,3 +76,19 @@ def test_home_that_is_a_file_is_a_config_error(tmp_path):
     (tmp_path / "f").write_text("")
     with pytest.raises(ConfigError, match="KCACHE_HOME"):
         config.resolve(env={"KCACHE_HOME": str(tmp_path / "f")})
+
+
+def test_a_user_without_a_home_still_gets_settings(tmp_path, monkeypatch):
+    """An arbitrary uid in a container: no HOME, no passwd entry. A restore given --store and
+    --index none must still run, so the defaults fall back to the temp dir."""
+    import os
+    import pwd
+    import tempfile
+
+    from kcache.config import settings
+
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: (_ for _ in ()).throw(KeyError(uid)))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cfg = settings(store=f"file://{tmp_path / 'store'}", index="none", env={})
+    assert cfg.home == tmp_path / f"kcache-{os.getuid()}" and cfg.store_url == f"file://{tmp_path / 'store'}"
