@@ -85,10 +85,10 @@ def test_a_user_without_a_home_still_gets_settings(tmp_path, monkeypatch):
     import pwd
     import tempfile
 
-    from kcache.config import settings
+    from kcache.config import resolve
 
     monkeypatch.delenv("HOME", raising=False)
     monkeypatch.setattr(pwd, "getpwuid", lambda uid: (_ for _ in ()).throw(KeyError(uid)))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    cfg = settings(store=f"file://{tmp_path / 'store'}", index="none", env={})
+    cfg = resolve(store=f"file://{tmp_path / 'store'}", index="none", env={})
     assert cfg.home == tmp_path / f"kcache-{os.getuid()}" and cfg.store_url == f"file://{tmp_path / 'store'}"
