@@ -475,17 +475,39 @@ def _swap(root: Path, staging: Path, sources: list[layers.Source]) -> None:
     """Move each staged layer into place; the previous content goes into staging and is deleted with it."""
     # Staged files live under staging/files and retired layers under staging/retired, so no
     # manifest path can collide with the retirement directory.
+    # A rename that fails part-way (EXDEV from a mount on a layer, EACCES on another user's
+    # directory) puts every layer back: ROOT never holds some new layers beside the old rest.
     retired = staging / "retired"
     retired.mkdir()
-    for i, source in enumerate(sources):
-        staged = staging / "files" / source.subdir
-        if not staged.is_dir():
-            continue
-        target = _inside(root, source.restore_dir(root))
-        rootdir.make_dirs(root, target.parent, rootdir.group_shared(root))
-        if target.exists() or target.is_symlink():
-            os.rename(target, retired / str(i))
-        os.rename(staged, target)
+    swapped: list[tuple[Path, Path, Path | None]] = []  # (target, staged, retired) in swap order
+    try:
+        for i, source in enumerate(sources):
+            staged = staging / "files" / source.subdir
+            if not staged.is_dir():
+                continue
+            target = _inside(root, source.restore_dir(root))
+            rootdir.make_dirs(root, target.parent, rootdir.group_shared(root))
+            old = None
+            if target.exists() or target.is_symlink():
+                old = retired / str(i)
+                os.rename(target, old)
+            swapped.append((target, staged, old))
+            os.rename(staged, target)
+    except Exception:  # an OSError, or a layer whose place a link carries out of ROOT (UnsafePath)
+        _unswap(swapped)
+        raise
+
+
+def _unswap(swapped: list[tuple[Path, Path, Path | None]]) -> None:
+    """Each layer back as it was before `_swap`, newest first; what cannot be moved back is logged."""
+    for target, staged, old in reversed(swapped):
+        try:
+            if not staged.exists() and (target.exists() or target.is_symlink()):
+                os.rename(target, staged)
+            if old is not None:
+                os.rename(old, target)
+        except OSError as exc:
+            log.warning("cannot put %s back as it was: %s", target, exc.strerror or exc)
 
 
 def _inside(root: Path, path: Path) -> Path:

@@ -297,3 +297,33 @@ def test_cleanup_without_a_budget_removes_everything(tmp_path):
     (tmp_path / "elsewhere/keep").write_bytes(b"not ours")
     rootdir.remove_staging(tmp_path)
     assert not stale.exists() and (tmp_path / "elsewhere/keep").read_bytes() == b"not ours"
+
+
+def test_a_swap_that_fails_part_way_puts_every_layer_back(tmp_path, store, sqlite_index, fp, monkeypatch):
+    """ROOT never holds some layers of the new bundle beside the old rest: a rename that fails on
+    the second layer (EXDEV from a mount, EACCES on another user's directory) undoes the first."""
+    import errno
+
+    from trees import write_tree
+
+    from kcache import restore as restoring
+    from kcache.errors import RootError
+    from kcache.publish import publish
+
+    write_tree(tmp_path / "src", {"inductor/k.py": b"new graph", "triton/k1/add.cubin": b"new kernel"})
+    publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={})
+    root = tmp_path / "root"
+    write_tree(root, {"inductor/k.py": b"old graph", "triton/k1/add.cubin": b"old kernel"})
+    real = os.rename
+
+    def rename(src, dst):
+        if str(dst).endswith("/triton") and str(src).endswith("/files/triton"):  # the new layer into place
+            raise OSError(errno.EXDEV, "Invalid cross-device link", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(restoring.os, "rename", rename)
+    with pytest.raises(RootError):
+        restoring.restore(store, sqlite_index, fp, root)
+    assert (root / "inductor/k.py").read_bytes() == b"old graph"
+    assert (root / "triton/k1/add.cubin").read_bytes() == b"old kernel"
+    assert read_state(root)["status"] == "error"
