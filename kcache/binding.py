@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from kcache import canonical, limits
 from kcache.catalog import NO_INDEX
 from kcache.config import Settings
-from kcache.errors import IntegrityError, StoreMismatch
+from kcache.errors import IndexDbError, IntegrityError, StoreMismatch
 from kcache.refs import RefCatalog
 from kcache.store import Store
 
@@ -139,8 +139,8 @@ class FallbackCatalog:
 def open_for_restore(settings: Settings, store: Store) -> Index | FallbackCatalog | RefCatalog:
     """The index when one is named or the default exists (falling back to refs/ per key); else refs.
 
-    The default index bound to another store is skipped with a warning (it was only a guess);
-    a named one is an error.
+    The default index bound to another store, or one that cannot be opened, is skipped with a
+    warning (it was only a guess); a named one is an error.
     """
     refs = RefCatalog(store)
     if settings.index_url == NO_INDEX:
@@ -151,7 +151,7 @@ def open_for_restore(settings: Settings, store: Store) -> Index | FallbackCatalo
         return refs  # restore never creates an index file
     try:
         index = open_index(settings, store, write=False)
-    except StoreMismatch as exc:
+    except (StoreMismatch, IndexDbError) as exc:  # one that cannot be opened: a read-only KCACHE_HOME
         if settings.index_explicit:
             raise
         log.warning("not using the default index: %s; restoring through refs/", exc)

@@ -134,3 +134,24 @@ def test_refresh_never_signs_refs_from_the_index_of_another_store(tmp_path):
     refused = _cli("refresh", "--signing-key", key, "--store", f"file://{tmp_path / 'b'}", ok=False)
     assert refused.exit_code == 2 and "describes the store" in refused.stderr
     assert not (tmp_path / "b" / "refs").exists()  # no ref signed for bundles store b does not hold
+
+
+def test_a_default_index_that_cannot_be_opened_leaves_restore_the_refs(tmp_path, isolated_home, monkeypatch):
+    """A read-only KCACHE_HOME (its SQLite file cannot be opened for writing its journal) must not
+    cost the pod its bundle: the default index is only a guess, refs/ still answer. A named index
+    that cannot be opened stays an error."""
+    from kcache.errors import IndexDbError
+
+    write_tree(tmp_path / "src", TREE)
+    _publish(tmp_path / "src", f"file://{tmp_path / 'a'}")  # writes the default index, and refs
+    store = open_store(f"file://{tmp_path / 'a'}")
+
+    def unopenable(url, *a, **kw):
+        raise IndexDbError(url, "cannot connect: unable to open database file")
+
+    monkeypatch.setattr(Index, "open", staticmethod(unopenable))
+    catalog = binding.open_for_restore(config.resolve(f"file://{tmp_path / 'a'}"), store)
+    assert type(catalog).__name__ == "RefCatalog"
+    named = config.resolve(f"file://{tmp_path / 'a'}", f"sqlite:///{isolated_home / 'index.db'}")
+    with pytest.raises(IndexDbError):
+        binding.open_for_restore(named, store)
