@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -54,22 +55,27 @@ def sha256_file(path) -> str:
     return digest.hexdigest()
 
 
+def published_then_restored(tmp_path, src, *extra: str) -> tuple[Path, int]:
+    """Publish `src` to a file:// store, restore it in a child process; (the root, its peak RSS)."""
+    store = f"file://{tmp_path / 'store'}"
+    published = CliRunner().invoke(main, ["publish", "--from", str(src), "--model", "m", "--store", store],
+                                   catch_exceptions=False)  # fmt: skip
+    assert published.exit_code == 0, published.output
+    dest = tmp_path / "dest"
+    code, peak, stderr = restore_peak_rss("--into", str(dest), "--model", "m", "--store", store, "--index", "none",
+                                          "--strict", *extra)  # fmt: skip
+    assert code == 0, stderr
+    return dest, peak
+
+
 def test_a_huge_compressible_file_is_restored_in_bounded_memory(tmp_path):
     src = tmp_path / "src"
     big = src / "vllm/torch_compile_cache/h/rank_0_0/zeros.bin"
     big.parent.mkdir(parents=True)
     with open(big, "wb") as f:
         f.truncate(ZEROS)  # sparse: reads as zeros without taking the disk
-    store = f"file://{tmp_path / 'store'}"
-    published = CliRunner().invoke(main, ["publish", "--from", str(src), "--model", "m", "--store", store],
-                                   catch_exceptions=False)  # fmt: skip
-    assert published.exit_code == 0, published.output
+    dest, peak = published_then_restored(tmp_path, src)
     assert sum(p.stat().st_size for p in (tmp_path / "store/packs").rglob("*") if p.is_file()) < MiB
-
-    dest = tmp_path / "dest"
-    code, peak, stderr = restore_peak_rss("--into", str(dest), "--model", "m", "--store", store, "--index", "none",
-                                          "--strict")  # fmt: skip
-    assert code == 0, stderr
     restored = dest / "vllm/torch_compile_cache/h/rank_0_0/zeros.bin"
     assert restored.stat().st_size == ZEROS
     assert sha256_file(restored) == sha256_file(big)
@@ -84,14 +90,7 @@ def test_a_large_random_file_fetched_in_parallel_parts_stays_within_the_restore_
     with open(big, "wb") as f:
         for _ in range(12):
             f.write(os.urandom(8 * MiB))
-    store = f"file://{tmp_path / 'store'}"
-    published = CliRunner().invoke(main, ["publish", "--from", str(src), "--model", "m", "--store", store],
-                                   catch_exceptions=False)  # fmt: skip
-    assert published.exit_code == 0, published.output
-    dest = tmp_path / "dest"
-    code, peak, stderr = restore_peak_rss("--into", str(dest), "--model", "m", "--store", store, "--index", "none",
-                                          "--strict", "--jobs", "16")  # fmt: skip
-    assert code == 0, stderr
+    dest, peak = published_then_restored(tmp_path, src, "--jobs", "16")
     assert sha256_file(dest / "vllm/torch_compile_cache/h/rank_0_0/weights.bin") == sha256_file(big)
     assert peak < RESTORE_RSS_BOUND, f"restore peaked at {peak / MiB:.0f} MiB"
 
@@ -156,14 +155,7 @@ def test_a_vllm_index_of_tiny_literals_stays_within_the_restore_bound(tmp_path, 
     assert len(table) <= relocate._MAX_INDEX_BYTES
     src = tmp_path / "src"
     write_tree(src, {f"{rank}/vllm_compile_cache.py": table, f"{rank}/artifact": b"kept"})
-    store = f"file://{tmp_path / 'store'}"
-    published = CliRunner().invoke(main, ["publish", "--from", str(src), "--model", "m", "--store", store],
-                                   catch_exceptions=False)  # fmt: skip
-    assert published.exit_code == 0, published.output
-    dest = tmp_path / "dest"
-    code, peak, stderr = restore_peak_rss("--into", str(dest), "--model", "m", "--store", store, "--index", "none",
-                                          "--strict")  # fmt: skip
-    assert code == 0, stderr
+    dest, peak = published_then_restored(tmp_path, src)
     # Refused: the engine rebuilds it. At the cap: parsed, nothing to move, kept as published.
     assert (dest / rank / "vllm_compile_cache.py").exists() == (case == "at-the-token-cap")
     assert (dest / rank / "artifact").read_bytes() == b"kept"

@@ -41,14 +41,20 @@ class RestoreCommand(click.Command):
 
 def into(args: list[str]) -> Path | None:
     """The last --into value in raw arguments (click keeps the last one too), or None."""
+    found = _last(args, "--into")
+    return Path(found) if found else None
+
+
+def _last(args: list[str], flag: str) -> str | None:
+    """The last value of `flag` (as `flag VALUE` or `flag=VALUE`) in raw arguments, or None."""
     found = None
     options = _options(args)
     for i, arg in enumerate(options):
-        if arg == "--into" and i + 1 < len(options):
+        if arg == flag and i + 1 < len(options):
             found = options[i + 1]
-        elif arg.startswith("--into="):
+        elif arg.startswith(flag + "="):
             found = arg.split("=", 1)[1]
-    return Path(found) if found else None
+    return found
 
 
 def _options(args: list[str]) -> list[str]:
@@ -60,13 +66,7 @@ def _lock_wait(raw: list[str]) -> float:
     --timeout, else KCACHE_RESTORE_TIMEOUT) when it can be read and is shorter than _LOCK_WAIT."""
     from kcache.cli.restore_cmd import _parse_timeout
 
-    text = os.environ.get("KCACHE_RESTORE_TIMEOUT")
-    options = _options(raw)
-    for i, arg in enumerate(options):
-        if arg == "--timeout" and i + 1 < len(options):
-            text = options[i + 1]
-        elif arg.startswith("--timeout="):
-            text = arg.split("=", 1)[1]
+    text = _last(raw, "--timeout") or os.environ.get("KCACHE_RESTORE_TIMEOUT")
     if text is None:
         return _LOCK_WAIT
     seconds, bad = _parse_timeout(text)
