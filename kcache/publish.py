@@ -440,7 +440,7 @@ def publish(
     # when we sign (an unchanged re-publish only re-signs a ref close to expiring), and ordered by
     # the time the index stamped (its clock, not ours).
     ref = refs.for_bundle(index, row.id)
-    refs.advance(store, ref, signer=config.signing_key)
+    refs.advance(store, ref, signer=config.signing_key, index=index)
     layerkeys.advance(store, manifest, ref.created_at)  # forward only: a re-publish moves nothing
     seconds = time.perf_counter() - started
     result = PublishResult(

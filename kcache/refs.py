@@ -164,15 +164,21 @@ def read(store: Store, bundle_key: str) -> Ref | None:
     return parse(data, bundle_key) if data is not None else None
 
 
-def advance(store: Store, ref: Ref, *, signer: signing.SigningKey | None = None, ttl: timedelta | None = None) -> bool:
+def advance(store: Store, ref: Ref, *, signer: signing.SigningKey | None = None, ttl: timedelta | None = None,
+            index: Index | None = None) -> bool:  # fmt: skip
     """Point the ref at `ref.manifest` unless it already names a newer bundle. True if it was written.
 
     With a signer, a ref that already names this bundle is re-signed when it is unsigned by this
-    key or past half its lifetime, so a fleet that keeps publishing keeps its ref fresh.
+    key or past half its lifetime, so a fleet that keeps publishing keeps its ref fresh. With
+    `index`, the bundle and the key's yank list are read from it again on every attempt: a yank
+    that landed since `ref` was made must not be overwritten by a ref naming the yanked bundle.
     """
     ttl = ttl or default_ttl()
+    given = ref
 
     def decide(current: Ref | None):
+        nonlocal ref
+        ref = for_bundle(index, given.manifest) if index is not None else given
         if ref.manifest in ref.yanked:  # a signed ref must never name a yanked bundle
             return _KEEP
         if current is None:
@@ -187,7 +193,7 @@ def advance(store: Store, ref: Ref, *, signer: signing.SigningKey | None = None,
             return _KEEP
         return ref
 
-    return _write(store, ref.bundle_key, decide, signer, ttl) is not _KEEP
+    return _write(store, given.bundle_key, decide, signer, ttl) is not _KEEP
 
 
 def from_the_future(current: Ref) -> bool:
@@ -251,14 +257,18 @@ def _write(store: Store, bundle_key: str, decide: Callable, signer, ttl: timedel
     Returns the ref written, None when it was removed, or _KEEP when nothing changed.
     """
     key = ref_key(bundle_key)
+    removed = False
     for _ in range(_CAS_ATTEMPTS):
         current, version = _load(store, key, bundle_key)
         draft = decide(current)
         if draft is _KEEP or (draft is None and version is None):
-            return _KEEP
+            return None if removed and draft is None else _KEEP
         if draft is None:
+            # A delete cannot be conditional on the version read: decide again after it, so that
+            # a publish whose ref went in between (and was deleted) gets its ref back.
             store.delete(key)
-            return None
+            removed = True
+            continue
         stamped = _stamp(draft, current, signer, ttl)
         if store.put_if(key, stamped.to_bytes(), version):
             return stamped

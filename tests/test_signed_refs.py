@@ -287,3 +287,40 @@ def test_signed_refs_over_s3(tmp_path, s3_store, sqlite_index, fp, keys):
     s3_store.delete(refs.yank_key(v2.bundle_id))
     pinned = _pod(s3_store, fp, tmp_path / "b", keys, bundle_id=v2.bundle_id)
     assert pinned.status == "miss" and "yanked" in pinned.reason
+
+
+def test_a_yank_between_a_publishs_commit_and_its_ref_write_keeps_the_ref_off_the_yanked_bundle(
+        tmp_path, store, sqlite_index, fp, keys, monkeypatch):  # fmt: skip
+    key = keys["prod"][0]
+    v1 = _publish(tmp_path, store, sqlite_index, fp, b"good", key, "v1")
+    real = refs.advance
+
+    def yank_first(target, ref, **kw):  # the operator yanks the new bundle the moment it committed
+        if ref.bundle_key == fp.bundle_key:  # not the layer refs publish moves too
+            yank(store, sqlite_index, ref.manifest, "NaNs", signer=key)
+        return real(target, ref, **kw)
+
+    monkeypatch.setattr(refs, "advance", yank_first)
+    v2 = _publish(tmp_path, store, sqlite_index, fp, b"broken", key, "v2")
+    monkeypatch.setattr(refs, "advance", real)
+    ref = refs.read(store, fp.bundle_key)
+    assert ref.manifest == v1.bundle_id and v2.bundle_id in ref.yanked
+    store.delete(refs.yank_key(v2.bundle_id))  # a store writer deletes the marker: nothing comes back
+    assert _pod(store, fp, tmp_path / "dst", keys).bundle_id == v1.bundle_id
+
+
+def test_a_ref_removal_racing_a_publish_leaves_the_ref_of_the_new_bundle(tmp_path, store, sqlite_index, fp,
+                                                                          monkeypatch):  # fmt: skip
+    v1 = _publish(tmp_path, store, sqlite_index, fp, b"one", None, "v1")
+    real_delete, published = store.delete, {}
+
+    def delete(key):  # the yank of v1 decided "no active bundle: remove the ref"; v2 commits meanwhile
+        if key == ref_key(fp.bundle_key) and not published:
+            published["v2"] = _publish(tmp_path, store, sqlite_index, fp, b"two", None, "v2")
+        return real_delete(key)
+
+    monkeypatch.setattr(store, "delete", delete)
+    yank(store, sqlite_index, v1.bundle_id, "bad")
+    monkeypatch.setattr(store, "delete", real_delete)
+    ref = refs.read(store, fp.bundle_key)
+    assert ref is not None and ref.manifest == published["v2"].bundle_id
