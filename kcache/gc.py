@@ -147,6 +147,10 @@ def _delete_bundle(store: Store, index: Index, gc_plan: Plan, bundle: Bundle,
     # Written from the index like every signer's ref: the newest active bundle and the key's yank list.
     refs.repoint(store, bundle.bundle_key, bundle.id, refs.for_bundle(index, newest.id) if newest else None,
                  signer=signer)  # fmt: skip
+    if newest is None and index.newest_bundle(bundle.bundle_key) is not None:
+        # A publish of the key committed while the ref was removed, and its ref may have gone with
+        # it (a delete cannot be conditional): write the ref from the index again.
+        refs.refresh(store, index, bundle.bundle_key, signer=signer)
     store.delete(refs.yank_key(bundle.id))
     signatures = [s.key for s in store.list(f"signatures/{bundle.id}/")]
     return not _delete_objects(store, index, bundle.id, [*signatures, manifest_key(bundle.id)])

@@ -368,3 +368,27 @@ def test_gc_planned_before_a_yank_keeps_the_bundle_the_yank_falls_back_to(tmp_pa
     assert (pod.status, pod.bundle_id) == ("hit", old.bundle_id), pod.reason
     assert all(store.exists(pack_key(p)) for p in old_packs)
     assert [b.id for b in gc.plan(store, index, POLICY, now=later).delete_bundles] == [new.bundle_id]  # yanked
+
+
+def test_a_ref_gc_removes_while_a_publish_commits_is_written_again(tmp_path, store, sqlite_index, fp, monkeypatch):
+    """GC deletes the key's last bundle and removes its ref; a publish of the key commits and
+    writes its ref in between: the ref must name the new bundle afterwards, not be gone."""
+    from kcache import refs
+    from kcache.store import ref_key
+
+    old = _publish(tmp_path, store, sqlite_index, fp, b"old kernel", "v1")
+    plan = gc.plan(store, sqlite_index, gc.Policy(0, timedelta(0), timedelta(hours=6)),
+                   now=datetime.now(timezone.utc) + timedelta(seconds=1))  # fmt: skip
+    assert [b.id for b in plan.delete_bundles] == [old.bundle_id]
+    real_delete, published = store.delete, {}
+
+    def delete(key):
+        if key == ref_key(fp.bundle_key) and not published:
+            published["v2"] = _publish(tmp_path, store, sqlite_index, fp, b"new kernel", "v2")
+        return real_delete(key)
+
+    monkeypatch.setattr(store, "delete", delete)
+    gc.execute(store, sqlite_index, plan)
+    monkeypatch.setattr(store, "delete", real_delete)
+    ref = refs.read(store, fp.bundle_key)
+    assert ref is not None and ref.manifest == published["v2"].bundle_id
