@@ -94,6 +94,10 @@ def _reason(warmup: dict | None, signal: dict[str, Signal]) -> str:
     if warmup is None:
         return "warmup has not completed"
     status = warmup.get("status", "unknown")
+    if status == "running" and _lapsed(warmup):  # killed mid-way (OOM): nothing will rewrite it
+        if warmup.get("on_failure") == "ready-cold" and signal["weights"].ok:
+            return ""
+        return f"warmup stopped without finishing (its marker expired at {warmup.get('expires_at')})"
     if status == "running":
         if not signal["weights"].ok:
             return "warmup running: weights not loaded yet"
@@ -104,6 +108,18 @@ def _reason(warmup: dict | None, signal: dict[str, Signal]) -> str:
     if warmup.get("on_failure") == "ready-cold" and signal["weights"].ok:
         return ""
     return f"warmup {status}" + ("" if loaded else " (weights not loaded)")
+
+
+def _lapsed(warmup: dict) -> bool:
+    """A "running" marker past the `expires_at` its writer set (its --budget and a grace): the
+    warmup was killed. No expiry, or one that does not parse, never lapses."""
+    try:
+        expires = datetime.fromisoformat(str(warmup.get("expires_at")))
+    except ValueError:
+        return False
+    if expires.tzinfo is None:
+        expires = expires.replace(tzinfo=timezone.utc)
+    return expires < datetime.now(timezone.utc)
 
 
 def _signals(restore: dict | None, warmup: dict | None) -> tuple[Signal, ...]:

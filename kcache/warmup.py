@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -251,13 +252,17 @@ def from_dict(doc: Mapping[str, Any]) -> WarmupReport:
                         signals.get("graphs") is True)  # fmt: skip
 
 
-def write_marker(root: Path, report: WarmupReport, on_failure: str = "unready") -> Path:
+def write_marker(root: Path, report: WarmupReport, on_failure: str = "unready", *,
+                 expires_at: datetime | None = None) -> Path:  # fmt: skip
     """ROOT/.kcache-warmup.json: readiness turns green on status "ok", or on "failed" with
-    `on_failure` "ready-cold" once the weights loaded (kcache.readiness.check)."""
+    `on_failure` "ready-cold" once the weights loaded (kcache.readiness.check). A "running" marker
+    with `expires_at` counts as failed after it: the warmup that wrote it was killed."""
     if on_failure not in readiness.ON_FAILURE:
         raise ConfigError("--on-failure", on_failure, f"expected one of {', '.join(readiness.ON_FAILURE)}")
     Path(root).mkdir(parents=True, exist_ok=True)
     # Every container of the pod reads ROOT, and `kcache ready --json` shows the marker: --url and
     # the errors quoting it may carry a password (http://user:pass@host).
     doc = json.loads(redact_text(json.dumps({**to_dict(report), "on_failure": on_failure})))
+    if report.status == "running" and expires_at is not None:
+        doc["expires_at"] = expires_at.isoformat()
     return readiness.write_marker(Path(root), readiness.WARMUP_MARKER, doc)

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 from click.testing import CliRunner
+from openai_server import OpenAIServer
 
 from kcache.cli import main
 from kcache.cli.errors import ExitCode
@@ -119,3 +120,41 @@ def test_a_marker_that_is_no_small_regular_file_reads_as_absent(tmp_path, kind):
         marker.write_bytes(b'{"status": "ok", "pad": "' + b"x" * (5 * 1024 * 1024) + b'"}')
     result = ready("--root", str(tmp_path))
     assert result.exit_code == NOT_READY and "warmup has not completed" in result.output
+
+
+@pytest.mark.parametrize(
+    "expires, on_failure, code, says",
+    [
+        (-60, "ready-cold", 0, "ready (cold): restore hit"),
+        (-60, "unready", 1, "not ready: warmup stopped without finishing"),
+        (600, "ready-cold", 1, "not ready: warmup running: compiled graphs not done"),
+        ("garbled", "ready-cold", 1, "not ready: warmup running: compiled graphs not done"),
+    ],
+)
+def test_a_running_marker_past_its_expiry_is_a_failed_warmup(tmp_path, expires, on_failure, code, says):
+    """A warmup killed mid-way (OOM) leaves "running" behind, and nothing rewrites it: once its
+    budget is over the marker counts as failed, so --on-failure ready-cold still applies."""
+    from datetime import datetime, timedelta, timezone
+
+    mark(tmp_path, "hit")
+    at = expires if isinstance(expires, str) else (datetime.now(timezone.utc) + timedelta(seconds=expires)).isoformat()
+    doc = {"status": "running", "profiles": [], "on_failure": on_failure, "expires_at": at,
+           "signals": {"weights": True, "graphs": False}}
+    write_marker(tmp_path, WARMUP_MARKER, doc)
+    result = ready("--root", str(tmp_path))
+    assert result.exit_code == (NOT_READY if code else 0) and says in result.output, result.output
+
+
+def test_warmup_with_a_budget_writes_running_markers_that_expire(tmp_path, monkeypatch):
+    from datetime import datetime, timezone
+
+    from kcache import warmup
+
+    seen = []
+    real = warmup.write_marker
+    monkeypatch.setattr(warmup, "write_marker", lambda *a, **kw: seen.append(kw.get("expires_at")) or real(*a, **kw))
+    with OpenAIServer() as server:
+        CliRunner().invoke(main, ["warmup", "--url", server.url, "--root", str(tmp_path), "--budget", "600"],
+                           catch_exceptions=False)  # fmt: skip
+    running, final = seen[:-1], seen[-1]
+    assert running and all(at > datetime.now(timezone.utc) for at in running) and final is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import click
@@ -25,6 +26,9 @@ from kcache.config import redact_text
 from kcache.errors import ConfigError
 from kcache.prebake import ChildWarmup, ServerWarmup, prebake
 from kcache.store import open_store
+
+# How long past --budget a running marker stays valid (the report and the last marker are written then).
+_RUNNING_GRACE = timedelta(seconds=60)
 
 PROFILES_HELP = """\b
 Profiles file (YAML or TOML):
@@ -115,7 +119,9 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
     """
     _check_target(entrypoint, url)
     chosen = _profiles(profiles_file)
-    checkpoint = (lambda partial: warmup.write_marker(root, partial, on_failure)) if root else None
+    # A running marker outlives a killed warmup: with a budget it expires (see readiness._lapsed).
+    expires = datetime.now(timezone.utc) + timedelta(seconds=budget) + _RUNNING_GRACE if url and budget else None
+    checkpoint = (lambda partial: warmup.write_marker(root, partial, on_failure, expires_at=expires)) if root else None
     if entrypoint:
         target = warmup.load_entrypoint(entrypoint)
         report = warmup.run(target, chosen, parallel=parallel, progress=_note(), probe=warmup.torch_counters,
