@@ -70,6 +70,23 @@ class IntegrityError(KcacheError):
         super().__init__(f"{what} {expected}: {why}")
 
 
+class FileChanged(KcacheError):
+    """A cache file changed while publish read it (a compile still writing): nothing stored is
+    wrong, and a publish run again takes the file as it is then."""
+
+    def __init__(self, path: str, why: str):
+        self.path, self.why = path, why
+        super().__init__(f"file {path}: {why}")
+
+
+class StagingError(KcacheError):
+    """Publish could not stage its packs in the temporary directory: full, read-only or not writable."""
+
+    def __init__(self, path: str, why: str):
+        self.path, self.why = path, why
+        super().__init__(f"cannot stage packs in the temporary directory {path} (TMPDIR): {why}")
+
+
 class UnsafePath(KcacheError):
     """A manifest names a path that would land outside the restore root."""
 

@@ -5,6 +5,13 @@
 The stat key is xxh3 over (absolute path, size, mtime_ns, ctime_ns, inode): any write to the file
 changes ctime, so an entry can only be reused for the very file it was computed from. New blobs
 are hashed again while they are packed, so a stale entry could never put wrong bytes under an id.
+
+"Any write changes ctime" holds only across timestamp ticks: where they tick once a second (ext2,
+FAT, NFS servers, kernels before 6.13 for ctime), a same-size rewrite in the tick the file was
+hashed leaves its key as it was, and the entry would serve the old digest (git's "racy clean").
+So, as git does, no entry is kept for a file changed less than RACY_NS before hashing started
+(or dated after it): a rewrite after that moment lands in a later tick. Such a file is simply
+hashed again next time.
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import xxhash
@@ -20,6 +28,10 @@ import xxhash
 log = logging.getLogger(__name__)
 
 _CHUNK = 500
+# How much older than the moment hashing started a file's mtime and ctime must be for its entry to
+# be kept: timestamps truncated to ticks of up to 2 s (FAT's mtime) still land a later write in a
+# later tick, with room for the kernel's coarse clock lagging time.time_ns().
+RACY_NS = 2 * 10**9
 
 
 def stat_key(path: Path) -> str | None:
@@ -36,10 +48,14 @@ def key_for(path: Path, size: int, mtime_ns: int, ctime_ns: int, ino: int) -> st
 
 
 class HashCache:
-    """Best effort: a cache that cannot be opened or read costs a re-hash, never a publish."""
+    """Best effort: a cache that cannot be opened or read costs a re-hash, never a publish.
 
-    def __init__(self, path: Path):
+    `clock` (epoch nanoseconds) says when hashing starts (`now`); tests move it.
+    """
+
+    def __init__(self, path: Path, *, clock: Callable[[], int] = time.time_ns):
         self._path = path
+        self._clock = clock
         self._db: sqlite3.Connection | None = None
         try:
             self._db = _open(path)
@@ -62,8 +78,17 @@ class HashCache:
 
         return self._guard(read, {}) if self._db is not None else {}
 
-    def remember(self, pairs: Iterable[tuple[str, str]]) -> None:
-        rows = list(pairs)
+    def now(self) -> int:
+        """Epoch nanoseconds by this cache's clock: read it before hashing, pass it to `remember`."""
+        return self._clock()
+
+    def remember(self, entries: Iterable[tuple[str, str, int]], hashing_started: int) -> None:
+        """Keep (key, sha256, changed_ns) for files hashed after `hashing_started` (from `now`);
+        changed_ns is the later of the file's mtime and ctime in its stat key. A file changed too
+        close to that moment, or after it, is not kept (the module docstring says why)."""
+        rows = [(key, digest) for key, digest, changed in entries if changed < hashing_started - RACY_NS]
+        if not rows:
+            return
 
         def write() -> None:
             with self._db:

@@ -37,7 +37,7 @@ from typing import BinaryIO
 import zstandard
 
 from kcache import canonical
-from kcache.errors import IntegrityError
+from kcache.errors import FileChanged, IntegrityError
 
 MAGIC = b"KCPACK1\n"
 TRAILER_SCHEMA = 2
@@ -144,16 +144,17 @@ class PackWriter:
             raise _changed(source)
         self._blobs.append(PackedBlob(blob_id, offset, self._out.position - offset, size))
 
-    def add_unhashed(self, src: BinaryIO, size: int, name: str) -> str:
+    def add_unhashed(self, src: BinaryIO, size: int, name: str) -> str | None:
         """`add` for a large file (over CHUNK_BYTES) open as `src`, whose id is not known yet: its
-        SHA-256 is taken from the very bytes packed, and returned. `name` is for the error when the
-        file no longer holds `size` bytes."""
+        SHA-256 is taken from the very bytes packed, and returned. None when the file no longer
+        holds `size` bytes (rewritten since the walk): no blob is added, but its bytes were written,
+        so the pack must be discarded. `name` is for errors."""
         if size <= CHUNK_BYTES:
             raise ValueError(f"{name}: {size} bytes fit one frame; add it with its id")
         offset = self._out.position
         read, digest = self._add_chunked(src, size)
         if read != size:
-            raise _changed(Path(name))
+            return None
         self._blobs.append(PackedBlob(digest, offset, self._out.position - offset, size))
         return digest
 
@@ -260,8 +261,8 @@ def _read_upto(source: Path, limit: int) -> bytes:
         os.close(fd)
 
 
-def _changed(source: Path, why: str | None = None) -> IntegrityError:
-    return IntegrityError("file", str(source), "changed while it was being published" + (f" ({why})" if why else ""))
+def _changed(source: Path, why: str | None = None) -> FileChanged:
+    return FileChanged(str(source), "changed while it was being published" + (f" ({why})" if why else ""))
 
 
 def _compressor() -> zstandard.ZstdCompressor:

@@ -24,7 +24,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, TypeVar
 from kcache import boundedread, layerkeys, limits, progress, readiness, refs, signing
 from kcache import fingerprint as fingerprints
 from kcache import manifest as manifests
-from kcache.errors import ConfigError, IntegrityError, RootError
+from kcache.errors import ConfigError, IntegrityError, RootError, StagingError
 from kcache.fingerprint import Fingerprint
 from kcache.hashcache import HashCache, key_for
 from kcache.packs import CHUNK_BYTES, LARGE_FILE_BYTES, TARGET_PACK_BYTES, Pack, PackWriter
@@ -51,6 +51,10 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 _HASH_CHUNK = 1024 * 1024
 _REVIVE_ROUNDS = 3
+# What writing packs into the temporary directory fails with when it is full, read-only or not
+# ours: the user's to fix (TMPDIR), not a bug. Creating it may also find it missing.
+_STAGING_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS})
+_WORKDIR_ERRNOS = _STAGING_ERRNOS | {errno.ENOENT, errno.ENOTDIR}
 
 
 @dataclass(frozen=True)
@@ -120,16 +124,19 @@ def collect(sources: Iterable[Source], *, root: Path | None, env: Mapping[str, s
     return found
 
 
-def hash_file(path: Path, size_hint: int = _HASH_CHUNK) -> str:
-    """The SHA-256 of the file at `path`; `size_hint` (its size at the walk) sizes the first read."""
+def hash_file(path: Path, size_hint: int = _HASH_CHUNK) -> tuple[str, int]:
+    """The SHA-256 of the file at `path` and how many bytes it hashed; `size_hint` (its size at the
+    walk) sizes the first read."""
     fd = _open_regular_fd(path)
     try:
         digest = hashlib.sha256()
+        hashed = 0
         want = min(_HASH_CHUNK, max(0, size_hint) + 1)  # a small file in one read, its end seen at once
         while chunk := os.read(fd, want):
             digest.update(chunk)
+            hashed += len(chunk)
             want = _HASH_CHUNK
-        return digest.hexdigest()
+        return digest.hexdigest(), hashed
     finally:
         os.close(fd)
 
@@ -146,9 +153,22 @@ def _open_regular_fd(path: Path) -> int:
     return fd
 
 
-def _hash_or_skip(path: Path, size_hint: int = _HASH_CHUNK) -> str | None:
-    """The file's SHA-256, or None (with a warning) when it went away or cannot be read since the walk."""
-    return _skipping(path, lambda: hash_file(path, size_hint))
+def _hash_or_skip(path: Path, size: int | None = None) -> str | None:
+    """The file's SHA-256, or None (with a warning) when it went away or cannot be read since the
+    walk, or no longer holds the `size` bytes the walk saw: the manifest records the walk's size
+    beside the id, and restore lays out exactly that many bytes."""
+    hashed = _skipping(path, lambda: hash_file(path, _HASH_CHUNK if size is None else size))
+    if hashed is None:
+        return None
+    digest, read = hashed
+    if size is not None and read != size:
+        _skip_resized(path)
+        return None
+    return digest
+
+
+def _skip_resized(path: Path) -> None:
+    log.warning("skipping %r: changed size since it was listed (a compile still writing it?)", str(path))
 
 
 def _skipping(path: Path, read: Callable[[], T]) -> T | None:
@@ -178,6 +198,7 @@ def _hash_all(found: list[tuple[Source, FileInfo]], jobs: int, cache: HashCache 
     With `early`, a large file the cache does not know is packed (and uploaded when new) as it
     is hashed. A file that is gone by the time it is hashed is left out of the bundle."""
     keys = [key_for(i.path, i.size, i.mtime_ns, i.ctime_ns, i.ino) for _, i in found] if cache else []
+    started = cache.now() if cache else 0  # before any file is read: see HashCache.remember
     digests: list[str | None] = [None] * len(found)
     if cache:
         known = cache.lookup(keys)
@@ -211,7 +232,8 @@ def _hash_all(found: list[tuple[Source, FileInfo]], jobs: int, cache: HashCache 
             for i, digest in zip(batch, future.result()):
                 digests[i] = digest
     if cache and todo:
-        cache.remember((keys[i], digests[i]) for i in todo if digests[i] is not None)
+        cache.remember(((keys[i], digests[i], max(found[i][1].mtime_ns, found[i][1].ctime_ns)) for i in todo
+                        if digests[i] is not None), started)  # fmt: skip
     return [
         Collected(_manifest_path(src, info), info, blob)
         for (src, info), blob in zip(found, digests)
@@ -260,21 +282,51 @@ def _build_pack(group: list[Collected], workdir: Path, chunks: Executor, salt: b
     Its small files are compressed in batches on `threads` threads; `chunks` compresses a large
     file's chunks in parallel: either way one pack uses every core.
     """
-    writer = PackWriter(workdir, chunks)
+    with _staging(workdir):
+        writer = PackWriter(workdir, chunks)
+        try:
+            writer.add_small([(i.blob, i.info.path, i.info.size) for i in group if i.info.size <= CHUNK_BYTES],
+                             threads)  # fmt: skip
+            for item in group:
+                if item.info.size > CHUNK_BYTES:
+                    writer.add(item.blob, item.info.path, item.info.size)
+            if salt:
+                salted = Path(workdir) / f"salt-{salt.hex()}"
+                salted.write_bytes(salt)
+                writer.add(hashlib.sha256(salt).hexdigest(), salted, len(salt))
+                salted.unlink()
+            return writer.finish()
+        except BaseException:
+            writer.discard()
+            raise
+
+
+@contextlib.contextmanager
+def _staging(workdir: Path) -> Iterator[None]:
+    """Pack building in `workdir`: a full, read-only or foreign temporary directory is a StagingError.
+
+    Only around writing packs: reading a cache file fails otherwise, and an upload's errors are the store's.
+    """
     try:
-        writer.add_small([(i.blob, i.info.path, i.info.size) for i in group if i.info.size <= CHUNK_BYTES], threads)
-        for item in group:
-            if item.info.size > CHUNK_BYTES:
-                writer.add(item.blob, item.info.path, item.info.size)
-        if salt:
-            salted = Path(workdir) / f"salt-{salt.hex()}"
-            salted.write_bytes(salt)
-            writer.add(hashlib.sha256(salt).hexdigest(), salted, len(salt))
-            salted.unlink()
-        return writer.finish()
-    except BaseException:
-        writer.discard()
-        raise
+        yield
+    except OSError as exc:
+        if exc.errno not in _STAGING_ERRNOS:
+            raise
+        raise StagingError(str(Path(workdir).parent), exc.strerror or str(exc)) from exc
+
+
+@contextlib.contextmanager
+def _workdir() -> Iterator[Path]:
+    """A fresh temporary directory (under TMPDIR) to build packs in, removed with what it holds."""
+    try:
+        made = tempfile.TemporaryDirectory(prefix="kcache-publish-")
+    except OSError as exc:
+        if exc.errno not in _WORKDIR_ERRNOS:
+            raise
+        where = os.path.dirname(exc.filename) if isinstance(exc.filename, str) else tempfile.tempdir
+        raise StagingError(where or os.environ.get("TMPDIR", "/tmp"), exc.strerror or str(exc)) from exc
+    with made as path:
+        yield Path(path)
 
 
 def _write_and_upload(group: list[Collected], store: Store, index: Index, workdir: Path, chunks: Executor,
@@ -340,12 +392,17 @@ class _PackWhileHashing:
         self.new: list[Collected] = []
         self.uploaded = self.packs = 0
 
-    def pack(self, source: Source, info: FileInfo, fd: int) -> str:
-        """The blob id of the file `info` describes, open as `fd` (closed here)."""
-        with open(fd, "rb") as src:
+    def pack(self, source: Source, info: FileInfo, fd: int) -> str | None:
+        """The blob id of the file `info` describes, open as `fd` (closed here); None (with a
+        warning) when it no longer holds the bytes the walk saw."""
+        with open(fd, "rb") as src, _staging(self._workdir):
             writer = PackWriter(self._workdir, self._chunks)
             try:
                 blob = writer.add_unhashed(src, info.size, str(info.path))
+                if blob is None:
+                    writer.discard()
+                    _skip_resized(info.path)
+                    return None
                 pack = writer.finish()
             except BaseException:
                 writer.discard()
@@ -418,13 +475,11 @@ def publish(
     limits.check_manifest_size(manifests.least_size(head, [_manifest_path(src, i) for src, i in found]), len(found),
                                at_least=True)  # fmt: skip
     note(f"hashing {len(found)} files")
-    with (
-        tempfile.TemporaryDirectory(prefix="kcache-publish-") as tmp,
-        ThreadPoolExecutor(max(1, config.jobs), thread_name_prefix="kcache-compress") as chunks,
-    ):
-        early = _PackWhileHashing(store, index, Path(tmp), chunks)
+    with _workdir() as tmp, ThreadPoolExecutor(max(1, config.jobs), thread_name_prefix="kcache-compress") as chunks:
+        early = _PackWhileHashing(store, index, tmp, chunks)
         collected = _hash_all(found, config.jobs, config.hash_cache, report, early)
     new, uploaded, pack_count, locations = _upload_until_revived(collected, store, index, config.jobs, note, report)
+    collected = _sized_as_stored(collected, locations)
     new, uploaded, pack_count = early.new + new, early.uploaded + uploaded, early.packs + pack_count
     manifest = _manifest(fingerprint, layers, [_entry(c, locations[c.blob]) for c in collected], info)
     data = manifest.to_bytes()
@@ -470,12 +525,12 @@ def _upload_until_revived(collected: list[Collected], store: Store, index: Index
         note(f"{len(new)} new blobs of {len(collected)} files")
         groups = _plan_packs(new)
         with (
-            tempfile.TemporaryDirectory(prefix="kcache-publish-") as tmp,
+            _workdir() as tmp,
             ThreadPoolExecutor(max(1, jobs)) as pool,
             ThreadPoolExecutor(max(1, jobs), thread_name_prefix="kcache-compress") as chunks,
             progress.Meter("uploading", files=len(new), bytes=sum(c.info.size for c in new), report=report) as meter,
         ):
-            work = partial(_write_and_upload, store=store, index=index, workdir=Path(tmp), chunks=chunks, meter=meter,
+            work = partial(_write_and_upload, store=store, index=index, workdir=tmp, chunks=chunks, meter=meter,
                            building=threading.Lock())  # fmt: skip
             uploaded += sum(sent for sent, _ in pool.map(work, groups))
         new_all += new
@@ -499,6 +554,24 @@ def _upload_until_revived(collected: list[Collected], store: Store, index: Index
             raise IntegrityError("bundle", "", f"{len(lost)} blobs vanished from the index, e.g. {lost[0]}")
         return new_all, uploaded, packs, locations
     raise IntegrityError("bundle", "", f"packs kept disappearing under a running GC ({_REVIVE_ROUNDS} rounds)")
+
+
+def _sized_as_stored(collected: list[Collected], locations: Mapping[str, BlobLocation]) -> list[Collected]:
+    """`collected` less any file whose size is not that of the blob its id names, with a warning.
+
+    A file hashed at another size than the walk saw is skipped while hashing; this catches what
+    no hashing saw (an entry of a damaged hash cache): restore lays out exactly the size a
+    manifest records beside a blob, and a bundle that lies about one cannot be restored.
+    """
+    kept = []
+    for c in collected:
+        if locations[c.blob].size == c.info.size:
+            kept.append(c)
+        else:
+            log.warning("skipping %r: %d bytes when listed, but its content id names %d bytes (changed while it "
+                        "was published, or a stale hash cache)", str(c.info.path), c.info.size,
+                        locations[c.blob].size)  # fmt: skip
+    return kept
 
 
 def _write_manifest(store: Store, manifest: manifests.Manifest, data: bytes, key: signing.SigningKey | None) -> bool:

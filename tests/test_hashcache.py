@@ -1,18 +1,24 @@
 """The hash cache skips re-reading unchanged files and never serves a hash for changed ones."""
 
 import os
+import time
 
 from trees import write_tree
 
 from kcache import publish as publishing
 from kcache import sources
-from kcache.hashcache import HashCache, stat_key
+from kcache.hashcache import RACY_NS, HashCache, stat_key
 from kcache.publish import PublishConfig, publish
+
+
+def a_minute_later() -> int:
+    """A clock for a publish that hashes a minute after the files were written: they are settled."""
+    return time.time_ns() + 60 * 10**9
 
 
 def test_unchanged_files_are_not_read_again(tmp_path, store, sqlite_index, fp, monkeypatch):
     write_tree(tmp_path / "src", {f"inductor/{i}": f"kernel {i}".encode() for i in range(20)})
-    cache = HashCache(tmp_path / "hashes.db")
+    cache = HashCache(tmp_path / "hashes.db", clock=a_minute_later)
     publish(
         store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={}, config=PublishConfig(hash_cache=cache)
     )
@@ -38,9 +44,50 @@ def test_a_rewrite_changes_the_key(tmp_path):
     assert stat_key(tmp_path / "missing") is None
 
 
+def _changed_ns(path) -> int:
+    st = os.stat(path)
+    return max(st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _publish_cached(tmp_path, store, sqlite_index, fp, cache):
+    return publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={},
+                   config=PublishConfig(hash_cache=cache))  # fmt: skip
+
+
+def test_a_file_changed_just_before_hashing_is_hashed_again_next_time(tmp_path, store, sqlite_index, fp):
+    """git's "racy clean": where timestamps tick once a second (ext2, FAT, kernels before 6.13), a
+    rewrite of the same size in the tick the file was hashed leaves its stat key as it was. An entry
+    is only kept for a file last changed well before hashing started, so such a rewrite (which must
+    come after hashing started) lands in a later tick and changes the key."""
+    write_tree(tmp_path / "src", {"inductor/a": b"version one"})
+    path = tmp_path / "src/inductor/a"
+    changed = _changed_ns(path)
+    cache = HashCache(tmp_path / "hashes.db", clock=lambda: changed + RACY_NS - 1)  # hashing began within the margin
+    _publish_cached(tmp_path, store, sqlite_index, fp, cache)
+    assert cache.lookup([stat_key(path)]) == {}
+    settled = HashCache(tmp_path / "hashes.db", clock=lambda: changed + RACY_NS + 1)
+    _publish_cached(tmp_path, store, sqlite_index, fp, settled)
+    assert len(settled.lookup([stat_key(path)])) == 1
+    cache.close()
+    settled.close()
+
+
+def test_a_file_dated_in_the_future_is_never_remembered(tmp_path, store, sqlite_index, fp):
+    """An mtime ahead of this clock (another host's clock on a shared volume, a restore's `utime`)
+    is never "safely older" than the moment hashing started."""
+    write_tree(tmp_path / "src", {"inductor/a": b"kernel"})
+    path = tmp_path / "src/inductor/a"
+    ahead = time.time_ns() + 3600 * 10**9
+    os.utime(path, ns=(ahead, ahead))
+    cache = HashCache(tmp_path / "hashes.db")  # the real clock
+    _publish_cached(tmp_path, store, sqlite_index, fp, cache)
+    assert cache.lookup([stat_key(path)]) == {}
+    cache.close()
+
+
 def _publish_with(tmp_path, store, sqlite_index, fp, cache_path):
     write_tree(tmp_path / "src", {"inductor/a": b"kernel a", "cuda/b": b"sass b"})
-    cache = HashCache(cache_path)
+    cache = HashCache(cache_path, clock=a_minute_later)
     try:
         return publish(
             store,

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kcache import canonical, packs
-from kcache.errors import IntegrityError
+from kcache.errors import FileChanged, IntegrityError
 
 
 def _pack(tmp_path, contents: list[bytes]) -> packs.Pack:
@@ -69,7 +69,7 @@ def test_a_file_changed_in_a_batch_is_refused(tmp_path):
         files.append((canonical.sha256(b"x" * i), tmp_path / f"src{i}", i))
     (tmp_path / "src3").write_bytes(b"yyy")  # same size, other bytes
     writer = packs.PackWriter(tmp_path)
-    with pytest.raises(IntegrityError, match="src3.*changed"):
+    with pytest.raises(FileChanged, match="src3.*changed"):
         writer.add_small(files, 2)
     writer.discard()
 
@@ -78,7 +78,7 @@ def test_file_changed_after_hashing_is_refused(tmp_path):
     src = tmp_path / "f"
     src.write_bytes(b"before")
     writer = packs.PackWriter(tmp_path)
-    with pytest.raises(IntegrityError, match="changed"):
+    with pytest.raises(FileChanged, match="changed"):
         writer.add(canonical.sha256(b"other!"), src, 6)
     writer.discard()
 
@@ -92,7 +92,7 @@ def test_file_removed_or_swapped_for_a_link_after_hashing_is_refused(tmp_path, c
     if change == "now a link":
         src.symlink_to(secret)
     writer = packs.PackWriter(tmp_path)
-    with pytest.raises(IntegrityError, match="changed"):
+    with pytest.raises(FileChanged, match="changed"):
         writer.add(canonical.sha256(b"before"), src, 6)
     assert writer.blob_count == 0
     writer.discard()

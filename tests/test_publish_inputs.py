@@ -1,14 +1,20 @@
 """Typos never replace good bundles: missing paths are errors, empty bundles need --allow-empty, and
-a publish from a restored ROOT publishes under the workload that restore used."""
+a publish from a restored ROOT publishes under the workload that restore used. A file rewritten
+under a running publish never commits a bundle that restore cannot lay out."""
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from trees import write_tree
+from trees import read_tree, write_tree
 
+from kcache import canonical
 from kcache.cli import main
-from kcache.publish import restore_inputs
+from kcache.hashcache import HashCache, stat_key
+from kcache.publish import PublishConfig, publish, restore_inputs
+from kcache.restore import restore
+from kcache.sources import TritonSource
 
 WORKLOAD = ("--model", "my-llm", "--extra", "tp=2")
 
@@ -145,3 +151,57 @@ def test_workload_flags_win_over_the_restore_record_fact_by_fact(tmp_path):
     pod = ("--model", "my-llm", "--extra", "tp=2", "--extra", "pp=2", "--fact", "model.dtype=bf16")
     again = json.loads(_cli("restore", "--into", tmp_path / "next-pod", *pod, "--json").output)
     assert (again["status"], again["bundle_id"]) == ("hit", published["bundle_id"])
+
+
+# ---- a file rewritten between the walk and its hash ----------------------------------------------
+
+
+class RewrittenAfterTheWalk(TritonSource):
+    """The triton layer, with one file rewritten by a compile once the walk has listed it."""
+
+    def __init__(self, victim: Path, content: bytes):
+        self.victim, self.content = victim, content
+
+    def walk(self, top):
+        listed = list(super().walk(top))
+        self.victim.write_bytes(self.content)
+        yield from listed
+
+
+KEPT = {"k1/b.cubin": (b"hello", 0o644)}
+
+
+@pytest.mark.parametrize("content", [
+    b"hello",  # the very bytes of another file of this publish (one blob, one pack entry)
+    b"",  # the empty blob, which the index already holds
+    b"hello world, and then some more",  # longer: no blob anywhere has these bytes yet
+], ids=["another-files-bytes", "bytes-the-index-has", "grown"])  # fmt: skip
+def test_a_file_whose_size_changed_since_the_walk_is_skipped(tmp_path, store, sqlite_index, fp, caplog, content):
+    first = tmp_path / "first"
+    write_tree(first, {"triton/k0/empty": b""})
+    publish(store, sqlite_index, fp, [TritonSource()], root=first)  # the empty blob is in the index now
+    root = tmp_path / "root"
+    write_tree(root, {"triton/k1/a.cubin": b"kernel bytes", "triton/k1/b.cubin": b"hello"})
+    result = publish(store, sqlite_index, fp, [RewrittenAfterTheWalk(root / "triton/k1/a.cubin", content)], root=root)
+    assert result.files == 1
+    assert "a.cubin" in caplog.text and "changed size since it was listed" in caplog.text
+    out = restore(store, sqlite_index, fp, tmp_path / "dest")
+    assert out.status == "hit" and read_tree(tmp_path / "dest/triton") == KEPT
+
+
+def test_a_hash_cache_entry_naming_a_blob_of_another_size_never_reaches_the_manifest(tmp_path, store, sqlite_index,
+                                                                                      fp, caplog):  # fmt: skip
+    """Whatever the hash cache says (a file of a kcache before this check, a damaged one), the size
+    a manifest records beside a blob is that blob's."""
+    first = tmp_path / "first"
+    write_tree(first, {"triton/k0/empty": b""})
+    publish(store, sqlite_index, fp, [TritonSource()], root=first)
+    root = tmp_path / "root"
+    write_tree(root, {"triton/k1/a.cubin": b"kernel bytes", "triton/k1/b.cubin": b"hello"})
+    cache = HashCache(tmp_path / "hashes.db")
+    cache.remember([(stat_key(root / "triton/k1/a.cubin"), canonical.sha256(b""), 0)], hashing_started=10**19)
+    result = publish(store, sqlite_index, fp, [TritonSource()], root=root, config=PublishConfig(hash_cache=cache))
+    cache.close()
+    assert result.files == 1 and "a.cubin" in caplog.text
+    out = restore(store, sqlite_index, fp, tmp_path / "dest")
+    assert out.status == "hit" and read_tree(tmp_path / "dest/triton") == KEPT

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 import pytest
 from trees import read_tree, write_tree
@@ -101,9 +102,27 @@ def test_a_large_file_gone_since_the_walk_is_skipped(tmp_path, store, sqlite_ind
     assert "gone.bin" in caplog.text and "removed" in caplog.text
 
 
+@pytest.mark.parametrize("size", [LARGE * 2, LARGE - 1], ids=["still-large", "now-small"])
+def test_a_large_file_whose_size_changed_since_the_walk_is_skipped(tmp_path, store, sqlite_index, fp, monkeypatch,
+                                                                     caplog, size):  # fmt: skip
+    write_tree(tmp_path / "src", {"vllm/kept.bin": big(5), "vllm/moving.bin": big(6)})
+    real = publishing.collect
+
+    def collect_then_rewrite(*args, **kwargs):
+        found = real(*args, **kwargs)
+        (tmp_path / "src/vllm/moving.bin").write_bytes(big(7, size))  # a compile rewrote it since the walk
+        return found
+
+    monkeypatch.setattr(publishing, "collect", collect_then_rewrite)
+    result = publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={})
+    assert result.files == 1 and "moving.bin" in caplog.text and "changed size since it was listed" in caplog.text
+    assert restore(store, sqlite_index, fp, tmp_path / "dest").status == "hit"
+    assert [p.name for p in (tmp_path / "dest/vllm").iterdir()] == ["kept.bin"]
+
+
 def test_the_hash_cache_remembers_a_file_hashed_by_packing(tmp_path, store, sqlite_index, fp, hashed, monkeypatch):
     write_tree(tmp_path / "src", {"vllm/model.bin": big(7)})
-    cache = HashCache(tmp_path / "hashes.db")
+    cache = HashCache(tmp_path / "hashes.db", clock=lambda: time.time_ns() + 60 * 10**9)  # hashed a minute later
     config = PublishConfig(hash_cache=cache)
     first = publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={}, config=config)
     packed = []

@@ -207,6 +207,36 @@ def test_a_failed_publish_is_counted_and_retried(published_root):
     assert read_marker(root, WATCH_MARKER)["publishes"] == 1
 
 
+def test_a_file_changed_while_it_was_published_is_retried(published_root, store, sqlite_index, fp, monkeypatch):
+    """A compile still writing the file publish packs: a failed publish, counted, and the next one
+    due takes the file as it is then; the sidecar goes on."""
+    from kcache import publish as publishing
+
+    root, first = published_root
+    clock = Clock()
+    real, rewrites = publishing._hash_all, [b"kernel, finished"]
+
+    def hash_then_rewrite(*args, **kwargs):
+        hashed = real(*args, **kwargs)
+        if rewrites:
+            (root / "triton/k8/k.cubin").write_bytes(rewrites.pop())
+        return hashed
+
+    monkeypatch.setattr(publishing, "_hash_all", hash_then_rewrite)
+    watcher = Watcher(root, publisher=lambda layers: publish(store, sqlite_index, fp, layers, root=root),
+                      publish_every=10, clock=clock)  # fmt: skip
+    watcher.step()
+    write_tree(root, {"triton/k8/k.cubin": b"kernel, half"})
+    clock.now += 11
+    failed = watcher.step()
+    assert failed.published is None and "changed while it was being published" in failed.publish_error
+    assert read_marker(root, WATCH_MARKER)["publish_errors"] == 1
+    clock.now += 11
+    retried = watcher.step().published
+    assert retried is not None and retried.files == first.files + 1
+    assert read_marker(root, WATCH_MARKER)["publishes"] == 1
+
+
 @pytest.mark.parametrize("error", [
     UnicodeEncodeError("utf-8", "k\udcff", 1, 2, "surrogates not allowed"),  # a name no manifest can hold
     FileNotFoundError(2, "No such file or directory"),  # a file removed between walk and hash

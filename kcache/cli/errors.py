@@ -33,6 +33,7 @@ class ExitCode(IntEnum):
     WARMUP = 13
     PUBLISH = 14
     FACTS_DISAGREE = 15  # restore --strict: the facts file contradicts what the init container sees
+    CHANGED = 16  # publish: a cache file changed while it was read; nothing stored is wrong
     BUG = 70
     INTERRUPTED = 130
 
@@ -60,6 +61,18 @@ ROWS: tuple[tuple[str, str, ExitCode, str], ...] = (
     (_E, "IndexDbError", ExitCode.INDEX, "check --index / KCACHE_INDEX; PostgreSQL needs `kcache db upgrade`"),
     (_E, "UnsafePath", ExitCode.CORRUPT, "the bundle is hostile or corrupt; re-publish it from a clean cache"),
     (_E, "ObjectTooLarge", ExitCode.CORRUPT, "a manifest this big needs KCACHE_MAX_MANIFEST_BYTES raised"),
+    (
+        _E,
+        "FileChanged",
+        ExitCode.CHANGED,
+        "a cache file changed while it was published (a compile still running?); publish again",
+    ),
+    (
+        _E,
+        "StagingError",
+        ExitCode.USAGE,
+        "free space there, or set TMPDIR to a writable directory with room for the packs",
+    ),
     (_E, "IntegrityError", ExitCode.CORRUPT, "the stored data is corrupt; re-publish the bundle from a good cache"),
     (_E, "SignatureError", ExitCode.SIGNATURE, "sign with `publish --signing-key`; trust the .pub with --trusted-key"),
     (_E, "RootError", ExitCode.ROOT, "pass --into a directory kcache may create and own"),
@@ -167,6 +180,7 @@ EXIT_MEANINGS = {
     ExitCode.WARMUP: "warmup failed (prebake then publishes nothing)",
     ExitCode.PUBLISH: "watch could not publish the new cache files",
     ExitCode.FACTS_DISAGREE: "restore --strict: the facts file contradicts what this machine shows",
+    ExitCode.CHANGED: "publish: a cache file changed while it was read (publish again)",
     ExitCode.BUG: "an unexpected error: a bug in kcache, please report it",
     ExitCode.INTERRUPTED: "interrupted (Ctrl-C), as shells report SIGINT",
 }

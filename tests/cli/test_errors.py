@@ -159,3 +159,94 @@ def test_a_bad_s3_setting_is_a_usage_error_not_a_bug(tmp_path, monkeypatch):
     monkeypatch.setenv("KCACHE_S3_CONNECT_TIMEOUT", "soon")
     result = run("verify", "--store", "s3://bucket/p", "--index", f"sqlite:///{tmp_path}/i.db")
     assert result.exit_code == ExitCode.USAGE and "KCACHE_S3_CONNECT_TIMEOUT" in result.stderr
+
+
+# ---- publish: a cache file that changes under it, a temp dir it cannot stage packs in ------------
+
+
+def _publish_cli(tmp_path):
+    return run("publish", "--from", tmp_path / "root", "--model", "m", "--store", f"file://{tmp_path / 'store'}",
+               "--index", f"sqlite:///{tmp_path / 'i.db'}", "--json")  # fmt: skip
+
+
+def test_a_file_changed_while_publish_packs_it_is_not_corruption(tmp_path, monkeypatch):
+    from trees import write_tree
+
+    from kcache import publish as publishing
+
+    write_tree(tmp_path / "root", {"inductor/a": b"kernel one"})
+    real = publishing._hash_all
+
+    def hash_then_rewrite(*args, **kwargs):
+        hashed = real(*args, **kwargs)
+        (tmp_path / "root/inductor/a").write_bytes(b"kernel two")  # the compile rewrites it before it is packed
+        return hashed
+
+    monkeypatch.setattr(publishing, "_hash_all", hash_then_rewrite)
+    result = _publish_cli(tmp_path)
+    assert result.exit_code == ExitCode.CHANGED, result.output
+    doc = json.loads(result.stdout)
+    assert "changed while it was being published" in doc["error"]
+    assert "compile still running" in doc["hint"] and "publish again" in doc["hint"] and "corrupt" not in doc["hint"]
+
+
+@pytest.mark.parametrize("code", ["ENOSPC", "EACCES", "EROFS"])
+def test_a_temp_dir_publish_cannot_create_its_workdir_in_is_named(tmp_path, monkeypatch, code):
+    import errno
+    import os
+    import tempfile
+
+    from trees import write_tree
+
+    write_tree(tmp_path / "root", {"inductor/a": b"kernel"})
+    real = tempfile.mkdtemp
+
+    def mkdtemp(suffix=None, prefix=None, dir=None):
+        if prefix and prefix.startswith("kcache-publish-"):
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)), str(tmp_path / "tmp" / prefix))
+        return real(suffix, prefix, dir)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    result = _publish_cli(tmp_path)
+    assert result.exit_code == ExitCode.USAGE, result.output
+    doc = json.loads(result.stdout)
+    assert str(tmp_path / "tmp") in doc["error"] and os.strerror(getattr(errno, code)) in doc["error"]
+    assert "TMPDIR" in doc["error"] and "TMPDIR" in doc["hint"]
+
+
+def test_a_temp_dir_that_fills_while_a_pack_is_staged_is_named(tmp_path, monkeypatch):
+    import errno
+
+    from trees import write_tree
+
+    from kcache import packs
+
+    write_tree(tmp_path / "root", {"inductor/a": b"kernel"})
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+
+    class Full:
+        """The pack file on a disk with no room left."""
+
+        def __init__(self, file):
+            self._file = file
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self._file, name)
+
+    real_init = packs.PackWriter.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self._out.file = Full(self._out.file)
+
+    monkeypatch.setattr(packs.PackWriter, "__init__", init)
+    result = _publish_cli(tmp_path)
+    assert result.exit_code == ExitCode.USAGE, result.output
+    doc = json.loads(result.stdout)
+    assert str(tmp_path / "tmp") in doc["error"] and "No space left" in doc["error"] and "TMPDIR" in doc["hint"]
+    assert list((tmp_path / "tmp").iterdir()) == []  # the staging directory went with the failure
