@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from kcache import limits, refs, signing
 from kcache import manifest as manifests
-from kcache.errors import IntegrityError, NotFound, ObjectTooLarge, SignatureError
+from kcache.errors import IntegrityError, NotFound, ObjectMissing, ObjectTooLarge, SignatureError
 from kcache.fingerprint import Fingerprint
 from kcache.store import Store, manifest_key
 
@@ -85,7 +85,7 @@ def pick(store: Store, index: Catalog, fp: Fingerprint, pinned: str | None, fall
          policy: Policy) -> Choice | str:  # fmt: skip
     """The bundle to restore for this fingerprint, or why there is none (a miss)."""
     if pinned:
-        why = _pinned_yanked(store, index, fp.bundle_key, pinned, policy)
+        why = _pinned_yanked(store, index, fp.bundle_key, pinned, policy) or _pinned_elsewhere(store, fp, pinned)
         choice = None if why else Choice(pinned, fp.bundle_key)
     else:
         choice, why = _newest(index, fp.bundle_key, policy)
@@ -127,6 +127,22 @@ def _newest(index: Catalog, bundle_key: str, policy: Policy) -> tuple[Choice | N
     if answer is not None:
         return Choice(answer.id, bundle_key), ""
     return None, _NONE
+
+
+def _pinned_elsewhere(store: Store, fp: Fingerprint, pinned: str) -> str | None:
+    """Why a pinned bundle is not ours to restore: not in the store, or built for another fingerprint.
+
+    Read from the manifest's first bytes, before its signature is checked (the signature names the
+    bundle key, so it would only fail to verify). From the store, so only ever a reason to miss.
+    """
+    try:
+        theirs = manifests.bundle_key_hint(store, pinned)
+    except ObjectMissing:
+        return f"pinned bundle {pinned[:12]} is not in the store"
+    if theirs is not None and theirs != fp.bundle_key:
+        return (f"pinned bundle {pinned[:12]} was built for another fingerprint "
+                f"(bundle key {theirs}, ours {fp.bundle_key})")
+    return None
 
 
 def _pinned_yanked(store: Store, index: Catalog, bundle_key: str, pinned: str, policy: Policy) -> str | None:

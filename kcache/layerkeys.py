@@ -26,14 +26,13 @@ not reused until the next publish with our layer key moves the ref.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kcache import canonical, fingerprint, refs
 from kcache import manifest as manifests
 from kcache.errors import KcacheError
-from kcache.store import Store, manifest_key
+from kcache.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -132,29 +131,11 @@ def holder(store: Store, layer: str, facts: Mapping[str, str]) -> Holder | None:
         return None
     try:
         ref = refs.read(store, ref_name(layer, key))
-        bundle_key = None if ref is None else _bundle_key_of(store, ref.manifest)
+        bundle_key = None if ref is None else manifests.bundle_key_hint(store, ref.manifest)
     except KcacheError as exc:  # a missing or broken ref costs this layer, not the restore
         log.warning("layer %s: cannot read its ref: %s", layer, exc)
         return None
     return None if bundle_key is None else Holder(layer, key, bundle_key)
-
-
-# A manifest is canonical JSON, keys sorted: its first member is its bundle key.
-_HEAD = re.compile(rb'\{"bundle_key":"([0-9a-f]{16,64})"')
-_HEAD_BYTES = 96
-
-
-def _bundle_key_of(store: Store, manifest_id: str) -> str | None:
-    """The bundle key a stored manifest names in its first bytes, without reading the rest of it.
-
-    Only a hint: the bundle restore takes for that key passes the signature check (which names
-    the key) before its manifest is read, and the manifest must then name the key itself."""
-    with store.open_range(manifest_key(manifest_id), 0, _HEAD_BYTES) as stream:
-        head = b""
-        while len(head) < _HEAD_BYTES and (piece := stream.read(_HEAD_BYTES - len(head))):
-            head += piece
-    found = _HEAD.match(head)
-    return found.group(1).decode() if found else None
 
 
 def refusal(layer: str, key: str, manifest: manifests.Manifest) -> str | None:

@@ -192,6 +192,25 @@ def _same_bytes(pieces: Iterable[bytes], data: bytes) -> bool:
     return at == len(data)
 
 
+# A manifest is canonical JSON, keys sorted: its first member is its bundle key.
+_HEAD = re.compile(rb'\{"bundle_key":"([0-9a-f]{16,64})"')
+_HEAD_BYTES = 96
+
+
+def bundle_key_hint(store: Store, manifest_id: str) -> str | None:
+    """The bundle key a stored manifest names in its first bytes, without reading the rest of it.
+
+    Only a hint, from the store: the bundle restore takes for that key passes the signature check
+    (which names the key) before its manifest is read, and the manifest must then name the key
+    itself; a hint that differs from ours can only make a miss. Raises ObjectMissing."""
+    with store.open_range(manifest_key(manifest_id), 0, _HEAD_BYTES) as stream:
+        head = b""
+        while len(head) < _HEAD_BYTES and (piece := stream.read(_HEAD_BYTES - len(head))):
+            head += piece
+    found = _HEAD.match(head)
+    return found.group(1).decode() if found else None
+
+
 def fetch(store: Store, manifest_id: str) -> Manifest:
     """Read and verify the manifest `manifest_id`; one over KCACHE_MAX_MANIFEST_BYTES is refused unread."""
     key = manifest_key(manifest_id)

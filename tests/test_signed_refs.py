@@ -324,3 +324,15 @@ def test_a_ref_removal_racing_a_publish_leaves_the_ref_of_the_new_bundle(tmp_pat
     monkeypatch.setattr(store, "delete", real_delete)
     ref = refs.read(store, fp.bundle_key)
     assert ref is not None and ref.manifest == published["v2"].bundle_id
+
+
+def test_a_pinned_bundle_of_another_fingerprint_or_none_is_a_miss(tmp_path, store, sqlite_index, fp, keys):
+    from kcache import fingerprint
+
+    other = fingerprint.compute({**fp.facts, "model.id": "another-model"})
+    theirs = _publish(tmp_path, store, sqlite_index, other, b"theirs", keys["prod"][0], "o")
+    for catalog in (sqlite_index, refs.RefCatalog(store)):
+        result = restore(store, catalog, fp, tmp_path / "a", bundle_id=theirs.bundle_id, trusted=(keys["prod"][1],))
+        assert result.status == "miss" and "another fingerprint" in result.reason, result.reason
+        gone = restore(store, catalog, fp, tmp_path / "b", bundle_id="ab" * 32)
+        assert gone.status == "miss" and "not in the store" in gone.reason, gone.reason
