@@ -29,15 +29,20 @@ Rules, because many pods on a node restore at once and DIR outlives every one of
   go first. Use is the file's mtime, set on every read, because atime is off on most node disks
   (noatime). A pack someone holds a lock on (a reader or a filler) is never evicted, so the cap
   can be exceeded while every pack is in use.
+- Whoever can write DIR may plant anything in it: a pack's path is opened without following
+  links or waiting, and hashed only if it is a regular file no larger than the pack can be; packs/
+  and packs/<hh> that are links are replaced by directories, so nothing lands outside DIR.
 - The node cache can only cost time: when DIR cannot be used, reads go to `inner`.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections import defaultdict
@@ -65,6 +70,7 @@ _CHUNK = 1024 * 1024
 # trailer (~100 bytes a blob) and a publisher's salt blob follow it.
 _SHARED_PACK_BOUND = TARGET_PACK_BYTES + TARGET_PACK_BYTES // 16
 _TAIL_SLACK = 8 * 1024 * 1024
+_TOO_LARGE = object()  # what `_open_verified` finds when the file cannot be the pack its reader needs
 
 
 def fill_limit(need: int) -> int:
@@ -225,38 +231,62 @@ class NodeCacheStore:
         if not mutex.acquire(timeout=timeout):
             return None
         try:
-            self._lock_path(pack_id).parent.mkdir(parents=True, exist_ok=True)
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for directory in (self.directory / "packs", self._lock_path(pack_id).parent):
+                _real_directory(directory)
             for _attempt in range(3):  # missing -> filled -> read; or bad -> replaced -> read
                 lock = filelock.acquire(self._lock_path(pack_id), filelock.SHARED, self._deadline)
                 if lock is None:
                     return None
-                found = self._open_verified(pack_id, lock)
+                found = self._open_verified(pack_id, lock, need)
                 if isinstance(found, _Held):
                     return found
                 lock.release()
-                if not self._fill(pack_id, key, found, need):
+                if found is _TOO_LARGE or not self._fill(pack_id, key, found, need):
                     return None
             return None
         finally:
             mutex.release()
 
-    def _open_verified(self, pack_id: str, lock: filelock.FileLock) -> _Held | os.stat_result | None:
-        """The pack held open under `lock` if it hashes to its id; else the stat of the bad file
-        (to be replaced) or None (no file)."""
+    def _open_verified(self, pack_id: str, lock: filelock.FileLock, need: int) -> _Held | os.stat_result | object:
+        """The pack held open under `lock` if it hashes to its id; else the lstat of what is there
+        (to be replaced: a bad file, or no regular file at all), None (nothing) or _TOO_LARGE.
+
+        Whoever can write DIR can put a FIFO, a device, a link or a sparse 4 GiB file at the path:
+        nothing is read before fstat says it is a regular file no larger than `fill_limit(need)`,
+        the most a fill of ours accepts, so a reader never blocks or hashes past its wait. A larger
+        one may be another reader's bigger pack: not ours to hash or remove, the store serves us."""
         path = self._path(pack_id)
-        try:
-            f = open(path, "rb")
+        try:  # O_NONBLOCK: opening a FIFO must not wait for a writer
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
-        st = os.fstat(f.fileno())
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            log.warning("node cache: %s is a link; fetching the pack again", path)
+            return _lstat(path)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                log.warning("node cache: %s is not a regular file; fetching the pack again", path)
+                return st
+            if st.st_size > fill_limit(need):
+                log.info("node cache: %s is larger than the pack can be; reading the store", path)
+                return _TOO_LARGE
+            os.set_blocking(fd, True)
+            f, fd = os.fdopen(fd, "rb"), -1
+        finally:
+            if fd >= 0:
+                os.close(fd)
         identity = (st.st_dev, st.st_ino, st.st_size)
         if identity not in self._verified:
-            if _sha256(f) != pack_id:
+            if _sha256(f, st.st_size) != pack_id:
                 f.close()
                 log.warning("node cache: %s does not hash to its id; fetching it again", path)
                 return st
             self._verified.add(identity)
-        _touch(path)
+        _touch(f.fileno(), path)
         return _Held(f, lock)
 
     def _fill(self, pack_id: str, key: str, bad: os.stat_result | None, need: int) -> bool:
@@ -268,10 +298,7 @@ class NodeCacheStore:
             return False
         with lock:
             path = self._path(pack_id)
-            try:
-                now = os.stat(path)
-            except FileNotFoundError:
-                now = None
+            now = _lstat(path)  # what is at the path, not what a link there names
             if now is not None and (bad is None or (now.st_ino, now.st_size) != (bad.st_ino, bad.st_size)):
                 return True  # another reader filled or replaced it while we waited
             if now is not None:
@@ -285,7 +312,7 @@ class NodeCacheStore:
                 return False
             self._make_room(size)
             atomic.write(path, lambda dst: self._download(key, pack_id, size, dst))
-            st = os.stat(path)
+            st = os.lstat(path)
             self._verified.add((st.st_dev, st.st_ino, st.st_size))
             self._fetched.add(pack_id)
             return True
@@ -326,17 +353,14 @@ class NodeCacheStore:
     def _remove(self, pack_id: str, *, wait: bool) -> bool:
         """Delete a cached pack and its lock file; False when someone holds its lock (in use)."""
         lock_path = self._lock_path(pack_id)
-        if not lock_path.parent.is_dir():
-            return True
+        if not all(_is_directory(d) for d in (self.directory / "packs", lock_path.parent)):
+            return True  # nothing of ours: a link there names someone else's directory
         lock = filelock.acquire(lock_path, filelock.EXCLUSIVE, self._deadline if wait else 0.0)
         if lock is None:
             return False
         with lock:
-            try:
-                st = os.stat(self._path(pack_id))
+            if (st := _lstat(self._path(pack_id))) is not None:
                 self._verified.discard((st.st_dev, st.st_ino, st.st_size))  # the inode may be reused
-            except FileNotFoundError:
-                pass
             for path in (self._path(pack_id), lock_path):  # the lock file last, while we still hold it
                 try:
                     path.unlink()
@@ -347,16 +371,17 @@ class NodeCacheStore:
     def _cached_files(self, *, clean: bool = False) -> list[_Cached]:
         """Every cached pack; with `clean`, temp files of fills no process is running are removed."""
         found = []
-        for dirpath, _dirs, names in os.walk(self.directory / "packs"):
+        if not _is_directory(self.directory / "packs"):
+            return found  # absent, or a link to a directory that is not ours to count or empty
+        for dirpath, _dirs, names in os.walk(self.directory / "packs"):  # never into a linked shard
             for name in names:
                 if clean and (temp := _TEMP.match(name)):
                     self._remove_stale_temp(Path(dirpath) / name, temp.group(1))
                 if _pack_id(f"packs/{Path(dirpath).name}/{name}") is None:
                     continue
-                try:
-                    st = os.stat(os.path.join(dirpath, name))
-                except FileNotFoundError:
-                    continue
+                st = _lstat(Path(dirpath) / name)
+                if st is None or not stat.S_ISREG(st.st_mode):
+                    continue  # a reader replaces it; it is no pack to count or evict
                 found.append(_Cached(name, st.st_size, st.st_mtime_ns))
         return found
 
@@ -411,16 +436,58 @@ def _pack_id(key: str) -> str | None:
     return match.group(2) if match and match.group(2).startswith(match.group(1)) else None
 
 
-def _sha256(f: BinaryIO) -> str:
+def _sha256(f: BinaryIO, size: int) -> str:
+    """The hash of the first `size` bytes: a file a peer keeps appending to is not read forever."""
     digest = hashlib.sha256()
-    while chunk := f.read(_CHUNK):
+    while size > 0 and (chunk := f.read(min(_CHUNK, size))):
         digest.update(chunk)
+        size -= len(chunk)
     f.seek(0)
     return digest.hexdigest()
 
 
-def _touch(path: Path) -> None:
+def _lstat(path: Path) -> os.stat_result | None:
     try:
-        os.utime(path)
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _is_directory(path: Path) -> bool:
+    """A directory itself, not a link to one."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def _real_directory(path: Path) -> None:
+    """Make `path` a directory of its own. A link planted there would have locks, fills and packs
+    land outside DIR, where the cap never sees them: it is removed (OSError when it is not ours to
+    remove, and then the store serves the read). Anything else that is not a directory: OSError."""
+    for _attempt in range(3):  # peers may be replacing the same link at once
+        try:
+            os.mkdir(path)
+            return
+        except FileExistsError:
+            pass
+        st = _lstat(path)
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            return
+        if st is not None and not stat.S_ISLNK(st.st_mode):
+            break
+        if st is not None:
+            log.warning("node cache: %s is a link; replacing it with a directory", path)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+    raise NotADirectoryError(errno.ENOTDIR, "not a directory of the node cache", str(path))
+
+
+def _touch(fd: int, path: Path) -> None:
+    """Mark the open file as used: the inode that was verified, whatever the path names by now."""
+    try:
+        os.utime(fd)
     except OSError as exc:  # another user's file: LRU order degrades, reads do not
         log.debug("node cache: cannot mark %s as used: %s", path, exc)

@@ -246,6 +246,77 @@ def test_an_unusable_node_cache_only_costs_time(tmp_path, backing):
     assert read(NodeCacheStore(backing, tmp_path / "node"), pack_id) == data
 
 
+def read_bounded(store, pack_id: str, offset: int, length: int) -> bytes | None:
+    """`read` in a thread; None if it is still running after 10 s: a hang, not a slow read."""
+    out = {}
+
+    def run():
+        out["data"] = read(store, pack_id, offset, length)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(10)
+    return None if thread.is_alive() else out.get("data")
+
+
+@pytest.mark.parametrize("planted", ["fifo", "link-to-/dev/zero", "link-to-a-good-copy", "directory"])
+def test_what_is_not_a_regular_file_at_a_packs_path_is_never_read(tmp_path, backing, planted):
+    """A peer can put anything at a pack's path; reading it must not hang past the wait or leave DIR."""
+    data = os.urandom(10 * KiB)
+    pack_id = put_pack(backing, data)
+    node = tmp_path / "node"
+    path = cached_path(node, pack_id)
+    path.parent.mkdir(parents=True)
+    (tmp_path / "copy").write_bytes(data)
+    if planted == "fifo":
+        os.mkfifo(path)
+    elif planted == "directory":
+        path.mkdir()
+    else:
+        target = tmp_path / "copy" if planted == "link-to-a-good-copy" else "/dev/zero"
+        os.symlink(target, path)
+    assert read_bounded(NodeCacheStore(backing, node, wait=0.5), pack_id, 0, 100) == data[:100]
+    if planted != "directory":  # a corrupt entry: replaced by the real pack
+        assert not path.is_symlink() and path.read_bytes() == data
+    assert (tmp_path / "copy").read_bytes() == data
+
+
+def test_a_cached_file_larger_than_the_pack_can_be_is_not_hashed(tmp_path, backing):
+    """A sparse 4 GiB file costs its planter nothing; hashing it would cost every reader its wait."""
+    data = os.urandom(10 * KiB)
+    pack_id = put_pack(backing, data)
+    node = tmp_path / "node"
+    path = cached_path(node, pack_id)
+    path.parent.mkdir(parents=True)
+    with open(path, "wb") as f:
+        f.truncate(4 * 1024**3)
+    cache = NodeCacheStore(backing, node, wait=0.5)
+    cache.expect_reads({pack_id: len(data)})
+    assert read_bounded(cache, pack_id, 0, 100) == data[:100]
+    assert backing.read["packs"] == 100  # from the store, by its range
+
+
+@pytest.mark.parametrize("linked", ["packs", "shard"])
+def test_a_linked_directory_in_the_cache_is_replaced_not_written_through(tmp_path, backing, linked):
+    """A peer that plants packs/ or packs/<hh> as a link must not make fills write outside DIR,
+    where the cap never sees them."""
+    data = os.urandom(10 * KiB)
+    pack_id = put_pack(backing, data)
+    node, outside = tmp_path / "node", tmp_path / "outside"
+    outside.mkdir()
+    (node / "packs").mkdir(parents=True)
+    link = node / "packs" if linked == "packs" else node / "packs" / pack_id[:2]
+    if linked == "packs":
+        (node / "packs").rmdir()
+    os.symlink(outside, link)
+    cache = NodeCacheStore(backing, node)
+    assert cache.usage().packs == 0  # not counted through the link either
+    assert read(cache, pack_id, 0, 10) == data[:10]
+    assert list(outside.iterdir()) == []
+    assert not link.is_symlink() and link.is_dir()
+    assert cache.usage().packs == 1 and cached_path(node, pack_id).read_bytes() == data
+
+
 def test_keys_other_than_packs_pass_through(tmp_path, backing):
     backing.put_bytes("manifests/ab/abc", b"m")
     backing.put_bytes("packs/ab/not-a-sha256", b"p")
