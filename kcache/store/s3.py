@@ -53,6 +53,7 @@ class S3Store:
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.jobs = max(1, jobs)
+        self._bucket_known = False  # set once a 404 was checked against the bucket (see _missing)
         config = Config(
             max_pool_connections=self.jobs + 4,
             retries={"max_attempts": _attempts("KCACHE_S3_MAX_ATTEMPTS", "6"), "mode": "adaptive"},
@@ -81,7 +82,7 @@ class S3Store:
             code = str(exc.response.get("Error", {}).get("Code", ""))
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if code in _MISSING:
-                return ObjectMissing(self.url, key)
+                return self._missing(key)
             if code == "NoSuchBucket":
                 return StoreError(self.url, f"bucket {self.bucket!r} does not exist")
             if code in ("AccessDenied", "AllAccessDisabled", "403") or status == 403:
@@ -98,6 +99,20 @@ class S3Store:
         if isinstance(exc, (ConnectTimeoutError, ReadTimeoutError)):
             return StoreError(self.url, f"timed out trying to {action} {key}")
         return StoreError(self.url, f"cannot {action} {key}: {exc}")
+
+    def _missing(self, key: str) -> StoreError:
+        """A 404: the object's, unless the bucket itself is missing. A HEAD's 404 has no body to say
+        which, and a misspelt bucket must not read as "nothing published" (asked once a store)."""
+        if not self._bucket_known:
+            try:
+                self.client.head_bucket(Bucket=self.bucket)
+            except ClientError as exc:
+                if str(exc.response.get("Error", {}).get("Code", "")) in ("NoSuchBucket", "404"):
+                    return StoreError(self.url, f"bucket {self.bucket!r} does not exist")
+            except BotoCoreError:  # cannot tell: the object's 404 stands
+                return ObjectMissing(self.url, key)
+            self._bucket_known = True  # or not ours to list (403): either way the object is missing
+        return ObjectMissing(self.url, key)
 
     # ---- writes --------------------------------------------------------------------------------
 

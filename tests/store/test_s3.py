@@ -9,6 +9,7 @@ from trees import read_tree, write_tree
 from kcache import sources
 from kcache.errors import ConfigError, ObjectMissing, StoreError
 from kcache.publish import publish
+from kcache.refs import RefCatalog
 from kcache.restore import restore
 from kcache.store import open_store, s3
 
@@ -145,3 +146,20 @@ def test_bodies_go_unsigned_with_a_crc32_checksum(s3_store, tmp_path):
     for headers in puts:
         assert headers["X-Amz-Content-SHA256"] in (b"UNSIGNED-PAYLOAD", "UNSIGNED-PAYLOAD")
         assert "x-amz-checksum-crc32" in {k.lower() for k in headers}
+
+
+def test_a_missing_bucket_is_named_for_reads_whose_404_has_no_body(s3_endpoint, fp, tmp_path):
+    """A HEAD answers a bare 404 for a missing bucket as for a missing object: a restore through
+    refs/ into a misspelt bucket must say so, not report a miss as if nothing had been published."""
+    store = open_store("s3://no-such-bucket-here/x", endpoint_url=s3_endpoint)
+    with pytest.raises(StoreError, match="does not exist"):
+        store.size("refs/aa")
+    with pytest.raises(StoreError, match="does not exist"):
+        restore(store, RefCatalog(store), fp, tmp_path / "dst")
+
+
+def test_a_missing_object_in_an_existing_bucket_is_still_missing(s3_store):
+    with pytest.raises(ObjectMissing):
+        s3_store.size("refs/aa")
+    with pytest.raises(ObjectMissing):
+        s3_store.size("refs/bb")
