@@ -12,11 +12,14 @@
     kcache_watch_baseline_files, kcache_watch_publishes_total, kcache_watch_publish_errors_total
 
 A series whose marker is absent is left out rather than reported as zero: "no restore yet" and
-"restored nothing" are different answers. Rendering is pure; `collect` only reads the markers.
+"restored nothing" are different answers. A field that is not a finite number (a string, an int too
+large for a float, 1e400) is left out too: markers are written by other containers. Rendering is
+pure; `collect` only reads the markers.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,8 +90,16 @@ def collect(root: Path) -> list[Family]:
 
 
 def _numeric(doc: Mapping, field: str) -> float | None:
+    """A finite number, or None: markers are written by other containers, and an int too large for
+    a float (or 1e400, which parses to inf) must not turn every scrape into an error."""
     value = doc.get(field)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _restore(doc: dict | None) -> list[Family]:

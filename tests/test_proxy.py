@@ -1,5 +1,6 @@
 """kcache proxy against real Redis and a real OpenAI-compatible server (tests/engine_server.py)."""
 
+import hashlib
 import http.client
 import json
 import threading
@@ -15,7 +16,7 @@ from served import kcache_server
 
 from kcache import fingerprint
 from kcache.cli import main
-from kcache.proxy import entry
+from kcache.proxy import entry, key
 from kcache.proxy.cache import FAILURES_TO_SKIP
 from kcache.proxy.server import ProxyConfig
 from kcache.readiness import RESTORE_MARKER, write_marker
@@ -184,8 +185,71 @@ def test_a_tampered_entry_is_a_miss_and_is_replaced(proxy, engine, prefix):
     reply = proxy.post(CHAT, ASK)
     assert reply.headers["x-kcache-cache"] == "miss" and reply.body == engine.sent[1]
     assert proxy.metric("kcache_proxy_redis_errors_total", kind="bad_entry") == 1
-    assert entry.decode(client.get(name)).body == engine.sent[1]
+    assert entry.decode(client.get(name), max_bytes=1 << 20).body == engine.sent[1]
     assert proxy.post(CHAT, ASK).headers["x-kcache-cache"] == "hit"
+
+
+def _raw_entry(head: bytes, body: bytes) -> bytes:
+    return entry.MAGIC + head.replace(b"SHA", hashlib.sha256(body).hexdigest().encode()) + b"\n" + body
+
+
+ANSWER = json.dumps({"choices": [{"message": {"content": "cached"}}]}).encode()
+
+
+@pytest.mark.parametrize("value", [
+    entry.MAGIC + b"[" * 200_000 + b"\n" + ANSWER,  # a header nested past the parser's recursion limit
+    _raw_entry(b'{"headers": [["X-A", "\\ud800"]], "sha256": "SHA", "status": 200, "stream": false}', ANSWER),
+    entry.encode(entry.Entry(200, (("Content-Type", "application/json"),), ANSWER + b" " * 5000, False)),  # too big
+])  # fmt: skip
+def test_a_hostile_entry_is_a_miss_and_is_replaced(engine, prefix, value):
+    client = redis.Redis.from_url(REDIS_URL)
+    client.set(prefix + key.decide(CHAT, [], {}, json.dumps(ASK).encode(), FP).key, value)
+    with RunningProxy(config(engine.url, prefix, max_entry_bytes=4096)) as proxy:
+        reply = proxy.post(CHAT, ASK)
+        assert (reply.status, reply.headers["x-kcache-cache"], reply.body) == (200, "miss", engine.sent[0])
+        assert proxy.metric("kcache_proxy_redis_errors_total", kind="bad_entry") == 1
+        assert proxy.post(CHAT, ASK).headers["x-kcache-cache"] == "hit"
+
+
+def test_an_entry_over_the_size_limit_is_not_read_whole(engine, prefix, tmp_path):
+    private = PrivateRedis(tmp_path)
+    try:
+        client = redis.Redis.from_url(private.url)
+        huge = entry.encode(entry.Entry(200, (("Content-Type", "application/json"),), b" " * (4 << 20), False))
+        client.set(prefix + key.decide(CHAT, [], {}, json.dumps(ASK).encode(), FP).key, huge)
+        with RunningProxy(config(engine.url, prefix, redis_url=private.url, max_entry_bytes=4096)) as proxy:
+            before = client.info("stats")["total_net_output_bytes"]
+            assert proxy.post(CHAT, ASK).headers["x-kcache-cache"] == "miss"
+            sent = client.info("stats")["total_net_output_bytes"] - before
+            assert proxy.metric("kcache_proxy_redis_errors_total", kind="bad_entry") == 1
+        assert sent < 64 << 10  # the first INFO's reply and a bounded prefix of the value, not 4 MiB
+    finally:
+        private.close()
+
+
+NO_CANONICAL_FORM = [
+    b'{"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "\\ud800"}]}',  # a lone surrogate
+    b'{"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "hi"}], "top_p": 1e400}',  # inf
+]
+
+
+@pytest.mark.parametrize("raw", NO_CANONICAL_FORM)
+@pytest.mark.parametrize("temperature, headers, enabled, reason", [
+    (b"0", {}, True, "not_json"),
+    (b"0.7", {}, True, "not_json"),
+    (b"0", {"X-Kcache-Bypass": "1"}, True, "bypass_header"),
+    (b"0.7", {"X-Kcache-Bypass": "1"}, True, "bypass_header"),
+    (b"0", {}, False, "disabled"),
+])  # fmt: skip
+def test_a_body_without_a_canonical_form_is_forwarded_unchanged(engine, prefix, raw, temperature, headers, enabled,
+                                                               reason):  # fmt: skip
+    raw = raw.replace(b'"temperature": 0', b'"temperature": ' + temperature)
+    with RunningProxy(config(engine.url, prefix, enabled=enabled)) as proxy:
+        replies = [request(proxy.port, "POST", CHAT, raw, headers) for _ in range(2)]
+        assert [(r.status, r.headers["x-kcache-cache"]) for r in replies] == [(200, "bypass")] * 2
+        assert [r.body for r in replies] == engine.sent and len(engine.completions) == 2
+        assert engine.completions[0] == json.loads(raw)
+        assert proxy.metric("kcache_proxy_bypasses_total", reason=reason) == 2
 
 
 def test_other_paths_pass_through(proxy, engine):

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import sys
 
 import pytest
 from hypothesis import given
@@ -91,6 +92,42 @@ def test_bodies_that_are_not_json_objects_bypass(raw):
     assert key.decide(CHAT, [], {}, raw, FP).reason == "not_json"
 
 
+# JSON that parses to something canonical JSON cannot write: no key, no prefix measurement.
+NO_CANONICAL_FORM = [
+    b'{"temperature": 0, "messages": [{"role": "user", "content": "\\ud800"}]}',  # a lone surrogate, escaped
+    b'{"temperature": 0, "prompt": "\xed\xa0\x80"}',  # one in raw bytes (json.loads decodes with surrogatepass)
+    b'{"temperature": 0, "top_p": 1e400}',  # overflows to inf
+    b'{"temperature": 0, "top_p": -1e400}',
+]
+
+
+@pytest.mark.parametrize("raw", NO_CANONICAL_FORM)
+@pytest.mark.parametrize("headers, kw, reason", [
+    ({}, {}, "not_json"),
+    ({}, {"cache_sampled": True}, "not_json"),
+    ({"X-Kcache-Bypass": "1"}, {}, "bypass_header"),
+    ({}, {"enabled": False}, "disabled"),
+])  # fmt: skip
+def test_bodies_without_a_canonical_form_are_neither_keyed_nor_measured(raw, headers, kw, reason):
+    decision = key.decide(CHAT, [], headers, raw, FP, **kw)
+    assert (decision.key, decision.reason, decision.body) == (None, reason, None)
+    sampled = key.decide(CHAT, [], {}, raw.replace(b'"temperature": 0', b'"temperature": 0.7'), FP)
+    assert (sampled.reason, sampled.body) == ("not_json", None)
+
+
+def test_no_nesting_depth_makes_the_key_or_the_prefix_measurement_raise():
+    memory = prefix.PrefixMemory(capacity=10)
+    for depth in range(1, sys.getrecursionlimit() + 10):  # from fine, past where the parser gives up
+        nested = "[" * depth + "]" * depth
+        raw = f'{{"temperature": 0, "messages": [{{"role": "user", "content": {nested}}}]}}'.encode()
+        decision = key.decide(CHAT, [], {}, raw, FP)
+        assert (decision.key is None) == (decision.body is None), depth
+        if decision.body is not None:
+            memory.observe(FP, CHAT, decision.body)
+        completion = key.decide("/v1/completions", [], {}, f'{{"temperature": 0, "prompt": {nested}}}'.encode(), FP)
+        assert (completion.key is None) == (completion.body is None), depth
+
+
 def test_fingerprint_comes_from_the_restore_state(tmp_path):
     write_marker(tmp_path, RESTORE_MARKER, {"status": "miss", "bundle_key": FP})
     assert key.fingerprint_from_root(tmp_path) == FP
@@ -119,14 +156,40 @@ def test_a_stream_is_complete_only_when_it_ends_with_done_and_no_error():
 def test_entries_round_trip_and_refuse_tampering():
     e = entry.Entry(200, (("Content-Type", "application/json"), ("X-Request-Id", "7")), b'{"choices": []}', False)
     raw = entry.encode(e)
-    assert entry.decode(raw) == e
+    assert entry.decode(raw, max_bytes=1 << 20) == e
     with pytest.raises(entry.BadEntry, match="sha256"):
-        entry.decode(raw[:-1] + b"]")
+        entry.decode(raw[:-1] + b"]", max_bytes=1 << 20)
     injected = entry.encode(entry.Entry(200, (("X-A", "1\r\nSet-Cookie: evil"),), b"{}", False))
     with pytest.raises(entry.BadEntry, match="not allowed"):
-        entry.decode(injected)
+        entry.decode(injected, max_bytes=1 << 20)
     with pytest.raises(entry.BadEntry):
-        entry.decode(raw.replace(b'"status":200', b'"status":500'))
+        entry.decode(raw.replace(b'"status":200', b'"status":500'), max_bytes=1 << 20)
+
+
+def _raw_entry(head: bytes, body: bytes = b'{"choices": []}') -> bytes:
+    return entry.MAGIC + head.replace(b"SHA", hashlib.sha256(body).hexdigest().encode()) + b"\n" + body
+
+
+@pytest.mark.parametrize("raw", [
+    entry.MAGIC + b"[" * 200_000 + b"\n{}",  # nested past the parser's recursion limit
+    _raw_entry(b'{"headers": [["X-A", "\\ud800"]], "sha256": "SHA", "status": 200, "stream": false}'),  # no bytes
+    _raw_entry(b'{"headers": [["X-A", "\xed\xa0\x80"]], "sha256": "SHA", "status": 200, "stream": false}'),
+    _raw_entry(b'{"headers": [], "sha256": "SHA", "status": 200, "stream": false}\xff'),  # not UTF-8
+    _raw_entry(b'{"headers": [], "sha256": "SHA", "status": 2e400, "stream": false}'),
+    _raw_entry(b'["headers"]'),
+    entry.MAGIC,
+    b"",
+])  # fmt: skip
+def test_every_value_that_does_not_decode_is_a_bad_entry(raw):
+    with pytest.raises(entry.BadEntry):
+        entry.decode(raw, max_bytes=1 << 20)
+
+
+def test_an_entry_over_the_size_limit_is_a_bad_entry():
+    raw = entry.encode(entry.Entry(200, (), b'{"choices": []}', False))
+    assert entry.decode(raw, max_bytes=len(raw)).body == b'{"choices": []}'
+    with pytest.raises(entry.BadEntry, match="larger than"):
+        entry.decode(raw, max_bytes=len(raw) - 1)
 
 
 @pytest.mark.parametrize("status, headers, body, reason", [

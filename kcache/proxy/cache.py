@@ -2,6 +2,12 @@
 
     <prefix><request key>   an entry (kcache.proxy.entry), SET with PX = the TTL
 
+A value is read with GETRANGE 0..max_bytes, never GET: one round trip like GET, but a value that
+someone else wrote larger than this proxy ever would is read only up to one byte past the bound,
+which is enough to know it is not an entry. (STRLEN first would cost a second round trip on every
+hit; a pipelined STRLEN + GET would still carry the whole value.) GETRANGE answers "" for an
+absent key, and no entry is empty, so "" is a plain miss.
+
 Every call is bounded by `timeout` (asyncio's, on top of the socket timeouts), and redis-py's own
 retries are off, so a dead or stopped Redis costs a request at most one timeout. After
 FAILURES_TO_SKIP failures in a row the cache is skipped for `retry_after` seconds: a black-holed
@@ -32,7 +38,8 @@ FAILURES_TO_SKIP = 3
 
 
 class ResultCache:
-    def __init__(self, url: str, stats: Stats, *, prefix: str, ttl: float, timeout: float, retry_after: float):
+    def __init__(self, url: str, stats: Stats, *, prefix: str, ttl: float, timeout: float, retry_after: float,
+                 max_bytes: int):  # fmt: skip
         try:
             self._redis = redis.Redis.from_url(
                 url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0),
@@ -41,6 +48,7 @@ class ResultCache:
         except ValueError as exc:
             raise ConfigError("--redis", redacted(url), str(exc)) from None
         self.prefix, self.ttl, self.timeout, self.retry_after = prefix, ttl, timeout, retry_after
+        self.max_bytes = max_bytes  # the largest entry this proxy writes (--max-entry-bytes)
         self.stats = stats
         self._down_until = 0.0
         self._failures = 0  # in a row
@@ -54,11 +62,11 @@ class ResultCache:
     async def get(self, key: str) -> entries.Entry | None:
         """The entry for `key`; None when absent or not one of ours (a miss, overwritten by the next
         answer). Raises CacheUnavailable."""
-        raw = await self._call(self._redis.get(self.prefix + key))
-        if raw is None:
+        raw = await self._call(self._redis.getrange(self.prefix + key, 0, self.max_bytes))  # end inclusive
+        if not raw:
             return None
         try:
-            return entries.decode(raw)
+            return entries.decode(raw, max_bytes=self.max_bytes)
         except entries.BadEntry as exc:
             log.warning("ignoring the Redis value at %s%s: %s", self.prefix, key[:16], exc)
             self.stats.redis_errors["bad_entry"] += 1

@@ -5,8 +5,10 @@
 Only complete, successful answers are stored: status 200, and for JSON a body that parses to an
 object with `choices` and no `error`; for server-sent events a stream that ends with `data: [DONE]`
 and carries no error event (vLLM reports a failure mid-stream as an event, after a 200). Redis is
-shared infrastructure, so a value is hostile until it decodes: the body must hash to its sha256, and
-headers must be plain tokens and values, or the value counts as absent.
+shared infrastructure, so a value is hostile until it decodes: it must be no larger than the proxy
+would have written (--max-entry-bytes), the header line must parse (a RecursionError counts as not
+parsing), the body must hash to its sha256, and headers must be plain tokens and values that encode
+as UTF-8, or the value counts as absent.
 """
 
 from __future__ import annotations
@@ -80,17 +82,20 @@ def encode(entry: Entry) -> bytes:
     return MAGIC + canonical.dumps(meta) + b"\n" + entry.body
 
 
-def decode(raw: bytes) -> Entry:
-    """The entry in `raw`; raises BadEntry for anything this proxy did not write whole."""
+def decode(raw: bytes, *, max_bytes: int) -> Entry:
+    """The entry in `raw`; raises BadEntry for anything this proxy did not write whole, and for
+    anything over `max_bytes`, which it would not have written (the cache reads one byte past it)."""
     if not isinstance(raw, bytes) or not raw.startswith(MAGIC):
         raise BadEntry("no kcp1 magic")
+    if len(raw) > max_bytes:
+        raise BadEntry(f"larger than --max-entry-bytes ({max_bytes})")
     head, sep, body = raw[len(MAGIC) :].partition(b"\n")
     if not sep:
         raise BadEntry("no header line")
     try:
         meta = json.loads(head)
-    except ValueError as exc:
-        raise BadEntry(f"header is not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: a header nested past the parser's limit
+        raise BadEntry(f"header is not JSON: {str(exc)[:80]}") from None
     if not isinstance(meta, dict) or meta.get("status") != 200 or not isinstance(meta.get("stream"), bool):
         raise BadEntry("bad status or stream flag")
     if meta.get("sha256") != hashlib.sha256(body).hexdigest():
@@ -108,5 +113,15 @@ def _headers(value) -> tuple[tuple[str, str], ...]:
         name, text = pair
         if not _TOKEN.fullmatch(name) or not _VALUE.fullmatch(text) or name.lower() in NOT_STORED_HEADERS:
             raise BadEntry(f"header {name[:40]!r} is not allowed")
+        if not _encodable(text):  # a lone surrogate (an escape, or raw bytes json reads with surrogatepass)
+            raise BadEntry(f"header {name[:40]!r} has no UTF-8 form")
         pairs.append((name, text))
     return tuple(pairs)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

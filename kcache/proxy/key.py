@@ -74,17 +74,28 @@ def decide(
     return Decision(request_key(path, query, headers.get("Authorization"), body, fingerprint), "", body)
 
 
+# Levels of nesting a body must be able to take on top of its own: the key and the prefix measurement
+# serialise it again from a few frames deeper than parse_body, and must never be the ones to fail.
+DEPTH_HEADROOM = 16
+
+
 def parse_body(raw: bytes) -> dict | None:
-    """The request body as a JSON object; None for anything else (including NaN, which has no canonical form)."""
+    """The request body as a JSON object with a canonical form; None for anything else.
+
+    JSON that parses is not always JSON canonical.dumps can write: NaN, 1e400 (which parses to inf),
+    a lone surrogate (an escape like \\ud800, or raw bytes, which json.loads reads with surrogatepass),
+    or nesting at the edge of the recursion limit. Such a body cannot be keyed or measured, so it is
+    `not_json`: forwarded unchanged, never cached.
+    """
     try:
-        doc = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, RecursionError):
+        doc = json.loads(raw)
+        wrapped = doc
+        for _ in range(DEPTH_HEADROOM):
+            wrapped = [wrapped]
+        canonical.dumps(wrapped)
+    except (ValueError, RecursionError):  # UnicodeError is a ValueError
         return None
     return doc if isinstance(doc, dict) else None
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
 
 
 def wants_bypass(headers: Mapping[str, str]) -> bool:
@@ -131,14 +142,17 @@ def tenant(authorization: str | None) -> str:
 
 
 def normal_form(value: Any) -> Any:
-    """`0.0` and `0` mean the same to an engine; JSON parsers keep them apart, the key must not."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, dict):
-        return {k: normal_form(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [normal_form(v) for v in value]
-    return value
+    """`0.0` and `0` mean the same to an engine; JSON parsers keep them apart, the key must not.
+
+    A round trip through canonical JSON rather than a walk in Python: the C parser and encoder take
+    any depth parse_body let through, where a recursive walk spends two frames a level.
+    """
+    return json.loads(canonical.dumps(value), parse_float=_number)
+
+
+def _number(text: str) -> int | float:
+    value = float(text)
+    return int(value) if value.is_integer() else value
 
 
 _BUNDLE_KEY = re.compile(r"[0-9a-f]{32}")

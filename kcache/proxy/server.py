@@ -71,7 +71,8 @@ class Proxy:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         cfg = self.config
         self.cache = ResultCache(cfg.redis_url, self.stats, prefix=cfg.key_prefix, ttl=cfg.ttl,
-                                 timeout=cfg.redis_timeout, retry_after=cfg.retry_after)  # fmt: skip
+                                 timeout=cfg.redis_timeout, retry_after=cfg.retry_after,
+                                 max_bytes=cfg.max_entry_bytes)  # fmt: skip
         # No total timeout: a long generation is not a failure. Raw bytes both ways (no decompression).
         self.session = aiohttp.ClientSession(
             auto_decompress=False, connector=aiohttp.TCPConnector(limit=0),
