@@ -266,6 +266,19 @@ def test_an_unreachable_upstream_is_a_502_in_openai_shape(prefix):
         assert reply.status == 502 and reply.json()["error"]["type"] == "upstream_unreachable"
 
 
+def test_an_unreachable_upstreams_password_reaches_no_client(prefix):
+    with RunningProxy(config(f"http://admin:Zq9Secret@127.0.0.1:{free_port()}", prefix)) as proxy:
+        reply = proxy.post(CHAT, ASK)
+        assert reply.status == 502 and "Zq9Secret" not in reply.body.decode() and "***" in reply.body.decode()
+
+
+@pytest.mark.parametrize("upstream", ["notaurl", "ftp://127.0.0.1:9", "http://", "http://127.0.0.1:99999"])
+def test_cli_refuses_an_upstream_that_is_no_http_url(upstream):
+    result = CliRunner().invoke(main, ["proxy", "--upstream", upstream, "--redis", "redis://127.0.0.1:9",
+                                       "--port", "0", "--model", "m", "--json"])  # fmt: skip
+    assert result.exit_code == 2 and "--upstream" in result.output, result.output
+
+
 def test_prefix_reuse_is_measured_on_what_reaches_the_engine(proxy):
     system = {"role": "system", "content": "You answer in one word. " * 20}
     turn1 = {**ASK, "temperature": 0.7, "messages": [system, {"role": "user", "content": "a"}]}

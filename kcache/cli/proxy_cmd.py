@@ -11,6 +11,7 @@ import click
 from kcache.cli import format as fmt
 from kcache.cli.options import Duration, compute_fingerprint, fingerprint_options, json_option
 from kcache.cli.serve_cmd import host_port_options
+from kcache.config import redact_url
 from kcache.errors import ConfigError
 
 
@@ -112,6 +113,7 @@ def proxy_cmd(upstream, redis_url, root, model, model_config, facts, extras, hos
     from kcache.proxy.cache import redacted
     from kcache.proxy.server import ProxyConfig, serve
 
+    _check_upstream(upstream)
     if root is not None and (model or model_config or facts or extras):
         raise ConfigError("--root", str(root), "give either --root or the fingerprint flags, not both")
     if root is not None:
@@ -126,12 +128,22 @@ def proxy_cmd(upstream, redis_url, root, model, model_config, facts, extras, hos
     def ready(bound: int) -> None:
         if as_json:  # the start line, for scripts that need the port
             click.echo(fmt.to_json({"status": "serving", "url": f"http://{host}:{bound}", "host": host, "port": bound,
-                                    "upstream": upstream, "fingerprint": fingerprint}))  # fmt: skip
+                                    "upstream": redact_url(upstream), "fingerprint": fingerprint}))  # fmt: skip
             return
-        click.echo(f"kcache: proxy on http://{host}:{bound} -> {upstream}, cache {redacted(redis_url)}, "
+        click.echo(f"kcache: proxy on http://{host}:{bound} -> {redact_url(upstream)}, cache {redacted(redis_url)}, "
                    f"fingerprint {fingerprint}")  # fmt: skip
 
     asyncio.run(_until_signal(config, host, port, ready, serve))
+
+
+def _check_upstream(upstream: str) -> None:
+    """An http(s) URL with a host and a valid port: anything else would fail every request later."""
+    from kcache.http_client import split_url
+
+    try:
+        split_url(upstream)
+    except ConfigError as exc:
+        raise ConfigError("--upstream", redact_url(upstream), exc.why) from None
 
 
 async def _until_signal(config, host, port, ready, serve) -> None:

@@ -25,6 +25,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from kcache import metrics
+from kcache.config import redact_text, redact_url
 from kcache.errors import ConfigError
 from kcache.proxy import entry as entries
 from kcache.proxy import key, sse
@@ -242,7 +243,8 @@ def _answer(headers: tuple[tuple[str, str], ...], outcome: str) -> CIMultiDict:
 
 
 def _unreachable(upstream: str, exc: BaseException) -> web.Response:
-    log.warning("upstream %s: %s", upstream, exc)
+    upstream = redact_url(upstream)  # the answer goes to any client, the log to anyone who reads it
+    log.warning("upstream %s: %s", upstream, redact_text(str(exc)))
     doc = {"error": {"message": f"kcache proxy: upstream {upstream} did not answer ({type(exc).__name__})",
                      "type": "upstream_unreachable", "code": 502}}  # fmt: skip
     return web.json_response(doc, status=502, headers={CACHE_HEADER: "bypass"})
