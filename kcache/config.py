@@ -42,6 +42,7 @@ class Settings:
     index_url: str
     s3_endpoint_url: str | None
     index_explicit: bool = False  # named by flag or environment, not the default
+    store_explicit: bool = False  # likewise; the default store under KCACHE_HOME is kcache's own to create
     origins: tuple[tuple[str, str], ...] = ()  # (setting, "flag --store" / "env KCACHE_STORE" / "default")
 
     @property
@@ -76,6 +77,7 @@ def resolve(
         index_url=values["index"] or f"sqlite:///{home / 'index.db'}",
         s3_endpoint_url=values["endpoint"] or None,
         index_explicit=bool(values["index"]),
+        store_explicit=bool(values["store"]),
         origins=tuple(found.items()),
     )
 

@@ -103,6 +103,14 @@ class RootError(KcacheError):
         super().__init__(f"{path}: {why}")
 
 
+class SourceDirError(RootError):
+    """A directory publish was told to read (--from ROOT, --extra-dir NAME=PATH) is missing or no directory."""
+
+    def __init__(self, flag: str, path: str, why: str):
+        self.flag = flag
+        super().__init__(path, f"({flag}) {why}")
+
+
 class NotFound(KcacheError):
     """A bundle or fact the user named does not exist."""
 

@@ -122,6 +122,11 @@ def _short(value: str | None, limit: int = 60) -> str:
     return value if len(value) <= limit else value[: limit - 3] + "..."
 
 
+def is_bundle_key(text: str) -> bool:
+    """Whether `text` has the shape of a bundle key: xxh3_128 as 32 lowercase hex digits (canonical.xxh3)."""
+    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
+
+
 def is_workload_fact(name: str) -> bool:
     return name.startswith(WORKLOAD_PREFIXES)
 
@@ -214,7 +219,12 @@ def load_facts_file(path: Path) -> dict[str, str]:
 
 
 def workload_facts(model: str | None, config_path: Path | None, extra: Mapping[str, str]) -> dict[str, str]:
-    """The workload facts the flags give; a flag not given gives no fact (it never resets one)."""
+    """The workload facts the flags give; a flag not given gives no fact (it never resets one).
+
+    A blank --model is refused: it would key a bundle no pod naming its model ever restores.
+    """
+    if model is not None and not model.strip():
+        raise ConfigError("--model", model, "is blank; give the model identity, e.g. --model meta-llama/Llama-3.1-8B")
     facts = {"model.id": model} if model else {}
     if config_path is not None:
         facts.update(_model_config_facts(Path(config_path)))

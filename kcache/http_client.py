@@ -58,7 +58,9 @@ def split_url(url: str) -> tuple[str, str, int | None, str]:
     try:
         port = parts.port
     except ValueError:
-        raise ConfigError("--url", url, "the port is not a number") from None
+        given = parts.netloc.rpartition("@")[2].rpartition(":")[2]
+        why = f"the port {given} is out of range (0-65535)" if given.isdigit() else "the port is not a number"
+        raise ConfigError("--url", url, why) from None
     return parts.scheme, parts.hostname, port, parts.path.rstrip("/")
 
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, TypeVar
 from kcache import boundedread, layerkeys, limits, progress, readiness, refs, signing
 from kcache import fingerprint as fingerprints
 from kcache import manifest as manifests
-from kcache.errors import ConfigError, IntegrityError, RootError, StagingError
+from kcache.errors import ConfigError, IntegrityError, SourceDirError, StagingError
 from kcache.fingerprint import Fingerprint
 from kcache.hashcache import HashCache, key_for
 from kcache.packs import CHUNK_BYTES, LARGE_FILE_BYTES, TARGET_PACK_BYTES, Pack, PackWriter
@@ -111,7 +111,8 @@ def collect(sources: Iterable[Source], *, root: Path | None, env: Mapping[str, s
         named = source.live_dirs(env) if isinstance(source, ExtraSource) else []
         for path in named:
             if not path.is_dir():
-                raise RootError(str(path), f"(--extra-dir {source.name.removeprefix('extra:')}) is not a directory")
+                flag = f"--extra-dir {source.name.removeprefix('extra:')}"
+                raise SourceDirError(flag, str(path), "does not exist" if not path.exists() else "is not a directory")
         dirs = named or source.read_dirs(root, env)
         seen: set[str] = set()
         for top in dirs:
@@ -447,7 +448,7 @@ def publish(
     """Publish this machine's caches (or ROOT's) as a bundle for `fingerprint`.
 
     `compile_seconds` is the cold warmup the caller measured: what a hit on this bundle saves.
-    Raises RootError for a ROOT that is not a directory, ConfigError for an empty bundle
+    Raises SourceDirError (a RootError) for a ROOT that is not a directory, ConfigError for an empty bundle
     unless `config.allow_empty`.
     `report` receives the hashing and upload progress (kcache.progress).
     """
@@ -458,7 +459,7 @@ def publish(
     env = os.environ if env is None else env
     sources = list(sources)
     if root is not None and not Path(root).is_dir():
-        raise RootError(str(root), "does not exist" if not Path(root).exists() else "is not a directory")
+        raise SourceDirError("--from", str(root), "does not exist" if not Path(root).exists() else "is not a directory")
     note = progress or (lambda _msg: None)
 
     found = collect(sources, root=root, env=env)

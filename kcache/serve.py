@@ -223,11 +223,17 @@ def _address(addr) -> str:
 
 
 def make_server(root: Path, host: str = "127.0.0.1", port: int = 0) -> ProbeServer:
-    """Bind (port 0 picks a free port; read it from `.port`). Raises ConfigError if the address is taken."""
+    """Bind (port 0 picks a free port; read it from `.port`). Raises ConfigError if the address is taken
+    or the host name does not resolve."""
     try:
         return ProbeServer((host, port), root)
     except OSError as exc:
-        if isinstance(exc, socket.gaierror) or exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+        # socket.create_server re-raises the resolver's gaierror as a plain OSError with its
+        # errno: the EAI_* codes are the negative ones (EAI_NONAME, EAI_AGAIN, ...).
+        if isinstance(exc, socket.gaierror) or (exc.errno is not None and exc.errno < 0):
+            why = (exc.strerror or str(exc)).split(" (while attempting", 1)[0]
+            raise ConfigError("--host", host, f"cannot be resolved: {why}") from None
+        if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
             raise ConfigError("--host/--port", f"{host}:{port}", exc.strerror or str(exc)) from None
         raise
 

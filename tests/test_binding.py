@@ -131,6 +131,7 @@ def test_refresh_never_signs_refs_from_the_index_of_another_store(tmp_path):
     _publish(tmp_path / "src", f"file://{tmp_path / 'a'}")
     _cli("keygen", "prod", "--dir", str(tmp_path / "keys"))
     key = str(tmp_path / "keys" / "prod.key")
+    (tmp_path / "b").mkdir()  # another store, empty (one that does not exist is a StoreError before any check)
     refused = _cli("refresh", "--signing-key", key, "--store", f"file://{tmp_path / 'b'}", ok=False)
     assert refused.exit_code == 2 and "describes the store" in refused.stderr
     assert not (tmp_path / "b" / "refs").exists()  # no ref signed for bundles store b does not hold

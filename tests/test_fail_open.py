@@ -98,6 +98,7 @@ CASES = {
     "timeout-huge": lambda t, f, r: (["--timeout", "9" * 400], {}),
     "env-timeout-garbage": lambda t, f, r: ([], {"KCACHE_RESTORE_TIMEOUT": "abc"}),
     "env-require-signature-garbage": lambda t, f, r: ([], {"KCACHE_REQUIRE_SIGNATURE": "abc"}),
+    "bundle-id-prefix": lambda t, f, r: (["--bundle", "45422f"], {}),
 }
 
 
@@ -130,6 +131,33 @@ def test_early_failure_writes_marker_and_env_and_exits_0(tmp_path, facts_file, r
     strict = run_restore(tmp_path / "root", facts_file, args, env, "--strict")
     assert strict.exit_code not in (0, 70), strict.stderr  # a named failure, not "a bug in kcache"
     assert_cold_but_ready_to_start(tmp_path / "root")
+
+
+@pytest.mark.parametrize("given", ["45422f", "45422f" * 11, "G" * 64, " " + "a" * 64])
+def test_a_bundle_id_that_is_not_a_full_id_is_a_usage_error_not_a_lost_object(tmp_path, facts_file, given):
+    result = run_restore(tmp_path / "root", facts_file, ["--bundle", given], {}, "--strict", "--json")
+    doc = json.loads(result.stdout)
+    assert result.exit_code == doc["exit_code"] == 2, result.output
+    assert "full bundle id" in doc["error"] and "kcache ls --json" in doc["error"] and "missing" not in doc["error"]
+    assert_cold_but_ready_to_start(tmp_path / "root")
+
+
+def test_a_full_bundle_id_in_capitals_is_still_that_bundle(tmp_path, facts_file):
+    result = run_restore(tmp_path / "root", facts_file, ["--bundle", "AB" * 32], {}, "--strict", "--json")
+    doc = json.loads(result.stdout)
+    assert result.exit_code == 10 and doc["status"] == "miss" and "ab" * 6 in doc["reason"]  # looked up: not there
+
+
+def test_the_json_error_has_the_fields_a_hit_or_miss_has(tmp_path, facts_file):
+    root = tmp_path / "root"
+    miss = json.loads(run_restore(tmp_path / "other", facts_file, [], {}, "--json").stdout)
+    error = json.loads(run_restore(root, facts_file, ["--store", "gs://bucket/cache"], {}, "--json").stdout)
+    assert set(miss) - {"status"} <= set(error) and {"error", "hint", "exit_code"} <= set(error)
+    assert error["status"] == "error" and error["bundle_key"] == bundle_key(facts_file)
+    assert error["root"] == str(root) and error["env_file"] == str(root / envfile.NAME)
+    assert (error["layers"], error["signed_by"], error["donors"], error["bundle_id"]) == ([], None, {}, None)
+    early = json.loads(run_restore(root, facts_file, ["--timeout", "nan"], {}, "--json").stdout)
+    assert early["bundle_key"] is None and early["env_file"] == str(root / envfile.NAME)  # before the fingerprint
 
 
 @pytest.mark.parametrize("value", ["300", "5m", "90s", "1m30s", "2.5"])

@@ -40,6 +40,27 @@ def test_missing_extra_dir_is_an_error(tmp_path):
     assert _bundles() == []
 
 
+@pytest.mark.parametrize("flag", ["--from", "--extra-dir"])
+def test_a_source_dir_that_does_not_exist_gets_a_publish_hint(tmp_path, flag):
+    write_tree(tmp_path / "src", {"inductor/a.py": b"a"})
+    src = tmp_path / ("missing" if flag == "--from" else "src")
+    extra = ["--extra-dir", f"trt={tmp_path / 'missing'}"] if flag == "--extra-dir" else []
+    result = _cli("publish", "--from", src, "--model", "m", *extra, "--json")
+    doc = json.loads(result.stdout)
+    assert result.exit_code == doc["exit_code"] == 7 and flag in doc["error"]
+    assert "--into" not in doc["hint"] and "--from" in doc["hint"] and "--extra-dir" in doc["hint"]
+
+
+@pytest.mark.parametrize("model", ["", "  ", "\t"])
+def test_a_blank_model_is_refused_quoting_what_was_given(tmp_path, model):
+    write_tree(tmp_path / "src", {"inductor/a.py": b"a"})
+    result = _cli("publish", "--from", tmp_path / "src", "--model", model, "--json")
+    doc = json.loads(result.stdout)
+    assert result.exit_code == doc["exit_code"] == 2
+    assert doc["error"].startswith(f"--model {model!r}") and "'none'" not in doc["error"]
+    assert _bundles() == []
+
+
 def test_from_root_carries_the_extra_dirs_named(tmp_path):
     write_tree(tmp_path / "src", {"inductor/a.py": b"a"})
     write_tree(tmp_path / "trt", {"engine.timing": b"timing cache"})

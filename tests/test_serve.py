@@ -18,6 +18,7 @@ from served import kcache_server
 
 from kcache import metrics, serve
 from kcache.cli import main
+from kcache.errors import ConfigError
 from kcache.readiness import RESTORE_MARKER, SIGNALS, WARMUP_MARKER, WATCH_MARKER, write_marker
 from kcache.serve import make_server, start_in_thread
 
@@ -144,6 +145,27 @@ def test_port_in_use_is_a_one_line_error(tmp_path):
     assert result.exit_code == 2 and "kcache: error:" in result.stderr and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("command", [["serve"], ["watch", "--interval", "1h"]], ids=["serve", "watch"])
+def test_a_host_that_does_not_resolve_is_a_usage_error_naming_host(tmp_path, command):
+    args = [*command, "--root", str(tmp_path), "--port", "0", "--host", "no.such.host.invalid", "--json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    doc = json.loads(result.stdout)
+    assert doc["exit_code"] == 2 and doc["error"].startswith("--host 'no.such.host.invalid'"), doc
+
+
+@pytest.mark.parametrize("code", [socket.EAI_NONAME, socket.EAI_AGAIN, socket.EAI_FAIL, socket.EAI_NODATA])
+def test_every_resolver_failure_of_the_bind_names_host(tmp_path, monkeypatch, code):
+    def unresolvable(address, **_kwargs):  # what socket.create_server raises: a plain OSError
+        raise OSError(code, f"Name or service not known (while attempting to bind on address {address!r})")
+
+    monkeypatch.setattr(serve.socket, "create_server", unresolvable)
+    with pytest.raises(ConfigError) as caught:
+        make_server(tmp_path, "db.example", 0)
+    assert caught.value.what == "--host" and caught.value.value == "db.example"
+    assert "while attempting" not in caught.value.why
+
+
 # ---- a server that is hard to starve ---------------------------------------------------------------
 
 
@@ -264,6 +286,21 @@ def test_a_watch_marker_with_wrong_types_still_gives_metrics(served):
     assert code == 200 and samples[("kcache_watch_baseline_files", "")] == 0
     assert samples[("kcache_jit_bytes_after_ready", '{layer="cuda"}')] == 5
     assert not any(name == "kcache_jit_files_after_ready" for name, _ in samples)
+
+
+def test_numbers_no_float_holds_are_left_out_of_the_metrics(served):
+    root, url = served
+    write_marker(root, RESTORE_MARKER, {"status": "hit", "bundle_key": "k", "seconds": 10**400, "files": 3})
+    write_marker(root, WATCH_MARKER, {"baseline_files": 10**400, "new_files": {"inductor": -(10**400), "triton": 2},
+                                      "publishes": 1})  # fmt: skip
+    (root / WARMUP_MARKER).write_text('{"status": "ok", "seconds": 1e400}')  # parses to inf
+    code, _, text = get(url + "/metrics")
+    samples = parse(text)
+    assert code == 200 and samples[("kcache_restore_files", "")] == 3
+    assert ("kcache_restore_seconds", "") not in samples and ("kcache_warmup_seconds", "") not in samples
+    assert samples[("kcache_watch_baseline_files", "")] == 0 and samples[("kcache_watch_publishes_total", "")] == 1
+    assert samples[("kcache_jit_files_after_ready", '{layer="triton"}')] == 2
+    assert ("kcache_jit_files_after_ready", '{layer="inductor"}') not in samples
 
 
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to read a listen backlog")

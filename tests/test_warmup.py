@@ -283,3 +283,11 @@ def test_entrypoint_signals_weights_once_a_run_returned(tmp_path, profiles_file)
     out = cli("warmup", "--entrypoint", "test_warmup:fail_on_batches", "--profiles", str(profiles_file), "--json",
               code=ExitCode.WARMUP)  # fmt: skip
     assert json.loads(out.output)["signals"] == {"weights": True, "graphs": False}
+
+
+@pytest.mark.parametrize("url, why", [("http://127.0.0.1:99999", "the port 99999 is out of range (0-65535)"),
+                                      ("http://[::1]:65536/v1", "the port 65536 is out of range (0-65535)"),
+                                      ("http://127.0.0.1:80a", "the port is not a number")])  # fmt: skip
+def test_a_url_port_that_is_not_a_port_says_why(url, why):
+    result = cli("warmup", "--url", url, code=2)
+    assert f"--url {url!r}: {why}" in result.stderr

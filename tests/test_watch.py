@@ -3,6 +3,8 @@
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import urllib.request
 
@@ -373,6 +375,27 @@ def test_watch_command_serves_and_stops_on_sigterm(tmp_path):
             assert response.status == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0, proc.stderr.read()
+
+
+def test_watch_json_starts_with_one_json_line_that_names_the_port(tmp_path):
+    make_ready(tmp_path)
+    args = ("watch", "--root", str(tmp_path), "--interval", "1h", "--port", "0", "--json")
+    proc = subprocess.Popen([sys.executable, "-m", "kcache", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        doc = json.loads(proc.stdout.readline())  # the first line, once the port is bound
+        assert doc["status"] == "watching" and doc["root"] == str(tmp_path) and doc["interval"] == 3600
+        assert doc["port"] > 0 and doc["url"] == f"http://127.0.0.1:{doc['port']}" and doc["publish_every"] is None
+        with urllib.request.urlopen(doc["url"] + "/healthz", timeout=10) as response:
+            assert response.status == 200
+        proc.send_signal(signal.SIGTERM)
+        rest, stderr = proc.communicate(timeout=20)
+        assert proc.returncode == 0, stderr
+        assert rest == ""  # nothing but the one object on stdout
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_cli_watch_publishes_signed_deltas_under_the_restored_workload(tmp_path, monkeypatch):

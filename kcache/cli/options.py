@@ -96,6 +96,27 @@ def load_trusted_keys(paths) -> tuple:
     return load(paths)
 
 
+REQUIRE_SIGNATURE_ENV = "KCACHE_REQUIRE_SIGNATURE"
+
+
+def require_signature_option(what: str):
+    """--require-signature, with `what` it refuses. The environment is read by `env_flag`, not by
+    click, whose booleans also take "y" or "t": restore and prefetch must read it alike."""
+    env = f"[env var: {REQUIRE_SIGNATURE_ENV}=1 (1/true/yes/on; 0/false/no/off)]"
+    return click.option("--require-signature", is_flag=True, help=f"{what}  {env}")
+
+
+def env_flag(name: str) -> tuple[bool, ConfigError | None]:
+    """(value, None), or (True, the error) for a value that is no boolean: a garbled request for
+    signatures must never read as "off" (restore starts cold on it, prefetch refuses it)."""
+    text = os.environ.get(name, "").strip().lower()
+    if text in ("", "0", "false", "no", "off"):
+        return False, None
+    if text in ("1", "true", "yes", "on"):
+        return True, None
+    return True, ConfigError(name, text, "expected 1/true/yes/on or 0/false/no/off")
+
+
 def json_option(fn):
     return click.option("--json", "as_json", is_flag=True, callback=_remember_json,
                         help="Print one JSON object for scripts (an error too: status, error, hint, exit_code)."
@@ -130,6 +151,19 @@ def command_line_workload(facts, extras) -> dict[str, str]:
     return given
 
 
+def open_configured_store(cfg: config.Settings, *, jobs: int = 16, publisher: bool = False,
+                          before_publish: bool = False):  # fmt: skip
+    """The store `cfg` names. A file:// store that does not exist is created only by a `publisher`;
+    an operator's command (verify, reindex, gc, ...) gets a StoreError, so that a typo in --store
+    does not read as an empty store. It reads as empty, and stays uncreated, for the pod-side
+    readers that run `before_publish` (restore, prefetch: a miss then, not an error), and for the
+    default store under KCACHE_HOME, kcache's own, until its first publish."""
+    from kcache.store import open_store
+
+    return open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs,
+                      create=publisher or before_publish or not cfg.store_explicit)  # fmt: skip
+
+
 @contextmanager
 def opened(cfg: config.Settings, *, store: bool = True, index: bool = True, jobs: int = 16,
            write: bool = True) -> Iterator[tuple]:  # fmt: skip
@@ -138,12 +172,11 @@ def opened(cfg: config.Settings, *, store: bool = True, index: bool = True, jobs
     The index is checked against the store it describes (kcache.binding); a writer binds an
     unbound one, a reader (`write=False`) never creates an index file."""
     from kcache import binding
-    from kcache.store import open_store
 
     if index and cfg.index_url == NO_INDEX:
         raise ConfigError("--index", cfg.index_url,
                           "this command needs an index; only `kcache restore` works from refs/")  # fmt: skip
-    the_store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs) if store else None
+    the_store = open_configured_store(cfg, jobs=jobs) if store else None
     the_index = binding.open_index(cfg, the_store, write=write) if index else None
     try:
         yield the_store, the_index

@@ -7,26 +7,29 @@ from pathlib import Path
 
 import click
 
-from kcache import choice
+from kcache import choice, fingerprint
 from kcache.allocator import reuse_freed_memory
 from kcache.catalog import open_for_restore
 from kcache.cli import format as fmt
 from kcache.cli.errors import describe
 from kcache.cli.options import (
+    REQUIRE_SIGNATURE_ENV,
     Duration,
     Size,
     compute_fingerprint,
+    env_flag,
     fingerprint_options,
     json_option,
     load_trusted_keys,
     node_cache_option,
+    open_configured_store,
+    require_signature_option,
     settings,
     store_options,
 )
 from kcache.cli.serve_cmd import stop_on_signals
 from kcache.errors import ConfigError, KcacheError
 from kcache.prefetch import Prefetched, Target, bundle_key_target, prefetch
-from kcache.store import open_store
 from kcache.store.nodecache import MAX_BYTES_ENV, NodeCacheStore
 
 
@@ -43,8 +46,7 @@ from kcache.store.nodecache import MAX_BYTES_ENV, NodeCacheStore
 @click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
               envvar="KCACHE_TRUSTED_KEYS", help="A .pub from `kcache keygen`; repeatable (env: ':'-separated).",
               )  # fmt: skip
-@click.option("--require-signature", is_flag=True, envvar="KCACHE_REQUIRE_SIGNATURE",
-              help="Prefetch only bundles signed by a trusted key (as restore takes them).")  # fmt: skip
+@require_signature_option("Prefetch only bundles signed by a trusted key (as restore takes them).")
 @fingerprint_options(many_models=True)
 @store_options(index_none=True)
 @json_option
@@ -68,11 +70,14 @@ def prefetch_cmd(node_cache, bundle_keys, max_bytes, once, every, jobs, trusted_
     """
     reuse_freed_memory()  # packs stream through MiB buffers: see kcache.allocator
     targets = _targets(model, model_config, facts, extras, bundle_keys)
-    policy = choice.Policy(load_trusted_keys(trusted_keys), require_signature)
+    required, garbled = env_flag(REQUIRE_SIGNATURE_ENV)
+    if garbled is not None:  # never "off" by accident
+        raise garbled
+    policy = choice.Policy(load_trusted_keys(trusted_keys), require_signature or required)
     if policy.required and not policy.trusted:
         raise ConfigError("--require-signature", "on", "needs at least one --trusted-key (or KCACHE_TRUSTED_KEYS)")
     cfg = settings(store_url, index_url, s3_endpoint_url)
-    store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
+    store = open_configured_store(cfg, jobs=jobs, before_publish=True)  # a DaemonSet may start before any publish
     cache = NodeCacheStore(store, node_cache, max_bytes=max_bytes)
     stop = None if once else stop_on_signals()
     while True:
@@ -113,6 +118,9 @@ def _targets(models, model_config, facts, extras, bundle_keys) -> tuple[Target, 
         raise ConfigError("--model-config", str(model_config), "describes one model; give a single --model with it")
     if not models and not bundle_keys and model_config is None:
         raise ConfigError("--model", "", "name at least one --model or --bundle-key to prefetch")
+    for key in bundle_keys:
+        if not fingerprint.is_bundle_key(key):
+            raise ConfigError("--bundle-key", key, "is not a bundle key: 32 hex digits, as `kcache fingerprint` prints")
     names = list(models) or ([None] if model_config is not None else [])
     targets = [Target(name or str(model_config), compute_fingerprint(name, model_config, facts, extras))
                for name in names]  # fmt: skip

@@ -24,6 +24,7 @@ from kcache.cli.options import (
     fingerprint_options,
     json_option,
     load_signing_key,
+    open_configured_store,
     settings,
     stderr_is_terminal,
     store_options,
@@ -31,7 +32,6 @@ from kcache.cli.options import (
 from kcache.config import Settings
 from kcache.hashcache import HashCache
 from kcache.publish import PublishConfig, publish, workload_of
-from kcache.store import open_store
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def publish_cmd(root, layers, extra_dirs, signing_key, allow_empty, compile_seco
     extras = [sources.parse_extra_dir(s) for s in extra_dirs]
     chosen = sources.in_root(root, names, extras) if root else sources.select(names, extras)
     cfg = settings(store_url, index_url, s3_endpoint_url)
-    store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
+    store = open_configured_store(cfg, jobs=jobs, publisher=True)
     show = stderr_is_terminal() and not as_json
     note = (lambda msg: click.echo(f"kcache: {fmt.text(msg)}", err=True)) if show else None  # names files of ROOT
     config = publish_config(cfg, jobs=jobs, signing_key=signing_key, allow_empty=allow_empty)

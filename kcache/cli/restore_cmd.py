@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
 import click
 
-from kcache import durations
+from kcache import durations, envfile
 from kcache.allocator import reuse_freed_memory
 from kcache.catalog import open_for_restore
 from kcache.cli import format as fmt
 from kcache.cli import progress_bars
 from kcache.cli.errors import ExitCode, describe
 from kcache.cli.options import (
+    REQUIRE_SIGNATURE_ENV,
     compute_fingerprint,
+    env_flag,
     fingerprint_options,
     json_option,
     load_trusted_keys,
     node_cache_option,
+    require_signature_option,
     settings,
     store_options,
 )
@@ -31,6 +35,7 @@ from kcache.store.nodecache import NodeCacheStore
 from kcache.untrusted import one_line
 
 DEFAULT_TIMEOUT = 300.0
+_BUNDLE_ID = re.compile(r"[0-9a-f]{64}\Z")  # a manifest's SHA-256
 # A budget beyond a day is a typo (or "forever", which an init container must never be).
 MAX_TIMEOUT = 86400.0
 
@@ -47,8 +52,7 @@ MAX_TIMEOUT = 86400.0
 @click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
               envvar="KCACHE_TRUSTED_KEYS", help="A .pub from `kcache keygen`; repeatable (env: ':'-separated).",
               )  # fmt: skip
-@click.option("--require-signature", is_flag=True,  # the environment is read by restore: a typo must not crash-loop
-              help="Refuse bundles not signed by a trusted key.  [env var: KCACHE_REQUIRE_SIGNATURE=1]")  # fmt: skip
+@require_signature_option("Refuse bundles not signed by a trusted key.")  # env read in the budget: no crash-loop
 @click.option("--fallback", type=click.Choice(["toolchain", "layers"]),
               help="On a miss, restore the kernel layers (inductor, triton, cuda) of the newest bundle built "
                    "on this toolchain for another workload; 'layers': each reusable layer from the newest "
@@ -84,21 +88,26 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
     started = time.perf_counter()
     reuse_freed_memory()  # before the first MiB buffer: see kcache.allocator
     timeout, bad_timeout = _parse_timeout(timeout_text)
-    required, bad_flag = _env_flag("KCACHE_REQUIRE_SIGNATURE")
+    required, bad_flag = env_flag(REQUIRE_SIGNATURE_ENV)
+    bundle_id, bad_bundle = _parse_bundle_id(bundle_id)
     ctx = click.get_current_context()
     opened: list[Opened] = []
+    keys: list[str] = []  # the bundle key, once the fingerprint is computed: an error's JSON names it
 
     def open_inputs() -> Opened:
         # Runs in restore's worker thread, inside the budget: a typo here is an error marker and a
         # cold start like any other failure, not a usage error that crash-loops the init container.
-        for bad in (bad_timeout, bad_flag):
+        for bad in (bad_timeout, bad_flag, bad_bundle):
             if bad is not None:
                 raise bad
         with ctx.scope(cleanup=False):  # the fingerprint options live on click's context
             fp = compute_fingerprint(model, model_config, facts, extras)
+        keys.append(fp.bundle_key)
         trusted = load_trusted_keys(trusted_keys)
         cfg = settings(store_url, index_url, s3_endpoint_url)
-        store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
+        # A pod may restore before the first publish made the store: a miss, not an error (restore
+        # writes nothing to the store, so it never creates one; cli.options.open_configured_store).
+        store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs, create=True)
         if node_cache is not None:  # waiting on another pod's download may take half the budget, no more
             store = NodeCacheStore(store, node_cache, wait=timeout / 2)
         opened.append(Opened(store, open_for_restore(cfg, store), fp, trusted))
@@ -112,7 +121,8 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
     except Exception as exc:  # noqa: BLE001 - an init container must never crash-loop on a kcache bug
         if os.environ.get("KCACHE_DEBUG") == "1":
             raise
-        _report_error(exc, strict, as_json, time.perf_counter() - started)
+        _report_error(exc, strict, as_json, time.perf_counter() - started, Path(root).absolute(),
+                      keys[0] if keys else None)  # fmt: skip
         return
     finally:
         for inputs in opened:
@@ -155,15 +165,15 @@ def _parse_timeout(text: str) -> tuple[float, ConfigError | None]:
     return seconds, None
 
 
-def _env_flag(name: str) -> tuple[bool, ConfigError | None]:
-    """(value, None), or (True, the error) for a value that is no boolean: a garbled request for
-    signatures starts cold (restores nothing unverified) instead of failing as a usage error."""
-    text = os.environ.get(name, "").strip().lower()
-    if text in ("", "0", "false", "no", "off"):
-        return False, None
-    if text in ("1", "true", "yes", "on"):
-        return True, None
-    return True, ConfigError(name, text, "expected 1/true/yes/on or 0/false/no/off")
+def _parse_bundle_id(text: str | None) -> tuple[str | None, ConfigError | None]:
+    """(the id, None), or (None, the error) for a value that is no full bundle id: a prefix (what
+    `kcache ls` prints) would be looked up as an object the store lost."""
+    if text is None:
+        return None, None
+    if not _BUNDLE_ID.match(text.lower()):
+        return None, ConfigError("--bundle", text, "needs a full bundle id, 64 hex digits (`kcache ls --json` "
+                                 "prints them as bundle_id)")  # fmt: skip
+    return text.lower(), None
 
 
 def _close_quietly(index) -> None:
@@ -173,12 +183,16 @@ def _close_quietly(index) -> None:
         click.echo(f"kcache: warning: closing the index failed: {one_line(exc)}", err=True)
 
 
-def _report_error(exc: Exception, strict: bool, as_json: bool, seconds: float) -> None:
+def _report_error(exc: Exception, strict: bool, as_json: bool, seconds: float, root: Path,
+                  bundle_key: str | None = None) -> None:  # fmt: skip
     message, hint, code = describe(exc)
     message = one_line(message)  # may quote text from the store or the network
-    if as_json:
-        click.echo(fmt.to_json({"status": "error", "bundle_id": None, "files": 0, "bytes": 0,
-                                "seconds": round(seconds, 4), "reason": message, "error": message, "hint": hint,
+    if as_json:  # the shape of a hit or a miss, with what is known; env_file only where restore wrote one
+        env_file = root / envfile.NAME
+        click.echo(fmt.to_json({"status": "error", "bundle_key": bundle_key, "bundle_id": None, "files": 0,
+                                "bytes": 0, "seconds": round(seconds, 4), "reason": message, "root": str(root),
+                                "env_file": str(env_file) if env_file.is_file() else None, "layers": [],
+                                "signed_by": None, "donors": {}, "error": message, "hint": hint,
                                 "exit_code": int(code) if strict else 0}))  # fmt: skip
     action = "failing (--strict)" if strict else "starting cold"
     click.echo(f"kcache: restore failed, {action}: {message}", err=True)

@@ -90,4 +90,4 @@ def _fail_open(root: Path, usage: click.UsageError, raw: list[str], strict: bool
     except KcacheError:  # ours; or ROOT unusable (RootError) or held by a restore that writes its own marker
         pass
     if not strict:
-        _report_error(error, False, "--json" in _options(raw), time.perf_counter() - started)
+        _report_error(error, False, "--json" in _options(raw), time.perf_counter() - started, root.absolute())

@@ -17,6 +17,7 @@ from kcache.cli.options import (
     compute_fingerprint,
     fingerprint_options,
     json_option,
+    open_configured_store,
     settings,
     stderr_is_terminal,
     store_options,
@@ -25,7 +26,6 @@ from kcache.cli.publish_cmd import publish_config
 from kcache.config import redact_text
 from kcache.errors import ConfigError
 from kcache.prebake import ChildWarmup, ServerWarmup, prebake
-from kcache.store import open_store
 
 # How long past --budget a running marker stays valid (the report and the last marker are written then).
 _RUNNING_GRACE = timedelta(seconds=60)
@@ -208,7 +208,7 @@ def prebake_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_
                               _profiles(profiles_file), parallel)  # fmt: skip
     fp = compute_fingerprint(model, model_config, facts, extras)
     cfg = settings(store_url, index_url, s3_endpoint_url)
-    store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs)
+    store = open_configured_store(cfg, jobs=jobs, publisher=True)
     config = publish_config(cfg, jobs=jobs, signing_key=signing_key)
     index = binding.open_index(cfg, store, write=True)
     try:

@@ -15,6 +15,7 @@ from kcache.cli.options import (
     compute_fingerprint,
     fingerprint_options,
     json_option,
+    open_configured_store,
     settings,
     store_options,
 )
@@ -24,7 +25,6 @@ from kcache.cli.serve_cmd import host_port_options, stop_on_signals
 from kcache.config import Settings, redact_text
 from kcache.publish import PublishConfig, publish, workload_of
 from kcache.serve import make_server, start_in_thread
-from kcache.store import open_store
 from kcache.watch import Publisher, Step, Watcher
 
 
@@ -36,7 +36,7 @@ def _publisher(root: Path, fingerprint_args, cfg: Settings, config: PublishConfi
     """
     fp = compute_fingerprint(*fingerprint_args)
     given = command_line_workload(*fingerprint_args[2:])
-    store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url)
+    store = open_configured_store(cfg, publisher=True)
 
     def publish_delta(layers):
         index = binding.open_index(cfg, store, write=True)
@@ -89,15 +89,27 @@ def watch_cmd(root, interval, publish_every, once, host, port, signing_key, mode
     stop = stop_on_signals()
     if server is not None:
         start_in_thread(server)
-        click.echo(f"kcache: serving /healthz /readyz /metrics on http://{host}:{server.port} for {root}")
-    click.echo(f"kcache: watching {root} every {fmt.seconds(interval)}"
-               + (f", publishing every {fmt.seconds(publish_every)}" if publisher else ""))  # fmt: skip
+    _announce(root, interval, publish_every if publisher else None, server, host, as_json)
     try:
         watcher.run(stop, interval)
     finally:
         if server is not None:
             server.shutdown()
             server.server_close()
+
+
+def _announce(root: Path, interval: float, publish_every: float | None, server, host: str, as_json: bool) -> None:
+    """The start lines (the first names the port when there is one), or one JSON object."""
+    url = f"http://{host}:{server.port}" if server is not None else None
+    if as_json:
+        click.echo(fmt.to_json({"status": "watching", "root": str(root), "interval": interval,
+                                "publish_every": publish_every, "url": url, "host": host if server else None,
+                                "port": server.port if server else None}))  # fmt: skip
+        return
+    if url is not None:
+        click.echo(f"kcache: serving /healthz /readyz /metrics on {url} for {root}")
+    click.echo(f"kcache: watching {root} every {fmt.seconds(interval)}"
+               + (f", publishing every {fmt.seconds(publish_every)}" if publish_every else ""))  # fmt: skip
 
 
 def _report(step: Step, as_json: bool) -> None:

@@ -11,8 +11,13 @@ from kcache.store.base import Store, manifest_key, pack_key, ref_key
 __all__ = ["Store", "open_store", "pack_key", "manifest_key", "ref_key"]
 
 
-def open_store(url: str, *, endpoint_url: str | None = None, jobs: int = 16) -> Store:
-    """Open `file://PATH` or `s3://bucket/prefix`. A bare path means file://."""
+def open_store(url: str, *, endpoint_url: str | None = None, jobs: int = 16, create: bool = True) -> Store:
+    """Open `file://PATH` or `s3://bucket/prefix`. A bare path means file://.
+
+    `create`: a file:// PATH that does not exist is created by the first write (a publisher's
+    store). A reader passes create=False: then such a PATH is a StoreError, as a bucket that does
+    not exist is (the CLI decides which commands may create one: cli.options.open_configured_store).
+    """
     parsed = urlparse(url)
     if parsed.scheme in ("", "file"):
         path = parsed.path if parsed.scheme else url
@@ -22,7 +27,7 @@ def open_store(url: str, *, endpoint_url: str | None = None, jobs: int = 16) -> 
             raise ConfigError("store URL", url, "has no path")
         from kcache.store.local import LocalStore
 
-        return LocalStore(Path(path).expanduser())
+        return LocalStore(Path(path).expanduser(), create=create)
     if parsed.scheme == "s3":
         if not parsed.netloc:
             raise ConfigError("store URL", url, "has no bucket (expected s3://bucket/prefix)")

@@ -23,11 +23,25 @@ from kcache.streams import Window
 
 
 class LocalStore:
-    def __init__(self, root: Path):
+    """`create`: the first write may create PATH (a publisher's store). Without it PATH must exist:
+    a reader pointed at a typo must hear so, not read an empty store (as S3 names a missing bucket)."""
+
+    def __init__(self, root: Path, *, create: bool = True):
         self.root = Path(root)
         self.url = f"file://{self.root}"
+        self.create = create
         if self.root.exists() and not self.root.is_dir():
             raise StoreError(self.url, "is a file, not a directory")
+        if not create:
+            self._require_root()
+
+    def _require_root(self) -> None:
+        if not self.root.is_dir():
+            raise StoreError(self.url, "does not exist; `kcache publish` creates a store, no other command does")
+
+    def _before_write(self) -> None:
+        if not self.create:  # the writes' mkdir(parents=True) would create PATH itself
+            self._require_root()
 
     def _path(self, key: str) -> Path:
         if not is_valid_key(key):
@@ -45,6 +59,7 @@ class LocalStore:
         final = self._path(key)
         if final.exists():
             return False
+        self._before_write()
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
             return atomic.write(final, write, overwrite=False)
@@ -107,6 +122,7 @@ class LocalStore:
 
     def put_if(self, key: str, data: bytes, version: str | None) -> bool:
         final = self._path(key)
+        self._before_write()
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
             # A lock beside the object serializes compare-and-swap between processes on this host

@@ -238,3 +238,70 @@ def test_trusted_keys_from_the_environment_split_at_colons(tmp_path, monkeypatch
         run("restore", "--into", str(tmp_path / "r"), "--model", "m", "--require-signature", "--json").output
     )
     assert doc["status"] == "hit" and doc["signed_by"] == "new"
+
+
+# ---- a store that does not exist: only publish creates one ---------------------------------------
+
+
+@pytest.mark.parametrize("command", [["verify"], ["reindex"], ["verify", "--read-data"], ["gc", "--dry-run"]])
+def test_readers_refuse_a_named_store_that_does_not_exist(tmp_path, command):
+    args = [*command, "--store", f"file://{tmp_path / 'nostore'}", "--index", f"sqlite:///{tmp_path / 'v.db'}"]
+    result = run(*args, "--json", ok=False)
+    assert result.exit_code == ExitCode.STORE, result.output
+    assert "does not exist" in json.loads(result.stdout)["error"]
+    assert not (tmp_path / "nostore").exists()
+
+
+def test_restore_before_the_first_publish_is_a_miss_and_creates_no_store(tmp_path):
+    # A pod's first restore may come before any publish made the store: that is a miss, not an error.
+    args = ("restore", "--into", str(tmp_path / "r"), "--model", "m", "--store", f"file://{tmp_path / 'nostore'}")
+    assert json.loads(run(*args, "--json").stdout)["status"] == "miss"
+    assert run(*args, "--strict", ok=False).exit_code == ExitCode.MISS and not (tmp_path / "nostore").exists()
+
+
+def test_publish_creates_the_store_it_is_given(tmp_path):
+    write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"graph"})
+    store = tmp_path / "new" / "store"
+    run("publish", "--from", str(tmp_path / "src"), "--model", "m", "--store", f"file://{store}")
+    assert (store / "kcache-store.json").is_file()
+    verified = run("verify", "--store", f"file://{store}", "--json")
+    assert json.loads(verified.stdout)["bundles"] == 1
+
+
+def test_the_default_store_reads_as_empty_before_the_first_publish(isolated_home):
+    assert json.loads(run("verify", "--json").stdout)["bundles"] == 0
+    assert not (isolated_home / "store").exists()
+
+
+# ---- prefetch: bundle keys and the signature setting --------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["zz", "3f0c", "g" * 32, "a" * 33, "a" * 64])
+def test_prefetch_refuses_a_bundle_key_that_is_no_key(tmp_path, key):
+    result = run("prefetch", "--node-cache", str(tmp_path / "n"), "--bundle-key", key, "--once", "--json", ok=False)
+    doc = json.loads(result.stdout)
+    assert result.exit_code == doc["exit_code"] == ExitCode.USAGE
+    assert doc["error"].startswith(f"--bundle-key {key!r}") and "32 hex digits" in doc["error"]
+
+
+@pytest.mark.parametrize("value", ["y", "t", "enabled", "2"])
+def test_prefetch_reads_require_signature_as_restore_does(tmp_path, monkeypatch, value):
+    monkeypatch.setenv("KCACHE_REQUIRE_SIGNATURE", value)
+    result = run("prefetch", "--node-cache", str(tmp_path / "n"), "--bundle-key", "a" * 32, "--once", ok=False)
+    assert result.exit_code == ExitCode.USAGE and f"KCACHE_REQUIRE_SIGNATURE {value!r}" in result.stderr
+
+
+@pytest.mark.parametrize("value, refused", [("1", True), ("on", True), ("0", False), ("off", False), ("", False)])
+def test_prefetch_takes_the_values_restore_takes(tmp_path, monkeypatch, value, refused):
+    monkeypatch.setenv("KCACHE_REQUIRE_SIGNATURE", value)
+    result = run("prefetch", "--node-cache", str(tmp_path / "n"), "--bundle-key", "a" * 32, "--once", ok=False)
+    assert (result.exit_code == ExitCode.USAGE and "needs at least one --trusted-key" in result.stderr) == refused
+
+
+def test_require_signature_reads_the_same_in_restore_and_prefetch_help():
+    def helps(name):
+        return next(p.help for p in main.get_command(None, name).params if p.name == "require_signature")
+
+    restore_help, prefetch_help = helps("restore"), helps("prefetch")
+    assert "KCACHE_REQUIRE_SIGNATURE" in restore_help
+    assert restore_help[restore_help.index("[env var"):] == prefetch_help[prefetch_help.index("[env var"):]

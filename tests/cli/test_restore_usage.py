@@ -71,6 +71,8 @@ def test_usage_error_under_json_prints_one_error_object(tmp_path):
     doc = json.loads(result.stdout)
     assert doc["status"] == "error" and "--jobs" in doc["reason"] and doc["exit_code"] == 0
     assert "--jobs" in assert_cold_but_ready_to_start(root)["reason"]
+    assert (doc["root"], doc["env_file"], doc["bundle_key"], doc["layers"]) == (str(root), str(root / "kcache.env"),
+                                                                                  None, [])  # fmt: skip
 
 
 def test_usage_error_reason_is_one_line_in_the_marker(tmp_path):

@@ -41,3 +41,29 @@ def test_a_ref_the_file_system_cannot_read_is_a_store_error(tmp_path):
     with pytest.raises(StoreError, match="refs/k"):
         store.put_if("refs/k", b"two", None)
     assert [p.name for p in (tmp_path / "store/refs").iterdir() if p.name.startswith(".tmp-")] == []
+
+
+def test_a_store_that_may_not_create_its_root_refuses_a_missing_one(tmp_path):
+    with pytest.raises(StoreError, match="does not exist"):
+        LocalStore(tmp_path / "nostore", create=False)
+    assert not (tmp_path / "nostore").exists()
+
+
+def test_a_store_that_may_not_create_its_root_still_writes_below_it(tmp_path):
+    (tmp_path / "store").mkdir()
+    store = LocalStore(tmp_path / "store", create=False)
+    assert store.put_bytes("packs/aa/x", b"data") is True
+    (tmp_path / "store/packs/aa/x").unlink()
+    (tmp_path / "store/packs/aa").rmdir()
+    (tmp_path / "store/packs").rmdir()
+    (tmp_path / "store").rmdir()  # gone after it was opened: the write must not bring it back
+    with pytest.raises(StoreError, match="does not exist"):
+        store.put_bytes("packs/aa/x", b"data")
+    with pytest.raises(StoreError, match="does not exist"):
+        store.put_if("refs/k", b"{}", None)
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_publisher_creates_the_root(tmp_path):
+    store = LocalStore(tmp_path / "new" / "store")
+    assert store.put_bytes("packs/aa/x", b"data") is True and (tmp_path / "new/store/packs/aa/x").is_file()
