@@ -162,7 +162,8 @@ def _pinned_yanked(store: Store, index: Catalog, bundle_key: str, pinned: str, p
 
 
 def read_manifest(store: Store, choice: Choice, fp: Fingerprint, policy: Policy, cap: int | None = None):
-    """The chosen manifest and its signer. Size and signature are checked before a byte is read.
+    """The chosen manifest, its signer and its size in the store. Size and signature are checked
+    before a byte is read.
 
     `cap` lowers the size cap (what a partial restore from several donors has left of it).
 
@@ -184,4 +185,4 @@ def read_manifest(store: Store, choice: Choice, fp: Fingerprint, policy: Policy,
     if manifest.bundle_key != choice.bundle_key:
         raise IntegrityError("manifest", manifest.id, f"is for bundle key {manifest.bundle_key}, "
                              f"not {choice.bundle_key}")  # fmt: skip
-    return manifest, signer
+    return manifest, signer, size

@@ -73,7 +73,7 @@ def _one(store, index, cache, target: Target, policy, jobs: int, stop: threading
     chosen = choice.pick(store, index, fp, None, None, policy)
     if isinstance(chosen, str):
         return Prefetched(target.name, fp.bundle_key, "miss", reason=chosen)
-    manifest, _signer = choice.read_manifest(store, chosen, fp, policy)
+    manifest, _signer, _size = choice.read_manifest(store, chosen, fp, policy)
     needs = fetch.pack_extents(manifest.entries)
     packs = sorted(needs)
     started = time.perf_counter()

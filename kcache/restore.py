@@ -53,7 +53,7 @@ from kcache.records import Event
 from kcache.relocate import relocate_staged
 from kcache.rootdir import STAGING_PREFIX
 from kcache.sources.base import torch_user
-from kcache.store import Store, manifest_key
+from kcache.store import Store
 from kcache.untrusted import one_line
 
 log = logging.getLogger(__name__)
@@ -311,7 +311,7 @@ def _restore(
                              seconds=time.perf_counter() - started, reason=one_line(chosen),
                              user=layers.run_as_user(run_as, {}))  # fmt: skip
     partial = chosen.partial
-    manifest, signer = choice.read_manifest(store, chosen, fp, policy)
+    manifest, signer, _size = choice.read_manifest(store, chosen, fp, policy)
     _check_layers(manifest)
     layer_names = tuple(n for n in manifest.layers if n in PARTIAL_LAYERS) if partial else manifest.layers
     entries = tuple(e for e in manifest.entries if not partial or e.path.split("/", 1)[0] in PARTIAL_LAYERS)
@@ -344,8 +344,7 @@ def _donors(store: Store, index: Catalog, fp: Fingerprint, policy: choice.Policy
                 continue
             manifest = read.get(chosen.manifest_id)
             if manifest is None:
-                size = store.size(manifest_key(chosen.manifest_id))
-                manifest, _signer = choice.read_manifest(store, chosen, fp, policy, cap=left)
+                manifest, _signer, size = choice.read_manifest(store, chosen, fp, policy, cap=left)
                 read[manifest.id], left = manifest, left - size
             refused = layerkeys.refusal(layer, found.key, manifest)
             if refused:
