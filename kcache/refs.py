@@ -174,26 +174,24 @@ def advance(store: Store, ref: Ref, *, signer: signing.SigningKey | None = None,
     that landed since `ref` was made must not be overwritten by a ref naming the yanked bundle.
     """
     ttl = ttl or default_ttl()
-    given = ref
 
     def decide(current: Ref | None):
-        nonlocal ref
-        ref = for_bundle(index, given.manifest) if index is not None else given
-        if ref.manifest in ref.yanked:  # a signed ref must never name a yanked bundle
+        wanted = for_bundle(index, ref.manifest) if index is not None else ref
+        if wanted.manifest in wanted.yanked:  # a signed ref must never name a yanked bundle
             return _KEEP
         if current is None:
-            return ref
+            return wanted
         if from_the_future(current):
             log.warning("replacing %s: its created_at %s is ahead of this clock by more than %s",
                         ref_key(ref.bundle_key), _utc(current.created_at).isoformat(), MAX_CLOCK_SKEW)  # fmt: skip
-            return ref
-        if (_utc(current.created_at), current.manifest) > (_utc(ref.created_at), ref.manifest):
+            return wanted
+        if (_utc(current.created_at), current.manifest) > (_utc(wanted.created_at), wanted.manifest):
             return _KEEP
-        if current.manifest == ref.manifest and not _stale(current, ref, signer, ttl):
+        if current.manifest == wanted.manifest and not _stale(current, wanted, signer, ttl):
             return _KEEP
-        return ref
+        return wanted
 
-    return _write(store, given.bundle_key, decide, signer, ttl) is not _KEEP
+    return _write(store, ref.bundle_key, decide, signer, ttl) is not _KEEP
 
 
 def from_the_future(current: Ref) -> bool:
