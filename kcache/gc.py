@@ -1,7 +1,8 @@
 """Garbage collection in two phases, safe while publishes run. Plan first; execute the plan.
 
     retain   per bundle key, the newest --keep-last active bundles, plus every bundle younger than
-             --older-than; everything else is deleted (row, ref, signatures, manifest), each row
+             --older-than; everything else is deleted (row, ref, signatures, manifest; a yank
+             marker stays, so publishing the same bytes again is still yanked), each row
              only if the rule still dooms it when it is deleted: a yank since the plan keeps the
              bundle it falls back to, and then this run condemns and sweeps nothing (its pack
              lists assumed that bundle gone); a publish that commits the bundle again while its
@@ -151,7 +152,8 @@ def _delete_bundle(store: Store, index: Index, gc_plan: Plan, bundle: Bundle,
         # A publish of the key committed while the ref was removed, and its ref may have gone with
         # it (a delete cannot be conditional): write the ref from the index again.
         refs.refresh(store, index, bundle.bundle_key, signer=signer)
-    store.delete(refs.yank_key(bundle.id))
+    # A yank marker stays: a warmup that compiles the same kernels makes the same manifest id, and
+    # publish commits a bundle whose marker it finds as yanked (the marker is a few bytes).
     signatures = [s.key for s in store.list(f"signatures/{bundle.id}/")]
     return not _delete_objects(store, index, bundle.id, [*signatures, manifest_key(bundle.id)])
 

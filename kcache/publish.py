@@ -98,6 +98,7 @@ class PublishResult:
     uploaded_bytes: int  # pack bytes sent to the store
     packs: int
     seconds: float
+    yanked: bool = False  # this manifest was yanked before: committed yanked, no ref names it
 
 
 def collect(sources: Iterable[Source], *, root: Path | None, env: Mapping[str, str]) -> list[tuple[Source, FileInfo]]:
@@ -486,7 +487,13 @@ def publish(
     data = manifest.to_bytes()
     limits.check_manifest_size(len(data), len(manifest.entries))  # exact now: the check above was a lower bound
     wrote = _write_manifest(store, manifest, data, config.signing_key)  # before the commit point
-    row = _bundle_row(manifest, compile_seconds)
+    # A yank outlives the bundle's row (gc keeps the marker): the same bytes published again, by a
+    # warmup that compiled the same broken kernels, must not become the newest bundle again.
+    yanked = store.exists(refs.yank_key(manifest.id))
+    if yanked:
+        log.warning("bundle %s was yanked before; it is committed yanked (`kcache yank --undo %s` restores it)",
+                    manifest.id[:12], manifest.id)  # fmt: skip
+    row = _bundle_row(manifest, compile_seconds, "yanked" if yanked else "active")
     created = index.add_bundle(row)
     if not wrote and not _manifest_stored(store, manifest.id, config.signing_key):
         # The copy we found was an orphan of a crashed publish, and GC swept it before our commit.
@@ -501,7 +508,7 @@ def publish(
     seconds = time.perf_counter() - started
     result = PublishResult(
         fingerprint.bundle_key, manifest.id, created, manifest.layers, len(manifest.entries), manifest.total_size,
-        len(new), sum(c.info.size for c in new), uploaded, pack_count, seconds,
+        len(new), sum(c.info.size for c in new), uploaded, pack_count, seconds, yanked,
     )  # fmt: skip
     index.record_event(Event("publish", "published" if created else "unchanged", fingerprint.bundle_key,
                              manifest.id, len(manifest.entries), uploaded, seconds))  # fmt: skip
@@ -597,7 +604,7 @@ def _entry(c: Collected, where: BlobLocation) -> manifests.Entry:
                            c.info.mtime_ns)  # fmt: skip
 
 
-def _bundle_row(manifest: manifests.Manifest, compile_seconds: float | None = None) -> Bundle:
+def _bundle_row(manifest: manifests.Manifest, compile_seconds: float | None = None, status: str = "active") -> Bundle:
     return Bundle(
         id=manifest.id,
         bundle_key=manifest.bundle_key,
@@ -610,7 +617,7 @@ def _bundle_row(manifest: manifests.Manifest, compile_seconds: float | None = No
         bytes=manifest.total_size,
         created_at=datetime.now(timezone.utc),
         created_by=socket.gethostname(),
-        status="active",
+        status=status,
         compile_seconds=compile_seconds,
     )
 

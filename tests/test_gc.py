@@ -392,3 +392,27 @@ def test_a_ref_gc_removes_while_a_publish_commits_is_written_again(tmp_path, sto
     monkeypatch.setattr(store, "delete", real_delete)
     ref = refs.read(store, fp.bundle_key)
     assert ref is not None and ref.manifest == published["v2"].bundle_id
+
+
+def test_a_yanked_bundle_gc_deleted_stays_yanked_when_its_bytes_are_published_again(tmp_path, store, index, fp):
+    """A pod that restored the bundle before its yank publishes its ROOT again (same files, same
+    times: the same manifest id): the yank that outlived the bundle's row must keep it yanked."""
+    from kcache import refs
+
+    old = _publish(tmp_path, store, index, fp, b"old kernel" * 100, "v1")
+    bad = _publish(tmp_path, store, index, fp, b"bad kernel" * 100, "v2")
+    yank(store, index, bad.bundle_id, "NaNs")
+    later = datetime.now(timezone.utc) + timedelta(days=8)
+    plan = gc.plan(store, index, POLICY, now=later)
+    assert bad.bundle_id in [b.id for b in plan.delete_bundles]
+    gc.execute(store, index, plan)
+    assert store.exists(refs.yank_key(bad.bundle_id))  # the yank outlives the bundle
+
+    again = publish(store, index, fp, LAYERS, root=tmp_path / "v2", env={})
+    assert (again.bundle_id, again.created, again.yanked) == (bad.bundle_id, True, True)
+    assert index.get_bundle(bad.bundle_id).status == "yanked"
+    assert index.newest_bundle(fp.bundle_key).id == old.bundle_id
+    ref = refs.read(store, fp.bundle_key)
+    assert ref.manifest == old.bundle_id and bad.bundle_id in ref.yanked
+    pod = restore(store, index, fp, tmp_path / "dst")
+    assert (pod.status, pod.bundle_id) == ("hit", old.bundle_id), pod.reason

@@ -123,8 +123,10 @@ def publish_cmd(root, layers, extra_dirs, signing_key, allow_empty, compile_seco
         click.echo(fmt.to_json(asdict(result)))
         return
     verb = "published" if result.created else "unchanged (already published)"
+    yanked = "; it was yanked before and stays yanked" if result.yanked else ""
     click.echo(
         f"kcache: {verb} bundle {result.bundle_id[:12]} for key {result.bundle_key}: "
         f"{result.files} files, {fmt.size(result.bytes)}; uploaded {result.new_blobs} new blobs "
-        f"({fmt.size(result.new_bytes)} raw, {fmt.size(result.uploaded_bytes)} packed) in {fmt.seconds(result.seconds)}"
+        f"({fmt.size(result.new_bytes)} raw, {fmt.size(result.uploaded_bytes)} packed) in "
+        f"{fmt.seconds(result.seconds)}{yanked}"
     )
