@@ -20,6 +20,7 @@ carries the disagreements, and restore treats any as a miss.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -182,11 +183,24 @@ def collect(
         for name in _CONFIG_FACTS:
             facts.pop(name, None)
     facts.update(workload_facts(model, model_config, extra or {}))
+    _warn_unknown(overrides or {}, facts)
     facts.update(overrides or {})
     fp = compute(facts)
     if facts_file is None:
         return fp
     return replace(fp, mismatches=find_mismatches(facts, env, _default(checks, "CHECKS")))
+
+
+def _warn_unknown(overrides: Mapping[str, str], facts: Mapping[str, str]) -> None:
+    """Say so when an override names no fact this machine (or the facts file) has: a misspelt name
+    adds a fact and leaves the one meant as probed. Not refused: a newer kcache's facts file or a
+    probe this machine lacks may name facts this one does not know."""
+    for name in sorted(set(overrides) - set(facts)):
+        if is_workload_fact(name):
+            continue
+        close = difflib.get_close_matches(name, list(facts), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else " (--extra adds workload facts of your own)"
+        log.warning("--fact %s names no fact of this machine; it is added as a new fact%s", name, hint)
 
 
 def _default(given, name: str):

@@ -45,6 +45,14 @@ def test_overrides_win_over_probes():
     assert fp.facts["gpu.sm"] == "sm_90"
 
 
+def test_an_override_naming_no_fact_is_warned_about_with_the_name_meant(caplog):
+    probe = lambda env: {"gpu.sm": "none", "os": "linux"}  # noqa: E731
+    fp = f.collect(overrides={"gpu.SM": "sm_90", "gpu.sm": "sm_80", "model.rev": "2"}, probes=[probe], env={})
+    assert (fp.facts["gpu.SM"], fp.facts["gpu.sm"]) == ("sm_90", "sm_80")  # still applied: only a warning
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and "gpu.SM" in said[0] and "did you mean gpu.sm?" in said[0]
+
+
 def test_extra_and_model_config(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
