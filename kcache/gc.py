@@ -20,6 +20,8 @@
     orphans  manifests and signatures no row names, older than --grace, are deleted; if a publish
              committed a bundle on one meanwhile, GC puts the bytes back (and the publish, looking
              after its commit point, writes it again): see _delete_orphan
+    leftovers writes killed part-way (file:// temp files, S3 multipart uploads never completed),
+             begun more than --grace ago, are removed: no reader sees them, yet they take space
 
 Deletion runs in the reverse order of publish: rows before objects, so no committed bundle ever
 points at a missing pack.
@@ -38,7 +40,7 @@ from kcache import manifest as manifests
 from kcache.errors import IntegrityError, ObjectMissing, ObjectTooLarge
 from kcache.records import Bundle
 from kcache.store import Store, manifest_key, pack_key
-from kcache.store.base import ObjectInfo
+from kcache.store.base import Leftover, ObjectInfo
 
 if TYPE_CHECKING:
     from kcache.index import Index
@@ -66,10 +68,11 @@ class Plan:
     orphans: tuple[ObjectInfo, ...]  # manifests, signatures and temp files without rows, older than the grace period
     adopt: tuple[ObjectInfo, ...] = ()  # pack objects without rows, older than the grace period
     broken: tuple[Bundle, ...] = ()  # retained bundles whose manifest is missing or does not verify
+    leftovers: tuple[Leftover, ...] = ()  # killed writes begun before the grace period
 
     @property
     def bytes_freed(self) -> int:
-        return sum(p.size for p in self.sweep) + sum(o.size for o in self.orphans)
+        return sum(p.size for p in self.sweep) + sum(o.size for o in self.orphans + self.leftovers)
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class Result:
     bytes_freed: int
     orphan_packs_condemned: int = 0
     bundles_kept: int = 0  # planned for deletion, protected by the time gc got to them
+    leftovers_removed: int = 0
 
 
 def plan(store: Store, index: Index, policy: Policy, now: datetime | None = None) -> Plan:
@@ -102,7 +106,8 @@ def plan(store: Store, index: Index, policy: Policy, now: datetime | None = None
     found = list(_orphans(store, known, cutoff))
     adopt = tuple(o for o in found if o.key.startswith("packs/") and _ID.match(_owner(o.key)))
     orphans = tuple(o for o in found if o not in adopt)
-    return Plan(now, policy, tuple(doomed), condemn, sweep, waiting, orphans, adopt, broken)
+    leftovers = tuple(left for left in store.leftovers() if _utc(left.modified) < cutoff)
+    return Plan(now, policy, tuple(doomed), condemn, sweep, waiting, orphans, adopt, broken, leftovers)
 
 
 def execute(store: Store, index: Index, gc_plan: Plan, *, signer: signing.SigningKey | None = None) -> Result:
@@ -120,8 +125,11 @@ def execute(store: Store, index: Index, gc_plan: Plan, *, signer: signing.Signin
         store.delete(pack_key(pack_id))
     for orphan in gc_plan.orphans:
         _delete_orphan(store, index, orphan)
-    freed = sum(p.size for p in sweep if p.id in swept) + sum(o.size for o in gc_plan.orphans)
-    return Result(deleted, len(condemn), len(swept), len(gc_plan.orphans), freed, len(gc_plan.adopt), kept)
+    for leftover in gc_plan.leftovers:
+        store.remove_leftover(leftover)
+    freed = sum(p.size for p in sweep if p.id in swept) + sum(o.size for o in gc_plan.orphans + gc_plan.leftovers)
+    return Result(deleted, len(condemn), len(swept), len(gc_plan.orphans), freed, len(gc_plan.adopt), kept,
+                  len(gc_plan.leftovers))  # fmt: skip
 
 
 def _expired(bundles: list[Bundle], policy: Policy, now: datetime) -> list[Bundle]:

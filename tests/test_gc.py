@@ -416,3 +416,40 @@ def test_a_yanked_bundle_gc_deleted_stays_yanked_when_its_bytes_are_published_ag
     assert ref.manifest == old.bundle_id and bad.bundle_id in ref.yanked
     pod = restore(store, index, fp, tmp_path / "dst")
     assert (pod.status, pod.bundle_id) == ("hit", old.bundle_id), pod.reason
+
+
+def test_gc_removes_temp_files_of_killed_writes_once_past_grace(tmp_path, store, index, fp):
+    import os
+
+    kept = _publish(tmp_path, store, index, fp, b"kernel" * 100, "v1")
+    pack = next(iter(_packs_of(store, kept.bundle_id)))
+    shard = store.root / pack_key(pack).rsplit("/", 1)[0]
+    killed = shard / f".tmp-{'e' * 64}-x1y2"  # what kcache.atomic leaves when killed before its rename
+    killed.write_bytes(b"half a pack" * 1000)
+    fresh = shard / f".tmp-{'f' * 64}-a3b4"  # a publish writing right now
+    fresh.write_bytes(b"in flight")
+    hours_ago = datetime.now(timezone.utc).timestamp() - 7 * 3600
+    os.utime(killed, (hours_ago, hours_ago))
+
+    plan = gc.plan(store, index, POLICY)
+    assert [left.key for left in plan.leftovers] == [killed.relative_to(store.root).as_posix()]
+    assert plan.bytes_freed == len(b"half a pack" * 1000)
+    result = gc.execute(store, index, plan)
+    assert result.leftovers_removed == 1 and not killed.exists() and fresh.exists()
+    assert restore(store, index, fp, tmp_path / "dst").bundle_id == kept.bundle_id
+
+
+def test_gc_aborts_multipart_uploads_a_killed_publish_left(tmp_path, s3_store, sqlite_index, fp):
+    full = s3_store._key(pack_key("d" * 64))
+    killed = s3_store.client.create_multipart_upload(Bucket=s3_store.bucket, Key=full)["UploadId"]
+    s3_store.client.upload_part(Bucket=s3_store.bucket, Key=full, UploadId=killed, PartNumber=1, Body=b"x" * 1024)
+    uploads = lambda: [u["UploadId"] for u in s3_store.client.list_multipart_uploads(  # noqa: E731
+        Bucket=s3_store.bucket, Prefix=s3_store.prefix).get("Uploads", [])]
+    assert killed in uploads()
+
+    early = gc.plan(s3_store, sqlite_index, POLICY)
+    assert killed not in [left.upload_id for left in early.leftovers]  # begun within --grace: may be in flight
+    later = gc.plan(s3_store, sqlite_index, POLICY, now=datetime.now(timezone.utc) + timedelta(hours=7))
+    assert [left.upload_id for left in later.leftovers if left.key == pack_key("d" * 64)] == [killed]
+    gc.execute(s3_store, sqlite_index, later)
+    assert killed not in uploads()

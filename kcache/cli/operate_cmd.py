@@ -114,7 +114,7 @@ def gc_cmd(keep_last, older_than, grace, dry_run, signing_key, store_url, index_
         "packs_to_condemn": len(plan.condemn), "packs_to_delete": len(plan.sweep),
         "packs_in_grace": len(plan.waiting), "orphans": [o.key for o in plan.orphans],
         "orphan_packs_to_condemn": [o.key for o in plan.adopt],
-        "broken_bundles": [b.id for b in plan.broken],
+        "broken_bundles": [b.id for b in plan.broken], "leftovers": [left.key for left in plan.leftovers],
         "bytes_to_free": plan.bytes_freed, "result": asdict(result) if result else None,
     }  # fmt: skip
     if as_json:
@@ -123,7 +123,8 @@ def gc_cmd(keep_last, older_than, grace, dry_run, signing_key, store_url, index_
     verb = "would" if dry_run else "will"
     click.echo(f"kcache gc plan: delete {len(plan.delete_bundles)} bundles; "
                f"condemn {len(plan.condemn)} packs and {len(plan.adopt)} orphan packs; "
-               f"delete {len(plan.sweep)} condemned packs and {len(plan.orphans)} orphan objects "
+               f"delete {len(plan.sweep)} condemned packs and {len(plan.orphans)} orphan objects; "
+               f"remove {len(plan.leftovers)} unfinished writes "
                f"({verb} free {fmt.size(plan.bytes_freed)}); {len(plan.waiting)} packs wait out --grace")  # fmt: skip
     for bundle in plan.delete_bundles:
         click.echo(f"  bundle {bundle.id[:12]} {fmt.text(bundle.model or '-')} {fmt.when(bundle.created_at)} "
@@ -134,7 +135,8 @@ def gc_cmd(keep_last, older_than, grace, dry_run, signing_key, store_url, index_
                    "(gc deletes it after --older-than)")  # fmt: skip
     if result:
         click.echo(f"kcache gc: deleted {result.bundles_deleted} bundles, {result.packs_deleted} packs, "
-                   f"{result.orphans_deleted} orphans; freed {fmt.size(result.bytes_freed)}")  # fmt: skip
+                   f"{result.orphans_deleted} orphans, {result.leftovers_removed} unfinished writes; "
+                   f"freed {fmt.size(result.bytes_freed)}")  # fmt: skip
     if result and result.bundles_kept:
         click.echo(f"kcache gc: kept {result.bundles_kept} planned bundles (yanks or publishes since the plan); "
                    "packs are condemned and deleted on the next run")  # fmt: skip

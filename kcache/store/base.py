@@ -41,6 +41,17 @@ class ObjectInfo:
     modified: datetime  # UTC
 
 
+@dataclass(frozen=True)
+class Leftover:
+    """What a write killed part-way left behind: a file:// temp file, an S3 multipart upload never
+    completed. No reader sees it; it takes space (and on S3, billing) until gc removes it."""
+
+    key: str  # the object it was to become (a temp file: its own path in the store)
+    size: int  # bytes it holds; 0 where the store does not say (S3 uploads)
+    modified: datetime  # UTC: when the write began
+    upload_id: str | None = None  # S3's multipart upload
+
+
 def is_valid_key(key: str) -> bool:
     return bool(_KEY.match(key)) and ".." not in key.split("/")
 
@@ -69,6 +80,12 @@ class Store(Protocol):
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         """Objects under `prefix`, in no particular order."""
+
+    def leftovers(self) -> Iterator[Leftover]:
+        """Writes that never finished, anywhere in the store (for gc)."""
+
+    def remove_leftover(self, leftover: Leftover) -> None:
+        """Delete a temp file or abort an upload; one already gone is no error."""
 
     def get_versioned(self, key: str) -> tuple[bytes, str] | None:
         """(content, version) of a mutable object such as a ref, or None if absent."""

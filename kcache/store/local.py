@@ -11,15 +11,17 @@ import errno
 import fcntl
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import BinaryIO
 
 from kcache import atomic
 from kcache.errors import ObjectMissing, StoreError
-from kcache.store.base import ObjectInfo, is_valid_key
+from kcache.store.base import Leftover, ObjectInfo, is_valid_key
 from kcache.streams import Window
+
+_TEMP = ".tmp-"  # kcache.atomic's temp siblings
 
 
 class LocalStore:
@@ -96,13 +98,26 @@ class LocalStore:
         return self._path(key).is_file()
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        return self._walk(prefix, lambda name: not name.startswith((_TEMP, ".lock-")))
+
+    def leftovers(self) -> Iterator[Leftover]:
+        """Temp files of writes killed before their rename (kcache.atomic names them `.tmp-*`)."""
+        for info in self._walk("", lambda name: name.startswith(_TEMP)):
+            if is_valid_key(info.key):  # mkstemp's names always are; others are no temp file of ours
+                yield Leftover(info.key, info.size, info.modified)
+
+    def remove_leftover(self, leftover: Leftover) -> None:
+        if leftover.key.rsplit("/", 1)[-1].startswith(_TEMP):  # never an object's own file
+            self.delete(leftover.key)
+
+    def _walk(self, prefix: str, wanted: Callable[[str], bool]) -> Iterator[ObjectInfo]:
         base = self.root / prefix if prefix else self.root
         if not base.is_dir():
             return
         for dirpath, _dirs, files in os.walk(base):
             rel = Path(dirpath).relative_to(self.root).as_posix()
             for name in files:
-                if name.startswith((".tmp-", ".lock-")):
+                if not wanted(name):
                     continue
                 try:
                     st = os.stat(os.path.join(dirpath, name))

@@ -54,7 +54,7 @@ from typing import BinaryIO
 from kcache import atomic, filelock, sizes
 from kcache.errors import IntegrityError, KcacheError, RootError, StoreError
 from kcache.packs import TARGET_PACK_BYTES
-from kcache.store.base import ObjectInfo
+from kcache.store.base import Leftover, ObjectInfo
 from kcache.streams import GuardedReader, Resumable, Window
 
 log = logging.getLogger(__name__)
@@ -158,6 +158,12 @@ class NodeCacheStore:
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         return self.inner.list(prefix)
+
+    def leftovers(self) -> Iterator[Leftover]:
+        return self.inner.leftovers()
+
+    def remove_leftover(self, leftover: Leftover) -> None:
+        self.inner.remove_leftover(leftover)
 
     def get_versioned(self, key: str) -> tuple[bytes, str] | None:
         return self.inner.get_versioned(key)

@@ -36,7 +36,7 @@ from botocore.exceptions import (
 
 from kcache import durations
 from kcache.errors import ConfigError, ObjectMissing, StoreError
-from kcache.store.base import ObjectInfo, is_valid_key
+from kcache.store.base import Leftover, ObjectInfo, is_valid_key
 from kcache.streams import Resumable, Window, read_exact
 
 log = logging.getLogger(__name__)
@@ -229,6 +229,46 @@ class S3Store:
                     yield ObjectInfo(obj["Key"][strip:], int(obj["Size"]), obj["LastModified"])
         except (ClientError, BotoCoreError) as exc:
             raise self._error(exc, prefix, "list") from None
+
+    def leftovers(self) -> Iterator[Leftover]:
+        """Multipart uploads a killed publish never completed nor aborted: S3 bills their parts
+        until they are aborted (or a bucket lifecycle rule does it). One that completes or is
+        aborted while we look is skipped."""
+        full = self.prefix + "/" if self.prefix else ""
+        strip = len(full)
+        try:
+            for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=full):
+                for upload in page.get("Uploads", []):
+                    found = self._leftover(upload["Key"], upload["UploadId"], upload["Initiated"], strip)
+                    if found is not None:
+                        yield found
+        except (ClientError, BotoCoreError) as exc:
+            raise self._error(exc, "", "list uploads under") from None
+
+    def _leftover(self, full: str, upload: str, initiated, strip: int) -> Leftover | None:
+        """Dated by its newest part, not only by when it began: an upload still sending parts is a
+        publish in flight (and some servers report no real start time: moto says 2010)."""
+        try:
+            parts = self.client.list_parts(Bucket=self.bucket, Key=full, UploadId=upload).get("Parts", [])
+        except ClientError as exc:
+            if _code(exc) == "NoSuchUpload":
+                return None
+            raise
+        newest = max([initiated, *(part["LastModified"] for part in parts)])
+        return Leftover(full[strip:], sum(int(part["Size"]) for part in parts), newest, upload)
+
+    def remove_leftover(self, leftover: Leftover) -> None:
+        if leftover.upload_id is None:
+            return
+        try:
+            # Not through _key: the upload's name came from the bucket, whatever a writer named it.
+            full = f"{self.prefix}/{leftover.key}" if self.prefix else leftover.key
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=leftover.upload_id)
+        except ClientError as exc:
+            if _code(exc) != "NoSuchUpload":  # completed or aborted meanwhile
+                raise self._error(exc, leftover.key, "abort the upload of") from None
+        except BotoCoreError as exc:
+            raise self._error(exc, leftover.key, "abort the upload of") from None
 
     def get_versioned(self, key: str) -> tuple[bytes, str] | None:
         try:
