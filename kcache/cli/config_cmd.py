@@ -10,7 +10,32 @@ import click
 from kcache import limits
 from kcache.cli import format as fmt
 from kcache.cli.options import json_option, origin, settings, store_options
-from kcache.config import DEFAULT, redact_url
+from kcache.config import DEFAULT, redact_text, redact_url
+
+# Settings read from the environment by the commands that use them (their flags, where they have
+# one, are theirs: pass them to that command). Shown as set, passwords in URLs as ***; not checked
+# here, the command that reads one says what is wrong with it.
+ENVIRONMENT_ONLY = (
+    ("s3-max-attempts", "KCACHE_S3_MAX_ATTEMPTS", "6"),
+    ("s3-connect-timeout", "KCACHE_S3_CONNECT_TIMEOUT", "5"),
+    ("s3-read-timeout", "KCACHE_S3_READ_TIMEOUT", "60"),
+    ("facts-file", "KCACHE_FACTS_FILE", None),
+    ("run-as", "KCACHE_RUN_AS", None),
+    ("restore-timeout", "KCACHE_RESTORE_TIMEOUT", "300"),
+    ("signing-key", "KCACHE_SIGNING_KEY", None),
+    ("trusted-keys", "KCACHE_TRUSTED_KEYS", None),
+    ("require-signature", "KCACHE_REQUIRE_SIGNATURE", "off"),
+    ("ref-ttl", "KCACHE_REF_TTL", "1d"),
+    ("node-cache", "KCACHE_NODE_CACHE", None),
+    ("node-cache-max-bytes", "KCACHE_NODE_CACHE_MAX_BYTES", "32Gi"),
+    ("warmup-profiles", "KCACHE_WARMUP_PROFILES", None),
+    ("warmup-on-failure", "KCACHE_WARMUP_ON_FAILURE", "unready"),
+    ("proxy-upstream", "KCACHE_PROXY_UPSTREAM", None),
+    ("proxy-redis", "KCACHE_PROXY_REDIS", None),
+    ("megacache", "KCACHE_MEGACACHE", None),
+    ("commit", "KCACHE_COMMIT", None),
+    ("debug", "KCACHE_DEBUG", "off"),
+)
 
 
 @click.command("config")
@@ -20,7 +45,7 @@ from kcache.config import DEFAULT, redact_url
             help="Restore root that ready, serve, watch and warmup would use.")  # fmt: skip
 @json_option
 def config_cmd(store_url, index_url, s3_endpoint_url, model, root, as_json):
-    """Show the effective home, store, index, S3 endpoint, model, root and manifest cap, and where each came from.
+    """Show every setting in effect (README's table) and where each came from: flag, environment or default.
 
     Pass the same flags as the command you are debugging; passwords in URLs are shown as ***.
 
@@ -41,6 +66,9 @@ def config_cmd(store_url, index_url, s3_endpoint_url, model, root, as_json):
         "max-manifest": (limits.max_manifest_bytes(),
                          f"env {limits.MANIFEST_ENV}" if os.environ.get(limits.MANIFEST_ENV, "").strip() else DEFAULT),
     }
+    for name, env, default in ENVIRONMENT_ONLY:
+        given = os.environ.get(env, "").strip()
+        rows[name] = (redact_text(given), f"env {env}") if given else (default, DEFAULT)
     if as_json:
         click.echo(fmt.to_json({name: {"value": value, "origin": where} for name, (value, where) in rows.items()}))
         return

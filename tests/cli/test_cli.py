@@ -183,8 +183,24 @@ def test_config_says_where_each_value_came_from(tmp_path, monkeypatch, isolated_
     assert rows["index"] == [f"sqlite:///{isolated_home}/index.db", "default"]
     assert rows["root"] == [str(tmp_path / "r"), "flag", "--root"]
     doc = json.loads(run("config", "--json").output)
-    assert set(doc) == {"home", "store", "index", "endpoint", "model", "root", "max-manifest"}
+    assert {"home", "store", "index", "endpoint", "model", "root", "max-manifest"} <= set(doc)
     assert doc["endpoint"] == {"value": "http://general:9000", "origin": "env AWS_ENDPOINT_URL"}
+
+
+def test_config_shows_every_setting_of_the_readme_table(tmp_path, monkeypatch):
+    """Each KCACHE_ variable README's settings table names is shown with where it came from, and a
+    password in one is masked."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = [line for line in readme.splitlines() if line.startswith("| ") and "`KCACHE_" in line]
+    named = {name for line in table for name in re.findall(r"`(KCACHE_[A-Z0-9_]+)", line)} - {"KCACHE_EXTRA_"}
+    assert len(named) >= 20
+    for i, name in enumerate(sorted(named)):
+        monkeypatch.setenv(name, f"redis://user:hunter{i}@host:1" if name == "KCACHE_PROXY_REDIS" else str(i + 2))
+    monkeypatch.setenv("KCACHE_HOME", str(tmp_path))
+    doc = json.loads(run("config", "--json").output)
+    origins = {row["origin"] for row in doc.values()}
+    assert {f"env {name}" for name in named} <= origins
+    assert not [row for row in doc.values() if "hunter" in str(row["value"])]
 
 
 def test_config_shows_the_manifest_cap_publish_and_restore_use(monkeypatch):
