@@ -16,7 +16,13 @@ def kcache_server(*args: str) -> Iterator[tuple[subprocess.Popen, int]]:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         line = proc.stdout.readline()  # blocks until the server has bound its port
-        yield proc, int(re.search(r"http://127\.0\.0\.1:(\d+)", line)[1])
+        bound = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+        if bound is None:  # it said something else, or exited: show why instead of a TypeError
+            proc.kill()
+            out, err = proc.communicate()
+            raise AssertionError(f"kcache {' '.join(args)} did not start (exit {proc.returncode}): "
+                                 f"{line}{out}{err}")  # fmt: skip
+        yield proc, int(bound[1])
     finally:
         if proc.poll() is None:
             proc.kill()
