@@ -2,7 +2,13 @@
 
 The index is a cache of the store. After losing it (or to move from SQLite to PostgreSQL),
 `kcache reindex` reads every pack's trailer with one ranged read and every manifest, and
-inserts what is missing. Bundle times come from their refs where a ref names them, else from
+inserts what is missing. Every blob a trailer lists is read and hashed first (as `verify
+--read-data` does), and only the blobs that hash to their ids get rows: publish trusts a blob row
+and names its pack instead of uploading the file, so one forged trailer (any store writer can
+name a pack by its hash) claiming the id of a file publishers will publish would make every later
+bundle unrestorable. `trust_trailers` skips the reads, for a store whose writers are trusted.
+
+Bundle times come from their refs where a ref names them, else from
 the manifest object's modification time. A bundle is yanked when `yanks/<id>` exists or its key's
 ref lists it (a yank never comes back as active just because the index was lost).
 """
@@ -15,11 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kcache import limits, packs, refs
+from kcache import fetch, limits, packs, refs
 from kcache import manifest as manifests
 from kcache.errors import IntegrityError, KcacheError, ObjectTooLarge
 from kcache.records import BlobLocation, Bundle
 from kcache.store import Store
+from kcache.streams import Discard
 
 if TYPE_CHECKING:  # the SQL layer loads only when a caller opens an index
     from kcache.index import Index
@@ -58,7 +65,33 @@ def _read_end(store: Store, info: ObjectInfo, length: int) -> bytes:
         return f.read()
 
 
-def reindex(store: Store, index: Index, *, jobs: int = 16) -> ReindexResult:
+def _verified(store: Store, pack_id: str, blobs: tuple[packs.PackedBlob, ...],
+              skipped: list[str]) -> list[packs.PackedBlob]:  # fmt: skip
+    """The blobs of one pack whose stored bytes decompress to content hashing to their ids."""
+    good: list[packs.PackedBlob] = []
+    listed = [b for b in blobs if _HEX64.match(b.id)]
+    skipped += [f"pack {pack_id[:12]}: blob {b.id[:64]!r} is not a blob id" for b in blobs if not _HEX64.match(b.id)]
+    entries = [manifests.Entry(f"blob {b.id[:12]}", 0o644, b.size, b.id, pack_id, b.offset, b.length) for b in listed]
+    by_entry = {(b.id, b.offset): b for b in listed}
+
+    def check(entry: manifests.Entry, frame) -> None:
+        try:
+            packs.unpack_frame(frame, entry.blob, entry.size, Discard())
+        except KcacheError as exc:
+            skipped.append(f"pack {pack_id[:12]}: {exc}")
+            return
+        good.append(by_entry[(entry.blob, entry.offset)])
+
+    for rng in fetch.plan_ranges(entries):
+        try:
+            fetch.read_range(store, rng, check, cancelled=lambda: False)
+        except KcacheError as exc:  # the range ended early or overlaps: its unread blobs get no row
+            skipped.append(f"pack {pack_id[:12]}: {exc}")
+    return good
+
+
+def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool = False) -> ReindexResult:
+    """Index what the store holds; with `trust_trailers`, without reading any blob (see the module docstring)."""
     from kcache.index import lifecycle
 
     skipped: list[str] = []
@@ -72,6 +105,8 @@ def reindex(store: Store, index: Index, *, jobs: int = 16) -> ReindexResult:
         except KcacheError as exc:  # reported per object; the rest is still indexed
             skipped.append(f"{info.key}: {exc}")
             return 0
+        if not trust_trailers:
+            blobs = tuple(_verified(store, pack_id, blobs, skipped))
         index.add_pack(pack_id, info.size, [BlobLocation(b.id, pack_id, b.offset, b.length, b.size) for b in blobs])
         return len(blobs)
 

@@ -116,6 +116,13 @@ class Resumable:
         self.close()
 
 
+class Discard:
+    """A sink for bytes that are only checked (verify and reindex hash blobs into nowhere)."""
+
+    def write(self, data) -> int:
+        return len(data)
+
+
 def read_exact(stream, n: int, what: str, name: str) -> bytes:
     """Exactly `n` bytes, or IntegrityError naming `what` `name` as truncated."""
     parts, left = [], n

@@ -19,6 +19,7 @@ from kcache import manifest as manifests
 from kcache.errors import ConfigError, KcacheError
 from kcache.packs import unpack_frame
 from kcache.store import Store
+from kcache.streams import Discard
 
 if TYPE_CHECKING:
     from kcache.index import Index
@@ -31,11 +32,6 @@ class VerifyResult:
     blobs_read: int
     bytes_read: int
     problems: tuple[str, ...]
-
-
-class _Discard:
-    def write(self, data: bytes) -> int:
-        return len(data)
 
 
 def parse_subset(text: str) -> tuple[int, int]:
@@ -100,7 +96,7 @@ def _read_all(store: Store, entries: list[manifests.Entry], jobs: int, problems:
 
     def check(entry: manifests.Entry, frame) -> None:
         try:
-            unpack_frame(frame, entry.blob, entry.size, _Discard())
+            unpack_frame(frame, entry.blob, entry.size, Discard())
         except KcacheError as exc:
             with lock:
                 problems.append(f"pack {entry.pack[:12]}: {entry.path}: {exc}")

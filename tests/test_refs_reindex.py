@@ -125,7 +125,55 @@ def test_reindex_reads_a_long_trailer_without_reading_the_pack(tmp_path, store, 
     monkeypatch.setattr(reindex_module, "_TAIL", 200)  # every trailer is now "longer than the first read"
     counting = CountingStore(store)
     fresh = Index.open(f"sqlite:///{tmp_path / 'rebuilt.db'}")
-    rebuilt = reindex(counting, fresh)
+    rebuilt = reindex(counting, fresh, trust_trailers=True)
     fresh.close()
     assert rebuilt.blobs == 20 and rebuilt.skipped == ()
     assert counting.read["packs"] < 10_000  # the pack holds 400 kB of blobs
+
+
+def _forged_pack(store, claimed_id: str, content: bytes) -> str:
+    """A pack whose trailer says it holds `claimed_id` but whose frame holds `content`: named by its
+    hash like any pack, so only decompressing and hashing the blob tells it apart."""
+    import hashlib
+
+    import zstandard
+
+    from kcache import packs
+    from kcache.store import pack_key
+
+    frame = zstandard.ZstdCompressor().compress(content)
+    data = frame + packs.trailer([packs.PackedBlob(claimed_id, 0, len(frame), len(content))])
+    pack_id = hashlib.sha256(data).hexdigest()
+    store.put_bytes(pack_key(pack_id), data)
+    return pack_id
+
+
+def test_reindex_indexes_no_blob_a_forged_trailer_claims(tmp_path, store, sqlite_index, fp):
+    """A store writer's pack claims the id of a file an honest publisher will publish. Indexed, every
+    later publish would name its garbage instead of uploading the file: no restore would ever hit."""
+    import hashlib
+
+    kernel = b"the kernel a warmup will compile" * 50
+    forged = _forged_pack(store, hashlib.sha256(kernel).hexdigest(), b"garbage" * 50)
+    fresh = Index.open(f"sqlite:///{tmp_path / 'rebuilt.db'}")
+    rebuilt = reindex(store, fresh)
+    assert rebuilt.blobs == 0 and len(rebuilt.skipped) == 1 and forged[:12] in rebuilt.skipped[0]
+    write_tree(tmp_path / "src", {"inductor/kernel.so": kernel})
+    published = publish(store, fresh, fp, sources.select(), root=tmp_path / "src", env={})
+    assert published.new_blobs == 1  # uploaded, not named in the forged pack
+    pod = restore(store, fresh, fp, tmp_path / "dst")
+    assert pod.status == "hit", pod.reason
+    assert read_tree(tmp_path / "dst" / "inductor")["kernel.so"][0] == kernel
+    fresh.close()
+
+
+def test_reindex_keeps_the_good_blobs_of_a_pack_with_a_bad_one(tmp_path, store, sqlite_index, fp):
+    write_tree(tmp_path / "src", {"inductor/a": b"a" * 1000, "inductor/b": b"b" * 1000})
+    publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={})
+    forged = _forged_pack(store, "not-a-blob-id", b"x")
+    fresh = Index.open(f"sqlite:///{tmp_path / 'rebuilt.db'}")
+    rebuilt = reindex(store, fresh)
+    assert rebuilt.blobs == 2 and len(rebuilt.skipped) == 1 and forged[:12] in rebuilt.skipped[0]
+    trusted = reindex(store, Index.open(f"sqlite:///{tmp_path / 'trusting.db'}"), trust_trailers=True)
+    assert trusted.blobs == 3  # --trust-trailers reads trailers only, as before
+    fresh.close()
