@@ -11,6 +11,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import stat
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -69,33 +70,54 @@ class LocalStore:
             raise StoreError(self.url, f"cannot write {key}: {exc.strerror or exc}") from None
 
     def get_bytes(self, key: str) -> bytes:
+        with self._open(key) as f:
+            try:
+                return f.read()
+            except OSError as exc:
+                raise StoreError(self.url, f"cannot read {key}: {exc.strerror}") from None
+
+    def _open(self, key: str) -> BinaryIO:
+        """The object's file, open for reading; only a regular file is one.
+
+        Opened without blocking, then checked: whoever writes the directory can put a FIFO or a
+        device at a key, and reading one would block the command for good (restore for its budget).
+        """
         try:
-            return self._path(key).read_bytes()
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             raise ObjectMissing(self.url, key) from None
         except OSError as exc:
             raise StoreError(self.url, f"cannot read {key}: {exc.strerror}") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise StoreError(self.url, f"{key} is not a regular file")
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return os.fdopen(fd, "rb")
 
     def open_range(self, key: str, offset: int, length: int) -> BinaryIO:
-        try:
-            f = open(self._path(key), "rb")
-        except FileNotFoundError:
-            raise ObjectMissing(self.url, key) from None
-        except OSError as exc:
-            raise StoreError(self.url, f"cannot read {key}: {exc.strerror}") from None
+        f = self._open(key)
         f.seek(offset)
         return Window(f, length)
 
     def size(self, key: str) -> int:
         try:
-            return self._path(key).stat().st_size
+            st = self._path(key).stat()
         except FileNotFoundError:
             raise ObjectMissing(self.url, key) from None
         except OSError as exc:
             raise StoreError(self.url, f"cannot stat {key}: {exc.strerror}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise StoreError(self.url, f"{key} is not a regular file")
+        return st.st_size
 
     def exists(self, key: str) -> bool:
-        return self._path(key).is_file()
+        try:
+            return self._path(key).is_file()
+        except OSError:  # a link loop, a name too long: no object is there
+            return False
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         return self._walk(prefix, lambda name: not name.startswith((_TEMP, ".lock-")))
@@ -117,22 +139,21 @@ class LocalStore:
         for dirpath, _dirs, files in os.walk(base):
             rel = Path(dirpath).relative_to(self.root).as_posix()
             for name in files:
-                if not wanted(name):
+                key = name if rel == "." else f"{rel}/{name}"
+                if not wanted(name) or not is_valid_key(key):  # no command could name it
                     continue
                 try:
                     st = os.stat(os.path.join(dirpath, name))
-                except FileNotFoundError:
+                except OSError:  # gone since the walk, a link loop, a dangling link
                     continue
-                key = name if rel == "." else f"{rel}/{name}"
-                yield ObjectInfo(key, st.st_size, datetime.fromtimestamp(st.st_mtime, timezone.utc))
+                if stat.S_ISREG(st.st_mode):
+                    yield ObjectInfo(key, st.st_size, _utc(st.st_mtime))
 
     def get_versioned(self, key: str) -> tuple[bytes, str] | None:
         try:
-            data = self._path(key).read_bytes()
-        except FileNotFoundError:
+            data = self.get_bytes(key)
+        except ObjectMissing:
             return None
-        except OSError as exc:
-            raise StoreError(self.url, f"cannot read {key}: {exc.strerror}") from None
         return data, hashlib.sha256(data).hexdigest()
 
     def put_if(self, key: str, data: bytes, version: str | None) -> bool:
@@ -161,6 +182,15 @@ class LocalStore:
         except OSError as exc:
             if exc.errno != errno.ENOENT:
                 raise StoreError(self.url, f"cannot delete {key}: {exc.strerror}") from None
+
+
+def _utc(seconds: float) -> datetime:
+    """A modification time as a UTC datetime; one no datetime holds is as late as one can be: never
+    "old enough" for gc to delete."""
+    try:
+        return datetime.fromtimestamp(seconds, timezone.utc)
+    except (OverflowError, OSError, ValueError):
+        return datetime.max.replace(tzinfo=timezone.utc)
 
 
 def _copy(src: BinaryIO, dst: BinaryIO) -> None:

@@ -3,6 +3,8 @@ becomes a StoreError, and a refused write leaves no temporary file behind."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kcache.errors import StoreError
@@ -67,3 +69,63 @@ def test_a_store_that_may_not_create_its_root_still_writes_below_it(tmp_path):
 def test_a_publisher_creates_the_root(tmp_path):
     store = LocalStore(tmp_path / "new" / "store")
     assert store.put_bytes("packs/aa/x", b"data") is True and (tmp_path / "new/store/packs/aa/x").is_file()
+
+
+@pytest.mark.parametrize("planted", ["fifo", "device", "directory"])
+def test_what_is_not_a_regular_file_at_a_key_is_a_store_error_never_read(tmp_path, planted):
+    """Whoever writes the store's directory can put a FIFO there: reading it would block every
+    command for good (restore for its whole budget)."""
+    import os
+
+    from kcache.errors import StoreError
+
+    store = LocalStore(tmp_path / "s")
+    store.put_bytes("refs/k", b"x")
+    path = store.root / "refs" / "k"
+    path.unlink()
+    if planted == "fifo":
+        os.mkfifo(path)
+    elif planted == "device":
+        path.symlink_to("/dev/zero")
+    else:
+        path.mkdir()
+    for read in (lambda: store.get_bytes("refs/k"), lambda: store.get_versioned("refs/k"),
+                 lambda: store.open_range("refs/k", 0, 10).read(), lambda: store.size("refs/k")):  # fmt: skip
+        with pytest.raises(StoreError, match="regular file"):
+            read()
+    assert not store.exists("refs/k")
+    assert [o.key for o in store.list("refs/")] == []
+
+
+def test_listing_skips_what_no_key_can_name_and_what_is_no_regular_file(tmp_path):
+
+    store = LocalStore(tmp_path / "s")
+    store.put_bytes("packs/ab/good", b"x")
+    shard = store.root / "packs" / "ab"
+    (shard / "loop").symlink_to("loop")  # ELOOP on stat
+    (shard / "x y").write_bytes(b"no key has a space")
+    (shard / "far").write_bytes(b"year 10000")
+    listed = {o.key: o for o in store.list("packs/")}
+    assert set(listed) == {"packs/ab/good", "packs/ab/far"}
+
+
+def test_a_time_no_datetime_holds_lists_as_the_latest(tmp_path):
+    import os
+    import tempfile
+
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # tmpfs keeps times ext4 clamps to 2446
+    store = LocalStore(Path(tempfile.mkdtemp(dir=shm)) / "s")
+    store.put_bytes("manifests/ab/far", b"year 10000")
+    far = store.root / "manifests" / "ab" / "far"
+    try:
+        os.utime(far, (253402300800, 253402300800))
+    except OverflowError:
+        pytest.skip("this system cannot set the year 10000")
+    if far.stat().st_mtime < 253402300800:
+        pytest.skip("this file system clamps the year 10000")
+    try:
+        assert [o.modified.year for o in store.list("manifests/")] == [9999]  # never "old enough" for gc
+    finally:
+        import shutil
+
+        shutil.rmtree(store.root.parent)
