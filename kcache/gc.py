@@ -29,24 +29,28 @@ points at a missing pack.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from functools import partial
 from typing import TYPE_CHECKING
 
 from kcache import limits, refs, signing
 from kcache import manifest as manifests
-from kcache.errors import IntegrityError, ObjectMissing, ObjectTooLarge
+from kcache.errors import IntegrityError, ObjectMissing, ObjectTooLarge, StoreError
 from kcache.records import Bundle
 from kcache.store import Store, manifest_key, pack_key
 from kcache.store.base import Leftover, ObjectInfo
+from kcache.untrusted import one_line
 
 if TYPE_CHECKING:
     from kcache.index import Index
     from kcache.index.lifecycle import PackInfo
 
 
+log = logging.getLogger(__name__)
 _ID = re.compile(r"[0-9a-f]{64}\Z")  # a pack id; anything else under packs/ (a temp file) no publish reuses
 
 
@@ -123,10 +127,12 @@ def execute(store: Store, index: Index, gc_plan: Plan, *, signer: signing.Signin
     swept = lifecycle.delete_condemned(index, (p.id for p in sweep), gc_plan.now - gc_plan.policy.grace)
     for pack_id in swept:
         store.delete(pack_key(pack_id))
-    for orphan in gc_plan.orphans:
-        _delete_orphan(store, index, orphan)
-    for leftover in gc_plan.leftovers:
-        store.remove_leftover(leftover)
+    for what, delete in [*((o.key, partial(_delete_orphan, store, index, o)) for o in gc_plan.orphans),
+                         *((left.key, partial(store.remove_leftover, left)) for left in gc_plan.leftovers)]:
+        try:
+            delete()
+        except StoreError as exc:  # one object the store will not let go must not stop the rest, or every later run
+            log.warning("cannot delete %s: %s", one_line(what), one_line(exc))
     freed = sum(p.size for p in sweep if p.id in swept) + sum(o.size for o in gc_plan.orphans + gc_plan.leftovers)
     return Result(deleted, len(condemn), len(swept), len(gc_plan.orphans), freed, len(gc_plan.adopt), kept,
                   len(gc_plan.leftovers))  # fmt: skip

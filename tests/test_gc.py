@@ -453,3 +453,42 @@ def test_gc_aborts_multipart_uploads_a_killed_publish_left(tmp_path, s3_store, s
     assert [left.upload_id for left in later.leftovers if left.key == pack_key("d" * 64)] == [killed]
     gc.execute(s3_store, sqlite_index, later)
     assert killed not in uploads()
+
+
+def test_gc_leaves_uploads_that_are_no_pack_of_its_store_alone(s3_bucket, sqlite_index):
+    """A store at a bucket's root shares the bucket's upload list with every other application."""
+    from kcache.store import open_store
+
+    url, endpoint = s3_bucket
+    root = open_store(url.rsplit("/", 1)[0], endpoint_url=endpoint)  # s3://bucket, no prefix
+    theirs = root.client.create_multipart_upload(Bucket=root.bucket, Key="other-app/backup.tar")["UploadId"]
+    root.client.upload_part(Bucket=root.bucket, Key="other-app/backup.tar", UploadId=theirs, PartNumber=1, Body=b"x")
+    later = gc.plan(root, sqlite_index, POLICY, now=datetime.now(timezone.utc) + timedelta(hours=7))
+    assert theirs not in [left.upload_id for left in later.leftovers]
+    gc.execute(root, sqlite_index, later)
+    listed = root.client.list_multipart_uploads(Bucket=root.bucket).get("Uploads", [])
+    assert theirs in [u["UploadId"] for u in listed]
+
+
+def test_an_orphan_the_store_will_not_delete_does_not_stop_the_others(tmp_path, store, index):
+    from kcache.errors import StoreError
+
+    class Refusing:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def delete(self, key):
+            if key.endswith("a" * 64):
+                raise StoreError(self.inner.url, f"cannot delete {key}: Permission denied")
+            self.inner.delete(key)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    for c in "ab":
+        store.put_bytes(manifest_key(c * 64), b"an orphan")
+    later = datetime.now(timezone.utc) + timedelta(days=1)
+    plan = gc.plan(store, index, POLICY, now=later)
+    assert {o.key for o in plan.orphans} == {manifest_key("a" * 64), manifest_key("b" * 64)}
+    gc.execute(Refusing(store), index, plan)
+    assert store.exists(manifest_key("a" * 64)) and not store.exists(manifest_key("b" * 64))

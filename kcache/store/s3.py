@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,6 +41,7 @@ from kcache.store.base import Leftover, ObjectInfo, is_valid_key
 from kcache.streams import Resumable, Window, read_exact
 
 log = logging.getLogger(__name__)
+_PACK_UPLOAD = re.compile(r"packs/[0-9a-f]{2}/[0-9a-f]{64}\Z")  # the only objects kcache uploads in parts
 
 MULTIPART_THRESHOLD = 64 * 1024 * 1024
 PART_SIZE = 16 * 1024 * 1024
@@ -239,6 +241,8 @@ class S3Store:
         try:
             for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=full):
                 for upload in page.get("Uploads", []):
+                    if not _PACK_UPLOAD.match(upload["Key"][strip:]):  # only packs go up in parts; a store
+                        continue  # at a bucket's root must leave other applications' uploads alone
                     found = self._leftover(upload["Key"], upload["UploadId"], upload["Initiated"], strip)
                     if found is not None:
                         yield found
