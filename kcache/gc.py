@@ -37,9 +37,9 @@ from datetime import datetime, timedelta, timezone
 from functools import partial
 from typing import TYPE_CHECKING
 
-from kcache import limits, refs, signing
+from kcache import fingerprint, limits, refs, signing
 from kcache import manifest as manifests
-from kcache.errors import IntegrityError, ObjectMissing, ObjectTooLarge, StoreError
+from kcache.errors import ConfigError, IntegrityError, KcacheError, ObjectMissing, ObjectTooLarge, StoreError
 from kcache.records import Bundle
 from kcache.store import Store, manifest_key, pack_key
 from kcache.store.base import Leftover, ObjectInfo
@@ -96,6 +96,7 @@ def plan(store: Store, index: Index, policy: Policy, now: datetime | None = None
 
     now = now or datetime.now(timezone.utc)
     bundles = lifecycle.all_bundles(index)
+    _check_covers(store, index, {b.id for b in bundles})
     doomed = _expired(bundles, policy, now)
     retained = [b for b in bundles if b.id not in {d.id for d in doomed}]
     referenced, broken = _mark(store, retained)
@@ -136,6 +137,29 @@ def execute(store: Store, index: Index, gc_plan: Plan, *, signer: signing.Signin
     freed = sum(p.size for p in sweep if p.id in swept) + sum(o.size for o in gc_plan.orphans + gc_plan.leftovers)
     return Result(deleted, len(condemn), len(swept), len(gc_plan.orphans), freed, len(gc_plan.adopt), kept,
                   len(gc_plan.leftovers))  # fmt: skip
+
+
+def _check_covers(store: Store, index: Index, rows: set[str]) -> None:
+    """Refuse an index that lacks a bundle the store's refs name: it is not the index this store's
+    publishers commit to (another KCACHE_HOME, a backup missing recent rows), and to it every
+    manifest they published is an orphan and every pack unreferenced."""
+    from kcache.index import lifecycle
+
+    unknown = []
+    for info in store.list("refs/"):
+        bundle_key = info.key[len("refs/"):]
+        if not fingerprint.is_bundle_key(bundle_key):
+            continue
+        try:
+            ref = refs.read(store, bundle_key)
+        except KcacheError:  # a damaged ref names nothing gc could keep
+            continue
+        if ref is not None and ref.manifest not in rows and not lifecycle.has_bundle(index, ref.manifest):
+            unknown.append(ref.manifest)  # (has_bundle: a publish may have committed since the rows were read)
+    if unknown:
+        raise ConfigError("--index", index.url, f"has no row for {len(unknown)} bundles the store's refs name (e.g. "
+                          f"{unknown[0][:12]}): it is not the index this store's publishers use; gc with that one, "
+                          "or run `kcache reindex` into this one first")  # fmt: skip
 
 
 def _expired(bundles: list[Bundle], policy: Policy, now: datetime) -> list[Bundle]:

@@ -492,3 +492,20 @@ def test_an_orphan_the_store_will_not_delete_does_not_stop_the_others(tmp_path, 
     assert {o.key for o in plan.orphans} == {manifest_key("a" * 64), manifest_key("b" * 64)}
     gc.execute(Refusing(store), index, plan)
     assert store.exists(manifest_key("a" * 64)) and not store.exists(manifest_key("b" * 64))
+
+
+def test_gc_refuses_an_index_that_lacks_bundles_the_stores_refs_name(tmp_path, store, sqlite_index, fp):
+    """A CronJob without the publishers' index (another KCACHE_HOME, a backup missing recent rows)
+    saw every published manifest as an orphan and every pack as unreferenced: it deleted them."""
+    from kcache.errors import ConfigError
+    from kcache.index import Index
+
+    published = _publish(tmp_path, store, sqlite_index, fp, b"kernel" * 100, "v1")
+    other = Index.open(f"sqlite:///{tmp_path / 'another.db'}")
+    with pytest.raises(ConfigError, match="reindex"):
+        gc.plan(store, other, POLICY, now=datetime.now(timezone.utc) + timedelta(days=30))
+    other.close()
+    assert store.exists(manifest_key(published.bundle_id))
+    pod = restore(store, sqlite_index, fp, tmp_path / "dst")
+    assert (pod.status, pod.bundle_id) == ("hit", published.bundle_id)
+    assert gc.plan(store, sqlite_index, POLICY).orphans == ()  # the publishers' own index plans as before

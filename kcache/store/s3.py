@@ -228,7 +228,8 @@ class S3Store:
         try:
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
                 for obj in page.get("Contents", []):
-                    yield ObjectInfo(obj["Key"][strip:], int(obj["Size"]), obj["LastModified"])
+                    if is_valid_key(obj["Key"][strip:]):  # what no key can name, no command reads or deletes
+                        yield ObjectInfo(obj["Key"][strip:], int(obj["Size"]), obj["LastModified"])
         except (ClientError, BotoCoreError) as exc:
             raise self._error(exc, prefix, "list") from None
 
