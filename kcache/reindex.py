@@ -19,11 +19,12 @@ import re
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING
 
-from kcache import fetch, limits, packs, refs
+from kcache import fetch, limits, packs, refs, signing
 from kcache import manifest as manifests
-from kcache.errors import IntegrityError, KcacheError, ObjectTooLarge
+from kcache.errors import IntegrityError, KcacheError, ObjectTooLarge, SignatureError
 from kcache.records import BlobLocation, Bundle
 from kcache.store import Store
 from kcache.streams import Discard
@@ -90,8 +91,14 @@ def _verified(store: Store, pack_id: str, blobs: tuple[packs.PackedBlob, ...],
     return good
 
 
-def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool = False) -> ReindexResult:
-    """Index what the store holds; with `trust_trailers`, without reading any blob (see the module docstring)."""
+def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool = False,
+            trusted: tuple[signing.TrustedKey, ...] = ()) -> ReindexResult:  # fmt: skip
+    """Index what the store holds; with `trust_trailers`, without reading any blob (see the module docstring).
+
+    With `trusted` keys, only manifests one of them signed become bundles, and only a ref one of
+    them signed dates them: a store writer's unsigned manifests and refs would otherwise become
+    the newest bundles, for pods to take and for gc to keep in place of the signed ones.
+    """
     from kcache.index import lifecycle
 
     skipped: list[str] = []
@@ -115,6 +122,8 @@ def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool 
 
     bundles = new = 0
     yanked = _yanked(store, skipped)
+    now = datetime.now(timezone.utc)
+    key_refs: dict[str, refs.Ref | None] = {}
     for info in store.list("manifests/"):
         manifest_id = info.key.rsplit("/", 1)[-1]
         try:
@@ -122,12 +131,16 @@ def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool 
             if data is None:  # deleted since it was listed (gc)
                 continue
             manifest = manifests.parse(data, manifest_id)
-            ref = refs.read(store, manifest.bundle_key)
+            if trusted and not signing.verify(store, trusted, manifest.bundle_key, manifest_id, len(data)):
+                skipped.append(f"{info.key}: not signed by a trusted key")
+                continue
+            if manifest.bundle_key not in key_refs:
+                key_refs[manifest.bundle_key] = _ref(store, manifest.bundle_key, trusted, skipped)
+            ref = key_refs[manifest.bundle_key]
         except KcacheError as exc:
             skipped.append(f"{info.key}: {exc}")
             continue
-        dated = ref and ref.manifest == manifest_id and not refs.from_the_future(ref)  # else newest for good
-        created = ref.created_at if dated else info.modified
+        created = _date(manifest_id, info.modified, ref, now)
         status = "yanked" if manifest_id in yanked or (ref and manifest_id in ref.yanked) else "active"
         bundles += 1
         added = index.add_bundle(Bundle(
@@ -139,6 +152,36 @@ def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool 
         if not added and status == "yanked":  # a row that outlived its yank: the store's word wins
             lifecycle.set_status(index, manifest_id, "yanked")
     return ReindexResult(len(pack_infos), blob_count, bundles, new, tuple(skipped))
+
+
+def _ref(store: Store, bundle_key: str, trusted: tuple, skipped: list[str]) -> refs.Ref | None:
+    """The key's ref, when it may date bundles: with trusted keys, only one signed by one of them."""
+    ref = refs.read(store, bundle_key)
+    if ref is None or not trusted:
+        return ref
+    try:
+        if signing.check(trusted, dict(ref.signatures), ref.message(), bundle_key):
+            return ref
+    except SignatureError:
+        pass
+    skipped.append(f"refs/{bundle_key}: not signed by a trusted key; its bundles are dated by their objects")
+    return None
+
+
+def _date(manifest_id: str, modified: datetime, ref: refs.Ref | None, now: datetime) -> datetime:
+    """When a bundle was published, as far as the store can tell.
+
+    The ref's time for the bundle it names (unless from the future: else newest for good). Any
+    other bundle of the key is older than that one, whatever its object's time says: a store
+    copied or migrated, or a manifest put back, has a new time, and made newest it would roll pods
+    back and have gc delete the bundle the ref names. No object's time is taken past now.
+    """
+    modified = min(modified, now)
+    if ref is None or refs.from_the_future(ref):
+        return modified
+    if ref.manifest == manifest_id:
+        return ref.created_at
+    return min(modified, ref.created_at - timedelta(milliseconds=1))
 
 
 def _yanked(store: Store, skipped: list[str]) -> set[str]:

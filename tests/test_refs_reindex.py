@@ -177,3 +177,46 @@ def test_reindex_keeps_the_good_blobs_of_a_pack_with_a_bad_one(tmp_path, store, 
     trusted = reindex(store, Index.open(f"sqlite:///{tmp_path / 'trusting.db'}"), trust_trailers=True)
     assert trusted.blobs == 3  # --trust-trailers reads trailers only, as before
     fresh.close()
+
+
+def _touch(store, key: str, when: datetime) -> None:
+    import os
+
+    os.utime(store.root / key, (when.timestamp(), when.timestamp()))
+
+
+def test_reindex_keeps_the_bundle_the_ref_names_newest_whatever_the_manifests_times(tmp_path, store, sqlite_index, fp):
+    """A store copied or migrated (every object's time now), or a manifest put back by hand, must
+    not make an older bundle the newest: gc would then delete the one the ref names."""
+    from kcache.store import manifest_key
+
+    write_tree(tmp_path / "v1", {"inductor/k": b"old"})
+    old = publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "v1", env={})
+    write_tree(tmp_path / "v2", {"inductor/k": b"new"})
+    new = publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "v2", env={})
+    _touch(store, manifest_key(old.bundle_id), datetime.now(timezone.utc) + timedelta(days=400))  # or just "now"
+    fresh = Index.open(f"sqlite:///{tmp_path / 'rebuilt.db'}")
+    reindex(store, fresh)
+    assert fresh.newest_bundle(fp.bundle_key).id == new.bundle_id
+    assert fresh.get_bundle(old.bundle_id).created_at < fresh.get_bundle(new.bundle_id).created_at
+    fresh.close()
+
+
+def test_reindex_with_trusted_keys_indexes_only_bundles_they_signed(tmp_path, store, sqlite_index, fp):
+    from kcache import signing
+    from kcache.publish import PublishConfig
+    from kcache.store import manifest_key
+
+    private, public = signing.generate("prod", tmp_path / "keys")
+    signed = PublishConfig(signing_key=signing.load_signing_key(private))
+    write_tree(tmp_path / "v1", {"inductor/k": b"signed"})
+    good = publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "v1", env={}, config=signed)
+    write_tree(tmp_path / "v2", {"inductor/k": b"planted"})
+    planted = publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "v2", env={})  # no key: a writer's
+    store.delete(ref_key(fp.bundle_key))  # and the ref that would name the signed one
+    _touch(store, manifest_key(planted.bundle_id), datetime.now(timezone.utc))
+    fresh = Index.open(f"sqlite:///{tmp_path / 'rebuilt.db'}")
+    rebuilt = reindex(store, fresh, trusted=signing.load_trusted_keys([public]))
+    assert fresh.newest_bundle(fp.bundle_key).id == good.bundle_id
+    assert rebuilt.bundles == 1 and any(planted.bundle_id[:12] in s and "signed" in s for s in rebuilt.skipped)
+    fresh.close()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 
 import click
 
 from kcache.cli import format as fmt
 from kcache.cli.errors import ExitCode
-from kcache.cli.options import json_option, opened, settings, store_options
+from kcache.cli.options import json_option, load_trusted_keys, opened, settings, store_options
 from kcache.reindex import reindex
 
 
@@ -17,14 +18,20 @@ from kcache.reindex import reindex
 @click.option("--trust-trailers", is_flag=True,
               help="Index the blobs each pack's trailer lists without reading and hashing them (fast, "
                    "for a store only trusted publishers can write).")  # fmt: skip
+@click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+              envvar="KCACHE_TRUSTED_KEYS",
+              help="A .pub from `kcache keygen`; repeatable (env: ':'-separated). Only bundles one of them signed "
+                   "are indexed, and only refs one of them signed date them.")  # fmt: skip
 @store_options
 @json_option
-def reindex_cmd(jobs, trust_trailers, store_url, index_url, s3_endpoint_url, as_json):
+def reindex_cmd(jobs, trust_trailers, trusted_keys, store_url, index_url, s3_endpoint_url, as_json):
     """Rebuild the index's packs, blobs and bundles from what the store holds.
 
     Every blob a pack's trailer lists is read and hashed first, and only those that match their
     ids are indexed: publish reuses indexed blobs instead of uploading them, so a forged trailer
     must not get in. That reads the whole store; --trust-trailers reads only the trailers.
+    With the pods' --trusted-key, only bundles a trusted key signed are indexed: otherwise
+    whoever can write the store can add bundles (the newest ones, for pods and for gc).
     Safe to run on a live index: rows that exist are kept as they are. Exits 12 when objects had
     to be skipped, listing each.
 
@@ -33,7 +40,8 @@ def reindex_cmd(jobs, trust_trailers, store_url, index_url, s3_endpoint_url, as_
       kcache reindex --store s3://caches/prod --index postgresql+psycopg://kcache@db/kcache
     """
     with opened(settings(store_url, index_url, s3_endpoint_url), jobs=jobs) as (store, index):
-        result = reindex(store, index, jobs=jobs, trust_trailers=trust_trailers)
+        result = reindex(store, index, jobs=jobs, trust_trailers=trust_trailers,
+                         trusted=load_trusted_keys(trusted_keys))
     if as_json:
         click.echo(fmt.to_json(asdict(result)))
     else:
