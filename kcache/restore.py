@@ -48,7 +48,7 @@ from kcache.errors import (
 )
 from kcache.fingerprint import Fingerprint, is_workload_fact
 from kcache.packs import CHUNK_BYTES, unpack_bytes, unpack_frame
-from kcache.readiness import RESTORE_MARKER, read_marker, write_marker
+from kcache.readiness import RESTORE_MARKER, WARMUP_MARKER, WATCH_MARKER, read_marker, write_marker
 from kcache.records import Event
 from kcache.relocate import relocate_staged
 from kcache.rootdir import STAGING_PREFIX
@@ -163,6 +163,7 @@ def restore_opening(
     root = Path(root).absolute()
     rootdir.prepare(root)
     with rootdir.locked(root, timeout, deadline), _room_for_outcome(root):
+        _forget_last_start(root)
         rootdir.remove_staging(root, deadline)  # what does not go in time waits for the next restore
         opened: list[Opened] = []  # filled by the worker, read here: what the error path may use
 
@@ -216,6 +217,16 @@ def _fail(root: Path, opened: list[Opened], exc: Exception, seconds: float, dead
             log.warning("cannot write %s in %s: %s", what, root, one_line(write_error))
     if opened:
         _record(opened[0].index, Event("restore", "error", bundle_key, None, 0, 0, seconds, reason), deadline)
+
+
+def _forget_last_start(root: Path) -> None:
+    """A restore begins a pod's start: the warmup and watch markers of the last one (an init
+    container run again on a kept volume) would make the new server ready before it loaded."""
+    for name in (WARMUP_MARKER, WATCH_MARKER):
+        try:
+            (root / name).unlink(missing_ok=True)
+        except OSError as exc:  # a directory in its place: readiness reads that as no marker anyway
+            log.warning("cannot remove %s: %s", root / name, exc.strerror or exc)
 
 
 @contextmanager

@@ -158,3 +158,20 @@ def test_warmup_with_a_budget_writes_running_markers_that_expire(tmp_path, monke
                            catch_exceptions=False)  # fmt: skip
     running, final = seen[:-1], seen[-1]
     assert running and all(at > datetime.now(timezone.utc) for at in running) and final is None
+
+
+def test_a_new_restore_forgets_the_last_starts_warmup(tmp_path, store, sqlite_index, fp):
+    """An init container that runs again (the pod's sandbox was recreated, its emptyDir kept) starts
+    a new server: the warmup marker of the last start must not make the pod ready before this one
+    loaded its weights."""
+    from kcache.readiness import WATCH_MARKER
+    from kcache.restore import restore
+
+    root = tmp_path / "root"
+    mark(root, restore="hit", warmup="ok")
+    write_marker(root, WATCH_MARKER, {"compiles": 3})
+    assert ready("--root", str(root)).exit_code == 0
+    restore(store, sqlite_index, fp, root)  # a miss: nothing published
+    result = ready("--root", str(root))
+    assert result.exit_code == NOT_READY and "warmup has not completed" in result.output
+    assert not (root / WATCH_MARKER).exists()
