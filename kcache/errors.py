@@ -153,6 +153,15 @@ class ObjectTooLarge(IntegrityError):
 
 # The result-cache proxy's own failures: both stay inside `kcache proxy`, which answers from the
 # engine instead (pass-through); they have rows in the CLI table like every other error.
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread by the restore that installed its handler: the kubelet
+    stopping an init container must leave kcache.env and a marker like any other failure."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"interrupted by signal {signum}")
+
+
 class BadEntry(ValueError):
     """A Redis value that is not an entry the proxy wrote (damaged or planted): a miss, then overwritten."""
 

@@ -26,6 +26,7 @@ import errno
 import logging
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -44,6 +45,7 @@ from kcache.errors import (
     KcacheError,
     RestoreTimeout,
     RootError,
+    Terminated,
     UnsafePath,
 )
 from kcache.fingerprint import Fingerprint, is_workload_fact
@@ -162,7 +164,7 @@ def restore_opening(
     deadline = None if timeout is None else time.monotonic() + timeout
     root = Path(root).absolute()
     rootdir.prepare(root)
-    with rootdir.locked(root, timeout, deadline), _room_for_outcome(root):
+    with rootdir.locked(root, timeout, deadline), _room_for_outcome(root), _sigterm_interrupts():
         _forget_last_start(root)
         rootdir.remove_staging(root, deadline)  # what does not go in time waits for the next restore
         opened: list[Opened] = []  # filled by the worker, read here: what the error path may use
@@ -177,8 +179,8 @@ def restore_opening(
                 _finish(root, result, opened[0].fingerprint)
             except OSError as exc:  # the disk, not the bundle: ENOSPC, EACCES, a read-only volume
                 raise _root_error(root, exc) from exc
-        except Exception as exc:  # noqa: BLE001 - any failure, a kcache bug included, must leave a pod that starts
-            _fail(root, opened, exc, time.perf_counter() - started, deadline)
+        except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - any failure, a kcache bug or a signal
+            _fail(root, opened, exc, time.perf_counter() - started, deadline)  # included, must leave a pod that starts
             raise
         _record(opened[0].index, Event("restore", result.status, result.bundle_key, result.bundle_id,
                                        result.files, result.bytes, result.seconds, result.reason or None),
@@ -204,7 +206,10 @@ def _fail(root: Path, opened: list[Opened], exc: Exception, seconds: float, dead
     """The pod starts cold, but with the right env and a marker that says why."""
     # Redacted: a driver's or a bug's message may quote a URL with its password, and every
     # container of the pod reads ROOT.
-    reason = one_line(redact_text(str(exc) if isinstance(exc, KcacheError) else f"{type(exc).__name__}: {exc}"))
+    if isinstance(exc, KeyboardInterrupt):
+        reason = str(exc) or "interrupted"
+    else:
+        reason = one_line(redact_text(str(exc) if isinstance(exc, KcacheError) else f"{type(exc).__name__}: {exc}"))
     bundle_key = opened[0].fingerprint.bundle_key if opened else None
     failed = RestoreResult("error", bundle_key, None, root, root / envfile.NAME, seconds=seconds, reason=reason)
     # Each on its own: a ROOT whose tmp/ links outside gets no env file, but still its marker.
@@ -217,6 +222,25 @@ def _fail(root: Path, opened: list[Opened], exc: Exception, seconds: float, dead
             log.warning("cannot write %s in %s: %s", what, root, one_line(write_error))
     if opened:
         _record(opened[0].index, Event("restore", "error", bundle_key, None, 0, 0, seconds, reason), deadline)
+
+
+@contextmanager
+def _sigterm_interrupts():
+    """SIGTERM raises Terminated in the main thread while the restore runs, so its error path still
+    writes kcache.env and the marker (Python's default for SIGTERM ends the process on the spot).
+    Only where nobody installed a handler of their own, and only from the main thread."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def interrupt(signum, _frame):
+        raise Terminated(signum)
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _forget_last_start(root: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sqlite3
 import subprocess
@@ -355,3 +356,26 @@ def test_a_swap_that_fails_part_way_puts_every_layer_back(tmp_path, store, sqlit
     assert (root / "inductor/k.py").read_bytes() == b"old graph"
     assert (root / "triton/k1/add.cubin").read_bytes() == b"old kernel"
     assert read_state(root)["status"] == "error"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_restore_stopped_by_a_signal_still_leaves_env_and_marker(tmp_path, facts_file, sig):
+    """The kubelet stops an init container with SIGTERM (pod deleted, node drained); a person with ^C.
+    Either way what ROOT holds must say the restore ended, as for any other failure."""
+    root = tmp_path / "root"
+    with SilentServer() as server:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "kcache", "restore", "--into", str(root), "--model", MODEL, "--facts-file",
+             str(facts_file), "--timeout", "120", "--index", f"postgresql+psycopg://root@127.0.0.1:{server.port}/x"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert server.accepted.wait(60), "restore never reached its index"
+            child.send_signal(sig)
+            _out, err = child.communicate(timeout=60)
+        finally:
+            if child.poll() is None:
+                child.kill()
+    assert child.returncode == 128 + sig, err
+    state = assert_cold_but_ready_to_start(root)
+    assert "interrupted" in state["reason"]

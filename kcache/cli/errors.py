@@ -36,6 +36,7 @@ class ExitCode(IntEnum):
     CHANGED = 16  # publish: a cache file changed while it was read; nothing stored is wrong
     BUG = 70
     INTERRUPTED = 130
+    TERMINATED = 143  # SIGTERM during restore, after kcache.env and the marker are written
 
 
 BUG_HINT = "this is a bug in kcache; run with KCACHE_DEBUG=1 for a traceback and report it"
@@ -123,6 +124,7 @@ ROWS: tuple[tuple[str, str, ExitCode, str], ...] = (
     ),
     (_E, "BadEntry", ExitCode.CORRUPT, "a cached answer in Redis is damaged; the proxy overwrites it"),
     (_E, "CacheUnavailable", ExitCode.STORE, "check --redis; meanwhile the proxy passes requests to the engine"),
+    (_E, "Terminated", ExitCode.TERMINATED, "the pod is being stopped; the next start restores again"),
     (
         "kcache.fetch",
         "Cancelled",
@@ -189,4 +191,5 @@ EXIT_MEANINGS = {
     ExitCode.CHANGED: "publish: a cache file changed while it was read (publish again)",
     ExitCode.BUG: "an unexpected error: a bug in kcache, please report it",
     ExitCode.INTERRUPTED: "interrupted (Ctrl-C), as shells report SIGINT",
+    ExitCode.TERMINATED: "restore stopped by SIGTERM (kcache.env and the marker are written first)",
 }

@@ -236,9 +236,9 @@ class KcacheGroup(click.Group):
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.exceptions.Abort):
             raise
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:  # ^C, or SIGTERM where a command turned it into one (128 + signal)
             click.echo("kcache: interrupted", err=True)
-            raise click.exceptions.Exit(ExitCode.INTERRUPTED) from None
+            raise click.exceptions.Exit(128 + getattr(exc, "signum", ExitCode.INTERRUPTED - 128)) from None
         except click.ClickException as exc:  # a usage error: click prints it, unless --json asks for JSON
             if not wants_json(ctx):
                 raise
