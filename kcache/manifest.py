@@ -17,7 +17,9 @@ manifests (7-column rows, no layer_info) still parse and keep their own bytes an
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 import json
 import re
 import sys
@@ -35,6 +37,13 @@ _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 _ROWS_PER_PIECE = 2048
 # Only permission bits travel: setuid/setgid/sticky from a shared store would be a gift to an attacker.
 MODE_MASK = 0o777
+# What a path may be: real cache paths are short and shallow (Triton's "triton/<hash>/<kernel>.cubin",
+# Inductor's "inductor/<user>/fxgraph/<hh>/<hash>/<entry>", vLLM's compile cache: under 300 bytes and
+# about 8 components deep). 4096 bytes is Linux's PATH_MAX, so no path past it can be restored anyway, and
+# 256 components is 30 times the deepest real one. A store writer could otherwise plant one entry of a
+# million components in a manifest well under its size cap, which every restore, reindex and gc parses.
+MAX_PATH_BYTES = 4096
+MAX_PATH_COMPONENTS = 256
 
 
 # Memory (scripts/bench_manifest_memory.py: tracemalloc, CPython 3.11, 100k entries of ~200
@@ -154,7 +163,7 @@ def parse(data: bytes, expected_id: str) -> Manifest:
         schema = doc.get("schema")
         if isinstance(schema, bool) or schema not in _ROW_LENGTH:
             raise ValueError(f"schema {schema!r} is not one of {sorted(_ROW_LENGTH)}")
-        entries = tuple(_entry_from_row(row, _ROW_LENGTH[schema]) for row in doc["entries"])
+        entries = tuple(_entry_from_row(n, row, _ROW_LENGTH[schema]) for n, row in enumerate(doc["entries"]))
         manifest = Manifest(
             str(doc["bundle_key"]),
             str(doc["toolchain_key"]),
@@ -230,11 +239,14 @@ def _layer_info(doc: Any) -> dict[str, dict[str, str]]:
     return doc
 
 
-def _entry_from_row(row: Any, length_of_row: int) -> Entry:
+def _entry_from_row(n: int, row: Any, length_of_row: int) -> Entry:
     if type(row) is not list or len(row) != length_of_row:
         raise ValueError(f"entry {str(row)[:80]!r} does not have {length_of_row} columns")
     path, mode, size, blob, pack, offset, length = row[:7]
     mtime_ns = row[7] if length_of_row > 7 else None
+    # First, before any other check or the canonical comparison touches the path more than once.
+    if type(path) is str and (too_big := _over_caps(path)):
+        raise ValueError(f"entry {n} ({_shown(path)}) {too_big}")
     # type() is int: JSON numbers parse to exact ints, and a bool (an int subclass) is no number here.
     if not (type(mode) is int and type(size) is int and type(offset) is int and type(length) is int
             and (mtime_ns is None or type(mtime_ns) is int)
@@ -258,22 +270,28 @@ def _u63(value: Any) -> bool:
 
 
 def _check_entries(entries: tuple[Entry, ...]) -> None:
-    seen: set[str] = set()
+    """Every path safe, none twice, none a file and a directory at once. Linear in the bytes of the
+    paths (a sort aside): a hostile manifest must not make a parser spend its time here."""
     for entry in entries:
         check_path(entry.path)
-        if entry.path in seen:
-            raise UnsafePath(entry.path, "appears twice in the manifest")
-        seen.add(entry.path)
+    paths = sorted(entry.path for entry in entries)  # the entries' own strings; built manifests come sorted
+    for before, path in itertools.pairwise(paths):
+        if before == path:
+            raise UnsafePath(path, "appears twice in the manifest")
     # A file may not also be used as a directory ("a" and "a/b"): restore could not lay out both.
-    for entry in entries:
-        parts = entry.path.split("/")
-        for i in range(1, len(parts)):
-            if "/".join(parts[:i]) in seen:
-                raise UnsafePath(entry.path, "a parent of this path is itself a file in the manifest")
+    # The paths under a file's name (those starting "a/") sit together in sorted order, at the
+    # place "a/" would be: one binary search a file, each comparison no longer than the file's path.
+    for path in paths:
+        under = path + "/"
+        at = bisect.bisect_left(paths, under)
+        if at < len(paths) and paths[at].startswith(under):
+            raise UnsafePath(paths[at], "a parent of this path is itself a file in the manifest")
 
 
 def check_path(path: str) -> str:
     """Return `path` if it is a safe relative POSIX path, else raise UnsafePath."""
+    if too_big := _over_caps(path):
+        raise UnsafePath(_shown(path, quoted=False), too_big)
     if not path:
         raise UnsafePath(path, "empty path")
     if "\x00" in path or "\\" in path:
@@ -284,3 +302,22 @@ def check_path(path: str) -> str:
         if part in ("", ".", ".."):
             raise UnsafePath(path, "empty, '.' or '..' components are not allowed")
     return path
+
+
+def _over_caps(path: str) -> str | None:
+    """Why `path` is over MAX_PATH_BYTES or MAX_PATH_COMPONENTS, or None. One pass over it at most."""
+    if len(path) > MAX_PATH_BYTES:  # a character is at least one UTF-8 byte: over the cap unencoded
+        return f"is a path of {len(path)} characters, over the {MAX_PATH_BYTES} bytes a path may have"
+    size = len(path.encode("utf-8", "surrogatepass"))
+    if size > MAX_PATH_BYTES:
+        return f"is a path of {size} bytes, over the {MAX_PATH_BYTES} a path may have"
+    components = path.count("/") + 1
+    if components > MAX_PATH_COMPONENTS:
+        return f"has {components} components, over the {MAX_PATH_COMPONENTS} a path may have"
+    return None
+
+
+def _shown(path: str, *, quoted: bool = True) -> str:
+    """The start of a path for a message: a hostile one may be megabytes."""
+    head = path if len(path) <= 80 else f"{path[:80]}..."
+    return repr(head) if quoted else head

@@ -1,3 +1,4 @@
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -145,3 +146,85 @@ def test_pieces_join_to_the_one_document_for_any_rows_and_any_piece_size(rows, p
     assert m._same_bytes(built.pieces(per_piece), whole)
     assert not m._same_bytes(built.pieces(per_piece), whole[:-1]) and not m._same_bytes(built.pieces(per_piece),
                                                                                           whole + b"}")  # fmt: skip
+
+
+# ---- path caps and the cost of path checks: a planted manifest must not make a parser hang ----------
+
+
+def _stored(*paths: str) -> tuple[bytes, str]:
+    data = _tampered([[p, 420, 3, BLOB, PACK, 0, 10] for p in paths])
+    return data, canonical.sha256(data)
+
+
+def _longest(size: int, char: str = "k") -> str:
+    """The longest path under inductor/ of `char`s that is at most `size` UTF-8 bytes."""
+    return "inductor/" + char * ((size - len("inductor/")) // len(char.encode()))
+
+
+@pytest.mark.parametrize("char", ["k", "é"])
+def test_a_path_over_4096_bytes_is_refused_naming_its_entry(char):
+    at_cap = _longest(4096, char)
+    assert 4095 <= len(at_cap.encode()) <= 4096
+    m.parse(*_stored("inductor/a", at_cap))
+    over = at_cap + "é"  # over in UTF-8 bytes; with "é", still well under 4096 characters
+    refused = r"entry 1 \('inductor/(k|é)+.*\) is a path of 409[78] (bytes|characters), over the 4096"
+    with pytest.raises(IntegrityError, match=refused):
+        m.parse(*_stored("inductor/a", over))
+    with pytest.raises(IntegrityError) as caught:
+        m.parse(*_stored(over))
+    assert len(str(caught.value)) < 600  # names the entry without quoting all of it
+
+
+def test_a_path_of_more_than_256_components_is_refused_naming_its_entry():
+    deepest = "inductor/" + "a/" * 254 + "f"
+    assert deepest.count("/") + 1 == 256
+    m.parse(*_stored(deepest))
+    deeper = "inductor/" + "a/" * 255 + "f"
+    with pytest.raises(IntegrityError, match=r"entry 0 \('inductor/a/a/.*\) has 257 components.* 256"):
+        m.parse(*_stored(deeper))
+
+
+def test_build_refuses_paths_over_the_caps_too():
+    with pytest.raises(UnsafePath, match="4096"):
+        manifest_of(entry(_longest(4097)))
+    with pytest.raises(UnsafePath, match="256"):
+        manifest_of(entry("inductor/" + "a/" * 300 + "f"))
+
+
+def test_the_planted_manifest_of_a_million_components_is_refused_at_once():
+    """The report's repro: one 2 MB path of `a/` components, well under the manifest cap; reindex,
+    restore and gc all parse it. Refused by the caps before any path check (those used to take hours)."""
+    data, manifest_id = _stored("inductor/" + "a/" * 1_000_000 + "f")
+    with pytest.raises(IntegrityError, match="entry 0"):
+        m.parse(data, manifest_id)
+
+
+def _naive_problems(paths: list[str]) -> set[str]:
+    """What the checks must find, the obvious quadratic way."""
+    found = set()
+    if len(set(paths)) < len(paths):
+        found.add("twice")
+    files = set(paths)
+    for path in paths:
+        parts = path.split("/")
+        if any("/".join(parts[:i]) in files for i in range(1, len(parts))):
+            found.add("parent")
+    return found
+
+
+# Components that sort around "/" ("!" and "." before it, "0" after), so that a file's children are
+# not its neighbours in the sorted order.
+_COMPONENTS = st.sampled_from(["a", "a!", "a.b", "a0", "b"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(_COMPONENTS, min_size=1, max_size=4).map("/".join), max_size=8))
+def test_duplicate_and_file_as_directory_checks_agree_with_the_naive_ones(paths):
+    entries = tuple(entry(f"inductor/{p}") for p in paths)
+    expected = _naive_problems([e.path for e in entries])
+    if not expected:
+        m._check_entries(entries)
+        return
+    with pytest.raises(UnsafePath) as caught:
+        m._check_entries(entries)
+    assert ("twice" if "appears twice" in caught.value.why else "parent") in expected
