@@ -1,24 +1,33 @@
-"""Verify: every bundle's manifest parses and hashes to its id, and every blob it names is there.
+"""Verify: every bundle's manifest parses and hashes to its id, its signatures hold, and every blob
+it names is there.
 
-Without --read-data, each pack a manifest names must exist and be long enough for every blob
-range in it (one listing of packs/, no data read). With --read-data, every blob is fetched the
-way restore fetches it and re-hashed, each copy in each pack that holds it; `--subset n/t` reads
-only the packs whose id falls in the n-th of t slices, so a large store can be checked a slice a
-night.
+Without --read-data, each pack a manifest names must exist under the key restore reads it from,
+packs/<hh>/<id>, and be long enough for every blob range in it (one listing of packs/, no data read).
+Every signature object of a bundle (one listing of signatures/, each read capped as restore reads
+it) must be an Ed25519 signature; one by a trusted key (--trusted-key) must verify, and with trusted
+keys a bundle none of them signed is a problem too (restore --require-signature refuses it).
+
+With --read-data, every blob is fetched the way restore fetches it and re-hashed, each copy in each
+pack that holds it; `--subset n/t` reads only the packs whose id falls in the n-th of t slices, so a
+large store can be checked a slice a night.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import threading
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kcache import fetch, progress
+from kcache import fetch, limits, progress, signing
 from kcache import manifest as manifests
-from kcache.errors import ConfigError, KcacheError
+from kcache.errors import ConfigError, KcacheError, ObjectMissing, SignatureError
 from kcache.packs import unpack_frame
-from kcache.store import Store
+from kcache.store import Store, manifest_key, pack_key
+from kcache.store.base import ObjectInfo
 from kcache.streams import Discard
 
 if TYPE_CHECKING:
@@ -58,24 +67,31 @@ def verify(
     subset: tuple[int, int] = (1, 1),
     jobs: int = 16,
     report: progress.Report | None = None,
+    trusted: tuple[signing.TrustedKey, ...] = (),
 ) -> VerifyResult:
-    """Check every bundle (see the module docstring); `report` receives --read-data's progress."""
+    """Check every bundle (see the module docstring); `report` receives --read-data's progress;
+    signatures by `trusted` keys must verify, and each bundle needs one when any are given."""
     from kcache.index import lifecycle
 
     problems: list[str] = []
-    sizes = {info.key.rsplit("/", 1)[-1]: info.size for info in store.list("packs/")}
+    # By the whole key: a pack restore cannot find at packs/<hh>/<id> is missing, whatever lies elsewhere.
+    sizes = {info.key: info.size for info in store.list("packs/")}
+    signatures = _signatures(store)
     bundles = lifecycle.all_bundles(index)
     # Every stored copy, not every blob: restore of a bundle reads the copy in the pack its manifest
     # names, so a bad copy fails that bundle even where another pack holds the blob intact.
     to_read: dict[tuple[str, str, int], manifests.Entry] = {}
     for bundle in bundles:
         try:
-            manifest = manifests.fetch(store, bundle.id)
+            manifest, manifest_size = _fetch_manifest(store, bundle.id)
         except KcacheError as exc:
             problems.append(f"bundle {bundle.id[:12]}: {exc}")
             continue
+        signed = signing.message(manifest.bundle_key, bundle.id, manifest_size)
+        for problem in _signature_problems(store, signatures.get(bundle.id, {}), signed, trusted):
+            problems.append(f"bundle {bundle.id[:12]}: {problem}")
         for entry in manifest.entries:
-            size = sizes.get(entry.pack)
+            size = sizes.get(pack_key(entry.pack))
             if size is None:
                 problems.append(f"bundle {bundle.id[:12]}: {entry.path}: pack {entry.pack[:12]} is missing")
             elif entry.offset + entry.length > size:
@@ -85,6 +101,63 @@ def verify(
     read = _read_all(store, list(to_read.values()), jobs, problems, report) if read_data else (0, 0)
     packs = len({e.pack for e in to_read.values()}) if read_data else len(sizes)
     return VerifyResult(len(bundles), packs, read[0], read[1], tuple(dict.fromkeys(problems)))
+
+
+def _fetch_manifest(store: Store, manifest_id: str) -> tuple[manifests.Manifest, int]:
+    """The manifest, as manifests.fetch reads it, and its size in the store (what a signature covers)."""
+    key = manifest_key(manifest_id)
+    data = limits.read_capped(store, key, limits.max_manifest_bytes(), "manifest")
+    if data is None:
+        raise ObjectMissing(store.url, key)
+    return manifests.parse(data, manifest_id), len(data)
+
+
+def _signatures(store: Store) -> dict[str, dict[str, ObjectInfo]]:
+    """{manifest id: {key name: object}} from one listing of signatures/<manifest-id>/<key name>."""
+    found: dict[str, dict[str, ObjectInfo]] = {}
+    for info in store.list("signatures/"):
+        parts = info.key.split("/")
+        if len(parts) == 3:
+            found.setdefault(parts[1], {})[parts[2]] = info
+    return found
+
+
+def _signature_problems(store: Store, present: Mapping[str, ObjectInfo], signed: bytes,
+                        trusted: tuple[signing.TrustedKey, ...]) -> list[str]:  # fmt: skip
+    """What is wrong with one bundle's signatures: each is read as restore reads it (capped); one by
+    a trusted key must verify `signed`, any other must at least be an Ed25519 signature (its public
+    key is not here to verify it); with trusted keys, one of them must have signed."""
+    by_name = {key.name: key for key in trusted}
+    problems, verified, refused = [], False, False  # refused: a trusted key's signature is there but bad
+    for name in sorted(present):
+        try:
+            raw = limits.read_capped(store, present[name].key, limits.SIGNATURE_BYTES, "signature")
+        except KcacheError as exc:  # ObjectTooLarge, a read that failed: restore would fail alike
+            problems.append(f"the signature by {name!r}: {exc}")
+            refused = refused or name in by_name
+            continue
+        if raw is None:  # deleted since the listing (gc of a deleted bundle)
+            continue
+        text = raw.decode("ascii", "replace")  # as signing.verify reads it
+        if name in by_name:
+            try:
+                signing.check((by_name[name],), {name: text}, signed, "")  # it is there: verifies or raises
+                verified = True
+            except SignatureError as exc:
+                problems.append(exc.why)
+                refused = True
+        elif not _is_signature(text):
+            problems.append(f"the signature by {name!r} is no Ed25519 signature (64 bytes in base64)")
+    if trusted and not verified and not refused:
+        problems.append(f"not signed by a trusted key ({', '.join(sorted(by_name))})")
+    return problems
+
+
+def _is_signature(text: str) -> bool:
+    try:
+        return len(base64.b64decode(text, validate=True)) == 64
+    except (ValueError, binascii.Error):
+        return False
 
 
 def _read_all(store: Store, entries: list[manifests.Entry], jobs: int, problems: list[str],

@@ -1,5 +1,6 @@
 """Operator commands: yank (and undo), verify, and restore --fallback toolchain."""
 
+import base64
 import json
 import os
 
@@ -7,20 +8,32 @@ import pytest
 from click.testing import CliRunner
 from trees import read_tree, write_tree
 
-from kcache import fingerprint, refs, sources
+from kcache import fingerprint, refs, signing, sources
 from kcache.cli import main
-from kcache.errors import IntegrityError
-from kcache.publish import publish
+from kcache.cli.errors import ExitCode
+from kcache.errors import IntegrityError, ObjectMissing, SignatureError
+from kcache.publish import PublishConfig, publish
 from kcache.restore import restore
+from kcache.store import pack_key
 from kcache.verify import in_subset, parse_subset, verify
 from kcache.yank import unyank, yank
 
 LAYERS = sources.select()
+WELL_FORMED = base64.b64encode(bytes(64))  # looks like an Ed25519 signature; no key made it
 
 
-def _publish(tmp_path, store, index, fp, files, name="src"):
+def _publish(tmp_path, store, index, fp, files, name="src", key=None):
     write_tree(tmp_path / name, files)
-    return publish(store, index, fp, LAYERS, root=tmp_path / name, env={})
+    return publish(store, index, fp, LAYERS, root=tmp_path / name, env={}, config=PublishConfig(signing_key=key))
+
+
+def _plant(store, key: str, data: bytes) -> None:
+    """What a writer to the bucket can do: put any bytes under any key, an existing one included."""
+    path = store.root / key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        os.chmod(path, 0o644)
+    path.write_bytes(data)
 
 
 def test_yanked_bundle_is_never_restored_and_undo_brings_it_back(tmp_path, store, sqlite_index, fp):
@@ -69,6 +82,106 @@ def test_verify_finds_missing_and_corrupt_packs(tmp_path, store, sqlite_index, f
     assert missing.problems and all("missing" in p for p in missing.problems)
 
 
+def test_verify_finds_a_pack_moved_away_from_its_key(tmp_path, store, sqlite_index, fp):
+    """A same-named file elsewhere under packs/ is not the pack: restore reads packs/<hh>/<id> only."""
+    _publish(tmp_path, store, sqlite_index, fp, {"inductor/a": os.urandom(2000)})
+    (pack,) = store.list("packs/")
+    pack_id = pack.key.rsplit("/", 1)[-1]
+    assert pack.key == pack_key(pack_id)
+    moved = store.root / "packs" / "zz" / pack_id
+    moved.parent.mkdir()
+    (store.root / pack.key).rename(moved)
+    found = verify(store, sqlite_index)
+    assert len(found.problems) == 1 and f"pack {pack_id[:12]} is missing" in found.problems[0]
+    with pytest.raises(ObjectMissing, match=pack_key(pack_id)):  # what verify warned of
+        restore(store, sqlite_index, fp, tmp_path / "r")
+
+
+@pytest.fixture
+def keys(tmp_path):
+    made = {}
+    for name in ("k1", "k2"):
+        private, public = signing.generate(name, tmp_path / "keys")
+        made[name] = (signing.load_signing_key(private), signing.load_trusted_keys([public])[0])
+    return made
+
+
+@pytest.mark.parametrize("planted", [b"AAAA", b"AAAA" * 22, b"\xff\x00 not base64", WELL_FORMED])
+def test_verify_finds_a_planted_signature_with_or_without_trusted_keys(tmp_path, store, sqlite_index, fp, keys,
+                                                                       planted):  # fmt: skip
+    signed = _publish(tmp_path, store, sqlite_index, fp, {"inductor/a": b"a"}, key=keys["k1"][0])
+    assert verify(store, sqlite_index).problems == ()
+    assert verify(store, sqlite_index, trusted=(keys["k1"][1],)).problems == ()
+    _plant(store, signing.signature_key(signed.bundle_id, "k1"), planted)
+    with pytest.raises(SignatureError, match="signature by 'k1' does not verify"):  # what verify must warn of
+        restore(store, sqlite_index, fp, tmp_path / "r", trusted=(keys["k1"][1],))
+    (problem,) = verify(store, sqlite_index, trusted=(keys["k1"][1],)).problems
+    assert signed.bundle_id[:12] in problem and "signature by 'k1' does not verify" in problem
+    # Without the public key, a signature is checked as far as it can be: 64 bytes in base64.
+    untrusted = verify(store, sqlite_index).problems
+    if planted == WELL_FORMED:  # only the public key tells
+        assert untrusted == ()
+    else:
+        (problem,) = untrusted
+        assert signed.bundle_id[:12] in problem and "signature by 'k1' is no Ed25519 signature" in problem
+
+
+def test_verify_with_trusted_keys_finds_a_signature_replayed_from_another_bundle(tmp_path, store, sqlite_index,
+                                                                                 fp, keys):  # fmt: skip
+    one = _publish(tmp_path, store, sqlite_index, fp, {"inductor/a": b"a"}, "v1", key=keys["k1"][0])
+    two = _publish(tmp_path, store, sqlite_index, fp, {"inductor/a": b"b"}, "v2", key=keys["k1"][0])
+    _plant(store, signing.signature_key(two.bundle_id, "k1"),
+           store.get_bytes(signing.signature_key(one.bundle_id, "k1")))  # fmt: skip
+    assert verify(store, sqlite_index).problems == ()  # a well-formed signature: only the public key tells
+    (problem,) = verify(store, sqlite_index, trusted=(keys["k1"][1],)).problems
+    assert two.bundle_id[:12] in problem and "does not verify" in problem
+
+
+def test_verify_with_trusted_keys_reports_bundles_no_trusted_key_signed(tmp_path, store, sqlite_index, fp, keys):
+    unsigned = _publish(tmp_path, store, sqlite_index, fp, {"inductor/a": b"a"}, "v1")
+    by_k2 = _publish(tmp_path, store, sqlite_index, fp, {"inductor/a": b"b"}, "v2", key=keys["k2"][0])
+    by_k1 = _publish(tmp_path, store, sqlite_index, fp, {"inductor/a": b"c"}, "v3", key=keys["k1"][0])
+    assert verify(store, sqlite_index).problems == ()  # signatures are optional without trusted keys
+    problems = verify(store, sqlite_index, trusted=(keys["k1"][1],)).problems
+    assert len(problems) == 2 and all("not signed by a trusted key" in p for p in problems)
+    unsigned_ones = {f"bundle {unsigned.bundle_id[:12]}", f"bundle {by_k2.bundle_id[:12]}"}
+    assert {p.split(":")[0] for p in problems} == unsigned_ones
+    # Key rotation: a bundle signed by any one trusted key is signed.
+    rotated = verify(store, sqlite_index, trusted=(keys["k1"][1], keys["k2"][1])).problems
+    assert len(rotated) == 1 and unsigned.bundle_id[:12] in rotated[0] and by_k1.bundle_id[:12] not in rotated[0]
+
+
+def test_verify_reports_a_signature_over_the_size_cap(tmp_path, store, sqlite_index, fp, keys):
+    signed = _publish(tmp_path, store, sqlite_index, fp, {"inductor/a": b"a"}, key=keys["k1"][0])
+    _plant(store, signing.signature_key(signed.bundle_id, "k1"), b"A" * 100_000)
+    for trusted in ((), (keys["k1"][1],)):
+        (problem,) = verify(store, sqlite_index, trusted=trusted).problems
+        assert signed.bundle_id[:12] in problem and "limit" in problem
+
+
+def test_cli_verify_checks_signatures_with_trusted_keys_from_flags_or_the_environment(tmp_path, monkeypatch,
+                                                                                       isolated_home):  # fmt: skip
+    monkeypatch.delenv("KCACHE_TRUSTED_KEYS", raising=False)
+    runner = CliRunner()
+    for name in ("k1", "k2"):
+        assert runner.invoke(main, ["keygen", name, "--dir", str(tmp_path / "k")]).exit_code == 0
+    write_tree(tmp_path / "src", {"inductor/a": b"a"})
+    out = runner.invoke(main, ["publish", "--from", str(tmp_path / "src"), "--model", "m1", "--json",
+                               "--signing-key", str(tmp_path / "k/k1.key")])  # fmt: skip
+    bundle_id = json.loads(out.output)["bundle_id"]
+    pub = str(tmp_path / "k/k1.pub")
+    assert runner.invoke(main, ["verify", "--trusted-key", pub]).exit_code == 0
+    (sig,) = isolated_home.rglob(f"signatures/{bundle_id}/k1")
+    os.chmod(sig, 0o644)
+    sig.write_bytes(WELL_FORMED)  # only the public key tells it is bad
+    assert runner.invoke(main, ["verify"]).exit_code == 0
+    flagged = runner.invoke(main, ["verify", "--trusted-key", pub])
+    assert flagged.exit_code == ExitCode.PROBLEMS and "signature by 'k1' does not verify" in flagged.output
+    monkeypatch.setenv("KCACHE_TRUSTED_KEYS", f"{tmp_path}/k/k2.pub:{pub}")  # as restore reads it
+    from_env = runner.invoke(main, ["verify", "--json"])
+    assert from_env.exit_code == ExitCode.PROBLEMS
+    assert any("signature by 'k1' does not verify" in p for p in json.loads(from_env.stdout)["problems"])
+
 
 @pytest.mark.parametrize("victim", ["a", "b"])
 def test_verify_reads_every_copy_of_a_blob(tmp_path, store, fp, victim):
@@ -101,6 +214,7 @@ def test_verify_reads_every_copy_of_a_blob(tmp_path, store, fp, victim):
     assert damaged.blobs_read == 1 and len(damaged.problems) == 1 and entry.pack[:12] in damaged.problems[0]
     with pytest.raises(IntegrityError):  # what verify warned of
         restore(store, index, models[victim], tmp_path / "r")
+
 
 def test_subsets_partition_the_packs():
     ids = [f"{i:08x}" + "0" * 56 for i in range(0, 2**32, 2**32 // 97)]

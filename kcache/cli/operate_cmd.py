@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 
 import click
 
@@ -11,7 +12,7 @@ from kcache.allocator import reuse_freed_memory
 from kcache.cli import format as fmt
 from kcache.cli import progress_bars
 from kcache.cli.errors import ExitCode
-from kcache.cli.options import json_option, load_signing_key, opened, settings, store_options
+from kcache.cli.options import json_option, load_signing_key, load_trusted_keys, opened, settings, store_options
 
 
 def ref_signing_key_option(fn):
@@ -51,25 +52,34 @@ def yank_cmd(bundle, undo, reason, signing_key, store_url, index_url, s3_endpoin
 @click.option("--read-data", is_flag=True, help="Also fetch every blob and re-hash it.")
 @click.option("--subset", metavar="N/T", default="1/1", help="With --read-data, only the N-th of T slices of packs.")
 @click.option("--jobs", type=click.IntRange(1, 256), default=16, show_default=True, help="Parallel pack reads.")
+@click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+              envvar="KCACHE_TRUSTED_KEYS",
+              help="A .pub from `kcache keygen`: its signatures must verify, and every bundle needs one by a "
+                   "trusted key; repeatable (env: ':'-separated, as restore reads it).")  # fmt: skip
 @store_options
 @json_option
-def verify_cmd(read_data, subset, jobs, store_url, index_url, s3_endpoint_url, as_json):
-    """Check that every bundle's blobs exist (and, with --read-data, hash to their ids).
+def verify_cmd(read_data, subset, jobs, trusted_keys, store_url, index_url, s3_endpoint_url, as_json):
+    """Check that every bundle's blobs exist (and, with --read-data, hash to their ids), and its signatures.
 
-    Exits 12 when anything is wrong, listing each problem.
+    Every signature must be well-formed; with --trusted-key (or KCACHE_TRUSTED_KEYS), those by trusted
+    keys must verify and a bundle none of them signed is a problem. Exits 12 when anything is wrong,
+    listing each problem.
 
     \b
     Examples:
       kcache verify
+      kcache verify --trusted-key /secrets/prod-2026.pub
       kcache verify --read-data --subset 3/7    # a seventh of the packs, e.g. one slice per night
     """
     from kcache.verify import parse_subset, verify
 
     part = parse_subset(subset)
+    trusted = load_trusted_keys(trusted_keys)
     reuse_freed_memory()  # --read-data streams every pack: see kcache.allocator
     with opened(settings(store_url, index_url, s3_endpoint_url), jobs=jobs, write=False) as (store, index):
         with progress_bars.bars(progress_bars.wanted(as_json) and read_data) as report:
-            result = verify(store, index, read_data=read_data, subset=part, jobs=jobs, report=report)
+            result = verify(store, index, read_data=read_data, subset=part, jobs=jobs, report=report,
+                            trusted=trusted)  # fmt: skip
     if as_json:
         click.echo(fmt.to_json(asdict(result)))
     else:
