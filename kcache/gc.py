@@ -39,7 +39,15 @@ from typing import TYPE_CHECKING
 
 from kcache import fingerprint, limits, refs, signing
 from kcache import manifest as manifests
-from kcache.errors import ConfigError, IntegrityError, KcacheError, ObjectMissing, ObjectTooLarge, StoreError
+from kcache.errors import (
+    ConfigError,
+    IntegrityError,
+    KcacheError,
+    ObjectMissing,
+    ObjectTooLarge,
+    StoreError,
+    UnsafePath,
+)
 from kcache.records import Bundle
 from kcache.store import Store, manifest_key, pack_key
 from kcache.store.base import Leftover, ObjectInfo
@@ -259,7 +267,7 @@ def _mark(store: Store, retained: list[Bundle]) -> tuple[set[str], tuple[Bundle,
     for bundle in retained:
         try:
             referenced.update(e.pack for e in manifests.fetch(store, bundle.id).entries)
-        except (ObjectMissing, IntegrityError):  # ObjectTooLarge is one: no restore reads it either
+        except (ObjectMissing, IntegrityError, UnsafePath):  # ObjectTooLarge is one: no restore reads it either
             broken.append(bundle)
     return referenced, tuple(broken)
 

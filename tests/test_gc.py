@@ -509,3 +509,23 @@ def test_gc_refuses_an_index_that_lacks_bundles_the_stores_refs_name(tmp_path, s
     pod = restore(store, sqlite_index, fp, tmp_path / "dst")
     assert (pod.status, pod.bundle_id) == ("hit", published.bundle_id)
     assert gc.plan(store, sqlite_index, POLICY).orphans == ()  # the publishers' own index plans as before
+
+
+def test_a_retained_bundle_whose_manifest_names_unsafe_paths_is_reported_broken(tmp_path, store, index, fp):
+    """An index row (an index writer's) naming a manifest that hashes right but lists one path twice:
+    gc must hold its sweeps and say so, not crash on every run."""
+    import hashlib
+
+    from kcache import canonical
+    from kcache.records import Bundle
+
+    rows = [["inductor/a", 0o644, 1, "b" * 64, "c" * 64, 0, 1]] * 2
+    data = canonical.dumps({"schema": 1, "bundle_key": fp.bundle_key, "toolchain_key": fp.toolchain_key,
+                            "workload_key": fp.workload_key, "facts": dict(fp.facts), "layers": ["inductor"],
+                            "entries": rows})  # fmt: skip
+    bundle_id = hashlib.sha256(data).hexdigest()
+    store.put_bytes(manifest_key(bundle_id), data)
+    index.add_bundle(Bundle(bundle_id, fp.bundle_key, fp.toolchain_key, fp.workload_key, None, dict(fp.facts),
+                            ("inductor",), 2, 2, datetime.now(timezone.utc), "test", "active"))  # fmt: skip
+    plan = gc.plan(store, index, POLICY)
+    assert [b.id for b in plan.broken] == [bundle_id] and plan.sweep == ()
