@@ -48,11 +48,27 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+# The most bytes of facts or layers restore loads from one row: a real row holds a few KiB. An
+# index writer's row of gigabytes would otherwise take the init container's memory (json.loads
+# holds ~16 times the text).
+MAX_ROW_TEXT = 1024 * 1024
+
+
+class BadRow(ValueError):
+    """A bundle row that does not read as one; Index._guard names the index."""
+
+
 def bundle_of(row: BundleRow) -> Bundle:
     created = row.created_at if row.created_at.tzinfo else row.created_at.replace(tzinfo=timezone.utc)
+    try:
+        facts = json.loads(row.facts)
+    except (ValueError, RecursionError) as exc:
+        raise BadRow(f"bundle {str(row.id)[:12]}'s facts are not JSON ({exc})") from None
+    if not isinstance(facts, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in facts.items()):
+        raise BadRow(f"bundle {str(row.id)[:12]}'s facts are not an object of strings")
     return Bundle(
         row.id, row.bundle_key, row.toolchain_key, row.workload_key, row.model,
-        json.loads(row.facts), tuple(filter(None, row.layers.split(","))),
+        facts, tuple(filter(None, str(row.layers).split(","))),
         row.files, row.bytes, created, row.created_by, row.status, row.compile_seconds,
     )  # fmt: skip
 
@@ -228,7 +244,14 @@ class Index:
             .scalar_subquery()
         )
         with self._guard(), self._session() as s:
-            row = s.scalars(select(BundleRow).where(BundleRow.id == newest_id)).first()
+            sizes = select(BundleRow.id, func.length(BundleRow.facts), func.length(BundleRow.layers))
+            found = s.execute(sizes.where(BundleRow.id == newest_id)).first()
+            if found is None:
+                return None
+            if max(found[1] or 0, found[2] or 0) > MAX_ROW_TEXT:
+                raise BadRow(f"bundle {str(found[0])[:12]}'s row holds {max(found[1] or 0, found[2] or 0)} bytes of "
+                             f"facts or layers, over the {MAX_ROW_TEXT} a row may have")  # fmt: skip
+            row = s.get(BundleRow, found[0])
             return bundle_of(row) if row else None
 
     def get_bundle(self, id_or_prefix: str) -> Bundle:
@@ -240,7 +263,8 @@ class Index:
             rows = s.scalars(query).all()
         if len(rows) != 1:
             raise NotFound("bundle" if not rows else "unique bundle with prefix", id_or_prefix)
-        return bundle_of(rows[0])
+        with self._guard():
+            return bundle_of(rows[0])
 
     def list_bundles(self, *, bundle_key: str | None = None, model: str | None = None, limit: int = 50) -> list[Bundle]:
         """Bundles newest first, optionally filtered by bundle key (or prefix) and model."""
@@ -290,3 +314,7 @@ class Index:
             yield
         except SQLAlchemyError as exc:
             raise IndexDbError(self.url, describe_error(exc)) from None
+        except BadRow as exc:
+            raise IndexDbError(self.url, f"{exc}; repair or delete that row (`kcache reindex` rebuilds rows)") from None
+        except (ValueError, TypeError) as exc:  # a column the driver cannot read back (a date that is no date)
+            raise IndexDbError(self.url, f"a row does not read back: {exc}") from None

@@ -110,3 +110,34 @@ def test_long_model_ids_and_many_layers_fit(index):
                                    datetime.now(timezone.utc), "host", "active"))  # fmt: skip
     loaded = index.get_bundle("6" * 64)
     assert loaded.model == long_model and loaded.layers == many
+
+
+@pytest.mark.parametrize("facts", ["not json", "[1, 2]", '{"os": 3}'])
+def test_a_row_whose_facts_do_not_parse_is_an_index_error_naming_it(index, facts):
+    """An index writer's (or a broken migration's) row must not crash every command with a traceback."""
+    from sqlalchemy import update
+
+    from kcache.errors import IndexDbError
+    from kcache.index.models import BundleRow
+
+    index.add_bundle(bundle("1" * 64))
+    index.transaction(lambda s: s.execute(update(BundleRow).values(facts=facts)))
+    for read in (lambda: index.newest_bundle("k1"), lambda: index.get_bundle("1" * 64), index.list_bundles):
+        with pytest.raises(IndexDbError, match="111111111111"):
+            read()
+
+
+def test_restores_lookup_refuses_a_row_too_big_to_load(index, monkeypatch):
+    """Restore needs a row's id; a row whose facts run to gigabytes must not take the init container's memory."""
+    from sqlalchemy import update
+
+    from kcache.errors import IndexDbError
+    from kcache.index import repo
+    from kcache.index.models import BundleRow
+
+    monkeypatch.setattr(repo, "MAX_ROW_TEXT", 1000)
+    index.add_bundle(bundle("1" * 64))
+    huge = "{" + ",".join(f'"f{i}": "x"' for i in range(200)) + "}"
+    index.transaction(lambda s: s.execute(update(BundleRow).values(facts=huge)))
+    with pytest.raises(IndexDbError, match="bytes"):
+        index.newest_bundle("k1")
