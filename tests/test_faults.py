@@ -9,6 +9,7 @@ child blocks on, a SQLite write lock the test holds) and only then looks at the 
 from __future__ import annotations
 
 import errno
+import fcntl
 import importlib
 import json
 import os
@@ -246,12 +247,10 @@ def test_sigkill_mid_restore_leaves_old_content_and_rerun_cleans_up(tmp_path, is
     write_tree(tmp_path / "v2", v2)
     cli("publish", "--from", tmp_path / "v2", "--model", MODEL)
     (new_pack,) = pack_keys(store) - old_packs
-    # The new pack becomes a FIFO: the child's read of it blocks until the test says otherwise,
-    # while "inductor/keep" (in the old pack) is staged. A deterministic point mid-restore.
-    real = store.root / new_pack
-    os.rename(real, real.with_suffix(".real"))
-    os.mkfifo(real)
-    child = kcache_child("restore", "--into", root, "--model", MODEL)
+    # A peer node-cache reader holds the new pack's fill lock: the child waits on it, while
+    # "inductor/keep" (in the old pack) is staged. A deterministic point mid-restore.
+    held = hold_fill_lock(tmp_path / "node-cache", new_pack)
+    child = kcache_child("restore", "--into", root, "--model", MODEL, "--node-cache", tmp_path / "node-cache")
     try:
 
         def keep_staged() -> bool:
@@ -263,8 +262,7 @@ def test_sigkill_mid_restore_leaves_old_content_and_rerun_cleans_up(tmp_path, is
     finally:
         if child.poll() is None:
             child.kill()
-        os.unlink(real)
-        os.rename(real.with_suffix(".real"), real)
+        release(held)
     assert child.returncode == -signal.SIGKILL
     assert read_tree(root / "inductor") == before  # the old bundle, whole
     (stale,) = root.glob(STAGING_PREFIX + "*")
@@ -276,9 +274,21 @@ def test_sigkill_mid_restore_leaves_old_content_and_rerun_cleans_up(tmp_path, is
     assert not list(root.glob(STAGING_PREFIX + "*"))
 
 
+def hold_fill_lock(node_cache: Path, pack: str):
+    """Hold a node cache's lock on `pack` (packs/<hh>/<id>) as a peer filling it would: a restore
+    through that node cache waits on it (up to half its budget) before it reads that pack."""
+    pack_id = pack.rsplit("/", 1)[-1]
+    path = node_cache / "packs" / pack_id[:2] / f".lock-{pack_id}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    held = open(path, "a")
+    fcntl.flock(held, fcntl.LOCK_EX)
+    return held
+
+
 def parked_restore(tmp_path: Path, isolated_home: Path):
-    """Publish v1, then v2 whose new pack is a FIFO; start a restore of v2 that parks on it while
-    holding ROOT. Returns (child, root, FIFO path, v1 bundle id, v1 tree); the caller releases."""
+    """Publish v1, then v2; start a restore of v2 through a node cache whose lock on v2's new pack
+    a peer holds, so it parks while holding ROOT. Returns (child, root, the held lock, v1 bundle id,
+    v1 tree); the caller releases."""
     v1 = {"inductor/a": b"old a" * 100, "inductor/keep": b"kept" * 100}
     write_tree(tmp_path / "v1", v1)
     first = json.loads(cli("publish", "--from", tmp_path / "v1", "--model", MODEL, "--json").output)
@@ -287,26 +297,25 @@ def parked_restore(tmp_path: Path, isolated_home: Path):
     write_tree(tmp_path / "v2", {**v1, "inductor/a": b"new a" * 100, "inductor/b": os.urandom(4000)})
     cli("publish", "--from", tmp_path / "v2", "--model", MODEL)
     (new_pack,) = pack_keys(store) - old_packs
-    fifo = store.root / new_pack
-    os.unlink(fifo)
-    os.mkfifo(fifo)
+    held = hold_fill_lock(tmp_path / "node-cache", new_pack)
     root = tmp_path / "dst"
-    child = kcache_child("restore", "--into", root, "--model", MODEL, "--json")
+    child = kcache_child("restore", "--into", root, "--model", MODEL, "--json", "--node-cache", tmp_path / "node-cache")
 
     def keep_staged() -> bool:
         return any((s / "files/inductor/keep").is_file() for s in root.glob(STAGING_PREFIX + "*"))
 
     wait_until(keep_staged, child, "staged file")
-    return child, root, fifo, first["bundle_id"], read_tree(tmp_path / "v1/inductor")
+    return child, root, held, first["bundle_id"], read_tree(tmp_path / "v1/inductor")
 
 
-def release(fifo: Path) -> None:
-    """Let the parked restore's read of the FIFO go on (it fails: a FIFO cannot seek)."""
-    os.close(os.open(fifo, os.O_WRONLY))
+def release(held) -> None:
+    """Let the parked restore go on: it reads the pack and finishes."""
+    fcntl.flock(held, fcntl.LOCK_UN)
+    held.close()
 
 
 def test_concurrent_restores_into_one_root_take_turns(tmp_path, isolated_home):
-    first, root, fifo, v1_id, v1_tree = parked_restore(tmp_path, isolated_home)
+    first, root, held, v1_id, v1_tree = parked_restore(tmp_path, isolated_home)
     try:
         (staging,) = root.glob(STAGING_PREFIX + "*")
         # A second restore with a short budget gives up on ROOT, fails open, and touches nothing.
@@ -319,7 +328,7 @@ def test_concurrent_restores_into_one_root_take_turns(tmp_path, isolated_home):
                               stderr=open(tmp_path / "second.err", "w"))  # fmt: skip
         wait_until(lambda: "waiting for it" in (tmp_path / "second.err").read_text(), second, "second waiting")
         assert staging.is_dir()  # the waiting restore did not take the first one's staging away
-        release(fifo)
+        release(held)
         first_out, _ = first.communicate(timeout=60)
         second_out, _ = second.communicate(timeout=60)
     finally:
@@ -327,7 +336,7 @@ def test_concurrent_restores_into_one_root_take_turns(tmp_path, isolated_home):
             if child is not None and child.poll() is None:
                 child.kill()
                 child.wait()
-    assert json.loads(first_out)["status"] == "error"
+    assert json.loads(first_out)["status"] == "hit"  # the peer let go: it read the pack and laid out v2 first
     assert json.loads(second_out)["status"] == "hit"
     state = read_state(root)  # the marker names the bundle that is laid out
     assert state["status"] == "hit" and state["bundle_id"] == v1_id
