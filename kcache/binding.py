@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from kcache import canonical, limits
 from kcache.catalog import NO_INDEX
 from kcache.config import Settings
-from kcache.errors import IndexDbError, IntegrityError, StoreMismatch
+from kcache.errors import ConfigError, IndexDbError, IntegrityError, StoreMismatch
 from kcache.refs import RefCatalog
 from kcache.store import Store
 
@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 STORE_ID_KEY = "kcache-store.json"
 _ID = re.compile(r"[0-9a-f]{32}\Z")
+NEEDS_INDEX = "this command needs an index; only `kcache restore` works from refs/"  # for --index none
 _STORE_ID_BYTES = 4096  # {"schema": 1, "store_id": <32 hex>} is 50 bytes
 
 
@@ -79,21 +80,39 @@ def check(index: Index, store: Store, *, write: bool) -> None:
         raise StoreMismatch(index.url, bound[1], store.url)
 
 
+def sqlite_path(url: str) -> str | None:
+    """The file a SQLite URL names, or None for another database (or SQLite in memory)."""
+    if not url.startswith("sqlite:///"):
+        return None
+    path = url.removeprefix("sqlite:///").split("?", 1)[0]
+    return path if path and path != ":memory:" else None
+
+
 def missing_sqlite_file(url: str) -> bool:
     """True for a SQLite URL whose file does not exist (opening it would create it)."""
-    if not url.startswith("sqlite:///"):
-        return False
-    path = url.removeprefix("sqlite:///").split("?", 1)[0]
-    return bool(path) and path != ":memory:" and not Path(path).expanduser().exists()
+    path = sqlite_path(url)
+    return path is not None and not Path(path).expanduser().exists()
 
 
-def open_index(settings: Settings, store: Store | None, *, write: bool) -> Index:
+def open_index(settings: Settings, store: Store | None, *, write: bool, create: bool | None = None) -> Index:
     """The index for `store`: bound to it when `write`; an empty in-memory one for a reader
-    when the SQLite file does not exist. A reader that never touches the store (ls, stats)
-    passes None and skips the check."""
+    when the default SQLite file does not exist. A reader that never touches the store (ls, stats)
+    passes None and skips the check.
+
+    A SQLite file named by --index or KCACHE_INDEX that does not exist is created only when
+    `create` (default: `write`; publishers and reindex); for any other command it is an
+    IndexDbError, as a named file:// store that does not exist is a StoreError: a typo must not
+    read as an empty index (`verify` finding no problems, `ls` no bundles)."""
     from kcache.index import Index
 
-    empty = not write and missing_sqlite_file(settings.index_url)
+    if settings.index_url == NO_INDEX:
+        raise ConfigError("--index", settings.index_url, NEEDS_INDEX)
+    create = write if create is None else create
+    missing = missing_sqlite_file(settings.index_url)
+    if missing and settings.index_explicit and not create:
+        raise IndexDbError(settings.index_url, f"{sqlite_path(settings.index_url)} does not exist (only publish "
+                                               "and reindex create an index file)")  # fmt: skip
+    empty = not write and missing
     index = Index.in_memory(settings.index_url) if empty else Index.open(settings.index_url)
     if store is None:
         return index

@@ -82,6 +82,24 @@ def resolve(
     )
 
 
+def check_endpoint(settings: Settings) -> None:
+    """Refuse an S3 endpoint that is no http(s) URL with a host (and a valid port), for an s3:// store:
+    boto3 would take it and fail every request later, as a store error. Another store never uses the
+    endpoint, so AWS_ENDPOINT_URL set for some other tool does not stop it."""
+    url = settings.s3_endpoint_url
+    if url is None or not settings.store_url.startswith("s3://"):
+        return
+    where = settings.origin("endpoint")
+    what = where.removeprefix("env ") if where.startswith("env ") else "--s3-endpoint-url"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is no port
+    except ValueError as exc:
+        raise _config_error(what, url, f"is not a URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise _config_error(what, url, "expected an http:// or https:// URL with a host, e.g. http://minio:9000")
+
+
 def _default_home() -> Path:
     """~/.cache/kcache; a user without a home (no HOME and no passwd entry: an arbitrary uid in a
     container) gets kcache-<uid> in the temp dir, so commands given explicit places still run."""

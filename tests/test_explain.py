@@ -154,7 +154,9 @@ def test_cli_explains_a_hit_and_a_miss_on_cpu_isa(tmp_path):
 
 
 def test_cli_explain_on_an_empty_index(tmp_path):
-    out = run("explain", "--index", f"sqlite:///{tmp_path / 'i.db'}", "--model", "m")
+    url = f"sqlite:///{tmp_path / 'i.db'}"
+    assert CliRunner().invoke(main, ["db", "upgrade", "--index", url]).exit_code == 0  # a named index must exist
+    out = run("explain", "--index", url, "--model", "m")
     assert "the index holds no bundles" in out
 
 

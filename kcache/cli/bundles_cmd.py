@@ -6,13 +6,22 @@ import click
 
 from kcache import manifest as manifests
 from kcache.cli import format as fmt
-from kcache.cli.options import json_option, opened, settings, store_options
+from kcache.cli.options import (
+    MAX_LIMIT,
+    bundle_id_prefix,
+    bundle_key_prefix,
+    json_option,
+    opened,
+    settings,
+    store_options,
+)
 
 
 @click.command("ls")
-@click.option("--key", metavar="KEY", help="Only bundles whose bundle key starts with KEY.")
+@click.option("--key", metavar="KEY", help="Only bundles whose bundle key starts with KEY (hex, either case).")
 @click.option("--model", metavar="ID", help="Only bundles of this model id.")
-@click.option("--limit", type=click.IntRange(1), default=50, show_default=True, help="At most this many bundles.")
+@click.option("--limit", type=click.IntRange(1, MAX_LIMIT), default=50, show_default=True,
+              help="At most this many bundles.")  # fmt: skip
 @store_options
 @json_option
 def ls_cmd(key, model, limit, store_url, index_url, s3_endpoint_url, as_json):
@@ -23,7 +32,9 @@ def ls_cmd(key, model, limit, store_url, index_url, s3_endpoint_url, as_json):
       kcache ls
       kcache ls --model my-llm --json
     """
-    with opened(settings(store_url, index_url, s3_endpoint_url), store=False, write=False) as (_, index):
+    cfg = settings(store_url, index_url, s3_endpoint_url)
+    key = bundle_key_prefix(key) if key else None
+    with opened(cfg, store=False, write=False) as (_, index):
         bundles = index.list_bundles(bundle_key=key, model=model, limit=limit)
     if as_json:
         click.echo(fmt.to_json([fmt.bundle_json(b) for b in bundles]))
@@ -50,7 +61,9 @@ def show_cmd(bundle, list_files, store_url, index_url, s3_endpoint_url, as_json)
     Example:
       kcache show 3f2a9c01bd47 --files
     """
-    with opened(settings(store_url, index_url, s3_endpoint_url), store=list_files, write=False) as (store, index):
+    cfg = settings(store_url, index_url, s3_endpoint_url)
+    bundle = bundle_id_prefix(bundle)
+    with opened(cfg, store=list_files, write=False) as (store, index):
         found = index.get_bundle(bundle)
         entries: tuple[manifests.Entry, ...] = ()
         if list_files:

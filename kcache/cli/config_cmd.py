@@ -9,7 +9,7 @@ import click
 
 from kcache import limits
 from kcache.cli import format as fmt
-from kcache.cli.options import json_option, origin, settings, store_options
+from kcache.cli.options import NonEmptyPath, json_option, origin, settings, store_options
 from kcache.config import DEFAULT, redact_text, redact_url
 
 # Settings read from the environment by the commands that use them (their flags, where they have
@@ -41,7 +41,7 @@ ENVIRONMENT_ONLY = (
 @click.command("config")
 @store_options(index_none=True)
 @click.option("--model", metavar="ID", envvar="KCACHE_MODEL", help="Model identity restore and publish would use.")
-@click.option("--root", type=click.Path(file_okay=False, path_type=Path), envvar="KCACHE_ROOT",
+@click.option("--root", type=NonEmptyPath(file_okay=False, path_type=Path), envvar="KCACHE_ROOT",
             help="Restore root that ready, serve, watch and warmup would use.")  # fmt: skip
 @json_option
 def config_cmd(store_url, index_url, s3_endpoint_url, model, root, as_json):

@@ -6,7 +6,7 @@ import click
 
 from kcache import config
 from kcache.cli import format as fmt
-from kcache.cli.options import json_option, settings
+from kcache.cli.options import json_option, require_index, settings
 
 
 @click.group("db")
@@ -27,7 +27,9 @@ def upgrade_cmd(index_url, as_json):
     """
     from kcache.index.db import upgrade_url
 
-    url = settings(None, index_url, None).index_url
+    cfg = settings(None, index_url, None)
+    require_index(cfg)
+    url = cfg.index_url
     before, after = upgrade_url(url)
     shown = config.redact_url(url)
     if as_json:

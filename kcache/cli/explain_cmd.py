@@ -23,7 +23,7 @@ ABSENT = "(absent)"
 
 
 @click.command("explain")
-@click.option("--limit", type=click.IntRange(1), default=3, show_default=True,
+@click.option("--limit", type=click.IntRange(1, 2 * SCAN), default=3, show_default=True,
               help="On a miss, show this many of the nearest bundles.")  # fmt: skip
 @fingerprint_options
 @store_options

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from datetime import datetime
@@ -53,4 +54,16 @@ def bundle_json(b, *, fields: Iterable[str] | None = None) -> dict:
 
 
 def to_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, default=str)
+    """Strict JSON: a float that is no number (inf, nan: a row stored before flags were checked) is
+    null, never `Infinity` or `NaN`, which JSON parsers other than Python's refuse."""
+    return json.dumps(_finite(value), sort_keys=True, default=str, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

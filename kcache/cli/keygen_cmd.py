@@ -7,12 +7,12 @@ from pathlib import Path
 import click
 
 from kcache.cli import format as fmt
-from kcache.cli.options import json_option
+from kcache.cli.options import NonEmptyPath, json_option
 
 
 @click.command("keygen")
 @click.argument("name")
-@click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
+@click.option("--dir", "directory", type=NonEmptyPath(file_okay=False, path_type=Path), default=Path("."),
               show_default=True, help="Where to write NAME.key (mode 0600) and NAME.pub.")  # fmt: skip
 @json_option
 def keygen_cmd(name, directory, as_json):

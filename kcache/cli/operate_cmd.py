@@ -12,12 +12,22 @@ from kcache.allocator import reuse_freed_memory
 from kcache.cli import format as fmt
 from kcache.cli import progress_bars
 from kcache.cli.errors import ExitCode
-from kcache.cli.options import json_option, load_signing_key, load_trusted_keys, opened, settings, store_options
+from kcache.cli.options import (
+    MAX_LIMIT,
+    NonEmptyPath,
+    bundle_id_prefix,
+    json_option,
+    load_signing_key,
+    load_trusted_keys,
+    opened,
+    settings,
+    store_options,
+)
 
 
 def ref_signing_key_option(fn):
     """--signing-key for commands that move refs (yank, gc): what they write, pods requiring signatures follow."""
-    return click.option("--signing-key", type=click.Path(dir_okay=False), envvar="KCACHE_SIGNING_KEY",
+    return click.option("--signing-key", type=NonEmptyPath(dir_okay=False), envvar="KCACHE_SIGNING_KEY",
                         help="Sign the refs this command moves with this key, so pods requiring signatures "
                              "follow them.")(fn)  # fmt: skip
 
@@ -40,7 +50,9 @@ def yank_cmd(bundle, undo, reason, signing_key, store_url, index_url, s3_endpoin
     from kcache.yank import unyank, yank
 
     key = load_signing_key(signing_key)
-    with opened(settings(store_url, index_url, s3_endpoint_url)) as (store, index):
+    cfg = settings(store_url, index_url, s3_endpoint_url)
+    bundle = bundle_id_prefix(bundle)
+    with opened(cfg) as (store, index):
         changed = unyank(store, index, bundle, signer=key) if undo else yank(store, index, bundle, reason, signer=key)
     if as_json:
         click.echo(fmt.to_json({"bundle_id": changed.id, "status": "active" if undo else "yanked"}))
@@ -52,7 +64,7 @@ def yank_cmd(bundle, undo, reason, signing_key, store_url, index_url, s3_endpoin
 @click.option("--read-data", is_flag=True, help="Also fetch every blob and re-hash it.")
 @click.option("--subset", metavar="N/T", default="1/1", help="With --read-data, only the N-th of T slices of packs.")
 @click.option("--jobs", type=click.IntRange(1, 256), default=16, show_default=True, help="Parallel pack reads.")
-@click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--trusted-key", "trusted_keys", multiple=True, type=NonEmptyPath(dir_okay=False, path_type=Path),
               envvar="KCACHE_TRUSTED_KEYS",
               help="A .pub from `kcache keygen`: its signatures must verify, and every bundle needs one by a "
                    "trusted key; repeatable (env: ':'-separated, as restore reads it).")  # fmt: skip
@@ -93,7 +105,7 @@ def verify_cmd(read_data, subset, jobs, trusted_keys, store_url, index_url, s3_e
 
 
 @click.command("gc")
-@click.option("--keep-last", type=click.IntRange(0), default=3, show_default=True,
+@click.option("--keep-last", type=click.IntRange(0, MAX_LIMIT), default=3, show_default=True,
               help="Newest active bundles kept per bundle key, however old.")  # fmt: skip
 @click.option("--older-than", default="7d", show_default=True, help="Only bundles older than this are deleted.")
 @click.option("--grace", default="6h", show_default=True,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,9 +30,9 @@ def fingerprint_options(fn=None, *, many_models: bool = False):
     options = (
         click.option("--model", metavar="ID", envvar="KCACHE_MODEL", multiple=many_models,
                    help=f"Model identity, e.g. meta-llama/Llama-3.1-8B@rev.{more}"),
-        click.option("--model-config", type=click.Path(dir_okay=False, path_type=Path),
+        click.option("--model-config", type=NonEmptyPath(dir_okay=False, path_type=Path),
                      help="The model's config.json; its content becomes part of the workload key."),
-        click.option("--facts-file", type=click.Path(dir_okay=False, path_type=Path), expose_value=False,
+        click.option("--facts-file", type=NonEmptyPath(dir_okay=False, path_type=Path), expose_value=False,
                    callback=_remember_facts_file, envvar="KCACHE_FACTS_FILE",
                    help="Facts of the machine that runs the model (`kcache fingerprint --json` there); "
                         "nothing is probed."),
@@ -73,7 +75,7 @@ def store_options(fn=None, *, index_none: bool = False):
 
 def root_option(fn):
     return click.option(
-        "--root", required=True, envvar="KCACHE_ROOT", type=click.Path(file_okay=False, path_type=Path),
+        "--root", required=True, envvar="KCACHE_ROOT", type=NonEmptyPath(file_okay=False, path_type=Path),
         help="The restore root (`kcache restore --into`) holding the markers.",
     )(fn)  # fmt: skip
 
@@ -160,24 +162,40 @@ def open_configured_store(cfg: config.Settings, *, jobs: int = 16, publisher: bo
     default store under KCACHE_HOME, kcache's own, until its first publish."""
     from kcache.store import open_store
 
+    config.check_endpoint(cfg)
     return open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs,
                       create=publisher or before_publish or not cfg.store_explicit)  # fmt: skip
 
 
+def require_index(cfg: config.Settings) -> None:
+    """Refuse --index none (KCACHE_INDEX=none) in a command that needs an index: every one but restore."""
+    from kcache.binding import NEEDS_INDEX
+
+    if cfg.index_url == NO_INDEX:
+        raise ConfigError(index_flag(cfg), cfg.index_url, NEEDS_INDEX)
+
+
+def index_flag(cfg: config.Settings) -> str:
+    """How the index was named, for messages: `--index` or the environment variable."""
+    where = cfg.origin("index")
+    return where.removeprefix("env ") if where.startswith("env ") else "--index"
+
+
 @contextmanager
 def opened(cfg: config.Settings, *, store: bool = True, index: bool = True, jobs: int = 16,
-           write: bool = True) -> Iterator[tuple]:  # fmt: skip
+           write: bool = True, create: bool = False) -> Iterator[tuple]:  # fmt: skip
     """(store, index) for one command, either None when not asked for; the index is closed at the end.
 
     The index is checked against the store it describes (kcache.binding); a writer binds an
-    unbound one, a reader (`write=False`) never creates an index file."""
+    unbound one. An index file that was named and does not exist is created only with `create`
+    (reindex); any other command gets an IndexDbError, so that a typo in --index does not read
+    as an empty index. A reader (`write=False`) never creates an index file."""
     from kcache import binding
 
-    if index and cfg.index_url == NO_INDEX:
-        raise ConfigError("--index", cfg.index_url,
-                          "this command needs an index; only `kcache restore` works from refs/")  # fmt: skip
+    if index:
+        require_index(cfg)
     the_store = open_configured_store(cfg, jobs=jobs) if store else None
-    the_index = binding.open_index(cfg, the_store, write=write) if index else None
+    the_index = binding.open_index(cfg, the_store, write=write, create=create) if index else None
     try:
         yield the_store, the_index
     finally:
@@ -265,7 +283,7 @@ def node_cache_option(fn=None, *, required: bool = False):
     if fn is None:
         return lambda f: node_cache_option(f, required=required)
     return click.option(
-        "--node-cache", type=click.Path(file_okay=False, path_type=Path), envvar="KCACHE_NODE_CACHE",
+        "--node-cache", type=NonEmptyPath(file_okay=False, path_type=Path), envvar="KCACHE_NODE_CACHE",
         required=required, metavar="DIR",
         help="Node-local pack cache (a hostPath shared by the pods of a node): packs are read from it "
              "first, verified, and fetched into it on a miss (see `kcache prefetch`).",
@@ -302,4 +320,58 @@ class Size(_Parsed):
     name, example = "size", "e.g. 512Mi or 50Gi"
 
     def parse(self, text: str, flag: str) -> int:
-        return sizes.parse(text, flag)
+        try:
+            return sizes.parse(text, flag)
+        except OverflowError:  # a fraction with hundreds of digits: float() says inf
+            raise ConfigError(flag, text, "is not a size kcache can count") from None
+
+
+class NonEmptyPath(click.Path):
+    """click.Path that refuses "": Path("") is ".", so an empty --into (or a variable expanded to
+    nothing) would mean the current directory, and restore replaces the layer directories of its root.
+    An environment variable set to "" never gets here: click reads it as unset."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (str, bytes)) and not value:
+            self.fail("'' is an empty path; name the directory or file ('.' for the current one)", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class FiniteFloat(click.FloatRange):
+    """A number of seconds, at least `min`: inf, nan and more than a century (what kcache.durations
+    takes) are usage errors. click's FloatRange lets nan through every bound, and inf or 1e300 reach
+    timedelta and sleeps as an OverflowError, or as a wait without end."""
+
+    def __init__(self, min: float | None = None, *, min_open: bool = False):
+        super().__init__(min, None, min_open=min_open)
+
+    def convert(self, value, param, ctx):
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
+        if number > durations.MAX_SECONDS:
+            self.fail(f"{value!r} is longer than {durations.MAX_YEARS} years", param, ctx)
+        return super().convert(number, param, ctx)
+
+
+# The most rows a --limit asks of the index (SQLite's LIMIT takes a 64-bit integer, click's IntRange
+# any integer): far more bundles than one listing shows anyone.
+MAX_LIMIT = 1_000_000
+
+
+def bundle_id_prefix(text: str, what: str = "BUNDLE") -> str:
+    """A bundle id or a prefix of one as given (`kcache ls` prints 12 digits), lower-cased: hex in
+    either case names the same bundle; anything but 6 to 64 hex digits is a usage error, not "no bundle"."""
+    lowered = text.strip().lower()
+    if not re.fullmatch(r"[0-9a-f]{6,64}", lowered):
+        raise ConfigError(what, text, "expected a bundle id or a prefix of it: 6 to 64 hex digits, as `kcache ls` "
+                                      "prints")  # fmt: skip
+    return lowered
+
+
+def bundle_key_prefix(text: str, what: str = "--key") -> str:
+    """A bundle key or a prefix of one, lower-cased; anything but 1 to 32 hex digits is a usage error."""
+    lowered = text.strip().lower()
+    if not re.fullmatch(r"[0-9a-f]{1,32}", lowered):
+        raise ConfigError(what, text, "expected a bundle key or a prefix of it: up to 32 hex digits")
+    return lowered

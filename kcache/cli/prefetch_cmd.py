@@ -15,6 +15,7 @@ from kcache.cli.errors import describe
 from kcache.cli.options import (
     REQUIRE_SIGNATURE_ENV,
     Duration,
+    NonEmptyPath,
     Size,
     compute_fingerprint,
     env_flag,
@@ -43,7 +44,7 @@ from kcache.store.nodecache import MAX_BYTES_ENV, NodeCacheStore
 @click.option("--every", type=Duration(), default="10m", show_default=True, metavar="DURATION",
               help="Without --once: time between rounds, to follow new bundles.")  # fmt: skip
 @click.option("--jobs", type=click.IntRange(1, 64), default=4, show_default=True, help="Packs fetched at once.")
-@click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--trusted-key", "trusted_keys", multiple=True, type=NonEmptyPath(dir_okay=False, path_type=Path),
               envvar="KCACHE_TRUSTED_KEYS", help="A .pub from `kcache keygen`; repeatable (env: ':'-separated).",
               )  # fmt: skip
 @require_signature_option("Prefetch only bundles signed by a trusted key (as restore takes them).")

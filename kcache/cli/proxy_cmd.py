@@ -9,10 +9,20 @@ from pathlib import Path
 import click
 
 from kcache.cli import format as fmt
-from kcache.cli.options import Duration, compute_fingerprint, fingerprint_options, json_option
+from kcache.cli.options import (
+    Duration,
+    FiniteFloat,
+    NonEmptyPath,
+    compute_fingerprint,
+    fingerprint_options,
+    json_option,
+)
 from kcache.cli.serve_cmd import host_port_options
 from kcache.config import redact_url
 from kcache.errors import ConfigError
+
+MAX_ENTRY_BYTES = 512 * 1024 * 1024  # the largest string Redis stores
+MAX_PREFIX_ENTRIES = 10_000_000  # about a GiB of remembered prefix hashes
 
 
 @click.command("proxy")
@@ -33,7 +43,7 @@ from kcache.errors import ConfigError
 )
 @click.option(
     "--root",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=NonEmptyPath(file_okay=False, path_type=Path),
     envvar="KCACHE_ROOT",
     help="The restore root: its .kcache-state.json names the fingerprint. "
     "Without it, the fingerprint flags below compute it as `kcache restore` does.",
@@ -52,14 +62,14 @@ from kcache.errors import ConfigError
 )
 @click.option(
     "--max-entry-bytes",
-    type=click.IntRange(1),
+    type=click.IntRange(1, MAX_ENTRY_BYTES),
     default=1 << 20,
     show_default=True,
     help="Answers larger than this are forwarded but not cached.",
 )
 @click.option(
     "--redis-timeout",
-    type=click.FloatRange(0.001),
+    type=FiniteFloat(0.001),
     default=0.25,
     show_default=True,
     metavar="SECONDS",
@@ -67,7 +77,7 @@ from kcache.errors import ConfigError
 )
 @click.option(
     "--redis-retry-after",
-    type=click.FloatRange(0),
+    type=FiniteFloat(0),
     default=2.0,
     show_default=True,
     metavar="SECONDS",
@@ -82,7 +92,7 @@ from kcache.errors import ConfigError
 )
 @click.option(
     "--prefix-entries",
-    type=click.IntRange(1),
+    type=click.IntRange(1, MAX_PREFIX_ENTRIES),
     default=100_000,
     show_default=True,
     help="Prompt prefixes remembered for the prefix-reuse measurement.",

@@ -19,12 +19,15 @@ from kcache.allocator import fewer_collections, reuse_freed_memory
 from kcache.cli import format as fmt
 from kcache.cli import progress_bars
 from kcache.cli.options import (
+    FiniteFloat,
+    NonEmptyPath,
     command_line_workload,
     compute_fingerprint,
     fingerprint_options,
     json_option,
     load_signing_key,
     open_configured_store,
+    require_index,
     settings,
     stderr_is_terminal,
     store_options,
@@ -39,7 +42,7 @@ log = logging.getLogger(__name__)
 def signing_key_option(fn):
     return click.option(
         "--signing-key",
-        type=click.Path(dir_okay=False, path_type=Path),
+        type=NonEmptyPath(dir_okay=False, path_type=Path),
         envvar="KCACHE_SIGNING_KEY",
         help="Sign the manifest with this key from `kcache keygen`.",
     )(fn)
@@ -56,7 +59,9 @@ def allow_empty_option(fn):
 def publish_config(
     cfg: Settings, *, jobs: int = 8, signing_key: Path | None = None, allow_empty: bool = False
 ) -> PublishConfig:
-    """The one publish configuration; its hash cache stays open until the command ends."""
+    """The one publish configuration; its hash cache stays open until the command ends. Refuses
+    --index none first: a publisher records its bundle in the index (prebake before its warmup)."""
+    require_index(cfg)
     key = load_signing_key(signing_key)
     try:
         cache = HashCache(cfg.home / "hashcache.db")
@@ -69,7 +74,7 @@ def publish_config(
 
 
 @click.command("publish")
-@click.option("--from", "root", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--from", "root", type=NonEmptyPath(file_okay=False, path_type=Path),
               help="Publish the layout of a restore root (ROOT/inductor, ROOT/triton, ...) instead of "
                    "the live cache directories.")  # fmt: skip
 @click.option(
@@ -79,7 +84,7 @@ def publish_config(
               help="Also carry a directory of your own; restored to ROOT/extra/NAME.")  # fmt: skip
 @signing_key_option
 @allow_empty_option
-@click.option("--compile-seconds", type=click.FloatRange(min=0), metavar="S",
+@click.option("--compile-seconds", type=FiniteFloat(min=0), metavar="S",
               help="Seconds the cold warmup took; `kcache stats` counts this minus restore time as saved.")  # fmt: skip
 @click.option("--jobs", type=click.IntRange(1, 256), default=8, show_default=True, help="Parallel hashing and uploads.")
 @fingerprint_options

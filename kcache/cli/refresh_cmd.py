@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import click
 
-from kcache import durations
+from kcache import durations, fingerprint
 from kcache.cli import format as fmt
-from kcache.cli.options import json_option, load_signing_key, opened, settings, store_options
+from kcache.cli.options import NonEmptyPath, json_option, load_signing_key, opened, settings, store_options
+from kcache.errors import ConfigError, NotFound
 
 
 @click.command("refresh")
 @click.argument("bundle_keys", nargs=-1, metavar="[BUNDLE_KEY]...")
-@click.option("--model", metavar="ID", help="Only the bundle keys of this model's bundles.")
-@click.option("--signing-key", type=click.Path(dir_okay=False), envvar="KCACHE_SIGNING_KEY", required=True,
+@click.option("--model", metavar="ID", help="Only the bundle keys of this model's bundles (not with BUNDLE_KEY).")
+@click.option("--signing-key", type=NonEmptyPath(dir_okay=False), envvar="KCACHE_SIGNING_KEY", required=True,
               help="The key from `kcache keygen` that pods trust.")  # fmt: skip
 @click.option("--ttl", metavar="DURATION", envvar="KCACHE_REF_TTL",
               help="How long re-signed refs stay valid, e.g. 12h or 7d (default 1d).")  # fmt: skip
@@ -24,7 +25,8 @@ def refresh_cmd(bundle_keys, model, signing_key, ttl, store_url, index_url, s3_e
     A pod restoring through refs with --require-signature refuses a ref past its expiry, which is
     what stops a replayed old ref. Run this more often than the TTL (a CronJob), and after
     repairing the index; signed publishes refresh a ref only once it is past half its lifetime.
-    Without BUNDLE_KEY (or --model), every bundle key in the index is refreshed.
+    Without BUNDLE_KEY (or --model), every bundle key in the index is refreshed; a BUNDLE_KEY the
+    index has never seen is an error (exit 3), not a ref removed.
 
     \b
     Examples:
@@ -33,11 +35,15 @@ def refresh_cmd(bundle_keys, model, signing_key, ttl, store_url, index_url, s3_e
     """
     from kcache import refs
 
+    keys = _bundle_keys(bundle_keys, model)
     key = load_signing_key(signing_key)
     lifetime = durations.parse(ttl, "--ttl", positive=True) if ttl else None
     # Through opened(): refs are signed from the index, so it must be the index of this very store.
     with opened(settings(store_url, index_url, s3_endpoint_url)) as (store, index):
-        done = refs.refresh_all(store, index, bundle_keys=bundle_keys, model=model, signer=key, ttl=lifetime)
+        unknown = [k for k in keys if not index.knows_key(k)]
+        if unknown:  # refreshing it would remove a ref that someone else's index may have written
+            raise NotFound("bundle key in the index", unknown[0])
+        done = refs.refresh_all(store, index, bundle_keys=keys, model=model, signer=key, ttl=lifetime)
     rows = [{"bundle_key": k, "bundle_id": r.manifest if r else None, "generation": r.generation if r else None,
              "expires": r.expires.isoformat() if r and r.expires else None} for k, r in done.items()]  # fmt: skip
     if as_json:
@@ -47,3 +53,14 @@ def refresh_cmd(bundle_keys, model, signing_key, ttl, store_url, index_url, s3_e
     for row in rows:
         what = f"-> {row['bundle_id'][:12]}, generation {row['generation']}, expires {row['expires']}"
         click.echo(f"  {fmt.text(row['bundle_key'])} {what if row['bundle_id'] else 'removed (no active bundle)'}")
+
+
+def _bundle_keys(given: tuple[str, ...], model: str | None) -> tuple[str, ...]:
+    """The keys named, lower-cased (hex in either case is the same key), each checked to be one."""
+    if given and model is not None:
+        raise ConfigError("--model", model, "selects bundle keys itself; give either BUNDLE_KEY or --model")
+    keys = tuple(dict.fromkeys(k.lower() for k in given))
+    for k in keys:
+        if not fingerprint.is_bundle_key(k):
+            raise ConfigError("BUNDLE_KEY", k, "is not a bundle key: 32 hex digits, as `kcache fingerprint` prints")
+    return keys

@@ -9,7 +9,7 @@ import click
 
 from kcache.cli import format as fmt
 from kcache.cli.errors import ExitCode
-from kcache.cli.options import json_option, load_trusted_keys, opened, settings, store_options
+from kcache.cli.options import NonEmptyPath, json_option, load_trusted_keys, opened, settings, store_options
 from kcache.reindex import reindex
 
 
@@ -18,7 +18,7 @@ from kcache.reindex import reindex
 @click.option("--trust-trailers", is_flag=True,
               help="Index the blobs each pack's trailer lists without reading and hashing them (fast, "
                    "for a store only trusted publishers can write).")  # fmt: skip
-@click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--trusted-key", "trusted_keys", multiple=True, type=NonEmptyPath(dir_okay=False, path_type=Path),
               envvar="KCACHE_TRUSTED_KEYS",
               help="A .pub from `kcache keygen`; repeatable (env: ':'-separated). Only bundles one of them signed "
                    "are indexed, and only refs one of them signed date them.")  # fmt: skip
@@ -39,7 +39,7 @@ def reindex_cmd(jobs, trust_trailers, trusted_keys, store_url, index_url, s3_end
     Example:
       kcache reindex --store s3://caches/prod --index postgresql+psycopg://kcache@db/kcache
     """
-    with opened(settings(store_url, index_url, s3_endpoint_url), jobs=jobs) as (store, index):
+    with opened(settings(store_url, index_url, s3_endpoint_url), jobs=jobs, create=True) as (store, index):
         result = reindex(store, index, jobs=jobs, trust_trailers=trust_trailers,
                          trusted=load_trusted_keys(trusted_keys))
     if as_json:

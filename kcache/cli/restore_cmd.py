@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from kcache import durations, envfile
+from kcache import config, durations, envfile
 from kcache.allocator import reuse_freed_memory
 from kcache.catalog import open_for_restore
 from kcache.cli import format as fmt
@@ -17,6 +17,7 @@ from kcache.cli import progress_bars
 from kcache.cli.errors import ExitCode, describe
 from kcache.cli.options import (
     REQUIRE_SIGNATURE_ENV,
+    NonEmptyPath,
     compute_fingerprint,
     env_flag,
     fingerprint_options,
@@ -41,7 +42,7 @@ MAX_TIMEOUT = 86400.0
 
 
 @click.command("restore", cls=RestoreCommand)
-@click.option("--into", "root", required=True, type=click.Path(path_type=Path),
+@click.option("--into", "root", required=True, type=NonEmptyPath(path_type=Path),
               help="Restore root, e.g. an emptyDir shared with the model container.")  # fmt: skip
 @click.option("--timeout", "timeout_text", metavar="DURATION", default=str(int(DEFAULT_TIMEOUT)), show_default=True,
               envvar="KCACHE_RESTORE_TIMEOUT",
@@ -49,7 +50,7 @@ MAX_TIMEOUT = 86400.0
                    "then start cold.")  # fmt: skip
 @click.option("--bundle", "bundle_id", metavar="ID",
               help="Pin this bundle (full id) instead of the newest; it must still match the fingerprint.")  # fmt: skip
-@click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--trusted-key", "trusted_keys", multiple=True, type=NonEmptyPath(dir_okay=False, path_type=Path),
               envvar="KCACHE_TRUSTED_KEYS", help="A .pub from `kcache keygen`; repeatable (env: ':'-separated).",
               )  # fmt: skip
 @require_signature_option("Refuse bundles not signed by a trusted key.")  # env read in the budget: no crash-loop
@@ -105,6 +106,7 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
         keys.append(fp.bundle_key)
         trusted = load_trusted_keys(trusted_keys)
         cfg = settings(store_url, index_url, s3_endpoint_url)
+        config.check_endpoint(cfg)
         # A pod may restore before the first publish made the store: a miss, not an error (restore
         # writes nothing to the store, so it never creates one; cli.options.open_configured_store).
         store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs, create=True)

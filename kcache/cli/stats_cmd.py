@@ -22,6 +22,10 @@ from kcache.cli.options import json_option, opened, settings, store_options
 def stats_cmd(since, model, store_url, index_url, s3_endpoint_url, as_json):
     """Report restores, hits, misses, bytes, restore times and compile seconds saved.
 
+    A partial restore (`restore --fallback toolchain|layers`: kernel layers of another bundle) is
+    counted apart and is not a hit: the hit rate is full hits over all restores. Restore times and
+    compile seconds saved are over full hits.
+
     Seconds saved per hit = the bundle's cold compile time (`kcache publish --compile-seconds`)
     minus the restore's own time, never below zero; hits on bundles published without it are
     counted as having no estimate.
@@ -42,9 +46,11 @@ def stats_cmd(since, model, store_url, index_url, s3_endpoint_url, as_json):
     scope = f"since {fmt.when(result.since)} UTC" if result.since else "all recorded events"
     click.echo(f"kcache stats: {scope}" + (f", model {model}" if model else ""))
     rate = f"{result.hit_rate:.1%}" if result.hit_rate is not None else "-"
-    click.echo(f"restores       {result.restores}: {result.hits} hits, {result.misses} misses, "
-               f"{result.errors} errors; hit rate {rate}")  # fmt: skip
-    click.echo(f"restored       {fmt.size(result.bytes_restored)}")
+    click.echo(f"restores       {result.restores}: {result.hits} hits, {result.partials} partial, "
+               f"{result.misses} misses, {result.errors} errors; hit rate {rate}"
+               + (" (partial restores are not hits)" if result.partials else ""))  # fmt: skip
+    partial = f" ({fmt.size(result.partial_bytes)} by partial restores)" if result.partials else ""
+    click.echo(f"restored       {fmt.size(result.bytes_restored)}{partial}")
     if result.median_restore_seconds is not None:
         click.echo(f"restore time   median {fmt.seconds(result.median_restore_seconds)}, "
                    f"p95 {fmt.seconds(result.p95_restore_seconds)} (hits)")  # fmt: skip

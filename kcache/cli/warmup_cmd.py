@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, redirect_stdout
 from dataclasses import asdict
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -14,6 +18,8 @@ from kcache import profiles as profile_files
 from kcache.cli import format as fmt
 from kcache.cli.errors import ExitCode
 from kcache.cli.options import (
+    FiniteFloat,
+    NonEmptyPath,
     compute_fingerprint,
     fingerprint_options,
     json_option,
@@ -49,22 +55,22 @@ def target_options(fn):
                      help="Call FUNCTION(batch_size, input_tokens, output_tokens) in-process per run."),
         click.option("--url", metavar="URL",
                      help="An OpenAI-compatible server (vLLM, SGLang, TGI), e.g. http://127.0.0.1:8000."),
-        click.option("--profiles", "profiles_file", type=click.Path(dir_okay=False, path_type=Path),
+        click.option("--profiles", "profiles_file", type=NonEmptyPath(dir_okay=False, path_type=Path),
                      envvar="KCACHE_WARMUP_PROFILES",
                      help=f"YAML/TOML profiles file (default: {defaults})."),
         click.option("--parallel", type=click.IntRange(1, 64), default=1, show_default=True,
                      help="Profiles run at once (singles still finish before batches)."),
-        click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=300.0,
+        click.option("--request-timeout", type=FiniteFloat(min=0, min_open=True), default=300.0,
                      show_default=True,
                      help="Seconds one HTTP request may take in all: connect, headers and body (--url)."),
-        click.option("--wait-timeout", type=click.FloatRange(min=0), default=600.0, show_default=True,
+        click.option("--wait-timeout", type=FiniteFloat(min=0), default=600.0, show_default=True,
                      help="Seconds to wait for the server's /health (or /v1/models) to answer 200 (--url)."),
         click.option("--served-model", metavar="NAME",
                      help="The `model` field of requests (--url; default: the first of /v1/models)."),
         click.option("--retries", type=click.IntRange(0, 100), default=3, show_default=True,
                      help="Retries of a request that failed transiently (connection error, timeout, 408, 429, "
                           "502-504), with backoff (--url)."),
-        click.option("--budget", type=click.FloatRange(min=0), default=0, show_default=True,
+        click.option("--budget", type=FiniteFloat(min=0), default=0, show_default=True,
                      help="Seconds the whole warmup may take, the wait included; requests and retries stop "
                           "when it is spent (--url; 0: no limit)."),
     )  # fmt: skip
@@ -93,7 +99,7 @@ def _note():
 
 @click.command("warmup", epilog=PROFILES_HELP)
 @target_options
-@click.option("--root", type=click.Path(file_okay=False, path_type=Path), envvar="KCACHE_ROOT",
+@click.option("--root", type=NonEmptyPath(file_okay=False, path_type=Path), envvar="KCACHE_ROOT",
               help="Write the readiness marker ROOT/.kcache-warmup.json. "
                    "Without it no marker is written.")  # fmt: skip
 @click.option("--on-failure", type=click.Choice(readiness.ON_FAILURE), default="unready", show_default=True,
@@ -123,10 +129,11 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
     expires = datetime.now(timezone.utc) + timedelta(seconds=budget) + _RUNNING_GRACE if url and budget else None
     checkpoint = (lambda partial: warmup.write_marker(root, partial, on_failure, expires_at=expires)) if root else None
     if entrypoint:
-        target = warmup.load_entrypoint(entrypoint)
-        report = warmup.run(target, chosen, parallel=parallel, progress=_note(), probe=warmup.torch_counters,
-                            checkpoint=checkpoint)  # fmt: skip
-        report = warmup.save_megacache(report)
+        with stdout_to_stderr():  # the entrypoint is the user's code: only kcache's report is stdout
+            target = warmup.load_entrypoint(entrypoint)
+            report = warmup.run(target, chosen, parallel=parallel, progress=_note(), probe=warmup.torch_counters,
+                                checkpoint=checkpoint)  # fmt: skip
+            report = warmup.save_megacache(report)
     else:
         report = warmup.run(_http(url, request_timeout, wait_timeout, served_model, retries, budget), chosen,
                             parallel=parallel, progress=_note(), checkpoint=checkpoint)  # fmt: skip
@@ -138,6 +145,31 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
         click.echo(f"kcache: marker {marker}" if marker else "kcache: no readiness marker (no --root)")
     if report.status != "ok":
         raise click.exceptions.Exit(ExitCode.WARMUP)
+
+
+@contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """While the block runs, whatever it writes to stdout goes to stderr: print() through sys.stdout,
+    and C code (torch's, a compiler's) and child processes through file descriptor 1. `--json`
+    promises one object on stdout, and `kcache prebake` reads that object from its child."""
+    stdout = sys.stdout
+    stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no fd 1 at all: nothing can reach it
+        saved = None
+    else:
+        sys.stderr.flush()
+        os.dup2(2, 1)
+    try:
+        with redirect_stdout(sys.stderr):  # sys.stdout need not be fd 1 (a test runner's capture)
+            yield
+    finally:
+        stdout.flush()  # what the block wrote to the stream itself (sys.__stdout__) is stderr's too
+        sys.stderr.flush()
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 def _report_json(report: warmup.WarmupReport) -> dict:
@@ -173,9 +205,9 @@ def _secs(value: float | None) -> str:
 
 @click.command("prebake", epilog=PROFILES_HELP)
 @target_options
-@click.option("--root", required=True, type=click.Path(file_okay=False, path_type=Path), envvar="KCACHE_ROOT",
+@click.option("--root", required=True, type=NonEmptyPath(file_okay=False, path_type=Path), envvar="KCACHE_ROOT",
               help="Work directory: restored into, warmed up against, published from.")  # fmt: skip
-@click.option("--signing-key", type=click.Path(dir_okay=False, path_type=Path), envvar="KCACHE_SIGNING_KEY",
+@click.option("--signing-key", type=NonEmptyPath(dir_okay=False, path_type=Path), envvar="KCACHE_SIGNING_KEY",
               help="Sign the manifest with this key from `kcache keygen`.")  # fmt: skip
 @click.option("--jobs", type=click.IntRange(1, 256), default=8, show_default=True, help="Parallel transfers.")
 @fingerprint_options
@@ -217,7 +249,7 @@ def prebake_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_
         index.close()
     if as_json:
         click.echo(fmt.to_json({
-            "restore": asdict(result.restore) if result.restore else None,
+            "restore": {**asdict(result.restore), "donors": dict(result.restore.donors)} if result.restore else None,
             "warmup": _report_json(result.warmup),
             "publish": asdict(result.publish) if result.publish else None,
         }))  # fmt: skip

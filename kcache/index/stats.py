@@ -26,9 +26,11 @@ class EventStats:
     model: str | None
     restores: int
     hits: int
+    partials: int  # --fallback toolchain|layers: some kernel layers restored, the rest compiled cold
     misses: int
     errors: int
-    bytes_restored: int
+    bytes_restored: int  # hits' and partials' bytes: everything restore laid down
+    partial_bytes: int  # the partials' share of bytes_restored
     median_restore_seconds: float | None  # over hits: the time a warm pod waits; None without hits
     p95_restore_seconds: float | None
     publishes: int  # every publish, including re-publishes of an unchanged cache
@@ -40,7 +42,8 @@ class EventStats:
 
     @property
     def hit_rate(self) -> float | None:
-        """Hits over all restore attempts (errors included: the pod started cold)."""
+        """Full hits over all restore attempts (errors included: the pod started cold). A partial
+        is no hit: the pod still compiled its workload's graphs."""
         return self.hits / self.restores if self.restores else None
 
 
@@ -70,8 +73,10 @@ def event_stats(index: Index, *, since: datetime | None = None, model: str | Non
     return EventStats(
         since=since, model=model,
         restores=sum(n for (kind, _), (n, _) in totals.items() if kind == "restore"),
-        hits=hits, misses=count("restore", "miss"), errors=count("restore", "error"),
-        bytes_restored=totals.get(("restore", "hit"), (0, 0))[1],
+        hits=hits, partials=count("restore", "partial"), misses=count("restore", "miss"),
+        errors=count("restore", "error"),
+        bytes_restored=totals.get(("restore", "hit"), (0, 0))[1] + totals.get(("restore", "partial"), (0, 0))[1],
+        partial_bytes=totals.get(("restore", "partial"), (0, 0))[1],
         median_restore_seconds=median, p95_restore_seconds=p95,
         publishes=sum(n for (kind, _), (n, _) in totals.items() if kind == "publish"),
         published=count("publish", "published"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -50,16 +51,37 @@ __all__ = [
 
 
 def select(names: Iterable[str] | None = None, extras: Iterable[ExtraSource] = ()) -> list[Source]:
-    """The built-in layers named (all when `names` is None), then the user's extra directories."""
+    """The built-in layers named (all when `names` is None), then the user's extra directories.
+
+    A layer named twice is one layer (a manifest holding a path twice is refused as corrupt), and
+    so is an extra directory given twice under one name; one name for two directories is an error.
+    """
     by_name = {s.name: s for s in BUILTIN}
     if names is None:
         chosen = list(BUILTIN)
     else:
+        names = list(dict.fromkeys(names))
         unknown = [n for n in names if n not in by_name]
         if unknown:
             raise ConfigError("layer", ",".join(unknown), f"known layers: {', '.join(by_name)}")
         chosen = [by_name[n] for n in names]
-    return chosen + list(extras)
+    return chosen + _distinct(extras)
+
+
+def _distinct(extras: Iterable[ExtraSource]) -> list[ExtraSource]:
+    kept: dict[str, ExtraSource] = {}
+    for extra in extras:
+        seen = kept.setdefault(extra.name, extra)
+        if seen is not extra and _place(seen) != _place(extra):
+            raise ConfigError("--extra-dir", extra.name.removeprefix("extra:"),
+                              f"is given twice, for {_place(seen)} and {_place(extra)}; give each directory "
+                              "a name of its own")  # fmt: skip
+    return list(kept.values())
+
+
+def _place(extra: ExtraSource) -> str:
+    """Where an extra directory is read from, spelled one way (`d`, `./d` and `d/` are one place)."""
+    return ", ".join(os.path.abspath(p) for p in extra.live_dirs({})) or extra.subdir
 
 
 def in_root(root: Path, names: Iterable[str] | None = None, extras: Iterable[ExtraSource] = ()) -> list[Source]:
