@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 STORE_ID_KEY = "kcache-store.json"
 _ID = re.compile(r"[0-9a-f]{32}\Z")
-NEEDS_INDEX = "this command needs an index; only `kcache restore` works from refs/"  # for --index none
+NEEDS_INDEX = "this command needs an index; only `kcache restore` works from refs/"
 _STORE_ID_BYTES = 4096  # {"schema": 1, "store_id": <32 hex>} is 50 bytes
 
 
@@ -94,6 +94,12 @@ def missing_sqlite_file(url: str) -> bool:
     return path is not None and not Path(path).expanduser().exists()
 
 
+def require_index(settings: Settings) -> None:
+    """Refuse --index none (KCACHE_INDEX=none) in a command that needs an index: every one but restore."""
+    if settings.index_url == NO_INDEX:
+        raise ConfigError(settings.named_by("index", "--index"), settings.index_url, NEEDS_INDEX)
+
+
 def open_index(settings: Settings, store: Store | None, *, write: bool, create: bool | None = None) -> Index:
     """The index for `store`: bound to it when `write`; an empty in-memory one for a reader
     when the default SQLite file does not exist. A reader that never touches the store (ls, stats)
@@ -105,8 +111,7 @@ def open_index(settings: Settings, store: Store | None, *, write: bool, create: 
     read as an empty index (`verify` finding no problems, `ls` no bundles)."""
     from kcache.index import Index
 
-    if settings.index_url == NO_INDEX:
-        raise ConfigError("--index", settings.index_url, NEEDS_INDEX)
+    require_index(settings)
     create = write if create is None else create
     missing = missing_sqlite_file(settings.index_url)
     if missing and settings.index_explicit and not create:

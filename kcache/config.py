@@ -52,6 +52,11 @@ class Settings:
     def origin(self, name: str) -> str:
         return dict(self.origins).get(name, DEFAULT)
 
+    def named_by(self, name: str, flag: str) -> str:
+        """How the user named a setting, for messages: its environment variable, else `flag`."""
+        where = self.origin(name)
+        return where.removeprefix("env ") if where.startswith("env ") else flag
+
 
 def resolve(
     store: str | None = None,
@@ -89,8 +94,7 @@ def check_endpoint(settings: Settings) -> None:
     url = settings.s3_endpoint_url
     if url is None or not settings.store_url.startswith("s3://"):
         return
-    where = settings.origin("endpoint")
-    what = where.removeprefix("env ") if where.startswith("env ") else "--s3-endpoint-url"
+    what = settings.named_by("endpoint", "--s3-endpoint-url")
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError for a port that is no port

@@ -14,12 +14,15 @@ Publish refuses a bundle whose manifest would be over the cap: no restore with t
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 
 from kcache.errors import ConfigError, IntegrityError, ObjectMissing, ObjectTooLarge, StoreError
 from kcache.store import Store
 from kcache.streams import Resumable
+
+log = logging.getLogger(__name__)
 
 REF_BYTES = 1024 * 1024
 SIGNATURE_BYTES = 1024
@@ -48,6 +51,24 @@ def read_capped(store: Store, key: str, limit: int, what: str) -> bytes | None:
     if size > limit:
         raise ObjectTooLarge(what, key, size, limit)
     return read_exactly(store, key, size)
+
+
+def put_exactly(store: Store, key: str, data: bytes, what: str) -> bool:
+    """`data` under `key` (a content-named object: a manifest, a signature); True if this call wrote
+    it. Other bytes already there (planted, damaged) are replaced: every restore would fail on them,
+    and a re-publish is how an operator repairs that."""
+    if store.put_bytes(key, data):
+        return True
+    try:
+        there = read_capped(store, key, len(data), what)
+    except ObjectTooLarge:
+        there = b""
+    if there == data:
+        return False
+    if there is not None:
+        log.warning("replacing %s: the bytes stored there are not this %s", key, what)
+        store.delete(key)
+    return store.put_bytes(key, data)
 
 
 def read_exactly(store: Store, key: str, size: int) -> bytes:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, TypeVar
 from kcache import boundedread, layerkeys, limits, progress, readiness, refs, signing
 from kcache import fingerprint as fingerprints
 from kcache import manifest as manifests
-from kcache.errors import ConfigError, IntegrityError, ObjectTooLarge, SourceDirError, StagingError
+from kcache.errors import ConfigError, IntegrityError, SourceDirError, StagingError
 from kcache.fingerprint import Fingerprint
 from kcache.hashcache import HashCache, key_for
 from kcache.packs import CHUNK_BYTES, LARGE_FILE_BYTES, TARGET_PACK_BYTES, Pack, PackWriter
@@ -586,28 +586,10 @@ def _write_manifest(store: Store, manifest: manifests.Manifest, data: bytes, key
     """The manifest, then its signature (a committed bundle is already signed), each replacing other
     bytes stored under its name. False if either was already there: gc may sweep an orphan it
     found before our commit point, so the caller looks again after it."""
-    wrote = _put_exactly(store, manifest_key(manifest.id), data)
+    wrote = limits.put_exactly(store, manifest_key(manifest.id), data, "manifest")
     if key is not None:
         wrote = signing.sign(store, key, manifest.bundle_key, manifest.id, len(data)) and wrote
     return wrote
-
-
-def _put_exactly(store: Store, key: str, data: bytes) -> bool:
-    """`data` under `key`; True if this call wrote it. Bytes already there that are not `data`
-    (planted, damaged) are replaced: every restore of the bundle would fail on them, and a
-    re-publish is how an operator repairs that."""
-    if store.put_bytes(key, data):
-        return True
-    try:
-        there = limits.read_capped(store, key, len(data), "manifest")
-    except ObjectTooLarge:
-        there = b""
-    if there == data:
-        return False
-    if there is not None:
-        log.warning("replacing %s: the bytes stored there are not this manifest", key)
-        store.delete(key)
-    return store.put_bytes(key, data)
 
 
 def _manifest_stored(store: Store, manifest_id: str, key: signing.SigningKey | None) -> bool:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kcache import atomic, boundedread, canonical, limits
-from kcache.errors import ConfigError, ObjectTooLarge, SignatureError
+from kcache.errors import ConfigError, SignatureError
 from kcache.store import Store
 
 PRIVATE_TAG = "kcache-ed25519-private"
@@ -115,20 +115,9 @@ def load_trusted_keys(paths) -> tuple[TrustedKey, ...]:
 def sign(store: Store, key: SigningKey, bundle_key: str, manifest_id: str, manifest_size: int) -> bool:
     """Store this key's signature of the manifest, replacing any other bytes stored under its name.
     True if this call wrote it."""
+    # Ed25519 signs the same bytes the same way: another signature under this name is planted or damaged.
     signature = sign_message(key, message(bundle_key, manifest_id, manifest_size)).encode()
-    where = signature_key(manifest_id, key.name)
-    if store.put_bytes(where, signature):
-        return True
-    # Ed25519 signs the same bytes the same way: another one there was planted or damaged, and
-    # every pod would refuse the bundle; a re-publish is how an operator repairs that.
-    try:
-        there = limits.read_capped(store, where, limits.SIGNATURE_BYTES, "signature")
-    except ObjectTooLarge:
-        there = b""
-    if there == signature:
-        return False
-    store.delete(where)
-    return store.put_bytes(where, signature)
+    return limits.put_exactly(store, signature_key(manifest_id, key.name), signature, "signature")
 
 
 def sign_message(key: SigningKey, signed: bytes) -> str:

@@ -6,7 +6,7 @@ import click
 
 from kcache import config
 from kcache.cli import format as fmt
-from kcache.cli.options import json_option, require_index, settings
+from kcache.cli.options import json_option, settings
 
 
 @click.group("db")
@@ -25,10 +25,11 @@ def upgrade_cmd(index_url, as_json):
     Example:
       kcache db upgrade --index postgresql+psycopg://kcache@db/kcache
     """
+    from kcache import binding
     from kcache.index.db import upgrade_url
 
     cfg = settings(None, index_url, None)
-    require_index(cfg)
+    binding.require_index(cfg)
     url = cfg.index_url
     before, after = upgrade_url(url)
     shown = config.redact_url(url)

@@ -15,7 +15,6 @@ import click
 from click.core import ParameterSource
 
 from kcache import config, durations, fingerprint, sizes
-from kcache.catalog import NO_INDEX
 from kcache.cli import format as fmt
 from kcache.cli.errors import ExitCode, describe
 from kcache.errors import ConfigError
@@ -167,20 +166,6 @@ def open_configured_store(cfg: config.Settings, *, jobs: int = 16, publisher: bo
                       create=publisher or before_publish or not cfg.store_explicit)  # fmt: skip
 
 
-def require_index(cfg: config.Settings) -> None:
-    """Refuse --index none (KCACHE_INDEX=none) in a command that needs an index: every one but restore."""
-    from kcache.binding import NEEDS_INDEX
-
-    if cfg.index_url == NO_INDEX:
-        raise ConfigError(index_flag(cfg), cfg.index_url, NEEDS_INDEX)
-
-
-def index_flag(cfg: config.Settings) -> str:
-    """How the index was named, for messages: `--index` or the environment variable."""
-    where = cfg.origin("index")
-    return where.removeprefix("env ") if where.startswith("env ") else "--index"
-
-
 @contextmanager
 def opened(cfg: config.Settings, *, store: bool = True, index: bool = True, jobs: int = 16,
            write: bool = True, create: bool = False) -> Iterator[tuple]:  # fmt: skip
@@ -193,7 +178,7 @@ def opened(cfg: config.Settings, *, store: bool = True, index: bool = True, jobs
     from kcache import binding
 
     if index:
-        require_index(cfg)
+        binding.require_index(cfg)  # before the store is opened (or, for publish, created)
     the_store = open_configured_store(cfg, jobs=jobs) if store else None
     the_index = binding.open_index(cfg, the_store, write=write, create=create) if index else None
     try:

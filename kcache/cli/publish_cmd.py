@@ -27,7 +27,6 @@ from kcache.cli.options import (
     json_option,
     load_signing_key,
     open_configured_store,
-    require_index,
     settings,
     stderr_is_terminal,
     store_options,
@@ -61,7 +60,7 @@ def publish_config(
 ) -> PublishConfig:
     """The one publish configuration; its hash cache stays open until the command ends. Refuses
     --index none first: a publisher records its bundle in the index (prebake before its warmup)."""
-    require_index(cfg)
+    binding.require_index(cfg)
     key = load_signing_key(signing_key)
     try:
         cache = HashCache(cfg.home / "hashcache.db")

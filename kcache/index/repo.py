@@ -243,16 +243,17 @@ class Index:
             .limit(1)
             .scalar_subquery()
         )
+        small = (func.length(BundleRow.facts) <= MAX_ROW_TEXT) & (func.length(BundleRow.layers) <= MAX_ROW_TEXT)
         with self._guard(), self._session() as s:
-            sizes = select(BundleRow.id, func.length(BundleRow.facts), func.length(BundleRow.layers))
-            found = s.execute(sizes.where(BundleRow.id == newest_id)).first()
-            if found is None:
-                return None
-            if max(found[1] or 0, found[2] or 0) > MAX_ROW_TEXT:
-                raise BadRow(f"bundle {str(found[0])[:12]}'s row holds {max(found[1] or 0, found[2] or 0)} bytes of "
-                             f"facts or layers, over the {MAX_ROW_TEXT} a row may have")  # fmt: skip
-            row = s.get(BundleRow, found[0])
-            return bundle_of(row) if row else None
+            row = s.scalars(select(BundleRow).where(BundleRow.id == newest_id, small)).first()
+            if row is not None:
+                return bundle_of(row)
+            # Rarely here: no bundle, or one too big to load (asked for its id alone).
+            oversized = s.scalars(select(BundleRow.id).where(BundleRow.id == newest_id)).first()
+            if oversized is not None:
+                raise BadRow(f"bundle {str(oversized)[:12]}'s row holds more than {MAX_ROW_TEXT} bytes of facts "
+                             "or layers, more than a row may have")  # fmt: skip
+            return None
 
     def get_bundle(self, id_or_prefix: str) -> Bundle:
         """A bundle by its id or an unambiguous prefix of at least 6 hex digits."""
