@@ -178,15 +178,20 @@ def test_unusable_into_is_the_one_failure_without_a_marker(tmp_path, facts_file)
 # ---- a PostgreSQL index that accepts and never answers --------------------------------------
 
 
+def restore_on_silent_index(root: Path, facts_file: Path, server: SilentServer, timeout: str) -> subprocess.Popen:
+    """A real init container process whose PostgreSQL index is `server`, which never answers."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "kcache", "restore", "--into", str(root), "--model", MODEL, "--facts-file",
+         str(facts_file), "--timeout", timeout, "--index", f"postgresql+psycopg://root@127.0.0.1:{server.port}/x"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
 def test_silent_postgresql_index_fails_open_within_the_budget(tmp_path, facts_file):
     """A real init container process: the budget covers opening the index, so it ends cold."""
     root = tmp_path / "root"
     with SilentServer() as server:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "kcache", "restore", "--into", str(root), "--model", MODEL, "--facts-file",
-             str(facts_file), "--timeout", "3", "--index", f"postgresql+psycopg://root@127.0.0.1:{server.port}/x"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        child = restore_on_silent_index(root, facts_file, server, "3")
         try:
             _out, err = child.communicate(timeout=60)  # generous: a hang would last forever
         except subprocess.TimeoutExpired:
@@ -364,11 +369,7 @@ def test_a_restore_stopped_by_a_signal_still_leaves_env_and_marker(tmp_path, fac
     Either way what ROOT holds must say the restore ended, as for any other failure."""
     root = tmp_path / "root"
     with SilentServer() as server:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "kcache", "restore", "--into", str(root), "--model", MODEL, "--facts-file",
-             str(facts_file), "--timeout", "120", "--index", f"postgresql+psycopg://root@127.0.0.1:{server.port}/x"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        child = restore_on_silent_index(root, facts_file, server, "120")
         try:
             assert server.accepted.wait(60), "restore never reached its index"
             child.send_signal(sig)
