@@ -32,7 +32,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from kcache import boundedread, layerkeys, limits, progress, readiness, refs, signing
+from kcache import boundedread, cpus, layerkeys, limits, progress, readiness, refs, signing
 from kcache import fingerprint as fingerprints
 from kcache import manifest as manifests
 from kcache.errors import ConfigError, IntegrityError, SourceDirError, StagingError
@@ -346,7 +346,7 @@ def _write_and_upload(group: list[Collected], store: Store, index: Index, workdi
     pack with a random salt blob instead, whose id no one else has.
     """
     many = len(group) > 1
-    threads = _cores()
+    threads = cpus.usable()
     with building if many else contextlib.nullcontext():
         pack = _build_pack(group, workdir, chunks, threads=threads)
 
@@ -423,14 +423,6 @@ class _PackWhileHashing:
             self.uploaded += stored.size
             self.packs += 1
         return blob
-
-
-def _cores() -> int:
-    """CPUs this process may run on (a container's cpuset, not the host's count)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
 
 
 def publish(

@@ -20,6 +20,7 @@ from kcache.cli.options import (
     load_signing_key,
     load_trusted_keys,
     opened,
+    read_jobs_option,
     settings,
     store_options,
 )
@@ -63,7 +64,7 @@ def yank_cmd(bundle, undo, reason, signing_key, store_url, index_url, s3_endpoin
 @click.command("verify")
 @click.option("--read-data", is_flag=True, help="Also fetch every blob and re-hash it.")
 @click.option("--subset", metavar="N/T", default="1/1", help="With --read-data, only the N-th of T slices of packs.")
-@click.option("--jobs", type=click.IntRange(1, 256), default=16, show_default=True, help="Parallel pack reads.")
+@read_jobs_option
 @click.option("--trusted-key", "trusted_keys", multiple=True, type=NonEmptyPath(dir_okay=False, path_type=Path),
               envvar="KCACHE_TRUSTED_KEYS",
               help="A .pub from `kcache keygen`: its signatures must verify, and every bundle needs one by a "

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from kcache import config, durations, fingerprint, sizes
+from kcache import config, cpus, durations, fingerprint, sizes
 from kcache.cli import format as fmt
 from kcache.cli.errors import ExitCode, describe
 from kcache.errors import ConfigError
@@ -116,6 +116,17 @@ def env_flag(name: str) -> tuple[bool, ConfigError | None]:
     if text in ("1", "true", "yes", "on"):
         return True, None
     return True, ConfigError(name, text, "expected 1/true/yes/on or 0/false/no/off")
+
+
+def read_jobs_option(fn):
+    """--jobs for commands that read packs (restore, verify, reindex): unset, two per usable CPU."""
+    return click.option("--jobs", type=click.IntRange(1, 256), callback=_default_read_jobs,
+                        help=f"Parallel pack reads [default: {cpus.READS_PER_CPU} per CPU this process may use "
+                        f"(affinity and CPU limit), {cpus.MIN_READS} to {cpus.MAX_READS}].")(fn)  # fmt: skip
+
+
+def _default_read_jobs(_ctx, _param, value: int | None) -> int:
+    return value or cpus.read_jobs()
 
 
 def json_option(fn):

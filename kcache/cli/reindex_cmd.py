@@ -9,12 +9,20 @@ import click
 
 from kcache.cli import format as fmt
 from kcache.cli.errors import ExitCode
-from kcache.cli.options import NonEmptyPath, json_option, load_trusted_keys, opened, settings, store_options
+from kcache.cli.options import (
+    NonEmptyPath,
+    json_option,
+    load_trusted_keys,
+    opened,
+    read_jobs_option,
+    settings,
+    store_options,
+)
 from kcache.reindex import reindex
 
 
 @click.command("reindex")
-@click.option("--jobs", type=click.IntRange(1, 256), default=16, show_default=True, help="Parallel pack reads.")
+@read_jobs_option
 @click.option("--trust-trailers", is_flag=True,
               help="Index the blobs each pack's trailer lists without reading and hashing them (fast, "
                    "for a store only trusted publishers can write).")  # fmt: skip
@@ -40,8 +48,9 @@ def reindex_cmd(jobs, trust_trailers, trusted_keys, store_url, index_url, s3_end
       kcache reindex --store s3://caches/prod --index postgresql+psycopg://kcache@db/kcache
     """
     with opened(settings(store_url, index_url, s3_endpoint_url), jobs=jobs, create=True) as (store, index):
-        result = reindex(store, index, jobs=jobs, trust_trailers=trust_trailers,
-                         trusted=load_trusted_keys(trusted_keys))
+        result = reindex(
+            store, index, jobs=jobs, trust_trailers=trust_trailers, trusted=load_trusted_keys(trusted_keys)
+        )
     if as_json:
         click.echo(fmt.to_json(asdict(result)))
     else:

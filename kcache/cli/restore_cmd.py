@@ -24,6 +24,7 @@ from kcache.cli.options import (
     json_option,
     load_trusted_keys,
     node_cache_option,
+    read_jobs_option,
     require_signature_option,
     settings,
     store_options,
@@ -63,7 +64,7 @@ MAX_TIMEOUT = 86400.0
                    "default: the user publish recorded, else this one.")  # fmt: skip
 @click.option("--strict", is_flag=True, help="Exit non-zero on a miss (10; 15 when the facts file contradicts this "
               "machine) or an error instead of starting cold.")
-@click.option("--jobs", type=click.IntRange(1, 256), default=16, show_default=True, help="Parallel pack reads.")
+@read_jobs_option
 @node_cache_option
 @fingerprint_options
 @store_options(index_none=True)
