@@ -1,7 +1,7 @@
 """Prometheus text exposition (format 0.0.4) of what the markers under a restore root say.
 
     kcache_ready                                 1 when `kcache ready` would exit 0
-    kcache_ready_signal{signal}                  1 per readiness signal met: restore, weights, graphs, warmup
+    kcache_ready_signal{signal}                  1 per signal met: restore, weights, graphs, warmup, engine
     kcache_ready_cold                            1 when ready only because a failed warmup asked for ready-cold
     kcache_restore_info{status,bundle_key}       1; status is hit | miss | error
     kcache_restore_files / _bytes / _seconds     when the restore marker carries them
@@ -72,9 +72,9 @@ def _number(value: float) -> str:
     return str(int(value)) if value.is_integer() else repr(value)
 
 
-def collect(root: Path) -> list[Family]:
-    """Every family the markers under `root` support right now."""
-    state = readiness.check(root)
+def collect(root: Path, engine: readiness.EngineHealth | None = None) -> list[Family]:
+    """Every family the markers under `root` support right now (and the model server's health, given `engine`)."""
+    state = readiness.check(root, engine)
     families = [
         family("kcache_ready", "gauge", "1 when restore finished, the weights loaded, graphs compiled and warmup ok.",
                ({}, 1 if state.ready else 0)),

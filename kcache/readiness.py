@@ -10,6 +10,11 @@ are done (every warmup profile's first, compiling run returned); and warmup comp
 "ok". The warmup marker carries the middle two under "signals" and is rewritten as they turn, with
 status "running" until warmup ends. Markers are JSON, written atomically and world-readable,
 because probes may run as another user than the init container.
+
+The markers describe the model container's first start. When it restarts (a crash, an OOM kill) the
+init container does not run again, and its markers go on saying ready while the new process loads
+its weights. Given the model server's health URL (`--health-url`), a fifth signal, "engine", asks
+it on every check: ready also needs a 2xx answer there.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from kcache import atomic, boundedread
+from kcache.config import redact_text
+from kcache.errors import ConfigError
 
 RESTORE_MARKER = ".kcache-state.json"
 WARMUP_MARKER = ".kcache-warmup.json"
@@ -71,19 +78,54 @@ class Readiness:
         return next(s for s in self.signals if s.name == name)
 
 
-def check(root: Path) -> Readiness:
+ENGINE_TIMEOUT = 2.0  # seconds a health check may take; the kubelet's probe timeout defaults to 1-2 s too
+MAX_ENGINE_ANSWER = 64 * 1024
+
+
+class EngineHealth:
+    """GET on the model server's health URL (vLLM, SGLang and TGI all serve /health): 2xx is healthy.
+
+    No redirects, one deadline for the whole request, a bounded body (kcache.http_client).
+    """
+
+    def __init__(self, url: str, timeout: float = ENGINE_TIMEOUT):
+        from kcache import http_client  # only commands given --health-url pay for http.client
+
+        try:
+            http_client.split_url(url)
+        except ConfigError as exc:
+            raise ConfigError("--health-url", url, exc.why) from None
+        self.url, self.timeout, self._client = url, timeout, http_client
+        self._shown = http_client.printable(redact_text(url))
+
+    def __call__(self) -> tuple[bool, str]:
+        """(healthy, what happened), the second safe to print."""
+        try:
+            answer = self._client.request("GET", self.url, timeout=self.timeout, max_body=MAX_ENGINE_ANSWER)
+        except self._client.RequestFailed as exc:
+            return False, f"GET {self._shown}: {exc.why}"
+        return 200 <= answer.status < 300, f"GET {self._shown}: {answer.status} {answer.reason}".rstrip()
+
+
+def check(root: Path, engine: EngineHealth | None = None) -> Readiness:
     """Ready = restore finished (any outcome), the weights loaded, the graphs compiled and warmup ok.
 
     A warmup marker whose `on_failure` is "ready-cold" turns a failed warmup into ready-but-cold,
     as long as the weights loaded: a rollout must not stall because one warmup request failed, and
     `kcache_ready_cold` shows it. Markers from before the signals existed count weights and graphs
-    as done when warmup was ok.
+    as done when warmup was ok. With `engine`, the model server must also answer its health check
+    (after the markers, which say why first).
     """
     restore = read_marker(root, RESTORE_MARKER)
     warmup = read_marker(root, WARMUP_MARKER)
     signals = _signals(restore, warmup)
     reason = _reason(warmup, {s.name: s for s in signals})
     warmed = signals[-1].ok
+    if engine is not None:
+        healthy, detail = engine()
+        signals += (Signal("engine", healthy, detail),)
+        if not healthy and not reason:
+            reason = f"the model server is not healthy: {detail}"
     return Readiness(not reason, restore, warmup, reason, signals, cold=not reason and not warmed)
 
 

@@ -2,6 +2,7 @@
 
     GET /healthz   200 "ok" while the process is up
     GET /readyz    200 or 503 by kcache.readiness.check, with a JSON body: the verdict and each signal
+                   (with --health-url, the model server's health check is one of them)
     GET /metrics   Prometheus text format 0.0.4 (kcache.metrics)
 
 Every request reads the markers afresh (three small JSON files), so the server holds no state
@@ -48,18 +49,20 @@ MAX_HEAD = 8 * 1024
 BACKLOG = 128
 
 
-def answer(root: Path, method: str, target: str) -> tuple[int, str, bytes]:
-    """(status, content type, body) for one request; pure apart from reading the markers."""
+def answer(root: Path, method: str, target: str,
+           engine: readiness.EngineHealth | None = None) -> tuple[int, str, bytes]:  # fmt: skip
+    """(status, content type, body) for one request; pure apart from reading the markers (and, with
+    `engine`, asking the model server's health URL for /readyz and /metrics)."""
     if method not in ("GET", "HEAD"):
         return 405, "text/plain; charset=utf-8", b"only GET and HEAD\n"
     path = target.split("?", 1)[0]
     if path == "/healthz":
         return 200, "text/plain; charset=utf-8", b"ok\n"
     if path == "/readyz":
-        state = readiness.check(root)
+        state = readiness.check(root, engine)
         return 200 if state.ready else 503, "application/json", json.dumps(readiness.to_dict(state)).encode() + b"\n"
     if path == "/metrics":
-        return 200, metrics.CONTENT_TYPE, metrics.render(metrics.collect(root)).encode()
+        return 200, metrics.CONTENT_TYPE, metrics.render(metrics.collect(root, engine)).encode()
     return 404, "text/plain; charset=utf-8", b"not found: try /healthz, /readyz or /metrics\n"
 
 
@@ -72,8 +75,9 @@ class _Pending:
 
 class ProbeServer:
     def __init__(self, address: tuple[str, int], root: Path, *, workers: int = WORKERS,
-                 idle_timeout: float = IDLE_TIMEOUT, max_connections: int = MAX_CONNECTIONS):  # fmt: skip
-        self.root = Path(root)
+                 idle_timeout: float = IDLE_TIMEOUT, max_connections: int = MAX_CONNECTIONS,
+                 engine: readiness.EngineHealth | None = None):  # fmt: skip
+        self.root, self.engine = Path(root), engine
         self.idle_timeout, self.max_connections = idle_timeout, max_connections
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self._listener = socket.create_server(address, family=family, backlog=BACKLOG)
@@ -192,7 +196,7 @@ class ProbeServer:
             status, ctype, body = 400, "text/plain; charset=utf-8", b"bad request line\n"
         else:
             try:
-                status, ctype, body = answer(self.root, method, target)
+                status, ctype, body = answer(self.root, method, target, self.engine)
             except Exception as exc:  # a marker no code path expected: answer 500, keep serving
                 log.warning("probe request %s %s failed: %s: %s", method, target, type(exc).__name__, exc)
                 status, ctype, body = 500, "text/plain; charset=utf-8", b"internal error; see the server's log\n"
@@ -222,11 +226,12 @@ def _address(addr) -> str:
     return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
 
 
-def make_server(root: Path, host: str = "127.0.0.1", port: int = 0) -> ProbeServer:
+def make_server(root: Path, host: str = "127.0.0.1", port: int = 0,
+                engine: readiness.EngineHealth | None = None) -> ProbeServer:  # fmt: skip
     """Bind (port 0 picks a free port; read it from `.port`). Raises ConfigError if the address is taken
     or the host name does not resolve."""
     try:
-        return ProbeServer((host, port), root)
+        return ProbeServer((host, port), root, engine=engine)
     except OSError as exc:
         # socket.create_server re-raises the resolver's gaierror as a plain OSError with its
         # errno: the EAI_* codes are the negative ones (EAI_NONAME, EAI_AGAIN, ...).

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from kcache import config, cpus, durations, fingerprint, sizes
+from kcache import config, cpus, durations, fingerprint, readiness, sizes
 from kcache.cli import format as fmt
 from kcache.cli.errors import ExitCode, describe
 from kcache.errors import ConfigError
@@ -123,6 +123,18 @@ def read_jobs_option(fn):
     return click.option("--jobs", type=click.IntRange(1, 256), callback=_default_read_jobs,
                         help=f"Parallel pack reads [default: {cpus.READS_PER_CPU} per CPU this process may use "
                         f"(affinity and CPU limit), {cpus.MIN_READS} to {cpus.MAX_READS}].")(fn)  # fmt: skip
+
+
+def health_url_option(fn):
+    """--health-url for the readiness checks (ready, serve, watch): an EngineHealth, or None."""
+    return click.option("--health-url", metavar="URL", callback=_engine_health,
+                        help="Also require the model server's health endpoint to answer 2xx (e.g. "
+                        "http://127.0.0.1:8000/health). Without it a model container that restarted reads as "
+                        "ready from its first start's markers while it still loads.")(fn)  # fmt: skip
+
+
+def _engine_health(_ctx, _param, value: str | None):
+    return None if value is None else readiness.EngineHealth(value)
 
 
 def _default_read_jobs(_ctx, _param, value: int | None) -> int:

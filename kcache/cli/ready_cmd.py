@@ -7,21 +7,23 @@ import click
 from kcache import readiness
 from kcache.cli import format as fmt
 from kcache.cli.errors import ExitCode
-from kcache.cli.options import json_option, root_option
+from kcache.cli.options import health_url_option, json_option, root_option
 
 __all__ = ["ready_cmd", "root_option"]  # watch and serve import root_option from here
 
 
 @click.command("ready")
 @root_option
+@health_url_option
 @json_option
-def ready_cmd(root, as_json):
+def ready_cmd(root, health_url, as_json):
     """Exit 0 when the pod may take traffic, else 11 (not ready) with one line saying why.
 
     Ready means four signals hold: restore has finished (hit, miss or error: a cold pod must
     still serve), the weights loaded (the server answered warmup's health check), the compiled
     graphs are done (every profile's first run returned) and `kcache warmup` completed with
     status ok. A warmup run with --on-failure ready-cold is ready (cold) once the weights loaded.
+    With --health-url, the model server's health endpoint must also answer 2xx (signal "engine").
     --json reports each signal apart. Fast enough for an exec readiness probe.
 
     \b
@@ -29,7 +31,7 @@ def ready_cmd(root, as_json):
       kcache ready --root /kcache
       KCACHE_ROOT=/kcache kcache ready --json
     """
-    state = readiness.check(root)
+    state = readiness.check(root, health_url)
     restore = fmt.text((state.restore or {}).get("status"))  # a marker anyone in the pod may write
     signals = ", ".join(f"{s.name} {'yes' if s.ok else 'no'}" for s in state.signals)
     if as_json:

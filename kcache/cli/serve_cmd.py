@@ -8,7 +8,7 @@ import threading
 import click
 
 from kcache.cli import format as fmt
-from kcache.cli.options import json_option, root_option
+from kcache.cli.options import health_url_option, json_option, root_option
 from kcache.serve import make_server, serve_until
 
 
@@ -41,20 +41,21 @@ def announce_serving(server, host: str, root, as_json: bool) -> None:
 @click.command("serve")
 @root_option
 @host_port_options(port_help="TCP port (0 picks a free one; the line printed at start names it).", port_required=True)
+@health_url_option
 @json_option
-def serve_cmd(root, host, port, as_json):
+def serve_cmd(root, host, port, health_url, as_json):
     """Serve /healthz, /readyz (200 or 503, JSON reason) and /metrics (Prometheus) for ROOT.
 
-    /readyz follows the same rule as `kcache ready`; /metrics exposes the restore outcome, warmup
-    time and status, readiness, and compiles seen after ready (`kcache watch`). Stops cleanly on
-    SIGTERM.
+    /readyz follows the same rule as `kcache ready` (--health-url included); /metrics exposes the
+    restore outcome, warmup time and status, readiness, and compiles seen after ready
+    (`kcache watch`). Stops cleanly on SIGTERM.
 
     \b
     Examples:
       kcache serve --root /kcache --port 9400 --host 0.0.0.0
       curl -s localhost:9400/metrics | grep kcache_
     """
-    server = make_server(root, host, port)
+    server = make_server(root, host, port, engine=health_url)
     stop = stop_on_signals()
     announce_serving(server, host, root, as_json)
     serve_until(server, stop)

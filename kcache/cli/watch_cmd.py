@@ -14,6 +14,7 @@ from kcache.cli.options import (
     command_line_workload,
     compute_fingerprint,
     fingerprint_options,
+    health_url_option,
     json_option,
     open_configured_store,
     settings,
@@ -57,12 +58,13 @@ def _publisher(root: Path, fingerprint_args, cfg: Settings, config: PublishConfi
 @click.option("--once", is_flag=True, help="Scan once (taking the baseline if the pod just became ready) and exit.")
 @host_port_options(port_help="Also serve /healthz, /readyz and /metrics on this port (as `kcache serve`).",
                    port_required=False)  # fmt: skip
+@health_url_option
 @signing_key_option
 @fingerprint_options
 @store_options
 @json_option
-def watch_cmd(root, interval, publish_every, once, host, port, signing_key, model, model_config, facts, extras,
-              store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
+def watch_cmd(root, interval, publish_every, once, host, port, health_url, signing_key, model, model_config, facts,
+              extras, store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
     """Notice cache files that appear after the pod became ready: shapes warmup did not cover.
 
     Waits for readiness (as `kcache ready`), records the cache files present then, and on each
@@ -85,7 +87,7 @@ def watch_cmd(root, interval, publish_every, once, host, port, signing_key, mode
     if once:
         _report(watcher.step(publish_now=True), as_json)
         return
-    server = make_server(root, host, port) if port is not None else None
+    server = make_server(root, host, port, engine=health_url) if port is not None else None
     stop = stop_on_signals()
     if server is not None:
         start_in_thread(server)
