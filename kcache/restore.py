@@ -144,6 +144,7 @@ def restore_opening(
     fallback: str | None = None,
     run_as: str | None = None,
     report: progress.Report | None = None,
+    computed: Callable[[], Fingerprint | None] = lambda: None,
 ) -> RestoreResult:
     """Open what `open_inputs` opens, then restore the newest bundle (or the pinned `bundle_id`).
 
@@ -155,7 +156,9 @@ def restore_opening(
     fallback="toolchain", a miss restores the kernel layers of the newest bundle built on the same
     toolchain (status "partial"); with fallback="layers", each reusable layer of the newest bundle
     whose layer key matches ours (kcache.layerkeys; status "partial", donors say from where).
-    `report` receives the fetch's progress (kcache.progress).
+    `report` receives the fetch's progress (kcache.progress). `computed` gives the fingerprint once
+    `open_inputs` has computed it: a failure while it still opens the store or the index (the
+    budget ran out on a hung index) then keeps this pod's bundle key and workload in the marker.
     Raises KcacheError, or whatever `open_inputs` raised; either
     way kcache.env and an error marker are written first, unless ROOT itself is unusable
     (RootError) or another restore held ROOT for the whole budget (RootBusy: that one writes them).
@@ -180,7 +183,8 @@ def restore_opening(
             except OSError as exc:  # the disk, not the bundle: ENOSPC, EACCES, a read-only volume
                 raise _root_error(root, exc) from exc
         except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - any failure, a kcache bug or a signal
-            _fail(root, opened, exc, time.perf_counter() - started, deadline)  # included, must leave a pod that starts
+            # included, must leave a pod that starts
+            _fail(root, opened, computed, exc, time.perf_counter() - started, deadline)
             raise
         _record(opened[0].index, Event("restore", result.status, result.bundle_key, result.bundle_id,
                                        result.files, result.bytes, result.seconds, result.reason or None),
@@ -202,7 +206,8 @@ def _open_and_restore(open_inputs, opened: list, root: Path, jobs: int, budget: 
                     run_as, report)
 
 
-def _fail(root: Path, opened: list[Opened], exc: Exception, seconds: float, deadline: float | None) -> None:
+def _fail(root: Path, opened: list[Opened], computed: Callable[[], Fingerprint | None], exc: Exception,
+          seconds: float, deadline: float | None) -> None:  # fmt: skip
     """The pod starts cold, but with the right env and a marker that says why."""
     # Redacted: a driver's or a bug's message may quote a URL with its password, and every
     # container of the pod reads ROOT.
@@ -210,10 +215,10 @@ def _fail(root: Path, opened: list[Opened], exc: Exception, seconds: float, dead
         reason = str(exc) or "interrupted"
     else:
         reason = one_line(redact_text(str(exc) if isinstance(exc, KcacheError) else f"{type(exc).__name__}: {exc}"))
-    bundle_key = opened[0].fingerprint.bundle_key if opened else None
+    fp = opened[0].fingerprint if opened else computed()
+    bundle_key = fp.bundle_key if fp is not None else None
     failed = RestoreResult("error", bundle_key, None, root, root / envfile.NAME, seconds=seconds, reason=reason)
     # Each on its own: a ROOT whose tmp/ links outside gets no env file, but still its marker.
-    fp = opened[0].fingerprint if opened else None
     for what, write in (("kcache.env", lambda: _write_env(root, (), _env_comment(failed), _safe_user(failed.user))),
                         ("the restore marker", lambda: _write_state(failed, fp))):  # fmt: skip
         try:

@@ -203,6 +203,24 @@ def test_silent_postgresql_index_fails_open_within_the_budget(tmp_path, facts_fi
     assert "did not finish within 3 s" in state["reason"]
 
 
+def test_a_restore_that_timed_out_opening_its_index_still_records_the_workload(tmp_path, facts_file):
+    """The fingerprint was computed before the index hung: the marker keeps it, so the sidecar's
+    `watch`/`publish --from ROOT` without --model publishes under this pod's model, not nothing."""
+    from kcache.publish import restore_inputs
+
+    root = tmp_path / "root"
+    with SilentServer() as server:
+        child = restore_on_silent_index(root, facts_file, server, "2")
+        _out, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err
+    state = assert_cold_but_ready_to_start(root)
+    assert "did not finish within 2 s" in state["reason"]
+    assert restore_inputs(root) == {"model.id": MODEL}
+    fingerprint = subprocess.run([sys.executable, "-m", "kcache", "fingerprint", "--model", MODEL, "--facts-file",
+                                  str(facts_file), "--json"], capture_output=True, text=True, check=True)  # fmt: skip
+    assert state["bundle_key"] == json.loads(fingerprint.stdout)["bundle_key"]
+
+
 def test_silent_postgresql_index_fails_on_its_own_connect_timeout():
     """Outside restore's budget too (gc, publish, ls): connecting gives up instead of hanging."""
     import threading

@@ -31,6 +31,7 @@ from kcache.cli.options import (
 )
 from kcache.cli.restore_usage import RestoreCommand
 from kcache.errors import ConfigError
+from kcache.fingerprint import Fingerprint
 from kcache.restore import Opened, restore_opening
 from kcache.store import open_store
 from kcache.store.nodecache import NodeCacheStore
@@ -94,7 +95,7 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
     bundle_id, bad_bundle = _parse_bundle_id(bundle_id)
     ctx = click.get_current_context()
     opened: list[Opened] = []
-    keys: list[str] = []  # the bundle key, once the fingerprint is computed: an error's JSON names it
+    computed: list[Fingerprint] = []  # once open_inputs has it: an error's marker and JSON name its key
 
     def open_inputs() -> Opened:
         # Runs in restore's worker thread, inside the budget: a typo here is an error marker and a
@@ -104,7 +105,7 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
                 raise bad
         with ctx.scope(cleanup=False):  # the fingerprint options live on click's context
             fp = compute_fingerprint(model, model_config, facts, extras)
-        keys.append(fp.bundle_key)
+        computed.append(fp)
         trusted = load_trusted_keys(trusted_keys)
         cfg = settings(store_url, index_url, s3_endpoint_url)
         config.check_endpoint(cfg)
@@ -120,12 +121,13 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
         with progress_bars.bars(progress_bars.wanted(as_json)) as report:
             result = restore_opening(open_inputs, root, jobs=jobs, timeout=timeout, bundle_id=bundle_id,
                                      require_signature=require_signature or required, fallback=fallback,
-                                     run_as=run_as, report=report)  # fmt: skip
+                                     run_as=run_as, report=report,
+                                     computed=lambda: computed[0] if computed else None)  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - an init container must never crash-loop on a kcache bug
         if os.environ.get("KCACHE_DEBUG") == "1":
             raise
         _report_error(exc, strict, as_json, time.perf_counter() - started, Path(root).absolute(),
-                      keys[0] if keys else None)  # fmt: skip
+                      computed[0].bundle_key if computed else None)  # fmt: skip
         return
     finally:
         for inputs in opened:
