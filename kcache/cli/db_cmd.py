@@ -6,7 +6,7 @@ import click
 
 from kcache import config
 from kcache.cli import format as fmt
-from kcache.cli.options import json_option, settings
+from kcache.cli.options import NonEmptyText, json_option, settings
 
 
 @click.group("db")
@@ -15,7 +15,7 @@ def db_group():
 
 
 @db_group.command("upgrade")
-@click.option("--index", "index_url", metavar="URL", envvar=config.ENV["index"],
+@click.option("--index", "index_url", metavar="URL", envvar=config.ENV["index"], type=NonEmptyText(),
             help="SQLAlchemy URL of the index (default sqlite:///$KCACHE_HOME/index.db).")  # fmt: skip
 @json_option
 def upgrade_cmd(index_url, as_json):

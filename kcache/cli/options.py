@@ -62,11 +62,11 @@ def store_options(fn=None, *, index_none: bool = False):
         return functools.partial(store_options, index_none=index_none)
     none = ", or 'none' to find bundles through the store's refs/" if index_none else ""
     options = (
-        click.option("--store", "store_url", metavar="URL", envvar=config.ENV["store"],
+        click.option("--store", "store_url", metavar="URL", envvar=config.ENV["store"], type=NonEmptyText(),
                    help="file:///path or s3://bucket/prefix (default $KCACHE_HOME/store)."),
-        click.option("--index", "index_url", metavar="URL", envvar=config.ENV["index"],
+        click.option("--index", "index_url", metavar="URL", envvar=config.ENV["index"], type=NonEmptyText(),
                    help=f"SQLAlchemy URL of the index{none} (default sqlite:///$KCACHE_HOME/index.db)."),
-        click.option("--s3-endpoint-url", metavar="URL", envvar=list(config.ENV["endpoint"]),
+        click.option("--s3-endpoint-url", metavar="URL", envvar=list(config.ENV["endpoint"]), type=NonEmptyText(),
                    help="S3-compatible endpoint; AWS_ENDPOINT_URL_S3 wins over AWS_ENDPOINT_URL, as in boto3."),
     )  # fmt: skip
     return _apply(fn, options)
@@ -127,7 +127,7 @@ def read_jobs_option(fn):
 
 def health_url_option(fn):
     """--health-url for the readiness checks (ready, serve, watch): an EngineHealth, or None."""
-    return click.option("--health-url", metavar="URL", callback=_engine_health,
+    return click.option("--health-url", metavar="URL", callback=_engine_health, type=NonEmptyText(),
                         help="Also require the model server's health endpoint to answer 2xx (e.g. "
                         "http://127.0.0.1:8000/health). Without it a model container that restarted reads as "
                         "ready from its first start's markers while it still loads.")(fn)  # fmt: skip
@@ -343,6 +343,19 @@ class NonEmptyPath(click.Path):
         if isinstance(value, (str, bytes)) and not value:
             self.fail("'' is an empty path; name the directory or file ('.' for the current one)", param, ctx)
         return super().convert(value, param, ctx)
+
+
+class NonEmptyText(click.ParamType):
+    """Text that refuses "": an empty --store, --index or --host (a variable expanded to nothing)
+    would otherwise mean the default, a publish into the pod's own disk or a server listening on
+    every interface. As for NonEmptyPath, an environment variable set to "" reads as unset."""
+
+    name = "text"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip():
+            self.fail(f"{value!r} is empty; leave the flag out for the default", param, ctx)
+        return value
 
 
 class FiniteFloat(click.FloatRange):

@@ -21,6 +21,7 @@ from kcache.cli import progress_bars
 from kcache.cli.options import (
     FiniteFloat,
     NonEmptyPath,
+    NonEmptyText,
     command_line_workload,
     compute_fingerprint,
     fingerprint_options,
@@ -77,7 +78,8 @@ def publish_config(
               help="Publish the layout of a restore root (ROOT/inductor, ROOT/triton, ...) instead of "
                    "the live cache directories.")  # fmt: skip
 @click.option(
-    "--layers", metavar="A,B", help=f"Only these layers (default all: {', '.join(s.name for s in sources.BUILTIN)})."
+    "--layers", metavar="A,B", type=NonEmptyText(),
+    help=f"Only these layers (default all: {', '.join(s.name for s in sources.BUILTIN)}).",
 )
 @click.option("--extra-dir", "extra_dirs", multiple=True, metavar="NAME=PATH",
               help="Also carry a directory of your own; restored to ROOT/extra/NAME.")  # fmt: skip

@@ -8,13 +8,13 @@ import threading
 import click
 
 from kcache.cli import format as fmt
-from kcache.cli.options import health_url_option, json_option, root_option
+from kcache.cli.options import NonEmptyText, health_url_option, json_option, root_option
 from kcache.serve import make_server, serve_until
 
 
 def host_port_options(*, port_help: str, port_required: bool):
     def apply(fn):
-        fn = click.option("--host", default="127.0.0.1", show_default=True,
+        fn = click.option("--host", default="127.0.0.1", show_default=True, type=NonEmptyText(),
                           help="Address to bind; 0.0.0.0 lets the kubelet reach it.")(fn)  # fmt: skip
         return click.option("--port", type=click.IntRange(0, 65535), required=port_required, help=port_help)(fn)
 

@@ -69,13 +69,21 @@ def select(names: Iterable[str] | None = None, extras: Iterable[ExtraSource] = (
 
 
 def _distinct(extras: Iterable[ExtraSource]) -> list[ExtraSource]:
+    """One source per name; two names that kcache.env would export as one variable are refused
+    (a-b and a_b are both KCACHE_EXTRA_A_B: the model would read the other directory)."""
     kept: dict[str, ExtraSource] = {}
+    exported: dict[str, str] = {}
     for extra in extras:
         seen = kept.setdefault(extra.name, extra)
+        name = extra.name.removeprefix("extra:")
         if seen is not extra and _place(seen) != _place(extra):
-            raise ConfigError("--extra-dir", extra.name.removeprefix("extra:"),
+            raise ConfigError("--extra-dir", name,
                               f"is given twice, for {_place(seen)} and {_place(extra)}; give each directory "
                               "a name of its own")  # fmt: skip
+        other = exported.setdefault(extra.env_var, name)
+        if other != name:
+            raise ConfigError("--extra-dir", name, f"would be exported as {extra.env_var}, as {other} is; "
+                              "give it a name that differs in more than case and '-' against '_'")  # fmt: skip
     return list(kept.values())
 
 

@@ -300,6 +300,16 @@ def test_an_extra_dir_named_twice(tmp_path):
     assert "--extra-dir" in refused.stderr and "twice" in refused.stderr
 
 
+@pytest.mark.parametrize("names", [("a-b", "a_b"), ("trt", "TRT")])
+def test_two_extra_dirs_that_would_export_one_variable_are_refused(tmp_path, names):
+    """kcache.env exports KCACHE_EXTRA_<NAME>: a-b and a_b (or trt and TRT) would be one variable,
+    and the model would read the other directory."""
+    write_tree(tmp_path, {"d/a.bin": b"a", "e/b.bin": b"b", "src/inductor/g": b"g"})
+    both = ["--extra-dir", f"{names[0]}={tmp_path / 'd'}", "--extra-dir", f"{names[1]}={tmp_path / 'e'}"]
+    refused = run("publish", "--from", tmp_path / "src", "--model", "m", *both, code=ExitCode.USAGE)
+    assert "KCACHE_EXTRA_" in refused.stderr and names[1] in refused.stderr
+
+
 # ---- 8. a named SQLite file that does not exist ---------------------------------------------------
 
 READERS = {
@@ -487,3 +497,49 @@ def test_prebake_json_names_donors_as_restore_does(tmp_path, monkeypatch):
                          "--profiles", "profiles.yaml", "--model", "m", "--json").stdout)  # fmt: skip
     restored = json.loads(run("restore", "--into", tmp_path / "s", "--model", "other", "--json").stdout)
     assert doc["restore"]["donors"] == restored["donors"] == {}
+
+
+# ---- empty URLs and names are not the default ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["publish", "--model", "m", "--store", ""], "--store"),  # would publish into the pod's own disk
+        (["publish", "--model", "m", "--index", ""], "--index"),
+        (["publish", "--model", "m", "--s3-endpoint-url", ""], "--s3-endpoint-url"),
+        (["publish", "--model", "m", "--layers", ""], "--layers"),
+        (["ls", "--index", ""], "--index"),
+        (["db", "upgrade", "--index", ""], "--index"),
+    ],
+)
+def test_an_empty_url_or_name_is_a_usage_error_not_the_default(tmp_path, args, flag):
+    write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"graph"})
+    extra = ["--from", tmp_path / "src"] if args[0] == "publish" else []
+    result = run(*args, *extra, code=ExitCode.USAGE)
+    assert flag in result.stderr and "empty" in result.stderr
+    assert not (tmp_path / "kcache-home" / "store").exists()
+
+
+@pytest.mark.parametrize("command", ["serve", "watch"])
+def test_an_empty_host_is_a_usage_error_not_every_interface(tmp_path, command):
+    """socket.create_server(("", port)) listens on every interface: a --host "$UNSET" would open the
+    probe server to the whole network. A child with a deadline: a server that starts serves forever."""
+    child = subprocess.run([sys.executable, "-m", "kcache", command, "--root", str(tmp_path), "--port", "0",
+                            "--host", ""], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert child.returncode == ExitCode.USAGE, child.stdout + child.stderr
+    assert "--host" in child.stderr and "empty" in child.stderr
+
+
+def test_restore_with_an_empty_store_starts_cold_without_reading_the_default(tmp_path):
+    result = run("restore", "--into", tmp_path / "root", "--model", "m", "--store", "", "--json")
+    doc = json.loads(result.stdout)
+    assert doc["status"] == "error" and "--store" in doc["error"]
+    assert run("restore", "--into", tmp_path / "r2", "--model", "m", "--store", "", "--strict",
+               code=ExitCode.USAGE).stderr  # fmt: skip
+
+
+def test_an_empty_environment_variable_still_means_unset(tmp_path):
+    env = {"KCACHE_STORE": "", "KCACHE_HOME": str(tmp_path / "kcache-home")}
+    doc = json.loads(run("config", "--json", env=env).stdout)
+    assert doc["store"]["value"].startswith("file://")
