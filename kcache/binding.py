@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 STORE_ID_KEY = "kcache-store.json"
 _ID = re.compile(r"[0-9a-f]{32}\Z")
+_SQLITE_FILE = re.compile(r"sqlite(\+\w+)?:///")  # SQLAlchemy's sqlite:/// and sqlite+<driver>:/// (a file)
 NEEDS_INDEX = "this command needs an index; only `kcache restore` works from refs/"
 _STORE_ID_BYTES = 4096  # {"schema": 1, "store_id": <32 hex>} is 50 bytes
 
@@ -82,9 +83,10 @@ def check(index: Index, store: Store, *, write: bool) -> None:
 
 def sqlite_path(url: str) -> str | None:
     """The file a SQLite URL names, or None for another database (or SQLite in memory)."""
-    if not url.startswith("sqlite:///"):
+    scheme = _SQLITE_FILE.match(url)
+    if scheme is None:
         return None
-    path = url.removeprefix("sqlite:///").split("?", 1)[0]
+    path = url[scheme.end():].split("?", 1)[0]
     return path if path and path != ":memory:" else None
 
 

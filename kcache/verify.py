@@ -10,6 +10,16 @@ keys a bundle none of them signed is a problem too (restore --require-signature 
 With --read-data, every blob is fetched the way restore fetches it and re-hashed, each copy in each
 pack that holds it; `--subset n/t` reads only the packs whose id falls in the n-th of t slices, so a
 large store can be checked a slice a night.
+
+Every refs/<bundle-key> is checked as a pod restoring with `--index none` would follow it (layer
+refs under refs/layers/ are not: they only point at a bundle key). Each ref is read capped
+(limits.REF_BYTES) and must parse for its key; with trusted keys it must be signed by one, verify
+and be unexpired (restore --require-signature refuses it otherwise); its signatures must be
+Ed25519 signatures; and the bundle it names must have a manifest under the cap (one listing of
+manifests/), for its bundle key, be neither yanked (the index's status, a yanks/ marker from one
+listing, the ref's own yank list) nor absent from the index: then index-mode pods and
+`--index none` pods take different bundles, or none. Such a bundle's manifest signature is checked
+as restore checks it, from the listings alone.
 """
 
 from __future__ import annotations
@@ -22,21 +32,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kcache import fetch, limits, progress, signing
+from kcache import choice, fetch, fingerprint, limits, progress, refs, signing
 from kcache import manifest as manifests
-from kcache.errors import ConfigError, KcacheError, ObjectMissing, SignatureError
+from kcache.errors import ConfigError, IntegrityError, KcacheError, NotFound, ObjectMissing, SignatureError
 from kcache.packs import unpack_frame
 from kcache.store import Store, manifest_key, pack_key
 from kcache.store.base import ObjectInfo
 from kcache.streams import Discard
+from kcache.untrusted import one_line
 
 if TYPE_CHECKING:
     from kcache.index import Index
+    from kcache.records import Bundle
 
 
 @dataclass(frozen=True)
 class VerifyResult:
     bundles: int
+    refs: int  # refs/<bundle-key> objects checked
     packs: int
     blobs_read: int
     bytes_read: int
@@ -81,12 +94,14 @@ def verify(
     # Every stored copy, not every blob: restore of a bundle reads the copy in the pack its manifest
     # names, so a bad copy fails that bundle even where another pack holds the blob intact.
     to_read: dict[tuple[str, str, int], manifests.Entry] = {}
+    keys_named: dict[str, str] = {}  # bundle id -> the bundle key its manifest names
     for bundle in bundles:
         try:
             manifest, manifest_size = _fetch_manifest(store, bundle.id)
         except KcacheError as exc:
             problems.append(f"bundle {bundle.id[:12]}: {exc}")
             continue
+        keys_named[bundle.id] = manifest.bundle_key
         signed = signing.message(manifest.bundle_key, bundle.id, manifest_size)
         for problem in _signature_problems(store, signatures.get(bundle.id, {}), signed, trusted):
             problems.append(f"bundle {bundle.id[:12]}: {problem}")
@@ -98,9 +113,12 @@ def verify(
                 problems.append(f"bundle {bundle.id[:12]}: {entry.path}: pack {entry.pack[:12]} is too short")
             elif read_data and in_subset(entry.pack, subset):
                 to_read.setdefault((entry.blob, entry.pack, entry.offset), entry)
+    # After the rows were read: a ref a publish moved since then names a row the index is asked for again.
+    seen = _Seen({bundle.id: bundle for bundle in bundles}, keys_named, signatures, limits.max_manifest_bytes())
+    ref_count = _check_refs(store, index, seen, trusted, problems)
     read = _read_all(store, list(to_read.values()), jobs, problems, report) if read_data else (0, 0)
     packs = len({e.pack for e in to_read.values()}) if read_data else len(sizes)
-    return VerifyResult(len(bundles), packs, read[0], read[1], tuple(dict.fromkeys(problems)))
+    return VerifyResult(len(bundles), ref_count, packs, read[0], read[1], tuple(dict.fromkeys(problems)))
 
 
 def _fetch_manifest(store: Store, manifest_id: str) -> tuple[manifests.Manifest, int]:
@@ -151,6 +169,106 @@ def _signature_problems(store: Store, present: Mapping[str, ObjectInfo], signed:
     if trusted and not verified and not refused:
         problems.append(f"not signed by a trusted key ({', '.join(sorted(by_name))})")
     return problems
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """What the bundle pass already learned, so the ref pass reads nothing twice."""
+
+    rows: Mapping[str, Bundle]  # the index's bundles by id
+    keys_named: Mapping[str, str]  # bundle id -> the bundle key its (verified) manifest names
+    signatures: Mapping[str, Mapping[str, ObjectInfo]]  # from the listing of signatures/
+    manifest_cap: int  # limits.max_manifest_bytes(), as restore reads it
+
+
+def _check_refs(store: Store, index: Index, seen: _Seen, trusted: tuple[signing.TrustedKey, ...],
+                problems: list[str]) -> int:  # fmt: skip
+    """Check every refs/<bundle-key> (see the module docstring); returns how many there were."""
+    manifest_sizes = {info.key: info.size for info in store.list("manifests/")}
+    marked = {info.key for info in store.list("yanks/")}
+    count = 0
+    for info in store.list("refs/"):
+        bundle_key = info.key[len("refs/"):]
+        if not fingerprint.is_bundle_key(bundle_key):  # refs/layers/..., or a name restore never reads
+            continue
+        count += 1
+        try:
+            ref = refs.read(store, bundle_key)  # capped at limits.REF_BYTES, refused unread above it
+        except KcacheError as exc:
+            why = exc.why if isinstance(exc, IntegrityError) else str(exc)
+            problems.append(one_line(f"ref refs/{bundle_key}: {why}"))
+            continue
+        if ref is None:  # removed since the listing (gc, or a yank of a key's last bundle)
+            count -= 1
+            continue
+        found = _ref_problems(store, index, ref, seen, manifest_sizes, marked, trusted)
+        problems.extend(one_line(p) for p in found)  # text from the store: bounded, one line
+    return count
+
+
+def _ref_problems(store: Store, index: Index, ref: refs.Ref, seen: _Seen, manifest_sizes: Mapping[str, int],
+                  marked: set[str], trusted: tuple[signing.TrustedKey, ...]) -> list[str]:  # fmt: skip
+    """What stops a pod restoring through this ref, or makes it take another bundle than the index's."""
+    where, named = f"ref refs/{ref.bundle_key}", f"names bundle {ref.manifest[:12]}"
+    problems = _ref_signature_problems(ref, trusted)
+    if ref.manifest in ref.yanked:
+        problems.append(f"{where}: {named}, which its own yank list names (pods restoring through it start cold)")
+    if refs.yank_key(ref.manifest) in marked:
+        problems.append(f"{where}: {named}, yanked by {refs.yank_key(ref.manifest)} (pods restoring through it "
+                        "start cold); `kcache yank` it so the ref moves to the bundle before it")  # fmt: skip
+    size, cap = manifest_sizes.get(manifest_key(ref.manifest)), seen.manifest_cap
+    if size is None:
+        problems.append(f"{where}: {named}, whose manifest is missing")
+    elif size > cap:
+        problems.append(f"{where}: {named}, whose manifest is {size} bytes, over the {cap}-byte limit")
+    row = seen.rows.get(ref.manifest) or _row(index, ref.manifest)
+    if row is None:
+        problems.append(_absent(index, ref, where, named))
+        if size is not None and size <= cap:  # what a pod would check before reading it
+            signed = signing.message(ref.bundle_key, ref.manifest, size)
+            present = seen.signatures.get(ref.manifest, {})
+            problems += [f"{where}: {named}: {p}" for p in _signature_problems(store, present, signed, trusted)]
+        return problems
+    if row.status == "yanked":
+        problems.append(f"{where}: {named}, which is yanked in the index; `kcache refresh` re-points it")
+    theirs = seen.keys_named.get(row.id, row.bundle_key)
+    if theirs != ref.bundle_key:
+        problems.append(f"{where}: {named}, which is for bundle key {theirs}")
+    return problems
+
+
+def _ref_signature_problems(ref: refs.Ref, trusted: tuple[signing.TrustedKey, ...]) -> list[str]:
+    """With trusted keys, what restore --require-signature would refuse the ref for; and any signature
+    in it that is no Ed25519 signature at all (whoever trusts that name would refuse it)."""
+    problems = []
+    if trusted:
+        problem = choice.Policy(trusted, required=True).ref_problem(ref)
+        problems += [problem] if problem else []
+    checked = {key.name for key in trusted}  # those ref_problem verified
+    bad = [name for name, text in ref.signatures if name not in checked and not _is_signature(text)]
+    if bad:  # one line however many: a ref may carry a megabyte of them
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        problems.append(f"ref refs/{ref.bundle_key}: the signature by {bad[0]!r}{more} is no Ed25519 signature "
+                        "(64 bytes in base64)")  # fmt: skip
+    return problems
+
+
+def _row(index: Index, bundle_id: str) -> Bundle | None:
+    """The index's row for a bundle committed since the rows were read, or None."""
+    try:
+        return index.get_bundle(bundle_id)
+    except NotFound:
+        return None
+
+
+def _absent(index: Index, ref: refs.Ref, where: str, named: str) -> str:
+    if index.knows_key(ref.bundle_key):
+        newest = index.newest_bundle(ref.bundle_key)
+        takes = f"index-mode pods take {newest.id[:12]}" if newest else "index-mode pods start cold"
+        return (f"{where}: {named}, and the index has no bundle of that id ({takes}); publishers use another "
+                "index, or run `kcache reindex` into this one")  # fmt: skip
+    return (f"{where}: {named} of a bundle key this index has never seen: publishers use another index; "
+            "verify with that one, or run `kcache reindex` into this one")
 
 
 def _is_signature(text: str) -> bool:

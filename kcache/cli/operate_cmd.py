@@ -72,11 +72,13 @@ def yank_cmd(bundle, undo, reason, signing_key, store_url, index_url, s3_endpoin
 @store_options
 @json_option
 def verify_cmd(read_data, subset, jobs, trusted_keys, store_url, index_url, s3_endpoint_url, as_json):
-    """Check that every bundle's blobs exist (and, with --read-data, hash to their ids), and its signatures.
+    """Check that every bundle's blobs exist (and, with --read-data, hash to their ids), its signatures, and refs/.
 
     Every signature must be well-formed; with --trusted-key (or KCACHE_TRUSTED_KEYS), those by trusted
-    keys must verify and a bundle none of them signed is a problem. Exits 12 when anything is wrong,
-    listing each problem.
+    keys must verify and a bundle none of them signed is a problem. Every refs/<bundle-key> is checked
+    as a pod restoring with --index none follows it: it must parse, and (with trusted keys) be signed,
+    verify and be unexpired; the bundle it names must have its manifest, be neither yanked nor absent
+    from the index. Exits 12 when anything is wrong, listing each problem.
 
     \b
     Examples:
@@ -97,7 +99,7 @@ def verify_cmd(read_data, subset, jobs, trusted_keys, store_url, index_url, s3_e
         click.echo(fmt.to_json(asdict(result)))
     else:
         read = f", read {result.blobs_read} blobs ({fmt.size(result.bytes_read)})" if read_data else ""
-        click.echo(f"kcache: checked {result.bundles} bundles over {result.packs} packs{read}: "
+        click.echo(f"kcache: checked {result.bundles} bundles and {result.refs} refs over {result.packs} packs{read}: "
                    f"{len(result.problems) or 'no'} problems")  # fmt: skip
         for problem in result.problems:
             click.echo(f"  {fmt.text(problem)}", err=True)

@@ -70,7 +70,7 @@ def select(names: Iterable[str] | None = None, extras: Iterable[ExtraSource] = (
 
 def _distinct(extras: Iterable[ExtraSource]) -> list[ExtraSource]:
     """One source per name; two names that kcache.env would export as one variable are refused
-    (a-b and a_b are both KCACHE_EXTRA_A_B: the model would read the other directory)."""
+    (a-b and a_b both become the variable for A_B: the model would read the other directory)."""
     kept: dict[str, ExtraSource] = {}
     exported: dict[str, str] = {}
     for extra in extras:
