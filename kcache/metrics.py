@@ -1,11 +1,11 @@
 """Prometheus text exposition (format 0.0.4) of what the markers under a restore root say.
 
-    kcache_ready                                 1 when `kcache ready` would exit 0
+    kcache_ready                                 1 when `kcache ready` (same --health-url) would exit 0
     kcache_ready_signal{signal}                  1 per signal met: restore, weights, graphs, warmup, engine
     kcache_ready_cold                            1 when ready only because a failed warmup asked for ready-cold
     kcache_restore_info{status,bundle_key}       1; status is hit | miss | error
     kcache_restore_files / _bytes / _seconds     when the restore marker carries them
-    kcache_warmup_info{status}                   1; status is ok | failed
+    kcache_warmup_info{status}                   1; status is ok | failed | running
     kcache_warmup_seconds, kcache_warmup_profiles
     kcache_jit_files_after_ready{layer}          files that appeared after ready (kcache watch)
     kcache_jit_bytes_after_ready{layer}
@@ -13,8 +13,9 @@
 
 A series whose marker is absent is left out rather than reported as zero: "no restore yet" and
 "restored nothing" are different answers. A field that is not a finite number (a string, an int too
-large for a float, 1e400) is left out too: markers are written by other containers. Rendering is
-pure; `collect` only reads the markers.
+large for a float, 1e400) is left out too: markers are written by other containers, so every label
+value taken from one is also cut to one line of at most 200 characters. Rendering is pure; `collect`
+only reads the markers (and asks the model server, given an engine).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kcache import readiness
+from kcache import readiness, untrusted
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -76,7 +77,8 @@ def collect(root: Path, engine: readiness.EngineHealth | None = None) -> list[Fa
     """Every family the markers under `root` support right now (and the model server's health, given `engine`)."""
     state = readiness.check(root, engine)
     families = [
-        family("kcache_ready", "gauge", "1 when restore finished, the weights loaded, graphs compiled and warmup ok.",
+        family("kcache_ready", "gauge", "1 when restore finished, the weights loaded, graphs compiled and warmup "
+               "ok (or failed with --on-failure ready-cold), and with --health-url the model server is healthy.",
                ({}, 1 if state.ready else 0)),
         family("kcache_ready_signal", "gauge", "1 for each readiness signal that holds.",
                *(({"signal": s.name}, 1 if s.ok else 0) for s in state.signals)),
@@ -105,7 +107,7 @@ def _numeric(doc: Mapping, field: str) -> float | None:
 def _restore(doc: dict | None) -> list[Family]:
     if doc is None:
         return []
-    labels = {"status": str(doc.get("status", "unknown")), "bundle_key": str(doc.get("bundle_key", ""))}
+    labels = {"status": _label(doc.get("status", "unknown")), "bundle_key": _label(doc.get("bundle_key", ""))}
     result = [family("kcache_restore_info", "gauge", "Outcome of the last restore into this root.", (labels, 1))]
     for field, help_ in (("files", "Files the last restore laid down."),
                          ("bytes", "Bytes the last restore laid down."),
@@ -120,7 +122,9 @@ def _warmup(doc: dict | None) -> list[Family]:
     if doc is None:
         return []
     result = [
-        family("kcache_warmup_info", "gauge", "Outcome of warmup.", ({"status": str(doc.get("status", "unknown"))}, 1))
+        family(
+            "kcache_warmup_info", "gauge", "Outcome of warmup.", ({"status": _label(doc.get("status", "unknown"))}, 1)
+        )
     ]
     seconds = _numeric(doc, "seconds")
     if seconds is not None:
@@ -154,4 +158,14 @@ def _per_layer(doc: Mapping, field: str) -> list[tuple[str, float]]:
     values = doc.get(field)
     if not isinstance(values, Mapping):
         return []
-    return sorted((str(k), v) for k, v in ((k, _numeric(values, k)) for k in values) if v is not None)
+    pairs: dict[str, float] = {}
+    for key in values:
+        number = _numeric(values, key)
+        if number is not None:
+            pairs.setdefault(_label(key), number)  # two names cut to one label: one series, or the scrape fails
+    return sorted(pairs.items())
+
+
+def _label(value: object) -> str:
+    """A label value from a marker: one line, bounded (a 4 MiB status must not become a 4 MiB scrape)."""
+    return untrusted.one_line(value, readiness.MAX_SHOWN)

@@ -14,17 +14,21 @@ because probes may run as another user than the init container.
 The markers describe the model container's first start. When it restarts (a crash, an OOM kill) the
 init container does not run again, and its markers go on saying ready while the new process loads
 its weights. Given the model server's health URL (`--health-url`), a fifth signal, "engine", asks
-it on every check: ready also needs a 2xx answer there.
+it (at most once a second, however many checks arrive): ready also needs a 2xx answer there.
+
+Markers are written by other containers: every string taken from one is shown bounded, on one line.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from kcache import atomic, boundedread
+from kcache import atomic, boundedread, untrusted
 from kcache.config import redact_text
 from kcache.errors import ConfigError
 
@@ -78,33 +82,69 @@ class Readiness:
         return next(s for s in self.signals if s.name == name)
 
 
-ENGINE_TIMEOUT = 2.0  # seconds a health check may take; the kubelet's probe timeout defaults to 1-2 s too
+# Under the kubelet's default probe timeoutSeconds (1 s): a probe that sets none must get kcache's
+# verdict, not its own timeout. The example's probe sets timeoutSeconds above it all the same.
+ENGINE_TIMEOUT = 0.8
+ENGINE_FRESH = 1.0  # seconds an answer serves every check that arrives: /readyz and /metrics cost one GET
 MAX_ENGINE_ANSWER = 64 * 1024
 
 
 class EngineHealth:
     """GET on the model server's health URL (vLLM, SGLang and TGI all serve /health): 2xx is healthy.
 
-    No redirects, one deadline for the whole request, a bounded body (kcache.http_client).
+    No redirects, one deadline for the whole request (name resolution included), a bounded body
+    (kcache.http_client); the path and query are sent as written. Single-flight: checks that arrive
+    while a GET is out wait for its answer, and an answer younger than `fresh` seconds is reused.
     """
 
-    def __init__(self, url: str, timeout: float = ENGINE_TIMEOUT):
+    def __init__(self, url: str, timeout: float = ENGINE_TIMEOUT, fresh: float = ENGINE_FRESH):
         from kcache import http_client  # only commands given --health-url pay for http.client
 
         try:
-            http_client.split_url(url)
+            parts = http_client.parse(url)
         except ConfigError as exc:
             raise ConfigError("--health-url", url, exc.why) from None
-        self.url, self.timeout, self._client = url, timeout, http_client
+        if "@" in parts.netloc:  # http.client would send no credentials: a 401 would read as "down"
+            raise ConfigError("--health-url", url, "a user name or password in the URL is not supported")
+        self.url, self.timeout, self.fresh, self._client = url, timeout, fresh, http_client
         self._shown = http_client.printable(redact_text(url))
+        self._lock = threading.Lock()
+        self._last: tuple[float, tuple[bool, str]] | None = None  # (monotonic time, answer)
+        self._flight: _Flight | None = None
 
     def __call__(self) -> tuple[bool, str]:
         """(healthy, what happened), the second safe to print."""
+        with self._lock:
+            if self._last is not None and time.monotonic() - self._last[0] < self.fresh:
+                return self._last[1]
+            flight, leader = self._flight, self._flight is None
+            if leader:
+                flight = self._flight = _Flight()
+        if not leader:
+            flight.done.wait()
+            return flight.answer
+        try:
+            flight.answer = self._ask()
+        finally:
+            with self._lock:
+                self._last, self._flight = (time.monotonic(), flight.answer), None
+            flight.done.set()
+        return flight.answer
+
+    def _ask(self) -> tuple[bool, str]:
         try:
             answer = self._client.request("GET", self.url, timeout=self.timeout, max_body=MAX_ENGINE_ANSWER)
         except self._client.RequestFailed as exc:
             return False, f"GET {self._shown}: {exc.why}"
         return 200 <= answer.status < 300, f"GET {self._shown}: {answer.status} {answer.reason}".rstrip()
+
+
+class _Flight:
+    """One GET in progress; `answer` is set before `done`."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.answer: tuple[bool, str] = (False, "the health check failed")
 
 
 def check(root: Path, engine: EngineHealth | None = None) -> Readiness:
@@ -114,19 +154,30 @@ def check(root: Path, engine: EngineHealth | None = None) -> Readiness:
     as long as the weights loaded: a rollout must not stall because one warmup request failed, and
     `kcache_ready_cold` shows it. Markers from before the signals existed count weights and graphs
     as done when warmup was ok. With `engine`, the model server must also answer its health check
-    (after the markers, which say why first).
+    (after the markers, which say why first); under ready-cold its healthy answer also counts as
+    loaded weights, since a server that loaded after warmup gave up leaves a marker nothing rewrites.
     """
     restore = read_marker(root, RESTORE_MARKER)
     warmup = read_marker(root, WARMUP_MARKER)
     signals = _signals(restore, warmup)
+    healthy, detail = engine() if engine is not None else (False, "")
+    if healthy and (warmup or {}).get("on_failure") == "ready-cold" and not signals[1].ok:
+        signals = (signals[0], Signal("weights", True, "the model server answers its health check"), *signals[2:])
     reason = _reason(warmup, {s.name: s for s in signals})
     warmed = signals[-1].ok
     if engine is not None:
-        healthy, detail = engine()
         signals += (Signal("engine", healthy, detail),)
         if not healthy and not reason:
             reason = f"the model server is not healthy: {detail}"
     return Readiness(not reason, restore, warmup, reason, signals, cold=not reason and not warmed)
+
+
+def _shown(value: object) -> str:
+    """A marker's value as /readyz, `kcache ready` and /metrics show it: one line, bounded."""
+    return untrusted.one_line(value, MAX_SHOWN)
+
+
+MAX_SHOWN = 200
 
 
 def _reason(warmup: dict | None, signal: dict[str, Signal]) -> str:
@@ -135,11 +186,11 @@ def _reason(warmup: dict | None, signal: dict[str, Signal]) -> str:
         return "restore has not finished"
     if warmup is None:
         return "warmup has not completed"
-    status = warmup.get("status", "unknown")
+    status = _shown(warmup.get("status", "unknown"))
     if status == "running" and _lapsed(warmup):  # killed mid-way (OOM): nothing will rewrite it
         if warmup.get("on_failure") == "ready-cold" and signal["weights"].ok:
             return ""
-        return f"warmup stopped without finishing (its marker expired at {warmup.get('expires_at')})"
+        return f"warmup stopped without finishing (its marker expired at {_shown(warmup.get('expires_at'))})"
     if status == "running":
         if not signal["weights"].ok:
             return "warmup running: weights not loaded yet"
@@ -165,13 +216,13 @@ def _lapsed(warmup: dict) -> bool:
 
 
 def _signals(restore: dict | None, warmup: dict | None) -> tuple[Signal, ...]:
-    status = str((warmup or {}).get("status", ""))
+    status = _shown((warmup or {}).get("status", ""))
     marked = (warmup or {}).get("signals")
     marked = marked if isinstance(marked, dict) else {"weights": status == "ok", "graphs": status == "ok"}
     weights, graphs = marked.get("weights") is True, marked.get("graphs") is True
     not_started = "warmup has not started"
     return (
-        Signal("restore", restore is not None, str((restore or {}).get("status", "not finished"))),
+        Signal("restore", restore is not None, _shown((restore or {}).get("status", "not finished"))),
         Signal("weights", weights, "loaded" if weights else (f"warmup {status}" if warmup else not_started)),
         Signal("graphs", graphs, "compiled" if graphs else (f"warmup {status}" if warmup else not_started)),
         Signal("warmup", status == "ok", status or "not completed"),
@@ -184,7 +235,12 @@ def to_dict(state: Readiness) -> dict:
         "ready": state.ready,
         "reason": state.reason,
         "cold": state.cold,
-        "restore": (state.restore or {}).get("status"),
-        "warmup": (state.warmup or {}).get("status"),
+        "restore": _status(state.restore),
+        "warmup": _status(state.warmup),
         "signals": {s.name: {"ok": s.ok, "detail": s.detail} for s in state.signals},
     }
+
+
+def _status(marker: dict | None) -> str | None:
+    status = (marker or {}).get("status")
+    return None if status is None else _shown(status)

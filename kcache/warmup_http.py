@@ -67,8 +67,10 @@ class HttpTarget:
     def __init__(self, url: str, *, request_timeout: float = 120.0, wait_timeout: float = 600.0,
                  served_model: str | None = None, poll_interval: float = 0.5, retries: int = 3,
                  budget: float | None = None, backoff: float = 0.5):  # fmt: skip
-        http_client.split_url(url)
+        parts = http_client.parse(url)
         self.name = self.url = url.rstrip("/")
+        # What the request paths are appended to: a query or fragment in --url is no part of it.
+        self._base = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
         self.request_timeout, self.wait_timeout, self.poll_interval = request_timeout, wait_timeout, poll_interval
         self.retries, self.budget, self.backoff = retries, budget, backoff
         self.model = served_model
@@ -98,7 +100,7 @@ class HttpTarget:
             self.model = self._first_model()
 
     def _get(self, path: str, timeout: float, max_body: int = MAX_HEALTH_ANSWER) -> http_client.Response:
-        return http_client.request("GET", self.url + path, timeout=timeout, max_body=max_body)
+        return http_client.request("GET", self._base + path, timeout=timeout, max_body=max_body)
 
     def _healthy(self, timeout: float) -> tuple[bool, str]:
         """(healthy, why not): /health, or /v1/models on a server without /health."""
@@ -160,7 +162,7 @@ class HttpTarget:
         return (limit, "--request-timeout") if limit <= left else (left, "--budget")
 
     def _complete_once(self, payload: bytes, timeout: float) -> None:
-        url = self.url + "/v1/completions"
+        url = self._base + "/v1/completions"
         answer = http_client.request("POST", url, timeout=timeout, max_body=MAX_COMPLETION_ANSWER, body=payload,
                                      headers={"Content-Type": "application/json"})  # fmt: skip
         if 300 <= answer.status < 400:

@@ -331,3 +331,72 @@ def test_facts_files_are_mounted_where_kcache_reads_them():
             for args in kcache_calls(container):
                 for path in option(args, "--facts-file"):
                     assert any(path.startswith(m.rstrip("/") + "/") for m in mounts), f"{name}:{container['name']}"
+
+
+def test_the_model_probe_waits_longer_than_the_engine_check():
+    """/readyz asks the model server with --health-url: the kubelet's default 1 s must not cut it first."""
+    from kcache import readiness
+
+    _, _, _, model = deployment()
+    assert readiness.ENGINE_TIMEOUT < 1, "faster than the kubelet's default timeoutSeconds, for probes that set none"
+    assert model["readinessProbe"]["timeoutSeconds"] >= readiness.ENGINE_TIMEOUT + 1
+
+
+def _sidecar_script() -> str:
+    spec, _, _, _ = deployment()
+    (sidecar,) = [c for c in spec["containers"] if any(resolve(a)[0] == ["watch"] for a in kcache_calls(c))]
+    assert sidecar["command"] == ["sh", "-c"]
+    return " ".join(sidecar["args"])
+
+
+FAKE_KCACHE = """\
+import os, sys, threading
+print(sys.argv[1], os.getpid(), flush=True)
+if sys.argv[1] == "warmup" and os.environ.get("FAKE_WARMUP") == "hang":
+    threading.Event().wait()  # until a signal ends it (the default SIGTERM action)
+sys.exit(13 if sys.argv[1] == "warmup" else 0)
+"""
+
+
+def _run_sidecar(tmp_path, warmup: str):
+    import subprocess
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "kcache").write_text(f"#!{sys.executable}\n{FAKE_KCACHE}")
+    (bin_dir / "kcache").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_WARMUP": warmup}
+    return subprocess.Popen(["sh", "-c", _sidecar_script()], env=env, stdout=subprocess.PIPE, text=True)
+
+
+def test_the_sidecar_stops_on_sigterm_during_warmup(tmp_path):
+    """The sidecar's sh is the container's PID 1, which ignores a signal it has no handler for: without
+    its trap the kubelet's SIGTERM would wait out the whole warmup and end in a SIGKILL. Here (not PID 1)
+    it shows as the warmup outliving its shell."""
+    import os
+    import signal
+    import subprocess
+
+    shell = _run_sidecar(tmp_path, "hang")
+    verb, pid = shell.stdout.readline().split()
+    assert verb == "warmup"
+    try:
+        shell.send_signal(signal.SIGTERM)
+        rest, _ = shell.communicate(timeout=10)  # EOF once the warmup, which holds stdout too, is gone
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the warmup kept running after the sidecar's SIGTERM") from None
+    finally:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        shell.kill()
+        shell.wait()
+    assert shell.returncode == 128 + signal.SIGTERM and "watch" not in rest
+
+
+def test_the_sidecar_watches_after_warmup_whatever_its_outcome(tmp_path):
+    shell = _run_sidecar(tmp_path, "fail")
+    out, _ = shell.communicate(timeout=30)
+    assert [line.split()[0] for line in out.splitlines()] == ["warmup", "watch"] and shell.returncode == 0

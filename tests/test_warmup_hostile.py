@@ -15,6 +15,7 @@ from hostile_http import (
     redirect,
     trickle,
 )
+from openai_server import OpenAIServer
 
 from kcache import http_client, readiness, warmup, warmup_http
 from kcache.cli import main
@@ -134,13 +135,20 @@ def test_retries_are_logged_one_line_each(caplog):
 
 
 def test_a_url_that_is_not_http_is_a_config_error():
-    for bad in ("ftp://x", "http://", "http://host:notaport"):
+    for bad in ("ftp://x", "http://", "http://host:notaport", "http://[::1:8000", "http://a..b:8000"):
         try:
             http_client.split_url(bad)
         except http_client.ConfigError as exc:
             assert exc.what == "--url"
         else:
             raise AssertionError(bad)
+
+
+def test_warmup_appends_its_paths_to_the_url_without_its_query_or_trailing_slash():
+    with OpenAIServer() as server:
+        target = warmup_http.HttpTarget(server.url + "/?tenant=a#x", wait_timeout=5)
+        target.prepare()
+    assert server.health_checks == 1 and target.model == OpenAIServer.MODEL
 
 
 def _one_profile(tmp_path):

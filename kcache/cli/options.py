@@ -125,12 +125,22 @@ def read_jobs_option(fn):
                         f"(affinity and CPU limit), {cpus.MIN_READS} to {cpus.MAX_READS}].")(fn)  # fmt: skip
 
 
-def health_url_option(fn):
-    """--health-url for the readiness checks (ready, serve, watch): an EngineHealth, or None."""
-    return click.option("--health-url", metavar="URL", callback=_engine_health, type=NonEmptyText(),
-                        help="Also require the model server's health endpoint to answer 2xx (e.g. "
-                        "http://127.0.0.1:8000/health). Without it a model container that restarted reads as "
-                        "ready from its first start's markers while it still loads.")(fn)  # fmt: skip
+HEALTH_URL_HELP = (
+    "Also require the model server's health endpoint to answer 2xx (e.g. "
+    "http://127.0.0.1:8000/health). Without it a model container that restarted reads as "
+    "ready from its first start's markers while it still loads."
+)
+
+
+def health_url_option(fn=None, *, help: str = HEALTH_URL_HELP):  # noqa: A002 - click's name
+    """--health-url for the readiness checks (ready, serve, watch): an EngineHealth, or None.
+    `@health_url_option`, or `@health_url_option(help=...)` where the option means something narrower."""
+
+    def decorate(fn):
+        return click.option("--health-url", metavar="URL", callback=_engine_health, type=NonEmptyText(),
+                            help=help)(fn)  # fmt: skip
+
+    return decorate(fn) if fn is not None else decorate
 
 
 def _engine_health(_ctx, _param, value: str | None):

@@ -15,7 +15,8 @@ from kcache.serve import make_server, serve_until
 def host_port_options(*, port_help: str, port_required: bool):
     def apply(fn):
         fn = click.option("--host", default="127.0.0.1", show_default=True, type=NonEmptyText(),
-                          help="Address to bind; 0.0.0.0 lets the kubelet reach it.")(fn)  # fmt: skip
+                          help="Address to bind; 0.0.0.0, or :: for IPv4 and IPv6, lets the kubelet "
+                               "reach it.")(fn)  # fmt: skip
         return click.option("--port", type=click.IntRange(0, 65535), required=port_required, help=port_help)(fn)
 
     return apply
@@ -29,9 +30,14 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
+def url_of(host: str, port: int) -> str:
+    """http://HOST:PORT, an IPv6 address in brackets (http://[::]:9400)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def announce_serving(server, host: str, root, as_json: bool) -> None:
     """The line that names the port (0 picks one), as text or one JSON object."""
-    url = f"http://{host}:{server.port}"
+    url = url_of(host, server.port)
     if as_json:
         click.echo(fmt.to_json({"status": "serving", "url": url, "host": host, "port": server.port, "root": str(root)}))
     else:
@@ -48,7 +54,7 @@ def serve_cmd(root, host, port, health_url, as_json):
 
     /readyz follows the same rule as `kcache ready` (--health-url included); /metrics exposes the
     restore outcome, warmup time and status, readiness, and compiles seen after ready
-    (`kcache watch`). Stops cleanly on SIGTERM.
+    (`kcache watch`). Stops cleanly on SIGTERM; exits non-zero if the server itself fails.
 
     \b
     Examples:

@@ -22,7 +22,7 @@ from kcache.cli.options import (
 )
 from kcache.cli.publish_cmd import publish_config, signing_key_option
 from kcache.cli.ready_cmd import root_option
-from kcache.cli.serve_cmd import host_port_options, stop_on_signals
+from kcache.cli.serve_cmd import host_port_options, stop_on_signals, url_of
 from kcache.config import Settings, redact_text
 from kcache.publish import PublishConfig, publish, workload_of
 from kcache.serve import make_server, start_in_thread
@@ -58,7 +58,9 @@ def _publisher(root: Path, fingerprint_args, cfg: Settings, config: PublishConfi
 @click.option("--once", is_flag=True, help="Scan once (taking the baseline if the pod just became ready) and exit.")
 @host_port_options(port_help="Also serve /healthz, /readyz and /metrics on this port (as `kcache serve`).",
                    port_required=False)  # fmt: skip
-@health_url_option
+@health_url_option(help="With --port: /readyz and /metrics also require the model server's health endpoint to "
+                   "answer 2xx (e.g. http://127.0.0.1:8000/health). The watcher's own wait for readiness "
+                   "reads the markers only.")  # fmt: skip
 @signing_key_option
 @fingerprint_options
 @store_options
@@ -70,7 +72,8 @@ def watch_cmd(root, interval, publish_every, once, host, port, health_url, signi
     Waits for readiness (as `kcache ready`), records the cache files present then, and on each
     scan logs every new file with its layer and counts them in ROOT/.kcache-watch.json, which
     /metrics exposes. With --publish-every, publishes the delta (the store keeps only new blobs)
-    under the same fingerprint flags as `kcache restore`, and once more on SIGTERM.
+    under the same fingerprint flags as `kcache restore`, and once more on SIGTERM. --health-url
+    applies to the --port server only (its /readyz and /metrics, as `kcache serve`).
 
     \b
     Examples:
@@ -90,7 +93,7 @@ def watch_cmd(root, interval, publish_every, once, host, port, health_url, signi
     server = make_server(root, host, port, engine=health_url) if port is not None else None
     stop = stop_on_signals()
     if server is not None:
-        start_in_thread(server)
+        start_in_thread(server, stopped=stop)  # a probe port that dies ends the sidecar, not just the thread
     _announce(root, interval, publish_every if publisher else None, server, host, as_json)
     try:
         watcher.run(stop, interval)
@@ -98,11 +101,13 @@ def watch_cmd(root, interval, publish_every, once, host, port, health_url, signi
         if server is not None:
             server.shutdown()
             server.server_close()
+    if server is not None:
+        server.raise_if_failed()
 
 
 def _announce(root: Path, interval: float, publish_every: float | None, server, host: str, as_json: bool) -> None:
     """The start lines (the first names the port when there is one), or one JSON object."""
-    url = f"http://{host}:{server.port}" if server is not None else None
+    url = url_of(host, server.port) if server is not None else None
     if as_json:
         click.echo(fmt.to_json({"status": "watching", "root": str(root), "interval": interval,
                                 "publish_every": publish_every, "url": url, "host": host if server else None,
