@@ -11,8 +11,8 @@ each large chunked blob (kcache.packs: frames of CHUNK_BYTES plus a seek table) 
 so one 1 GiB file uses every fetch thread and core instead of one stream:
 
     1. tables   the last bytes of each blob to split (its seek table), `jobs` at a time
-    2. parts    runs of frames, each one ranged read of at least PART_BYTES and at most `jobs` per
-                blob (every request has a fixed cost, on some servers one that grows with the
+    2. parts    runs of frames of even length, each one ranged read of about PART_BYTES and at most
+                `jobs` per blob (every request has a fixed cost, on some servers one that grows with the
                 object: moto copies the whole object for each ranged GET); whichever thread has a
                 part decompresses its frames one at a time and pwrites each at its offset
     3. hash     the blob's SHA-256 runs over its chunks in order: the thread that completes the
@@ -249,19 +249,17 @@ def read_part(store: Store, assembly: _Assembly, part: tuple[int, ...], cancelle
 
 
 def _parts(chunks: tuple[packs.Chunk, ...], jobs: int) -> tuple[tuple[int, ...], ...]:
-    """Consecutive chunks in runs of at least PART_BYTES of stored bytes, about `jobs` runs at most."""
-    target = max(PART_BYTES, sum(c.length for c in chunks) // max(1, jobs) + 1)
-    parts: list[tuple[int, ...]] = []
-    current: list[int] = []
-    size = 0
-    for i, chunk in enumerate(chunks):
-        if current and size + chunk.length > target:
-            parts.append(tuple(current))
-            current, size = [], 0
-        current.append(i)
-        size += chunk.length
-    parts.append(tuple(current))
-    return tuple(parts)
+    """Consecutive chunks in as many runs as PART_BYTES of stored bytes each makes, `jobs` at most,
+    as even as whole frames allow: 21 MiB in two reads is 10.5 + 10.5, not 16 + 5, which on two
+    cores left one thread decompressing alone for most of the blob's time."""
+    total = sum(c.length for c in chunks)
+    count = max(1, min(jobs, -(-total // PART_BYTES)))
+    parts: list[list[int]] = [[] for _ in range(count)]
+    done = 0
+    for i, chunk in enumerate(chunks):  # a frame goes to the part its middle byte falls in
+        parts[min(count - 1, (2 * done + chunk.length) * count // (2 * max(1, total)))].append(i)
+        done += chunk.length
+    return tuple(tuple(part) for part in parts if part)
 
 
 class _Assembly:

@@ -333,3 +333,28 @@ def test_a_table_of_more_frames_than_the_content_needs_is_not_used(tmp_path, sto
     frames = [cctx.compress(p) for p in pieces]
     blob = b"".join(frames) + packs.seek_table([(len(f), len(p)) for f, p in zip(frames, pieces)])
     assert packs.parse_seek_table(blob, len(blob), len(data)) is None
+
+
+def chunks_of(lengths):
+    """A seek table's chunks with these stored lengths (content 4x each)."""
+    chunks, offset, start = [], 0, 0
+    for length in lengths:
+        chunks.append(packs.Chunk(offset, length, start, 4 * length))
+        offset, start = offset + length, start + 4 * length
+    return tuple(chunks)
+
+
+@pytest.mark.parametrize(("lengths", "jobs", "count"), [
+    ([1000] * 11, 8, 2),  # 11 frames, parts of at least 8392 stored bytes: two, not 8392 + the rest
+    ([1000] * 11, 1, 1),
+    ([1000] * 40, 4, 4),  # capped at one part per job
+    ([5000, 100, 100, 100, 5000], 8, 2),
+    ([100] * 3, 8, 1),
+])  # fmt: skip
+def test_a_split_blob_is_cut_into_parts_as_even_as_whole_frames_allow(lengths, jobs, count):
+    chunks = chunks_of(lengths)
+    parts = fetch._parts(chunks, jobs)
+    assert [i for part in parts for i in part] == list(range(len(chunks)))  # every frame once, in order
+    assert len(parts) == count
+    sizes = [sum(chunks[i].length for i in part) for part in parts]
+    assert max(sizes) - min(sizes) <= max(lengths)  # no part more than one frame longer than another
