@@ -24,7 +24,9 @@
              begun more than --grace ago, are removed: no reader sees them, yet they take space
 
 Deletion runs in the reverse order of publish: rows before objects, so no committed bundle ever
-points at a missing pack.
+points at a missing pack; a deleted bundle's ref moves off it before its row goes (and again after),
+so a run cut off part-way leaves no ref naming a bundle the index lacks. Condemnations are stamped
+when they are written, not when the plan began.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _ID = re.compile(r"[0-9a-f]{64}\Z")  # a pack id; anything else under packs/ (a temp file) no publish reuses
+_NEXT_SCAN = 100  # rows looked at for the bundle a ref falls back to; none among them: the ref is removed
 
 
 @dataclass(frozen=True)
@@ -131,8 +134,11 @@ def execute(store: Store, index: Index, gc_plan: Plan, *, signer: signing.Signin
     kept = len(gc_plan.delete_bundles) - deleted
     # A kept bundle names packs the plan counted as unreferenced: its pack lists are stale, the next run's are not.
     condemn, sweep = (gc_plan.condemn, gc_plan.sweep) if not kept else ((), ())
-    lifecycle.condemn(index, (p.id for p in condemn), gc_plan.now)
-    lifecycle.adopt(index, ((_owner(o.key), o.size) for o in gc_plan.adopt), gc_plan.now)
+    # Stamped now, not when the plan began: a publish may have revived a pack since, and a plan that
+    # took longer than --grace would otherwise condemn it "grace ago", for the next run to sweep at once.
+    condemned_at = max(gc_plan.now, datetime.now(timezone.utc))
+    lifecycle.condemn(index, (p.id for p in condemn), condemned_at)
+    lifecycle.adopt(index, ((_owner(o.key), o.size) for o in gc_plan.adopt), condemned_at)
     swept = lifecycle.delete_condemned(index, (p.id for p in sweep), gc_plan.now - gc_plan.policy.grace)
     for pack_id in swept:
         store.delete(pack_key(pack_id))
@@ -184,24 +190,58 @@ def _expired(bundles: list[Bundle], policy: Policy, now: datetime) -> list[Bundl
 
 def _delete_bundle(store: Store, index: Index, gc_plan: Plan, bundle: Bundle,
                    signer: signing.SigningKey | None) -> bool:  # fmt: skip
-    """Row first (restores stop seeing it), then the ref, then the objects. False if the bundle stays."""
+    """The ref away from it, then the row (index restores stop seeing it), then the ref again, then the
+    objects. False if the bundle stays.
+
+    The ref moves first so that a run cut off after the row's delete leaves no ref naming a bundle
+    the index lacks: `_check_covers` would take that for another store's index and refuse every
+    later run. It moves again after the delete, for a yank or refresh that pointed it back meanwhile.
+    """
     from kcache.index import lifecycle
 
     policy = gc_plan.policy
+    away = _ref_without(index, bundle)
+    moved = refs.repoint(store, bundle.bundle_key, bundle.id, away, signer=signer)
+    # (A removal that raced a publish's ref reports no move: `away is None` says it may have happened.)
     if not lifecycle.delete_expired_bundle(index, bundle, policy.keep_last, gc_plan.now - policy.older_than):
+        if moved:  # it stays (a yank since the plan): its key's ref is what the index says again
+            refs.refresh(store, index, bundle.bundle_key, signer=signer)
+        elif away is None:
+            _ref_back(store, index, bundle.bundle_key, signer)
         return False
-    newest = index.newest_bundle(bundle.bundle_key)
-    # Written from the index like every signer's ref: the newest active bundle and the key's yank list.
-    refs.repoint(store, bundle.bundle_key, bundle.id, refs.for_bundle(index, newest.id) if newest else None,
-                 signer=signer)  # fmt: skip
-    if newest is None and index.newest_bundle(bundle.bundle_key) is not None:
-        # A publish of the key committed while the ref was removed, and its ref may have gone with
-        # it (a delete cannot be conditional): write the ref from the index again.
-        refs.refresh(store, index, bundle.bundle_key, signer=signer)
+    _ref_after_delete(store, index, bundle, signer, removed=away is None)
     # A yank marker stays: a warmup that compiles the same kernels makes the same manifest id, and
     # publish commits a bundle whose marker it finds as yanked (the marker is a few bytes).
     signatures = [s.key for s in store.list(f"signatures/{bundle.id}/")]
     return not _delete_objects(store, index, bundle.id, [*signatures, manifest_key(bundle.id)])
+
+
+def _ref_without(index: Index, bundle: Bundle) -> refs.Ref | None:
+    """The ref its key should have once `bundle` is gone: its newest other active bundle, else none."""
+    newest = index.newest_bundle(bundle.bundle_key)
+    if newest is not None and newest.id == bundle.id:  # keep-last 0: the next one (most likely doomed too)
+        newer_first = index.list_bundles(bundle_key=bundle.bundle_key, limit=_NEXT_SCAN)
+        newest = next((b for b in newer_first if b.bundle_key == bundle.bundle_key and b.status == "active"
+                       and b.id != bundle.id), None)  # fmt: skip
+    return refs.for_bundle(index, newest.id) if newest is not None else None
+
+
+def _ref_after_delete(store: Store, index: Index, bundle: Bundle, signer: signing.SigningKey | None, *,
+                      removed: bool) -> None:  # fmt: skip
+    """Move the ref off the deleted `bundle` again, written from the index like every signer's ref."""
+    newest = index.newest_bundle(bundle.bundle_key)
+    refs.repoint(store, bundle.bundle_key, bundle.id, refs.for_bundle(index, newest.id) if newest else None,
+                 signer=signer)  # fmt: skip
+    if removed or newest is None:
+        _ref_back(store, index, bundle.bundle_key, signer)
+
+
+def _ref_back(store: Store, index: Index, bundle_key: str, signer: signing.SigningKey | None) -> None:
+    """After gc removed a ref: a publish of the key may have committed meanwhile, and its ref gone with
+    ours (a delete cannot be conditional). Put the index's newest back; a ref already there is left be."""
+    newest = index.newest_bundle(bundle_key)
+    if newest is not None:
+        refs.advance(store, refs.for_bundle(index, newest.id), signer=signer, index=index)
 
 
 def _delete_objects(store: Store, index: Index, bundle_id: str, keys: list[str]) -> bool:

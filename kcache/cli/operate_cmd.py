@@ -127,11 +127,18 @@ def gc_cmd(keep_last, older_than, grace, dry_run, signing_key, store_url, index_
       kcache gc --dry-run
       kcache gc --keep-last 2 --older-than 14d --grace 12h
     """
-    from kcache import gc
+    from kcache import binding, gc
+    from kcache.errors import IndexDbError
 
     policy = gc.Policy(keep_last, durations.parse(older_than, "--older-than"), durations.parse(grace, "--grace"))
     key = load_signing_key(signing_key)
-    with opened(settings(store_url, index_url, s3_endpoint_url)) as (store, index):
+    cfg = settings(store_url, index_url, s3_endpoint_url)
+    if not cfg.index_explicit and binding.missing_sqlite_file(cfg.index_url):  # (a named one: `opened` says so)
+        # An empty index is no index of this store: to it every manifest is an orphan.
+        raise IndexDbError(cfg.index_url, f"{binding.sqlite_path(cfg.index_url)} does not exist; gc needs the "
+                                          "index this store's publishers use")  # fmt: skip
+    # A dry run opens as a reader: it neither binds the index nor names the store.
+    with opened(cfg, write=not dry_run) as (store, index):
         plan = gc.plan(store, index, policy)
         result = None if dry_run else gc.execute(store, index, plan, signer=key)
     summary = {
