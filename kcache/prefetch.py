@@ -5,6 +5,11 @@ choose it (kcache.choice: the catalog's answer, ref signatures and expiry, yanks
 size and signature), so a node never warms what its pods would refuse; then every pack the manifest
 names is warmed in the node cache (kcache.store.nodecache), which verifies each against its id.
 A target without a bundle yet is a miss, not an error: the first pod publishes it.
+
+A DaemonSet lives for months beside pods that come and go: no lock one of them holds (a frozen
+pod, or a hostile one that can write the node directory) may stop it. Each pack's warm and the
+round's trim wait at most LOCK_WAIT for their locks; a pack still locked then is this round's
+error for its target, and the next round tries again.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from kcache.store import Store
 from kcache.store.nodecache import NodeCacheStore
 
 log = logging.getLogger(__name__)
+
+# As long as restore's default --timeout: a pod's fill that holds a pack's lock longer is stuck.
+LOCK_WAIT = 300.0
 
 
 @dataclass(frozen=True)
@@ -62,7 +70,7 @@ def prefetch(store: Store, index, cache: NodeCacheStore, targets: tuple[Target, 
         except KcacheError as exc:
             log.warning("prefetch of %s failed: %s", target.name, exc)
             results.append(Prefetched(target.name, target.fingerprint.bundle_key, "error", reason=str(exc), error=exc))
-    cache.trim()
+    cache.trim(wait=LOCK_WAIT)
     return tuple(results)
 
 
@@ -79,7 +87,7 @@ def _one(store, index, cache, target: Target, policy, jobs: int, stop: threading
     started = time.perf_counter()
 
     def warm(pack_id: str):
-        return None if stop.is_set() else cache.warm(pack_id, needs[pack_id])
+        return None if stop.is_set() else cache.warm(pack_id, needs[pack_id], wait=LOCK_WAIT)
 
     with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="kcache-prefetch") as pool:
         warmed = list(pool.map(warm, packs))

@@ -19,7 +19,8 @@ Rules, because many pods on a node restore at once and DIR outlives every one of
   serves a byte of it. A file that does not match is corrupt: deleted and fetched again.
 - One fetch per pack per node: the first reader takes the pack's lock exclusively and downloads it;
   the others wait on the lock (until `wait` seconds after the wrapper was made, then they read
-  the store directly) and read the cached file.
+  the store directly) and read the cached file. Whoever gets the exclusive lock looks again at
+  what is there, by its hash: a peer's fill may have the damaged file's inode and size.
 - A fill reads no more than the pack can be: at most `fill_limit(need)` bytes, where `need` is the
   largest offset+length its reader will read from it (restore announces every pack's through
   `expect_reads`, prefetch passes it to `warm`; else the range asked for). A store object larger
@@ -31,8 +32,13 @@ Rules, because many pods on a node restore at once and DIR outlives every one of
   can be exceeded while every pack is in use.
 - Whoever can write DIR may plant anything in it: a pack's path is opened without following
   links or waiting, and hashed only if it is a regular file no larger than the pack can be; packs/
-  and packs/<hh> that are links are replaced by directories, so nothing lands outside DIR.
-- The node cache can only cost time: when DIR cannot be used, reads go to `inner`.
+  and packs/<hh> that are links are replaced by directories, so nothing lands outside DIR; a lock
+  path that holds no regular file (a link, a directory) is removed, else one `.evict.lock` would
+  keep every fill off the node. Only packs/<hh>/<id> is counted against the cap: that is what
+  eviction can remove. A fill trusts the inode it wrote, not what the path names after the rename.
+- The node cache can only cost time: when DIR cannot be used, reads go to `inner`. A long-lived
+  caller (prefetch) bounds each `warm` and `trim` with its own `wait`: a peer that holds a lock
+  forever (frozen, or hostile) must not stop it.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 import stat
 import threading
 import time
@@ -62,6 +69,7 @@ log = logging.getLogger(__name__)
 MAX_BYTES_ENV = "KCACHE_NODE_CACHE_MAX_BYTES"
 DEFAULT_MAX_BYTES = 32 * 1024**3
 _PACK_KEY = re.compile(r"packs/([0-9a-f]{2})/([0-9a-f]{64})\Z")
+_SHARD = re.compile(r"[0-9a-f]{2}\Z")
 _TEMP = re.compile(r"\.tmp-([0-9a-f]{64})-")
 _CHUNK = 1024 * 1024
 # How far a pack may reach past the last byte its bundle names. A pack shared by small files holds
@@ -105,7 +113,7 @@ class NodeCacheStore:
         self.inner, self.url = inner, inner.url
         self.directory = Path(directory)
         self.max_bytes = max_bytes_from_env() if max_bytes is None else max_bytes
-        self._deadline = None if wait is None else time.monotonic() + wait
+        self._until = None if wait is None else time.monotonic() + wait
         self._verified: set[tuple[int, int, int]] = set()  # (dev, inode, size) hashed by this process
         self._mutexes: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._guard = threading.Lock()
@@ -122,7 +130,7 @@ class NodeCacheStore:
             with self._guard:
                 need = max(self._needs.get(pack_id, 0), offset + length)
             try:
-                held = self._open_cached(pack_id, key, need)
+                held = self._open_cached(pack_id, key, need, self._deadline())
             except StoreError:
                 pass  # the store's own failure: the read below meets it again and reports it
             except (OSError, KcacheError) as exc:
@@ -137,7 +145,7 @@ class NodeCacheStore:
         pack_id = _pack_id(key)
         if pack_id is not None:
             try:
-                self._remove(pack_id, wait=True)
+                self._remove(pack_id, self._deadline())
             except OSError as exc:
                 self._warn_once(pack_id, exc)
 
@@ -180,16 +188,17 @@ class NodeCacheStore:
             for pack_id, need in needs.items():
                 self._needs[pack_id] = max(need, self._needs.get(pack_id, 0))
 
-    def warm(self, pack_id: str, need: int = 0) -> Warmed:
+    def warm(self, pack_id: str, need: int = 0, *, wait: float | None = None) -> Warmed:
         """Make sure the pack is cached and verified; its use time becomes now. `need`: the largest
-        offset+length the bundle names in it (a store object past `fill_limit(need)` is refused).
+        offset+length the bundle names in it (a store object past `fill_limit(need)` is refused);
+        `wait`: the most seconds this call waits for locks (besides the wrapper's own deadline).
         Raises StoreError/ObjectMissing/IntegrityError from the store, RootError for DIR."""
         key = f"packs/{pack_id[:2]}/{pack_id}"
         if _pack_id(key) is None:
             raise IntegrityError("pack", pack_id, "is not a SHA-256 hex digest")
         self._fetched.discard(pack_id)
         try:
-            held = self._open_cached(pack_id, key, need)
+            held = self._open_cached(pack_id, key, need, self._deadline(wait))
         except OSError as exc:
             raise self._root_error(exc) from None
         if held is None:
@@ -205,14 +214,20 @@ class NodeCacheStore:
             raise self._root_error(exc) from None
         return Usage(len(files), sum(f.size for f in files), self.max_bytes)
 
-    def trim(self) -> None:
-        """Evict down to the cap and remove what killed fills left behind."""
+    def trim(self, *, wait: float | None = None) -> None:
+        """Evict down to the cap and remove what killed fills left behind; skipped when another
+        process is evicting for longer than `wait` seconds."""
         if not self.directory.is_dir():
             return
         try:
-            self._make_room(0)
+            self._make_room(0, self._deadline(wait))
         except OSError as exc:
             raise self._root_error(exc) from None
+
+    def _deadline(self, wait: float | None = None) -> float | None:
+        """When one call stops waiting for locks: the wrapper's deadline, or `wait` from now if sooner."""
+        ends = [end for end in (self._until, None if wait is None else time.monotonic() + wait) if end is not None]
+        return min(ends) if ends else None
 
     def _root_error(self, exc: OSError) -> RootError:
         return RootError(str(self.directory), f"cannot use the node cache: {exc.strerror or exc}")
@@ -225,7 +240,7 @@ class NodeCacheStore:
     def _lock_path(self, pack_id: str) -> Path:
         return self.directory / "packs" / pack_id[:2] / f".lock-{pack_id}"
 
-    def _open_cached(self, pack_id: str, key: str, need: int) -> _Held | None:
+    def _open_cached(self, pack_id: str, key: str, need: int, deadline: float | None) -> _Held | None:
         """The cached pack, open and verified, holding its shared lock; None: read the store instead.
 
         Threads of this process take the pack's mutex before any file lock: a thread must never
@@ -233,7 +248,7 @@ class NodeCacheStore:
         """
         with self._guard:
             mutex = self._mutexes[pack_id]
-        timeout = -1 if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+        timeout = -1 if deadline is None else max(0.0, deadline - time.monotonic())
         if not mutex.acquire(timeout=timeout):
             return None
         try:
@@ -241,22 +256,26 @@ class NodeCacheStore:
             for directory in (self.directory / "packs", self._lock_path(pack_id).parent):
                 _real_directory(directory)
             for _attempt in range(3):  # missing -> filled -> read; or bad -> replaced -> read
-                lock = filelock.acquire(self._lock_path(pack_id), filelock.SHARED, self._deadline)
+                lock = _lock(self._lock_path(pack_id), filelock.SHARED, deadline)
                 if lock is None:
                     return None
-                found = self._open_verified(pack_id, lock, need)
-                if isinstance(found, _Held):
-                    return found
+                try:
+                    found = self._open_verified(pack_id, need)
+                except BaseException:
+                    lock.release()
+                    raise
+                if isinstance(found, _Opened):
+                    return _Held(found.file, lock)
                 lock.release()
-                if found is _TOO_LARGE or not self._fill(pack_id, key, found, need):
+                if found is _TOO_LARGE or not self._fill(pack_id, key, need, deadline):
                     return None
             return None
         finally:
             mutex.release()
 
-    def _open_verified(self, pack_id: str, lock: filelock.FileLock, need: int) -> _Held | os.stat_result | object:
-        """The pack held open under `lock` if it hashes to its id; else the lstat of what is there
-        (to be replaced: a bad file, or no regular file at all), None (nothing) or _TOO_LARGE.
+    def _open_verified(self, pack_id: str, need: int) -> _Opened | os.stat_result | object | None:
+        """The pack, open, if it hashes to its id (call with its lock held); else the lstat of what
+        is there (to be replaced: a bad file, or no regular file at all), None (nothing) or _TOO_LARGE.
 
         Whoever can write DIR can put a FIFO, a device, a link or a sparse 4 GiB file at the path:
         nothing is read before fstat says it is a regular file no larger than `fill_limit(need)`,
@@ -293,22 +312,30 @@ class NodeCacheStore:
                 return st
             self._verified.add(identity)
         _touch(f.fileno(), path)
-        return _Held(f, lock)
+        return _Opened(f)
 
-    def _fill(self, pack_id: str, key: str, bad: os.stat_result | None, need: int) -> bool:
+    def _fill(self, pack_id: str, key: str, need: int, deadline: float | None) -> bool:
         """Fetch the pack into the cache under its exclusive lock. False: leave it to the store.
-        IntegrityError: the store's object is larger than the pack can be (see `fill_limit`)."""
-        lock = filelock.acquire(self._lock_path(pack_id), filelock.EXCLUSIVE, self._deadline)
+        IntegrityError: the store's object is larger than the pack can be (see `fill_limit`).
+
+        Under the exclusive lock, whatever is at the path is judged again by its hash, not by
+        comparing it with what the reader found: a peer that replaced a damaged copy while we
+        waited may have been given its inode back (ext4 reuses a freed one at once) with its size,
+        or repaired it in place, and deleting that would fetch the pack a second time for nothing.
+        A damaged file is hashed twice that way; a good one once (it is then known to this process)."""
+        lock = _lock(self._lock_path(pack_id), filelock.EXCLUSIVE, deadline)
         if lock is None:
             log.info("node cache: waited too long for pack %s; reading it from the store", pack_id[:12])
             return False
         with lock:
             path = self._path(pack_id)
-            now = _lstat(path)  # what is at the path, not what a link there names
-            if now is not None and (bad is None or (now.st_ino, now.st_size) != (bad.st_ino, bad.st_size)):
+            found = self._open_verified(pack_id, need)
+            if isinstance(found, _Opened):
+                found.file.close()
                 return True  # another reader filled or replaced it while we waited
-            if now is not None:
-                path.unlink()
+            if found is _TOO_LARGE:
+                return False
+            _clear(path)  # what is at the path (a damaged file, a link, a directory), not what a link names
             size = self.inner.size(key)
             if size > fill_limit(need):  # before any eviction: padding must not cost the node its packs
                 raise IntegrityError("pack", pack_id, f"is {size} bytes in {self.inner.url}, more than the "
@@ -316,15 +343,16 @@ class NodeCacheStore:
             if size > self.max_bytes:
                 log.info("node cache: pack %s (%d bytes) is larger than the cap; not cached", pack_id[:12], size)
                 return False
-            self._make_room(size)
-            atomic.write(path, lambda dst: self._download(key, pack_id, size, dst))
-            st = os.lstat(path)
-            self._verified.add((st.st_dev, st.st_ino, st.st_size))
+            self._make_room(size, deadline)
+            written: list[tuple[int, int, int]] = []
+            atomic.write(path, lambda dst: written.append(self._download(key, pack_id, size, dst)))
+            self._verified.add(written[0])  # the inode we wrote: the path may name a peer's file by now
             self._fetched.add(pack_id)
             return True
 
-    def _download(self, key: str, pack_id: str, size: int, dst: BinaryIO) -> None:
-        """The whole pack from the store into `dst`, hashed on the way: the rename waits for the match."""
+    def _download(self, key: str, pack_id: str, size: int, dst: BinaryIO) -> tuple[int, int, int]:
+        """The whole pack from the store into `dst`, hashed on the way: the rename waits for the match.
+        Returns the identity (dev, inode, size) of the file written."""
         digest = hashlib.sha256()
 
         def open_at(offset: int, length: int):
@@ -338,12 +366,14 @@ class NodeCacheStore:
                 got += len(chunk)
         if got != size or digest.hexdigest() != pack_id:
             raise IntegrityError("pack", pack_id, f"from {self.inner.url} does not hash to its id")
+        st = os.fstat(dst.fileno())
+        return st.st_dev, st.st_ino, size
 
     # ---- the size cap ----------------------------------------------------------------------------
 
-    def _make_room(self, need: int) -> None:
+    def _make_room(self, need: int, deadline: float | None) -> None:
         """Evict least recently used packs until `need` more bytes fit under the cap."""
-        evicting = filelock.acquire(self.directory / ".evict.lock", filelock.EXCLUSIVE, self._deadline)
+        evicting = _lock(self.directory / ".evict.lock", filelock.EXCLUSIVE, deadline)
         if evicting is None:
             return  # someone else is evicting; our fill may overshoot the cap by one pack
         with evicting:
@@ -352,51 +382,63 @@ class NodeCacheStore:
             for f in sorted(files, key=lambda f: f.used):
                 if total + need <= self.max_bytes:
                     break
-                if self._remove(f.pack, wait=False):
+                try:
+                    removed = self._remove(f.pack, 0.0)
+                except OSError as exc:  # one pack we cannot remove must not keep every fill off the node
+                    log.warning("node cache: cannot evict pack %s: %s", f.pack[:12], exc.strerror or exc)
+                    continue
+                if removed:
                     log.info("node cache: evicted pack %s (%d bytes, least recently used)", f.pack[:12], f.size)
                     total -= f.size
 
-    def _remove(self, pack_id: str, *, wait: bool) -> bool:
+    def _remove(self, pack_id: str, deadline: float | None) -> bool:
         """Delete a cached pack and its lock file; False when someone holds its lock (in use)."""
         lock_path = self._lock_path(pack_id)
         if not all(_is_directory(d) for d in (self.directory / "packs", lock_path.parent)):
             return True  # nothing of ours: a link there names someone else's directory
-        lock = filelock.acquire(lock_path, filelock.EXCLUSIVE, self._deadline if wait else 0.0)
+        lock = _lock(lock_path, filelock.EXCLUSIVE, deadline)
         if lock is None:
             return False
         with lock:
             if (st := _lstat(self._path(pack_id))) is not None:
                 self._verified.discard((st.st_dev, st.st_ino, st.st_size))  # the inode may be reused
-            for path in (self._path(pack_id), lock_path):  # the lock file last, while we still hold it
-                try:
-                    path.unlink()
-                except FileNotFoundError:
-                    pass
+            _clear(self._path(pack_id))
+            _clear(lock_path)  # the lock file last, while we still hold it
         return True
 
     def _cached_files(self, *, clean: bool = False) -> list[_Cached]:
-        """Every cached pack; with `clean`, temp files of fills no process is running are removed."""
+        """Every cached pack: a regular file packs/<hh>/<id>, where eviction looks for it. Nothing
+        deeper is counted (no eviction would ever remove it), nothing through a link, and what
+        cannot be listed or stat-ed is skipped. With `clean`, temp files of fills no process is
+        running are removed."""
         found = []
         if not _is_directory(self.directory / "packs"):
             return found  # absent, or a link to a directory that is not ours to count or empty
-        for dirpath, _dirs, names in os.walk(self.directory / "packs"):  # never into a linked shard
-            for name in names:
-                if clean and (temp := _TEMP.match(name)):
-                    self._remove_stale_temp(Path(dirpath) / name, temp.group(1))
-                if _pack_id(f"packs/{Path(dirpath).name}/{name}") is None:
+        for shard in _entries(self.directory / "packs"):
+            if not _SHARD.match(shard.name) or not shard.is_dir(follow_symlinks=False):
+                continue
+            for entry in _entries(Path(shard.path)):
+                if clean and (temp := _TEMP.match(entry.name)) and temp.group(1).startswith(shard.name):
+                    self._remove_stale_temp(Path(entry.path), temp.group(1))
+                if _pack_id(f"packs/{shard.name}/{entry.name}") is None:
                     continue
-                st = _lstat(Path(dirpath) / name)
-                if st is None or not stat.S_ISREG(st.st_mode):
-                    continue  # a reader replaces it; it is no pack to count or evict
-                found.append(_Cached(name, st.st_size, st.st_mtime_ns))
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue  # gone meanwhile, or not ours to look at
+                if stat.S_ISREG(st.st_mode):  # anything else a reader replaces; no pack to count or evict
+                    found.append(_Cached(entry.name, st.st_size, st.st_mtime_ns))
         return found
 
     def _remove_stale_temp(self, temp: Path, pack_id: str) -> None:
-        lock = filelock.acquire(self._lock_path(pack_id), filelock.EXCLUSIVE, 0.0)
-        if lock is None:
-            return  # a fill is writing it
-        with lock:
-            temp.unlink(missing_ok=True)
+        try:
+            lock = _lock(self._lock_path(pack_id), filelock.EXCLUSIVE, 0.0)
+            if lock is None:
+                return  # a fill is writing it
+            with lock:
+                temp.unlink(missing_ok=True)
+        except OSError as exc:  # junk we cannot remove costs disk, not the node cache
+            log.debug("node cache: cannot remove %s: %s", temp, exc)
 
     def _warn_once(self, pack_id: str, exc: BaseException) -> None:
         level = logging.DEBUG if self._warned else logging.WARNING
@@ -409,6 +451,13 @@ class _Cached:
     pack: str
     size: int
     used: int  # mtime in ns: the last read
+
+
+class _Opened:
+    """A cached pack open for reading, verified against its id."""
+
+    def __init__(self, f: BinaryIO):
+        self.file = f
 
 
 class _Held:
@@ -457,6 +506,54 @@ def _lstat(path: Path) -> os.stat_result | None:
         return os.lstat(path)
     except FileNotFoundError:
         return None
+
+
+def _entries(directory: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(directory) as it:
+            return list(it)
+    except OSError:
+        return []
+
+
+def _lock(path: Path, mode: int, deadline: float | None) -> filelock.FileLock | None:
+    """filelock.acquire, once what is at `path` is a lock file. A link, a directory or a socket
+    planted there (filelock opens with O_NOFOLLOW: ELOOP, EISDIR, ENXIO) is removed: it would keep
+    every reader off the pack, or at DIR/.evict.lock every fill off the node, for good. A regular
+    file that cannot be opened (another user's, a read-only volume) is left: OSError."""
+    cleared = 0
+    while True:
+        try:
+            return filelock.acquire(path, mode, deadline)
+        except OSError:
+            st = _lstat(path)
+            if cleared == 2 or st is None or stat.S_ISREG(st.st_mode):  # twice: peers may race us
+                raise
+        log.warning("node cache: %s is no lock file; replacing it", path)
+        _clear(path)
+        cleared += 1
+
+
+def _clear(path: Path) -> None:
+    """Remove what is at `path`, without following a link: a file, a link, a FIFO; a directory is
+    first renamed aside (so the path is free at once) and then removed with what it holds
+    (shutil.rmtree never follows a link out of it)."""
+    try:
+        os.unlink(path)
+        return
+    except FileNotFoundError:
+        return
+    except IsADirectoryError:
+        pass
+    except PermissionError:  # unlink(2) of a directory says EPERM on some systems
+        if not _is_directory(path):
+            raise
+    aside = path.with_name(f".tmp-junk-{os.urandom(8).hex()}")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _is_directory(path: Path) -> bool:

@@ -1,0 +1,330 @@
+"""The node cache against hostile peers and stuck ones: what a pod on the node (or a frozen process)
+can plant in DIR or hold there must cost time only, and never keep the node from filling it.
+
+    restore / prefetch ──► NodeCacheStore(DIR) ──► a local store (CountingStore counts pack bytes)
+    a peer ─────────────► DIR: links, directories, nested files, locks held forever
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from faulty import CountingStore
+from trees import write_tree
+
+from kcache import atomic, filelock, publish
+from kcache import prefetch as prefetching
+from kcache.cli import main
+from kcache.store import pack_key
+from kcache.store.local import LocalStore
+from kcache.store.nodecache import NodeCacheStore
+
+KiB = 1024
+
+
+def put_pack(store, data: bytes) -> str:
+    pack_id = hashlib.sha256(data).hexdigest()
+    store.put_bytes(pack_key(pack_id), data)
+    return pack_id
+
+
+def read(store, pack_id: str, offset: int = 0, length: int | None = None) -> bytes:
+    key = pack_key(pack_id)
+    with store.open_range(key, offset, store.size(key) - offset if length is None else length) as stream:
+        return stream.read()
+
+
+def cached_path(directory: Path, pack_id: str) -> Path:
+    return directory / "packs" / pack_id[:2] / pack_id
+
+
+def lock_path(directory: Path, pack_id: str) -> Path:
+    return directory / "packs" / pack_id[:2] / f".lock-{pack_id}"
+
+
+@pytest.fixture
+def backing(tmp_path):
+    return CountingStore(LocalStore(tmp_path / "store"))
+
+
+def blocked_on(path: Path) -> int:
+    """How many flock requests wait (blocked, not polling) on the lock file at `path`: /proc/locks
+    lists each as `N: -> FLOCK ADVISORY WRITE PID MAJ:MIN:INODE ...`."""
+    inode = os.stat(path).st_ino
+    with open("/proc/locks") as f:
+        return sum(1 for line in f if "->" in line and line.split()[-3].rsplit(":", 1)[-1] == str(inode))
+
+
+def wait_for(condition, timeout: float = 60) -> None:
+    """Return once `condition()` holds; fail the test after `timeout` seconds (a hang, not slowness)."""
+    done, deadline = threading.Event(), time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        done.wait(0.01)
+
+
+def in_thread(fn, timeout: float = 60):
+    """`fn()`'s result, failing the test if it is still running after `timeout` seconds (a hang)."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # handed to the test below
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), "hung"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+# ---- one fetch per pack per node, also when a corrupt pack is replaced ------------------------------
+
+
+def test_two_readers_of_a_corrupt_pack_fetch_it_again_once(tmp_path, backing):
+    """Both find the damaged copy and queue for the pack's lock; the first replaces it, the second
+    must read that replacement, not delete it and fetch again. On ext4 the replacement usually gets
+    the freed inode of the damaged file (same number, same size): not a sign that nothing changed."""
+    data = os.urandom(300 * KiB)
+    pack_id = put_pack(backing, data)
+    node = tmp_path / "node"
+    NodeCacheStore(backing, node).warm(pack_id)
+    damaged = bytearray(data)
+    damaged[1234] ^= 0x01
+    cached_path(node, pack_id).write_bytes(bytes(damaged))
+    before = backing.read["packs"]
+    peer = filelock.acquire(lock_path(node, pack_id), filelock.SHARED, None)  # a pod reading it: no one replaces yet
+    results = []
+
+    def reader():
+        results.append(read(NodeCacheStore(backing, node), pack_id))  # one wrapper each: its own file locks
+
+    threads = [threading.Thread(target=reader, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: blocked_on(lock_path(node, pack_id)) >= 2)  # both hashed it, both want to replace it
+    finally:
+        peer.release()
+    for t in threads:
+        t.join(60)
+    assert results == [data, data]
+    assert backing.read["packs"] - before == len(data), "the damaged pack is fetched once for both"
+    assert cached_path(node, pack_id).read_bytes() == data
+
+
+def test_a_damaged_pack_repaired_while_a_reader_waits_to_replace_it_is_kept(tmp_path, backing):
+    """What decides that a pack must be fetched again is its content, not its inode and size: a copy
+    put right in place (`cp`, or a peer's fill that got the damaged file's freed inode) is the pack."""
+    data = os.urandom(200 * KiB)
+    pack_id = put_pack(backing, data)
+    node = tmp_path / "node"
+    NodeCacheStore(backing, node).warm(pack_id)
+    path = cached_path(node, pack_id)
+    damaged = bytearray(data)
+    damaged[99] ^= 0x01
+    path.write_bytes(bytes(damaged))
+    before = backing.read["packs"]
+    peer = filelock.acquire(lock_path(node, pack_id), filelock.SHARED, None)
+    results = []
+    thread = threading.Thread(target=lambda: results.append(read(NodeCacheStore(backing, node), pack_id)), daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: blocked_on(lock_path(node, pack_id)) >= 1)  # it hashed the damaged copy
+        with open(path, "r+b") as f:  # the peer repairs it, same inode, same size
+            f.write(data)
+    finally:
+        peer.release()
+    thread.join(60)
+    assert results == [data]
+    assert backing.read["packs"] == before, "the repaired pack is read, not deleted and fetched again"
+
+
+def test_a_file_put_at_the_path_right_after_a_fill_is_hashed_not_trusted(tmp_path, backing, monkeypatch):
+    """A fill trusts the inode it wrote and renamed, not whatever the path names a moment later."""
+    data = os.urandom(100 * KiB)
+    pack_id = put_pack(backing, data)
+    node = tmp_path / "node"
+    path = cached_path(node, pack_id)
+    planted = bytearray(data)
+    planted[-1] ^= 0xFF
+    fsync_dir, planted_once = atomic._fsync_dir, []
+
+    def peer_swaps_the_pack(directory):
+        fsync_dir(directory)
+        if not planted_once and path.exists():  # a peer replaces the just-renamed pack with its own
+            planted_once.append(True)
+            other = path.with_name("planted")
+            other.write_bytes(bytes(planted))
+            os.replace(other, path)
+
+    monkeypatch.setattr(atomic, "_fsync_dir", peer_swaps_the_pack)
+    assert read(NodeCacheStore(backing, node), pack_id) == data
+    assert planted_once
+
+
+# ---- what a peer plants where a lock file should be ----------------------------------------------------
+
+
+def plant(path: Path, what: str, outside: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if what == "directory":
+        path.mkdir()
+    elif what == "directory-with-files":
+        path.mkdir()
+        (path / "junk").write_bytes(b"x")
+        (path / "sub").mkdir()
+        os.symlink(outside, path / "sub" / "out")  # removing the junk must not reach through this
+    elif what == "dangling-link":
+        os.symlink("/nonexistent/kcache-lock", path)
+    elif what == "link-to-a-file-outside":
+        os.symlink(outside / "precious", path)
+
+
+PLANTS = ["directory", "directory-with-files", "dangling-link", "link-to-a-file-outside"]
+
+
+@pytest.mark.parametrize("what", PLANTS)
+@pytest.mark.parametrize("where", ["evict-lock", "pack-lock", "lock-of-the-victim"])
+def test_a_lock_path_that_is_no_lock_file_is_replaced_and_the_node_still_fills(tmp_path, backing, what, where):
+    """One link or directory at DIR/.evict.lock kept every fill on the node off it, for good (every
+    fill makes room first); one at a pack's lock kept that pack off it, and once that pack was the
+    least recently used, every fill that had to evict it."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"not the node cache's")
+    node = tmp_path / "node"
+    old = put_pack(backing, os.urandom(100 * KiB))
+    NodeCacheStore(backing, node).warm(old)
+    data = os.urandom(100 * KiB)
+    pack_id = put_pack(backing, data)
+    target = {"evict-lock": node / ".evict.lock", "pack-lock": lock_path(node, pack_id),
+              "lock-of-the-victim": lock_path(node, old)}[where]  # fmt: skip
+    if target.exists():
+        target.unlink()
+    plant(target, what, outside)
+    cache = NodeCacheStore(backing, node, max_bytes=150 * KiB, wait=5)  # room for one: `old` must go
+    assert read(cache, pack_id, 0, 1000) == data[:1000]
+    assert cached_path(node, pack_id).read_bytes() == data, "filled, despite what was planted"
+    assert not cached_path(node, old).exists()  # and evicted to the cap
+    assert (outside / "precious").read_bytes() == b"not the node cache's"
+    assert sorted(p.name for p in outside.iterdir()) == ["precious"]
+    assert not target.is_symlink() and not target.is_dir()
+    assert cache.warm(pack_id).bytes == len(data)
+
+
+@pytest.mark.parametrize("what", ["directory", "directory-with-files"])
+def test_a_directory_at_a_packs_path_is_replaced_by_the_pack(tmp_path, backing, what):
+    """A directory where a pack should be failed every fill of that pack (unlink said EISDIR), so
+    every pod on the node read it from the store for good, and prefetch failed on it each round."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"keep")
+    data = os.urandom(10 * KiB)
+    pack_id = put_pack(backing, data)
+    node = tmp_path / "node"
+    plant(cached_path(node, pack_id), what, outside)
+    assert read(NodeCacheStore(backing, node, wait=5), pack_id, 0, 100) == data[:100]
+    assert cached_path(node, pack_id).read_bytes() == data
+    assert (outside / "precious").read_bytes() == b"keep" and sorted(os.listdir(outside)) == ["precious"]
+    assert not list((node / "packs" / pack_id[:2]).glob(".tmp-*"))
+
+
+# ---- the cap counts what eviction can remove ----------------------------------------------------------
+
+
+def test_files_below_the_shard_directories_are_neither_counted_nor_cause_evictions(tmp_path, backing):
+    """Packs live in packs/<hh>/. A file deeper down, named like a pack, was counted against the cap
+    but never removed (eviction deletes packs/<hh>/<id>): the node evicted every real pack on each
+    fill, for good."""
+    node = tmp_path / "node"
+    cache = NodeCacheStore(backing, node, max_bytes=1024 * KiB)
+    kept = [put_pack(backing, os.urandom(100 * KiB)) for _ in range(2)]
+    for pack_id in kept:
+        cache.warm(pack_id)
+    phantom_id = "ab" + "0" * 62
+    phantom = node / "packs" / "ab" / "ab" / phantom_id
+    phantom.parent.mkdir(parents=True)
+    with open(phantom, "wb") as f:
+        f.truncate(4 * 1024**3)  # sparse: costs its planter nothing
+    os.utime(phantom, ns=(2**62, 2**62))  # "used" far in the future: the last to go
+    assert cache.usage().packs == 2 and cache.usage().bytes == 200 * KiB
+    cache.warm(put_pack(backing, os.urandom(100 * KiB)))
+    assert all(cached_path(node, p).exists() for p in kept), "room for all three: nothing evicted"
+
+
+@pytest.mark.parametrize("where", ["another-shard", "a-nested-directory"])
+def test_junk_named_like_a_killed_fills_temp_file_does_not_keep_fills_off_the_node(tmp_path, backing, where):
+    """Every fill cleans up temp files first; one in a shard its pack id does not name (whose own
+    shard does not exist) failed that clean-up, and with it every fill on the node."""
+    node = tmp_path / "node"
+    NodeCacheStore(backing, node).warm(put_pack(backing, os.urandom(10 * KiB)))
+    temp_id = "ee" + "1" * 62
+    junk = (node / "packs" / "cd" if where == "another-shard" else node / "packs" / "cd" / "ee") / f".tmp-{temp_id}-x"
+    junk.parent.mkdir(parents=True, exist_ok=True)
+    junk.write_bytes(b"junk")
+    data = os.urandom(10 * KiB)
+    pack_id = put_pack(backing, data)
+    assert read(NodeCacheStore(backing, node), pack_id) == data
+    assert cached_path(node, pack_id).read_bytes() == data
+
+
+# ---- prefetch against a peer that holds a lock and never lets go ------------------------------------
+
+
+@pytest.fixture
+def published(tmp_path, monkeypatch):
+    """A bundle of several small packs in a local store."""
+    monkeypatch.setattr(publish, "TARGET_PACK_BYTES", 256 * KiB)
+    write_tree(tmp_path / "src", {f"inductor/fx/{i:02d}": os.urandom(200 * KiB) for i in range(4)})
+    store = tmp_path / "store"
+    result = CliRunner().invoke(main, ["publish", "--from", str(tmp_path / "src"), "--model", "m", "--store",
+                                       str(store), "--index", f"sqlite:///{tmp_path / 'pub.db'}"],
+                                catch_exceptions=False)  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    packs = sorted(p.name for p in (store / "packs").rglob("*") if p.is_file() and not p.name.startswith("."))
+    assert len(packs) >= 3
+    return store, packs
+
+
+def run_prefetch(store: Path, node: Path):
+    args = ["prefetch", "--node-cache", str(node), "--model", "m", "--store", str(store), "--index", "none",
+            "--once", "--json"]  # fmt: skip
+    return in_thread(lambda: CliRunner().invoke(main, args, catch_exceptions=False))
+
+
+@pytest.mark.parametrize("held", ["a-packs-lock", "the-evict-lock"])
+def test_prefetch_outlasts_a_peer_that_holds_a_lock_forever(tmp_path, published, monkeypatch, held):
+    """A frozen pod (or a hostile one) that holds a lock in DIR kept `kcache prefetch` waiting for
+    ever: no round ended, no new bundle was followed, SIGTERM was not heard. A round now waits a
+    bounded time, warms everything else, and the next round tries again."""
+    store, packs = published
+    node = tmp_path / "node"
+    monkeypatch.setattr(prefetching, "LOCK_WAIT", 0.5)
+    stuck = packs[0]
+    path = node / ".evict.lock" if held == "the-evict-lock" else lock_path(node, stuck)
+    path.parent.mkdir(parents=True)
+    with filelock.acquire(path, filelock.EXCLUSIVE, None):  # the peer, for as long as this test runs
+        result = run_prefetch(store, node)
+    (target,) = json.loads(result.stdout)["targets"]
+    cached = {p for p in packs if cached_path(node, p).exists()}
+    if held == "the-evict-lock":  # nobody can evict now: fills go on (over the cap if need be)
+        assert result.exit_code == 0, result.output + result.stderr
+        assert (target["status"], target["fetched"], cached) == ("cached", len(packs), set(packs))
+    else:
+        assert result.exit_code != 0 and target["status"] == "error" and "locked" in target["reason"]
+        assert cached == set(packs) - {stuck}
+    again = run_prefetch(store, node)  # the peer let go: the next round completes the node
+    assert again.exit_code == 0, again.output + again.stderr
+    assert {p for p in packs if cached_path(node, p).exists()} == set(packs)
