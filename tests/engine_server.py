@@ -5,7 +5,7 @@ per event, ending with `data: [DONE]`), a fresh `id` and `created` in every answ
 answer is told from a regenerated one), and `error_mid_stream`: a 200 stream that reports an error
 as an event, as vLLM does when generation fails after the headers went out, and `gate`, which holds a stream
 after its first event until the test sets it; `cut_mid_stream` drops the connection there. `sent` holds the exact
-body bytes of every answer, `headers` the request headers of every POST.
+body bytes of every answer, `headers` the request headers of every POST (`header_lists` with repeated names kept).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class EngineServer(OpenAIServer):
         self.gate = gate  # a threading.Event: a stream waits on it after its first event
         self.sent: list[bytes] = []
         self.headers: list[dict[str, str]] = []
+        self.header_lists: list[list[tuple[str, str]]] = []
         self._ids = itertools.count(1)
         super().__init__(**kwargs)
 
@@ -39,6 +40,7 @@ class EngineServer(OpenAIServer):
                 with owner._lock:
                     owner.completions.append(body)
                     owner.headers.append(dict(self.headers))
+                    owner.header_lists.append(list(self.headers.items()))
                     n = next(owner._ids)
                 if owner.fail_status:
                     self._send(owner.fail_status, {"error": {"message": "engine exploded", "code": owner.fail_status}})

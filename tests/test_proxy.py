@@ -185,7 +185,7 @@ def test_a_tampered_entry_is_a_miss_and_is_replaced(proxy, engine, prefix):
     reply = proxy.post(CHAT, ASK)
     assert reply.headers["x-kcache-cache"] == "miss" and reply.body == engine.sent[1]
     assert proxy.metric("kcache_proxy_redis_errors_total", kind="bad_entry") == 1
-    assert entry.decode(client.get(name), max_bytes=1 << 20).body == engine.sent[1]
+    assert entry.decode(client.get(name), max_bytes=1 << 20, key=ASK_KEY).body == engine.sent[1]
     assert proxy.post(CHAT, ASK).headers["x-kcache-cache"] == "hit"
 
 
@@ -194,16 +194,19 @@ def _raw_entry(head: bytes, body: bytes) -> bytes:
 
 
 ANSWER = json.dumps({"choices": [{"message": {"content": "cached"}}]}).encode()
+ASK_KEY = key.decide(CHAT, [], {}, json.dumps(ASK).encode(), FP).key
 
 
 @pytest.mark.parametrize("value", [
     entry.MAGIC + b"[" * 200_000 + b"\n" + ANSWER,  # a header nested past the parser's recursion limit
-    _raw_entry(b'{"headers": [["X-A", "\\ud800"]], "sha256": "SHA", "status": 200, "stream": false}', ANSWER),
-    entry.encode(entry.Entry(200, (("Content-Type", "application/json"),), ANSWER + b" " * 5000, False)),  # too big
+    _raw_entry(b'{"headers": [["X-A", "\\ud800"]], "key": "' + ASK_KEY.encode() + b'", "sha256": "SHA", "status": 200, '
+               b'"stream": false}', ANSWER),
+    entry.encode(entry.Entry(200, (("Content-Type", "application/json"),), ANSWER + b" " * 5000, False),
+                 key=ASK_KEY),  # too big
 ])  # fmt: skip
 def test_a_hostile_entry_is_a_miss_and_is_replaced(engine, prefix, value):
     client = redis.Redis.from_url(REDIS_URL)
-    client.set(prefix + key.decide(CHAT, [], {}, json.dumps(ASK).encode(), FP).key, value)
+    client.set(prefix + ASK_KEY, value)
     with RunningProxy(config(engine.url, prefix, max_entry_bytes=4096)) as proxy:
         reply = proxy.post(CHAT, ASK)
         assert (reply.status, reply.headers["x-kcache-cache"], reply.body) == (200, "miss", engine.sent[0])
@@ -215,8 +218,10 @@ def test_an_entry_over_the_size_limit_is_not_read_whole(engine, prefix, tmp_path
     private = PrivateRedis(tmp_path)
     try:
         client = redis.Redis.from_url(private.url)
-        huge = entry.encode(entry.Entry(200, (("Content-Type", "application/json"),), b" " * (4 << 20), False))
-        client.set(prefix + key.decide(CHAT, [], {}, json.dumps(ASK).encode(), FP).key, huge)
+        huge = entry.encode(
+            entry.Entry(200, (("Content-Type", "application/json"),), b" " * (4 << 20), False), key=ASK_KEY
+        )
+        client.set(prefix + ASK_KEY, huge)
         with RunningProxy(config(engine.url, prefix, redis_url=private.url, max_entry_bytes=4096)) as proxy:
             before = client.info("stats")["total_net_output_bytes"]
             assert proxy.post(CHAT, ASK).headers["x-kcache-cache"] == "miss"

@@ -28,12 +28,12 @@ def test_key_is_pinned():
     # A refactor must never change a key by accident: every cached answer would go cold at once.
     # The bytes below are the documented parts, written out by hand; bump KEY_SCHEMA to change them.
     parts = ('{"body":{"messages":[{"content":"hi","role":"user"}],"model":"m","temperature":0},'
-             f'"fingerprint":"{FP}","path":"/v1/chat/completions","query":[["a","1"],["b","2"]],'
-             f'"schema":1,"tenant":"{TENANT_T}"}}')  # fmt: skip
+             f'"fingerprint":"{FP}","path":"/v1/chat/completions","query":[["a","1"],["a","0"],["b","2"]],'
+             f'"schema":2,"tenant":"{TENANT_T}"}}')  # fmt: skip
     assert hashlib.sha256(b"authorization:Bearer t").hexdigest() == TENANT_T
-    got = key.request_key(CHAT, [("b", "2"), ("a", "1")], "Bearer t", {**BODY, "user": "u"}, FP)
+    got = key.request_key(CHAT, key.query_pairs("b=2&a=1&a=0"), "Bearer t", {**BODY, "user": "u"}, FP)
     assert got == hashlib.sha256(parts.encode()).hexdigest()
-    assert got == "f75c193202c37dab3030d48b83dbdeca048404f94a2c445492723e3ea6ddac19"
+    assert got == "8308a1952a4522d02162f3db7f8468da2f0f3269f4146c604d174a979e030392"
 
 
 json_values = st.recursive(
@@ -61,6 +61,24 @@ def test_every_part_changes_the_key(part):
         "body": {**BODY, "max_tokens": 5},
     }[part]  # fmt: skip
     assert key.request_key(**args) != key.request_key(**changed)
+
+
+@pytest.mark.parametrize("one, other", [
+    ("a=%ff", "a=%fe"),  # both decoded to U+FFFD
+    ("a=%ff", "a=%EF%BF%BD"),
+    ("a=1&a=2", "a=2&a=1"),  # an engine reads the first or the last
+])  # fmt: skip
+def test_queries_the_engine_reads_apart_have_different_keys(one, other):
+    assert key.request_key(CHAT, key.query_pairs(one), None, BODY, FP) != key.request_key(
+        CHAT, key.query_pairs(other), None, BODY, FP
+    )
+
+
+@pytest.mark.parametrize("one, other", [("a=1&b=2", "b=2&a=1"), ("a=b+c", "a=b%20c"), ("a=%C3%A9", "a=%c3%a9")])
+def test_queries_that_mean_the_same_have_one_key(one, other):
+    assert key.query_pairs(one) != [] and key.request_key(CHAT, key.query_pairs(one), None, BODY, FP) == (
+        key.request_key(CHAT, key.query_pairs(other), None, BODY, FP)
+    )
 
 
 def test_zero_point_zero_is_zero():
@@ -155,15 +173,17 @@ def test_a_stream_is_complete_only_when_it_ends_with_done_and_no_error():
 
 def test_entries_round_trip_and_refuse_tampering():
     e = entry.Entry(200, (("Content-Type", "application/json"), ("X-Request-Id", "7")), b'{"choices": []}', False)
-    raw = entry.encode(e)
-    assert entry.decode(raw, max_bytes=1 << 20) == e
+    raw = entry.encode(e, key="k1")
+    assert entry.decode(raw, max_bytes=1 << 20, key="k1") == e
+    with pytest.raises(entry.BadEntry, match="another request key"):
+        entry.decode(raw, max_bytes=1 << 20, key="k2")  # copied from another key: another tenant's answer
     with pytest.raises(entry.BadEntry, match="sha256"):
-        entry.decode(raw[:-1] + b"]", max_bytes=1 << 20)
-    injected = entry.encode(entry.Entry(200, (("X-A", "1\r\nSet-Cookie: evil"),), b"{}", False))
+        entry.decode(raw[:-1] + b"]", max_bytes=1 << 20, key="k1")
+    injected = entry.encode(entry.Entry(200, (("X-A", "1\r\nSet-Cookie: evil"),), b"{}", False), key="k1")
     with pytest.raises(entry.BadEntry, match="not allowed"):
-        entry.decode(injected, max_bytes=1 << 20)
+        entry.decode(injected, max_bytes=1 << 20, key="k1")
     with pytest.raises(entry.BadEntry):
-        entry.decode(raw.replace(b'"status":200', b'"status":500'), max_bytes=1 << 20)
+        entry.decode(raw.replace(b'"status":200', b'"status":500'), max_bytes=1 << 20, key="k1")
 
 
 def _raw_entry(head: bytes, body: bytes = b'{"choices": []}') -> bytes:
@@ -172,24 +192,25 @@ def _raw_entry(head: bytes, body: bytes = b'{"choices": []}') -> bytes:
 
 @pytest.mark.parametrize("raw", [
     entry.MAGIC + b"[" * 200_000 + b"\n{}",  # nested past the parser's recursion limit
-    _raw_entry(b'{"headers": [["X-A", "\\ud800"]], "sha256": "SHA", "status": 200, "stream": false}'),  # no bytes
-    _raw_entry(b'{"headers": [["X-A", "\xed\xa0\x80"]], "sha256": "SHA", "status": 200, "stream": false}'),
-    _raw_entry(b'{"headers": [], "sha256": "SHA", "status": 200, "stream": false}\xff'),  # not UTF-8
-    _raw_entry(b'{"headers": [], "sha256": "SHA", "status": 2e400, "stream": false}'),
+    _raw_entry(b'{"headers": [["X-A", "\\ud800"]], "key": "k", "sha256": "SHA", "status": 200, "stream": false}'),
+    _raw_entry(b'{"headers": [["X-A", "\xed\xa0\x80"]], "key": "k", "sha256": "SHA", "status": 200, "stream": false}'),
+    _raw_entry(b'{"headers": [], "key": "k", "sha256": "SHA", "status": 200, "stream": false}\xff'),  # not UTF-8
+    _raw_entry(b'{"headers": [], "key": "k", "sha256": "SHA", "status": 2e400, "stream": false}'),
+    _raw_entry(b'{"headers": [], "sha256": "SHA", "status": 200, "stream": false}'),  # no key (a kcp1 head)
     _raw_entry(b'["headers"]'),
     entry.MAGIC,
     b"",
 ])  # fmt: skip
 def test_every_value_that_does_not_decode_is_a_bad_entry(raw):
     with pytest.raises(entry.BadEntry):
-        entry.decode(raw, max_bytes=1 << 20)
+        entry.decode(raw, max_bytes=1 << 20, key="k")
 
 
 def test_an_entry_over_the_size_limit_is_a_bad_entry():
-    raw = entry.encode(entry.Entry(200, (), b'{"choices": []}', False))
-    assert entry.decode(raw, max_bytes=len(raw)).body == b'{"choices": []}'
+    raw = entry.encode(entry.Entry(200, (), b'{"choices": []}', False), key="k")
+    assert entry.decode(raw, max_bytes=len(raw), key="k").body == b'{"choices": []}'
     with pytest.raises(entry.BadEntry, match="larger than"):
-        entry.decode(raw, max_bytes=len(raw) - 1)
+        entry.decode(raw, max_bytes=len(raw) - 1, key="k")
 
 
 @pytest.mark.parametrize("status, headers, body, reason", [

@@ -6,7 +6,9 @@ A value is read with GETRANGE 0..max_bytes, never GET: one round trip like GET, 
 someone else wrote larger than this proxy ever would is read only up to one byte past the bound,
 which is enough to know it is not an entry. (STRLEN first would cost a second round trip on every
 hit; a pipelined STRLEN + GET would still carry the whole value.) GETRANGE answers "" for an
-absent key, and no entry is empty, so "" is a plain miss.
+absent key, and no entry is empty, so "" is a plain miss. A value of another type (a list, a hash)
+answers WRONGTYPE: Redis is up and the key holds no entry, so it is a bad entry like any other,
+and the next answer's SET replaces it, not a failure that would switch the cache off for everyone.
 
 Every call is bounded by `timeout` (asyncio's, on top of the socket timeouts), and redis-py's own
 retries are off, so a dead or stopped Redis costs a request at most one timeout. After
@@ -25,7 +27,7 @@ import time
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeout
 
 from kcache.errors import CacheUnavailable, ConfigError
@@ -62,11 +64,11 @@ class ResultCache:
     async def get(self, key: str) -> entries.Entry | None:
         """The entry for `key`; None when absent or not one of ours (a miss, overwritten by the next
         answer). Raises CacheUnavailable."""
-        raw = await self._call(self._redis.getrange(self.prefix + key, 0, self.max_bytes))  # end inclusive
-        if not raw:
-            return None
         try:
-            return entries.decode(raw, max_bytes=self.max_bytes)
+            raw = await self._call(self._redis.getrange(self.prefix + key, 0, self.max_bytes))  # end inclusive
+            if not raw:
+                return None
+            return entries.decode(raw, max_bytes=self.max_bytes, key=key)
         except entries.BadEntry as exc:
             log.warning("ignoring the Redis value at %s%s: %s", self.prefix, key[:16], exc)
             self.stats.redis_errors["bad_entry"] += 1
@@ -84,6 +86,12 @@ class ResultCache:
             result = await asyncio.wait_for(command, self.timeout)
         except (asyncio.TimeoutError, TimeoutError, RedisTimeout):
             self._fail("timeout")
+        except ResponseError as exc:
+            if not str(exc).startswith("WRONGTYPE"):
+                log.debug("redis: %s", exc)
+                self._fail("error")
+            self._failures = 0  # Redis answered: the key holds no entry, and the next SET replaces it
+            raise entries.BadEntry("the key holds a value of another type") from None
         except (RedisError, OSError) as exc:
             log.debug("redis: %s", exc)
             self._fail("error")

@@ -1,14 +1,16 @@
 """A cached answer as it lies in Redis, and the rules for what may become one.
 
-    b"kcp1\\n" + canonical JSON {"headers": [[name, value], ...], "sha256", "status", "stream"} + b"\\n" + body
+    b"kcp2\\n" + canonical JSON {"headers": [[name, value], ...], "key", "sha256", "status", "stream"} + b"\\n" + body
 
 Only complete, successful answers are stored: status 200, and for JSON a body that parses to an
 object with `choices` and no `error`; for server-sent events a stream that ends with `data: [DONE]`
 and carries no error event (vLLM reports a failure mid-stream as an event, after a 200). Redis is
 shared infrastructure, so a value is hostile until it decodes: it must be no larger than the proxy
 would have written (--max-entry-bytes), the header line must parse (a RecursionError counts as not
-parsing), the body must hash to its sha256, and headers must be plain tokens and values that encode
-as UTF-8, or the value counts as absent.
+parsing), it must name the request key it lies under (a value copied from another key, so from
+another tenant or fingerprint, is not this request's answer), the body must hash to its sha256, and
+headers must be plain tokens and values that encode as UTF-8, or the value counts as absent. (kcp1
+entries had no key; they read as bad entries and are overwritten.)
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from kcache import canonical
 from kcache.errors import BadEntry
 from kcache.proxy import sse
 
-MAGIC = b"kcp1\n"
+MAGIC = b"kcp2\n"
 MAX_HEADERS = 64
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")  # no CR, LF or other controls: no header injection
@@ -72,21 +74,24 @@ def storable(status: int, headers: tuple[tuple[str, str], ...], body: bytes) -> 
     return ""
 
 
-def encode(entry: Entry) -> bytes:
+def encode(entry: Entry, *, key: str) -> bytes:
+    """The bytes to store under request key `key` (without the Redis prefix)."""
     meta = {
         "status": entry.status,
         "headers": [list(h) for h in entry.headers],
+        "key": key,
         "sha256": hashlib.sha256(entry.body).hexdigest(),
         "stream": entry.stream,
     }
     return MAGIC + canonical.dumps(meta) + b"\n" + entry.body
 
 
-def decode(raw: bytes, *, max_bytes: int) -> Entry:
-    """The entry in `raw`; raises BadEntry for anything this proxy did not write whole, and for
-    anything over `max_bytes`, which it would not have written (the cache reads one byte past it)."""
+def decode(raw: bytes, *, max_bytes: int, key: str) -> Entry:
+    """The entry in `raw`, read under request key `key`; raises BadEntry for anything this proxy did not
+    write whole for that key, and for anything over `max_bytes`, which it would not have written (the
+    cache reads one byte past it)."""
     if not isinstance(raw, bytes) or not raw.startswith(MAGIC):
-        raise BadEntry("no kcp1 magic")
+        raise BadEntry("no kcp2 magic")
     if len(raw) > max_bytes:
         raise BadEntry(f"larger than --max-entry-bytes ({max_bytes})")
     head, sep, body = raw[len(MAGIC) :].partition(b"\n")
@@ -98,6 +103,8 @@ def decode(raw: bytes, *, max_bytes: int) -> Entry:
         raise BadEntry(f"header is not JSON: {str(exc)[:80]}") from None
     if not isinstance(meta, dict) or meta.get("status") != 200 or not isinstance(meta.get("stream"), bool):
         raise BadEntry("bad status or stream flag")
+    if meta.get("key") != key:
+        raise BadEntry("written for another request key")
     if meta.get("sha256") != hashlib.sha256(body).hexdigest():
         raise BadEntry("body does not match its sha256")
     return Entry(200, _headers(meta.get("headers")), body, meta["stream"])

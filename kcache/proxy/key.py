@@ -5,8 +5,12 @@ A key is SHA-256 over canonical JSON of named parts (pip's cache key, in spirit)
     schema       KEY_SCHEMA; bump it whenever a part or the body's normal form changes
     fingerprint  the bundle key of what the pod runs: a new model, revision, toolchain or compile
                  option is a new key, so an update never serves the previous version's answers
-    tenant       SHA-256 of the Authorization header: one tenant never gets another's answer
-    path, query  /v1/completions and /v1/chat/completions answer differently; the query is sorted
+    tenant       SHA-256 of the Authorization header: one tenant never gets another's answer. A request
+                 with two is not cached: engines read one of them, and which one is theirs to say
+    path, query  /v1/completions and /v1/chat/completions answer differently; the query's pairs are
+                 sorted by name, repeated names kept in their order (an engine reads the first or the
+                 last), escapes decoded to bytes read as Latin-1 (one character a byte: no two raw
+                 queries share a key, where UTF-8 decoding turns every invalid escape into U+FFFD)
     body         the request's JSON with NON_SEMANTIC fields removed and integral floats made ints
 
 Deterministic by default means: `n` is absent or 1, and `temperature` is 0 or `seed` is an
@@ -20,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +33,7 @@ from typing import Any
 from kcache import canonical, readiness
 from kcache.errors import ConfigError
 
-KEY_SCHEMA = 1
+KEY_SCHEMA = 2  # 2: query pairs decoded byte for byte, repeated names in order
 CACHED_PATHS = ("/v1/completions", "/v1/chat/completions")
 BYPASS_HEADER = "X-Kcache-Bypass"
 # Fields that change who asked or how the engine schedules the request, never the tokens it returns.
@@ -46,7 +51,7 @@ class Decision:
     """A request's fate: `key` when the cache may answer it, else the bypass `reason`."""
 
     key: str | None
-    reason: str  # "" when cacheable; else bypass_header | disabled | not_json | sampling | n
+    reason: str  # "" when cacheable; else bypass_header | disabled | not_json | ambiguous_auth | sampling | n
     body: dict | None  # the parsed request, for prefix measurement; None when it is not a JSON object
 
 
@@ -60,18 +65,36 @@ def decide(
     enabled: bool = True,
     cache_sampled: bool = False,
 ) -> Decision:
-    """Whether the cache may answer this POST to one of CACHED_PATHS, and under which key."""
-    body = parse_body(raw)
+    """Whether the cache may answer this POST to one of CACHED_PATHS, and under which key.
+
+    `headers` may repeat a name (a multidict with `getall`, as aiohttp gives them); a plain mapping
+    holds one value per name.
+    """
+    # An encoded body is bytes the proxy does not read as the engine would (it may inflate it, or not).
+    encodings = {e.strip().lower() for v in values(headers, "Content-Encoding") for e in v.split(",")}
+    body = parse_body(raw) if encodings <= {"identity", ""} else None
     if not enabled:
         return Decision(None, "disabled", body)
     if wants_bypass(headers):
         return Decision(None, "bypass_header", body)
     if body is None:
         return Decision(None, "not_json", None)
+    authorization = values(headers, "Authorization")
+    if len(authorization) > 1:
+        return Decision(None, "ambiguous_auth", body)
     reason = "" if cache_sampled else nondeterminism(body)
     if reason:
         return Decision(None, reason, body)
-    return Decision(request_key(path, query, headers.get("Authorization"), body, fingerprint), "", body)
+    return Decision(request_key(path, query, next(iter(authorization), None), body, fingerprint), "", body)
+
+
+def values(headers: Mapping[str, str], name: str) -> list[str]:
+    """Every value of header `name`, in order: a repeated header must not hide behind its first value."""
+    getall = getattr(headers, "getall", None)
+    if getall is not None:
+        return list(getall(name, []))
+    value = headers.get(name)
+    return [] if value is None else [value]
 
 
 # Levels of nesting a body must be able to take on top of its own: the key and the prefix measurement
@@ -100,9 +123,10 @@ def parse_body(raw: bytes) -> dict | None:
 
 def wants_bypass(headers: Mapping[str, str]) -> bool:
     """`X-Kcache-Bypass: 1` (or true/yes), or `Cache-Control: no-cache` / `no-store`."""
-    if headers.get(BYPASS_HEADER, "").strip().lower() in ("1", "true", "yes"):
+    if any(v.strip().lower() in ("1", "true", "yes") for v in values(headers, BYPASS_HEADER)):
         return True
-    directives = {d.strip().lower() for d in headers.get("Cache-Control", "").split(",")}
+    # Repeated Cache-Control headers are one comma-separated list (RFC 9110 5.3).
+    directives = {d.strip().lower() for v in values(headers, "Cache-Control") for d in v.split(",")}
     return bool(directives & {"no-cache", "no-store"})
 
 
@@ -123,6 +147,11 @@ def _is_number(value: Any, expected: int) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == expected
 
 
+def query_pairs(raw_query: str) -> list[tuple[str, str]]:
+    """The raw query string's name/value pairs, as the key reads them (see the module docstring)."""
+    return urllib.parse.parse_qsl(raw_query, keep_blank_values=True, encoding="latin-1")
+
+
 def request_key(path: str, query, authorization: str | None, body: Mapping[str, Any], fingerprint: str) -> str:
     items = query.items() if isinstance(query, Mapping) else query
     parts = {
@@ -130,7 +159,7 @@ def request_key(path: str, query, authorization: str | None, body: Mapping[str, 
         "fingerprint": fingerprint,
         "tenant": tenant(authorization),
         "path": path,
-        "query": sorted([str(k), str(v)] for k, v in items),
+        "query": sorted(([str(k), str(v)] for k, v in items), key=lambda pair: pair[0]),  # stable: repeats in order
         "body": normal_form({k: v for k, v in body.items() if k not in NON_SEMANTIC}),
     }
     return canonical.sha256(canonical.dumps(parts))

@@ -10,6 +10,11 @@ identical request being a hit. A hit is replayed with the headers the engine sen
 stream, event by event with the engine's exact bytes. Every answer carries `X-Kcache-Cache`
 (hit | miss | bypass | pass). Redis failing is a pass-through (kcache.proxy.cache); the upstream
 failing is a 502 in OpenAI's error shape, since there is nothing else to answer with.
+
+Request bodies are read raw (never inflated: the engine gets the bytes the client sent, and the key
+is computed from them), and at most max_request_bytes of one is held: a larger body is forwarded as
+it arrives, uncached. Request headers are forwarded with their repeats; a client that hangs up
+cancels its handler, which closes the engine's connection.
 """
 
 from __future__ import annotations
@@ -36,10 +41,11 @@ from kcache.proxy.stats import Stats
 log = logging.getLogger(__name__)
 
 CACHE_HEADER = "X-Kcache-Cache"
-# Request headers that belong to this hop, or that the proxy sets itself.
+# Request headers that belong to this hop, or that the proxy sets itself. `Expect: 100-continue` was
+# answered to the client already; forwarded, aiohttp would wait for the engine's 100, which it need not send.
 NOT_FORWARDED = frozenset(
     {"connection", "keep-alive", "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade", "host",
-     "content-length", key.BYPASS_HEADER.lower()}
+     "content-length", "expect", key.BYPASS_HEADER.lower()}
 )  # fmt: skip
 
 
@@ -56,7 +62,7 @@ class ProxyConfig:
     enabled: bool = True  # False: forward everything, count it, cache nothing
     cache_sampled: bool = False
     prefix_entries: int = 100_000
-    max_request_bytes: int = 64 << 20
+    max_request_bytes: int = 64 << 20  # the most of one completion request's body held to key it
 
 
 class Proxy:
@@ -68,6 +74,7 @@ class Proxy:
         self.prefixes = PrefixMemory(config.prefix_entries)
         self.upstream = config.upstream.rstrip("/")
         self._runner: web.AppRunner | None = None
+        self._storing: set[asyncio.Task] = set()  # shielded writes whose client left: the loop holds tasks weakly
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         cfg = self.config
@@ -82,7 +89,11 @@ class Proxy:
         app = web.Application(client_max_size=cfg.max_request_bytes)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_route("*", "/{tail:.*}", self._any)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # auto_decompress off: a Content-Encoding body is forwarded as sent, never inflated (a bomb stays small).
+        # handler_cancellation: a client that hangs up cancels its handler, which closes the engine's connection:
+        # that is how the engine learns to stop generating (otherwise only the next write would notice).
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False,
+                                     handler_cancellation=True)  # fmt: skip
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         try:
@@ -97,6 +108,7 @@ class Proxy:
     async def close(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+        await asyncio.gather(*self._storing, return_exceptions=True)  # each bounded by the Redis timeout
         await self.session.close()
         await self.cache.close()
 
@@ -113,9 +125,12 @@ class Proxy:
         return await self._forward(request, body, started, "pass")
 
     async def _completion(self, request: web.Request, started: float) -> web.StreamResponse:
-        raw = await request.read()
         cfg = self.config
-        decision = key.decide(request.path, list(request.query.items()), request.headers, raw, cfg.fingerprint,
+        raw, whole = await _read_at_most(request, cfg.max_request_bytes)
+        if not whole:
+            return await self._too_large(request, raw, started)
+        query = key.query_pairs(request.rel_url.raw_query_string)
+        decision = key.decide(request.path, query, request.headers, raw, cfg.fingerprint,
                               enabled=cfg.enabled, cache_sampled=cfg.cache_sampled)  # fmt: skip
         cache_key, reason = decision.key, decision.reason
         if cache_key is not None:
@@ -136,6 +151,17 @@ class Proxy:
             self.stats.prompt_seen_bytes += seen.seen
         return await self._forward(request, raw, started, outcome, cache_key)
 
+    async def _too_large(self, request: web.Request, head: bytes, started: float) -> web.StreamResponse:
+        """A body over max_request_bytes: forwarded as it arrives (what was read, then the rest), never keyed."""
+        reason = "too_large"
+        if not self.config.enabled:
+            reason = "disabled"  # decided before the body, as for a body that fits
+        elif key.wants_bypass(request.headers):
+            reason = "bypass_header"
+        self.stats.bypasses[reason] += 1
+        self.stats.requests["bypass"] += 1
+        return await self._forward(request, _then(head, request.content), started, "bypass")
+
     async def _replay(self, request: web.Request, hit: entries.Entry, started: float) -> web.StreamResponse:
         self.stats.requests["hit"] += 1
         response = web.StreamResponse(status=hit.status, headers=_answer(hit.headers, "hit"))
@@ -153,9 +179,12 @@ class Proxy:
         return response
 
     async def _forward(self, request, body, started, outcome, cache_key=None) -> web.StreamResponse:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED}
+        # A multidict: a repeated header (two Authorization values) reaches the engine as the client sent it.
+        headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED)
+        if body is not None and not isinstance(body, bytes) and request.content_length is not None:
+            headers["Content-Length"] = str(request.content_length)  # streamed, but framed as the client framed it
         if cache_key is not None:
-            headers = {k: v for k, v in headers.items() if k.lower() != "accept-encoding"}
+            headers.popall("Accept-Encoding", None)
             headers["Accept-Encoding"] = "identity"  # what is recorded must be replayable to any client
         clock = _Clock()
         try:
@@ -194,6 +223,10 @@ class Proxy:
             if recording is not None:
                 self.stats.not_stored["client_gone"] += 1
             return response
+        except asyncio.CancelledError:  # the client hung up (handler_cancellation)
+            if recording is not None:
+                self.stats.not_stored["client_gone"] += 1
+            raise
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # the engine broke off mid-answer
             log.warning("upstream broke off an answer: %s", exc)
             if recording is not None:
@@ -201,14 +234,18 @@ class Proxy:
             if request.transport is not None:  # a clean end would tell the client the answer is whole
                 request.transport.abort()
             return response
-        if recording is not None:
-            await self._store(cache_key, upstream.status, answer, bytes(recording))
+        if recording is not None:  # shielded: a client gone after the last byte must not cost the entry
+            store = asyncio.ensure_future(self._store(cache_key, upstream.status, answer, bytes(recording)))
+            self._storing.add(store)
+            store.add_done_callback(self._storing.discard)
+            await asyncio.shield(store)
         await response.write_eof()
         return response
 
     async def _store(self, cache_key: str, status: int, headers, body: bytes) -> None:
         reason = entries.storable(status, headers, body)
-        raw = b"" if reason else entries.encode(entries.Entry(200, headers, body, entries.is_event_stream(headers)))
+        answer = entries.Entry(200, headers, body, entries.is_event_stream(headers))
+        raw = b"" if reason else entries.encode(answer, key=cache_key)
         if not reason and len(raw) > self.config.max_entry_bytes:
             reason = "too_large"
         if reason:
@@ -220,6 +257,27 @@ class Proxy:
             self.stats.not_stored["redis"] += 1
             return
         self.stats.stored_bytes += len(raw)
+
+
+async def _read_at_most(request: web.Request, limit: int) -> tuple[bytes, bool]:
+    """Up to `limit` bytes of the body, and whether that is all of it."""
+    if request.content_length is not None and request.content_length > limit:
+        return b"", False  # said so up front: nothing read, nothing held
+    buf = bytearray()
+    while len(buf) <= limit:
+        chunk = await request.content.read(limit + 1 - len(buf))
+        if not chunk:
+            return bytes(buf), True
+        buf += chunk
+    return bytes(buf), False
+
+
+async def _then(head: bytes, rest: aiohttp.StreamReader):
+    """`head`, then what is left of `rest`, chunk by chunk as it arrives."""
+    if head:
+        yield head
+    while chunk := await rest.readany():
+        yield chunk
 
 
 class _Clock:

@@ -1,0 +1,226 @@
+"""kcache proxy against hostile clients, a hostile Redis and engines that misbehave.
+
+Real Redis on 127.0.0.1:6379, real HTTP: tests/engine_server.py as the engine, or raw-socket routes
+(tests/hostile_http.py) where the engine must do what no server library would.
+"""
+
+import gzip
+import http.client
+import json
+import socket
+import threading
+import uuid
+
+import pytest
+import redis
+from engine_server import EngineServer
+from hostile_http import COMPLETION, HostileServer, answer
+from proxied import RunningProxy
+from test_proxy import ASK, CHAT, FP, REDIS_URL, config
+
+from kcache.proxy import entry, key
+
+
+@pytest.fixture
+def prefix():
+    """A key prefix of this test's own in the shared Redis, deleted afterwards."""
+    client = redis.Redis.from_url(REDIS_URL)
+    name = f"kcache-test:{uuid.uuid4().hex}:"
+    yield name
+    keys = list(client.scan_iter(name + "*"))
+    if keys:
+        client.delete(*keys)
+
+
+@pytest.fixture
+def engine():
+    with EngineServer() as server:
+        yield server
+
+
+@pytest.fixture
+def proxy(engine, prefix):
+    with RunningProxy(config(engine.url, prefix)) as running:
+        yield running
+
+
+def send(port: int, method: str, path: str, body: bytes, headers: list[tuple[str, str]]):
+    """One request whose headers may repeat a name (a dict cannot); returns (status, headers, body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.putrequest(method, path, skip_accept_encoding=True)
+        for name, value in [("Content-Type", "application/json"), ("Content-Length", str(len(body))), *headers]:
+            conn.putheader(name, value)
+        conn.endheaders(body)
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def stored_key(body: dict, headers: dict | None = None) -> str:
+    return key.decide(CHAT, [], headers or {}, json.dumps(body).encode(), FP).key
+
+
+# --- clients ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("first", ["", "Bearer victim"])
+def test_two_authorization_headers_are_filed_under_neither(proxy, engine, first):
+    # The key read the first value while the engine was sent only the last: an empty first value filed an
+    # answer the engine gave `attacker` under the anonymous tenant, readable by anyone without a credential.
+    auth = [("Authorization", first), ("Authorization", "Bearer attacker")]
+    status, headers, _ = send(proxy.port, "POST", CHAT, json.dumps(ASK).encode(), auth)
+    assert (status, headers["x-kcache-cache"]) == (200, "bypass")
+    assert [v for k, v in engine.header_lists[-1] if k.lower() == "authorization"] == [first, "Bearer attacker"]
+    assert proxy.metric("kcache_proxy_bypasses_total", reason="ambiguous_auth") == 1
+    impostor = {"Authorization": first} if first else {}
+    assert proxy.post(CHAT, ASK, impostor).headers["x-kcache-cache"] == "miss"
+    assert len(engine.completions) == 2
+
+
+def test_queries_that_decode_alike_are_not_one_answer(proxy, engine):
+    replies = [proxy.post(f"{CHAT}?x={q}", ASK) for q in ("%ff", "%fe", "%EF%BF%BD")]
+    assert [r.headers["x-kcache-cache"] for r in replies] == ["miss"] * 3
+    assert [r.body for r in replies] == engine.sent
+
+
+def test_a_no_cache_directive_in_a_second_cache_control_header_is_honoured(proxy, engine):
+    proxy.post(CHAT, ASK)
+    directives = [("Cache-Control", "max-age=0"), ("Cache-Control", "no-cache")]
+    status, headers, body = send(proxy.port, "POST", CHAT, json.dumps(ASK).encode(), directives)
+    assert (status, headers["x-kcache-cache"], body) == (200, "bypass", engine.sent[1])
+
+
+def _recording(bodies: list[bytes]):
+    def route(server, conn, request):
+        bodies.append(request.body)
+        server.send(conn, answer("200 OK", COMPLETION))
+
+    return route
+
+
+def test_a_compressed_request_body_reaches_the_engine_as_the_client_sent_it(prefix):
+    # aiohttp inflated request bodies: the engine got plain JSON under `Content-Encoding: gzip`, an answer
+    # it would never have given the client directly, and the key was computed from bytes it never saw.
+    bodies: list[bytes] = []
+    with HostileServer({f"POST {CHAT}": _recording(bodies)}) as eng, RunningProxy(config(eng.url, prefix)) as proxy:
+        packed = gzip.compress(json.dumps(ASK).encode())
+        status, headers, _ = send(proxy.port, "POST", CHAT, packed, [("Content-Encoding", "gzip")])
+        assert (status, headers["x-kcache-cache"]) == (200, "bypass")
+        status, headers, _ = send(proxy.port, "POST", "/v1/other", packed, [("Content-Encoding", "gzip")])
+        assert (status, headers["x-kcache-cache"]) == (404, "pass")
+        assert bodies == [packed]
+        assert proxy.metric("kcache_proxy_bypasses_total", reason="not_json") == 1
+        assert proxy.post(CHAT, ASK).headers["x-kcache-cache"] == "miss"  # nothing was filed under the JSON
+
+
+def test_a_body_over_the_request_limit_is_forwarded_not_refused(engine, prefix):
+    # It was answered 413 in plain text, by the proxy, for a request the engine would have served.
+    with RunningProxy(config(engine.url, prefix, max_request_bytes=1000)) as proxy:
+        big = {**ASK, "messages": [{"role": "user", "content": "x" * 5000}]}
+        replies = [proxy.post(CHAT, big) for _ in range(2)]
+        assert [(r.status, r.headers["x-kcache-cache"]) for r in replies] == [(200, "bypass")] * 2
+        assert engine.completions == [big, big] and [r.body for r in replies] == engine.sent
+        assert proxy.metric("kcache_proxy_bypasses_total", reason="too_large") == 2
+        assert proxy.post(CHAT, ASK).headers["x-kcache-cache"] == "miss"  # below the limit: cached as before
+
+
+def test_expect_100_continue_is_not_forwarded(prefix):
+    # The proxy has the body already (it answered the client's Expect itself); forwarded, the header made
+    # aiohttp wait for a 100 the engine need not send, for ever.
+    bodies: list[bytes] = []
+    with HostileServer({f"POST {CHAT}": _recording(bodies)}) as eng, RunningProxy(config(eng.url, prefix)) as proxy:
+        status, headers, body = send(proxy.port, "POST", CHAT, json.dumps(ASK).encode(), [("Expect", "100-continue")])
+        assert (status, headers["x-kcache-cache"], json.loads(body)) == (200, "miss", COMPLETION)
+        assert bodies == [json.dumps(ASK).encode()]
+
+
+def test_a_client_that_leaves_closes_the_engines_connection(prefix):
+    # The proxy learnt of a departed client only when it next wrote: a slow answer held the engine's
+    # connection open, so the engine (vLLM aborts on disconnect) generated it whole for nobody.
+    arrived, closed = threading.Event(), threading.Event()
+
+    def silent(server, conn, request):
+        arrived.set()
+        conn.settimeout(30)
+        try:
+            if conn.recv(1) == b"":  # the proxy closed its side
+                closed.set()
+        except OSError:
+            pass
+
+    with HostileServer({f"POST {CHAT}": silent}) as eng, RunningProxy(config(eng.url, prefix)) as proxy:
+        body = json.dumps(ASK).encode()
+        with socket.create_connection(("127.0.0.1", proxy.port)) as client:
+            client.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+            assert arrived.wait(30)
+        assert closed.wait(30)
+        assert proxy.get("/metrics").status == 200  # and the proxy serves on
+
+
+# --- Redis -----------------------------------------------------------------------------------------------------
+
+
+def test_a_value_of_another_redis_type_is_a_bad_entry_and_is_replaced(proxy, engine, prefix):
+    # WRONGTYPE counted as Redis failing: the request was a bypass, nothing overwrote the value, and three such
+    # requests turned the cache off for everyone.
+    client = redis.Redis.from_url(REDIS_URL)
+    client.rpush(prefix + stored_key(ASK), b"not a string")
+    replies = [proxy.post(CHAT, ASK) for _ in range(4)]
+    assert [r.headers["x-kcache-cache"] for r in replies] == ["miss", "hit", "hit", "hit"]
+    assert proxy.metric("kcache_proxy_redis_errors_total", kind="bad_entry") == 1
+    assert proxy.metric("kcache_proxy_redis_errors_total", kind="error") == 0
+    assert proxy.metric("kcache_proxy_redis_up") == 1
+
+
+def test_an_entry_copied_from_another_key_is_not_served(proxy, engine, prefix):
+    client = redis.Redis.from_url(REDIS_URL)
+    alice = proxy.post(CHAT, ASK, {"Authorization": "Bearer alice"})
+    bob = {"Authorization": "Bearer bob"}
+    client.set(prefix + stored_key(ASK, bob), client.get(prefix + stored_key(ASK, {"Authorization": "Bearer alice"})))
+    reply = proxy.post(CHAT, ASK, bob)
+    assert (reply.headers["x-kcache-cache"], reply.body) == ("miss", engine.sent[1])
+    assert reply.body != alice.body
+    assert proxy.metric("kcache_proxy_redis_errors_total", kind="bad_entry") == 1
+    assert proxy.post(CHAT, ASK, bob).body == engine.sent[1]
+
+
+def test_an_entry_written_for_another_fingerprint_is_not_served(engine, prefix):
+    client = redis.Redis.from_url(REDIS_URL)
+    forged = entry.encode(
+        entry.Entry(200, (("Content-Type", "application/json"),), json.dumps(COMPLETION).encode(), False),
+        key=key.decide(CHAT, [], {}, json.dumps(ASK).encode(), "f" * 32).key,
+    )
+    client.set(prefix + stored_key(ASK), forged)
+    with RunningProxy(config(engine.url, prefix)) as proxy:
+        reply = proxy.post(CHAT, ASK)
+        assert (reply.headers["x-kcache-cache"], reply.body) == ("miss", engine.sent[0])
+        assert proxy.metric("kcache_proxy_redis_errors_total", kind="bad_entry") == 1
+
+
+@pytest.mark.parametrize(
+    "name", ["Transfer-Encoding", "Connection", "Content-Length", "Set-Cookie", "content-encoding"]
+)
+def test_an_entry_carrying_a_header_the_proxy_never_stores_is_a_miss(engine, prefix, name):
+    client = redis.Redis.from_url(REDIS_URL)
+    headers = (("Content-Type", "application/json"), (name, "chunked" if name == "Transfer-Encoding" else "x"))
+    bad = entry.encode(entry.Entry(200, headers, json.dumps(COMPLETION).encode(), False), key=stored_key(ASK))
+    client.set(prefix + stored_key(ASK), bad)
+    with RunningProxy(config(engine.url, prefix)) as proxy:
+        reply = proxy.post(CHAT, ASK)
+        assert (reply.status, reply.headers["x-kcache-cache"], reply.body) == (200, "miss", engine.sent[0])
+        assert "set-cookie" not in reply.headers
+        assert proxy.metric("kcache_proxy_redis_errors_total", kind="bad_entry") == 1
+
+
+# --- the engine ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [429, 500, 503])
+def test_an_engine_error_is_never_cached(prefix, status):
+    with EngineServer(fail_status=status) as failing, RunningProxy(config(failing.url, prefix)) as proxy:
+        replies = [proxy.post(CHAT, ASK) for _ in range(2)]
+        assert [(r.status, r.headers["x-kcache-cache"]) for r in replies] == [(status, "miss")] * 2
+        assert not list(redis.Redis.from_url(REDIS_URL).scan_iter(prefix + "*"))
