@@ -46,8 +46,7 @@ def acquire(path: Path, mode: int, deadline: float | None) -> FileLock | None:
     has passed. A deadline in the past means one try; None waits as long as it takes.
     OSError from the file system propagates."""
     while True:
-        # O_NOFOLLOW: whoever can write the directory must not make us create a file elsewhere.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        fd = _open(path, mode)
         try:
             if not _flock(fd, mode, deadline):
                 os.close(fd)
@@ -58,6 +57,23 @@ def acquire(path: Path, mode: int, deadline: float | None) -> FileLock | None:
             os.close(fd)
             raise
         os.close(fd)  # we locked a lock file that was deleted meanwhile: lock the one there now
+
+
+def _open(path: Path, mode: int) -> int:
+    """The lock file, created if absent. O_NOFOLLOW: whoever can write the directory must not make us
+    create a file elsewhere. A reader that may not write there (a pod mounting the node cache
+    read-only, or as another user) takes its shared lock on the existing file opened for reading:
+    flock needs no write access, so it still keeps the writer that replaces the file waiting."""
+    flags = os.O_CLOEXEC | os.O_NOFOLLOW
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o644)
+    except OSError as exc:
+        if mode != SHARED or exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        try:
+            return os.open(path, os.O_RDONLY | flags)
+        except FileNotFoundError:
+            raise exc from None
 
 
 def _flock(fd: int, mode: int, deadline: float | None) -> bool:

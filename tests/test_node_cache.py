@@ -236,3 +236,77 @@ def test_a_prefetch_loop_outlives_a_failing_round_and_once_reports_it(tmp_path):
         proc.send_signal(signal.SIGTERM)
         _out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err.decode()
+
+
+def _read_only(tree):
+    """Every directory 0555 and file 0444 under `tree`: what a pod's `readOnly: true` mount shows."""
+    for dirpath, _dirs, names in os.walk(tree):
+        for name in names:
+            os.chmod(os.path.join(dirpath, name), 0o444)
+        os.chmod(dirpath, 0o555)
+
+
+def _without_root_powers():
+    """For a child run as root (this suite's CI): drop the capabilities that ignore file modes
+    (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER) from its bounding set before it execs."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2, 3):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def restore_in_child(args):
+    """`kcache restore` in a process that file modes bind, as a pod's non-root user is bound."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-m", "kcache", *map(str, args)], env=env, capture_output=True,
+                          timeout=120, preexec_fn=_without_root_powers if os.geteuid() == 0 else None)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr.decode()
+    return json.loads(proc.stdout), proc.stderr.decode()
+
+
+@pytest.mark.parametrize("missing", [0, 1])
+def test_a_read_only_node_cache_serves_its_packs_and_the_store_the_rest(tmp_path, bundle, missing):
+    """Pods may mount the prefetch DaemonSet's directory read-only (then no pod can plant anything
+    there): every pack it holds is read from it, one it lacks from the store, and nothing is written."""
+    url, endpoint, packs, files = bundle
+    node = tmp_path / "node"
+    cli(*prefetch_args(url, endpoint, node, "--once"))
+    for pack in packs[:missing]:
+        (node / "packs" / pack[:2] / pack).unlink()
+    before = {path: content for path, (content, _mode) in read_tree(node).items()}
+    _read_only(node)
+    gets = PackGets()
+    try:
+        with CuttingProxy(endpoint, after=0, cuts=0, cut_if=gets) as proxy:
+            result, err = restore_in_child(restore_args(url, proxy, tmp_path / "root", node))
+    finally:
+        for dirpath, _dirs, _names in os.walk(node):
+            os.chmod(dirpath, 0o755)
+    assert result["status"] == "hit"
+    assert gets.by_pack == Counter({pack: 1 for pack in packs[:missing]})
+    assert {path: content for path, (content, _mode) in read_tree(node).items()} == before  # nothing written
+    assert ("Permission denied" in err) == bool(missing)  # only the fill it may not make is reported
+    assert ("Permission denied" in err) == bool(missing)  # only the fill it may not make is reported
+    assert_restored(tmp_path / "root", files)
+
+
+def test_a_node_cache_on_a_read_only_mount_serves_its_packs(tmp_path, bundle):
+    """`readOnly: true` on the pod's hostPath mount: EROFS, not EACCES, whoever the pod runs as."""
+    url, endpoint, packs, files = bundle
+    node, view = tmp_path / "node", tmp_path / "view"
+    cli(*prefetch_args(url, endpoint, node, "--once"))
+    view.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "--bind", node, view], capture_output=True).returncode:
+        pytest.skip("needs root allowed to bind-mount")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", view], check=True, capture_output=True)
+        gets = PackGets()
+        with CuttingProxy(endpoint, after=0, cuts=0, cut_if=gets) as proxy:
+            result = json.loads(cli(*restore_args(url, proxy, tmp_path / "root", view)).stdout)
+    finally:
+        subprocess.run(["umount", view], check=True)
+    assert result["status"] == "hit"
+    assert sum(gets.by_pack.values()) == 0
+    assert_restored(tmp_path / "root", files)
