@@ -10,7 +10,7 @@
     mark     the packs that retained bundles' manifests name; a retained bundle whose manifest is
              missing or does not verify is reported as broken, and while one is, nothing is
              swept (which packs it names is unknown)
-    condemn  phase 1: packs nobody references get condemned_at = now
+    condemn  phase 1: packs nobody references get condemned_at = now (the index's now)
     sweep    phase 2: packs condemned more than --grace ago and still condemned lose their rows,
              then their objects (a publish that reused one revived it: see index/lifecycle.py)
     adopt    pack objects with no row at all (a publish that crashed) older than --grace get a row
@@ -27,6 +27,11 @@ Deletion runs in the reverse order of publish: rows before objects, so no commit
 points at a missing pack; a deleted bundle's ref moves off it before its row goes (and again after),
 so a run cut off part-way leaves no ref naming a bundle the index lacks. Condemnations are stamped
 when they are written, not when the plan began.
+
+Every age is judged by the clock that stamped it, never by this host's: a row's created_at and
+condemned_at by the index's (Index.now: PostgreSQL's server clock), an object's or an unfinished
+write's time by the store's (Store.now: S3's Date). A CronJob on a node 7 h ahead otherwise took a
+pack condemned a minute ago, or a multipart upload in flight, for one older than a 6 h --grace.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from typing import TYPE_CHECKING
 
 from kcache import fingerprint, limits, refs, signing
 from kcache import manifest as manifests
+from kcache.config import redact_url
 from kcache.errors import (
     ConfigError,
     IntegrityError,
@@ -52,7 +58,7 @@ from kcache.errors import (
 )
 from kcache.records import Bundle
 from kcache.store import Store, manifest_key, pack_key
-from kcache.store.base import Leftover, ObjectInfo
+from kcache.store.base import Leftover, ObjectInfo, store_now
 from kcache.untrusted import one_line
 
 if TYPE_CHECKING:
@@ -63,6 +69,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _ID = re.compile(r"[0-9a-f]{64}\Z")  # a pack id; anything else under packs/ (a temp file) no publish reuses
 _NEXT_SCAN = 100  # rows looked at for the bundle a ref falls back to; none among them: the ref is removed
+_SKEW = timedelta(minutes=1)  # this host's clock further off the index's or store's than this is reported
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,7 @@ class Policy:
 
 @dataclass(frozen=True)
 class Plan:
-    now: datetime
+    now: datetime  # the index's clock when the plan began
     policy: Policy
     delete_bundles: tuple[Bundle, ...]
     condemn: tuple[PackInfo, ...]  # unreferenced, not condemned yet
@@ -103,9 +110,14 @@ class Result:
 
 
 def plan(store: Store, index: Index, policy: Policy, now: datetime | None = None) -> Plan:
+    """`now`: judge by this time instead of the index's and the store's clocks (what a run then would do)."""
     from kcache.index import lifecycle
 
-    now = now or datetime.now(timezone.utc)
+    if now is None:
+        now, store_time = index.now(), store_now(store)
+        _report_skew(index.url, now, store.url, store_time)
+    else:
+        store_time = now
     bundles = lifecycle.all_bundles(index)
     _check_covers(store, index, {b.id for b in bundles})
     doomed = _expired(bundles, policy, now)
@@ -119,10 +131,11 @@ def plan(store: Store, index: Index, policy: Policy, now: datetime | None = None
     waiting = tuple(p for p in unreferenced if p.condemned_at and p.id not in swept)
     condemn = tuple(p for p in unreferenced if p.condemned_at is None)
     known = {p.id for p in lifecycle.packs(index)} | {b.id for b in retained} | {b.id for b in doomed}
-    found = list(_orphans(store, known, cutoff))
+    store_cutoff = store_time - policy.grace
+    found = list(_orphans(store, known, store_cutoff))
     adopt = tuple(o for o in found if o.key.startswith("packs/") and _ID.match(_owner(o.key)))
     orphans = tuple(o for o in found if o not in adopt)
-    leftovers = tuple(left for left in store.leftovers() if _utc(left.modified) < cutoff)
+    leftovers = tuple(left for left in store.leftovers() if _utc(left.modified) < store_cutoff)
     return Plan(now, policy, tuple(doomed), condemn, sweep, waiting, orphans, adopt, broken, leftovers)
 
 
@@ -136,7 +149,8 @@ def execute(store: Store, index: Index, gc_plan: Plan, *, signer: signing.Signin
     condemn, sweep = (gc_plan.condemn, gc_plan.sweep) if not kept else ((), ())
     # Stamped now, not when the plan began: a publish may have revived a pack since, and a plan that
     # took longer than --grace would otherwise condemn it "grace ago", for the next run to sweep at once.
-    condemned_at = max(gc_plan.now, datetime.now(timezone.utc))
+    # By the index's clock, as the sweep's cutoff is: this host's may be hours off it.
+    condemned_at = max(gc_plan.now, index.now())
     lifecycle.condemn(index, (p.id for p in condemn), condemned_at)
     lifecycle.adopt(index, ((_owner(o.key), o.size) for o in gc_plan.adopt), condemned_at)
     swept = lifecycle.delete_condemned(index, (p.id for p in sweep), gc_plan.now - gc_plan.policy.grace)
@@ -325,6 +339,23 @@ def _owner(key: str) -> str:
     """The content id an object belongs to: packs/<hh>/<id>, manifests/<hh>/<id>, signatures/<id>/<key>."""
     parts = key.split("/")
     return (parts[1] if parts[0] == "signatures" else parts[2]) if len(parts) >= 3 else ""
+
+
+def _report_skew(index_url: str, index_time: datetime, store_url: str, store_time: datetime) -> None:
+    """Warn when this host's clock is off the ones gc judges by: gc does not use it, but whatever
+    else runs on this host does (S3 signs requests with it, for one)."""
+    host = _host_now()
+    for name, url, theirs in (("index", index_url, index_time), ("store", store_url, store_time)):
+        off = (host - _utc(theirs)).total_seconds()
+        if abs(off) > _SKEW.total_seconds():
+            where = "ahead of" if off > 0 else "behind"
+            log.warning("this host's clock is %d s %s the %s's (%s); gc judges ages by the %s's clock",
+                        abs(off), where, name, one_line(redact_url(url)), name)  # fmt: skip
+
+
+def _host_now() -> datetime:
+    """This host's clock: gc judges no age by it (see _report_skew)."""
+    return datetime.now(timezone.utc)
 
 
 def _utc(ts: datetime) -> datetime:

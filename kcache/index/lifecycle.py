@@ -5,7 +5,8 @@ GC's two phases meet publishers in these rows:
     delete_expired_bundle   GC: a bundle row goes only if, in the same statement, it is still outside
                             its key's newest keep-last active bundles and older than the cutoff (a
                             yank since the plan, or a publish that committed it again, keeps it)
-    condemn(packs)          GC, phase 1: packs no retained bundle references get condemned_at = now
+    condemn(packs)          GC, phase 1: packs no retained bundle references get condemned_at = now,
+                            by the index's clock (Index.now), as the bundles' created_at are
     adopt(packs)            GC, phase 1: a pack object with no row at all (a publish crashed before
                             its rows) gets a row that is condemned from the start, so it is swept by
                             the same two-phase rule, and a re-publish that rebuilds it revives it

@@ -304,6 +304,15 @@ class Index:
         """Stamped by the index's clock, like bundles: `kcache stats --since` windows agree across pods."""
         self.transaction(lambda s: s.add(EventRow(**event.__dict__, created_at=self._clock())))
 
+    def now(self) -> datetime:
+        """What `_clock` reads now: the clock this index's rows are stamped by, so what gc holds their
+        times against (a gc host's own clock may be hours off the PostgreSQL server's)."""
+        if self.engine.dialect.name != "postgresql":
+            return _now()
+        with self._guard(), self._session() as s:
+            now = s.scalar(select(func.now()))
+        return now if now.tzinfo else now.replace(tzinfo=timezone.utc)
+
     def _clock(self):
         """The index's own time: PostgreSQL's server clock; SQLite's file lives on this host."""
         return func.now() if self.engine.dialect.name == "postgresql" else _now()

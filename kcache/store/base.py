@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
@@ -98,3 +98,15 @@ class Store(Protocol):
 
     def delete(self, key: str) -> None:
         """Remove `key`; absent keys are fine (deletes are idempotent)."""
+
+    def now(self) -> datetime:
+        """The store's clock (UTC): the one that stamps `ObjectInfo.modified` and `Leftover.modified`,
+        so the one gc ages objects by. This default, this host's clock, is right only where this
+        host stamps them; a backend whose server stamps them asks the server."""
+        return datetime.now(timezone.utc)
+
+
+def store_now(store: Store) -> datetime:
+    """`store.now()`; Store's default for a wrapper written before stores had a clock."""
+    now = getattr(store, "now", None)
+    return now() if callable(now) else Store.now(store)

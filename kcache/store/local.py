@@ -173,6 +173,10 @@ class LocalStore:
         except OSError as exc:
             raise StoreError(self.url, f"cannot write {key}: {exc.strerror or exc}") from None
 
+    def now(self) -> datetime:
+        """This host's clock: the filesystem stamps the mtimes `list` and `leftovers` report with it
+        (on NFS the server does; NFS needs its clients' clocks in step with it anyway)."""
+        return datetime.now(timezone.utc)
 
     def delete(self, key: str) -> None:
         try:

@@ -61,7 +61,7 @@ from typing import BinaryIO
 from kcache import atomic, filelock, sizes
 from kcache.errors import IntegrityError, KcacheError, RootError, StoreError
 from kcache.packs import TARGET_PACK_BYTES
-from kcache.store.base import Leftover, ObjectInfo
+from kcache.store.base import Leftover, ObjectInfo, store_now
 from kcache.streams import GuardedReader, Resumable, Window
 
 log = logging.getLogger(__name__)
@@ -139,6 +139,10 @@ class NodeCacheStore:
             return self.inner.open_range(key, offset, length)
         held.seek(offset)
         return Window(GuardedReader(held, str(self.directory), key), length)
+
+    def now(self):
+        """The store's clock: the node cache stamps no object gc ages."""
+        return store_now(self.inner)
 
     def delete(self, key: str) -> None:
         self.inner.delete(key)

@@ -21,6 +21,8 @@ import os
 import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import BinaryIO
 
@@ -39,6 +41,7 @@ from kcache import durations
 from kcache.errors import ConfigError, ObjectMissing, StoreError
 from kcache.store.base import Leftover, ObjectInfo, is_valid_key
 from kcache.streams import Resumable, Window, read_exact
+from kcache.untrusted import one_line
 
 log = logging.getLogger(__name__)
 _PACK_UPLOAD = re.compile(r"packs/[0-9a-f]{2}/[0-9a-f]{64}\Z")  # the only objects kcache uploads in parts
@@ -292,6 +295,24 @@ class S3Store:
             raise self._error(exc, key, "write") from None
         except BotoCoreError as exc:
             raise self._error(exc, key, "write") from None
+
+    def now(self) -> datetime:
+        """The S3 server's clock, which stamps LastModified: the Date of its answer to a one-key list
+        (the request gc makes anyway, so a policy that lets gc list allows it). The host asking may
+        be hours off it. Whole seconds, rounded down: an age measured by it is never too great."""
+        full = self.prefix + "/" if self.prefix else ""
+        try:
+            answer = self.client.list_objects_v2(Bucket=self.bucket, Prefix=full, MaxKeys=1)
+        except (ClientError, BotoCoreError) as exc:
+            raise self._error(exc, full, "list") from None
+        date = answer.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        try:
+            when = parsedate_to_datetime(date)
+        except (TypeError, ValueError):  # no server stamping objects should lack one (RFC 9110 8.6.7)
+            log.warning("%s sent no valid Date header (%s): using this host's clock to age its objects",
+                        self.url, one_line(date, 60))  # fmt: skip
+            return datetime.now(timezone.utc)
+        return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
 
     def delete(self, key: str) -> None:
         try:
