@@ -349,6 +349,19 @@ def test_the_cli_serves_with_the_fingerprint_of_the_restore_root(engine, prefix,
     assert 0 < ttl_ms <= 600_000
 
 
+def test_the_cli_names_more_tenant_headers_by_flag_or_environment(engine, prefix, tmp_path, monkeypatch):
+    write_marker(tmp_path, RESTORE_MARKER, {"status": "miss", "bundle_key": FP})
+    args = ["proxy", "--root", str(tmp_path), "--upstream", engine.url, "--redis", REDIS_URL, "--port", "0",
+            "--key-prefix", prefix]  # fmt: skip
+    for name, how in [("X-Goog-Api-Key", ["--tenant-header", "X-Goog-Api-Key", "--tenant-header", "X-Team"]),
+                      ("X-Org", [])]:  # fmt: skip
+        monkeypatch.setenv("KCACHE_PROXY_TENANT_HEADERS", "X-Team X-Org")
+        with kcache_server(*args, *how) as (_proc, port):
+            replies = [request(port, "POST", CHAT, json.dumps(ASK).encode(), {name: who}) for who in ("a", "b", "a")]
+            assert [r.headers["x-kcache-cache"] for r in replies] == ["miss", "miss", "hit"], name
+            assert replies[2].body == replies[0].body != replies[1].body
+
+
 def test_a_streamed_miss_reaches_the_client_while_the_engine_is_still_generating(prefix):
     gate = threading.Event()
     with EngineServer(gate=gate) as slow, RunningProxy(config(slow.url, prefix)) as proxy:
@@ -369,6 +382,8 @@ def test_a_streamed_miss_reaches_the_client_while_the_engine_is_still_generating
 @pytest.mark.parametrize("extra, message", [
     (["--redis", "http://not-redis:80"], "--redis"),
     (["--redis", REDIS_URL, "--model", "m"], "either --root or the fingerprint flags"),
+    (["--redis", REDIS_URL, "--tenant-header", "X Api Key"], "not an HTTP header name"),
+    (["--redis", REDIS_URL, "--tenant-header", "X-Api-Key:"], "not an HTTP header name"),
 ])  # fmt: skip
 def test_the_cli_refuses_what_it_cannot_use(tmp_path, extra, message):
     write_marker(tmp_path, RESTORE_MARKER, {"status": "hit", "bundle_key": FP})

@@ -79,6 +79,75 @@ def test_two_authorization_headers_are_filed_under_neither(proxy, engine, first)
     assert len(engine.completions) == 2
 
 
+@pytest.mark.parametrize("name", ["X-Api-Key", "Api-Key", "Cookie"])
+def test_a_gateways_credential_header_names_the_tenant(proxy, engine, name):
+    # Only Authorization named the tenant: behind a gateway that authenticates with X-Api-Key, bob was
+    # answered from alice's entry.
+    alice, bob = proxy.post(CHAT, ASK, {name: "alice"}), proxy.post(CHAT, ASK, {name: "bob"})
+    assert [r.headers["x-kcache-cache"] for r in (alice, bob)] == ["miss", "miss"]
+    assert [alice.body, bob.body] == engine.sent
+    again = proxy.post(CHAT, ASK, {name: "alice"})
+    assert (again.headers["x-kcache-cache"], again.body) == ("hit", alice.body)
+    assert [v for k, v in engine.header_lists[0] if k.lower() == name.lower()] == ["alice"]  # still forwarded
+
+
+def test_a_repeated_gateway_credential_is_filed_under_neither(proxy, engine):
+    pairs = [("X-Api-Key", ""), ("X-Api-Key", "attacker")]
+    status, headers, _ = send(proxy.port, "POST", CHAT, json.dumps(ASK).encode(), pairs)
+    assert (status, headers["x-kcache-cache"]) == (200, "bypass")
+    assert [v for k, v in engine.header_lists[-1] if k.lower() == "x-api-key"] == ["", "attacker"]
+    assert proxy.metric("kcache_proxy_bypasses_total", reason="ambiguous_auth") == 1
+    for impostor in ({"X-Api-Key": ""}, {}):
+        assert proxy.post(CHAT, ASK, impostor).headers["x-kcache-cache"] == "miss"
+    assert len(engine.completions) == 3
+
+
+def test_a_body_with_a_repeated_name_is_forwarded_unchanged_and_never_answered_from_the_cache(prefix):
+    # Python reads the last `temperature` (0), an engine that keeps the first reads 1: the greedy answer
+    # cached for ASK was served for a request the engine would have sampled.
+    bodies: list[bytes] = []
+    with HostileServer({f"POST {CHAT}": _recording(bodies)}) as eng, RunningProxy(config(eng.url, prefix)) as proxy:
+        assert proxy.post(CHAT, ASK).headers["x-kcache-cache"] == "miss"
+        raw = json.dumps(ASK).encode().replace(b'"temperature": 0', b'"temperature": 1, "temperature": 0')
+        assert json.loads(raw) == ASK
+        for _ in range(2):
+            status, headers, body = send(proxy.port, "POST", CHAT, raw, [])
+            assert (status, headers["x-kcache-cache"], json.loads(body)) == (200, "bypass", COMPLETION)
+        assert bodies == [json.dumps(ASK).encode(), raw, raw]
+        assert proxy.metric("kcache_proxy_bypasses_total", reason="not_json") == 2
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/other"])
+def test_headers_the_client_names_in_connection_are_not_forwarded(proxy, engine, path):
+    # RFC 9110 7.6.1: a header named in Connection is for this hop only; X-Hop reached the engine.
+    pairs = [("Connection", "keep-alive, X-Hop"), ("Connection", "x-other-hop"), ("X-Hop", "1"),
+             ("X-Other-Hop", "1"), ("X-Kept", "1")]  # fmt: skip
+    status, _, _ = send(proxy.port, "POST", path, json.dumps(ASK).encode(), pairs)
+    assert status == 200
+    names = {k.lower() for k, _ in engine.header_lists[-1]}
+    assert "x-kept" in names and not names & {"x-hop", "x-other-hop"}
+
+
+def _naming_hop_headers(server, conn, request):
+    body = json.dumps(COMPLETION).encode()
+    server.send(conn, (f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                       "X-Hop: secret\r\nx-other-hop: 1\r\nX-Kept: 1\r\n"
+                       "Connection: close, X-Hop\r\nConnection: X-OTHER-HOP\r\n\r\n").encode() + body)  # fmt: skip
+
+
+def test_headers_the_engine_names_in_connection_are_neither_passed_on_nor_stored(prefix):
+    routes = {f"POST {CHAT}": _naming_hop_headers, "POST /v1/other": _naming_hop_headers}
+    with HostileServer(routes) as eng, RunningProxy(config(eng.url, prefix)) as proxy:
+        replies = [proxy.post(CHAT, ASK), proxy.post(CHAT, ASK), proxy.post("/v1/other", ASK)]
+        assert [r.headers["x-kcache-cache"] for r in replies] == ["miss", "hit", "pass"]
+        for reply in replies:
+            assert reply.headers["x-kcache-cache"] and reply.headers["x-kept"] == "1"
+            assert not {"x-hop", "x-other-hop"} & set(reply.headers)
+        stored = entry.decode(redis.Redis.from_url(REDIS_URL).get(prefix + stored_key(ASK)), max_bytes=1 << 20,
+                              key=stored_key(ASK))  # fmt: skip
+        assert {name.lower() for name, _ in stored.headers} == {"content-type", "x-kept"}
+
+
 def test_queries_that_decode_alike_are_not_one_answer(proxy, engine):
     replies = [proxy.post(f"{CHAT}?x={q}", ASK) for q in ("%ff", "%fe", "%EF%BF%BD")]
     assert [r.headers["x-kcache-cache"] for r in replies] == ["miss"] * 3

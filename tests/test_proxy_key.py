@@ -7,6 +7,7 @@ import sys
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from multidict import CIMultiDict
 
 from kcache.errors import ConfigError
 from kcache.proxy import entry, key, prefix, sse
@@ -21,7 +22,9 @@ def decide(body, headers=None, **kw):
     return key.decide(CHAT, [], headers or {}, json.dumps(body).encode(), FP, **kw)
 
 
-TENANT_T = "15db08ed5fb56c563e8344696caa5de10e7892d675ee7db9d7f9edc4d11ef02d"  # sha256(b"authorization:Bearer t")
+# The tenant of `Authorization: Bearer t`: SHA-256 of the canonical list of [lower-case name, SHA-256 of the value].
+CREDENTIAL_T = hashlib.sha256(b"Bearer t").hexdigest()
+TENANT_T = hashlib.sha256(f'[["authorization","{CREDENTIAL_T}"]]'.encode()).hexdigest()
 
 
 def test_key_is_pinned():
@@ -29,11 +32,13 @@ def test_key_is_pinned():
     # The bytes below are the documented parts, written out by hand; bump KEY_SCHEMA to change them.
     parts = ('{"body":{"messages":[{"content":"hi","role":"user"}],"model":"m","temperature":0},'
              f'"fingerprint":"{FP}","path":"/v1/chat/completions","query":[["a","1"],["a","0"],["b","2"]],'
-             f'"schema":2,"tenant":"{TENANT_T}"}}')  # fmt: skip
-    assert hashlib.sha256(b"authorization:Bearer t").hexdigest() == TENANT_T
-    got = key.request_key(CHAT, key.query_pairs("b=2&a=1&a=0"), "Bearer t", {**BODY, "user": "u"}, FP)
+             f'"schema":3,"tenant":"{TENANT_T}"}}')  # fmt: skip
+    assert TENANT_T == "b4e64ad2e1b894d9c48ac7338530cb66f303d364c592a5b227435807c8e464d4"
+    got = key.request_key(CHAT, key.query_pairs("b=2&a=1&a=0"), [("Authorization", "Bearer t")],
+                          {**BODY, "user": "u"}, FP)  # fmt: skip
     assert got == hashlib.sha256(parts.encode()).hexdigest()
-    assert got == "8308a1952a4522d02162f3db7f8468da2f0f3269f4146c604d174a979e030392"
+    assert got == "c40b24a9e595546e3d790f1b6915373c7541576a43777a0b4bcd4175c8bb83c1"
+    assert key.tenant([]) == hashlib.sha256(b"[]").hexdigest()  # no credential: the one anonymous tenant
 
 
 json_values = st.recursive(
@@ -49,16 +54,16 @@ def test_key_ignores_order_and_non_semantic_fields(body, rnd):
     rnd.shuffle(items)
     noisy = dict(items, user="someone", request_id="r-1", priority=5)
     clean = {k: v for k, v in body.items() if k not in key.NON_SEMANTIC}
-    assert key.request_key(CHAT, [], None, noisy, FP) == key.request_key(CHAT, [], None, clean, FP)
+    assert key.request_key(CHAT, [], [], noisy, FP) == key.request_key(CHAT, [], [], clean, FP)
 
 
 @pytest.mark.parametrize("part", ["fingerprint", "tenant", "path", "query", "body"])
 def test_every_part_changes_the_key(part):
-    args = {"path": CHAT, "query": [], "authorization": "Bearer a", "body": BODY, "fingerprint": FP}
+    args = {"path": CHAT, "query": [], "credentials": [("Authorization", "Bearer a")], "body": BODY, "fingerprint": FP}
     changed = dict(args)
-    changed[{"tenant": "authorization"}.get(part, part)] = {
-        "fingerprint": "f" * 32, "tenant": "Bearer b", "path": "/v1/completions", "query": [("x", "1")],
-        "body": {**BODY, "max_tokens": 5},
+    changed[{"tenant": "credentials"}.get(part, part)] = {
+        "fingerprint": "f" * 32, "tenant": [("Authorization", "Bearer b")], "path": "/v1/completions",
+        "query": [("x", "1")], "body": {**BODY, "max_tokens": 5},
     }[part]  # fmt: skip
     assert key.request_key(**args) != key.request_key(**changed)
 
@@ -69,16 +74,66 @@ def test_every_part_changes_the_key(part):
     ("a=1&a=2", "a=2&a=1"),  # an engine reads the first or the last
 ])  # fmt: skip
 def test_queries_the_engine_reads_apart_have_different_keys(one, other):
-    assert key.request_key(CHAT, key.query_pairs(one), None, BODY, FP) != key.request_key(
-        CHAT, key.query_pairs(other), None, BODY, FP
+    assert key.request_key(CHAT, key.query_pairs(one), [], BODY, FP) != key.request_key(
+        CHAT, key.query_pairs(other), [], BODY, FP
     )
 
 
 @pytest.mark.parametrize("one, other", [("a=1&b=2", "b=2&a=1"), ("a=b+c", "a=b%20c"), ("a=%C3%A9", "a=%c3%a9")])
 def test_queries_that_mean_the_same_have_one_key(one, other):
-    assert key.query_pairs(one) != [] and key.request_key(CHAT, key.query_pairs(one), None, BODY, FP) == (
-        key.request_key(CHAT, key.query_pairs(other), None, BODY, FP)
+    assert key.query_pairs(one) != [] and key.request_key(CHAT, key.query_pairs(one), [], BODY, FP) == (
+        key.request_key(CHAT, key.query_pairs(other), [], BODY, FP)
     )
+
+
+@pytest.mark.parametrize("name", ["Authorization", "X-Api-Key", "Api-Key", "Cookie", "x-api-key"])
+def test_every_credential_header_names_the_tenant(name):
+    # Only Authorization did: behind a gateway that authenticates with X-Api-Key every client was one tenant.
+    alice, bob = decide(BODY, {name: "alice"}), decide(BODY, {name: "bob"})
+    assert alice.key and bob.key and len({alice.key, bob.key, decide(BODY).key}) == 3
+    assert decide(BODY, {name: ""}).key != decide(BODY).key  # an empty credential is not no credential
+
+
+def test_each_credential_header_counts_apart():
+    both = decide(BODY, {"Authorization": "Bearer a", "X-Api-Key": "k"}).key
+    assert both not in {decide(BODY, {"Authorization": "Bearer a"}).key, decide(BODY, {"X-Api-Key": "k"}).key}
+    assert decide(BODY, {"Authorization": "k"}).key != decide(BODY, {"X-Api-Key": "k"}).key
+
+
+def test_an_operator_names_more_credential_headers():
+    names = key.tenant_headers(["X-Goog-Api-Key", "authorization"])
+    assert names == (*key.TENANT_HEADERS, "X-Goog-Api-Key")  # each name once, whatever its case
+    alice, bob = (decide(BODY, {"X-Goog-Api-Key": who}, tenant_headers=names).key for who in ("alice", "bob"))
+    assert alice != bob and alice != decide(BODY, tenant_headers=names).key
+    assert decide(BODY, {"X-Goog-Api-Key": "alice"}).key == decide(BODY).key  # not named: not a credential
+
+
+@pytest.mark.parametrize("pairs", [
+    [("X-Api-Key", "alice"), ("X-Api-Key", "bob")],
+    [("Api-Key", ""), ("api-key", "bob")],
+    [("Cookie", "s=alice"), ("Cookie", "s=bob")],
+    [("Authorization", "Bearer a"), ("Authorization", "Bearer a")],
+])  # fmt: skip
+def test_a_repeated_credential_header_is_not_cached(pairs):
+    decision = decide(BODY, CIMultiDict(pairs))
+    assert (decision.key, decision.reason) == (None, "ambiguous_auth")
+    assert decide(BODY, CIMultiDict(pairs[:1])).key is not None
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model": "m", "temperature": 0, "temperature": 1, "messages": []}',
+    b'{"model": "m", "temperature": 1, "temperature": 0, "messages": []}',
+    b'{"model": "m", "temperature": 0, "temperatur\\u0065": 1, "messages": []}',  # one name, escaped
+    b'{"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "a", "content": "b"}]}',
+    b'{"model": "m", "temperature": 0, "tools": [{"function": {"parameters": {"x": {}, "x": {"type": "int"}}}}]}',
+    b'{"model": "m", "temperature": 0, "user": "a", "user": "b"}',  # even a field the key leaves out
+])  # fmt: skip
+def test_a_body_with_a_repeated_name_at_any_depth_is_not_json(raw):
+    # Python keeps the last of two, other parsers the first: an engine may read another request than the key.
+    for kw in ({}, {"cache_sampled": True}):
+        decision = key.decide(CHAT, [], {}, raw, FP, **kw)
+        assert (decision.key, decision.reason, decision.body) == (None, "not_json", None)
+    assert key.decide(CHAT, [], {}, b'{"temperature": 0, "a": {"x": 1}, "b": {"x": 2}}', FP).key is not None
 
 
 def test_zero_point_zero_is_zero():

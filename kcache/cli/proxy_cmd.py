@@ -97,14 +97,25 @@ MAX_PREFIX_ENTRIES = 10_000_000  # about a GiB of remembered prefix hashes
     show_default=True,
     help="Prompt prefixes remembered for the prefix-reuse measurement.",
 )
+@click.option(
+    "--tenant-header",
+    "tenant_headers",
+    multiple=True,
+    metavar="NAME",
+    envvar="KCACHE_PROXY_TENANT_HEADERS",
+    help="One more request header whose value names the tenant, e.g. a gateway's X-Goog-Api-Key (Authorization, "
+    "X-Api-Key, Api-Key and Cookie always do; a request with one of them twice is not cached). "
+    "Repeatable (env: space-separated).",
+)
 @json_option
 def proxy_cmd(upstream, redis_url, root, model, model_config, facts, extras, host, port, ttl, max_entry_bytes,
-              redis_timeout, redis_retry_after, key_prefix, no_cache, cache_sampled, prefix_entries,
+              redis_timeout, redis_retry_after, key_prefix, no_cache, cache_sampled, prefix_entries, tenant_headers,
               as_json):  # fmt: skip
     """Answer repeated OpenAI-compatible requests from Redis, keyed by what the pod runs.
 
     POST /v1/completions and /v1/chat/completions are looked up by (fingerprint, tenant = hash of
-    the Authorization header, path, request body without non-semantic fields); by default only
+    the credential headers: Authorization, X-Api-Key, Api-Key, Cookie and each --tenant-header, path,
+    request body without non-semantic fields); by default only
     deterministic requests are cached: n = 1 and temperature 0 or an integer seed. Everything else
     is forwarded untouched. `stream: true` answers are recorded while they stream and replayed as
     the same events. Redis down or slow: requests go to the engine, counted on /metrics. A request
@@ -124,6 +135,9 @@ def proxy_cmd(upstream, redis_url, root, model, model_config, facts, extras, hos
     from kcache.proxy.server import ProxyConfig, serve
 
     _check_upstream(upstream)
+    for name in tenant_headers:
+        if not key.is_header_name(name):
+            raise ConfigError("--tenant-header", name, "not an HTTP header name (no space, no colon)")
     if root is not None and (model or model_config or facts or extras):
         raise ConfigError("--root", str(root), "give either --root or the fingerprint flags, not both")
     if root is not None:
@@ -133,7 +147,7 @@ def proxy_cmd(upstream, redis_url, root, model, model_config, facts, extras, hos
     config = ProxyConfig(upstream=upstream, redis_url=redis_url, fingerprint=fingerprint, ttl=ttl,
                          max_entry_bytes=max_entry_bytes, redis_timeout=redis_timeout, retry_after=redis_retry_after,
                          key_prefix=key_prefix, enabled=not no_cache, cache_sampled=cache_sampled,
-                         prefix_entries=prefix_entries)  # fmt: skip
+                         prefix_entries=prefix_entries, tenant_headers=tenant_headers)  # fmt: skip
 
     def ready(bound: int) -> None:
         if as_json:  # the start line, for scripts that need the port

@@ -28,13 +28,20 @@ MAGIC = b"kcp2\n"
 MAX_HEADERS = 64
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")  # no CR, LF or other controls: no header injection
-# Headers of one hop only, or framing that the proxy redoes itself: never copied from upstream.
+# Headers of one hop only, or framing that the proxy redoes itself: never copied from upstream; nor is a
+# header the answer's own Connection header names.
 HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
      "transfer-encoding", "upgrade", "content-length", "content-encoding"}
 )  # fmt: skip
 # Not stored either: the date must be fresh on every answer, and a cookie belongs to one client.
 NOT_STORED_HEADERS = HOP_BY_HOP | {"date", "set-cookie"}
+
+
+def connection_names(headers) -> frozenset[str]:
+    """The names the `Connection` headers list (any case, any repeat): this hop's too (RFC 9110 7.6.1)."""
+    listed = (name.strip().lower() for value in headers.getall("Connection", ()) for name in value.split(","))
+    return frozenset(listed) - {""}
 
 
 @dataclass(frozen=True)
@@ -47,12 +54,14 @@ class Entry:
 
 def answer_headers(headers) -> tuple[tuple[str, str], ...]:
     """The upstream headers of a cacheable answer, as a client gets them from the engine or the cache alike."""
-    return tuple((k, v) for k, v in headers.items() if k.lower() not in NOT_STORED_HEADERS)
+    dropped = NOT_STORED_HEADERS | connection_names(headers)
+    return tuple((k, v) for k, v in headers.items() if k.lower() not in dropped)
 
 
 def passed_headers(headers) -> tuple[tuple[str, str], ...]:
     """The upstream headers of an answer the cache does not handle: all but this hop's."""
-    return tuple((k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP)
+    dropped = HOP_BY_HOP | connection_names(headers)
+    return tuple((k, v) for k, v in headers.items() if k.lower() not in dropped)
 
 
 def is_event_stream(headers: tuple[tuple[str, str], ...]) -> bool:

@@ -5,13 +5,17 @@ A key is SHA-256 over canonical JSON of named parts (pip's cache key, in spirit)
     schema       KEY_SCHEMA; bump it whenever a part or the body's normal form changes
     fingerprint  the bundle key of what the pod runs: a new model, revision, toolchain or compile
                  option is a new key, so an update never serves the previous version's answers
-    tenant       SHA-256 of the Authorization header: one tenant never gets another's answer. A request
-                 with two is not cached: engines read one of them, and which one is theirs to say
+    tenant       SHA-256 of the credential headers the request carries (TENANT_HEADERS and the operator's
+                 --tenant-header names), each as [lower-case name, SHA-256 of its value]: one tenant never
+                 gets another's answer, and no credential is kept. A request with one of them twice is not
+                 cached: engines read one of the two, and which one is theirs to say
     path, query  /v1/completions and /v1/chat/completions answer differently; the query's pairs are
                  sorted by name, repeated names kept in their order (an engine reads the first or the
                  last), escapes decoded to bytes read as Latin-1 (one character a byte: no two raw
                  queries share a key, where UTF-8 decoding turns every invalid escape into U+FFFD)
-    body         the request's JSON with NON_SEMANTIC fields removed and integral floats made ints
+    body         the request's JSON with NON_SEMANTIC fields removed and integral floats made ints; a body
+                 that names a field twice at any depth is not cached (Python keeps the last, other parsers
+                 the first: the engine may read another request than the key)
 
 Deterministic by default means: `n` is absent or 1, and `temperature` is 0 or `seed` is an
 integer. A missing temperature is not 0: OpenAI defaults to 1 and vLLM to the model's generation
@@ -25,7 +29,7 @@ import hashlib
 import json
 import re
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,9 +37,20 @@ from typing import Any
 from kcache import canonical, readiness
 from kcache.errors import ConfigError
 
-KEY_SCHEMA = 2  # 2: query pairs decoded byte for byte, repeated names in order
+KEY_SCHEMA = 3  # 2: query pairs decoded byte for byte, repeated names in order; 3: tenant of every credential header
 CACHED_PATHS = ("/v1/completions", "/v1/chat/completions")
 BYPASS_HEADER = "X-Kcache-Bypass"
+# Headers that say who asks. An engine reads Authorization (vLLM's --api-key); a gateway in front of it may
+# authenticate with another, and then every client would be one tenant. Cookie too: gateways that log users
+# in (oauth2-proxy, Cloudflare Access, IAP) pass a session cookie, and shared caches treat it as a credential
+# (Varnish does not cache a request that carries one). Operators name more with --tenant-header.
+TENANT_HEADERS = (
+    "Authorization",  # vLLM --api-key, OpenAI, most gateways
+    "X-Api-Key",  # API gateways (AWS API Gateway, Kong, LiteLLM)
+    "Api-Key",  # Azure OpenAI
+    "Cookie",  # a browser session a gateway authenticated
+)
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 5.1: what a header name may be
 # Fields that change who asked or how the engine schedules the request, never the tokens it returns.
 NON_SEMANTIC = (
     "user",  # an end-user id for abuse monitoring
@@ -64,11 +79,13 @@ def decide(
     *,
     enabled: bool = True,
     cache_sampled: bool = False,
+    tenant_headers: Sequence[str] = TENANT_HEADERS,
 ) -> Decision:
     """Whether the cache may answer this POST to one of CACHED_PATHS, and under which key.
 
     `headers` may repeat a name (a multidict with `getall`, as aiohttp gives them); a plain mapping
-    holds one value per name.
+    holds one value per name as spelt. `tenant_headers`: every header that names the tenant
+    (tenant_headers() adds an operator's to TENANT_HEADERS).
     """
     # An encoded body is bytes the proxy does not read as the engine would (it may inflate it, or not).
     encodings = {e.strip().lower() for v in values(headers, "Content-Encoding") for e in v.split(",")}
@@ -79,13 +96,29 @@ def decide(
         return Decision(None, "bypass_header", body)
     if body is None:
         return Decision(None, "not_json", None)
-    authorization = values(headers, "Authorization")
-    if len(authorization) > 1:
+    given = [(name, values(headers, name)) for name in tenant_headers]
+    if any(len(found) > 1 for _, found in given):
         return Decision(None, "ambiguous_auth", body)
     reason = "" if cache_sampled else nondeterminism(body)
     if reason:
         return Decision(None, reason, body)
-    return Decision(request_key(path, query, next(iter(authorization), None), body, fingerprint), "", body)
+    credentials = [(name, found[0]) for name, found in given if found]
+    return Decision(request_key(path, query, credentials, body, fingerprint), "", body)
+
+
+def tenant_headers(extra: Iterable[str] = ()) -> tuple[str, ...]:
+    """TENANT_HEADERS and then `extra`, each name once whatever its case; ValueError for a name no header has."""
+    names: dict[str, str] = {}
+    for name in (*TENANT_HEADERS, *extra):
+        if not is_header_name(name):
+            raise ValueError(f"{name!r} is not an HTTP header name")
+        names.setdefault(name.lower(), name)
+    return tuple(names.values())
+
+
+def is_header_name(name: str) -> bool:
+    """Whether `name` is an RFC 9110 token, what a header's name must be (a colon or a space is not)."""
+    return _TOKEN.fullmatch(name) is not None
 
 
 def values(headers: Mapping[str, str], name: str) -> list[str]:
@@ -93,8 +126,7 @@ def values(headers: Mapping[str, str], name: str) -> list[str]:
     getall = getattr(headers, "getall", None)
     if getall is not None:
         return list(getall(name, []))
-    value = headers.get(name)
-    return [] if value is None else [value]
+    return [value for k, value in headers.items() if k.lower() == name.lower()]  # names are case-insensitive
 
 
 # Levels of nesting a body must be able to take on top of its own: the key and the prefix measurement
@@ -111,7 +143,7 @@ def parse_body(raw: bytes) -> dict | None:
     `not_json`: forwarded unchanged, never cached.
     """
     try:
-        doc = json.loads(raw)
+        doc = json.loads(raw, object_pairs_hook=_unique)
         wrapped = doc
         for _ in range(DEPTH_HEADROOM):
             wrapped = [wrapped]
@@ -119,6 +151,18 @@ def parse_body(raw: bytes) -> dict | None:
     except (ValueError, RecursionError):  # UnicodeError is a ValueError
         return None
     return doc if isinstance(doc, dict) else None
+
+
+class _RepeatedName(ValueError):
+    pass
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict:
+    """An object's members, refused when a name comes twice (after unescaping: "a" and "\\u0061" are one)."""
+    doc = dict(pairs)
+    if len(doc) != len(pairs):
+        raise _RepeatedName("a name appears twice in one object")
+    return doc
 
 
 def wants_bypass(headers: Mapping[str, str]) -> bool:
@@ -152,12 +196,14 @@ def query_pairs(raw_query: str) -> list[tuple[str, str]]:
     return urllib.parse.parse_qsl(raw_query, keep_blank_values=True, encoding="latin-1")
 
 
-def request_key(path: str, query, authorization: str | None, body: Mapping[str, Any], fingerprint: str) -> str:
+def request_key(path: str, query, credentials: Sequence[tuple[str, str]], body: Mapping[str, Any],
+                fingerprint: str) -> str:  # fmt: skip
+    """`credentials`: (name, value) of each tenant header the request carries, each name once."""
     items = query.items() if isinstance(query, Mapping) else query
     parts = {
         "schema": KEY_SCHEMA,
         "fingerprint": fingerprint,
-        "tenant": tenant(authorization),
+        "tenant": tenant(credentials),
         "path": path,
         "query": sorted(([str(k), str(v)] for k, v in items), key=lambda pair: pair[0]),  # stable: repeats in order
         "body": normal_form({k: v for k, v in body.items() if k not in NON_SEMANTIC}),
@@ -165,9 +211,17 @@ def request_key(path: str, query, authorization: str | None, body: Mapping[str, 
     return canonical.sha256(canonical.dumps(parts))
 
 
-def tenant(authorization: str | None) -> str:
-    """Who asked, without keeping the credential: SHA-256 of the header ("" hashes the anonymous tenant)."""
-    return hashlib.sha256(b"authorization:" + (authorization or "").encode("utf-8", "surrogateescape")).hexdigest()
+def tenant(credentials: Sequence[tuple[str, str]]) -> str:
+    """Who asked, without keeping a credential: SHA-256 of the sorted [lower-case name, SHA-256 of value] pairs.
+
+    No credential at all is the one anonymous tenant; an empty value is a credential, and not that one. A value
+    is hashed as its bytes (aiohttp decodes header bytes that are not UTF-8 with surrogateescape).
+    """
+    pairs = sorted(
+        [name.lower(), hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()]
+        for name, value in credentials
+    )
+    return canonical.sha256(canonical.dumps(pairs))
 
 
 def normal_form(value: Any) -> Any:

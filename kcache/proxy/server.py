@@ -13,8 +13,9 @@ failing is a 502 in OpenAI's error shape, since there is nothing else to answer 
 
 Request bodies are read raw (never inflated: the engine gets the bytes the client sent, and the key
 is computed from them), and at most max_request_bytes of one is held: a larger body is forwarded as
-it arrives, uncached. Request headers are forwarded with their repeats; a client that hangs up
-cancels its handler, which closes the engine's connection.
+it arrives, uncached. Request headers are forwarded with their repeats, except this hop's (those the
+Connection header names too, both ways); a client that hangs up cancels its handler, which closes the
+engine's connection.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ from kcache.proxy.stats import Stats
 log = logging.getLogger(__name__)
 
 CACHE_HEADER = "X-Kcache-Cache"
-# Request headers that belong to this hop, or that the proxy sets itself. `Expect: 100-continue` was
-# answered to the client already; forwarded, aiohttp would wait for the engine's 100, which it need not send.
+# Request headers that belong to this hop, or that the proxy sets itself, besides those the request's
+# Connection header names. `Expect: 100-continue` was answered to the client already; forwarded, aiohttp
+# would wait for the engine's 100, which it need not send.
 NOT_FORWARDED = frozenset(
     {"connection", "keep-alive", "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade", "host",
      "content-length", "expect", key.BYPASS_HEADER.lower()}
@@ -63,6 +65,7 @@ class ProxyConfig:
     cache_sampled: bool = False
     prefix_entries: int = 100_000
     max_request_bytes: int = 64 << 20  # the most of one completion request's body held to key it
+    tenant_headers: tuple[str, ...] = ()  # headers that name the tenant besides key.TENANT_HEADERS (never instead)
 
 
 class Proxy:
@@ -73,6 +76,7 @@ class Proxy:
         self.stats = Stats(fingerprint=config.fingerprint)
         self.prefixes = PrefixMemory(config.prefix_entries)
         self.upstream = config.upstream.rstrip("/")
+        self.tenant_headers = key.tenant_headers(config.tenant_headers)
         self._runner: web.AppRunner | None = None
         self._storing: set[asyncio.Task] = set()  # shielded writes whose client left: the loop holds tasks weakly
 
@@ -131,7 +135,8 @@ class Proxy:
             return await self._too_large(request, raw, started)
         query = key.query_pairs(request.rel_url.raw_query_string)
         decision = key.decide(request.path, query, request.headers, raw, cfg.fingerprint,
-                              enabled=cfg.enabled, cache_sampled=cfg.cache_sampled)  # fmt: skip
+                              enabled=cfg.enabled, cache_sampled=cfg.cache_sampled,
+                              tenant_headers=self.tenant_headers)  # fmt: skip
         cache_key, reason = decision.key, decision.reason
         if cache_key is not None:
             try:
@@ -180,7 +185,8 @@ class Proxy:
 
     async def _forward(self, request, body, started, outcome, cache_key=None) -> web.StreamResponse:
         # A multidict: a repeated header (two Authorization values) reaches the engine as the client sent it.
-        headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED)
+        dropped = NOT_FORWARDED | entries.connection_names(request.headers)
+        headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in dropped)
         if body is not None and not isinstance(body, bytes) and request.content_length is not None:
             headers["Content-Length"] = str(request.content_length)  # streamed, but framed as the client framed it
         if cache_key is not None:
