@@ -38,7 +38,7 @@ from functools import partial
 from typing import BinaryIO
 
 from kcache import packs
-from kcache.errors import IntegrityError
+from kcache.errors import IntegrityError, StoreError
 from kcache.manifest import Entry
 from kcache.progress import Meter
 from kcache.store import Store, pack_key
@@ -121,6 +121,7 @@ def fetch_blobs(
     open_blob: OpenBlob | None = None,
     closed: Callable[[Entry], None] = lambda _entry: None,
     meter: Meter | None = None,
+    failed: Callable[[str], None] | None = None,
 ) -> None:
     """Hand every distinct blob's frame to `place`, `jobs` reads at a time; the first error wins.
 
@@ -128,6 +129,8 @@ def fetch_blobs(
     file it returns instead, in parts fetched in parallel, closed once verified and then handed
     to `closed` (for what must follow the last write: permissions, times). `meter`
     counts each blob (a split one also chunk by chunk) once it is verified and placed.
+    `failed(pack)` hears of each pack whose read or content failed (StoreError, IntegrityError),
+    before the error is raised: restore tells the node cache's bad copies from the store's by it.
     Every pack read goes through `open_pack`.
     """
     blobs = distinct(entries)
@@ -139,20 +142,36 @@ def fetch_blobs(
     meter = meter or Meter("fetching", files=0, bytes=0)
     share = sum(e.size for e in blobs) / max(1, jobs)
     split = [e for e in blobs if open_blob is not None and e.size >= 2 * PART_BYTES and e.size > share]
-    tables = run_all([partial(read_seek_table, store, e, halt) for e in split], jobs, stop)
+    tables = run_all([_telling(failed, e.pack, partial(read_seek_table, store, e, halt)) for e in split], jobs, stop)
     assemblies = [_Assembly(e, chunks, jobs, open_blob, closed, meter) for e, chunks in zip(split, tables) if chunks]
-    tasks = [partial(read_part, store, a, part, halt) for a in assemblies for part in a.parts]
+    tasks = [_telling(failed, a.entry.pack, partial(read_part, store, a, part, halt))
+             for a in assemblies for part in a.parts]  # fmt: skip
     whole = {a.entry.blob for a in assemblies}
     # Longest reads first: a big blob started last would finish alone.
     ranges = sorted(plan_ranges(e for e in blobs if e.blob not in whole), key=lambda r: r.start - r.end)
     counted = _counting(place, meter)
     placing = threading.Lock()
-    tasks += [partial(read_range, store, rng, counted, halt, placing) for rng in ranges]
+    tasks += [_telling(failed, rng.pack, partial(read_range, store, rng, counted, halt, placing)) for rng in ranges]
     try:
         run_all(tasks, jobs, stop)
     finally:
         for assembly in assemblies:
             assembly.close()
+
+
+def _telling(failed: Callable[[str], None] | None, pack: str, task: Callable[[], object]) -> Callable[[], object]:
+    """`task`, which reads `pack`; a read or content failure is told to `failed` first."""
+    if failed is None:
+        return task
+
+    def run():
+        try:
+            return task()
+        except (StoreError, IntegrityError):
+            failed(pack)
+            raise
+
+    return run
 
 
 def _counting(place: Place, meter: Meter) -> Place:

@@ -13,6 +13,9 @@
 Every blob is fetched into the staging directory and verified (size and SHA-256) before any
 layer moves; then each layer is swapped in with renames. A failure or timeout before the swap
 leaves ROOT as it was. Ranges of a pack that lie close together are fetched with one read.
+Through a node cache (kcache.store.nodecache), a pack whose copy there fails its blobs' check (a
+peer on the node rewrote it after it was hashed) is dropped, and the blobs not yet staged are read
+from the store itself, once, within the same budget: the node cache can only cost time.
 
 Fail-open: everything a restore does, opening the store and the index and computing the
 fingerprint included, runs inside its time budget, and whatever goes wrong, the restore that
@@ -42,9 +45,11 @@ from kcache import sources as layers
 from kcache.config import redact_text
 from kcache.errors import (
     ConfigError,
+    IntegrityError,
     KcacheError,
     RestoreTimeout,
     RootError,
+    StoreError,
     Terminated,
     UnsafePath,
 )
@@ -56,6 +61,7 @@ from kcache.relocate import relocate_staged
 from kcache.rootdir import STAGING_PREFIX
 from kcache.sources.base import torch_user
 from kcache.store import Store
+from kcache.store.nodecache import NodeCacheStore
 from kcache.untrusted import one_line
 
 log = logging.getLogger(__name__)
@@ -447,12 +453,16 @@ def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jo
 
 def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path, jobs: int, budget: _Budget,
                meter: progress.Meter) -> None:  # fmt: skip
-    """Every blob into its staged path (verified), then the paths that share a blob as copies."""
+    """Every blob into its staged path (verified), then the paths that share a blob as copies.
+    When a node cache's copy of a pack fails, what is not yet staged is read from its store (see
+    `_past_node_cache`)."""
     files = staging / "files"
     shared = rootdir.group_shared(staging.parent)
     # Directories once up front: per-file mkdir calls cost more than the writes on small caches.
     rootdir.make_tree(staging, ("/".join(("files", *e.path.split("/")[:-1])) for e in entries), shared)
     umask = _umask()
+    done: set[str] = set()  # blobs verified and staged: a retry leaves them be
+    failed: set[str] = set()  # packs whose read or content failed (fetch_blobs says)
 
     def create(entry: manifests.Entry):
         path = files / entry.path  # manifest.parse already refused absolute paths and '..'
@@ -477,6 +487,7 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
     def place(entry: manifests.Entry, frame) -> None:
         if not (isinstance(frame, bytes) and entry.size <= CHUNK_BYTES):
             lay(entry, lambda out: unpack_frame(frame, entry.blob, entry.size, out))
+            done.add(entry.blob)
             return
         # A small blob (most of them): verified in memory, then written without a file object.
         data = memoryview(unpack_bytes(frame, entry.blob, entry.size))
@@ -487,9 +498,23 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
             finish(entry, fd)  # through the descriptor: no second walk down the file's path
         finally:
             os.close(fd)
+        done.add(entry.blob)
 
-    fetch.fetch_blobs(store, entries, place, jobs=jobs, cancelled=lambda: budget.expired, open_blob=create,
-                      closed=finish, meter=meter)  # fmt: skip
+    def closed(entry: manifests.Entry) -> None:  # a split blob, verified and closed
+        finish(entry)
+        done.add(entry.blob)
+
+    options = dict(jobs=jobs, cancelled=lambda: budget.expired, open_blob=create, closed=closed, meter=meter)
+    try:
+        fetch.fetch_blobs(store, entries, place, failed=failed.add, **options)
+    except (IntegrityError, StoreError) as exc:
+        direct = _past_node_cache(store, exc, failed)
+        if direct is None:
+            raise
+        left = [e for e in entries if e.blob not in done]
+        for entry in left:  # a blob cut off part-way: created, never verified
+            (files / entry.path).unlink(missing_ok=True)
+        fetch.fetch_blobs(direct, left, place, **options)
     first_path: dict[str, str] = {}
     for entry in entries:
         origin = first_path.setdefault(entry.blob, entry.path)
@@ -497,6 +522,26 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
             with open(files / origin, "rb") as src:
                 lay(entry, lambda out, src=src: shutil.copyfileobj(src, out))
             meter.add(files=1, bytes=entry.size)
+
+
+def _past_node_cache(store: Store, exc: KcacheError, failed: set[str]) -> Store | None:
+    """The store behind a node cache whose copy of a pack failed: what is left is read from it. None
+    when the failure is the store's own (its StoreError, or bad bytes in a pack it served itself).
+
+    The node cache hashes a copy when it opens it; a peer on the node can rewrite the file after
+    that, and only the blobs' own SHA-256 sees it. (Truncation and read errors it notices itself,
+    and the reader resumes from the store.) The retry reads the store directly, not through the
+    node cache: one that goes bad again must not fail the restore a second time."""
+    if not isinstance(store, NodeCacheStore):
+        return None
+    if isinstance(exc, StoreError) and exc.url != str(store.directory):
+        return None
+    dropped = store.drop(failed)
+    if not dropped:
+        return None
+    log.warning("node cache %s: its copy of pack %s failed (%s); reading what is left from the store alone",
+                store.directory, ", ".join(p[:12] for p in dropped), one_line(exc))  # fmt: skip
+    return store.inner
 
 
 def _umask() -> int:

@@ -36,6 +36,14 @@ Rules, because many pods on a node restore at once and DIR outlives every one of
   path that holds no regular file (a link, a directory) is removed, else one `.evict.lock` would
   keep every fill off the node. Only packs/<hh>/<id> is counted against the cap: that is what
   eviction can remove. A fill trusts the inode it wrote, not what the path names after the rename.
+- A copy can go bad after it was hashed: a peer rewrites or truncates the file in place, or the disk
+  fails to read it. A read error, or an end of file before the size that was hashed, is the node
+  cache's: the pack is dropped and the reader's resume gets the bytes left from the store. Bytes
+  changed in place only the reader's per-blob check sees: restore then `drop`s the packs whose
+  blobs failed and reads what is left from `inner` itself. A dropped pack is read from the store
+  for the rest of the wrapper's life, its verified identities are forgotten, and its copy is
+  removed if it is still the file that failed and nobody holds it (else the next reader hashes it).
+  A copy that cannot be read while it is hashed (EIO) is replaced like one that does not match.
 - The node cache can only cost time: when DIR cannot be used, reads go to `inner`. A long-lived
   caller (prefetch) bounds each `warm` and `trim` with its own `wait`: a peer that holds a lock
   forever (frozen, or hostile) must not stop it.
@@ -53,7 +61,7 @@ import stat
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -119,6 +127,9 @@ class NodeCacheStore:
         self._guard = threading.Lock()
         self._fetched: set[str] = set()  # packs this wrapper downloaded, so `warm` can tell a fetch from a hit
         self._needs: dict[str, int] = {}  # pack id -> the largest offset+length a reader announced
+        self._served: dict[str, set[tuple[int, int, int]]] = {}  # pack id -> the copies it was served from
+        self._dropped: set[str] = set()  # packs whose copy went bad: read from `inner` from now on
+        self._doomed: dict[str, set[tuple[int, int, int]]] = {}  # dropped copies still to remove
         self._warned = False
 
     # ---- the Store protocol: packs from the node cache, everything else from the store -----------
@@ -126,7 +137,9 @@ class NodeCacheStore:
     def open_range(self, key: str, offset: int, length: int) -> BinaryIO:
         pack_id = _pack_id(key)
         held = None
-        if pack_id is not None:
+        if pack_id is not None and pack_id in self._dropped:
+            self._remove_doomed(pack_id)
+        elif pack_id is not None:
             with self._guard:
                 need = max(self._needs.get(pack_id, 0), offset + length)
             try:
@@ -137,8 +150,10 @@ class NodeCacheStore:
                 self._warn_once(pack_id, exc)
         if held is None:
             return self.inner.open_range(key, offset, length)
+        with self._guard:
+            self._served.setdefault(pack_id, set()).add(held.identity)
         held.seek(offset)
-        return Window(GuardedReader(held, str(self.directory), key), length)
+        return Window(_Served(self, held, pack_id, key, offset), length)
 
     def now(self):
         """The store's clock: the node cache stamps no object gc ages."""
@@ -184,6 +199,19 @@ class NodeCacheStore:
         return self.inner.put_if(key, data, version)
 
     # ---- what restore and prefetch use --------------------------------------------------------------
+
+    def drop(self, packs: Iterable[str]) -> list[str]:
+        """Stop trusting the copies of `packs` this wrapper served: a reader found their bytes bad (a
+        peer changed the file after it was hashed). They are read from `inner` from now on, their
+        verified identities are forgotten, and each copy still at its path is removed unless someone
+        holds it. Returns those of `packs` it had served from DIR: the others are not its to drop."""
+        with self._guard:
+            served = [pack_id for pack_id in dict.fromkeys(packs) if pack_id in self._served]
+            for pack_id in served:
+                self._condemn(pack_id)
+        for pack_id in served:
+            self._remove_doomed(pack_id)
+        return served
 
     def expect_reads(self, needs: dict[str, int]) -> None:
         """Announce, per pack id, the largest offset+length about to be read (kcache.fetch does, from
@@ -244,6 +272,50 @@ class NodeCacheStore:
     def _lock_path(self, pack_id: str) -> Path:
         return self.directory / "packs" / pack_id[:2] / f".lock-{pack_id}"
 
+    def _failed(self, pack_id: str, why: str) -> StoreError:
+        """A copy this wrapper serves cannot be read to its hashed end: drop the pack (it is open, so its
+        removal waits for a later read of it) and say so, as a store error the reader's resume answers."""
+        with self._guard:
+            first = pack_id not in self._dropped
+            self._condemn(pack_id)
+        if first:
+            log.warning("node cache %s: %s; reading pack %s from the store", self.directory, why, pack_id[:12])
+        return StoreError(str(self.directory), why)
+
+    def _condemn(self, pack_id: str) -> None:
+        """(With the guard held.) The pack is read from the store from now on; the copies it was served
+        from are known good no more, and are to be removed."""
+        copies = self._served.get(pack_id, set())
+        self._dropped.add(pack_id)
+        self._verified.difference_update(copies)
+        self._doomed.setdefault(pack_id, set()).update(copies)
+
+    def _remove_doomed(self, pack_id: str) -> None:
+        """Remove a dropped pack's copy, if the file at its path is still one that failed: the next pod
+        then fetches the pack instead of hashing a bad copy first (or, where the disk fails, instead
+        of reading the store for good). Only without waiting, under the pack's exclusive lock: while
+        anyone holds the pack (a reader of ours still open, a peer that hashed it itself) it stays
+        for a later read to remove, and meanwhile whoever opens it hashes it first."""
+        with self._guard:
+            doomed = self._doomed.get(pack_id)
+        if not doomed:
+            return
+        path, lock_path = self._path(pack_id), self._lock_path(pack_id)
+        try:
+            if all(_is_directory(d) for d in (self.directory / "packs", lock_path.parent)):
+                lock = _lock(lock_path, filelock.EXCLUSIVE, 0.0)
+                if lock is None:
+                    return  # held: try again at the next read of it
+                with lock:
+                    st = _lstat(path)
+                    if st is not None and (st.st_dev, st.st_ino) in {(dev, ino) for dev, ino, _size in doomed}:
+                        _clear(path)
+                        log.info("node cache: removed the bad copy of pack %s", pack_id[:12])
+        except OSError as exc:  # not ours to remove (a read-only mount): the next reader hashes it
+            log.debug("node cache: cannot remove the bad copy of pack %s: %s", pack_id[:12], exc.strerror or exc)
+        with self._guard:
+            self._doomed.pop(pack_id, None)
+
     def _open_cached(self, pack_id: str, key: str, need: int, deadline: float | None) -> _Held | None:
         """The cached pack, open and verified, holding its shared lock; None: read the store instead.
 
@@ -269,7 +341,7 @@ class NodeCacheStore:
                     lock.release()
                     raise
                 if isinstance(found, _Opened):
-                    return _Held(found.file, lock)
+                    return _Held(found.file, lock, found.identity)
                 lock.release()
                 if found is _TOO_LARGE or not self._fill(pack_id, key, need, deadline):
                     return None
@@ -310,13 +382,19 @@ class NodeCacheStore:
                 os.close(fd)
         identity = (st.st_dev, st.st_ino, st.st_size)
         if identity not in self._verified:
-            if _sha256(f, st.st_size) != pack_id:
+            try:
+                digest = _sha256(f, st.st_size)
+            except OSError as exc:  # EIO from a failing disk: a copy that cannot be read is a bad one
+                f.close()
+                log.warning("node cache: cannot read %s (%s); fetching it again", path, exc.strerror or exc)
+                return st
+            if digest != pack_id:
                 f.close()
                 log.warning("node cache: %s does not hash to its id; fetching it again", path)
                 return st
             self._verified.add(identity)
         _touch(f.fileno(), path)
-        return _Opened(f)
+        return _Opened(f, identity)
 
     def _fill(self, pack_id: str, key: str, need: int, deadline: float | None) -> bool:
         """Fetch the pack into the cache under its exclusive lock. False: leave it to the store.
@@ -458,17 +536,17 @@ class _Cached:
 
 
 class _Opened:
-    """A cached pack open for reading, verified against its id."""
+    """A cached pack open for reading, verified against its id; `identity`: (dev, inode, size) hashed."""
 
-    def __init__(self, f: BinaryIO):
-        self.file = f
+    def __init__(self, f: BinaryIO, identity: tuple[int, int, int]):
+        self.file, self.identity = f, identity
 
 
 class _Held:
     """An open cached pack and its shared lock: closing it lets the pack be evicted or replaced."""
 
-    def __init__(self, f: BinaryIO, lock: filelock.FileLock):
-        self._f, self._lock = f, lock
+    def __init__(self, f: BinaryIO, lock: filelock.FileLock, identity: tuple[int, int, int]):
+        self._f, self._lock, self.identity = f, lock, identity
 
     def seek(self, offset: int) -> None:
         self._f.seek(offset)
@@ -484,6 +562,36 @@ class _Held:
         self._lock.release()
 
     def __enter__(self) -> _Held:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Served:
+    """A range of a cached pack, as a reader reads it. The file was hashed, but a peer can still
+    truncate it, or the disk fail to read it: a read error, or an end before the size that was hashed,
+    is the node cache's (`NodeCacheStore._failed`), and the reader resumes from the store. Bytes
+    changed in place pass here; the reader's per-blob SHA-256 catches those (kcache.restore)."""
+
+    def __init__(self, cache: NodeCacheStore, held: _Held, pack_id: str, key: str, offset: int):
+        self._cache, self._held, self._pack, self._key, self._at = cache, held, pack_id, key, offset
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            data = self._held.read(n)
+        except OSError as exc:
+            raise self._cache._failed(self._pack, f"cannot read {self._key}: {exc.strerror or exc}") from None
+        if not data and n != 0 and self._at < self._held.identity[2]:
+            raise self._cache._failed(self._pack, f"{self._key} ends at byte {self._at}, short of the "
+                                                  f"{self._held.identity[2]} that were hashed")  # fmt: skip
+        self._at += len(data)
+        return data
+
+    def close(self) -> None:
+        self._held.close()
+
+    def __enter__(self) -> _Served:
         return self
 
     def __exit__(self, *exc) -> None:
