@@ -153,15 +153,11 @@ def parse_body(raw: bytes) -> dict | None:
     return doc if isinstance(doc, dict) else None
 
 
-class _RepeatedName(ValueError):
-    pass
-
-
 def _unique(pairs: list[tuple[str, Any]]) -> dict:
     """An object's members, refused when a name comes twice (after unescaping: "a" and "\\u0061" are one)."""
     doc = dict(pairs)
     if len(doc) != len(pairs):
-        raise _RepeatedName("a name appears twice in one object")
+        raise ValueError("a name appears twice in one object")  # parse_body: not_json
     return doc
 
 
