@@ -22,18 +22,19 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.metadata
 import importlib.util
 import os
 import re
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-try:
-    from packaging.version import InvalidVersion, Version
-except ImportError:  # not a dependency of kcache: versions then compare as tuples of numbers
-    InvalidVersion, Version = ValueError, None  # type: ignore[assignment,misc]
+if TYPE_CHECKING:
+    import importlib.metadata
+
+# importlib.metadata and packaging are imported only once an engine is found: a pod without one
+# (kcache's own init-container image) does not pay ~15 ms of every restore's start for them.
 
 # fact suffix -> (import name, distribution names that may install it, as their dist-info directories spell them)
 ENGINES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -66,7 +67,11 @@ def package_dir(name: str) -> Path | None:
 def newest(versions: Iterable[str]) -> str:
     """The highest of `versions` as versions compare (0.10.1 > 0.9.2), not as strings do."""
     versions = sorted(versions)  # ties (1.0 and 1.0.0) go the same way whatever order they came in
-    if Version is not None:
+    try:
+        from packaging.version import InvalidVersion, Version
+    except ImportError:  # not a dependency of kcache: versions then compare as tuples of numbers
+        pass
+    else:
         try:
             return max(versions, key=Version)
         except InvalidVersion:
@@ -105,6 +110,8 @@ def _installed_version(module: str, dists: tuple[str, ...]) -> str | None:
 def _distributions(dists: tuple[str, ...]) -> list[tuple[int, str, importlib.metadata.Distribution, str]]:
     """(sys.path index, name, distribution, version) of each installed copy of `dists` that has a version,
     in sys.path order, as importlib.metadata finds them."""
+    import importlib.metadata
+
     found = []
     for index, entry in enumerate(sys.path):
         for name in dists:

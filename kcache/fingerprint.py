@@ -20,7 +20,6 @@ carries the disagreements, and restore treats any as a miss.
 
 from __future__ import annotations
 
-import difflib
 import json
 import logging
 import os
@@ -198,6 +197,8 @@ def _warn_unknown(overrides: Mapping[str, str], facts: Mapping[str, str]) -> Non
     for name in sorted(set(overrides) - set(facts)):
         if is_workload_fact(name):
             continue
+        import difflib  # only for a misspelt --fact
+
         close = difflib.get_close_matches(name, list(facts), n=1)
         hint = f" (did you mean {close[0]}?)" if close else " (--extra adds workload facts of your own)"
         log.warning("--fact %s names no fact of this machine; it is added as a new fact%s", name, hint)

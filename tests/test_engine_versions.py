@@ -241,7 +241,7 @@ def test_cute_dsl_libraries_of_another_version_change_the_fact(tmp_path, path):
 
 @pytest.mark.parametrize("without_packaging", [False, True])
 def test_versions_compare_as_versions(monkeypatch, without_packaging):
-    if without_packaging:
-        monkeypatch.setattr(engines, "Version", None)
+    if without_packaging:  # `import packaging.version` then raises ImportError, as where it is not installed
+        monkeypatch.setitem(sys.modules, "packaging.version", None)
     assert engines.newest(["0.9.2", "0.10.1", "0.10.0"]) == "0.10.1"
     assert engines.newest(["1.1.0", "1.10.0", "1.9.0"]) == "1.10.0"
