@@ -58,7 +58,7 @@ OWN_WRITES = {
     "atomic.py": "the helper itself",
     "packs.py": "a scratch file for building a pack, uploaded and deleted, never renamed into place",
     "restore.py": "swaps whole layer directories into place (directories, not files)",
-    "store/nodecache.py": "renames a directory planted at a lock or pack path aside to remove it, nothing into place",
+    "store/nodedir.py": "renames a directory planted at a lock or pack path aside to remove it, nothing into place",
 }
 
 

@@ -3,7 +3,7 @@ peer on the node rewrites or truncates the file in place, or the disk fails to r
 gets those bytes from the store, and the node drops the copy so that the next pod fetches it again.
 
     kcache restore --node-cache DIR ──► NodeCacheStore ──► CuttingProxy (counts pack GETs) ──► moto's S3 server
-    a peer ──► DIR/packs/<hh>/<id>, right after the restore verified it (the seam: nodecache._touch)
+    a peer ──► DIR/packs/<hh>/<id>, right after the restore verified it (the seam: nodedir.touch)
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from kcache import fetch, packs, publish
 from kcache import restore as restoring
 from kcache.cli import main
 from kcache.cli.errors import ExitCode
-from kcache.store import nodecache as nodecaching
-from kcache.store import open_store, pack_key
+from kcache.store import nodedir, open_store, pack_key
 from kcache.store.local import LocalStore
 from kcache.store.nodecache import NodeCacheStore
 
@@ -123,7 +122,7 @@ class Peer:
 
     def __init__(self, monkeypatch, damage, victims, *, persistent=False):
         self.damage, self.victims, self.damaged = damage, set(victims), []
-        touch = nodecaching._touch
+        touch = nodedir.touch
 
         def verified(fd: int, path: Path) -> None:
             if path.name in self.victims and (persistent or path.name not in self.damaged):
@@ -132,7 +131,7 @@ class Peer:
                 self.damage(fd, path)
             touch(fd, path)
 
-        monkeypatch.setattr(nodecaching, "_touch", verified)
+        monkeypatch.setattr(nodedir, "touch", verified)
 
     def stop(self) -> None:
         self.victims = set()

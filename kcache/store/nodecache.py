@@ -30,12 +30,12 @@ Rules, because many pods on a node restore at once and DIR outlives every one of
   go first. Use is the file's mtime, set on every read, because atime is off on most node disks
   (noatime). A pack someone holds a lock on (a reader or a filler) is never evicted, so the cap
   can be exceeded while every pack is in use.
-- Whoever can write DIR may plant anything in it: a pack's path is opened without following
-  links or waiting, and hashed only if it is a regular file no larger than the pack can be; packs/
-  and packs/<hh> that are links are replaced by directories, so nothing lands outside DIR; a lock
-  path that holds no regular file (a link, a directory) is removed, else one `.evict.lock` would
-  keep every fill off the node. Only packs/<hh>/<id> is counted against the cap: that is what
-  eviction can remove. A fill trusts the inode it wrote, not what the path names after the rename.
+- Whoever can write DIR may plant anything in it. The rules for links, directories and other plants
+  at its directory, lock and pack paths are kcache.store.nodedir's: every lock, removal and listing
+  here goes through it. A pack's path is opened without following links or waiting, and
+  hashed only if it is a regular file no larger than the pack can be. Only packs/<hh>/<id> is counted
+  against the cap: that is what eviction can remove. A fill trusts the inode it wrote, not what the
+  path names after the rename.
 - A copy can go bad after it was hashed: a peer rewrites or truncates the file in place, or the disk
   fails to read it. A read error, or an end of file before the size that was hashed, is the node
   cache's: the pack is dropped and the reader's resume gets the bytes left from the store. Bytes
@@ -56,7 +56,6 @@ import hashlib
 import logging
 import os
 import re
-import shutil
 import stat
 import threading
 import time
@@ -69,6 +68,7 @@ from typing import BinaryIO
 from kcache import atomic, filelock, sizes
 from kcache.errors import IntegrityError, KcacheError, RootError, StoreError
 from kcache.packs import TARGET_PACK_BYTES
+from kcache.store import nodedir
 from kcache.store.base import Leftover, ObjectInfo, store_now
 from kcache.streams import GuardedReader, Resumable, Window
 
@@ -302,14 +302,14 @@ class NodeCacheStore:
             return
         path, lock_path = self._path(pack_id), self._lock_path(pack_id)
         try:
-            if all(_is_directory(d) for d in (self.directory / "packs", lock_path.parent)):
-                lock = _lock(lock_path, filelock.EXCLUSIVE, 0.0)
+            if all(nodedir.is_directory(d) for d in (self.directory / "packs", lock_path.parent)):
+                lock = nodedir.lock(lock_path, filelock.EXCLUSIVE, 0.0)
                 if lock is None:
                     return  # held: try again at the next read of it
                 with lock:
-                    st = _lstat(path)
+                    st = nodedir.lstat(path)
                     if st is not None and (st.st_dev, st.st_ino) in {(dev, ino) for dev, ino, _size in doomed}:
-                        _clear(path)
+                        nodedir.clear(path)
                         log.info("node cache: removed the bad copy of pack %s", pack_id[:12])
         except OSError as exc:  # not ours to remove (a read-only mount): the next reader hashes it
             log.debug("node cache: cannot remove the bad copy of pack %s: %s", pack_id[:12], exc.strerror or exc)
@@ -330,9 +330,9 @@ class NodeCacheStore:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             for directory in (self.directory / "packs", self._lock_path(pack_id).parent):
-                _real_directory(directory)
+                nodedir.real_directory(directory)
             for _attempt in range(3):  # missing -> filled -> read; or bad -> replaced -> read
-                lock = _lock(self._lock_path(pack_id), filelock.SHARED, deadline)
+                lock = nodedir.lock(self._lock_path(pack_id), filelock.SHARED, deadline)
                 if lock is None:
                     return None
                 try:
@@ -366,7 +366,7 @@ class NodeCacheStore:
             if exc.errno != errno.ELOOP:
                 raise
             log.warning("node cache: %s is a link; fetching the pack again", path)
-            return _lstat(path)
+            return nodedir.lstat(path)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -383,7 +383,7 @@ class NodeCacheStore:
         identity = (st.st_dev, st.st_ino, st.st_size)
         if identity not in self._verified:
             try:
-                digest = _sha256(f, st.st_size)
+                digest = nodedir.sha256(f, st.st_size)
             except OSError as exc:  # EIO from a failing disk: a copy that cannot be read is a bad one
                 f.close()
                 log.warning("node cache: cannot read %s (%s); fetching it again", path, exc.strerror or exc)
@@ -393,7 +393,7 @@ class NodeCacheStore:
                 log.warning("node cache: %s does not hash to its id; fetching it again", path)
                 return st
             self._verified.add(identity)
-        _touch(f.fileno(), path)
+        nodedir.touch(f.fileno(), path)
         return _Opened(f, identity)
 
     def _fill(self, pack_id: str, key: str, need: int, deadline: float | None) -> bool:
@@ -405,7 +405,7 @@ class NodeCacheStore:
         waited may have been given its inode back (ext4 reuses a freed one at once) with its size,
         or repaired it in place, and deleting that would fetch the pack a second time for nothing.
         A damaged file is hashed twice that way; a good one once (it is then known to this process)."""
-        lock = _lock(self._lock_path(pack_id), filelock.EXCLUSIVE, deadline)
+        lock = nodedir.lock(self._lock_path(pack_id), filelock.EXCLUSIVE, deadline)
         if lock is None:
             log.info("node cache: waited too long for pack %s; reading it from the store", pack_id[:12])
             return False
@@ -417,7 +417,7 @@ class NodeCacheStore:
                 return True  # another reader filled or replaced it while we waited
             if found is _TOO_LARGE:
                 return False
-            _clear(path)  # what is at the path (a damaged file, a link, a directory), not what a link names
+            nodedir.clear(path)  # what is at the path (a damaged file, a link, a directory), not what a link names
             size = self.inner.size(key)
             if size > fill_limit(need):  # before any eviction: padding must not cost the node its packs
                 raise IntegrityError("pack", pack_id, f"is {size} bytes in {self.inner.url}, more than the "
@@ -455,7 +455,7 @@ class NodeCacheStore:
 
     def _make_room(self, need: int, deadline: float | None) -> None:
         """Evict least recently used packs until `need` more bytes fit under the cap."""
-        evicting = _lock(self.directory / ".evict.lock", filelock.EXCLUSIVE, deadline)
+        evicting = nodedir.lock(self.directory / ".evict.lock", filelock.EXCLUSIVE, deadline)
         if evicting is None:
             return  # someone else is evicting; our fill may overshoot the cap by one pack
         with evicting:
@@ -476,16 +476,16 @@ class NodeCacheStore:
     def _remove(self, pack_id: str, deadline: float | None) -> bool:
         """Delete a cached pack and its lock file; False when someone holds its lock (in use)."""
         lock_path = self._lock_path(pack_id)
-        if not all(_is_directory(d) for d in (self.directory / "packs", lock_path.parent)):
+        if not all(nodedir.is_directory(d) for d in (self.directory / "packs", lock_path.parent)):
             return True  # nothing of ours: a link there names someone else's directory
-        lock = _lock(lock_path, filelock.EXCLUSIVE, deadline)
+        lock = nodedir.lock(lock_path, filelock.EXCLUSIVE, deadline)
         if lock is None:
             return False
         with lock:
-            if (st := _lstat(self._path(pack_id))) is not None:
+            if (st := nodedir.lstat(self._path(pack_id))) is not None:
                 self._verified.discard((st.st_dev, st.st_ino, st.st_size))  # the inode may be reused
-            _clear(self._path(pack_id))
-            _clear(lock_path)  # the lock file last, while we still hold it
+            nodedir.clear(self._path(pack_id))
+            nodedir.clear(lock_path)  # the lock file last, while we still hold it
         return True
 
     def _cached_files(self, *, clean: bool = False) -> list[_Cached]:
@@ -494,12 +494,12 @@ class NodeCacheStore:
         cannot be listed or stat-ed is skipped. With `clean`, temp files of fills no process is
         running are removed."""
         found = []
-        if not _is_directory(self.directory / "packs"):
+        if not nodedir.is_directory(self.directory / "packs"):
             return found  # absent, or a link to a directory that is not ours to count or empty
-        for shard in _entries(self.directory / "packs"):
+        for shard in nodedir.entries(self.directory / "packs"):
             if not _SHARD.match(shard.name) or not shard.is_dir(follow_symlinks=False):
                 continue
-            for entry in _entries(Path(shard.path)):
+            for entry in nodedir.entries(Path(shard.path)):
                 if clean and (temp := _TEMP.match(entry.name)) and temp.group(1).startswith(shard.name):
                     self._remove_stale_temp(Path(entry.path), temp.group(1))
                 if _pack_id(f"packs/{shard.name}/{entry.name}") is None:
@@ -514,7 +514,7 @@ class NodeCacheStore:
 
     def _remove_stale_temp(self, temp: Path, pack_id: str) -> None:
         try:
-            lock = _lock(self._lock_path(pack_id), filelock.EXCLUSIVE, 0.0)
+            lock = nodedir.lock(self._lock_path(pack_id), filelock.EXCLUSIVE, 0.0)
             if lock is None:
                 return  # a fill is writing it
             with lock:
@@ -601,108 +601,3 @@ class _Served:
 def _pack_id(key: str) -> str | None:
     match = _PACK_KEY.match(key)
     return match.group(2) if match and match.group(2).startswith(match.group(1)) else None
-
-
-def _sha256(f: BinaryIO, size: int) -> str:
-    """The hash of the first `size` bytes: a file a peer keeps appending to is not read forever."""
-    digest = hashlib.sha256()
-    while size > 0 and (chunk := f.read(min(_CHUNK, size))):
-        digest.update(chunk)
-        size -= len(chunk)
-    f.seek(0)
-    return digest.hexdigest()
-
-
-def _lstat(path: Path) -> os.stat_result | None:
-    try:
-        return os.lstat(path)
-    except FileNotFoundError:
-        return None
-
-
-def _entries(directory: Path) -> list[os.DirEntry]:
-    try:
-        with os.scandir(directory) as it:
-            return list(it)
-    except OSError:
-        return []
-
-
-def _lock(path: Path, mode: int, deadline: float | None) -> filelock.FileLock | None:
-    """filelock.acquire, once what is at `path` is a lock file. A link, a directory or a socket
-    planted there (filelock opens with O_NOFOLLOW: ELOOP, EISDIR, ENXIO) is removed: it would keep
-    every reader off the pack, or at DIR/.evict.lock every fill off the node, for good. A regular
-    file that cannot be opened (another user's, a read-only volume) is left: OSError."""
-    cleared = 0
-    while True:
-        try:
-            return filelock.acquire(path, mode, deadline)
-        except OSError:
-            st = _lstat(path)
-            if cleared == 2 or st is None or stat.S_ISREG(st.st_mode):  # twice: peers may race us
-                raise
-        log.warning("node cache: %s is no lock file; replacing it", path)
-        _clear(path)
-        cleared += 1
-
-
-def _clear(path: Path) -> None:
-    """Remove what is at `path`, without following a link: a file, a link, a FIFO; a directory is
-    first renamed aside (so the path is free at once) and then removed with what it holds
-    (shutil.rmtree never follows a link out of it)."""
-    try:
-        os.unlink(path)
-        return
-    except FileNotFoundError:
-        return
-    except IsADirectoryError:
-        pass
-    except PermissionError:  # unlink(2) of a directory says EPERM on some systems
-        if not _is_directory(path):
-            raise
-    aside = path.with_name(f".tmp-junk-{os.urandom(8).hex()}")
-    try:
-        os.rename(path, aside)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(aside, ignore_errors=True)
-
-
-def _is_directory(path: Path) -> bool:
-    """A directory itself, not a link to one."""
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-
-
-def _real_directory(path: Path) -> None:
-    """Make `path` a directory of its own. A link planted there would have locks, fills and packs
-    land outside DIR, where the cap never sees them: it is removed (OSError when it is not ours to
-    remove, and then the store serves the read). Anything else that is not a directory: OSError."""
-    for _attempt in range(3):  # peers may be replacing the same link at once
-        try:
-            os.mkdir(path)
-            return
-        except FileExistsError:
-            pass
-        st = _lstat(path)
-        if st is not None and stat.S_ISDIR(st.st_mode):
-            return
-        if st is not None and not stat.S_ISLNK(st.st_mode):
-            break
-        if st is not None:
-            log.warning("node cache: %s is a link; replacing it with a directory", path)
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-    raise NotADirectoryError(errno.ENOTDIR, "not a directory of the node cache", str(path))
-
-
-def _touch(fd: int, path: Path) -> None:
-    """Mark the open file as used: the inode that was verified, whatever the path names by now."""
-    try:
-        os.utime(fd)
-    except OSError as exc:  # another user's file: LRU order degrades, reads do not
-        log.debug("node cache: cannot mark %s as used: %s", path, exc)
