@@ -21,15 +21,14 @@ from email.utils import format_datetime, parsedate_to_datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from gc_helpers import LAYERS, CommitsWhenReleased, packs_of, publish_tree
 from trees import write_tree
 
-from kcache import fingerprint, gc, sources
-from kcache import manifest as manifests
+from kcache import fingerprint, gc
 from kcache.publish import publish
 from kcache.restore import restore
 from kcache.store import manifest_key, open_store, pack_key
 
-LAYERS = sources.select()
 POLICY = gc.Policy(keep_last=3, older_than=timedelta(days=7), grace=timedelta(hours=6))
 AHEAD, BEHIND = timedelta(hours=7), -timedelta(hours=7)
 
@@ -39,29 +38,8 @@ def _gc_host_clock(monkeypatch, skew: timedelta) -> None:
     monkeypatch.setattr(gc, "_host_now", lambda: datetime.now(timezone.utc) + skew)
 
 
-def _publish(tmp_path, store, index, fp, content: bytes, name: str):
-    write_tree(tmp_path / name, {"inductor/kernel.so": content, f"inductor/{name}.py": name.encode()})
-    return publish(store, index, fp, LAYERS, root=tmp_path / name, env={})
 
 
-def _packs_of(store, bundle_id):
-    return {e.pack for e in manifests.fetch(store, bundle_id).entries}
-
-
-class CommitsWhenReleased:
-    """A publisher's index that stops right before the commit point (the bundle row), after its
-    packs are uploaded, recorded and revived, until released."""
-
-    def __init__(self, inner):
-        self.inner, self.reached, self.release = inner, threading.Event(), threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def add_bundle(self, bundle, **kwargs):
-        self.reached.set()
-        assert self.release.wait(60)
-        return self.inner.add_bundle(bundle, **kwargs)
 
 
 @pytest.mark.parametrize(("condemner", "sweeper"), [(timedelta(0), AHEAD), (BEHIND, timedelta(0))],
@@ -72,7 +50,7 @@ def test_a_pack_condemned_moments_ago_waits_out_grace_on_any_gc_hosts_clock(tmp_
     moments later. Either run's host clock 7 h off (the sweeper's ahead, or the condemner's behind,
     stamping "7 h ago") made the second sweep it, and the publish committed a bundle naming a
     deleted pack."""
-    _publish(tmp_path, store, index, fp, b"base" * 100, "v0")
+    publish_tree(tmp_path, store, index, fp, b"base" * 100, "v0")
     racer = fingerprint.compute({**fp.facts, "model.id": "racer"})
     write_tree(tmp_path / "v1", {"inductor/kernel.so": b"a brand new kernel" * 100})
     pausing = CommitsWhenReleased(index)
@@ -94,7 +72,7 @@ def test_a_pack_condemned_moments_ago_waits_out_grace_on_any_gc_hosts_clock(tmp_
         pausing.release.set()
         publisher.join(60)
     result = box["r"]
-    assert all(store.exists(pack_key(p)) for p in _packs_of(store, result.bundle_id))
+    assert all(store.exists(pack_key(p)) for p in packs_of(store, result.bundle_id))
     pod = restore(store, index, racer, tmp_path / "dst")
     assert (pod.status, pod.bundle_id) == ("hit", result.bundle_id), pod.reason
 
@@ -102,9 +80,9 @@ def test_a_pack_condemned_moments_ago_waits_out_grace_on_any_gc_hosts_clock(tmp_
 def test_a_condemned_pack_is_swept_once_grace_has_passed_on_the_index_clock(tmp_path, store, index, fp, monkeypatch):
     """The other side of the same rule: a condemnation stamped by a gc host 7 h ahead is not 7 h
     younger than it is; a run after --grace (on the index's clock) sweeps it."""
-    old = _publish(tmp_path, store, index, fp, b"old kernel" * 100, "v1")
-    new = _publish(tmp_path, store, index, fp, b"new kernel" * 100, "v2")
-    old_packs = _packs_of(store, old.bundle_id) - _packs_of(store, new.bundle_id)
+    old = publish_tree(tmp_path, store, index, fp, b"old kernel" * 100, "v1")
+    new = publish_tree(tmp_path, store, index, fp, b"new kernel" * 100, "v2")
+    old_packs = packs_of(store, old.bundle_id) - packs_of(store, new.bundle_id)
     policy = gc.Policy(keep_last=1, older_than=timedelta(0), grace=timedelta(hours=6))
     _gc_host_clock(monkeypatch, AHEAD)
     gc.execute(store, index, gc.plan(store, index, policy))  # old goes; its packs are condemned
@@ -115,8 +93,8 @@ def test_a_condemned_pack_is_swept_once_grace_has_passed_on_the_index_clock(tmp_
 
 def test_older_than_is_judged_by_the_index_clock(tmp_path, store, index, fp, monkeypatch):
     """--older-than 6h on a gc host 7 h ahead deleted a bundle the index had stamped a moment ago."""
-    young = _publish(tmp_path, store, index, fp, b"young kernel" * 100, "v1")
-    _publish(tmp_path, store, index, fp, b"newest kernel" * 100, "v2")
+    young = publish_tree(tmp_path, store, index, fp, b"young kernel" * 100, "v1")
+    publish_tree(tmp_path, store, index, fp, b"newest kernel" * 100, "v2")
     policy = gc.Policy(keep_last=1, older_than=timedelta(hours=6), grace=timedelta(hours=6))
     _gc_host_clock(monkeypatch, AHEAD)
     plan = gc.plan(store, index, policy)
@@ -271,7 +249,7 @@ def test_gc_plans_through_a_store_wrapper_by_its_inner_stores_clock(tmp_path, st
     """The node cache wrapper ages objects by the store it wraps (file://: this host's clock)."""
     from kcache.store.nodecache import NodeCacheStore
 
-    _publish(tmp_path, store, sqlite_index, fp, b"kernel" * 100, "v1")
+    publish_tree(tmp_path, store, sqlite_index, fp, b"kernel" * 100, "v1")
     store.put_bytes(manifest_key("d" * 64), b"an orphan")
     wrapped = NodeCacheStore(store, tmp_path / "node-cache")
     assert gc.plan(wrapped, sqlite_index, POLICY).orphans == ()
@@ -297,8 +275,8 @@ def lagging_index(pg_index):
 def test_bundle_ages_are_judged_by_the_postgresql_servers_clock(tmp_path, store, lagging_index, fp):
     """The gc host's clock is right and the server's 7 h behind: a bundle the server stamped a
     moment ago is not past --older-than 6h, though this host's clock would call it 7 h old."""
-    young = _publish(tmp_path, store, lagging_index, fp, b"young kernel" * 100, "v1")
-    _publish(tmp_path, store, lagging_index, fp, b"newest kernel" * 100, "v2")
+    young = publish_tree(tmp_path, store, lagging_index, fp, b"young kernel" * 100, "v1")
+    publish_tree(tmp_path, store, lagging_index, fp, b"newest kernel" * 100, "v2")
     host = datetime.now(timezone.utc)
     assert lagging_index.get_bundle(young.bundle_id).created_at < host - timedelta(hours=6)  # the server's stamp
     policy = gc.Policy(keep_last=1, older_than=timedelta(hours=6), grace=timedelta(hours=6))

@@ -6,27 +6,15 @@ import threading
 from datetime import datetime, timedelta, timezone
 
 from click.testing import CliRunner
+from gc_helpers import LAYERS, CommitsWhenReleased, packs_of, publish_tree
 from trees import write_tree
 
-from kcache import fingerprint, gc, refs, sources
+from kcache import fingerprint, gc, refs
 from kcache.cli import main
 from kcache.errors import IndexDbError
 from kcache.publish import publish
 from kcache.restore import restore
 from kcache.store import manifest_key, pack_key
-
-LAYERS = sources.select()
-
-
-def _publish(tmp_path, store, index, fp, content: bytes, name: str):
-    write_tree(tmp_path / name, {"inductor/kernel.so": content, f"inductor/{name}.py": name.encode()})
-    return publish(store, index, fp, LAYERS, root=tmp_path / name, env={})
-
-
-def _packs_of(store, bundle_id):
-    from kcache import manifest as manifests
-
-    return {e.pack for e in manifests.fetch(store, bundle_id).entries}
 
 
 class DropsAfterFirstCommit:
@@ -55,8 +43,8 @@ def test_gc_cut_off_after_deleting_the_bundle_its_ref_names_can_run_again(tmp_pa
     """keep-last 0 deletes the bundle refs/<key> names. A run cut off between that row's delete and
     the ref's move left a ref naming a bundle the index no longer has, and every later run refused
     the index as "not the one this store's publishers use": gc could never run again."""
-    v1 = _publish(tmp_path, store, index, fp, b"one" * 100, "v1")
-    v2 = _publish(tmp_path, store, index, fp, b"two" * 100, "v2")
+    v1 = publish_tree(tmp_path, store, index, fp, b"one" * 100, "v1")
+    v2 = publish_tree(tmp_path, store, index, fp, b"two" * 100, "v2")
     assert refs.read(store, fp.bundle_key).manifest == v2.bundle_id
     policy = gc.Policy(keep_last=0, older_than=timedelta(days=7), grace=timedelta(hours=6))
     later = datetime.now(timezone.utc) + timedelta(days=8)
@@ -74,20 +62,6 @@ def test_gc_cut_off_after_deleting_the_bundle_its_ref_names_can_run_again(tmp_pa
     assert not store.exists(manifest_key(v1.bundle_id))
 
 
-class CommitsWhenReleased:
-    """A publisher's index that stops right before the commit point (the bundle row), after its
-    packs are uploaded, recorded and revived, until released."""
-
-    def __init__(self, inner):
-        self.inner, self.reached, self.release = inner, threading.Event(), threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def add_bundle(self, bundle, **kwargs):
-        self.reached.set()
-        assert self.release.wait(60)
-        return self.inner.add_bundle(bundle, **kwargs)
 
 
 def test_a_slow_plan_cannot_backdate_a_condemnation_past_grace(tmp_path, store, sqlite_index, fp):
@@ -95,7 +69,7 @@ def test_a_slow_plan_cannot_backdate_a_condemnation_past_grace(tmp_path, store, 
     plan's start, so a plan that took longer than --grace (a big store, a short --grace) condemned a
     pack a publish had just revived "grace ago": a second gc swept it at once and the publish then
     committed a bundle naming a deleted pack."""
-    _publish(tmp_path, store, sqlite_index, fp, b"base" * 100, "v0")
+    publish_tree(tmp_path, store, sqlite_index, fp, b"base" * 100, "v0")
     racer = fingerprint.compute({**fp.facts, "model.id": "racer"})
     write_tree(tmp_path / "v1", {"inductor/kernel.so": b"a brand new kernel" * 100})
     pausing = CommitsWhenReleased(sqlite_index)
@@ -117,7 +91,7 @@ def test_a_slow_plan_cannot_backdate_a_condemnation_past_grace(tmp_path, store, 
         pausing.release.set()
         publisher.join(60)
     result = box["r"]
-    assert all(store.exists(pack_key(p)) for p in _packs_of(store, result.bundle_id))
+    assert all(store.exists(pack_key(p)) for p in packs_of(store, result.bundle_id))
     pod = restore(store, sqlite_index, racer, tmp_path / "dst")
     assert (pod.status, pod.bundle_id) == ("hit", result.bundle_id), pod.reason
 
