@@ -254,3 +254,31 @@ def test_a_dropped_pack_is_read_from_the_store_by_the_same_wrapper(tmp_path):
     with cache.open_range(pack_key(pack), 10, 100) as stream:
         assert stream.read() == data[10:110]
     assert backing.read["packs"] - before == 100
+
+
+# ---- a node cache that is misconfigured costs its reads, not the warm start ------------------------------
+
+
+@pytest.mark.parametrize("setting", ["lots", "-5", "12 parsecs"])
+def test_a_typo_in_the_node_caches_cap_restores_from_the_store_with_a_warning(bundle, tmp_path, monkeypatch,
+                                                                                setting):  # fmt: skip
+    url, endpoint, packs, files, node = bundle
+    monkeypatch.setenv("KCACHE_NODE_CACHE_MAX_BYTES", setting)
+    code, doc, gets = restore(url, endpoint, tmp_path / "root", node)
+    assert code == 0 and doc["status"] == "hit", doc
+    assert_restored(tmp_path / "root", files)
+    assert sorted(gets) == packs  # every pack from the store: the node cache was not used
+
+
+def test_a_file_where_the_node_cache_should_be_restores_from_the_store_with_a_warning(bundle, tmp_path):
+    url, endpoint, packs, files, _node = bundle
+    planted = tmp_path / "not-a-dir"
+    planted.write_bytes(b"x")
+    gets = PackGets()
+    with CuttingProxy(endpoint, after=0, cuts=0, cut_if=gets) as proxy:
+        result = cli("restore", "--into", tmp_path / "root", "--model", MODEL, "--store", url, "--s3-endpoint-url",
+                     proxy.url, "--index", "none", "--node-cache", planted, "--strict", "--json")  # fmt: skip
+    assert result.exit_code == 0 and json.loads(result.stdout)["status"] == "hit", result.output
+    assert "node cache" in result.stderr and "not a directory" in result.stderr
+    assert_restored(tmp_path / "root", files)
+    assert sorted(gets.by_pack) == packs and planted.read_bytes() == b"x"

@@ -112,8 +112,8 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
         # A pod may restore before the first publish made the store: a miss, not an error (restore
         # writes nothing to the store, so it never creates one; cli.options.open_configured_store).
         store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs, create=True)
-        if node_cache is not None:  # waiting on another pod's download may take half the budget, no more
-            store = NodeCacheStore(store, node_cache, wait=timeout / 2)
+        if node_cache is not None:
+            store = _through_node_cache(store, node_cache, timeout)
         opened.append(Opened(store, open_for_restore(cfg, store), fp, trusted))
         return opened[-1]
 
@@ -155,6 +155,19 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
     if strict and result.status == "miss":
         raise click.exceptions.Exit(ExitCode.FACTS_DISAGREE if opened and opened[0].fingerprint.mismatches
                                     else ExitCode.MISS)  # fmt: skip
+
+
+def _through_node_cache(store, directory: Path, timeout: float):
+    """`store` behind the node cache at `directory`, or alone when the node cache is misconfigured (a
+    typo in its cap, a file at its path): it can only save fetches, so it must not cost the warm start."""
+    try:
+        if directory.exists() and not directory.is_dir():
+            raise ConfigError("--node-cache", str(directory), "is not a directory")
+        # Waiting on another pod's download may take half the budget, no more.
+        return NodeCacheStore(store, directory, wait=timeout / 2)
+    except ConfigError as exc:
+        click.echo(f"kcache: warning: node cache not used, packs come from the store: {one_line(exc)}", err=True)
+        return store
 
 
 def _parse_timeout(text: str) -> tuple[float, ConfigError | None]:
