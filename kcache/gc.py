@@ -7,9 +7,9 @@
              bundle it falls back to, and then this run condemns and sweeps nothing (its pack
              lists assumed that bundle gone); a publish that commits the bundle again while its
              objects go gets them back (see _delete_objects)
-    mark     the packs that retained bundles' manifests name; a retained bundle whose manifest is
-             missing or does not verify is reported as broken, and while one is, nothing is
-             swept (which packs it names is unknown)
+    mark     the packs that retained bundles' manifests name; a retained active bundle whose manifest
+             is missing or does not verify is reported as broken, and while one is, nothing is
+             swept (which packs it names is unknown); a yanked one is not: nothing can restore it
     condemn  phase 1: packs nobody references get condemned_at = now (the index's now)
     sweep    phase 2: packs condemned more than --grace ago and still condemned lose their rows,
              then their objects (a publish that reused one revived it: see index/lifecycle.py)
@@ -19,7 +19,9 @@
              not refresh an object's age, so age alone would sweep a pack a publish is reusing)
     orphans  manifests and signatures no row names, older than --grace, are deleted; if a publish
              committed a bundle on one meanwhile, GC puts the bytes back (and the publish, looking
-             after its commit point, writes it again): see _delete_orphan
+             after its commit point, writes it again): see _delete_orphan. Not a yanked bundle's
+             (its `yanks/` marker or its key's ref's yank list names it): no ref names one, so an
+             index that lags the publishers' lacks it unnoticed; it is kept with the packs it names
     leftovers writes killed part-way (file:// temp files, S3 multipart uploads never completed),
              begun more than --grace ago, are removed: no reader sees them, yet they take space
 
@@ -91,6 +93,7 @@ class Plan:
     adopt: tuple[ObjectInfo, ...] = ()  # pack objects without rows, older than the grace period
     broken: tuple[Bundle, ...] = ()  # retained bundles whose manifest is missing or does not verify
     leftovers: tuple[Leftover, ...] = ()  # killed writes begun before the grace period
+    yanked_without_rows: tuple[str, ...] = ()  # yanked in the store, unknown to the index: kept, packs and all
 
     @property
     def bytes_freed(self) -> int:
@@ -119,10 +122,12 @@ def plan(store: Store, index: Index, policy: Policy, now: datetime | None = None
     else:
         store_time = now
     bundles = lifecycle.all_bundles(index)
-    _check_covers(store, index, {b.id for b in bundles})
+    listed_yanked = _check_covers(store, index, {b.id for b in bundles})
     doomed = _expired(bundles, policy, now)
     retained = [b for b in bundles if b.id not in {d.id for d in doomed}]
     referenced, broken = _mark(store, retained)
+    lost, lost_packs = _yanked_without_rows(store, index, {b.id for b in bundles}, listed_yanked)
+    referenced |= lost_packs
     unreferenced = [p for p in lifecycle.packs(index) if p.id not in referenced]
     cutoff = now - policy.grace
     due = not broken  # a broken manifest may name any pack: hold every sweep until it is fixed
@@ -130,13 +135,13 @@ def plan(store: Store, index: Index, policy: Policy, now: datetime | None = None
     swept = {p.id for p in sweep}
     waiting = tuple(p for p in unreferenced if p.condemned_at and p.id not in swept)
     condemn = tuple(p for p in unreferenced if p.condemned_at is None)
-    known = {p.id for p in lifecycle.packs(index)} | {b.id for b in retained} | {b.id for b in doomed}
+    known = {p.id for p in lifecycle.packs(index)} | {b.id for b in bundles} | set(lost) | lost_packs
     store_cutoff = store_time - policy.grace
     found = list(_orphans(store, known, store_cutoff))
     adopt = tuple(o for o in found if o.key.startswith("packs/") and _ID.match(_owner(o.key)))
     orphans = tuple(o for o in found if o not in adopt)
     leftovers = tuple(left for left in store.leftovers() if _utc(left.modified) < store_cutoff)
-    return Plan(now, policy, tuple(doomed), condemn, sweep, waiting, orphans, adopt, broken, leftovers)
+    return Plan(now, policy, tuple(doomed), condemn, sweep, waiting, orphans, adopt, broken, leftovers, lost)
 
 
 def execute(store: Store, index: Index, gc_plan: Plan, *, signer: signing.SigningKey | None = None) -> Result:
@@ -167,13 +172,14 @@ def execute(store: Store, index: Index, gc_plan: Plan, *, signer: signing.Signin
                   len(gc_plan.leftovers))  # fmt: skip
 
 
-def _check_covers(store: Store, index: Index, rows: set[str]) -> None:
+def _check_covers(store: Store, index: Index, rows: set[str]) -> set[str]:
     """Refuse an index that lacks a bundle the store's refs name: it is not the index this store's
     publishers commit to (another KCACHE_HOME, a backup missing recent rows), and to it every
-    manifest they published is an orphan and every pack unreferenced."""
+    manifest they published is an orphan and every pack unreferenced. Returns the ids the refs
+    list as yanked (a yanked bundle is named by no ref: see _yanked_without_rows)."""
     from kcache.index import lifecycle
 
-    unknown = []
+    unknown, yanked = [], set()
     for info in store.list("refs/"):
         bundle_key = info.key[len("refs/"):]
         if not fingerprint.is_bundle_key(bundle_key):
@@ -182,12 +188,51 @@ def _check_covers(store: Store, index: Index, rows: set[str]) -> None:
             ref = refs.read(store, bundle_key)
         except KcacheError:  # a damaged ref names nothing gc could keep
             continue
-        if ref is not None and ref.manifest not in rows and not lifecycle.has_bundle(index, ref.manifest):
-            unknown.append(ref.manifest)  # (has_bundle: a publish may have committed since the rows were read)
+        if ref is None:
+            continue
+        yanked.update(ref.yanked)
+        # (has_bundle: a publish may have committed since the rows were read. A manifest the store lacks:
+        # a store writer's ref, or a lost bundle; either way nothing of it for gc to delete, nothing to tell.)
+        rowless = ref.manifest not in rows and not lifecycle.has_bundle(index, ref.manifest)
+        if rowless and store.exists(manifest_key(ref.manifest)):
+            unknown.append((info.key, ref.manifest))
     if unknown:
+        where, bundle_id = unknown[0]
         raise ConfigError("--index", index.url, f"has no row for {len(unknown)} bundles the store's refs name (e.g. "
-                          f"{unknown[0][:12]}): it is not the index this store's publishers use; gc with that one, "
-                          "or run `kcache reindex` into this one first")  # fmt: skip
+                          f"{bundle_id[:12]}, which {one_line(where)} names): it is not the index this store's "
+                          "publishers use; gc with that one, or run `kcache reindex` into this one first")  # fmt: skip
+    return yanked
+
+
+def _yanked_without_rows(store: Store, index: Index, rows: set[str],
+                         listed: set[str]) -> tuple[tuple[str, ...], set[str]]:  # fmt: skip
+    """Yanked bundles the index has no row for whose manifest the store still holds, and their packs.
+
+    A yank marker or a ref's yank list names them, yet no ref does (a signed ref never names a
+    yanked bundle; a key whose only bundle is yanked has no ref), so `_check_covers` cannot tell
+    that this index lags the publishers'. gc keeps them, manifest, signatures and packs, or
+    `yank --undo` on the publishers' index would bring back a bundle with nothing left. (They are
+    what reindex brings back as yanked; a bundle gc deleted keeps its marker but not its manifest.)
+    """
+    from kcache.index import lifecycle
+
+    named = {info.key[len("yanks/"):] for info in store.list("yanks/")} | listed
+    kept, packs = [], set()
+    for bundle_id in sorted(named - rows):
+        if not _ID.match(bundle_id):
+            continue
+        try:
+            entries = manifests.fetch(store, bundle_id).entries
+        except (ObjectMissing, IntegrityError, UnsafePath):  # gone (the usual case), or nothing to restore anyway
+            continue
+        if lifecycle.has_bundle(index, bundle_id):  # published (yanked) since the rows were read: not lost
+            continue
+        kept.append(bundle_id)
+        packs.update(e.pack for e in entries)
+    if kept:
+        log.warning("keeping %d yanked bundles the index has no row for (e.g. %s): is it behind the publishers' "
+                    "index? `kcache reindex` brings their rows back", len(kept), kept[0][:12])  # fmt: skip
+    return tuple(kept), packs
 
 
 def _expired(bundles: list[Bundle], policy: Policy, now: datetime) -> list[Bundle]:
@@ -215,15 +260,12 @@ def _delete_bundle(store: Store, index: Index, gc_plan: Plan, bundle: Bundle,
 
     policy = gc_plan.policy
     away = _ref_without(index, bundle)
-    moved = refs.repoint(store, bundle.bundle_key, bundle.id, away, signer=signer)
-    # (A removal that raced a publish's ref reports no move: `away is None` says it may have happened.)
+    moved = refs.repoint(store, bundle.bundle_key, bundle.id, away, signer=signer, index=index)
     if not lifecycle.delete_expired_bundle(index, bundle, policy.keep_last, gc_plan.now - policy.older_than):
         if moved:  # it stays (a yank since the plan): its key's ref is what the index says again
             refs.refresh(store, index, bundle.bundle_key, signer=signer)
-        elif away is None:
-            _ref_back(store, index, bundle.bundle_key, signer)
         return False
-    _ref_after_delete(store, index, bundle, signer, removed=away is None)
+    _ref_after_delete(store, index, bundle, signer, moved=moved)
     # A yank marker stays: a warmup that compiles the same kernels makes the same manifest id, and
     # publish commits a bundle whose marker it finds as yanked (the marker is a few bytes).
     signatures = [s.key for s in store.list(f"signatures/{bundle.id}/")]
@@ -241,12 +283,16 @@ def _ref_without(index: Index, bundle: Bundle) -> refs.Ref | None:
 
 
 def _ref_after_delete(store: Store, index: Index, bundle: Bundle, signer: signing.SigningKey | None, *,
-                      removed: bool) -> None:  # fmt: skip
-    """Move the ref off the deleted `bundle` again, written from the index like every signer's ref."""
+                      moved: bool) -> None:  # fmt: skip
+    """Move the ref off the deleted `bundle` again, written from the index like every signer's ref.
+
+    After either move (`moved`: the one before the row's delete) the ref may have been removed, and
+    a publish's with it: removal is what a move to nothing, or to a bundle yanked since, comes to.
+    """
     newest = index.newest_bundle(bundle.bundle_key)
-    refs.repoint(store, bundle.bundle_key, bundle.id, refs.for_bundle(index, newest.id) if newest else None,
-                 signer=signer)  # fmt: skip
-    if removed or newest is None:
+    again = refs.repoint(store, bundle.bundle_key, bundle.id, refs.for_bundle(index, newest.id) if newest else None,
+                         signer=signer, index=index)  # fmt: skip
+    if moved or again:
         _ref_back(store, index, bundle.bundle_key, signer)
 
 
@@ -315,14 +361,19 @@ def _read_kept(store: Store, key: str) -> bytes | None:
 
 
 def _mark(store: Store, retained: list[Bundle]) -> tuple[set[str], tuple[Bundle, ...]]:
-    """The packs the retained bundles' manifests name, and the bundles whose manifest cannot be read."""
+    """The packs the retained bundles' manifests name, and the active bundles whose manifest cannot be read.
+
+    A yanked one's is no reason to hold the sweeps: `yank --undo` refuses a bundle without its
+    manifest, and a publish of the same files again uploads whatever packs it lacks.
+    """
     referenced: set[str] = set()
     broken = []
     for bundle in retained:
         try:
             referenced.update(e.pack for e in manifests.fetch(store, bundle.id).entries)
         except (ObjectMissing, IntegrityError, UnsafePath):  # ObjectTooLarge is one: no restore reads it either
-            broken.append(bundle)
+            if bundle.status != "yanked":
+                broken.append(bundle)
     return referenced, tuple(broken)
 
 

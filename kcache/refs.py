@@ -41,7 +41,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING
 
 from kcache import canonical, durations, limits, signing
-from kcache.errors import IntegrityError, ObjectMissing, ObjectTooLarge
+from kcache.errors import IntegrityError, NotFound, ObjectMissing, ObjectTooLarge
 from kcache.store import Store, ref_key
 
 if TYPE_CHECKING:
@@ -200,15 +200,28 @@ def from_the_future(current: Ref) -> bool:
 
 
 def repoint(store: Store, bundle_key: str, away_from: str, to: Ref | None, *,
-            signer: signing.SigningKey | None = None, ttl: timedelta | None = None) -> bool:  # fmt: skip
+            signer: signing.SigningKey | None = None, ttl: timedelta | None = None,
+            index: Index | None = None) -> bool:  # fmt: skip
     """Move a ref that names `away_from` (yanked or deleted) to `to`, or remove it when `to` is None.
 
     Unlike `advance` this may move backwards in time; it only acts while the ref still names
-    `away_from`, so a publish that moved it meanwhile wins.
+    `away_from`, so a publish that moved it meanwhile wins. True if it wrote or removed the ref;
+    after a removal a publish's ref may have gone with it (a delete is unconditional), so the
+    caller puts the index's newest back (see gc._ref_back). With `index`, `to` and the key's yank
+    list are read from it again on every attempt, as `advance` does: a `to` yanked (or deleted)
+    since it was chosen makes this a removal, never a ref naming it.
     """
 
     def decide(current: Ref | None):
-        return to if current is not None and current.manifest == away_from else _KEEP
+        if current is None or current.manifest != away_from:
+            return _KEEP
+        if index is None or to is None:
+            return to
+        try:
+            wanted = for_bundle(index, to.manifest)
+        except NotFound:
+            return None
+        return None if wanted.manifest in wanted.yanked else wanted
 
     return _write(store, bundle_key, decide, signer, ttl or default_ttl()) is not _KEEP
 
@@ -252,7 +265,8 @@ def _stale(current: Ref, wanted: Ref, signer: signing.SigningKey | None, ttl: ti
 def _write(store: Store, bundle_key: str, decide: Callable, signer, ttl: timedelta):
     """Compare-and-swap loop: `decide(current)` gives the new ref, None (remove) or _KEEP.
 
-    Returns the ref written, None when it was removed, or _KEEP when nothing changed.
+    Returns the ref written, None when it was removed (even if another writer's ref is there by
+    now: the one it replaced may have gone with ours), or _KEEP when nothing changed.
     """
     key = ref_key(bundle_key)
     removed = False
@@ -260,7 +274,7 @@ def _write(store: Store, bundle_key: str, decide: Callable, signer, ttl: timedel
         current, version = _load(store, key, bundle_key)
         draft = decide(current)
         if draft is _KEEP or (draft is None and version is None):
-            return None if removed and draft is None else _KEEP
+            return None if removed else _KEEP
         if draft is None:
             # A delete cannot be conditional on the version read: decide again after it, so that
             # a publish whose ref went in between (and was deleted) gets its ref back.
@@ -271,7 +285,7 @@ def _write(store: Store, bundle_key: str, decide: Callable, signer, ttl: timedel
         if store.put_if(key, stamped.to_bytes(), version):
             return stamped
     log.warning("gave up moving %s after %d contended attempts", key, _CAS_ATTEMPTS)
-    return _KEEP
+    return None if removed else _KEEP
 
 
 def _load(store: Store, key: str, bundle_key: str) -> tuple[Ref | None, str | None]:

@@ -5,19 +5,34 @@ from the index: it names the newest bundle still active and lists the yanked one
 signing key is given, so deleting the `yanks/<bundle-id>` marker from the store does not un-yank
 anything for a pod that requires signatures. The marker stays as a fail-safe hint for pods that
 do not (and for `kcache reindex`, which rebuilds yank status from markers).
+
+Un-yank makes the bundle restorable again (its key's newest, if it is), so it first checks that
+the manifest and every pack it names are still in the store: one that is not would fail each
+restore where the yank sent pods to the previous bundle (and, retained, hold every gc sweep).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kcache import manifest as manifests
 from kcache import refs
+from kcache.errors import KcacheError, NotFound, ObjectMissing
 from kcache.records import Bundle
 from kcache.signing import SigningKey
-from kcache.store import Store
+from kcache.store import Store, pack_key
 
 if TYPE_CHECKING:
     from kcache.index import Index
+
+
+class BundleGone(NotFound):
+    """The index has no such bundle, yet the store still holds its yank marker (gc deleted the
+    bundle and kept the marker, or the index is behind the publishers')."""
+
+    def __init__(self, name: str):
+        self.what, self.name = "bundle", name
+        KcacheError.__init__(self, f"no bundle {name!r} in the index, but the store still holds its yank marker")
 
 
 def yank(store: Store, index: Index, bundle_id: str, reason: str = "", *, signer: SigningKey | None = None) -> Bundle:
@@ -33,7 +48,21 @@ def yank(store: Store, index: Index, bundle_id: str, reason: str = "", *, signer
 def unyank(store: Store, index: Index, bundle_id: str, *, signer: SigningKey | None = None) -> Bundle:
     from kcache.index import lifecycle
 
-    bundle = lifecycle.set_status(index, bundle_id, "active")
+    try:
+        bundle = index.get_bundle(bundle_id)
+    except NotFound:
+        if any(info.key.startswith(refs.yank_key(bundle_id)) for info in store.list("yanks/")):
+            raise BundleGone(bundle_id) from None
+        raise
+    _check_restorable(store, bundle.id)
+    bundle = lifecycle.set_status(index, bundle.id, "active")
     store.delete(refs.yank_key(bundle.id))
     refs.refresh(store, index, bundle.bundle_key, signer=signer)
     return bundle
+
+
+def _check_restorable(store: Store, bundle_id: str) -> None:
+    """Raise unless the manifest verifies and every pack it names exists (one HEAD each)."""
+    for pack in sorted({e.pack for e in manifests.fetch(store, bundle_id).entries}):
+        if not store.exists(pack_key(pack)):
+            raise ObjectMissing(store.url, pack_key(pack))

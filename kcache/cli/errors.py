@@ -55,6 +55,13 @@ ROWS: tuple[tuple[str, str, ExitCode, str], ...] = (
     ),
     (_E, "StoreMismatch", ExitCode.USAGE, "give each store its own index (--index), or restore with --index none"),
     (_E, "ConfigError", ExitCode.USAGE, "check the flag or environment variable named above (see `kcache config`)"),
+    (
+        "kcache.yank",
+        "BundleGone",
+        ExitCode.NOT_FOUND,
+        "gc deleted it: publish the same files again (they come back yanked), then undo; or the index is "
+        "behind the publishers' (`kcache reindex`)",
+    ),
     (_E, "NotFound", ExitCode.NOT_FOUND, "`kcache ls` lists the bundles the index knows"),
     (_E, "ObjectMissing", ExitCode.STORE, "the store lost an object the index names; re-publish the bundle"),
     (_E, "StoreError", ExitCode.STORE, "check the store URL, that it exists and that you may read and write it"),

@@ -43,6 +43,9 @@ def ref_signing_key_option(fn):
 def yank_cmd(bundle, undo, reason, signing_key, store_url, index_url, s3_endpoint_url, as_json):
     """Stop a bundle from ever being restored again (pods restore the previous one, or start cold).
 
+    --undo refuses a bundle whose manifest or packs the store has lost (pods would fail on it instead
+    of taking the previous bundle): publish the same files again first.
+
     \b
     Examples:
       kcache yank 3f2a9c01bd47 --reason "NaNs on H100 after driver 560"
@@ -56,7 +59,7 @@ def yank_cmd(bundle, undo, reason, signing_key, store_url, index_url, s3_endpoin
     with opened(cfg) as (store, index):
         changed = unyank(store, index, bundle, signer=key) if undo else yank(store, index, bundle, reason, signer=key)
     if as_json:
-        click.echo(fmt.to_json({"bundle_id": changed.id, "status": "active" if undo else "yanked"}))
+        click.echo(fmt.to_json({"bundle_id": changed.id, "status": changed.status}))
     else:
         click.echo(f"kcache: bundle {fmt.text(changed.id[:12])} is {'active again' if undo else 'yanked'}")
 
@@ -147,6 +150,7 @@ def gc_cmd(keep_last, older_than, grace, dry_run, signing_key, store_url, index_
         "packs_in_grace": len(plan.waiting), "orphans": [o.key for o in plan.orphans],
         "orphan_packs_to_condemn": [o.key for o in plan.adopt],
         "broken_bundles": [b.id for b in plan.broken], "leftovers": [left.key for left in plan.leftovers],
+        "yanked_without_rows": list(plan.yanked_without_rows),
         "bytes_to_free": plan.bytes_freed, "result": asdict(result) if result else None,
     }  # fmt: skip
     if as_json:
@@ -164,7 +168,10 @@ def gc_cmd(keep_last, older_than, grace, dry_run, signing_key, store_url, index_
     for bundle in plan.broken:
         click.echo(f"  broken bundle {bundle.id[:12]} {fmt.text(bundle.model or '-')}: its manifest is missing "
                    "or does not verify, so no pack is deleted; publish it again, or yank it "
-                   "(gc deletes it after --older-than)")  # fmt: skip
+                   "(then it holds nothing back, and gc deletes it after --older-than)")  # fmt: skip
+    for bundle_id in plan.yanked_without_rows:
+        click.echo(f"  yanked bundle {bundle_id[:12]} has no row in this index: kept with its packs; is the index "
+                   "behind the publishers'? `kcache reindex` brings its row back (yanked)")  # fmt: skip
     if result:
         click.echo(f"kcache gc: deleted {result.bundles_deleted} bundles, {result.packs_deleted} packs, "
                    f"{result.orphans_deleted} orphans, {result.leftovers_removed} unfinished writes; "
