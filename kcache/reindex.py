@@ -8,13 +8,27 @@ and names its pack instead of uploading the file, so one forged trailer (any sto
 name a pack by its hash) claiming the id of a file publishers will publish would make every later
 bundle unrestorable. `trust_trailers` skips the reads, for a store whose writers are trusted.
 
+A manifest becomes a bundle only when restore could lay it out and the index can hold its row:
+it is at manifests/<hh>/<id>, every pack it names is at packs/<hh>/<id> and long enough for its
+ranges (a bundle whose packs are gone, made newest, would fail every restore of its key), its keys
+are those of its facts (else `ls --model` and `refresh --model` would file it under a model it is
+not), and its model id and facts fit a row that restore and `ls` will load. Packs elsewhere than
+packs/<hh>/<id> are not indexed either: publish would name a pack restore never finds.
+
 Bundle times come from their refs where a ref names them, else from
-the manifest object's modification time. A bundle is yanked when `yanks/<id>` exists or its key's
-ref lists it (a yank never comes back as active just because the index was lost).
+the manifest object's modification time (also when the ref is damaged: a writer who garbles a ref
+must not make reindex leave out its key's bundles, which gc would then delete as orphans). A bundle
+is yanked when `yanks/<id>` exists or its key's ref lists it (a yank never comes back as active
+just because the index was lost).
+
+Every write is insert-or-ignore by id, so reindex can run again after an interruption, into an
+index that has rows, and while publishes commit to it: a pack published after the listing is
+asked for by its key before a manifest naming it is left out.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -22,11 +36,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING
 
-from kcache import fetch, limits, packs, refs, signing
+from kcache import fetch, fingerprint, limits, packs, refs, signing
 from kcache import manifest as manifests
-from kcache.errors import IntegrityError, KcacheError, ObjectTooLarge, SignatureError
+from kcache.errors import ConfigError, IntegrityError, KcacheError, ObjectMissing, ObjectTooLarge, SignatureError
 from kcache.records import BlobLocation, Bundle
-from kcache.store import Store
+from kcache.store import Store, manifest_key, pack_key
 from kcache.streams import Discard
 
 if TYPE_CHECKING:  # the SQL layer loads only when a caller opens an index
@@ -52,6 +66,8 @@ def _pack_blobs(store: Store, info: ObjectInfo) -> tuple[packs.PackedBlob, ...]:
     pack_id = info.key.rsplit("/", 1)[-1]
     if not _HEX64.match(pack_id):  # a stray object (a failed upload, a hand copy) can be gigabytes: unread
         raise IntegrityError("pack", info.key, "is not named by a pack id")
+    if info.key != pack_key(pack_id):  # restore reads packs/<hh>/<id> only: blobs here would be named, never found
+        raise IntegrityError("pack", info.key, f"is not at {pack_key(pack_id)}, where restore reads it")
     tail = _read_end(store, info, min(info.size, _TAIL))
     span = packs.trailer_span(pack_id, tail, info.size)
     if span > len(tail):
@@ -103,6 +119,7 @@ def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool 
 
     skipped: list[str] = []
     pack_infos = list(store.list("packs/"))
+    pack_sizes = {info.key: info.size for info in pack_infos}  # by the whole key, as restore finds them
     blob_count = 0
 
     def one_pack(info: ObjectInfo) -> int:
@@ -127,12 +144,11 @@ def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool 
     for info in store.list("manifests/"):
         manifest_id = info.key.rsplit("/", 1)[-1]
         try:
-            data = limits.read_capped(store, info.key, limits.max_manifest_bytes(), "manifest")
-            if data is None:  # deleted since it was listed (gc)
+            manifest = _restorable(store, info, manifest_id, trusted, pack_sizes)
+            if isinstance(manifest, str):
+                skipped.append(f"{info.key}: {manifest}")
                 continue
-            manifest = manifests.parse(data, manifest_id)
-            if trusted and not signing.verify(store, trusted, manifest.bundle_key, manifest_id, len(data)):
-                skipped.append(f"{info.key}: not signed by a trusted key")
+            if manifest is None:  # deleted since it was listed (gc)
                 continue
             if manifest.bundle_key not in key_refs:
                 key_refs[manifest.bundle_key] = _ref(store, manifest.bundle_key, trusted, skipped)
@@ -142,21 +158,79 @@ def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool 
             continue
         created = _date(manifest_id, info.modified, ref, now)
         status = "yanked" if manifest_id in yanked or (ref and manifest_id in ref.yanked) else "active"
-        bundles += 1
-        added = index.add_bundle(Bundle(
+        bundle = Bundle(
             manifest_id, manifest.bundle_key, manifest.toolchain_key, manifest.workload_key,
             manifest.facts.get("model.id"), dict(manifest.facts), manifest.layers, len(manifest.entries),
             manifest.total_size, created, f"reindex@{socket.gethostname()}", status,
-        ), keep_time=True)  # fmt: skip
+        )  # fmt: skip
+        unfit = _unfit(index, bundle)
+        if unfit:
+            skipped.append(f"{info.key}: {unfit}")
+            continue
+        bundles += 1
+        added = index.add_bundle(bundle, keep_time=True)
         new += added
         if not added and status == "yanked":  # a row that outlived its yank: the store's word wins
             lifecycle.set_status(index, manifest_id, "yanked")
     return ReindexResult(len(pack_infos), blob_count, bundles, new, tuple(skipped))
 
 
+def _restorable(store: Store, info: ObjectInfo, manifest_id: str, trusted: tuple,
+                pack_sizes: dict[str, int]) -> manifests.Manifest | str | None:  # fmt: skip
+    """The manifest at `info` if restore could lay it out (see the module docstring), else why not;
+    None when it is gone. Raises what reading and parsing it raise."""
+    if info.key != manifest_key(manifest_id):  # restore reads manifests/<hh>/<id>, and only there
+        return f"is not at {manifest_key(manifest_id)}, where restore reads it"
+    data = limits.read_capped(store, info.key, limits.max_manifest_bytes(), "manifest")
+    if data is None:
+        return None
+    manifest = manifests.parse(data, manifest_id)
+    if trusted and not signing.verify(store, trusted, manifest.bundle_key, manifest_id, len(data)):
+        return "not signed by a trusted key"
+    keys = fingerprint.compute(manifest.facts)
+    if (keys.bundle_key, keys.toolchain_key, keys.workload_key) != (
+            manifest.bundle_key, manifest.toolchain_key, manifest.workload_key):  # fmt: skip
+        return "its keys are not those of its facts (a manifest made by hand, or claiming another model)"
+    return _packs_missing(store, manifest, pack_sizes) or manifest
+
+
+def _packs_missing(store: Store, manifest: manifests.Manifest, pack_sizes: dict[str, int]) -> str | None:
+    """Why restore could not read every entry of `manifest` from the pack it names, or None.
+    A pack not in the listing is asked for by its key: a publish may have written it since."""
+    for entry in manifest.entries:
+        key = pack_key(entry.pack)
+        if key not in pack_sizes:
+            try:
+                pack_sizes[key] = store.size(key)
+            except ObjectMissing:
+                return f"pack {entry.pack[:12]} is missing (for {entry.path[:200]!r}); `kcache refresh` re-points a ref"
+        if entry.offset + entry.length > pack_sizes[key]:
+            return f"pack {entry.pack[:12]} is too short for {entry.path[:200]!r}"
+    return None
+
+
+def _unfit(index: Index, bundle: Bundle) -> str | None:
+    """Why the index cannot hold this row, or holds it only as one restore and `ls` refuse to load."""
+    from kcache.index.repo import MAX_ROW_TEXT
+
+    try:
+        index.check_bundle(bundle)
+    except ConfigError as exc:
+        return str(exc)
+    text = max(len(json.dumps(bundle.facts, sort_keys=True)), len(",".join(bundle.layers)))  # as the row has them
+    if text > MAX_ROW_TEXT:
+        return f"its facts or layers take {text} characters, over the {MAX_ROW_TEXT} an index row may hold"
+    return None
+
+
 def _ref(store: Store, bundle_key: str, trusted: tuple, skipped: list[str]) -> refs.Ref | None:
-    """The key's ref, when it may date bundles: with trusted keys, only one signed by one of them."""
-    ref = refs.read(store, bundle_key)
+    """The key's ref, when it may date bundles: with trusted keys, only one signed by one of them.
+    A damaged one dates nothing (its key's bundles are dated by their objects); a failed read raises."""
+    try:
+        ref = refs.read(store, bundle_key)
+    except (IntegrityError, ObjectTooLarge) as exc:
+        skipped.append(f"refs/{bundle_key}: {exc}; its bundles are dated by their objects")
+        return None
     if ref is None or not trusted:
         return ref
     try:

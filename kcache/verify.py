@@ -11,8 +11,7 @@ With --read-data, every blob is fetched the way restore fetches it and re-hashed
 pack that holds it; `--subset n/t` reads only the packs whose id falls in the n-th of t slices, so a
 large store can be checked a slice a night.
 
-Every refs/<bundle-key> is checked as a pod restoring with `--index none` would follow it (layer
-refs under refs/layers/ are not: they only point at a bundle key). Each ref is read capped
+Every refs/<bundle-key> is checked as a pod restoring with `--index none` would follow it. Each ref is read capped
 (limits.REF_BYTES) and must parse for its key; with trusted keys it must be signed by one, verify
 and be unexpired (restore --require-signature refuses it otherwise); its signatures must be
 Ed25519 signatures; and the bundle it names must have a manifest under the cap (one listing of
@@ -20,6 +19,14 @@ manifests/), for its bundle key, be neither yanked (the index's status, a yanks/
 listing, the ref's own yank list) nor absent from the index: then index-mode pods and
 `--index none` pods take different bundles, or none. Such a bundle's manifest signature is checked
 as restore checks it, from the listings alone.
+
+Every refs/layers/<layer>/<layer key> is checked as `restore --fallback layers` follows it: it must
+parse, its manifest must be in the store and name a bundle key in its first bytes, and that key's
+newest active bundle in the index (the donor) must be unyanked and record and derive the ref's layer
+key. Otherwise no pod reuses the layer through it (kcache.layerkeys).
+
+A read the store failed (an error other than a missing object) is neither sound nor damaged: it
+lands in `unchecked`, so a caller can tell "damage found" from "could not check" (`status`).
 """
 
 from __future__ import annotations
@@ -32,9 +39,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kcache import choice, fetch, fingerprint, limits, progress, refs, signing
+from kcache import choice, fetch, fingerprint, layerkeys, limits, progress, refs, signing
 from kcache import manifest as manifests
-from kcache.errors import ConfigError, IntegrityError, KcacheError, NotFound, ObjectMissing, SignatureError
+from kcache.errors import (
+    ConfigError,
+    IntegrityError,
+    KcacheError,
+    NotFound,
+    ObjectMissing,
+    SignatureError,
+    StoreError,
+)
 from kcache.packs import unpack_frame
 from kcache.store import Store, manifest_key, pack_key
 from kcache.store.base import ObjectInfo
@@ -53,7 +68,14 @@ class VerifyResult:
     packs: int
     blobs_read: int
     bytes_read: int
-    problems: tuple[str, ...]
+    problems: tuple[str, ...]  # damage: what makes some pod fail, miss, or take another bundle
+    layer_refs: int = 0  # refs/layers/<layer>/<layer key> objects checked
+    unchecked: tuple[str, ...] = ()  # reads the store failed: neither sound nor damaged
+
+    @property
+    def status(self) -> str:
+        """The outcome: "damaged" when anything checked is wrong, else "unchecked" when a read failed, else "ok"."""
+        return "damaged" if self.problems else "unchecked" if self.unchecked else "ok"
 
 
 def parse_subset(text: str) -> tuple[int, int]:
@@ -87,6 +109,7 @@ def verify(
     from kcache.index import lifecycle
 
     problems: list[str] = []
+    unchecked: list[str] = []
     # By the whole key: a pack restore cannot find at packs/<hh>/<id> is missing, whatever lies elsewhere.
     sizes = {info.key: info.size for info in store.list("packs/")}
     signatures = _signatures(store)
@@ -95,15 +118,18 @@ def verify(
     # names, so a bad copy fails that bundle even where another pack holds the blob intact.
     to_read: dict[tuple[str, str, int], manifests.Entry] = {}
     keys_named: dict[str, str] = {}  # bundle id -> the bundle key its manifest names
+    layer_keys: dict[str, dict[str, str]] = {}  # bundle id -> {layer: the layer key it gives}
     for bundle in bundles:
         try:
             manifest, manifest_size = _fetch_manifest(store, bundle.id)
         except KcacheError as exc:
-            problems.append(f"bundle {bundle.id[:12]}: {exc}")
+            _failed(exc, f"bundle {bundle.id[:12]}: {exc}", problems, unchecked)
             continue
         keys_named[bundle.id] = manifest.bundle_key
+        layer_keys[bundle.id] = _layer_keys(manifest)
         signed = signing.message(manifest.bundle_key, bundle.id, manifest_size)
-        for problem in _signature_problems(store, signatures.get(bundle.id, {}), signed, trusted):
+        for problem in _signature_problems(store, signatures.get(bundle.id, {}), signed, trusted, unchecked,
+                                           f"bundle {bundle.id[:12]}: "):  # fmt: skip
             problems.append(f"bundle {bundle.id[:12]}: {problem}")
         for entry in manifest.entries:
             size = sizes.get(pack_key(entry.pack))
@@ -114,11 +140,29 @@ def verify(
             elif read_data and in_subset(entry.pack, subset):
                 to_read.setdefault((entry.blob, entry.pack, entry.offset), entry)
     # After the rows were read: a ref a publish moved since then names a row the index is asked for again.
-    seen = _Seen({bundle.id: bundle for bundle in bundles}, keys_named, signatures, limits.max_manifest_bytes())
-    ref_count = _check_refs(store, index, seen, trusted, problems)
-    read = _read_all(store, list(to_read.values()), jobs, problems, report) if read_data else (0, 0)
+    seen = _Seen({bundle.id: bundle for bundle in bundles}, keys_named, signatures, limits.max_manifest_bytes(),
+                 layer_keys)  # fmt: skip
+    ref_count, layer_ref_count = _check_refs(store, index, seen, trusted, problems, unchecked)
+    read = _read_all(store, list(to_read.values()), jobs, problems, report, unchecked) if read_data else (0, 0)
     packs = len({e.pack for e in to_read.values()}) if read_data else len(sizes)
-    return VerifyResult(len(bundles), ref_count, packs, read[0], read[1], tuple(dict.fromkeys(problems)))
+    return VerifyResult(len(bundles), ref_count, packs, read[0], read[1], tuple(dict.fromkeys(problems)),
+                        layer_ref_count, tuple(dict.fromkeys(unchecked)))  # fmt: skip
+
+
+def _failed(exc: KcacheError, text: str, problems: list[str], unchecked: list[str]) -> None:
+    """A check that raised: damage when the object is missing, over its cap or does not verify; a
+    read the store itself failed (a timeout, a refused request) says nothing either way."""
+    (unchecked if _unreadable(exc) else problems).append(text)
+
+
+def _unreadable(exc: KcacheError) -> bool:
+    return isinstance(exc, StoreError) and not isinstance(exc, ObjectMissing)
+
+
+def _layer_keys(manifest: manifests.Manifest) -> dict[str, str]:
+    """{layer: key} for each layer this manifest can give `restore --fallback layers` (layerkeys.refusal)."""
+    recorded = {layer: manifest.layer_info.get(layer, {}).get("key") for layer in manifest.layers}
+    return {layer: key for layer, key in recorded.items() if key and not layerkeys.refusal(layer, key, manifest)}
 
 
 def _fetch_manifest(store: Store, manifest_id: str) -> tuple[manifests.Manifest, int]:
@@ -141,18 +185,24 @@ def _signatures(store: Store) -> dict[str, dict[str, ObjectInfo]]:
 
 
 def _signature_problems(store: Store, present: Mapping[str, ObjectInfo], signed: bytes,
-                        trusted: tuple[signing.TrustedKey, ...]) -> list[str]:  # fmt: skip
+                        trusted: tuple[signing.TrustedKey, ...], unchecked: list[str],
+                        where: str) -> list[str]:  # fmt: skip
     """What is wrong with one bundle's signatures: each is read as restore reads it (capped); one by
     a trusted key must verify `signed`, any other must at least be an Ed25519 signature (its public
-    key is not here to verify it); with trusted keys, one of them must have signed."""
+    key is not here to verify it); with trusted keys, one of them must have signed. A read the store
+    failed goes to `unchecked` (after `where`), and then no missing trusted signature is claimed."""
     by_name = {key.name: key for key in trusted}
     problems, verified, refused = [], False, False  # refused: a trusted key's signature is there but bad
     for name in sorted(present):
         try:
             raw = limits.read_capped(store, present[name].key, limits.SIGNATURE_BYTES, "signature")
         except KcacheError as exc:  # ObjectTooLarge, a read that failed: restore would fail alike
-            problems.append(f"the signature by {name!r}: {exc}")
-            refused = refused or name in by_name
+            if _unreadable(exc):  # neither good nor bad, and no "not signed" claim rests on it
+                unchecked.append(f"{where}the signature by {name!r}: {exc}")
+                refused = True
+            else:
+                problems.append(f"the signature by {name!r}: {exc}")
+                refused = refused or name in by_name
             continue
         if raw is None:  # deleted since the listing (gc of a deleted bundle)
             continue
@@ -179,35 +229,94 @@ class _Seen:
     keys_named: Mapping[str, str]  # bundle id -> the bundle key its (verified) manifest names
     signatures: Mapping[str, Mapping[str, ObjectInfo]]  # from the listing of signatures/
     manifest_cap: int  # limits.max_manifest_bytes(), as restore reads it
+    layer_keys: Mapping[str, Mapping[str, str]]  # bundle id -> {layer: the layer key its manifest gives}
 
 
 def _check_refs(store: Store, index: Index, seen: _Seen, trusted: tuple[signing.TrustedKey, ...],
-                problems: list[str]) -> int:  # fmt: skip
-    """Check every refs/<bundle-key> (see the module docstring); returns how many there were."""
+                problems: list[str], unchecked: list[str]) -> tuple[int, int]:  # fmt: skip
+    """Check every refs/<bundle-key> and refs/layers/<layer>/<layer key> (see the module docstring);
+    returns how many of each there were."""
     manifest_sizes = {info.key: info.size for info in store.list("manifests/")}
     marked = {info.key for info in store.list("yanks/")}
-    count = 0
+    counts = {"ref": 0, "layer ref": 0}
     for info in store.list("refs/"):
-        bundle_key = info.key[len("refs/"):]
-        if not fingerprint.is_bundle_key(bundle_key):  # refs/layers/..., or a name restore never reads
+        name = info.key[len("refs/"):]
+        layer = _layer_of(name)
+        if layer is None and not fingerprint.is_bundle_key(name):  # a name restore never reads
             continue
-        count += 1
+        what = "layer ref" if layer else "ref"
         try:
-            ref = refs.read(store, bundle_key)  # capped at limits.REF_BYTES, refused unread above it
+            ref = refs.read(store, name)  # capped at limits.REF_BYTES, refused unread above it
         except KcacheError as exc:
             why = exc.why if isinstance(exc, IntegrityError) else str(exc)
-            problems.append(one_line(f"ref refs/{bundle_key}: {why}"))
+            _failed(exc, one_line(f"{what} refs/{name}: {why}"), problems, unchecked)
+            counts[what] += 1
             continue
         if ref is None:  # removed since the listing (gc, or a yank of a key's last bundle)
-            count -= 1
             continue
-        found = _ref_problems(store, index, ref, seen, manifest_sizes, marked, trusted)
+        counts[what] += 1
+        if layer:
+            found = _layer_ref_problems(store, index, ref, layer, seen, manifest_sizes, marked, unchecked)
+        else:
+            found = _ref_problems(store, index, ref, seen, manifest_sizes, marked, trusted, unchecked)
         problems.extend(one_line(p) for p in found)  # text from the store: bounded, one line
-    return count
+    return counts["ref"], counts["layer ref"]
+
+
+def _layer_of(name: str) -> str | None:
+    """The layer a ref name layers/<layer>/<layer key> is for; None for any other name."""
+    parts = name.split("/")
+    if len(parts) == 3 and parts[0] == "layers" and parts[1] in layerkeys.FACTS:
+        return parts[1] if fingerprint.is_bundle_key(parts[2]) else None  # an xxh3 key, as bundle keys are
+    return None
+
+
+def _layer_ref_problems(store: Store, index: Index, ref: refs.Ref, layer: str, seen: _Seen,
+                        manifest_sizes: Mapping[str, int], marked: set[str],
+                        unchecked: list[str]) -> list[str]:  # fmt: skip
+    """Why `restore --fallback layers` reuses no layer through this ref: the bundle it names says only
+    which bundle key holds the layer, and that key's newest active bundle (the donor) must give it."""
+    where, named = f"layer ref refs/{ref.bundle_key}", f"names bundle {ref.manifest[:12]}"
+    lost = f"no pod reuses its {layer} layer through it"
+    holder = seen.keys_named.get(ref.manifest)
+    try:
+        if manifest_key(ref.manifest) not in manifest_sizes:
+            raise ObjectMissing(store.url, manifest_key(ref.manifest))
+        holder = holder or manifests.bundle_key_hint(store, ref.manifest)
+    except ObjectMissing:
+        return [f"{where}: {named}, whose manifest is missing ({lost})"]
+    except StoreError as exc:
+        unchecked.append(f"{where}: {exc}")
+        return []
+    if holder is None:
+        return [f"{where}: {named}, whose manifest names no bundle key in its first bytes ({lost})"]
+    donor = index.newest_bundle(holder)
+    if donor is None:
+        return [f"{where}: {named} of bundle key {holder}, which has no active bundle in the index ({lost} until "
+                "a publish with this layer key moves it)"]  # fmt: skip
+    if refs.yank_key(donor.id) in marked:
+        return [f"{where}: {named} of bundle key {holder}, whose newest bundle {donor.id[:12]} is yanked by "
+                f"{refs.yank_key(donor.id)} ({lost}); `kcache yank` it so the index moves past it"]  # fmt: skip
+    given = seen.layer_keys.get(donor.id)
+    if given is None and donor.id in seen.rows:  # its manifest failed: reported with its bundle
+        return []
+    if given is None:  # committed since the rows were read
+        try:
+            given = _layer_keys(_fetch_manifest(store, donor.id)[0])
+        except KcacheError as exc:
+            found: list[str] = []
+            _failed(exc, f"{where}: bundle {donor.id[:12]}: {exc}", found, unchecked)
+            return found
+    key = ref.bundle_key.rsplit("/", 1)[-1]
+    if given.get(layer) != key:
+        return [f"{where}: {named} of bundle key {holder}, whose newest bundle {donor.id[:12]} does not give the "
+                f"{layer} layer under this key ({lost})"]  # fmt: skip
+    return []
 
 
 def _ref_problems(store: Store, index: Index, ref: refs.Ref, seen: _Seen, manifest_sizes: Mapping[str, int],
-                  marked: set[str], trusted: tuple[signing.TrustedKey, ...]) -> list[str]:  # fmt: skip
+                  marked: set[str], trusted: tuple[signing.TrustedKey, ...],
+                  unchecked: list[str]) -> list[str]:  # fmt: skip
     """What stops a pod restoring through this ref, or makes it take another bundle than the index's."""
     where, named = f"ref refs/{ref.bundle_key}", f"names bundle {ref.manifest[:12]}"
     problems = _ref_signature_problems(ref, trusted)
@@ -227,7 +336,8 @@ def _ref_problems(store: Store, index: Index, ref: refs.Ref, seen: _Seen, manife
         if size is not None and size <= cap:  # what a pod would check before reading it
             signed = signing.message(ref.bundle_key, ref.manifest, size)
             present = seen.signatures.get(ref.manifest, {})
-            problems += [f"{where}: {named}: {p}" for p in _signature_problems(store, present, signed, trusted)]
+            found = _signature_problems(store, present, signed, trusted, unchecked, f"{where}: {named}: ")
+            problems += [f"{where}: {named}: {p}" for p in found]
         return problems
     if row.status == "yanked":
         problems.append(f"{where}: {named}, which is yanked in the index; `kcache refresh` re-points it")
@@ -279,7 +389,7 @@ def _is_signature(text: str) -> bool:
 
 
 def _read_all(store: Store, entries: list[manifests.Entry], jobs: int, problems: list[str],
-              report: progress.Report | None = None) -> tuple[int, int]:  # fmt: skip
+              report: progress.Report | None, unchecked: list[str]) -> tuple[int, int]:  # fmt: skip
     """Re-hash every blob; a bad one is a problem, and the rest of its pack is still read."""
     lock = threading.Lock()
     done = {"blobs": 0, "bytes": 0}
@@ -303,7 +413,7 @@ def _read_all(store: Store, entries: list[manifests.Entry], jobs: int, problems:
             fetch.read_range(store, rng, check, cancelled=lambda: False)
         except KcacheError as exc:
             with lock:
-                problems.append(f"pack {rng.pack[:12]}: {exc}")
+                _failed(exc, f"pack {rng.pack[:12]}: {exc}", problems, unchecked)
 
     with meter, ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         list(pool.map(one_range, fetch.plan_ranges(entries)))

@@ -81,7 +81,15 @@ def verify_cmd(read_data, subset, jobs, trusted_keys, store_url, index_url, s3_e
     keys must verify and a bundle none of them signed is a problem. Every refs/<bundle-key> is checked
     as a pod restoring with --index none follows it: it must parse, and (with trusted keys) be signed,
     verify and be unexpired; the bundle it names must have its manifest, be neither yanked nor absent
-    from the index. Exits 12 when anything is wrong, listing each problem.
+    from the index. Every refs/layers/<layer>/<key> is checked as `restore --fallback layers` follows
+    it: it must parse and lead to an active, unyanked bundle that gives that layer under that key.
+    Reads nothing but the store and the index, and writes to neither.
+
+    \b
+    Exit codes (--json: "status"):
+       0  ok        everything checked is sound
+      12  damaged   problems found, each listed (they win over reads that failed)
+       4  unchecked the store failed some reads (listed as "could not check"): run it again
 
     \b
     Examples:
@@ -99,15 +107,20 @@ def verify_cmd(read_data, subset, jobs, trusted_keys, store_url, index_url, s3_e
             result = verify(store, index, read_data=read_data, subset=part, jobs=jobs, report=report,
                             trusted=trusted)  # fmt: skip
     if as_json:
-        click.echo(fmt.to_json(asdict(result)))
+        click.echo(fmt.to_json({"status": result.status, **asdict(result)}))
     else:
         read = f", read {result.blobs_read} blobs ({fmt.size(result.bytes_read)})" if read_data else ""
-        click.echo(f"kcache: checked {result.bundles} bundles and {result.refs} refs over {result.packs} packs{read}: "
-                   f"{len(result.problems) or 'no'} problems")  # fmt: skip
+        unread = f"; could not check {len(result.unchecked)}" if result.unchecked else ""
+        click.echo(f"kcache: checked {result.bundles} bundles, {result.refs} refs and {result.layer_refs} layer refs "
+                   f"over {result.packs} packs{read}: {len(result.problems) or 'no'} problems{unread}")  # fmt: skip
         for problem in result.problems:
             click.echo(f"  {fmt.text(problem)}", err=True)
+        for what in result.unchecked:
+            click.echo(f"  could not check: {fmt.text(what)}", err=True)
     if result.problems:
         raise click.exceptions.Exit(ExitCode.PROBLEMS)
+    if result.unchecked:  # not "sound": a CronJob must not read a store that failed its reads as a clean one
+        raise click.exceptions.Exit(ExitCode.STORE)
 
 
 @click.command("gc")

@@ -40,12 +40,17 @@ def reindex_cmd(jobs, trust_trailers, trusted_keys, store_url, index_url, s3_end
     must not get in. That reads the whole store; --trust-trailers reads only the trailers.
     With the pods' --trusted-key, only bundles a trusted key signed are indexed: otherwise
     whoever can write the store can add bundles (the newest ones, for pods and for gc).
-    Safe to run on a live index: rows that exist are kept as they are. Exits 12 when objects had
-    to be skipped, listing each.
+    A manifest restore could not lay out (a pack it names is missing or short, it is not where
+    restore reads it, its keys are not its facts') or whose row the index cannot hold is skipped.
+    Safe to run on a live index, while publishes commit, and again after it was cut off: rows that
+    exist are kept as they are (a yank in the store still wins). Run it to the end before `kcache
+    gc`: to gc, a manifest without a row is an orphan. Exits 12 when objects had to be skipped,
+    listing each.
 
     \b
-    Example:
+    Examples:
       kcache reindex --store s3://caches/prod --index postgresql+psycopg://kcache@db/kcache
+      kcache reindex --trusted-key /secrets/prod-2026.pub --json   # only what the pods would trust
     """
     with opened(settings(store_url, index_url, s3_endpoint_url), jobs=jobs, create=True) as (store, index):
         result = reindex(

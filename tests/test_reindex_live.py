@@ -1,0 +1,106 @@
+"""`kcache reindex` on a live index: while publishes commit, into rows that exist, and run again after
+being cut off. On SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+from trees import write_tree
+
+from kcache import sources
+from kcache.index import Index
+from kcache.publish import publish
+from kcache.reindex import reindex
+from kcache.restore import restore
+from kcache.yank import yank
+
+LAYERS = sources.select()
+
+
+def _publish(tmp_path, store, index, fp, content: bytes, name: str):
+    write_tree(tmp_path / name, {"inductor/a": content, "triton/k/k.cubin": content * 2})
+    return publish(store, index, fp, LAYERS, root=tmp_path / name, env={})
+
+
+def _rows(index):
+    return sorted((b.id, b.status, b.created_at, b.files) for b in index.list_bundles(limit=1000))
+
+
+class PublishDuringListing:
+    """Wraps a store: listing manifests/ first runs `publish()`, as a publisher committing between
+    reindex's listing of packs/ and its listing of manifests/ would."""
+
+    def __init__(self, inner, publish_now):
+        self.inner, self.url, self._publish = inner, inner.url, publish_now
+        self.published = None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def list(self, prefix):
+        if prefix == "manifests/" and self.published is None:
+            self.published = self._publish()
+        return self.inner.list(prefix)
+
+
+def test_a_publish_between_the_listings_is_indexed_once(tmp_path, store, index, fp):
+    first = _publish(tmp_path, store, index, fp, b"first", "v1")
+    racing = PublishDuringListing(store, lambda: _publish(tmp_path, store, index, fp, b"second", "v2"))
+    rebuilt = reindex(racing, index)
+    second = racing.published
+    assert second.new_blobs > 0  # its pack went in after reindex had listed packs/
+    assert rebuilt.skipped == ()
+    assert rebuilt.bundles == 2 and rebuilt.new_bundles == 0  # the publish's own row came first
+    assert [r[0] for r in _rows(index)] == sorted([first.bundle_id, second.bundle_id])
+    assert restore(store, index, fp, tmp_path / "dst").bundle_id == second.bundle_id
+
+
+def test_into_an_index_with_rows_nothing_it_has_changes(tmp_path, store, index, fp):
+    _publish(tmp_path, store, index, fp, b"good", "v1")
+    bad = _publish(tmp_path, store, index, fp, b"bad", "v2")
+    yank(store, index, bad.bundle_id, "NaNs")
+    store.delete(f"yanks/{bad.bundle_id}")  # a store writer un-yanks by deleting the marker
+    before = _rows(index)
+    rebuilt = reindex(store, index)
+    assert rebuilt.new_bundles == 0 and rebuilt.skipped == ()
+    assert _rows(index) == before  # still yanked, same times
+
+
+class CutOff(BaseException):
+    """Ctrl-C, or the pod running reindex evicted."""
+
+
+class CutAfter:
+    """Wraps a store: the listing of manifests/ stops after `n` objects, as a process killed there."""
+
+    def __init__(self, inner, n: int):
+        self.inner, self.url, self.n = inner, inner.url, n
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def list(self, prefix):
+        for i, info in enumerate(self.inner.list(prefix)):
+            if prefix == "manifests/" and i == self.n:
+                raise CutOff()
+            yield info
+
+
+def test_cut_off_and_run_again_gives_what_one_run_gives(tmp_path, store, index, fp):
+    from kcache import fingerprint
+
+    publishers = Index.open(f"sqlite:///{tmp_path / 'publishers.db'}")
+    for i in range(4):
+        model = fingerprint.compute({**fp.facts, "model.id": f"model-{i}"})
+        _publish(tmp_path, store, publishers, model, f"content {i}".encode(), f"v{i}")
+    yank(store, publishers, publishers.list_bundles()[0].id, "NaNs")
+    publishers.close()
+    try:
+        reindex(CutAfter(store, 2), index)
+    except CutOff:
+        pass
+    assert len(_rows(index)) == 2  # cut off in the bundle pass, two bundles in
+    again = reindex(store, index)
+    assert again.skipped == () and again.bundles == 4 and again.new_bundles == 2
+    one_run = Index.open(f"sqlite:///{tmp_path / 'one-run.db'}")
+    reindex(store, one_run)
+    assert _rows(index) == _rows(one_run) and sum(r[1] == "yanked" for r in _rows(index)) == 1
+    one_run.close()

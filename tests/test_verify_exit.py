@@ -1,0 +1,97 @@
+"""`kcache verify` tells three outcomes apart: all sound (0), damage found (12), could not check (4)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from trees import write_tree
+
+from kcache import sources
+from kcache.cli import main
+from kcache.cli.errors import ExitCode
+from kcache.errors import StoreError
+from kcache.publish import publish
+from kcache.store import manifest_key, pack_key
+from kcache.store.local import LocalStore
+from kcache.verify import verify
+
+LAYERS = sources.select()
+
+
+class FailingReads:
+    """Wraps a store: every read under `prefix` fails as an endpoint's 503s do once retries are spent."""
+
+    def __init__(self, inner, prefix: str):
+        self.inner, self.url, self.prefix = inner, inner.url, prefix
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def open_range(self, key, offset, length):
+        if key.startswith(self.prefix):
+            raise StoreError(self.url, f"cannot read {key}: 503 Slow Down")
+        return self.inner.open_range(key, offset, length)
+
+
+def _publish(tmp_path, store, index, fp, name="src"):
+    write_tree(tmp_path / name, {"inductor/a": name.encode() * 100, "triton/k/k.cubin": b"kernel"})
+    return publish(store, index, fp, LAYERS, root=tmp_path / name, env={})
+
+
+@pytest.mark.parametrize("prefix, read_data", [("manifests/", False), ("packs/", True), ("refs/", False)])
+def test_reads_the_store_failed_are_unchecked_not_damage(tmp_path, store, sqlite_index, fp, prefix, read_data):
+    _publish(tmp_path, store, sqlite_index, fp)
+    assert verify(store, sqlite_index, read_data=read_data).status == "ok"
+    result = verify(FailingReads(store, prefix), sqlite_index, read_data=read_data)
+    assert result.problems == ()  # nothing is known to be wrong
+    assert result.unchecked and all("503" in u for u in result.unchecked)
+    assert result.status == "unchecked"
+
+
+def test_damage_wins_over_reads_that_failed(tmp_path, store, sqlite_index, fp):
+    published = _publish(tmp_path, store, sqlite_index, fp)
+    store.delete(pack_key(next(iter(_packs(store)))))
+    result = verify(FailingReads(store, "refs/"), sqlite_index)
+    assert result.unchecked and any("missing" in p for p in result.problems) and result.status == "damaged"
+    assert published.bundle_id[:12] in result.problems[0]
+
+
+def _packs(store):
+    return [info.key.rsplit("/", 1)[-1] for info in store.list("packs/")]
+
+
+def test_cli_exit_codes_and_json_status(tmp_path, isolated_home, monkeypatch):
+    runner = CliRunner()
+    write_tree(tmp_path / "src", {"inductor/a": b"a", "triton/k/k.cubin": b"kernel"})
+    out = runner.invoke(main, ["publish", "--from", str(tmp_path / "src"), "--model", "m1", "--json"])
+    assert out.exit_code == 0, out.output
+    bundle_id = json.loads(out.stdout)["bundle_id"]
+
+    clean = runner.invoke(main, ["verify", "--json"])
+    assert clean.exit_code == 0 and json.loads(clean.stdout)["status"] == "ok"
+    assert json.loads(clean.stdout)["layer_refs"] >= 1
+
+    # The store fails every read of a pack (the command opens its own store: the fault goes into the class).
+    real = LocalStore.open_range
+
+    def failing(self, key, offset, length):
+        if key.startswith("packs/"):
+            raise StoreError(self.url, f"cannot read {key}: 503 Slow Down")
+        return real(self, key, offset, length)
+
+    monkeypatch.setattr(LocalStore, "open_range", failing)
+    unchecked = runner.invoke(main, ["verify", "--read-data", "--json"])
+    assert unchecked.exit_code == ExitCode.STORE, unchecked.output
+    doc = json.loads(unchecked.stdout)
+    assert doc["status"] == "unchecked" and doc["problems"] == [] and "503" in doc["unchecked"][0]
+    text = runner.invoke(main, ["verify", "--read-data"])
+    assert text.exit_code == ExitCode.STORE and "could not check" in text.output
+    monkeypatch.setattr(LocalStore, "open_range", real)
+
+    manifest = isolated_home / "store" / manifest_key(bundle_id)
+    manifest.chmod(0o644)
+    manifest.write_bytes(manifest.read_bytes()[:-1] + b" ")  # damaged: hashes to another id
+    damaged = runner.invoke(main, ["verify", "--json"])
+    assert damaged.exit_code == ExitCode.PROBLEMS and json.loads(damaged.stdout)["status"] == "damaged"
