@@ -24,6 +24,7 @@ import hashlib
 import io
 import json
 import os
+import stat
 import struct
 import tempfile
 import threading
@@ -239,10 +240,17 @@ class PackWriter:
 
 
 def _open_fd(source: Path) -> int:
-    try:  # O_NOFOLLOW: a file swapped for a link since it was hashed is not read through it
-        return os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
+    # O_NOFOLLOW: a file swapped for a link since it was hashed is not read through it; O_NONBLOCK
+    # and fstat: one swapped for a FIFO (nothing may ever write it) or a directory is not read at all.
+    # With a warm hash cache this is the first open of the file since the walk listed it.
+    try:
+        fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:  # removed or replaced since it was hashed: the next publish sees it as it is
         raise _changed(source, exc.strerror) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _changed(source, "no longer a regular file")
+    return fd
 
 
 def _open_source(source: Path) -> BinaryIO:

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import logging
 import os
+import shutil
 import socket
 import stat
 import tempfile
@@ -35,7 +37,7 @@ from typing import TYPE_CHECKING, TypeVar
 from kcache import boundedread, cpus, layerkeys, limits, progress, readiness, refs, signing
 from kcache import fingerprint as fingerprints
 from kcache import manifest as manifests
-from kcache.errors import ConfigError, IntegrityError, SourceDirError, StagingError
+from kcache.errors import ConfigError, IndexDbError, IntegrityError, SourceDirError, StagingError
 from kcache.fingerprint import Fingerprint
 from kcache.hashcache import HashCache, key_for
 from kcache.packs import CHUNK_BYTES, LARGE_FILE_BYTES, TARGET_PACK_BYTES, Pack, PackWriter
@@ -55,6 +57,9 @@ _REVIVE_ROUNDS = 3
 # ours: the user's to fix (TMPDIR), not a bug. Creating it may also find it missing.
 _STAGING_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS})
 _WORKDIR_ERRNOS = _STAGING_ERRNOS | {errno.ENOENT, errno.ENOTDIR}
+# Workdirs whose publish holds a flock on them (see _workdir); those of a kcache before the lock
+# are named "kcache-publish-" and a random tail without a hyphen, so never taken for ours.
+_WORKDIR_PREFIX = "kcache-publish-held-"
 
 
 @dataclass(frozen=True)
@@ -119,11 +124,30 @@ def collect(sources: Iterable[Source], *, root: Path | None, env: Mapping[str, s
         for top in dirs:
             if not (top.is_dir() or top.is_file()):  # a file: a one-file layer (the TRT-LLM autotuner's)
                 continue
+            home = top if top.is_dir() else top.parent
+            real = _resolved(home, None if named else root)
             for info in source.walk(top):
                 if info.rel not in seen:  # merged directories (triton per device): first wins
                     seen.add(info.rel)
-                    found.append((source, info))
+                    found.append((source, _moved(info, str(home), real)))
     return found
+
+
+def _resolved(home: Path, root: Path | None) -> str:
+    """`home` with the links above it resolved, as the kernel names a file opened under it (see
+    _opened_at). Under ROOT only ROOT's own: a link below ROOT is refused (Source.read_dirs) and by
+    now may be a swap by whoever writes ROOT."""
+    if root is not None and home.is_relative_to(root):
+        return str(Path(os.path.realpath(root)) / home.relative_to(root))
+    return os.path.realpath(home)
+
+
+def _moved(info: FileInfo, home: str, real: str) -> FileInfo:
+    """`info` with its path under `real` instead of `home`, the same directory named without links."""
+    path = str(info.path)
+    if real == home or not path.startswith(home):
+        return info
+    return replace(info, path=Path(real + path[len(home) :]))
 
 
 def hash_file(path: Path, size_hint: int = _HASH_CHUNK) -> tuple[str, int]:
@@ -152,7 +176,23 @@ def _open_regular_fd(path: Path) -> int:
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise boundedread.NotRegularFile(f"{path} is not a regular file")
+    if not _opened_at(fd, path):
+        os.close(fd)
+        raise OSError(errno.ELOOP, "reached through a symbolic link", str(path))
     return fd
+
+
+def _opened_at(fd: int, path: Path) -> bool:
+    """Whether the kernel names the file open as `fd` by `path` itself. O_NOFOLLOW guards the last
+    name only: a directory above it swapped for a link (by whoever writes the cache while publish
+    walks it) leads anywhere, and what is hashed here is what the bundle carries. `path` names no
+    link above its layer (collect resolves those), so any link on the way makes the names differ.
+    Packing needs no such check: it packs only bytes that hash to the id taken here."""
+    try:
+        name = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # no /proc: the walk's refusal of links is all there is
+        return True
+    return name in (str(path), f"{path} (deleted)")  # deleted: a compile replaced it since the open
 
 
 def _hash_or_skip(path: Path, size: int | None = None) -> str | None:
@@ -183,8 +223,9 @@ def _skipping(path: Path, read: Callable[[], T]) -> T | None:
                     "removed" if isinstance(exc, FileNotFoundError) else "unreadable")  # fmt: skip
         return None
     except OSError as exc:
-        if exc.errno == errno.ELOOP:  # replaced by a link since the walk (O_NOFOLLOW)
-            log.warning("skipping %r: became a symbolic link since it was listed", str(path))
+        if exc.errno == errno.ELOOP:  # it, or a directory above it, replaced by a link since the walk
+            log.warning("skipping %r: it or a directory above it became a symbolic link since it was listed",
+                        str(path))  # fmt: skip
             return None
         if isinstance(exc, boundedread.NotRegularFile):
             log.warning("skipping %r: no longer a regular file since it was listed", str(path))
@@ -319,16 +360,55 @@ def _staging(workdir: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _workdir() -> Iterator[Path]:
-    """A fresh temporary directory (under TMPDIR) to build packs in, removed with what it holds."""
+    """A fresh temporary directory (under TMPDIR) to build packs in, removed with what it holds.
+
+    The publish building in it holds a flock on it until it is gone: one killed part-way (the OOM
+    killer, SIGKILL) leaves its staged packs to nobody, and a sidecar killed again and again would
+    fill its pod's TMPDIR until no publish finds room. So each publish first removes those.
+    """
+    _sweep_workdirs()
     try:
-        made = tempfile.TemporaryDirectory(prefix="kcache-publish-")
+        made = tempfile.TemporaryDirectory(prefix=_WORKDIR_PREFIX)
     except OSError as exc:
         if exc.errno not in _WORKDIR_ERRNOS:
             raise
         where = os.path.dirname(exc.filename) if isinstance(exc.filename, str) else tempfile.tempdir
         raise StagingError(where or os.environ.get("TMPDIR", "/tmp"), exc.strerror or str(exc)) from exc
     with made as path:
-        yield Path(path)
+        held = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX)  # before any file is staged: a sweeper leaves an empty one be
+            yield Path(path)
+        finally:
+            made.cleanup()  # still held: no sweeper removes it under us
+            os.close(held)
+
+
+def _sweep_workdirs() -> None:
+    """Remove the workdirs killed publishes left: ours by name and owner, holding files, and held by
+    no running publish (the kernel drops a dead process's flocks). Best effort: _workdir names a
+    TMPDIR that cannot be used."""
+    try:
+        with os.scandir(tempfile.gettempdir()) as listing:
+            paths = [entry.path for entry in listing if entry.name.startswith(_WORKDIR_PREFIX)]
+    except OSError:
+        return
+    for path in paths:
+        try:  # O_NOFOLLOW: a link planted under our name is not ours to follow
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if os.fstat(fd).st_uid != os.geteuid():
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a running publish's
+            if os.listdir(fd):  # empty: one just made, not held yet
+                log.info("removing %s, left by a publish that was killed", path)
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
 
 
 def _write_and_upload(group: list[Collected], store: Store, index: Index, workdir: Path, chunks: Executor,
@@ -502,8 +582,12 @@ def publish(
         fingerprint.bundle_key, manifest.id, created, manifest.layers, len(manifest.entries), manifest.total_size,
         len(new), sum(c.info.size for c in new), uploaded, pack_count, seconds, yanked,
     )  # fmt: skip
-    index.record_event(Event("publish", "published" if created else "unchanged", fingerprint.bundle_key,
-                             manifest.id, len(manifest.entries), uploaded, seconds))  # fmt: skip
+    event = Event("publish", "published" if created else "unchanged", fingerprint.bundle_key, manifest.id,
+                  len(manifest.entries), uploaded, seconds)  # fmt: skip
+    try:
+        index.record_event(event)
+    except IndexDbError as exc:  # stats only: the bundle is committed, its ref moved; the exit code must say so
+        log.warning("published, but cannot record the publish event: %s", exc)
     return result
 
 

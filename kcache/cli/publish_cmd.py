@@ -101,6 +101,11 @@ def publish_cmd(root, layers, extra_dirs, signing_key, allow_empty, compile_seco
     over them; elsewhere a model is required. A --facts-file this machine contradicts is refused.
     A bundle with no files needs --allow-empty.
 
+    Packs are built in TMPDIR before they go up: it needs room for --jobs packs of 32 MiB, or of
+    a large file's compressed size each. A cache file that changes while it is packed exits 16
+    (nothing stored is wrong; publish again). A publish that failed or was killed part-way leaves
+    no bundle that names missing packs; run it again (it uploads only what is still missing).
+
     \b
     Examples:
       kcache publish --model my-llm                      # live cache dirs after warmup
