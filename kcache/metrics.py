@@ -12,9 +12,9 @@
     kcache_watch_baseline_files, kcache_watch_publishes_total, kcache_watch_publish_errors_total
 
 A series whose marker is absent is left out rather than reported as zero: "no restore yet" and
-"restored nothing" are different answers. A field that is not a finite number (a string, an int too
-large for a float, 1e400) is left out too: markers are written by other containers, so every label
-value taken from one is also cut to one line of at most 200 characters. Rendering is pure; `collect`
+"restored nothing" are different answers. A field that is not a finite number at least 0 (a string,
+an int too large for a float, 1e400, -3) is left out too: markers are written by other containers,
+so every label value taken from one is also cut to one line of at most 200 characters. Rendering is pure; `collect`
 only reads the markers (and asks the model server, given an engine).
 """
 
@@ -92,8 +92,9 @@ def collect(root: Path, engine: readiness.EngineHealth | None = None) -> list[Fa
 
 
 def _numeric(doc: Mapping, field: str) -> float | None:
-    """A finite number, or None: markers are written by other containers, and an int too large for
-    a float (or 1e400, which parses to inf) must not turn every scrape into an error."""
+    """A finite number at least 0 (every field is a count, a size or seconds), or None: markers are
+    written by other containers, an int too large for a float (or 1e400, which parses to inf) must
+    not turn every scrape into an error, and a negative counter would read as a reset to rate()."""
     value = doc.get(field)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return None
@@ -101,7 +102,7 @@ def _numeric(doc: Mapping, field: str) -> float | None:
         number = float(value)
     except OverflowError:
         return None
-    return number if math.isfinite(number) else None
+    return number if math.isfinite(number) and number >= 0 else None
 
 
 def _restore(doc: dict | None) -> list[Family]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
@@ -58,6 +59,14 @@ class WarmupChildFailed(KcacheError):
         super().__init__(f"the warmup process exited with code {returncode} and no report; see its error above")
 
 
+class WarmupChildTimedOut(KcacheError):
+    """The warmup child process was still running when the budget was spent; it was killed."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        super().__init__(f"the warmup process did not finish within {seconds:g} s (--budget) and was killed")
+
+
 class Warmer(Protocol):
     needs_restore: bool  # prebake lays ROOT out first (False: ROOT must already be laid out)
 
@@ -73,6 +82,7 @@ class ChildWarmup:
     parallel: int = 1
     env: Mapping[str, str] | None = None  # the child's base environment (default: this process's)
     needs_restore: bool = True
+    timeout: float | None = None  # seconds the child may run (--budget); None: no limit
 
     def command(self, root: Path) -> list[str]:
         cmd = [sys.executable, "-m", "kcache", "warmup", "--entrypoint", self.entrypoint, "--root", str(root),
@@ -82,13 +92,43 @@ class ChildWarmup:
     def warm(self, root: Path, progress: Callable[[str], None]) -> warmup.WarmupReport:
         env = {**(os.environ if self.env is None else self.env), **envfile.read(root / envfile.NAME)}
         progress(f"warming up {self.entrypoint} in a child process with {root / envfile.NAME}")
-        # stderr is inherited: the child's progress and errors reach the user directly.
-        done = subprocess.run(self.command(root), env=env, stdout=subprocess.PIPE, text=True)
-        lines = done.stdout.strip().splitlines()
+        # stderr is inherited: the child's progress and errors reach the user directly. Its own
+        # session: a hung entrypoint's helpers (compile workers) are killed with it.
+        with subprocess.Popen(self.command(root), env=env, stdout=subprocess.PIPE, text=True,
+                              start_new_session=True) as child:  # fmt: skip
+            try:
+                out, _ = child.communicate(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                raise WarmupChildTimedOut(self.timeout or 0) from None
+            finally:
+                _kill_group(child)
+        report = _last_report(out)
+        if report is None:
+            raise WarmupChildFailed(child.returncode)
+        return report
+
+
+def _last_report(stdout: str) -> warmup.WarmupReport | None:
+    """The child's report: its last line that is one. The user's code may still print after it
+    (an atexit hook, a thread), past the redirect `kcache warmup` keeps around the entrypoint."""
+    for line in reversed(stdout.splitlines()):
         try:
-            return warmup.from_dict(json.loads(lines[-1]))
-        except (IndexError, ValueError, KeyError, TypeError):
-            raise WarmupChildFailed(done.returncode) from None
+            return warmup.from_dict(json.loads(line))
+        except (ValueError, RecursionError, KeyError, TypeError, AttributeError):
+            continue
+    return None
+
+
+def _kill_group(child: subprocess.Popen) -> None:
+    """A child still running (past its timeout, or this process interrupted) is killed with its
+    process group, then reaped."""
+    if child.poll() is not None:
+        return
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:  # gone meanwhile
+        pass
+    child.wait()
 
 
 @dataclass(frozen=True)
@@ -101,8 +141,9 @@ class ServerWarmup:
     needs_restore: bool = False
 
     def warm(self, root: Path, progress: Callable[[str], None]) -> warmup.WarmupReport:
+        after = readiness.restore_stamp(root)
         report = warmup.run(self.target, self.profiles, parallel=self.parallel, progress=progress)
-        warmup.write_marker(root, report)
+        warmup.write_marker(root, report, after_restore=after)
         return report
 
 

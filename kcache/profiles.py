@@ -143,15 +143,21 @@ def _limited_loader(yaml):
 
 
 def _count_nodes(node: Any, name: str) -> None:
-    """Refuse a document whose aliases expand to more than MAX_YAML_NODES nodes (billion laughs).
-    Aliases share one node object, so each node's expanded size is computed once."""
+    """Refuse a document whose aliases expand to more than MAX_YAML_NODES nodes (billion laughs),
+    or without end: `&a [*a]` is a node that holds itself. Aliases share one node object, so each
+    node's expanded size is computed once."""
     sizes: dict[int, int] = {}
+    sizing: set[int] = set()  # the nodes whose size is being computed: meeting one again is a cycle
 
     def size(n: Any) -> int:
+        if id(n) in sizing:
+            raise ProfileError(name, "a YAML alias refers to a node that contains it (an endless document)")
         if id(n) not in sizes:
+            sizing.add(id(n))
             value = n.value if isinstance(n.value, list) else ()
             children = (c for item in value for c in (item if isinstance(item, tuple) else (item,)))
             sizes[id(n)] = 1 + sum(size(c) for c in children)
+            sizing.discard(id(n))
             if sizes[id(n)] > MAX_YAML_NODES:
                 raise ProfileError(name, f"YAML aliases expand to more than {MAX_YAML_NODES} nodes")
         return sizes[id(n)]

@@ -58,6 +58,15 @@ def read_marker(root: Path, name: str) -> dict | None:
     return doc if isinstance(doc, dict) else None
 
 
+def restore_stamp(root: Path) -> str | None:
+    """The restore marker's finished_at, or None: which restore a warmup that starts now follows."""
+    stamp = (read_marker(root, RESTORE_MARKER) or {}).get("finished_at")
+    return stamp if isinstance(stamp, str) else None
+
+
+# The warmup marker's field naming the restore it followed (restore_stamp when warmup started).
+AFTER_RESTORE = "restore_finished_at"
+
 SIGNALS = ("restore", "weights", "graphs", "warmup")
 ON_FAILURE = ("unready", "ready-cold")
 
@@ -159,11 +168,14 @@ def check(root: Path, engine: EngineHealth | None = None) -> Readiness:
     """
     restore = read_marker(root, RESTORE_MARKER)
     warmup = read_marker(root, WARMUP_MARKER)
+    stale = _follows_another_restore(restore, warmup)
+    if stale:  # the last pod's, on a kept volume: a warmup that outlived its pod wrote it after our restore
+        warmup = None
     signals = _signals(restore, warmup)
     healthy, detail = engine() if engine is not None else (False, "")
     if healthy and (warmup or {}).get("on_failure") == "ready-cold" and not signals[1].ok:
         signals = (signals[0], Signal("weights", True, "the model server answers its health check"), *signals[2:])
-    reason = _reason(warmup, {s.name: s for s in signals})
+    reason = _reason(warmup, {s.name: s for s in signals}, stale)
     warmed = signals[-1].ok
     if engine is not None:
         signals += (Signal("engine", healthy, detail),)
@@ -180,12 +192,20 @@ def _shown(value: object) -> str:
 MAX_SHOWN = 200
 
 
-def _reason(warmup: dict | None, signal: dict[str, Signal]) -> str:
+def _follows_another_restore(restore: dict | None, warmup: dict | None) -> bool:
+    """A warmup marker that names the restore it followed, and not the one in place. (Markers that
+    name none, from before the field existed, count as following it.)"""
+    if warmup is None or AFTER_RESTORE not in warmup:
+        return False
+    return warmup[AFTER_RESTORE] != (restore or {}).get("finished_at")
+
+
+def _reason(warmup: dict | None, signal: dict[str, Signal], stale: bool = False) -> str:
     """Why not ready (the first signal that holds the pod back); empty when ready."""
     if not signal["restore"].ok:
         return "restore has not finished"
     if warmup is None:
-        return "warmup has not completed"
+        return "warmup has not completed" + (" (its marker follows an earlier restore)" if stale else "")
     status = _shown(warmup.get("status", "unknown"))
     if status == "running" and _lapsed(warmup):  # killed mid-way (OOM): nothing will rewrite it
         if warmup.get("on_failure") == "ready-cold" and signal["weights"].ok:

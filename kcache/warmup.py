@@ -252,17 +252,25 @@ def from_dict(doc: Mapping[str, Any]) -> WarmupReport:
                         signals.get("graphs") is True)  # fmt: skip
 
 
+_NOW = object()
+
+
 def write_marker(root: Path, report: WarmupReport, on_failure: str = "unready", *,
-                 expires_at: datetime | None = None) -> Path:  # fmt: skip
+                 expires_at: datetime | None = None, after_restore: str | None | object = _NOW) -> Path:  # fmt: skip
     """ROOT/.kcache-warmup.json: readiness turns green on status "ok", or on "failed" with
     `on_failure` "ready-cold" once the weights loaded (kcache.readiness.check). A "running" marker
-    with `expires_at` counts as failed after it: the warmup that wrote it was killed."""
+    with `expires_at` counts as failed after it: the warmup that wrote it was killed.
+
+    `after_restore` is readiness.restore_stamp(root) as it was when the warmup started (default: now):
+    readiness ignores the marker once another restore is in place, so the warmup of the last pod on a
+    kept volume, still running when the new pod's restore finished, cannot make the new pod ready."""
     if on_failure not in readiness.ON_FAILURE:
         raise ConfigError("--on-failure", on_failure, f"expected one of {', '.join(readiness.ON_FAILURE)}")
     Path(root).mkdir(parents=True, exist_ok=True)
     # Every container of the pod reads ROOT, and `kcache ready --json` shows the marker: --url and
     # the errors quoting it may carry a password (http://user:pass@host).
     doc = json.loads(redact_text(json.dumps({**to_dict(report), "on_failure": on_failure})))
+    doc[readiness.AFTER_RESTORE] = readiness.restore_stamp(Path(root)) if after_restore is _NOW else after_restore
     if report.status == "running" and expires_at is not None:
         doc["expires_at"] = expires_at.isoformat()
     return readiness.write_marker(Path(root), readiness.WARMUP_MARKER, doc)

@@ -42,6 +42,12 @@ class ServerUnavailable(KcacheError):
 _WORDS = ("time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world", "school")
 
 
+def answer_limit(profile: Profile) -> int:
+    """The most bytes one completion answer of `profile`'s shape may have (see ANSWER_PER_TOKEN)."""
+    own = min(MAX_COMPLETION_ANSWER, ANSWER_BASE + ANSWER_PER_TOKEN * profile.output_tokens)
+    return max(ANSWER_BASE, min(own, MAX_BATCH_ANSWERS // profile.batch_size))
+
+
 def prompt(tokens: int, nonce: int) -> str:
     """About `tokens` tokens; the leading number makes each prompt's prefix unique."""
     words = [str(nonce)] + [_WORDS[i % len(_WORDS)] for i in range(max(0, tokens - 2))]
@@ -50,7 +56,13 @@ def prompt(tokens: int, nonce: int) -> str:
 
 MAX_HEALTH_ANSWER = 64 * 1024
 MAX_MODELS_ANSWER = 1024 * 1024
-MAX_COMPLETION_ANSWER = 8 * 1024 * 1024  # ~100 times a 128k-token answer's text; the sidecar has 1 GiB
+MAX_COMPLETION_ANSWER = 8 * 1024 * 1024  # one answer, however many tokens it has
+# A batch of B holds B answers at once, and the sidecar has 1 GiB: each answer may hold the JSON
+# around its text and ANSWER_PER_TOKEN bytes per token asked for (a token is a few bytes of text,
+# JSON escapes a character to at most six), and a batch's answers together MAX_BATCH_ANSWERS.
+ANSWER_BASE = 64 * 1024
+ANSWER_PER_TOKEN = 256
+MAX_BATCH_ANSWERS = 256 * 1024 * 1024
 MAX_BACKOFF = 10.0
 
 
@@ -140,7 +152,7 @@ class HttpTarget:
         for attempt in range(self.retries + 1):
             timeout, flag = self._time_left(self.request_timeout)
             try:
-                return self._complete_once(payload, timeout)
+                return self._complete_once(payload, timeout, answer_limit(profile))
             except http_client.RequestFailed as exc:
                 why = f"no complete answer within {timeout:g} s ({flag})" if exc.timed_out else exc.why
                 tries = f" (attempt {attempt + 1} of {self.retries + 1})" if attempt else ""
@@ -161,9 +173,9 @@ class HttpTarget:
             raise WarmupRequestError(f"the warmup budget of {self.budget:g} s is spent (--budget)")
         return (limit, "--request-timeout") if limit <= left else (left, "--budget")
 
-    def _complete_once(self, payload: bytes, timeout: float) -> None:
+    def _complete_once(self, payload: bytes, timeout: float, max_body: int) -> None:
         url = self._base + "/v1/completions"
-        answer = http_client.request("POST", url, timeout=timeout, max_body=MAX_COMPLETION_ANSWER, body=payload,
+        answer = http_client.request("POST", url, timeout=timeout, max_body=max_body, body=payload,
                                      headers={"Content-Type": "application/json"})  # fmt: skip
         if 300 <= answer.status < 400:
             why = f"POST /v1/completions: {_status_text(answer)}; kcache follows no redirects: give --url the server"

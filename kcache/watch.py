@@ -17,6 +17,7 @@ publish cadence and a stop event.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,8 +88,19 @@ def snapshot(root: Path, layers: list[Source], ready_at: float | None = None) ->
 
 def scan(root: Path, baseline: Baseline, layers: list[Source]) -> tuple[CacheFile, ...]:
     """Files under ROOT that are not in the baseline, sorted by layer and path."""
-    new = [f for f in listing(root, layers) if (f.layer, f.rel) not in baseline.files]
+    return _not_in(baseline, listing(root, layers))
+
+
+def _not_in(baseline: Baseline, files: list[CacheFile]) -> tuple[CacheFile, ...]:
+    new = [f for f in files if (f.layer, f.rel) not in baseline.files]
     return tuple(sorted(new, key=lambda f: (f.layer, f.rel)))
+
+
+def emptied(baseline: Baseline, files: list[CacheFile]) -> list[str]:
+    """Layers that held files when the pod became ready and hold none now: a directory removed or
+    unreadable (the walk passes over what it cannot list). Publish takes ROOT as it is, and restore
+    prefers the newest bundle: publishing now would take those layers away from every later pod."""
+    return sorted({layer for layer, _ in baseline.files} - {f.layer for f in files})
 
 
 def ready_time(root: Path) -> float | None:
@@ -172,24 +184,44 @@ class Watcher:
                 log.info("ready: watching %d cache files under %s", len(self._baseline.files), self.root)
             self._since_publish = self._clock()
         layers = layers_under(self.root)
-        new = scan(self.root, self._baseline, layers)
+        files = listing(self.root, layers)
+        new = _not_in(self._baseline, files)
         fresh = tuple(f for f in new if (f.layer, f.rel) not in self._reported)
         for f in fresh:
             log.warning("compiled after ready (warmup did not cover it): layer %s file %s (%d bytes)",
                         f.layer, f.rel, f.size)  # fmt: skip
         self._reported.update((f.layer, f.rel) for f in fresh)
-        published, error = self._maybe_publish(new, layers, publish_now)
+        published, error = self._maybe_publish(new, layers, publish_now, emptied(self._baseline, files))
         self._write_marker(new, layers)
         return Step(True, "", new, fresh, published, error)
 
-    def run(self, stop, interval: float) -> None:
-        """Step every `interval` seconds until `stop` (a threading.Event) is set; then publish what remains."""
-        while True:
-            self._step_logged()
-            if stop.wait(interval):
-                break
-        if self._publisher is not None and self._baseline is not None:
-            self._step_logged(publish_now=True)  # the pod is going away: keep what it compiled
+    def run(self, stop: threading.Event, interval: float, grace: float | None = None) -> bool:
+        """Step every `interval` seconds until `stop` is set; then publish what remains.
+
+        The steps run in a thread of their own, so that the caller's wait on `stop` ends at once
+        whatever a publish is waiting for. From then on the step under way and the last publish
+        get `grace` seconds (None: no limit; keep it under the pod's terminationGracePeriod), then
+        are abandoned: False. A publish cut short leaves only orphans for GC (kcache.publish), and
+        what it would have published comes with the next pod's."""
+        worker = threading.Thread(target=self._loop, args=(stop, interval), name="kcache-watch", daemon=True)
+        worker.start()
+        stop.wait()
+        worker.join(grace)
+        if worker.is_alive():
+            log.warning("the last publish did not finish within %g s of the stop; abandoned", grace)
+            return False
+        return True
+
+    def _loop(self, stop: threading.Event, interval: float) -> None:
+        try:
+            while True:
+                self._step_logged()
+                if stop.wait(interval):
+                    break
+            if self._publisher is not None and self._baseline is not None:
+                self._step_logged(publish_now=True)  # the pod is going away: keep what it compiled
+        finally:
+            stop.set()  # however the loop ended, run() stops waiting
 
     def _step_logged(self, **kwargs) -> Step | None:
         try:
@@ -199,7 +231,7 @@ class Watcher:
             log.debug("watch step failed", exc_info=True)
             return None
 
-    def _maybe_publish(self, new, layers, publish_now: bool) -> tuple[PublishResult | None, str]:
+    def _maybe_publish(self, new, layers, publish_now: bool, gone: list[str]) -> tuple[PublishResult | None, str]:
         pending = {(f.layer, f.rel) for f in new} - self._published
         if self._publisher is None or not pending:
             return None, ""
@@ -207,6 +239,14 @@ class Watcher:
         if not (publish_now or due):
             return None, ""
         self._since_publish = self._clock()
+        if gone:  # counted as a failed publish (an alert on publish errors sees it); retried when next due
+            self._errors += 1
+            why = (
+                f"not publishing: layer {', '.join(gone)} held files when the pod became ready and holds none now "
+                "(its directory removed or unreadable); a bundle without it would replace the one restored"
+            )
+            log.warning("%s", why)
+            return None, why
         try:
             result = self._publisher(layers)
         # Store or index away, a file unreadable, or a bug: count it, retry when next due. A sidecar

@@ -124,6 +124,12 @@ ROWS: tuple[tuple[str, str, ExitCode, str], ...] = (
         "fix the --entrypoint error printed above (try `kcache warmup` alone)",
     ),
     (
+        "kcache.prebake",
+        "WarmupChildTimedOut",
+        ExitCode.WARMUP,
+        "find where the --entrypoint hangs (try `kcache warmup` alone), or raise --budget",
+    ),
+    (
         "kcache.relocate",
         "Unmappable",
         ExitCode.CORRUPT,

@@ -72,7 +72,8 @@ def target_options(fn):
                           "502-504), with backoff (--url)."),
         click.option("--budget", type=FiniteFloat(min=0), default=0, show_default=True,
                      help="Seconds the whole warmup may take, the wait included; requests and retries stop "
-                          "when it is spent (--url; 0: no limit)."),
+                          "when it is spent (--url), or prebake kills its --entrypoint warmup process "
+                          "(0: no limit)."),
     )  # fmt: skip
     for option in reversed(options):
         fn = option(fn)
@@ -127,7 +128,9 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
     chosen = _profiles(profiles_file)
     # A running marker outlives a killed warmup: with a budget it expires (see readiness._lapsed).
     expires = datetime.now(timezone.utc) + timedelta(seconds=budget) + _RUNNING_GRACE if url and budget else None
-    checkpoint = (lambda partial: warmup.write_marker(root, partial, on_failure, expires_at=expires)) if root else None
+    after = readiness.restore_stamp(root) if root else None  # the restore this warmup follows
+    checkpoint = (lambda partial: warmup.write_marker(root, partial, on_failure, expires_at=expires,
+                                                      after_restore=after)) if root else None  # fmt: skip
     if entrypoint:
         with stdout_to_stderr():  # the entrypoint is the user's code: only kcache's report is stdout
             target = warmup.load_entrypoint(entrypoint)
@@ -137,7 +140,7 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
     else:
         report = warmup.run(_http(url, request_timeout, wait_timeout, served_model, retries, budget), chosen,
                             parallel=parallel, progress=_note(), checkpoint=checkpoint)  # fmt: skip
-    marker = warmup.write_marker(root, report, on_failure) if root else None
+    marker = warmup.write_marker(root, report, on_failure, after_restore=after) if root else None
     if as_json:
         click.echo(fmt.to_json({**_report_json(report), "marker": str(marker) if marker else None}))
     else:
@@ -234,7 +237,7 @@ def prebake_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_
     if entrypoint:
         if profiles_file:
             _profiles(profiles_file)  # fail here, before the restore, on a bad file
-        warmer = ChildWarmup(entrypoint, profiles_file, parallel)
+        warmer = ChildWarmup(entrypoint, profiles_file, parallel, timeout=budget or None)
     else:
         warmer = ServerWarmup(_http(url, request_timeout, wait_timeout, served_model, retries, budget),
                               _profiles(profiles_file), parallel)  # fmt: skip

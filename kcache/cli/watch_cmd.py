@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import click
@@ -56,6 +58,9 @@ def _publisher(root: Path, fingerprint_args, cfg: Settings, config: PublishConfi
 @click.option("--publish-every", type=Duration(), metavar="DURATION",
               help="Publish new cache files at most this often (e.g. 10m); uploads only new blobs.")  # fmt: skip
 @click.option("--once", is_flag=True, help="Scan once (taking the baseline if the pod just became ready) and exit.")
+@click.option("--stop-timeout", type=Duration(), default="20s", show_default=True, metavar="DURATION",
+              help="On SIGTERM, how long the scan or publish under way and the last publish may take before "
+                   "they are abandoned and watch exits; keep it under terminationGracePeriodSeconds.")  # fmt: skip
 @host_port_options(port_help="Also serve /healthz, /readyz and /metrics on this port (as `kcache serve`).",
                    port_required=False)  # fmt: skip
 @health_url_option(help="With --port: /readyz and /metrics also require the model server's health endpoint to "
@@ -65,8 +70,8 @@ def _publisher(root: Path, fingerprint_args, cfg: Settings, config: PublishConfi
 @fingerprint_options
 @store_options
 @json_option
-def watch_cmd(root, interval, publish_every, once, host, port, health_url, signing_key, model, model_config, facts,
-              extras, store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
+def watch_cmd(root, interval, publish_every, once, stop_timeout, host, port, health_url, signing_key, model,
+              model_config, facts, extras, store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
     """Notice cache files that appear after the pod became ready: shapes warmup did not cover.
 
     Waits for readiness (as `kcache ready`), records the cache files present then, and on each
@@ -96,13 +101,20 @@ def watch_cmd(root, interval, publish_every, once, host, port, health_url, signi
         start_in_thread(server, stopped=stop)  # a probe port that dies ends the sidecar, not just the thread
     _announce(root, interval, publish_every if publisher else None, server, host, as_json)
     try:
-        watcher.run(stop, interval)
+        finished = watcher.run(stop, interval, grace=stop_timeout)
     finally:
         if server is not None:
             server.shutdown()
             server.server_close()
     if server is not None:
         server.raise_if_failed()
+    if not finished:
+        click.echo(f"kcache: the last publish did not finish within {fmt.seconds(stop_timeout)} (--stop-timeout); "
+                   "abandoned (a publish cut short leaves no partial bundle)", err=True)  # fmt: skip
+        # A publish still waiting on the store holds worker threads that Python's exit would join.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(ExitCode.PUBLISH)
 
 
 def _announce(root: Path, interval: float, publish_every: float | None, server, host: str, as_json: bool) -> None:

@@ -1,0 +1,61 @@
+"""`kcache prebake --entrypoint` when the user's entrypoint misbehaves: it must fail clearly (exit code,
+message) or succeed, never hang and never lose the child's report."""
+
+import atexit
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kcache.cli import main
+from kcache.cli.errors import ExitCode
+
+TESTS = Path(__file__).resolve().parent
+
+PROFILES = "profiles:\n  - {name: one, batch_size: 1, input_tokens: 4, output_tokens: 1}\n"
+
+# ---- entrypoints (module:function targets, run in prebake's child process) -----------------------
+
+
+def chatty_at_exit(batch_size, input_tokens, output_tokens):
+    """Compiles, but prints to stdout once the warmup is over (an atexit hook, as some libraries have)."""
+    (Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / f"kernel-{batch_size}x{input_tokens}.so").write_bytes(b"\x7fELF")
+    atexit.register(print, "goodbye from the entrypoint")
+
+
+def hang(batch_size, input_tokens, output_tokens):
+    threading.Event().wait()  # a deadlocked model load: never returns
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def child_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    path = tmp_path / "profiles.yaml"
+    path.write_text(PROFILES)
+    return path
+
+
+def prebake(tmp_path, profiles, entrypoint, *args, code=0):
+    result = CliRunner().invoke(main, ["prebake", "--root", str(tmp_path / "A"), "--entrypoint", entrypoint,
+                                       "--profiles", str(profiles), "--model", "m", *args],
+                                catch_exceptions=False)  # fmt: skip
+    assert result.exit_code == code, result.output
+    return result
+
+
+def test_stdout_printed_after_the_report_does_not_hide_it(tmp_path, child_path):
+    out = prebake(tmp_path, child_path, "test_prebake:chatty_at_exit", "--json")
+    doc = json.loads(out.stdout)
+    assert doc["warmup"]["status"] == "ok" and doc["publish"] is not None
+
+
+def test_a_hanging_entrypoint_is_stopped_at_the_budget_with_a_clear_error(tmp_path, child_path):
+    out = prebake(tmp_path, child_path, "test_prebake:hang", "--budget", "2", code=ExitCode.WARMUP)
+    assert "did not finish within 2 s (--budget)" in out.stderr
+    assert "raise --budget" in out.stderr

@@ -1,0 +1,133 @@
+"""`kcache watch` publishing while things go wrong: a store that hangs when the pod is told to stop,
+and a cache directory removed from under it."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+
+from hanging_server import SilentServer
+from test_watch import RESTORED, Clock, make_ready
+from trees import write_tree
+
+from kcache import manifest as manifests
+from kcache import metrics, sources
+from kcache.publish import publish
+from kcache.readiness import WATCH_MARKER, read_marker
+from kcache.store import manifest_key
+from kcache.watch import Watcher, ready_time
+
+
+def compiled_after_ready(root, rel="triton/k9/k.cubin"):
+    write_tree(root, {rel: b"compiled on the hot path"})
+    os.utime(root / rel, (ready_time(root) + 1,) * 2)
+
+
+def test_a_publish_that_hangs_when_stopped_is_abandoned_after_the_grace(tmp_path):
+    make_ready(tmp_path)
+    compiled_after_ready(tmp_path)
+    stop, entered, release = threading.Event(), threading.Event(), threading.Event()
+
+    def hanging_publisher(layers):  # a store that accepted the connection and went quiet
+        entered.set()
+        stop.set()  # SIGTERM arrives mid-publish
+        release.wait(60)
+        raise OSError("the store never answered")
+
+    watcher, finished = Watcher(tmp_path, publisher=hanging_publisher, publish_every=0), []
+    runner = threading.Thread(target=lambda: finished.append(watcher.run(stop, 3600, grace=0.1)))
+    runner.start()
+    try:
+        runner.join(30)  # a bound on a broken run, not synchronisation: run returns once the grace is over
+    finally:
+        release.set()
+        runner.join()
+    assert entered.is_set() and finished == [False]
+
+
+def test_a_publish_that_ends_within_the_grace_is_kept(tmp_path, store, sqlite_index, fp):
+    make_ready(tmp_path)
+    compiled_after_ready(tmp_path)
+    stop = threading.Event()
+    stop.set()
+    published = []
+
+    def publisher(layers):
+        published.append(publish(store, sqlite_index, fp, layers, root=tmp_path))
+        return published[-1]
+
+    assert Watcher(tmp_path, publisher=publisher, publish_every=3600).run(stop, 3600, grace=60) is True
+    assert len(published) == 1 and read_marker(tmp_path, WATCH_MARKER)["publishes"] == 1
+
+
+def test_a_removed_cache_directory_is_not_published_away(tmp_path, store, sqlite_index, fp):
+    root = tmp_path / "root"
+    make_ready(root)
+    first = publish(store, sqlite_index, fp, sources.BUILTIN, root=root)
+    clock = Clock()
+    published = []
+
+    def publisher(layers):
+        published.append(publish(store, sqlite_index, fp, layers, root=root))
+        return published[-1]
+
+    watcher = Watcher(root, publisher=publisher, publish_every=10, clock=clock)
+    watcher.step()
+    compiled_after_ready(root)
+    shutil.rmtree(root / "inductor")  # someone cleaned the cache; restore's files for that layer are gone
+    clock.now += 11
+    step = watcher.step()
+    assert step.published is None and published == []
+    assert "layer inductor held files when the pod became ready and holds none now" in step.publish_error
+    doc = read_marker(root, WATCH_MARKER)
+    assert doc["publish_errors"] == 1 and doc["new_files"]["triton"] == 1  # still counted, just not published
+    assert "kcache_watch_publish_errors_total 1" in metrics.render(metrics.collect(root))
+    # The bundle a restore gets is still one with every layer.
+    newest = sqlite_index.newest_bundle(first.bundle_key)
+    entries = manifests.parse(store.get_bytes(manifest_key(newest.id)), newest.id).entries
+    assert {e.path for e in entries} >= set(RESTORED)
+
+
+def test_the_layer_back_the_publish_goes_on(tmp_path, store, sqlite_index, fp):
+    root = tmp_path / "root"
+    make_ready(root)
+    publish(store, sqlite_index, fp, sources.BUILTIN, root=root)
+    clock = Clock()
+    watcher = Watcher(root, publisher=lambda layers: publish(store, sqlite_index, fp, layers, root=root),
+                      publish_every=10, clock=clock)  # fmt: skip
+    watcher.step()
+    compiled_after_ready(root)
+    moved = tmp_path / "moved"
+    shutil.move(root / "cuda", moved)
+    clock.now += 11
+    assert watcher.step().publish_error
+    shutil.move(moved, root / "cuda")
+    clock.now += 11
+    result = watcher.step().published
+    assert result is not None and result.new_blobs == 1
+
+
+def test_sigterm_while_a_publish_hangs_on_the_store_exits_within_the_stop_timeout(tmp_path):
+    root = tmp_path / "root"
+    make_ready(root)
+    compiled_after_ready(root)
+    with SilentServer() as s3:
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+               "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3.url}  # fmt: skip
+        index = f"sqlite:///{tmp_path / 'index.db'}"
+        args = ["watch", "--root", str(root), "--interval", "1s", "--publish-every", "1s", "--stop-timeout", "1s",
+                "--store", "s3://bucket/cache", "--index", index, "--model", "m"]  # fmt: skip
+        proc = subprocess.Popen([sys.executable, "-m", "kcache", *args], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert s3.accepted.wait(60)  # the publish is under way, waiting on the store
+            proc.send_signal(signal.SIGTERM)
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 14, stderr
+    assert "did not finish within 1.00 s (--stop-timeout); abandoned" in stderr
