@@ -27,8 +27,9 @@
 
 Deletion runs in the reverse order of publish: rows before objects, so no committed bundle ever
 points at a missing pack; a deleted bundle's ref moves off it before its row goes (and again after),
-so a run cut off part-way leaves no ref naming a bundle the index lacks. Condemnations are stamped
-when they are written, not when the plan began.
+so a run cut off part-way leaves no ref naming a bundle the index lacks; its layer refs move with it
+(to the next bundle that gives their layer, or away). Condemnations are stamped when they are
+written, not when the plan began.
 
 Every age is judged by the clock that stamped it, never by this host's: a row's created_at and
 condemned_at by the index's (Index.now: PostgreSQL's server clock), an object's or an unfinished
@@ -46,7 +47,7 @@ from datetime import datetime, timedelta, timezone
 from functools import partial
 from typing import TYPE_CHECKING
 
-from kcache import fingerprint, limits, refs, signing
+from kcache import fingerprint, layerkeys, limits, refs, signing
 from kcache import manifest as manifests
 from kcache.config import redact_url
 from kcache.errors import (
@@ -249,23 +250,27 @@ def _expired(bundles: list[Bundle], policy: Policy, now: datetime) -> list[Bundl
 
 def _delete_bundle(store: Store, index: Index, gc_plan: Plan, bundle: Bundle,
                    signer: signing.SigningKey | None) -> bool:  # fmt: skip
-    """The ref away from it, then the row (index restores stop seeing it), then the ref again, then the
-    objects. False if the bundle stays.
+    """The refs away from it, then the row (index restores stop seeing it), then the refs again, then
+    the objects. False if the bundle stays.
 
     The ref moves first so that a run cut off after the row's delete leaves no ref naming a bundle
     the index lacks: `_check_covers` would take that for another store's index and refuse every
     later run. It moves again after the delete, for a yank or refresh that pointed it back meanwhile.
+    Its layer refs (kcache.layerkeys) move the same way, to the next bundle that gives their layer.
     """
     from kcache.index import lifecycle
 
     policy = gc_plan.policy
     away = _ref_without(index, bundle)
     moved = refs.repoint(store, bundle.bundle_key, bundle.id, away, signer=signer, index=index)
+    layerkeys.move_off(store, index, bundle, signer=signer)
     if not lifecycle.delete_expired_bundle(index, bundle, policy.keep_last, gc_plan.now - policy.older_than):
         if moved:  # it stays (a yank since the plan): its key's ref is what the index says again
             refs.refresh(store, index, bundle.bundle_key, signer=signer)
+        layerkeys.catch_up(store, index, bundle, signer=signer)
         return False
     _ref_after_delete(store, index, bundle, signer, moved=moved)
+    layerkeys.move_off(store, index, bundle, signer=signer)  # a yank's move_off may have chosen it meanwhile
     # A yank marker stays: a warmup that compiles the same kernels makes the same manifest id, and
     # publish commits a bundle whose marker it finds as yanked (the marker is a few bytes).
     signatures = [s.key for s in store.list(f"signatures/{bundle.id}/")]

@@ -8,19 +8,24 @@ subset of facts a layer's engine cannot itself tell apart; publish records it in
     refs/layers/<layer>/<layer key>   ->  the newest manifest holding that layer (kcache.refs format)
 
 `restore --fallback layers` assembles, on a miss, each reusable layer from the newest bundle whose
-layer key matches ours, and reports "partial" with where each layer came from. Layer refs are not
-signed, so a ref only names the bundle key that holds the layer: the donor is that key's newest
-bundle as the catalog gives it, checked like any restore's (its signed ref, yanks, size, signature
-before a byte of the manifest is read), and its manifest must itself derive our layer key. All the
-donors' manifests together stay within KCACHE_MAX_MANIFEST_BYTES, each read once.
+layer key matches ours, and reports "partial" with where each layer came from. Restore checks no
+signature of a layer ref (publish writes them unsigned), so a ref only names the bundle key that
+holds the layer: the donor is that key's newest bundle as the catalog gives it, checked like any
+restore's (its signed ref, yanks, size, signature before a byte of the manifest is read), and its
+manifest must itself derive our layer key. All the donors' manifests together stay within
+KCACHE_MAX_MANIFEST_BYTES, each read once.
 
 Default: off (`--fallback layers` asks for it). The layers in SAFE_BY_CONSTRUCTION are guarded by
 their engines' own keys, so reusing them is never a wrong hit, and turning it on by default would be
 sound; but a partial restore fetches bytes the workload may never use, that cost and the benefit
 have only been measured on CPU, and none of these layers has been restored on a GPU yet (see
-docs/gpu.md). Turn it on by default once scripts/gpu_check has figures. Limits: a layer ref names
-one bundle key, so when that key has no bundle left to give (all yanked or collected) the layer is
-not reused until the next publish with our layer key moves the ref.
+docs/gpu.md). Turn it on by default once scripts/gpu_check has figures.
+
+A yank, and gc deleting a bundle, move each layer ref naming that bundle (`move_off`) to the newest
+active bundle the index knows that gives the layer under that layer key and is its own key's newest
+(what restore would then take through it), or remove the ref; `yank --undo` moves them forward to
+the newest again (`catch_up`). Both compare-and-swap as publish does, so a publish that moved the
+ref meanwhile wins, and sign what they write when given the signing key (restore does not ask).
 """
 
 from __future__ import annotations
@@ -28,11 +33,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
 
 from kcache import canonical, fingerprint, refs
 from kcache import manifest as manifests
 from kcache.errors import KcacheError
+from kcache.records import Bundle
+from kcache.signing import SigningKey
 from kcache.store import Store
+from kcache.untrusted import one_line
+
+if TYPE_CHECKING:
+    from kcache.index import Index
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +75,7 @@ FACTS: dict[str, tuple[str, ...] | str] = {
 }
 # Layers whose own engine keys guard every entry: a foreign entry is a miss, never a wrong hit.
 SAFE_BY_CONSTRUCTION = ("cuda", "triton", "deep_gemm", "cute_dsl")
+_DONOR_READS = 20  # donor manifests read for one layer ref before it is removed instead
 
 
 def layer_facts(layer: str, facts: Mapping[str, str]) -> dict[str, str] | None:
@@ -99,6 +113,68 @@ def advance(store: Store, manifest: manifests.Manifest, created_at) -> None:
         key = manifest.layer_info.get(layer, {}).get("key")
         if key:
             refs.advance(store, refs.Ref(ref_name(layer, key), manifest.id, created_at))
+
+
+def keys_of(bundle: Bundle) -> dict[str, str]:
+    """{layer: layer key} of each reusable layer an index row holds: the refs publish pointed at it."""
+    keys = {layer: layer_key(layer, bundle.facts) for layer in bundle.layers}
+    return {layer: key for layer, key in keys.items() if key is not None}
+
+
+def move_off(store: Store, index: Index, bundle: Bundle, *, signer: SigningKey | None = None) -> None:
+    """Each layer ref naming `bundle` (yanked, or being deleted) to the next donor (`donor_ref`), or removed.
+
+    A removal is unconditional, so a publish's ref that landed just before it may have gone too:
+    the index's newest donor is put back after one (that publish committed its row first).
+    """
+    for layer, key in keys_of(bundle).items():
+        name, choose = ref_name(layer, key), partial(donor_ref, store, index, layer, key, without=bundle.id)
+        if refs.repoint_chosen(store, name, bundle.id, choose, signer=signer):
+            refs.advance_chosen(store, name, choose, signer=signer)
+
+
+def catch_up(store: Store, index: Index, bundle: Bundle, *, signer: SigningKey | None = None) -> None:
+    """Each layer ref of `bundle` (restorable again: `yank --undo`, or kept by gc) forward to it, if it
+    is now the donor it can be: its key's newest, giving the layer. Every other donor was one before."""
+    for layer, key in keys_of(bundle).items():
+        refs.advance_chosen(store, ref_name(layer, key), partial(_if_newest, store, index, bundle, layer, key),
+                            signer=signer)  # fmt: skip
+
+
+def _if_newest(store: Store, index: Index, bundle: Bundle, layer: str, key: str) -> refs.Ref | None:
+    newest = index.newest_bundle(bundle.bundle_key)
+    if newest is None or newest.id != bundle.id or not _gives(store, bundle.id, layer, key):
+        return None
+    return refs.Ref(ref_name(layer, key), bundle.id, newest.created_at)
+
+
+def donor_ref(store: Store, index: Index, layer: str, key: str, *, without: str = "") -> refs.Ref | None:
+    """The ref refs/layers/<layer>/<key> should hold by the index: its newest active bundle (but
+    `without`) that is its own key's newest, as restore takes it, and gives `layer` under `key`
+    (`refusal`; no yank marker), as verify checks it. None when it knows none."""
+    from kcache.index import lifecycle
+
+    newest_of_key: dict[str, Bundle] = {}
+    for bundle in lifecycle.all_bundles(index):  # newest first
+        if bundle.status == "active" and bundle.id != without:
+            newest_of_key.setdefault(bundle.bundle_key, bundle)
+    holders = [b for b in newest_of_key.values() if keys_of(b).get(layer) == key]
+    for bundle in holders[:_DONOR_READS]:
+        if _gives(store, bundle.id, layer, key):
+            return refs.Ref(ref_name(layer, key), bundle.id, bundle.created_at)
+    return None
+
+
+def _gives(store: Store, bundle_id: str, layer: str, key: str) -> bool:
+    try:
+        refused = refusal(layer, key, manifests.fetch(store, bundle_id))
+        if not refused and store.exists(refs.yank_key(bundle_id)):
+            refused = f"bundle {bundle_id[:12]} has a yank marker"
+    except KcacheError as exc:
+        refused = str(exc)
+    if refused:
+        log.warning("layer %s: not moving its ref to bundle %s: %s", layer, bundle_id[:12], one_line(refused))
+    return not refused
 
 
 @dataclass(frozen=True)

@@ -173,17 +173,32 @@ def advance(store: Store, ref: Ref, *, signer: signing.SigningKey | None = None,
     `index`, the bundle and the key's yank list are read from it again on every attempt: a yank
     that landed since `ref` was made must not be overwritten by a ref naming the yanked bundle.
     """
+
+    def wanted() -> Ref | None:
+        chosen = for_bundle(index, ref.manifest) if index is not None else ref
+        return None if chosen.manifest in chosen.yanked else chosen  # a signed ref must never name a yanked bundle
+
+    return advance_chosen(store, ref.bundle_key, wanted, signer=signer, ttl=ttl)
+
+
+def advance_chosen(store: Store, name: str, choose: Callable[[], Ref | None], *,
+                   signer: signing.SigningKey | None = None, ttl: timedelta | None = None) -> bool:  # fmt: skip
+    """`advance` to whatever `choose()` gives (None: nothing to write), asked again on every attempt.
+
+    For a ref the index cannot answer with `for_bundle` (a layer ref names a bundle of another key
+    than its own name): `choose` reads the index itself, so a bundle yanked since is not written.
+    """
     ttl = ttl or default_ttl()
 
     def decide(current: Ref | None):
-        wanted = for_bundle(index, ref.manifest) if index is not None else ref
-        if wanted.manifest in wanted.yanked:  # a signed ref must never name a yanked bundle
+        wanted = choose()
+        if wanted is None:
             return _KEEP
         if current is None:
             return wanted
         if from_the_future(current):
             log.warning("replacing %s: its created_at %s is ahead of this clock by more than %s",
-                        ref_key(ref.bundle_key), _utc(current.created_at).isoformat(), MAX_CLOCK_SKEW)  # fmt: skip
+                        ref_key(name), _utc(current.created_at).isoformat(), MAX_CLOCK_SKEW)  # fmt: skip
             return wanted
         if (_utc(current.created_at), current.manifest) > (_utc(wanted.created_at), wanted.manifest):
             return _KEEP
@@ -191,7 +206,7 @@ def advance(store: Store, ref: Ref, *, signer: signing.SigningKey | None = None,
             return _KEEP
         return wanted
 
-    return _write(store, ref.bundle_key, decide, signer, ttl) is not _KEEP
+    return _write(store, name, decide, signer, ttl) is not _KEEP
 
 
 def from_the_future(current: Ref) -> bool:
@@ -212,18 +227,29 @@ def repoint(store: Store, bundle_key: str, away_from: str, to: Ref | None, *,
     since it was chosen makes this a removal, never a ref naming it.
     """
 
-    def decide(current: Ref | None):
-        if current is None or current.manifest != away_from:
-            return _KEEP
+    def wanted() -> Ref | None:
         if index is None or to is None:
             return to
         try:
-            wanted = for_bundle(index, to.manifest)
+            chosen = for_bundle(index, to.manifest)
         except NotFound:
             return None
-        return None if wanted.manifest in wanted.yanked else wanted
+        return None if chosen.manifest in chosen.yanked else chosen
 
-    return _write(store, bundle_key, decide, signer, ttl or default_ttl()) is not _KEEP
+    return repoint_chosen(store, bundle_key, away_from, wanted, signer=signer, ttl=ttl)
+
+
+def repoint_chosen(store: Store, name: str, away_from: str, choose: Callable[[], Ref | None], *,
+                   signer: signing.SigningKey | None = None, ttl: timedelta | None = None) -> bool:  # fmt: skip
+    """`repoint` to whatever `choose()` gives (None: remove the ref), asked again on every attempt
+    while the ref still names `away_from`; for refs `for_bundle` cannot answer (layer refs)."""
+
+    def decide(current: Ref | None):
+        if current is None or current.manifest != away_from:
+            return _KEEP
+        return choose()
+
+    return _write(store, name, decide, signer, ttl or default_ttl()) is not _KEEP
 
 
 def refresh(store: Store, index: Index, bundle_key: str, *, signer: signing.SigningKey | None = None,

@@ -4,19 +4,21 @@ The index row's status stops index-based restores. For refs-based restores the r
 from the index: it names the newest bundle still active and lists the yanked ones, signed when a
 signing key is given, so deleting the `yanks/<bundle-id>` marker from the store does not un-yank
 anything for a pod that requires signatures. The marker stays as a fail-safe hint for pods that
-do not (and for `kcache reindex`, which rebuilds yank status from markers).
+do not (and for `kcache reindex`, which rebuilds yank status from markers). Each layer ref
+naming the bundle moves to the next bundle that gives its layer, or goes (kcache.layerkeys).
 
 Un-yank makes the bundle restorable again (its key's newest, if it is), so it first checks that
 the manifest and every pack it names are still in the store: one that is not would fail each
 restore where the yank sent pods to the previous bundle (and, retained, hold every gc sweep).
+Its layer refs move forward to the newest bundle giving their layer again, which may be it.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kcache import layerkeys, refs
 from kcache import manifest as manifests
-from kcache import refs
 from kcache.errors import KcacheError, NotFound, ObjectMissing
 from kcache.records import Bundle
 from kcache.signing import SigningKey
@@ -42,6 +44,7 @@ def yank(store: Store, index: Index, bundle_id: str, reason: str = "", *, signer
     store.delete(refs.yank_key(bundle.id))  # a fresh reason replaces an old one
     store.put_bytes(refs.yank_key(bundle.id), (reason or "yanked").encode())
     refs.refresh(store, index, bundle.bundle_key, signer=signer)
+    layerkeys.move_off(store, index, bundle, signer=signer)
     return bundle
 
 
@@ -58,6 +61,7 @@ def unyank(store: Store, index: Index, bundle_id: str, *, signer: SigningKey | N
     bundle = lifecycle.set_status(index, bundle.id, "active")
     store.delete(refs.yank_key(bundle.id))
     refs.refresh(store, index, bundle.bundle_key, signer=signer)
+    layerkeys.catch_up(store, index, bundle, signer=signer)
     return bundle
 
 
