@@ -559,9 +559,7 @@ def publish(
     data = manifest.to_bytes()
     limits.check_manifest_size(len(data), len(manifest.entries))  # exact now: the check above was a lower bound
     wrote = _write_manifest(store, manifest, data, config.signing_key)  # before the commit point
-    # A yank outlives the bundle's row (gc keeps the marker): the same bytes published again, by a
-    # warmup that compiled the same broken kernels, must not become the newest bundle again.
-    yanked = store.exists(refs.yank_key(manifest.id))
+    yanked = _yanked_before(store, manifest)
     if yanked:
         log.warning("bundle %s was yanked before; it is committed yanked (`kcache yank --undo %s` restores it)",
                     manifest.id[:12], manifest.id)  # fmt: skip
@@ -589,6 +587,25 @@ def publish(
     except IndexDbError as exc:  # stats only: the bundle is committed, its ref moved; the exit code must say so
         log.warning("published, but cannot record the publish event: %s", exc)
     return result
+
+
+def _yanked_before(store: Store, manifest: manifests.Manifest) -> bool:
+    """Whether the store says this bundle was yanked: its `yanks/<id>` marker, or its key's ref
+    listing it (the evidence reindex takes too).
+
+    A yank outlives the bundle's row (gc keeps the marker): the same bytes published again, by a
+    warmup that compiled the same broken kernels, must not become the newest bundle again. Any
+    store writer can delete the marker, but not edit a signed ref's yank list. Neither is checked
+    for a signature: a false yank only costs a cold start (see kcache.refs).
+    """
+    if store.exists(refs.yank_key(manifest.id)):
+        return True
+    try:
+        ref = refs.read(store, manifest.bundle_key)
+    except IntegrityError as exc:  # damaged or oversized: no evidence, and advance replaces it
+        log.warning("cannot read the ref of %s for its yank list: %s", manifest.bundle_key, exc)
+        return False
+    return ref is not None and manifest.id in ref.yanked
 
 
 def _upload_until_revived(collected: list[Collected], store: Store, index: Index, jobs: int, note,

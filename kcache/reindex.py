@@ -7,6 +7,8 @@ inserts what is missing. Every blob a trailer lists is read and hashed first (as
 and names its pack instead of uploading the file, so one forged trailer (any store writer can
 name a pack by its hash) claiming the id of a file publishers will publish would make every later
 bundle unrestorable. `trust_trailers` skips the reads, for a store whose writers are trusted.
+Any store writer can also plant packs whose trailers reach _MAX_TRAILER: the trailer bytes all
+threads hold at once are bounded (TrailerBudget), whatever --jobs.
 
 A manifest becomes a bundle only when restore could lay it out and the index can hold its row:
 it is at manifests/<hh>/<id>, every pack it names is at packs/<hh>/<id> and long enough for its
@@ -31,6 +33,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -49,6 +52,7 @@ from kcache.store.base import ObjectInfo
 
 _TAIL = 256 * 1024  # most trailers fit; longer ones get a second read
 _MAX_TRAILER = 64 * 1024 * 1024  # ~700k blobs: more than a 32 MiB pack of real files holds
+_TRAILER_BUDGET = 2 * _MAX_TRAILER  # trailer bytes held at once by all threads (see TrailerBudget)
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 
 
@@ -61,18 +65,75 @@ class ReindexResult:
     skipped: tuple[str, ...]  # objects that failed verification, with the reason
 
 
-def _pack_blobs(store: Store, info: ObjectInfo) -> tuple[packs.PackedBlob, ...]:
-    """The pack's trailer, read from its end: one read, or two when it is longer than _TAIL."""
+class TrailerBudget:
+    """The trailer bytes all reindex threads may hold at once; `take` waits until they are free.
+
+    Any store writer can plant packs whose trailers reach _MAX_TRAILER: without a bound, --jobs
+    threads would hold that many at once (16 x 64 MiB, and their parsed blobs on top).
+    """
+
+    def __init__(self, total: int):
+        self.total = total
+        self.held = 0
+        self.peak = 0  # the most ever held at once
+        self._freed = threading.Condition()
+
+    def take(self, n: int) -> int:
+        """Wait until `n` bytes (at most the whole budget, so one large trailer never waits for
+        ever) are free and hold them; returns how many are held."""
+        n = min(n, self.total)
+        with self._freed:
+            self._freed.wait_for(lambda: self.held + n <= self.total)
+            self.held += n
+            self.peak = max(self.peak, self.held)
+        return n
+
+    def give(self, n: int) -> None:
+        with self._freed:
+            self.held -= n
+            self._freed.notify_all()
+
+
+class _Lease:
+    """What one pack holds of the budget, from its trailer's first read until its rows are in."""
+
+    def __init__(self, budget: TrailerBudget):
+        self._budget, self._held = budget, 0
+
+    def hold(self, n: int) -> None:
+        # What was held goes back first: a thread that waited while holding some could wait on
+        # others that wait on it.
+        self.release()
+        self._held = self._budget.take(n)
+
+    def release(self) -> None:
+        held, self._held = self._held, 0
+        if held:
+            self._budget.give(held)
+
+    def __enter__(self) -> _Lease:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _pack_blobs(store: Store, info: ObjectInfo, lease: _Lease) -> tuple[packs.PackedBlob, ...]:
+    """The pack's trailer, read from its end: one read, or two when it is longer than _TAIL. The
+    `lease` holds the bytes read, and goes on holding them for the blobs parsed from them."""
     pack_id = info.key.rsplit("/", 1)[-1]
     if not _HEX64.match(pack_id):  # a stray object (a failed upload, a hand copy) can be gigabytes: unread
         raise IntegrityError("pack", info.key, "is not named by a pack id")
     if info.key != pack_key(pack_id):  # restore reads packs/<hh>/<id> only: blobs here would be named, never found
         raise IntegrityError("pack", info.key, f"is not at {pack_key(pack_id)}, where restore reads it")
+    lease.hold(min(info.size, _TAIL))
     tail = _read_end(store, info, min(info.size, _TAIL))
     span = packs.trailer_span(pack_id, tail, info.size)
     if span > len(tail):
         if span > _MAX_TRAILER:  # a hostile footer must not make reindex read a whole huge pack
             raise ObjectTooLarge("pack trailer", info.key, span, _MAX_TRAILER)
+        tail = None  # dropped before waiting for the whole trailer's bytes
+        lease.hold(span)
         tail = _read_end(store, info, span)
     return packs.parse_trailer(pack_id, tail, info.size)
 
@@ -108,8 +169,11 @@ def _verified(store: Store, pack_id: str, blobs: tuple[packs.PackedBlob, ...],
 
 
 def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool = False,
-            trusted: tuple[signing.TrustedKey, ...] = ()) -> ReindexResult:  # fmt: skip
+            trusted: tuple[signing.TrustedKey, ...] = (),
+            budget: TrailerBudget | None = None) -> ReindexResult:  # fmt: skip
     """Index what the store holds; with `trust_trailers`, without reading any blob (see the module docstring).
+
+    At most `budget` (default _TRAILER_BUDGET) trailer bytes are held at once, whatever `jobs`.
 
     With `trusted` keys, only manifests one of them signed become bundles, and only a ref one of
     them signed dates them: a store writer's unsigned manifests and refs would otherwise become
@@ -122,17 +186,21 @@ def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool 
     pack_sizes = {info.key: info.size for info in pack_infos}  # by the whole key, as restore finds them
     blob_count = 0
 
+    budget = TrailerBudget(_TRAILER_BUDGET) if budget is None else budget
+
     def one_pack(info: ObjectInfo) -> int:
         pack_id = info.key.rsplit("/", 1)[-1]
-        try:
-            blobs = _pack_blobs(store, info)
-        except KcacheError as exc:  # reported per object; the rest is still indexed
-            skipped.append(f"{info.key}: {exc}")
-            return 0
-        if not trust_trailers:
-            blobs = tuple(_verified(store, pack_id, blobs, skipped))
-        index.add_pack(pack_id, info.size, [BlobLocation(b.id, pack_id, b.offset, b.length, b.size) for b in blobs])
-        return len(blobs)
+        with _Lease(budget) as lease:
+            try:
+                blobs = _pack_blobs(store, info, lease)
+            except KcacheError as exc:  # reported per object; the rest is still indexed
+                skipped.append(f"{info.key}: {exc}")
+                return 0
+            if not trust_trailers:
+                blobs = tuple(_verified(store, pack_id, blobs, skipped))
+            index.add_pack(pack_id, info.size,
+                           [BlobLocation(b.id, pack_id, b.offset, b.length, b.size) for b in blobs])  # fmt: skip
+            return len(blobs)
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         blob_count = sum(pool.map(one_pack, pack_infos))

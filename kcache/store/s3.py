@@ -172,11 +172,15 @@ class S3Store:
         except BotoCoreError as exc:
             self._abort(full, upload)
             raise self._error(exc, key, "write") from None
+        except BaseException:  # the source unreadable, Ctrl-C, SIGTERM (Terminated): S3 bills the parts
+            self._abort(full, upload)
+            raise
 
     def _abort(self, full: str, upload: str) -> None:
+        """Abort the upload, or log why not: the error that made us abort is the one to raise."""
         try:
             self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload)
-        except (ClientError, BotoCoreError) as exc:  # the bucket's lifecycle rule cleans up after us
+        except Exception as exc:  # the bucket's lifecycle rule (or gc's leftovers) cleans up after us
             log.warning("could not abort multipart upload of %s: %s", full, exc)
 
     # ---- reads ---------------------------------------------------------------------------------
