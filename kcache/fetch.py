@@ -17,8 +17,12 @@ so one 1 GiB file uses every fetch thread and core instead of one stream:
                 part decompresses its frames one at a time and pwrites each at its offset
     3. hash     the blob's SHA-256 runs over its chunks in order: the thread that completes the
                 next chunk due reads it (and every later one already written) back from the file,
-                so no thread waits for another and no chunk is held in memory for ordering; the
-                file is closed once the last chunk hashes to the blob's id
+                so no chunk is held in memory for ordering; a thread whose part is done while the
+                others still decompress, and that has no other task to start, takes the hashing
+                over between two chunks and follows the others' writes, so the producers only
+                decompress (the hash is one sequential chain: on two cores the thread holding it
+                had also decompressed half the blob alone); the file is closed once the last chunk
+                hashes to the blob's id
 
 Only a blob too big for one thread's fair share is split (bigger than all the bytes over `jobs`,
 and at least two parts): with many large blobs, one stream each keeps every thread busy with
@@ -143,7 +147,9 @@ def fetch_blobs(
     share = sum(e.size for e in blobs) / max(1, jobs)
     split = [e for e in blobs if open_blob is not None and e.size >= 2 * PART_BYTES and e.size > share]
     tables = run_all([_telling(failed, e.pack, partial(read_seek_table, store, e, halt)) for e in split], jobs, stop)
-    assemblies = [_Assembly(e, chunks, jobs, open_blob, closed, meter) for e, chunks in zip(split, tables) if chunks]
+    todo: queue.Queue[int] = queue.Queue()
+    assemblies = [_Assembly(e, chunks, jobs, open_blob, closed, meter, todo.empty)
+                  for e, chunks in zip(split, tables) if chunks]  # fmt: skip
     tasks = [_telling(failed, a.entry.pack, partial(read_part, store, a, part, halt))
              for a in assemblies for part in a.parts]  # fmt: skip
     whole = {a.entry.blob for a in assemblies}
@@ -153,7 +159,7 @@ def fetch_blobs(
     placing = threading.Lock()
     tasks += [_telling(failed, rng.pack, partial(read_range, store, rng, counted, halt, placing)) for rng in ranges]
     try:
-        run_all(tasks, jobs, stop)
+        run_all(tasks, jobs, stop, todo)
     finally:
         for assembly in assemblies:
             assembly.close()
@@ -182,13 +188,15 @@ def _counting(place: Place, meter: Meter) -> Place:
     return counted
 
 
-def run_all(tasks: Sequence[Callable[[], object]], jobs: int, stop: threading.Event) -> list:
+def run_all(tasks: Sequence[Callable[[], object]], jobs: int, stop: threading.Event,
+            todo: queue.Queue[int] | None = None) -> list:  # fmt: skip
     """Run `tasks` on `jobs` threads, in order of the list; their results, or the first error.
+    `todo` (empty) is the queue of task numbers, for a caller that asks whether any is left to start.
 
     Workers are daemon threads: a read hung on the network must not keep the process alive after
     the caller gave up (a ThreadPoolExecutor's threads are joined at interpreter exit).
     """
-    todo: queue.Queue[int] = queue.Queue()
+    todo = queue.Queue() if todo is None else todo
     for i in range(len(tasks)):
         todo.put(i)
     results: list = [None] * len(tasks)
@@ -247,6 +255,14 @@ def _read_tail(store: Store, entry: Entry, n: int, cancelled: Callable[[], bool]
 
 def read_part(store: Store, assembly: _Assembly, part: tuple[int, ...], cancelled: Callable[[], bool]) -> None:
     """Fetch one run of a split blob's frames with one read; decompress and write each, then let it be hashed."""
+    try:
+        _read_part(store, assembly, part, cancelled)
+    except BaseException:
+        assembly.abandon()  # a thread that waits to hash this part's chunks must not wait for good
+        raise
+
+
+def _read_part(store: Store, assembly: _Assembly, part: tuple[int, ...], cancelled: Callable[[], bool]) -> None:
     entry, chunks = assembly.entry, assembly.chunks
     first, last = chunks[part[0]], chunks[part[-1]]
     length = last.offset + last.length - first.offset
@@ -264,7 +280,7 @@ def read_part(store: Store, assembly: _Assembly, part: tuple[int, ...], cancelle
 
             packs.unpack_chunk_to(frame, entry.blob, chunk.size, write)
             skip(frame, frame.remaining, "pack", entry.pack)  # bytes past the frame's end: not content
-            assembly.written(index)
+            assembly.written(index, part_done=index == part[-1])
 
 
 def _parts(chunks: tuple[packs.Chunk, ...], jobs: int) -> tuple[tuple[int, ...], ...]:
@@ -285,13 +301,16 @@ class _Assembly:
     """One split blob: written at offsets by many threads, hashed in order, closed once verified."""
 
     def __init__(self, entry: Entry, chunks: tuple[packs.Chunk, ...], jobs: int, open_blob: OpenBlob,
-                 closed: Callable[[Entry], None], meter: Meter):  # fmt: skip
+                 closed: Callable[[Entry], None], meter: Meter, idle: Callable[[], bool] = lambda: False):  # fmt: skip
         self.entry, self.chunks, self.parts = entry, chunks, _parts(chunks, jobs)
-        self._open, self._closed, self._meter = open_blob, closed, meter
-        self._lock = threading.Lock()
+        self._open, self._closed, self._meter, self._idle = open_blob, closed, meter, idle
+        self._lock = threading.Condition(threading.Lock())
         self._written: set[int] = set()
         self._next = 0  # the first chunk not yet hashed
         self._hashing = False  # a thread is hashing: the others only mark their chunks written
+        self._unfinished = len(self.parts)  # parts still being decompressed
+        self._helpers = 0  # threads done with their part, waiting to take the hashing over
+        self._abandoned = False  # a part failed: nobody waits for its chunks
         self._digest = hashlib.sha256()
         self._file: BinaryIO | None = None
         self._opened = False
@@ -306,17 +325,41 @@ class _Assembly:
             written = os.pwrite(fd, view, start)
             view, start = view[written:], start + written
 
-    def written(self, index: int) -> None:
-        """Chunk `index` is on disk; hash every chunk now due, unless another thread already does."""
+    def written(self, index: int, part_done: bool = False) -> None:
+        """Chunk `index` is on disk; hash every chunk now due, unless another thread already does.
+
+        With `part_done` (its thread's last chunk), while other parts are still decompressed and no
+        task waits to start, the thread stays: it takes the hashing over from whoever holds it, at
+        the end of that one's chunk, and hashes each chunk as the others write it.
+        """
         with self._lock:
             self._written.add(index)
-            if self._hashing:
+            self._unfinished -= part_done
+            self._lock.notify_all()
+            stay = part_done and self._unfinished > 0 and self._idle()
+            if self._hashing and not stay:
+                return
+            waits = self._hashing
+            self._helpers += waits
+            while self._hashing and not self._over():
+                self._lock.wait()
+            self._helpers -= waits
+            if self._over():
                 return
             self._hashing = True
+        self._hash_due(stay)
+
+    def _over(self) -> bool:
+        return self._abandoned or self._next == len(self.chunks)
+
+    def _hash_due(self, stay: bool) -> None:
         while True:
             with self._lock:
-                if self._next not in self._written:
-                    self._hashing = False
+                while self._next not in self._written and stay and self._unfinished and not self._abandoned:
+                    self._lock.wait()
+                if self._next not in self._written or (self._helpers and not stay) or self._abandoned:
+                    self._hashing = False  # nothing due yet, or a thread with nothing else to do takes over
+                    self._lock.notify_all()
                     return
                 chunk, fd = self.chunks[self._next], self._file.fileno()
             _hash_back(self._digest, fd, chunk, self.entry)  # only the hashing thread touches the digest
@@ -325,9 +368,16 @@ class _Assembly:
                 self._written.discard(self._next)
                 self._next += 1
                 last = self._next == len(self.chunks)
+                self._lock.notify_all()
             if last:
                 self._finish()
                 return
+
+    def abandon(self) -> None:
+        """A part failed or was cancelled: wake every thread that waits for its chunks."""
+        with self._lock:
+            self._abandoned = True
+            self._lock.notify_all()
 
     def _finish(self) -> None:
         actual = self._digest.hexdigest()

@@ -358,3 +358,97 @@ def test_a_split_blob_is_cut_into_parts_as_even_as_whole_frames_allow(lengths, j
     assert len(parts) == count
     sizes = [sum(chunks[i].length for i in part) for part in parts]
     assert max(sizes) - min(sizes) <= max(lengths)  # no part more than one frame longer than another
+
+
+class Hashing:
+    """An assembly of four staged chunks in two parts (0-1, 2-3), driven by hand from two threads."""
+
+    def __init__(self, tmp_path, idle=lambda: True, data: bytes | None = None):
+        self.data = data or content(7, 4 * CHUNK)
+        blob = hashlib.sha256(content(7, 4 * CHUNK)).hexdigest()
+        chunks = tuple(packs.Chunk(offset=i * CHUNK, length=CHUNK, start=i * CHUNK, size=CHUNK) for i in range(4))
+        entry = Entry("inductor/big", 0o644, 4 * CHUNK, blob, "0" * 64, 0, 4 * CHUNK, 0)
+        self.closed_by: list[str] = []
+        self.file = tmp_path / "staged"
+        self.assembly = fetch._Assembly(entry, chunks, 2, lambda _e: open(self.file, "w+b"),
+                                        lambda _e: self.closed_by.append(threading.current_thread().name),
+                                        fetch.Meter("t", files=0, bytes=0), idle)  # fmt: skip
+        assert self.assembly.parts == ((0, 1), (2, 3))
+
+    def write(self, index: int, part_done: bool = False) -> None:
+        self.assembly.write(index * CHUNK, self.data[index * CHUNK:(index + 1) * CHUNK])
+        self.assembly.written(index, part_done=part_done)
+
+    def waiting(self) -> bool:
+        """The second part is done and its thread holds the hash (waiting, or about to, for chunk 1)."""
+        with self.assembly._lock:
+            return self.assembly._unfinished == 1 and self.assembly._hashing
+
+
+def run_in(name: str, work) -> tuple[threading.Thread, list]:
+    errors: list = []
+
+    def target():
+        try:
+            work()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread, errors
+
+
+def wait_until(predicate, thread: threading.Thread) -> None:
+    """Until `predicate()` holds, a thread blocked in a Condition's wait is seen through the lock."""
+    for _ in range(1_000_000):
+        if predicate() or not thread.is_alive():
+            return
+        thread.join(0.001)
+
+
+def test_a_thread_done_with_its_part_takes_the_hash_over_and_the_producer_only_decompresses(tmp_path):
+    h = Hashing(tmp_path)
+    h.write(0)  # the first part's thread hashes chunk 0 as it goes
+    assert h.assembly._next == 1
+    helper, errors = run_in("helper", lambda: (h.write(2), h.write(3, part_done=True)))
+    wait_until(h.waiting, helper)
+    assert helper.is_alive() and h.assembly._hashing  # waits for chunk 1, holding the hash
+    h.write(1, part_done=True)  # returns at once: the helper hashes chunks 1-3
+    helper.join(30)
+    assert not helper.is_alive() and not errors
+    assert h.closed_by == ["helper"]
+    assert h.file.read_bytes() == h.data
+
+
+def test_with_tasks_still_to_start_a_finished_part_does_not_wait_to_hash(tmp_path):
+    h = Hashing(tmp_path, idle=lambda: False)
+    h.write(0)
+    h.write(2)
+    h.write(3, part_done=True)  # returns: chunk 1 is not there yet and there is other work
+    assert h.closed_by == [] and not h.assembly._hashing
+    h.write(1, part_done=True)  # the thread that completes the chunk due hashes the rest
+    assert h.closed_by == [threading.current_thread().name]
+
+
+def test_a_waiting_helper_is_released_when_the_other_part_fails(tmp_path):
+    h = Hashing(tmp_path)
+    h.write(0)
+    helper, errors = run_in("helper", lambda: (h.write(2), h.write(3, part_done=True)))
+    wait_until(h.waiting, helper)
+    assert helper.is_alive()
+    h.assembly.abandon()  # what read_part does when its read or decompression fails
+    helper.join(30)
+    assert not helper.is_alive() and not errors and h.closed_by == []
+
+
+def test_wrong_content_is_refused_by_whichever_thread_takes_the_hash_over(tmp_path):
+    data = bytearray(content(7, 4 * CHUNK))
+    data[3 * CHUNK + 5] ^= 1
+    h = Hashing(tmp_path, data=bytes(data))
+    h.write(0)
+    helper, errors = run_in("helper", lambda: (h.write(2), h.write(3, part_done=True)))
+    wait_until(h.waiting, helper)
+    h.write(1, part_done=True)
+    helper.join(30)
+    assert len(errors) == 1 and isinstance(errors[0], IntegrityError) and h.closed_by == []
