@@ -251,3 +251,35 @@ def test_a_publish_that_moves_the_layer_ref_meanwhile_wins(tmp_path, any_store, 
     assert _named(any_store, fp) == racing.published.bundle_id
     _clean(any_store, sqlite_index)
     assert _donor(any_store, sqlite_index, fp, tmp_path / "r") == racing.published.bundle_id
+
+
+# ---- publish -----------------------------------------------------------------------------------------
+
+
+def test_a_newer_bundle_without_the_layer_moves_the_layer_ref_off_the_one_it_replaced(tmp_path, any_store,
+                                                                                      sqlite_index, fp):  # fmt: skip
+    """Restore takes the layer from the ref's key's newest bundle, which now lacks it: the ref moves to
+    another model's bundle that gives it, or goes."""
+    other = _publish(tmp_path, any_store, sqlite_index, fp, "b")
+    replaced = _publish(tmp_path, any_store, sqlite_index, fp, "a")
+    assert _named(any_store, fp) == replaced.bundle_id
+    _publish(tmp_path, any_store, sqlite_index, fp, "a", {"triton/k1/add.cubin": b"no inductor layer"})
+
+    assert _named(any_store, fp) == other.bundle_id
+    _clean(any_store, sqlite_index)  # "no bundle of that key gives the layer" before
+    assert _donor(any_store, sqlite_index, fp, tmp_path / "r") == other.bundle_id
+
+
+def test_a_newer_bundle_without_the_layer_removes_a_layer_ref_no_other_bundle_can_hold(tmp_path, store,
+                                                                                       sqlite_index, fp):  # fmt: skip
+    _publish(tmp_path, store, sqlite_index, fp, "a")
+    _publish(tmp_path, store, sqlite_index, fp, "a", {"triton/k1/add.cubin": b"no inductor layer"})
+    assert not store.exists(ref_key(_inductor_ref(fp)))
+    _clean(store, sqlite_index)
+
+
+def test_a_republish_of_the_newest_bundle_leaves_its_layer_refs(tmp_path, store, sqlite_index, fp):
+    write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"graph of a"})
+    first, again = (publish(store, sqlite_index, _model(fp, "a"), sources.select(), root=tmp_path / "src", env={})
+                    for _ in range(2))  # fmt: skip
+    assert again.bundle_id == first.bundle_id and not again.created and _named(store, fp) == first.bundle_id
