@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import logging
 import os
-import shutil
 import socket
 import stat
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -37,13 +34,14 @@ from typing import TYPE_CHECKING, TypeVar
 from kcache import boundedread, cpus, layerkeys, limits, progress, readiness, refs, signing
 from kcache import fingerprint as fingerprints
 from kcache import manifest as manifests
-from kcache.errors import ConfigError, IndexDbError, IntegrityError, KcacheError, SourceDirError, StagingError
+from kcache.errors import ConfigError, IndexDbError, IntegrityError, KcacheError, SourceDirError
 from kcache.fingerprint import Fingerprint
 from kcache.hashcache import HashCache, key_for
 from kcache.packs import CHUNK_BYTES, LARGE_FILE_BYTES, TARGET_PACK_BYTES, Pack, PackWriter
 from kcache.records import BlobLocation, Bundle, Event
 from kcache.sources import ExtraSource, FileInfo, Source
 from kcache.store import Store, manifest_key, pack_key
+from kcache.workdir import staging, workdir
 
 if TYPE_CHECKING:  # the SQL layer loads only when a caller opens an index
     from kcache.index import Index
@@ -53,13 +51,6 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 _HASH_CHUNK = 1024 * 1024
 _REVIVE_ROUNDS = 3
-# What writing packs into the temporary directory fails with when it is full, read-only or not
-# ours: the user's to fix (TMPDIR), not a bug. Creating it may also find it missing.
-_STAGING_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS})
-_WORKDIR_ERRNOS = _STAGING_ERRNOS | {errno.ENOENT, errno.ENOTDIR}
-# Workdirs whose publish holds a flock on them (see _workdir); those of a kcache before the lock
-# are named "kcache-publish-" and a random tail without a hyphen, so never taken for ours.
-_WORKDIR_PREFIX = "kcache-publish-held-"
 
 
 @dataclass(frozen=True)
@@ -325,7 +316,7 @@ def _build_pack(group: list[Collected], workdir: Path, chunks: Executor, salt: b
     Its small files are compressed in batches on `threads` threads; `chunks` compresses a large
     file's chunks in parallel: either way one pack uses every core.
     """
-    with _staging(workdir):
+    with staging(workdir):
         writer = PackWriter(workdir, chunks)
         try:
             writer.add_small([(i.blob, i.info.path, i.info.size) for i in group if i.info.size <= CHUNK_BYTES],
@@ -342,73 +333,6 @@ def _build_pack(group: list[Collected], workdir: Path, chunks: Executor, salt: b
         except BaseException:
             writer.discard()
             raise
-
-
-@contextlib.contextmanager
-def _staging(workdir: Path) -> Iterator[None]:
-    """Pack building in `workdir`: a full, read-only or foreign temporary directory is a StagingError.
-
-    Only around writing packs: reading a cache file fails otherwise, and an upload's errors are the store's.
-    """
-    try:
-        yield
-    except OSError as exc:
-        if exc.errno not in _STAGING_ERRNOS:
-            raise
-        raise StagingError(str(Path(workdir).parent), exc.strerror or str(exc)) from exc
-
-
-@contextlib.contextmanager
-def _workdir() -> Iterator[Path]:
-    """A fresh temporary directory (under TMPDIR) to build packs in, removed with what it holds.
-
-    The publish building in it holds a flock on it until it is gone: one killed part-way (the OOM
-    killer, SIGKILL) leaves its staged packs to nobody, and a sidecar killed again and again would
-    fill its pod's TMPDIR until no publish finds room. So each publish first removes those.
-    """
-    _sweep_workdirs()
-    try:
-        made = tempfile.TemporaryDirectory(prefix=_WORKDIR_PREFIX)
-    except OSError as exc:
-        if exc.errno not in _WORKDIR_ERRNOS:
-            raise
-        where = os.path.dirname(exc.filename) if isinstance(exc.filename, str) else tempfile.tempdir
-        raise StagingError(where or os.environ.get("TMPDIR", "/tmp"), exc.strerror or str(exc)) from exc
-    with made as path:
-        held = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            fcntl.flock(held, fcntl.LOCK_EX)  # before any file is staged: a sweeper leaves an empty one be
-            yield Path(path)
-        finally:
-            made.cleanup()  # still held: no sweeper removes it under us
-            os.close(held)
-
-
-def _sweep_workdirs() -> None:
-    """Remove the workdirs killed publishes left: ours by name and owner, holding files, and held by
-    no running publish (the kernel drops a dead process's flocks). Best effort: _workdir names a
-    TMPDIR that cannot be used."""
-    try:
-        with os.scandir(tempfile.gettempdir()) as listing:
-            paths = [entry.path for entry in listing if entry.name.startswith(_WORKDIR_PREFIX)]
-    except OSError:
-        return
-    for path in paths:
-        try:  # O_NOFOLLOW: a link planted under our name is not ours to follow
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            if os.fstat(fd).st_uid != os.geteuid():
-                continue
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a running publish's
-            if os.listdir(fd):  # empty: one just made, not held yet
-                log.info("removing %s, left by a publish that was killed", path)
-                shutil.rmtree(path, ignore_errors=True)
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
 
 
 def _write_and_upload(group: list[Collected], store: Store, index: Index, workdir: Path, chunks: Executor,
@@ -477,7 +401,7 @@ class _PackWhileHashing:
     def pack(self, source: Source, info: FileInfo, fd: int) -> str | None:
         """The blob id of the file `info` describes, open as `fd` (closed here); None (with a
         warning) when it no longer holds the bytes the walk saw."""
-        with open(fd, "rb") as src, _staging(self._workdir):
+        with open(fd, "rb") as src, staging(self._workdir):
             writer = PackWriter(self._workdir, self._chunks)
             try:
                 blob = writer.add_unhashed(src, info.size, str(info.path))
@@ -549,7 +473,7 @@ def publish(
     limits.check_manifest_size(manifests.least_size(head, [_manifest_path(src, i) for src, i in found]), len(found),
                                at_least=True)  # fmt: skip
     note(f"hashing {len(found)} files")
-    with _workdir() as tmp, ThreadPoolExecutor(max(1, config.jobs), thread_name_prefix="kcache-compress") as chunks:
+    with workdir() as tmp, ThreadPoolExecutor(max(1, config.jobs), thread_name_prefix="kcache-compress") as chunks:
         early = _PackWhileHashing(store, index, tmp, chunks)
         collected = _hash_all(found, config.jobs, config.hash_cache, report, early)
     new, uploaded, pack_count, locations = _upload_until_revived(collected, store, index, config.jobs, note, report)
@@ -635,7 +559,7 @@ def _upload_until_revived(collected: list[Collected], store: Store, index: Index
         note(f"{len(new)} new blobs of {len(collected)} files")
         groups = _plan_packs(new)
         with (
-            _workdir() as tmp,
+            workdir() as tmp,
             ThreadPoolExecutor(max(1, jobs)) as pool,
             ThreadPoolExecutor(max(1, jobs), thread_name_prefix="kcache-compress") as chunks,
             progress.Meter("uploading", files=len(new), bytes=sum(c.info.size for c in new), report=report) as meter,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from trees import read_tree, write_tree
 
-from kcache import packs, sources
+from kcache import packs, sources, workdir
 from kcache import publish as publishing
 from kcache.errors import FileChanged, IndexDbError
 from kcache.hashcache import HashCache
@@ -155,7 +155,7 @@ def test_a_publish_killed_while_staging_leaves_nothing_for_the_next_one_to_trip_
     left = [p for p in tmp.rglob("*") if p.is_file()]
     assert left, "the killed publish staged no pack: nothing to test"
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-    with publishing._workdir() as running:  # a publish still at work beside ours
+    with workdir.workdir() as running:  # a publish still at work beside ours
         (running / "pack-in-flight.tmp").write_bytes(b"staged")
         result = publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={})
         assert (running / "pack-in-flight.tmp").read_bytes() == b"staged"
