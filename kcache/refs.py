@@ -175,10 +175,14 @@ def advance(store: Store, ref: Ref, *, signer: signing.SigningKey | None = None,
     """
 
     def wanted() -> Ref | None:
-        chosen = for_bundle(index, ref.manifest) if index is not None else ref
-        return None if chosen.manifest in chosen.yanked else chosen  # a signed ref must never name a yanked bundle
+        return _unyanked(for_bundle(index, ref.manifest) if index is not None else ref)
 
     return advance_chosen(store, ref.bundle_key, wanted, signer=signer, ttl=ttl)
+
+
+def _unyanked(ref: Ref) -> Ref | None:
+    """`ref`, or None when its own yank list names its bundle: a signed ref must never name a yanked bundle."""
+    return None if ref.manifest in ref.yanked else ref
 
 
 def advance_chosen(store: Store, name: str, choose: Callable[[], Ref | None], *,
@@ -231,10 +235,9 @@ def repoint(store: Store, bundle_key: str, away_from: str, to: Ref | None, *,
         if index is None or to is None:
             return to
         try:
-            chosen = for_bundle(index, to.manifest)
+            return _unyanked(for_bundle(index, to.manifest))
         except NotFound:
             return None
-        return None if chosen.manifest in chosen.yanked else chosen
 
     return repoint_chosen(store, bundle_key, away_from, wanted, signer=signer, ttl=ttl)
 
