@@ -102,6 +102,15 @@ def planted(tmp_path, store, sqlite_index, fp):
     return real, junk
 
 
+def _reindexed(store, tmp_path, **options):
+    """reindex of `store` into a fresh SQLite index."""
+    rebuilt = Index.open(f"sqlite:///{tmp_path / 'rebuilt.db'}")
+    try:
+        return reindex(store, rebuilt, **options)
+    finally:
+        rebuilt.close()
+
+
 def _check_result(result, real, junk, tmp_path):
     assert result.blobs == real.files and result.new_bundles == 1
     assert sum("trailer does not parse" in s for s in result.skipped) == len(junk), result.skipped
@@ -112,11 +121,7 @@ def test_the_trailers_reindex_holds_at_once_stay_within_its_budget(tmp_path, sto
     budget = 3 * TRAILER  # room for two planted trailers and a first read
     monkeypatch.setattr(reindexing, "_TRAILER_BUDGET", budget, raising=False)
     counting = CountingStore(store)
-    rebuilt = Index.open(f"sqlite:///{tmp_path / 'rebuilt.db'}")
-    try:
-        result = reindex(counting, rebuilt, jobs=16)
-    finally:
-        rebuilt.close()
+    result = _reindexed(counting, tmp_path, jobs=16)
     _check_result(result, real, junk, tmp_path)
     assert counting.counter.reads >= 2 * len(junk)  # each junk pack: its end, then its whole trailer
     assert counting.counter.peak <= budget, f"{counting.counter.peak / MiB:.1f} MiB of trailers held at once"
@@ -127,11 +132,7 @@ def test_the_budget_is_taken_for_every_trailer_and_given_back(tmp_path, store, p
     real, junk = planted
     budget = TrailerBudget(3 * TRAILER)
     counting = CountingStore(store)
-    rebuilt = Index.open(f"sqlite:///{tmp_path / 'rebuilt.db'}")
-    try:
-        result = reindex(counting, rebuilt, jobs=16, budget=budget)
-    finally:
-        rebuilt.close()
+    result = _reindexed(counting, tmp_path, jobs=16, budget=budget)
     _check_result(result, real, junk, tmp_path)
     assert TRAILER < budget.peak <= budget.total  # a whole planted trailer was held, never more than the budget
     assert budget.held == 0
@@ -144,11 +145,7 @@ def test_a_trailer_larger_than_the_whole_budget_is_still_read(tmp_path, store, s
     real = publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={})
     junk = [_plant_trailer(store, TRAILER, i) for i in range(4)]
     budget = TrailerBudget(TRAILER // 2)
-    rebuilt = Index.open(f"sqlite:///{tmp_path / 'rebuilt.db'}")
-    try:
-        result = reindex(store, rebuilt, jobs=4, budget=budget)
-    finally:
-        rebuilt.close()
+    result = _reindexed(store, tmp_path, jobs=4, budget=budget)
     _check_result(result, real, junk, tmp_path)
     assert budget.peak == budget.total and budget.held == 0
 
