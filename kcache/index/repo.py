@@ -52,6 +52,7 @@ def _now() -> datetime:
 # index writer's row of gigabytes would otherwise take the init container's memory (json.loads
 # holds ~16 times the text).
 MAX_ROW_TEXT = 1024 * 1024
+_LOOKUP_TRIES = 3  # a newest bundle deleted between naming and loading it, that many times in a row: none
 
 
 class BadRow(ValueError):
@@ -244,16 +245,22 @@ class Index:
             .scalar_subquery()
         )
         small = (func.length(BundleRow.facts) <= MAX_ROW_TEXT) & (func.length(BundleRow.layers) <= MAX_ROW_TEXT)
-        with self._guard(), self._session() as s:
-            row = s.scalars(select(BundleRow).where(BundleRow.id == newest_id, small)).first()
-            if row is not None:
-                return bundle_of(row)
-            # Rarely here: no bundle, or one too big to load (asked for its id alone).
-            oversized = s.scalars(select(BundleRow.id).where(BundleRow.id == newest_id)).first()
-            if oversized is not None:
-                raise BadRow(f"bundle {str(oversized)[:12]}'s row holds more than {MAX_ROW_TEXT} bytes of facts "
-                             "or layers, more than a row may have")  # fmt: skip
-            return None
+        # One statement names the newest bundle and says whether its row may be loaded; asked again in a
+        # second statement, PostgreSQL (READ COMMITTED) would see a bundle a publisher committed meanwhile,
+        # and a fresh small row was taken for an oversized one. Loaded by its primary key next, the row
+        # may be gone (gc deleted it): then the newest is asked for again.
+        for _ in range(_LOOKUP_TRIES):
+            with self._guard(), self._session() as s:
+                newest = s.execute(select(BundleRow.id, small).where(BundleRow.id == newest_id)).first()
+                if newest is None:
+                    return None
+                if not newest[1]:
+                    raise BadRow(f"bundle {str(newest[0])[:12]}'s row holds more than {MAX_ROW_TEXT} bytes of "
+                                 "facts or layers, more than a row may have")  # fmt: skip
+                row = s.get(BundleRow, newest[0])
+                if row is not None:
+                    return bundle_of(row)
+        return None
 
     def get_bundle(self, id_or_prefix: str) -> Bundle:
         """A bundle by its id or an unambiguous prefix of at least 6 hex digits."""
