@@ -1,10 +1,16 @@
 """A local cache of file hashes, so re-publishing an unchanged cache does not re-read it.
 
-    $KCACHE_HOME/hashcache.db   SQLite (stdlib): stat key -> SHA-256
+    $KCACHE_HOME/hashcache.db   SQLite (stdlib)
+        hashes (key, sha256)    stat key -> SHA-256 of the file's content (its blob id)
+        chunks (key, digests)   stat key -> SHA-256 of each CHUNK_BYTES of it, space-separated:
+                                only files of packs.DIGESTED_BYTES or more, whose manifest
+                                entries carry them (a cache from before them lacks the table)
 
 The stat key is xxh3 over (absolute path, size, mtime_ns, ctime_ns, inode): any write to the file
 changes ctime, so an entry can only be reused for the very file it was computed from. New blobs
 are hashed again while they are packed, so a stale entry could never put wrong bytes under an id.
+A large file's id is used only together with its chunk digests, taken in the same read: one
+without them (written by a kcache before them) is hashed again.
 
 "Any write changes ctime" holds only across timestamp ticks: where they tick once a second (ext2,
 FAT, NFS servers, kernels before 6.13 for ctime), a same-size rewrite in the tick the file was
@@ -18,12 +24,15 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sqlite3
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import xxhash
+
+from kcache.packs import Hashed
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +41,7 @@ _CHUNK = 500
 # be kept: timestamps truncated to ticks of up to 2 s (FAT's mtime) still land a later write in a
 # later tick, with room for the kernel's coarse clock lagging time.time_ns().
 RACY_NS = 2 * 10**9
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 
 
 def stat_key(path: Path) -> str | None:
@@ -65,34 +75,50 @@ class HashCache:
         except (sqlite3.Error, OSError) as exc:
             self._disable(exc)
 
-    def lookup(self, keys: Iterable[str]) -> dict[str, str]:
-        wanted = sorted(set(keys))
+    def lookup(self, files: Mapping[str, int]) -> dict[str, Hashed]:
+        """What each file (stat key -> its size) hashed to, for those with an entry that is complete:
+        one for a file of DIGESTED_BYTES or more without its chunk digests is left out, and the
+        file is hashed again."""
+        wanted = sorted(files)
 
-        def read() -> dict[str, str]:
-            found: dict[str, str] = {}
+        def read() -> dict[str, Hashed]:
+            found: dict[str, Hashed] = {}
             for i in range(0, len(wanted), _CHUNK):
-                chunk = wanted[i : i + _CHUNK]
-                marks = ",".join("?" * len(chunk))
-                found.update(self._db.execute(f"SELECT key, sha256 FROM hashes WHERE key IN ({marks})", chunk))
+                for key, sha256, digests in self._rows(wanted[i : i + _CHUNK]):
+                    hashed = Hashed(sha256, files[key], _digests(digests))
+                    if hashed.complete:
+                        found[key] = hashed
             return found
 
         return self._guard(read, {}) if self._db is not None else {}
+
+    def _rows(self, keys: list[str]) -> list[tuple[str, str, str | None]]:
+        marks = ",".join("?" * len(keys))
+        return self._db.execute(
+            "SELECT hashes.key, hashes.sha256, chunks.digests FROM hashes LEFT JOIN chunks ON chunks.key = hashes.key"
+            f" WHERE hashes.key IN ({marks})", keys
+        ).fetchall()  # fmt: skip
 
     def now(self) -> int:
         """Epoch nanoseconds by this cache's clock: read it before hashing, pass it to `remember`."""
         return self._clock()
 
-    def remember(self, entries: Iterable[tuple[str, str, int]], hashing_started: int) -> None:
-        """Keep (key, sha256, changed_ns) for files hashed after `hashing_started` (from `now`);
+    def remember(self, entries: Iterable[tuple[str, Hashed, int]], hashing_started: int) -> None:
+        """Keep (key, hashed, changed_ns) for files hashed after `hashing_started` (from `now`);
         changed_ns is the later of the file's mtime and ctime in its stat key. A file changed too
         close to that moment, or after it, is not kept (the module docstring says why)."""
-        rows = [(key, digest) for key, digest, changed in entries if changed < hashing_started - RACY_NS]
+        rows = [(key, hashed) for key, hashed, changed in entries if changed < hashing_started - RACY_NS]
         if not rows:
             return
 
         def write() -> None:
             with self._db:
-                self._db.executemany("INSERT OR REPLACE INTO hashes (key, sha256) VALUES (?, ?)", rows)
+                self._db.executemany("INSERT OR REPLACE INTO hashes (key, sha256) VALUES (?, ?)",
+                                     [(key, h.blob) for key, h in rows])  # fmt: skip
+                # Digests kept under another kcache's DIGESTED_BYTES would leave the entry incomplete for good.
+                self._db.executemany("DELETE FROM chunks WHERE key = ?", [(key,) for key, h in rows if not h.chunks])
+                self._db.executemany("INSERT OR REPLACE INTO chunks (key, digests) VALUES (?, ?)",
+                                     [(key, " ".join(h.chunks)) for key, h in rows if h.chunks])  # fmt: skip
 
         if self._db is not None:
             self._guard(write, None)
@@ -124,7 +150,15 @@ def _open(path: Path, fresh: bool = False) -> sqlite3.Connection:
     try:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("CREATE TABLE IF NOT EXISTS hashes (key TEXT PRIMARY KEY, sha256 TEXT NOT NULL)")
+        db.execute("CREATE TABLE IF NOT EXISTS chunks (key TEXT PRIMARY KEY, digests TEXT NOT NULL)")
     except BaseException:
         db.close()
         raise
     return db
+
+
+def _digests(text: str | None) -> tuple[str, ...]:
+    """A row's chunk digests; none when any is not a SHA-256 (a damaged row): its file is hashed again,
+    where a digest that cannot parse would make the whole manifest unreadable."""
+    digests = tuple((text or "").split())
+    return digests if all(_HEX64.match(d) for d in digests) else ()

@@ -8,11 +8,15 @@ read the bucket but not the SQL index can still restore.
     {"schema": 2, "bundle_key": ..., "toolchain_key": ..., "workload_key": ..., "facts": {...},
      "layers": ["inductor", ...],
      "layer_info": {"inductor-pch": {"user": "root"}, ...},       # what a layer's layout depends on
-     "entries": [[path, mode, size, blob, pack, offset, length, mtime_ns], ...]}   # sorted by path
+     "entries": [[path, mode, size, blob, pack, offset, length, mtime_ns], ...],   # sorted by path
+     "chunks": {blob: [sha256 of content bytes 0..4 MiB, 4..8 MiB, ...], ...}}   # blobs >= 32 MiB
 
 The manifest id is the SHA-256 of those canonical bytes; it is also the bundle id. Schema 2 added
-mtime_ns (builders such as ninja judge "up to date" by modification time) and layer_info; schema 1
-manifests (7-column rows, no layer_info) still parse and keep their own bytes and id.
+mtime_ns (builders such as ninja judge "up to date" by modification time) and layer_info; schema 3
+added chunks: the SHA-256 of each CHUNK_BYTES of a large blob's content, taken by the publisher from
+its own file, so restore verifies each part of the blob on the thread that decompressed it instead
+of one SHA-256 chain over the whole (kcache.fetch). Schema 1 and 2 manifests still parse and keep
+their own bytes and id; their large blobs are verified whole.
 """
 
 from __future__ import annotations
@@ -27,12 +31,12 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kcache import canonical, limits
+from kcache import canonical, limits, packs
 from kcache.errors import IntegrityError, ObjectMissing, UnsafePath
 from kcache.store import Store, manifest_key
 
-SCHEMA = 2
-_ROW_LENGTH = {1: 7, 2: 8}  # the schemas this kcache reads
+SCHEMA = 3
+_ROW_LENGTH = {1: 7, 2: 8, 3: 8}  # the schemas this kcache reads
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 _ROWS_PER_PIECE = 2048
 # Only permission bits travel: setuid/setgid/sticky from a shared store would be a gift to an attacker.
@@ -81,6 +85,7 @@ class Manifest:
     entries: tuple[Entry, ...] = field(default=())
     layer_info: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     schema: int = SCHEMA
+    chunks: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # blob -> digests of its CHUNK_BYTES pieces
 
     @functools.cached_property
     def _bytes(self) -> bytes:
@@ -104,6 +109,8 @@ class Manifest:
         }
         if self.schema >= 2:
             fields["layer_info"] = {name: dict(info) for name, info in self.layer_info.items()}
+        if self.schema >= 3:
+            fields["chunks"] = {blob: list(digests) for blob, digests in self.chunks.items()}
         for n, name in enumerate(sorted(fields)):
             yield (b"," if n else b"{") + canonical.dumps(name) + b":"
             if name != "entries":
@@ -133,14 +140,19 @@ def build(
     layers: Iterable[str],
     entries: Iterable[Entry],
     layer_info: Mapping[str, Mapping[str, str]] | None = None,
+    chunks: Mapping[str, Sequence[str]] | None = None,
 ) -> Manifest:
-    """A manifest with entries sorted by path and every path checked."""
+    """A manifest with entries sorted by path and every path checked; `chunks` maps a blob to the
+    SHA-256 of each CHUNK_BYTES of its content (see the module docstring)."""
     # 0 stands for "unknown" (restore then leaves the time of writing), so every row has a number.
     ordered = tuple(sorted((e if e.mtime_ns is not None else replace(e, mtime_ns=0) for e in entries),
                            key=lambda e: e.path))  # fmt: skip
     _check_entries(ordered)
     info = {str(k): {str(a): str(b) for a, b in v.items()} for k, v in (layer_info or {}).items() if v}
-    return Manifest(bundle_key, toolchain_key, workload_key, dict(facts), tuple(sorted(set(layers))), ordered, info)
+    digests = {str(blob): tuple(str(d) for d in pieces) for blob, pieces in (chunks or {}).items()}
+    _check_chunks(ordered, digests)
+    return Manifest(bundle_key, toolchain_key, workload_key, dict(facts), tuple(sorted(set(layers))), ordered, info,
+                    chunks=digests)  # fmt: skip
 
 
 def least_size(head: Manifest, paths: Sequence[str]) -> int:
@@ -173,6 +185,7 @@ def parse(data: bytes, expected_id: str) -> Manifest:
             entries,
             _layer_info(doc.get("layer_info", {}) if schema >= 2 else {}),
             schema,
+            _chunks(doc["chunks"]) if schema >= 3 else {},
         )
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise IntegrityError("manifest", expected_id, f"does not parse: {exc}") from None
@@ -187,6 +200,10 @@ def parse(data: bytes, expected_id: str) -> Manifest:
     if not canonical_form:
         raise IntegrityError("manifest", expected_id, "is not in canonical form")
     _check_entries(entries)
+    try:
+        _check_chunks(entries, manifest.chunks)
+    except ValueError as exc:
+        raise IntegrityError("manifest", expected_id, f"does not parse: {exc}") from None
     # The id is known to be right, and the bytes are not kept: what restore holds is the entries.
     manifest.__dict__["id"] = expected_id  # where functools.cached_property keeps it
     return manifest
@@ -237,6 +254,31 @@ def _layer_info(doc: Any) -> dict[str, dict[str, str]]:
         if not isinstance(info, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in info.items()):
             raise ValueError(f"layer_info of {layer!r} is not an object of strings")
     return doc
+
+
+def _chunks(doc: Any) -> dict[str, tuple[str, ...]]:
+    """{blob: (digest, ...)} of hex SHA-256 strings only: restore trusts a part of a blob by them."""
+    if type(doc) is not dict:
+        raise ValueError("chunks is not an object")
+    found: dict[str, tuple[str, ...]] = {}
+    for blob, digests in doc.items():
+        if not _HEX64.match(blob) or type(digests) is not list:
+            raise ValueError(f"chunks of {str(blob)[:80]!r} is not a list under a blob id")
+        if not all(type(d) is str and _HEX64.match(d) for d in digests):
+            raise ValueError(f"chunks of blob {blob[:12]} are not all SHA-256 hex digests")
+        found[blob] = tuple(digests)
+    return found
+
+
+def _check_chunks(entries: tuple[Entry, ...], chunks: Mapping[str, tuple[str, ...]]) -> None:
+    """Every blob with chunk digests is a blob of the manifest, with one digest per CHUNK_BYTES of its size."""
+    sizes = {entry.blob: entry.size for entry in entries}
+    for blob, digests in chunks.items():
+        if blob not in sizes:
+            raise ValueError(f"chunks name blob {blob[:12]}, which no entry holds")
+        if len(digests) != packs.chunk_count(sizes[blob]) or len(digests) < 2:
+            raise ValueError(f"blob {blob[:12]} of {sizes[blob]} bytes has {len(digests)} chunk digests, not "
+                             f"{packs.chunk_count(sizes[blob])} (at least 2)")  # fmt: skip
 
 
 def _entry_from_row(n: int, row: Any, length_of_row: int) -> Entry:

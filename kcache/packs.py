@@ -58,6 +58,10 @@ CHUNK_BYTES = 4 * 1024 * 1024
 # A chunk a reader will hold in memory; a seek table asking for more is not read in parallel.
 MAX_CHUNK_BYTES = 8 * 1024 * 1024
 MAX_CHUNK_FRAME = MAX_CHUNK_BYTES + MAX_CHUNK_BYTES // 128 + 1024  # zstd's compress bound, rounded up
+# A blob at least this big carries the SHA-256 of each CHUNK_BYTES of its content in its manifest
+# (kcache.manifest's "chunks"), computed by the publisher from its own file: restore then verifies
+# each part of it on whichever thread decompressed it, not in one sequential chain.
+DIGESTED_BYTES = 32 * 1024 * 1024
 SKIPPABLE_MAGIC = 0x184D2A5E
 SEEKABLE_MAGIC = 0x8F92EAB1
 _SKIP_HEADER = struct.Struct("<II")
@@ -85,6 +89,61 @@ class Chunk:
     length: int  # compressed bytes
     start: int  # first content byte
     size: int  # content bytes
+
+
+@dataclass(frozen=True)
+class Hashed:
+    """What a file's content hashes to: its blob id and, for a blob of DIGESTED_BYTES or more, the
+    SHA-256 of each CHUNK_BYTES of it (a manifest's "chunks"), both taken from the same bytes."""
+
+    blob: str
+    size: int  # content bytes hashed
+    chunks: tuple[str, ...] = ()
+
+    @property
+    def complete(self) -> bool:
+        """Whether it carries the chunk digests its size calls for: one per CHUNK_BYTES, or none."""
+        return len(self.chunks) == (chunk_count(self.size) if digests_chunks(self.size) else 0)
+
+
+def digests_chunks(size: int) -> bool:
+    """Whether a blob of `size` bytes carries chunk digests in its manifest."""
+    return size >= DIGESTED_BYTES
+
+
+class ContentHash:
+    """The SHA-256 of content fed to it front to back and, when `chunked`, of each CHUNK_BYTES of it:
+    one read gives a blob id and chunk digests that describe the very same bytes."""
+
+    def __init__(self, chunked: bool):
+        self._whole = hashlib.sha256()
+        self._part = hashlib.sha256() if chunked else None
+        self._parts: list[str] = []
+        self.size = 0
+
+    def update(self, data: bytes) -> None:
+        self._whole.update(data)
+        if self._part is not None:
+            self._update_parts(memoryview(data))
+        self.size += len(data)
+
+    def _update_parts(self, view: memoryview) -> None:
+        # A piece may straddle a chunk boundary (a short read, a first read sized to the file):
+        # each side goes to the digest of its own chunk.
+        at = self.size
+        while view:
+            room = CHUNK_BYTES - at % CHUNK_BYTES
+            piece, view = view[:room], view[room:]
+            self._part.update(piece)
+            at += len(piece)
+            if at % CHUNK_BYTES == 0:
+                self._parts.append(self._part.hexdigest())
+                self._part = hashlib.sha256()
+
+    def result(self) -> Hashed:
+        """What was fed so far; the last chunk may be shorter than CHUNK_BYTES."""
+        tail = (self._part.hexdigest(),) if self._part is not None and self.size % CHUNK_BYTES else ()
+        return Hashed(self._whole.hexdigest(), self.size, tuple(self._parts) + tail)
 
 
 @dataclass(frozen=True)
@@ -140,24 +199,26 @@ class PackWriter:
             return
         offset = self._out.position
         with _open_source(source) as src:
-            read, digest = self._add_chunked(src, size)
-        if read != size or digest != blob_id:
+            # No chunk digests: the caller has them, from the read that gave `blob_id`.
+            hashed = self._add_chunked(src, size, ContentHash(chunked=False))
+        if hashed.size != size or hashed.blob != blob_id:
             raise _changed(source)
         self._blobs.append(PackedBlob(blob_id, offset, self._out.position - offset, size))
 
-    def add_unhashed(self, src: BinaryIO, size: int, name: str) -> str | None:
+    def add_unhashed(self, src: BinaryIO, size: int, name: str) -> Hashed | None:
         """`add` for a large file (over CHUNK_BYTES) open as `src`, whose id is not known yet: its
-        SHA-256 is taken from the very bytes packed, and returned. None when the file no longer
-        holds `size` bytes (rewritten since the walk): no blob is added, but its bytes were written,
-        so the pack must be discarded. `name` is for errors."""
+        SHA-256 (and chunk digests, when its size calls for them) is taken from the very bytes
+        packed, and returned. None when the file no longer holds `size` bytes (rewritten since the
+        walk): no blob is added, but its bytes were written, so the pack must be discarded. `name`
+        is for errors."""
         if size <= CHUNK_BYTES:
             raise ValueError(f"{name}: {size} bytes fit one frame; add it with its id")
         offset = self._out.position
-        read, digest = self._add_chunked(src, size)
-        if read != size:
+        hashed = self._add_chunked(src, size, ContentHash(digests_chunks(size)))
+        if hashed.size != size:
             return None
-        self._blobs.append(PackedBlob(digest, offset, self._out.position - offset, size))
-        return digest
+        self._blobs.append(PackedBlob(hashed.blob, offset, self._out.position - offset, size))
+        return hashed
 
     def add_small(self, files: Iterable[tuple[str, Path, int]], threads: int = 1) -> None:
         """`add` for many files of at most CHUNK_BYTES each: (blob id, path, size) in pack order.
@@ -193,10 +254,9 @@ class PackWriter:
             position += len(frame)
         self._out.write(b"".join(frames))
 
-    def _add_chunked(self, src: BinaryIO, size: int) -> tuple[int, str]:
-        """CHUNK_BYTES of content per frame, then the seek table; a few chunks compress at once."""
-        digest = hashlib.sha256()
-        read = 0
+    def _add_chunked(self, src: BinaryIO, size: int, digest: ContentHash) -> Hashed:
+        """CHUNK_BYTES of content per frame, then the seek table; a few chunks compress at once.
+        Each chunk is fed to `digest` as it is read; what it hashed is returned."""
         frames: list[tuple[int, int]] = []
         pending: deque[Future[bytes]] = deque()
         ahead = _COMPRESS_AHEAD if self._pool else 0
@@ -207,18 +267,17 @@ class PackWriter:
                 self._out.write(frame)
                 frames.append((len(frame), zstandard.frame_content_size(frame)))
 
-        while read <= size and (chunk := src.read(CHUNK_BYTES)):
+        while digest.size <= size and (chunk := src.read(CHUNK_BYTES)):
             digest.update(chunk)
-            read += len(chunk)
             if self._pool is None:
                 pending.append(_done(self._compress(chunk)))
             else:
                 pending.append(self._pool.submit(self._compress, chunk))
             drain(ahead)
         drain(0)
-        if read == size:
+        if digest.size == size:
             self._out.write(seek_table(frames))
-        return read, digest.hexdigest()
+        return digest.result()
 
     def _compress(self, chunk: bytes) -> bytes:
         """One frame holding `chunk`, its size in the header. Through a stream writer: python-zstandard's
@@ -309,6 +368,11 @@ def _done(value: bytes) -> Future[bytes]:
     future: Future[bytes] = Future()
     future.set_result(value)
     return future
+
+
+def chunk_count(size: int) -> int:
+    """How many CHUNK_BYTES pieces (the last one shorter) hold `size` bytes of content."""
+    return -(-size // CHUNK_BYTES)
 
 
 def seek_table(frames: list[tuple[int, int]]) -> bytes:

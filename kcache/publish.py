@@ -23,7 +23,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -37,7 +37,16 @@ from kcache import manifest as manifests
 from kcache.errors import ConfigError, IndexDbError, IntegrityError, KcacheError, SourceDirError
 from kcache.fingerprint import Fingerprint
 from kcache.hashcache import HashCache, key_for
-from kcache.packs import CHUNK_BYTES, LARGE_FILE_BYTES, TARGET_PACK_BYTES, Pack, PackWriter
+from kcache.packs import (
+    CHUNK_BYTES,
+    LARGE_FILE_BYTES,
+    TARGET_PACK_BYTES,
+    ContentHash,
+    Hashed,
+    Pack,
+    PackWriter,
+    digests_chunks,
+)
 from kcache.records import BlobLocation, Bundle, Event
 from kcache.sources import ExtraSource, FileInfo, Source
 from kcache.store import Store, manifest_key, pack_key
@@ -63,7 +72,8 @@ class PublishConfig:
 
     jobs: int = 8  # parallel hashing and uploads
     signing_key: signing.SigningKey | None = None  # sign every manifest before its commit point
-    hash_cache: HashCache | None = None  # stat key -> SHA-256: a re-publish re-reads only changed files
+    # stat key -> SHA-256 (and chunk digests): a re-publish re-reads only changed files
+    hash_cache: HashCache | None = None
     allow_empty: bool = False  # an empty bundle becomes the newest for its key: only on purpose
 
 
@@ -79,6 +89,9 @@ class Collected:
     path: str
     info: FileInfo
     blob: str
+    # SHA-256 of each CHUNK_BYTES of the content, for a file of packs.DIGESTED_BYTES or more: taken
+    # here from the bytes that hash to `blob`, never from the index or store.
+    chunks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -141,19 +154,17 @@ def _moved(info: FileInfo, home: str, real: str) -> FileInfo:
     return replace(info, path=Path(real + path[len(home) :]))
 
 
-def hash_file(path: Path, size_hint: int = _HASH_CHUNK) -> tuple[str, int]:
-    """The SHA-256 of the file at `path` and how many bytes it hashed; `size_hint` (its size at the
-    walk) sizes the first read."""
+def hash_file(path: Path, size_hint: int = _HASH_CHUNK) -> Hashed:
+    """What the file at `path` hashes to, and how many bytes it hashed. `size_hint` (its size at
+    the walk) sizes the first read, and at packs.DIGESTED_BYTES or more asks for chunk digests too."""
     fd = _open_regular_fd(path)
     try:
-        digest = hashlib.sha256()
-        hashed = 0
+        digest = ContentHash(digests_chunks(size_hint))
         want = min(_HASH_CHUNK, max(0, size_hint) + 1)  # a small file in one read, its end seen at once
-        while chunk := os.read(fd, want):
-            digest.update(chunk)
-            hashed += len(chunk)
+        while piece := os.read(fd, want):
+            digest.update(piece)
             want = _HASH_CHUNK
-        return digest.hexdigest(), hashed
+        return digest.result()
     finally:
         os.close(fd)
 
@@ -186,18 +197,15 @@ def _opened_at(fd: int, path: Path) -> bool:
     return name in (str(path), f"{path} (deleted)")  # deleted: a compile replaced it since the open
 
 
-def _hash_or_skip(path: Path, size: int | None = None) -> str | None:
-    """The file's SHA-256, or None (with a warning) when it went away or cannot be read since the
-    walk, or no longer holds the `size` bytes the walk saw: the manifest records the walk's size
+def _hash_or_skip(path: Path, size: int | None = None) -> Hashed | None:
+    """What the file hashes to, or None (with a warning) when it went away or cannot be read since
+    the walk, or no longer holds the `size` bytes the walk saw: the manifest records the walk's size
     beside the id, and restore lays out exactly that many bytes."""
     hashed = _skipping(path, lambda: hash_file(path, _HASH_CHUNK if size is None else size))
-    if hashed is None:
-        return None
-    digest, read = hashed
-    if size is not None and read != size:
+    if hashed is not None and size is not None and hashed.size != size:
         _skip_resized(path)
         return None
-    return digest
+    return hashed
 
 
 def _skip_resized(path: Path) -> None:
@@ -233,27 +241,27 @@ def _hash_all(found: list[tuple[Source, FileInfo]], jobs: int, cache: HashCache 
     is hashed. A file that is gone by the time it is hashed is left out of the bundle."""
     keys = [key_for(i.path, i.size, i.mtime_ns, i.ctime_ns, i.ino) for _, i in found] if cache else []
     started = cache.now() if cache else 0  # before any file is read: see HashCache.remember
-    digests: list[str | None] = [None] * len(found)
+    hashes: list[Hashed | None] = [None] * len(found)
     if cache:
-        known = cache.lookup(keys)
-        digests = [known.get(k) for k in keys]
-    todo = [i for i, d in enumerate(digests) if d is None]
+        known = cache.lookup({key: info.size for key, (_, info) in zip(keys, found)})
+        hashes = [known.get(k) for k in keys]
+    todo = [i for i, h in enumerate(hashes) if h is None]
     # hashlib releases the GIL on large buffers, so threads overlap reading and hashing. Files go
     # to the threads in batches: a future per 8 KiB file cost more than hashing it (20k files
     # hashed in 1.3-1.9 s one future each, 0.4 s in batches).
     meter = progress.Meter("hashing", files=len(todo), bytes=sum(found[i][1].size for i in todo), report=report)
 
-    def hash_one(i: int) -> str | None:
+    def hash_one(i: int) -> Hashed | None:
         source, info = found[i]
         if early is not None and info.size >= LARGE_FILE_BYTES:
             fd = _skipping(info.path, lambda: _open_regular_fd(info.path))  # only opening it may skip it
             return None if fd is None else early.pack(source, info, fd)
         return _hash_or_skip(info.path, info.size)
 
-    def hash_batch(batch: list[int]) -> list[str | None]:
-        digests = [hash_one(i) for i in batch]
+    def hash_batch(batch: list[int]) -> list[Hashed | None]:
+        hashed = [hash_one(i) for i in batch]
         meter.add(files=len(batch), bytes=sum(found[i][1].size for i in batch))
-        return digests
+        return hashed
 
     # Small files on one thread: their cost is Python's, per file, and threads sharing it only
     # hand the GIL back and forth (20k files: 0.45 s on one thread, 0.6-1.0 s on 2-8); big files
@@ -263,15 +271,15 @@ def _hash_all(found: list[tuple[Source, FileInfo]], jobs: int, cache: HashCache 
         work = [(pool, [i]) for i in todo if found[i][1].size >= _HASH_CHUNK]
         work += [(small, batch) for batch in _batches(little, [found[i][1].size for i in little])]
         for batch, future in [(batch, where.submit(hash_batch, batch)) for where, batch in work]:
-            for i, digest in zip(batch, future.result()):
-                digests[i] = digest
+            for i, hashed in zip(batch, future.result()):
+                hashes[i] = hashed
     if cache and todo:
-        cache.remember(((keys[i], digests[i], max(found[i][1].mtime_ns, found[i][1].ctime_ns)) for i in todo
-                        if digests[i] is not None), started)  # fmt: skip
+        cache.remember(((keys[i], hashes[i], max(found[i][1].mtime_ns, found[i][1].ctime_ns)) for i in todo
+                        if hashes[i] is not None), started)  # fmt: skip
     return [
-        Collected(_manifest_path(src, info), info, blob)
-        for (src, info), blob in zip(found, digests)
-        if blob is not None
+        Collected(_manifest_path(src, info), info, hashed.blob, hashed.chunks)
+        for (src, info), hashed in zip(found, hashes)
+        if hashed is not None
     ]
 
 
@@ -398,14 +406,14 @@ class _PackWhileHashing:
         self.new: list[Collected] = []
         self.uploaded = self.packs = 0
 
-    def pack(self, source: Source, info: FileInfo, fd: int) -> str | None:
-        """The blob id of the file `info` describes, open as `fd` (closed here); None (with a
+    def pack(self, source: Source, info: FileInfo, fd: int) -> Hashed | None:
+        """What the file `info` describes, open as `fd` (closed here), hashes to; None (with a
         warning) when it no longer holds the bytes the walk saw."""
         with open(fd, "rb") as src, staging(self._workdir):
             writer = PackWriter(self._workdir, self._chunks)
             try:
-                blob = writer.add_unhashed(src, info.size, str(info.path))
-                if blob is None:
+                hashed = writer.add_unhashed(src, info.size, str(info.path))
+                if hashed is None:
                     writer.discard()
                     _skip_resized(info.path)
                     return None
@@ -413,20 +421,20 @@ class _PackWhileHashing:
             except BaseException:
                 writer.discard()
                 raise
-        item = Collected(_manifest_path(source, info), info, blob)
+        item = Collected(_manifest_path(source, info), info, hashed.blob, hashed.chunks)
         with self._lock:
-            first = blob not in self._claimed
-            self._claimed.add(blob)
-        if not (first and self._index.find_missing([blob])):
+            first = item.blob not in self._claimed
+            self._claimed.add(item.blob)
+        if not (first and self._index.find_missing([item.blob])):
             pack.path.unlink(missing_ok=True)
-            return blob
+            return hashed
         stored = _store_pack(pack, lambda salt: _build_pack([item], self._workdir, self._chunks, salt), self._store,
                              self._index)  # fmt: skip
         with self._lock:
             self.new.append(item)
             self.uploaded += stored.size
             self.packs += 1
-        return blob
+        return hashed
 
 
 def publish(
@@ -479,7 +487,9 @@ def publish(
     new, uploaded, pack_count, locations = _upload_until_revived(collected, store, index, config.jobs, note, report)
     collected = _sized_as_stored(collected, locations)
     new, uploaded, pack_count = early.new + new, early.uploaded + uploaded, early.packs + pack_count
-    manifest = _manifest(fingerprint, layers, [_entry(c, locations[c.blob]) for c in collected], info)
+    entries = [_entry(c, locations[c.blob]) for c in collected]
+    # From `collected` as kept: a file skipped above takes its digests with it.
+    manifest = _manifest(fingerprint, layers, entries, info, {c.blob: c.chunks for c in collected if c.chunks})
     data = manifest.to_bytes()
     limits.check_manifest_size(len(data), len(manifest.entries))  # exact now: the check above was a lower bound
     wrote = _write_manifest(store, manifest, data, config.signing_key)  # before the commit point
@@ -623,8 +633,10 @@ def _manifest_stored(store: Store, manifest_id: str, key: signing.SigningKey | N
     return signed and store.exists(manifest_key(manifest_id))
 
 
-def _manifest(fp: Fingerprint, layers: list[str], entries: list[manifests.Entry], info) -> manifests.Manifest:
-    return manifests.build(fp.bundle_key, fp.toolchain_key, fp.workload_key, fp.facts, layers, entries, info)
+def _manifest(fp: Fingerprint, layers: list[str], entries: list[manifests.Entry], info,
+              chunks: Mapping[str, Sequence[str]] | None = None) -> manifests.Manifest:  # fmt: skip
+    return manifests.build(fp.bundle_key, fp.toolchain_key, fp.workload_key, fp.facts, layers, entries, info,
+                           chunks=chunks)  # fmt: skip
 
 
 def _entry(c: Collected, where: BlobLocation) -> manifests.Entry:

@@ -33,7 +33,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -362,7 +362,7 @@ def _restore(
     layer_names = tuple(n for n in manifest.layers if n in PARTIAL_LAYERS) if partial else manifest.layers
     entries = tuple(e for e in manifest.entries if not partial or e.path.split("/", 1)[0] in PARTIAL_LAYERS)
     user = layers.run_as_user(run_as, manifest.layer_info)
-    _lay_out(store, root, entries, layers.for_manifest(layer_names, user), jobs, budget, report)
+    _lay_out(store, root, entries, layers.for_manifest(layer_names, user), jobs, budget, report, manifest.chunks)
     reason = (
         f"kernel layers of bundle {manifest.id[:12]}, built on this toolchain for another workload" if partial else ""
     )
@@ -415,12 +415,25 @@ def _from_layers(store: Store, fp: Fingerprint, root: Path, jobs: int, budget: _
         names.append(donor.layer)
     pch = next((d.manifest.layer_info for d in donors if d.layer == "inductor-pch"), {})
     user = layers.run_as_user(run_as, pch)
-    _lay_out(store, root, tuple(entries), layers.for_manifest(names, user), jobs, budget, report)
+    chunks = _agreed_chunks(d.manifest for d in donors)
+    _lay_out(store, root, tuple(entries), layers.for_manifest(names, user), jobs, budget, report, chunks)
     origin = ", ".join(f"{d.layer} from {d.manifest.id[:12]}" for d in donors)
     return RestoreResult("partial", fp.bundle_key, None, root, root / envfile.NAME, tuple(names), len(entries),
                          sum(e.size for e in entries), time.perf_counter() - started,
                          one_line(f"layers whose own keys match, from other bundles: {origin}"),
                          donors=tuple((d.layer, d.manifest.id) for d in donors), user=user)  # fmt: skip
+
+
+def _agreed_chunks(donated: Iterable[manifests.Manifest]) -> dict[str, tuple[str, ...]]:
+    """The chunk digests of every donor's blobs; a blob whose donors disagree on them gets none, and
+    is verified whole against its id (one of them is wrong, and the content decides which)."""
+    agreed: dict[str, tuple[str, ...]] = {}
+    disputed: set[str] = set()
+    for manifest in donated:
+        for blob, digests in manifest.chunks.items():
+            if agreed.setdefault(blob, digests) != digests:
+                disputed.add(blob)
+    return {blob: digests for blob, digests in agreed.items() if blob not in disputed}
 
 
 def _check_layers(manifest: manifests.Manifest) -> None:
@@ -432,15 +445,17 @@ def _check_layers(manifest: manifests.Manifest) -> None:
 
 
 def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jobs: int, budget: _Budget,
-             report: progress.Report | None = None) -> None:  # fmt: skip
-    """Fetch and verify everything into staging, then swap the layers in (unless time ran out)."""
+             report: progress.Report | None = None,
+             chunks: Mapping[str, tuple[str, ...]] | None = None) -> None:  # fmt: skip
+    """Fetch and verify everything into staging, then swap the layers in (unless time ran out);
+    `chunks` are the manifest's chunk digests (large blobs are then verified part by part)."""
     staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=root))
     with budget.lock:
         budget.staging = staging
     try:
         with progress.Meter("restoring", files=len(entries), bytes=sum(e.size for e in entries),
                             report=report) as meter:  # fmt: skip
-            _fetch_all(store, entries, staging, jobs, budget, meter)
+            _fetch_all(store, entries, staging, jobs, budget, meter, chunks or {})
         relocate_staged(staging / "files", root, (e.path for e in entries), sources)
         with budget.lock:
             if budget.expired:
@@ -452,7 +467,7 @@ def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jo
 
 
 def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path, jobs: int, budget: _Budget,
-               meter: progress.Meter) -> None:  # fmt: skip
+               meter: progress.Meter, chunks: Mapping[str, tuple[str, ...]]) -> None:  # fmt: skip
     """Every blob into its staged path (verified), then the paths that share a blob as copies.
     When a node cache's copy of a pack fails, what is not yet staged is read from its store (see
     `_past_node_cache`)."""
@@ -467,8 +482,7 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
     def create(entry: manifests.Entry):
         path = files / entry.path  # manifest.parse already refused absolute paths and '..'
         mode = rootdir.file_mode(entry.mode, shared)
-        # Readable too: a blob fetched in parts is hashed by reading its chunks back (kcache.fetch).
-        return open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode), "r+b")
+        return open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb")
 
     def finish(entry: manifests.Entry, fd: int | None = None) -> None:
         """After the last write of a verified file: through `fd` while it is open, else by path once closed."""
@@ -504,7 +518,8 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
         finish(entry)
         done.add(entry.blob)
 
-    options = dict(jobs=jobs, cancelled=lambda: budget.expired, open_blob=create, closed=closed, meter=meter)
+    options = dict(jobs=jobs, cancelled=lambda: budget.expired, open_blob=create, closed=closed, meter=meter,
+                   digests=chunks)  # fmt: skip
     try:
         fetch.fetch_blobs(store, entries, place, failed=failed.add, **options)
     except (IntegrityError, StoreError) as exc:

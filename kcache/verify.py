@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING
 
 from kcache import choice, fetch, fingerprint, layerkeys, limits, progress, refs, signing
 from kcache import manifest as manifests
+from kcache import packs as pack_format
 from kcache.errors import (
     ConfigError,
     IntegrityError,
@@ -118,6 +120,7 @@ def verify(
     # names, so a bad copy fails that bundle even where another pack holds the blob intact.
     to_read: dict[tuple[str, str, int], manifests.Entry] = {}
     keys_named: dict[str, str] = {}  # bundle id -> the bundle key its manifest names
+    claims: dict[str, dict[tuple[str, ...], str]] = {}  # blob -> {chunk digests a manifest gives: its bundle id}
     layer_keys: dict[str, dict[str, str]] = {}  # bundle id -> {layer: the layer key it gives}
     for bundle in bundles:
         try:
@@ -127,6 +130,8 @@ def verify(
             continue
         keys_named[bundle.id] = manifest.bundle_key
         layer_keys[bundle.id] = _layer_keys(manifest)
+        for blob, digests in manifest.chunks.items():
+            claims.setdefault(blob, {}).setdefault(digests, bundle.id)
         signed = signing.message(manifest.bundle_key, bundle.id, manifest_size)
         for problem in _signature_problems(store, signatures.get(bundle.id, {}), signed, trusted, unchecked,
                                            f"bundle {bundle.id[:12]}: "):  # fmt: skip
@@ -143,7 +148,7 @@ def verify(
     seen = _Seen({bundle.id: bundle for bundle in bundles}, keys_named, signatures, limits.max_manifest_bytes(),
                  layer_keys)  # fmt: skip
     ref_count, layer_ref_count = _check_refs(store, index, seen, trusted, problems, unchecked)
-    read = _read_all(store, list(to_read.values()), jobs, problems, report, unchecked) if read_data else (0, 0)
+    read = _read_all(store, list(to_read.values()), jobs, problems, report, unchecked, claims) if read_data else (0, 0)
     packs = len({e.pack for e in to_read.values()}) if read_data else len(sizes)
     return VerifyResult(len(bundles), ref_count, packs, read[0], read[1], tuple(dict.fromkeys(problems)),
                         layer_ref_count, tuple(dict.fromkeys(unchecked)))  # fmt: skip
@@ -389,15 +394,19 @@ def _is_signature(text: str) -> bool:
 
 
 def _read_all(store: Store, entries: list[manifests.Entry], jobs: int, problems: list[str],
-              report: progress.Report | None, unchecked: list[str]) -> tuple[int, int]:  # fmt: skip
-    """Re-hash every blob; a bad one is a problem, and the rest of its pack is still read."""
+              report: progress.Report | None, unchecked: list[str],
+              claims: dict[str, dict[tuple[str, ...], str]]) -> tuple[int, int]:  # fmt: skip
+    """Re-hash every blob; a bad one is a problem, and the rest of its pack is still read. A blob
+    that manifests give chunk digests for is also hashed chunk by chunk: restore trusts its parts by
+    them, so a manifest whose digests are not its content's fails that bundle's restore."""
     lock = threading.Lock()
     done = {"blobs": 0, "bytes": 0}
     meter = progress.Meter("verifying", files=len(entries), bytes=sum(e.size for e in entries), report=report)
 
     def check(entry: manifests.Entry, frame) -> None:
+        sink = _ChunkDigests() if entry.blob in claims else Discard()
         try:
-            unpack_frame(frame, entry.blob, entry.size, Discard())
+            unpack_frame(frame, entry.blob, entry.size, sink)
         except KcacheError as exc:
             with lock:
                 problems.append(f"pack {entry.pack[:12]}: {entry.path}: {exc}")
@@ -407,6 +416,10 @@ def _read_all(store: Store, entries: list[manifests.Entry], jobs: int, problems:
         with lock:
             done["blobs"] += 1
             done["bytes"] += entry.size
+            if isinstance(sink, _ChunkDigests):
+                problems.extend(f"bundle {bundle_id[:12]}: {entry.path}: its manifest's chunk digests are not "
+                                f"those of blob {entry.blob[:12]}" for digests, bundle_id in claims[entry.blob].items()
+                                if digests != sink.digests())  # fmt: skip
 
     def one_range(rng: fetch.Range) -> None:  # each on its own, so one bad pack does not hide the others
         try:
@@ -418,3 +431,25 @@ def _read_all(store: Store, entries: list[manifests.Entry], jobs: int, problems:
     with meter, ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         list(pool.map(one_range, fetch.plan_ranges(entries)))
     return done["blobs"], done["bytes"]
+
+
+class _ChunkDigests:
+    """A sink that hashes what it is given in CHUNK_BYTES pieces, as a publisher digests a large file."""
+
+    def __init__(self):
+        self._done: list[str] = []
+        self._digest, self._held = hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        while view:
+            take = min(len(view), pack_format.CHUNK_BYTES - self._held)
+            self._digest.update(view[:take])
+            self._held, view = self._held + take, view[take:]
+            if self._held == pack_format.CHUNK_BYTES:
+                self._done.append(self._digest.hexdigest())
+                self._digest, self._held = hashlib.sha256(), 0
+        return len(data)
+
+    def digests(self) -> tuple[str, ...]:
+        return tuple(self._done) + ((self._digest.hexdigest(),) if self._held else ())

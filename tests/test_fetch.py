@@ -1,4 +1,4 @@
-"""Large blobs are stored as chunks and fetched in parts, in parallel, verified as a whole.
+"""Large blobs are stored as chunks and fetched in parts, in parallel, each chunk verified by its digest.
 
 Chunk and part sizes are shrunk to a few KiB here, so small files exercise every path a multi-GiB
 one takes: seek tables longer than the first tail read, a short last chunk, a short last part.
@@ -51,6 +51,14 @@ def content(seed: int, size: int) -> bytes:
     return b"".join(rng.randbytes(64) + b"kernel " * rng.randrange(20) for _ in range(size // 64 + 1))[:size]
 
 
+# blob id -> the digests of its CHUNK-byte pieces, as a manifest carries them: publish_blob fills it.
+DIGESTS: dict[str, tuple[str, ...]] = {}
+
+
+def digests_of(data: bytes) -> tuple[str, ...]:
+    return tuple(hashlib.sha256(data[i : i + CHUNK]).hexdigest() for i in range(0, len(data), CHUNK))
+
+
 def publish_blob(store, workdir, data: bytes, pool=None) -> Entry:
     """`data` as the only blob of a pack in `store`; the manifest entry that names it."""
     source = workdir / "src"
@@ -61,15 +69,17 @@ def publish_blob(store, workdir, data: bytes, pool=None) -> Entry:
     pack = writer.finish()
     store.put_file(pack_key(pack.id), pack.path)
     (where,) = pack.blobs
+    DIGESTS[blob] = digests_of(data)
     return Entry("triton/big.cubin", 0o644, len(data), blob, pack.id, where.offset, where.length)
 
 
-def fetch_into(store, entry: Entry, out_path, jobs: int = 8) -> None:
+def fetch_into(store, entry: Entry, out_path, jobs: int = 8, digests=DIGESTS) -> None:
     def place(_entry, frame):
         with open(out_path, "wb") as out:
             packs.unpack_frame(frame, entry.blob, entry.size, out)
 
-    fetch.fetch_blobs(store, [entry], place, jobs=jobs, open_blob=lambda _e: open(out_path, "w+b"))
+    # Write-only: a split blob is verified as it is decompressed, never read back.
+    fetch.fetch_blobs(store, [entry], place, jobs=jobs, open_blob=lambda _e: open(out_path, "wb"), digests=digests)
 
 
 def test_a_large_file_is_written_as_frames_of_chunk_bytes_with_a_seek_table(tmp_path, store):
@@ -114,7 +124,8 @@ def test_a_blob_within_one_threads_share_is_streamed_whole(tmp_path, store):
         packs.unpack_frame(frame, entry.blob, entry.size, out)
         written.append(out.getvalue())
 
-    fetch.fetch_blobs(recording, entries, place, jobs=2, open_blob=lambda e: pytest.fail("split a blob"))
+    fetch.fetch_blobs(recording, entries, place, jobs=2, open_blob=lambda e: pytest.fail("split a blob"),
+                      digests=DIGESTS)  # fmt: skip
     assert len(recording.ranges) == 4  # one read per blob: no tail, no parts
     assert sorted(hashlib.sha256(w).hexdigest() for w in written) == sorted(e.blob for e in entries)
 
@@ -199,7 +210,7 @@ def test_a_failed_chunk_stops_the_others_and_closes_every_file(tmp_path, store):
         return opened[-1]
 
     with pytest.raises(IntegrityError, match="injected"):
-        fetch.fetch_blobs(Broken(store), entries, lambda e, f: None, jobs=8, open_blob=open_blob)
+        fetch.fetch_blobs(Broken(store), entries, lambda e, f: None, jobs=8, open_blob=open_blob, digests=DIGESTS)
     assert opened and all(f.closed for f in opened)
 
 
@@ -211,7 +222,7 @@ def test_the_meter_counts_every_chunk_and_file(tmp_path, store):
     updates = []
     with Meter("fetching", files=3, bytes=sum(e.size for e in entries), report=updates.append) as meter:
         fetch.fetch_blobs(store, entries, lambda e, f: None, jobs=8, meter=meter,
-                          open_blob=lambda e: open(tmp_path / e.blob, "w+b"))  # fmt: skip
+                          open_blob=lambda e: open(tmp_path / e.blob, "w+b"), digests=DIGESTS)  # fmt: skip
     assert meter.counts == (3, sum(e.size for e in entries))
     assert updates[-1].done and (updates[-1].files, updates[-1].bytes) == meter.counts
 
@@ -251,7 +262,8 @@ def test_a_split_blob_is_handed_to_closed_once_its_file_is_verified_and_closed(t
         assert hashlib.sha256((tmp_path / entry.blob).read_bytes()).hexdigest() == entry.blob
         handed.append(entry.blob)
 
-    fetch.fetch_blobs(store, entries, lambda e, f: pytest.fail("streamed"), jobs=8, open_blob=open_blob, closed=closed)
+    fetch.fetch_blobs(store, entries, lambda e, f: pytest.fail("streamed"), jobs=8, open_blob=open_blob, closed=closed,
+                      digests=DIGESTS)  # fmt: skip
     assert sorted(handed) == sorted(e.blob for e in entries)
 
 
@@ -360,95 +372,63 @@ def test_a_split_blob_is_cut_into_parts_as_even_as_whole_frames_allow(lengths, j
     assert max(sizes) - min(sizes) <= max(lengths)  # no part more than one frame longer than another
 
 
-class Hashing:
-    """An assembly of four staged chunks in two parts (0-1, 2-3), driven by hand from two threads."""
-
-    def __init__(self, tmp_path, idle=lambda: True, data: bytes | None = None):
-        self.data = data or content(7, 4 * CHUNK)
-        blob = hashlib.sha256(content(7, 4 * CHUNK)).hexdigest()
-        chunks = tuple(packs.Chunk(offset=i * CHUNK, length=CHUNK, start=i * CHUNK, size=CHUNK) for i in range(4))
-        entry = Entry("inductor/big", 0o644, 4 * CHUNK, blob, "0" * 64, 0, 4 * CHUNK, 0)
-        self.closed_by: list[str] = []
-        self.file = tmp_path / "staged"
-        self.assembly = fetch._Assembly(entry, chunks, 2, lambda _e: open(self.file, "w+b"),
-                                        lambda _e: self.closed_by.append(threading.current_thread().name),
-                                        fetch.Meter("t", files=0, bytes=0), idle)  # fmt: skip
-        assert self.assembly.parts == ((0, 1), (2, 3))
-
-    def write(self, index: int, part_done: bool = False) -> None:
-        self.assembly.write(index * CHUNK, self.data[index * CHUNK:(index + 1) * CHUNK])
-        self.assembly.written(index, part_done=part_done)
-
-    def waiting(self) -> bool:
-        """The second part is done and its thread holds the hash (waiting, or about to, for chunk 1)."""
-        with self.assembly._lock:
-            return self.assembly._unfinished == 1 and self.assembly._hashing
+def streamed_whole(store, entry: Entry, digests) -> bytes:
+    """What fetch_blobs hands `place` for `entry` when it does not split it (and fails the test if it does)."""
+    out = io.BytesIO()
+    fetch.fetch_blobs(store, [entry], lambda e, frame: packs.unpack_frame(frame, e.blob, e.size, out), jobs=8,
+                      open_blob=lambda e: pytest.fail("split a blob"), digests=digests)  # fmt: skip
+    return out.getvalue()
 
 
-def run_in(name: str, work) -> tuple[threading.Thread, list]:
-    errors: list = []
-
-    def target():
-        try:
-            work()
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=target, name=name, daemon=True)
-    thread.start()
-    return thread, errors
+def test_a_blob_without_chunk_digests_is_streamed_whole_and_verified_by_its_id(tmp_path, store):
+    """A schema 1 or 2 manifest has no chunk digests: the blob is read as before, hashed whole."""
+    data = content(60, 9 * CHUNK + 1)
+    entry = publish_blob(store, tmp_path, data)
+    assert streamed_whole(store, entry, {}) == data
 
 
-def wait_until(predicate, thread: threading.Thread) -> None:
-    """Until `predicate()` holds, a thread blocked in a Condition's wait is seen through the lock."""
-    for _ in range(1_000_000):
-        if predicate() or not thread.is_alive():
-            return
-        thread.join(0.001)
+def test_frames_that_do_not_hold_chunk_bytes_each_are_streamed_whole(tmp_path, store, monkeypatch):
+    """A pack framed in pieces other than the digests' (another writer's CHUNK_BYTES): the digests
+    cannot be matched frame by frame, so the whole content is checked against the blob id."""
+    data = content(61, 9 * CHUNK + 1)
+    monkeypatch.setattr(packs, "CHUNK_BYTES", CHUNK // 2)
+    entry = publish_blob(store, tmp_path, data)
+    monkeypatch.setattr(packs, "CHUNK_BYTES", CHUNK)
+    assert streamed_whole(store, entry, {entry.blob: digests_of(data)}) == data
 
 
-def test_a_thread_done_with_its_part_takes_the_hash_over_and_the_producer_only_decompresses(tmp_path):
-    h = Hashing(tmp_path)
-    h.write(0)  # the first part's thread hashes chunk 0 as it goes
-    assert h.assembly._next == 1
-    helper, errors = run_in("helper", lambda: (h.write(2), h.write(3, part_done=True)))
-    wait_until(h.waiting, helper)
-    assert helper.is_alive() and h.assembly._hashing  # waits for chunk 1, holding the hash
-    h.write(1, part_done=True)  # returns at once: the helper hashes chunks 1-3
-    helper.join(30)
-    assert not helper.is_alive() and not errors
-    assert h.closed_by == ["helper"]
-    assert h.file.read_bytes() == h.data
+def test_a_manifest_whose_chunk_digests_lie_fails_the_blob_at_the_chunk(tmp_path, store):
+    """The frames hold the blob's true content; digests of other content (a writer who signed wrong
+    digests, or dedup against another file) fail the first chunk they differ in, on its own thread."""
+    data = content(62, 6 * CHUNK)
+    entry = publish_blob(store, tmp_path, data)
+    other = bytearray(data)
+    other[4 * CHUNK + 9] ^= 1
+    with pytest.raises(IntegrityError, match="chunk 4 hashes to"):
+        fetch_into(store, entry, tmp_path / "out", digests={entry.blob: digests_of(bytes(other))})
 
 
-def test_with_tasks_still_to_start_a_finished_part_does_not_wait_to_hash(tmp_path):
-    h = Hashing(tmp_path, idle=lambda: False)
-    h.write(0)
-    h.write(2)
-    h.write(3, part_done=True)  # returns: chunk 1 is not there yet and there is other work
-    assert h.closed_by == [] and not h.assembly._hashing
-    h.write(1, part_done=True)  # the thread that completes the chunk due hashes the rest
-    assert h.closed_by == [threading.current_thread().name]
+def test_each_part_is_verified_by_the_thread_that_decompressed_it(tmp_path, store, monkeypatch):
+    """No thread waits for another's chunk: every chunk is hashed where it was decompressed."""
+    data = content(63, 8 * CHUNK)
+    entry = publish_blob(store, tmp_path, data)
+    hashed_by: dict[int, int] = {}
+    real = fetch._Assembly.verified
 
+    def verified(self, index):
+        hashed_by[index] = threading.get_ident()
+        real(self, index)
 
-def test_a_waiting_helper_is_released_when_the_other_part_fails(tmp_path):
-    h = Hashing(tmp_path)
-    h.write(0)
-    helper, errors = run_in("helper", lambda: (h.write(2), h.write(3, part_done=True)))
-    wait_until(h.waiting, helper)
-    assert helper.is_alive()
-    h.assembly.abandon()  # what read_part does when its read or decompression fails
-    helper.join(30)
-    assert not helper.is_alive() and not errors and h.closed_by == []
+    monkeypatch.setattr(fetch._Assembly, "verified", verified)
+    started: list[tuple[int, tuple[int, ...]]] = []
+    real_read = fetch.read_part
 
+    def read_part(store_, assembly, part, cancelled):
+        started.append((threading.get_ident(), part))
+        real_read(store_, assembly, part, cancelled)
 
-def test_wrong_content_is_refused_by_whichever_thread_takes_the_hash_over(tmp_path):
-    data = bytearray(content(7, 4 * CHUNK))
-    data[3 * CHUNK + 5] ^= 1
-    h = Hashing(tmp_path, data=bytes(data))
-    h.write(0)
-    helper, errors = run_in("helper", lambda: (h.write(2), h.write(3, part_done=True)))
-    wait_until(h.waiting, helper)
-    h.write(1, part_done=True)
-    helper.join(30)
-    assert len(errors) == 1 and isinstance(errors[0], IntegrityError) and h.closed_by == []
+    monkeypatch.setattr(fetch, "read_part", read_part)
+    fetch_into(store, entry, tmp_path / "out", jobs=4)
+    assert (tmp_path / "out").read_bytes() == data
+    reader = {i: thread for thread, part in started for i in part}
+    assert len(started) >= 2 and sorted(hashed_by) == list(range(8)) and hashed_by == reader

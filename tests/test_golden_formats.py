@@ -17,7 +17,7 @@ import pytest
 from kcache import manifest as manifests
 from kcache import packs, refs, signing
 
-BLOB_A, BLOB_B, PACK = ("a" * 64), ("b" * 64), ("c" * 64)
+BLOB_A, BLOB_B, PACK, BLOB_D = ("a" * 64), ("b" * 64), ("c" * 64), ("d" * 64)
 CREATED = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
 EXPIRES = datetime(2026, 1, 9, 3, 4, 5, tzinfo=timezone.utc)
 SEED = bytes(range(32))  # a fixed Ed25519 key: its signatures are deterministic
@@ -29,7 +29,9 @@ def manifest_fixture() -> manifests.Manifest:
         "k" * 32, "t" * 32, "w" * 32, {"gpu.sm": "sm_90", "model.id": "m@1", "torch.version": "2.13.0"},
         ["triton", "inductor"],
         [manifests.Entry("triton/k/k.cubin", 0o644, 5, BLOB_B, PACK, 17, 20),
-         manifests.Entry("inductor/fxgraph/g", 0o755, 3, BLOB_A, PACK, 0, 17)],
+         manifests.Entry("inductor/fxgraph/g", 0o755, 3, BLOB_A, PACK, 0, 17),
+         manifests.Entry("tmp/pch/h.gch", 0o644, packs.CHUNK_BYTES + 1, BLOB_D, PACK, 37, 900)],
+        chunks={BLOB_D: ("e" * 64, "f" * 64)},
     )  # fmt: skip
 
 
@@ -39,7 +41,7 @@ def ref_fixture() -> refs.Ref:
     return refs.Ref(**{**unsigned.__dict__, "signatures": (("golden", signing.sign_message(key, unsigned.message())),)})
 
 
-MANIFEST = "6a1551c864d925a9ab5527997fd1ca5ba8629e52b5220b63b6c9054d1cfd0be6"
+MANIFEST = "dbda771aee59fbf1685d408035c32ff1d20a238ba011bdfcbba7976341e3f50b"
 SIGNATURE_MESSAGE = "2ab721d05feb7b5e54cbdd9d59291f3ffe469e61d0c145537220706a6030363d"
 REF = "5722682cb5c99e9d306252ab55c3b64706c4a1dd03fdd9164f3b6e9be71af2b8"
 TRAILER = "7506da4224a201d1388b4ab2647a45db32c14a15c8a3c4f774f4fbc1b970adb6"

@@ -5,9 +5,10 @@ import time
 
 from trees import write_tree
 
+from kcache import packs, sources
 from kcache import publish as publishing
-from kcache import sources
 from kcache.hashcache import RACY_NS, HashCache, stat_key
+from kcache.packs import CHUNK_BYTES, Hashed
 from kcache.publish import PublishConfig, publish
 
 
@@ -64,10 +65,10 @@ def test_a_file_changed_just_before_hashing_is_hashed_again_next_time(tmp_path, 
     changed = _changed_ns(path)
     cache = HashCache(tmp_path / "hashes.db", clock=lambda: changed + RACY_NS - 1)  # hashing began within the margin
     _publish_cached(tmp_path, store, sqlite_index, fp, cache)
-    assert cache.lookup([stat_key(path)]) == {}
+    assert cache.lookup({stat_key(path): path.stat().st_size}) == {}
     settled = HashCache(tmp_path / "hashes.db", clock=lambda: changed + RACY_NS + 1)
     _publish_cached(tmp_path, store, sqlite_index, fp, settled)
-    assert len(settled.lookup([stat_key(path)])) == 1
+    assert len(settled.lookup({stat_key(path): path.stat().st_size})) == 1
     cache.close()
     settled.close()
 
@@ -81,7 +82,7 @@ def test_a_file_dated_in_the_future_is_never_remembered(tmp_path, store, sqlite_
     os.utime(path, ns=(ahead, ahead))
     cache = HashCache(tmp_path / "hashes.db")  # the real clock
     _publish_cached(tmp_path, store, sqlite_index, fp, cache)
-    assert cache.lookup([stat_key(path)]) == {}
+    assert cache.lookup({stat_key(path): path.stat().st_size}) == {}
     cache.close()
 
 
@@ -109,7 +110,7 @@ def test_a_corrupt_hash_cache_is_started_afresh(tmp_path, store, sqlite_index, f
         result = _publish_with(tmp_path, store, sqlite_index, fp, path)
     assert result.files == 2 and "starting a new one" in caplog.text
     cache = HashCache(path)  # the new one works and remembers
-    assert len(cache.lookup([stat_key(tmp_path / "src/inductor/a")])) == 1
+    assert len(cache.lookup({stat_key(tmp_path / "src/inductor/a"): len(b"kernel a")})) == 1
     cache.close()
 
 
@@ -119,3 +120,17 @@ def test_an_unusable_hash_cache_only_costs_the_rehash(tmp_path, store, sqlite_in
     with caplog.at_level("WARNING", logger="kcache.hashcache"):
         result = _publish_with(tmp_path, store, sqlite_index, fp, blocker / "hashcache.db")
     assert result.files == 2 and "without a hash cache" in caplog.text
+
+
+def test_an_entry_remembered_without_chunk_digests_drops_the_old_ones(tmp_path, monkeypatch):
+    """Digests kept under a lower DIGESTED_BYTES (another kcache) must not leave the entry incomplete for good."""
+    size, sha = 3 * CHUNK_BYTES, "0" * 64
+    cache = HashCache(tmp_path / "hashes.db")
+    monkeypatch.setattr(packs, "DIGESTED_BYTES", 2 * CHUNK_BYTES)
+    cache.remember([("key", Hashed(sha, size, ("a" * 64,) * 3), 0)], hashing_started=10**19)
+    assert cache.lookup({"key": size}) == {"key": Hashed(sha, size, ("a" * 64,) * 3)}
+    monkeypatch.setattr(packs, "DIGESTED_BYTES", 4 * CHUNK_BYTES)
+    assert cache.lookup({"key": size}) == {}  # three digests where none belong
+    cache.remember([("key", Hashed(sha, size), 0)], hashing_started=10**19)
+    assert cache.lookup({"key": size}) == {"key": Hashed(sha, size)}
+    cache.close()

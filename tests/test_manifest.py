@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from kcache import canonical
 from kcache import manifest as m
 from kcache.errors import IntegrityError, UnsafePath
+from kcache.packs import CHUNK_BYTES
 
 BLOB = "b" * 64
 PACK = "c" * 64
@@ -93,6 +94,8 @@ def _whole_document(manifest: m.Manifest) -> bytes:
            "entries": [e.as_row(manifest.schema) for e in manifest.entries]}  # fmt: skip
     if manifest.schema >= 2:
         doc["layer_info"] = {name: dict(info) for name, info in manifest.layer_info.items()}
+    if manifest.schema >= 3:
+        doc["chunks"] = {blob: list(digests) for blob, digests in manifest.chunks.items()}
     return canonical.dumps(doc)
 
 
@@ -228,3 +231,43 @@ def test_duplicate_and_file_as_directory_checks_agree_with_the_naive_ones(paths)
     with pytest.raises(UnsafePath) as caught:
         m._check_entries(entries)
     assert ("twice" if "appears twice" in caught.value.why else "parent") in expected
+
+
+BIG = "d" * 64
+
+
+def _big_manifest(digests) -> m.Manifest:
+    entries = [m.Entry("tmp/h.gch", 0o644, 2 * CHUNK_BYTES + 1, BIG, PACK, 0, 100, 0),
+               m.Entry("inductor/a", 0o644, 1, BLOB, PACK, 100, 10, 0)]  # fmt: skip
+    return m.Manifest("bk", "tk", "wk", {"os": "linux"}, ("inductor",), tuple(entries), chunks={BIG: tuple(digests)})
+
+
+def test_chunk_digests_of_a_large_blob_round_trip():
+    built = m.build("bk", "tk", "wk", {"os": "linux"}, ["inductor"], _big_manifest(()).entries,
+                    chunks={BIG: ["1" * 64, "2" * 64, "3" * 64]})  # fmt: skip
+    assert built.to_bytes() == _whole_document(built)
+    assert m.parse(built.to_bytes(), built.id).chunks == {BIG: ("1" * 64, "2" * 64, "3" * 64)}
+
+
+@pytest.mark.parametrize("digests, why", [
+    (["1" * 64, "2" * 64], "has 2 chunk digests, not 3"),  # one short: a part would go unverified
+    (["1" * 64] * 4, "has 4 chunk digests"),
+    (["1" * 64, "2" * 64, "X" * 64], "not all SHA-256"),
+    (["1" * 64, "2" * 64, 3], "not all SHA-256"),
+])  # fmt: skip
+def test_a_manifest_whose_chunk_digests_do_not_fit_its_blob_is_refused(digests, why):
+    data = _big_manifest(["0" * 64] * 3).to_bytes().replace(canonical.dumps(["0" * 64] * 3), canonical.dumps(digests))
+    with pytest.raises(IntegrityError, match=why):
+        m.parse(data, canonical.sha256(data))
+
+
+def test_chunk_digests_for_a_blob_no_entry_holds_are_refused():
+    data = _big_manifest(["0" * 64] * 3).to_bytes().replace(BIG.encode() + b'":', b"e" * 64 + b'":')
+    with pytest.raises(IntegrityError, match="which no entry holds"):
+        m.parse(data, canonical.sha256(data))
+
+
+def test_a_schema_3_manifest_without_chunks_is_refused():
+    data = _big_manifest(["0" * 64] * 3).to_bytes().replace(b'"chunks":', b'"chunkz":')
+    with pytest.raises(IntegrityError, match="does not parse"):
+        m.parse(data, canonical.sha256(data))

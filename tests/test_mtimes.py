@@ -31,20 +31,30 @@ def test_schema_2_round_trips_mtime_and_layer_info():
     assert parsed.layer_info == {"inductor-pch": {"user": "root"}}
 
 
-def test_golden_schema_2_bytes():
+def test_golden_schema_3_bytes():
     """Pins the canonical bytes: a refactor that changes them changes every bundle id."""
     built = m.build("bk", "tk", "wk", {"os": "linux"}, ["triton"],
                     [m.Entry("triton/k/a.cubin", 0o644, 3, BLOB, PACK, 0, 10, 1_700_000_000_000_000_001)],
                     {"inductor-pch": {"user": "root"}})  # fmt: skip
     assert built.to_bytes() == (
-        b'{"bundle_key":"bk","entries":[["triton/k/a.cubin",420,3,"'
+        b'{"bundle_key":"bk","chunks":{},"entries":[["triton/k/a.cubin",420,3,"'
         + BLOB.encode()
         + b'","'
         + PACK.encode()
         + b'",0,10,1700000000000000001]],"facts":{"os":"linux"},"layer_info":{"inductor-pch":{"user":"root"}},'
-        b'"layers":["triton"],"schema":2,"toolchain_key":"tk","workload_key":"wk"}'
+        b'"layers":["triton"],"schema":3,"toolchain_key":"tk","workload_key":"wk"}'
     )
     assert built.id == canonical.sha256(built.to_bytes())
+
+
+def test_schema_2_manifests_still_parse_and_keep_their_id():
+    """Bundles published before chunk digests (schema 3) still restore: their large blobs are verified whole."""
+    data = (b'{"bundle_key":"bk","entries":[["triton/k/a.cubin",420,3,"' + BLOB.encode() + b'","' + PACK.encode()
+            + b'",0,10,1700000000000000001]],"facts":{"os":"linux"},"layer_info":{"inductor-pch":{"user":"root"}},'
+            b'"layers":["triton"],"schema":2,"toolchain_key":"tk","workload_key":"wk"}')  # fmt: skip
+    parsed = m.parse(data, canonical.sha256(data))
+    assert parsed.schema == 2 and parsed.chunks == {} and parsed.to_bytes() == data
+    assert parsed.entries[0].mtime_ns == 1_700_000_000_000_000_001
 
 
 def test_schema_1_manifests_still_parse_and_keep_their_id():

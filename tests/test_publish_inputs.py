@@ -12,6 +12,7 @@ from trees import read_tree, write_tree
 from kcache import canonical
 from kcache.cli import main
 from kcache.hashcache import HashCache, stat_key
+from kcache.packs import Hashed
 from kcache.publish import PublishConfig, publish, restore_inputs
 from kcache.restore import restore
 from kcache.sources import TritonSource
@@ -220,7 +221,8 @@ def test_a_hash_cache_entry_naming_a_blob_of_another_size_never_reaches_the_mani
     root = tmp_path / "root"
     write_tree(root, {"triton/k1/a.cubin": b"kernel bytes", "triton/k1/b.cubin": b"hello"})
     cache = HashCache(tmp_path / "hashes.db")
-    cache.remember([(stat_key(root / "triton/k1/a.cubin"), canonical.sha256(b""), 0)], hashing_started=10**19)
+    lie = Hashed(canonical.sha256(b""), 0)  # the empty blob, for a 12-byte file
+    cache.remember([(stat_key(root / "triton/k1/a.cubin"), lie, 0)], hashing_started=10**19)
     result = publish(store, sqlite_index, fp, [TritonSource()], root=root, config=PublishConfig(hash_cache=cache))
     cache.close()
     assert result.files == 1 and "a.cubin" in caplog.text

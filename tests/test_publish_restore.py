@@ -201,7 +201,7 @@ def test_manifest_with_unsafe_path_is_refused(tmp_path, store, sqlite_index, fp)
 
     data = canonical.dumps({"schema": manifests.SCHEMA, "bundle_key": fp.bundle_key, "toolchain_key": fp.toolchain_key,
                             "workload_key": fp.workload_key, "facts": dict(fp.facts), "layers": ["inductor"],
-                            "entries": evil_entries, "layer_info": {}})  # fmt: skip
+                            "entries": evil_entries, "layer_info": {}, "chunks": {}})  # fmt: skip
     evil_id = canonical.sha256(data)
     store.put_bytes(manifest_key(evil_id), data)
     from datetime import datetime, timedelta, timezone
