@@ -54,6 +54,17 @@ def test_restore_and_the_cli_never_import_the_proxy_stack():
     assert out.strip() == "[]"
 
 
+def test_a_plain_restore_leaves_the_node_cache_unloaded():
+    """The init container pays for every module `kcache restore` loads before the model does: the
+    node cache's (~4 ms) only with --node-cache."""
+    code = (
+        "import sys, kcache.cli, kcache.restore, kcache.cli.restore_cmd; "
+        "print(sorted(m for m in ('kcache.store.nodecache',) if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_torch_facing_modules_import_torch_lazily():
     for path in PACKAGE.rglob("*.py"):
         for node in ast.parse(path.read_text()).body:  # module level only
