@@ -98,6 +98,12 @@ def counting_compiler(bin_dir: Path, log: Path) -> dict:
     return {"PATH": f"{bin_dir}{os.pathsep}{path}"}
 
 
+def preprocessings(log: Path) -> list[str]:
+    """Logged calls that only preprocess: torch's precompiled-header lookup."""
+    calls = log.read_text().splitlines() if log.exists() else []
+    return [call for call in calls if " -E " in f" {call} "]
+
+
 def compiles(log: Path) -> list[str]:
     """Logged calls that build something: not the version queries, not the header's preprocessing (-E)."""
     calls = log.read_text().splitlines() if log.exists() else []
@@ -113,13 +119,18 @@ def test_restored_process_answers_isa_probes_without_children_or_compiles(publis
     assert warm["restored_probes"] is True
     assert warm["subprocesses"]["python"] == 0, "an ISA probe started an interpreter in a restored pod"
     assert log.exists() and compiles(log) == [], "a restored pod ran the compiler to build something"
+    # The precompiled header is named from the file the cold run recorded: no g++ -E, no openssl.
+    assert warm["remembered_headers"] is True and preprocessings(log) == [] and warm["subprocesses"]["other"] == 0
     assert warm["fxgraph_hit"] >= 1 and warm["fxgraph_miss"] == 0 and warm["compiled_artifacts"] == 0
     assert warm["output_checksum"] == cold["output_checksum"]
 
 
 def test_probes_outside_a_restored_root_run_as_torch_does(published):
     base, env, cold, _pub = published
-    again = workload(base / "A", env)  # warm in place: A was laid out by a miss, nothing vouches for its files
+    log = base / "gxx-A.log"
+    # Warm in place: A was laid out by a miss, nothing vouches for its files.
+    again = workload(base / "A", {**env, **counting_compiler(base / "bin-A", log)})
     assert again["restored_probes"] is False
+    assert preprocessings(log), "outside a restored root torch must find its precompiled header itself"
     assert again["subprocesses"]["python"] == cold["subprocesses"]["python"]
     assert again["fxgraph_hit"] >= 1 and again["output_checksum"] == cold["output_checksum"]

@@ -10,7 +10,8 @@ free and works where torch is not installed.
 A service calls `load_megacache()` once at start-up, before its first compile, and
 `save_megacache()` after warmup (`kcache warmup --entrypoint` does the latter for you). Also at
 start-up, `kcache.torch.isa.trust_restored_probes()` answers Inductor's ISA probes in process when
-a restore hit laid the cache down (a no-op otherwise; see that module). The
+a restore hit laid the cache down (a no-op otherwise; see that module), and
+`kcache.torch.pch.remember_headers()` names the restored precompiled header without preprocessing. The
 Mega-Cache is torch's portable bundle of FX-graph, AOTAutograd, autotune and PGO entries (and,
 on GPU, the Triton kernels inside them). On CPU it carries graph entries only: every C++ kernel
 and the precompiled header are rebuilt after a load (~22 s instead of ~7 s for a full restore,

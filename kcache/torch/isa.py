@@ -54,8 +54,9 @@ def restored_inductor_dir(env: Mapping[str, str] | None = None) -> Path | None:
     return cache_dir
 
 
-def is_restored(path: str, cache_dir: Path) -> bool:
-    """True when `path` is a library under `cache_dir` that the restore wrote (not newer than its marker)."""
+def is_restored(path: str, cache_dir: Path, root: Path | None = None) -> bool:
+    """True when `path` is a file under `cache_dir` that the restore into `root` (default: the
+    directory above `cache_dir`) wrote: not newer than its marker."""
     candidate = Path(os.path.abspath(path))  # normalised, so "../" cannot step out of the dir
     real_dir, real = cache_dir.resolve(), candidate.resolve()
     if not candidate.is_relative_to(cache_dir) or not real.is_relative_to(real_dir):
@@ -63,7 +64,7 @@ def is_restored(path: str, cache_dir: Path) -> bool:
     if real.relative_to(real_dir) != candidate.relative_to(cache_dir):
         return False  # a link inside the restored dir (the dir itself may sit behind one)
     try:
-        marker_mtime = (cache_dir.parent / RESTORE_MARKER).stat().st_mtime_ns
+        marker_mtime = ((cache_dir.parent if root is None else root) / RESTORE_MARKER).stat().st_mtime_ns
         return candidate.is_file() and candidate.stat().st_mtime_ns <= marker_mtime
     except OSError:
         return False

@@ -17,7 +17,9 @@ compiles a small transformer on CPU with Inductor, then reports
   (``subprocesses``: compiler, python, other), counted by an audit hook when run as a script.
 
 Like a service that integrates kcache, it calls ``kcache.torch.isa.trust_restored_probes()``
-before compiling (``restored_probes`` says whether that took effect: only after a restore hit).
+before compiling (``restored_probes`` says whether that took effect: only after a restore hit),
+and ``kcache.torch.pch.remember_headers()``, which records where torch's precompiled headers are and,
+in a restored root, names them without preprocessing (``remembered_headers``: the hook is on).
 
 Torch is imported lazily, inside functions: importing this module must stay cheap and must work
 where torch is not installed (the kcache CLI imports it to reuse the helpers).
@@ -38,6 +40,7 @@ from typing import Any  # noqa: E402
 from kcache.sources.base import torch_user  # noqa: E402
 from kcache.torch import counters as inductor_counters  # noqa: E402
 from kcache.torch.isa import trust_restored_probes  # noqa: E402
+from kcache.torch.pch import remember_headers  # noqa: E402
 
 ARTIFACT_SUFFIXES = (".so", ".gch", ".pch")
 HEADS = 4
@@ -190,6 +193,7 @@ def run(blocks: int = 4, dim: int = 256, seq: int = 64, batch: int = 2, start: f
 
     imported = time.perf_counter()
     restored_probes = trust_restored_probes()
+    headers_hook = remember_headers()
     model = torch.compile(build_model(blocks, dim), dynamic=False)
     with torch.no_grad():
         output = model(make_input(batch, seq, dim))
@@ -199,6 +203,7 @@ def run(blocks: int = 4, dim: int = 256, seq: int = 64, batch: int = 2, start: f
     result["import_seconds"] = round(imported - origin, 3)
     result["compile_seconds"] = round(seconds - (imported - origin), 3)
     result["restored_probes"] = restored_probes
+    result["remembered_headers"] = headers_hook
     if _WATCHING:
         result["subprocesses"] = dict(_SPAWNED)
     result.update(inductor_counters())
