@@ -102,6 +102,8 @@ class Run:
     seconds: float  # wall clock of the whole child process
     maxrss: int  # bytes, the child's peak resident set (from wait4)
     stdout: str
+    cpu: float = 0.0  # user + system seconds of the child and the children it waited for
+    server_cpu: float = 0.0  # CPU seconds the S3 server spent meanwhile (its /proc/PID/stat)
 
 
 @dataclass(frozen=True)
@@ -116,20 +118,35 @@ class Tree:
 # ---- child processes ---------------------------------------------------------------------------
 
 
-def run_child(argv: list[str], env: dict[str, str]) -> Run:
-    """Run argv to completion; wall seconds and peak RSS come from this one child (os.wait4)."""
+def run_child(argv: list[str], env: dict[str, str], server: int | None = None) -> Run:
+    """Run argv to completion; wall seconds, CPU seconds and peak RSS come from this one child
+    (os.wait4), and the CPU seconds the S3 server (process `server`) spent while it ran."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        server_before = process_cpu(server)
         started = time.perf_counter()
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
         _pid, status, usage = os.wait4(proc.pid, 0)
         seconds = time.perf_counter() - started
+        server_cpu = process_cpu(server) - server_before
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, so Popen must not wait
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
     if proc.returncode != 0:
         raise BenchError(f"`{' '.join(argv)}` exited {proc.returncode}\n{stdout[-2000:]}\n{stderr[-2000:]}")
-    return Run(seconds, usage.ru_maxrss * 1024, stdout)  # ru_maxrss is KiB on Linux
+    cpu = usage.ru_utime + usage.ru_stime
+    return Run(seconds, usage.ru_maxrss * 1024, stdout, cpu, server_cpu)  # ru_maxrss is KiB on Linux
+
+
+def process_cpu(pid: int | None) -> float:
+    """User + system CPU seconds process `pid` has used so far; 0 without one (or off Linux)."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime in ticks
 
 
 def last_json(run: Run, argv: list[str]) -> dict:
@@ -172,8 +189,8 @@ def wait_until_up(url: str, proc: subprocess.Popen, tries: int = 150) -> None:
 
 
 @contextmanager
-def moto_server(work: Path, env: dict[str, str]) -> Iterator[str]:
-    """A moto S3 server in its own process, so its CPU and GIL are not the client's."""
+def moto_server(work: Path, env: dict[str, str]) -> Iterator[tuple[str, int]]:
+    """A moto S3 server in its own process, so its CPU and GIL are not the client's: (URL, its PID)."""
     port = _procs.free_port()
     url = f"http://127.0.0.1:{port}"
     # Objects over ~5 MiB go to temp files: in the system's temp dir they would put a disk (and its
@@ -186,7 +203,7 @@ def moto_server(work: Path, env: dict[str, str]) -> Iterator[str]:
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         try:
             wait_until_up(url, proc)
-            yield url
+            yield url, proc.pid
         finally:
             proc.terminate()
             try:
@@ -350,6 +367,10 @@ class Ctx:
     kcache: str
     aws: str | None
     s5cmd: str | None
+    server: int | None = None  # the S3 server's PID, whose CPU each run is charged with
+
+    def run(self, argv: list[str]) -> Run:
+        return run_child(argv, self.env, self.server)
 
 
 def kcache_run(
@@ -363,12 +384,12 @@ def kcache_run(
         where = ["--into", str(target), "--strict", "--timeout", "3600"]
     argv = [ctx.kcache, verb, *where, "--store", store, "--index", f"sqlite:///{index}" if index else "none",
             "--s3-endpoint-url", ctx.endpoint, "--model", f"bench-{tree.name}", "--json"]  # fmt: skip
-    run = run_child(argv, ctx.env)
+    run = ctx.run(argv)
     return last_json(run, argv), run
 
 
 def sample(run: Run, **extra) -> dict:
-    return {"seconds": run.seconds, "maxrss": run.maxrss, **extra}
+    return {"seconds": run.seconds, "maxrss": run.maxrss, "cpu": run.cpu, "server_cpu": run.server_cpu, **extra}
 
 
 def kcache_s3(ctx: Ctx, tree: Tree, bucket: str, n: int) -> dict[str, dict]:
@@ -396,9 +417,9 @@ def kcache_s3(ctx: Ctx, tree: Tree, bucket: str, n: int) -> dict[str, dict]:
 def aws_sync(ctx: Ctx, tree: Tree, bucket: str, n: int) -> dict[str, dict]:
     remote = f"s3://{bucket}/sync/"
     common = ["--endpoint-url", ctx.endpoint, "--only-show-errors"]
-    up = run_child([ctx.aws, "s3", "sync", str(tree.root), remote, *common], ctx.env)
+    up = ctx.run([ctx.aws, "s3", "sync", str(tree.root), remote, *common])
     target = ctx.work / "out" / f"{tree.name}-sync-{n}"
-    down = run_child([ctx.aws, "s3", "sync", remote, str(target), *common], ctx.env)
+    down = ctx.run([ctx.aws, "s3", "sync", remote, str(target), *common])
     verify(tree, target, f"{tree.name} aws s3 sync down")
     shutil.rmtree(target)
     return {"sync-up": sample(up), "sync-down": sample(down)}
@@ -407,9 +428,9 @@ def aws_sync(ctx: Ctx, tree: Tree, bucket: str, n: int) -> dict[str, dict]:
 def s5cmd(ctx: Ctx, tree: Tree, bucket: str, n: int) -> dict[str, dict]:
     remote = f"s3://{bucket}/s5/"
     common = [ctx.s5cmd, "--endpoint-url", ctx.endpoint, "--log", "error"]
-    up = run_child([*common, "cp", f"{tree.root}/", remote], ctx.env)
+    up = ctx.run([*common, "cp", f"{tree.root}/", remote])
     target = ctx.work / "out" / f"{tree.name}-s5cmd-{n}"
-    down = run_child([*common, "cp", remote + "*", f"{target}/"], ctx.env)
+    down = ctx.run([*common, "cp", remote + "*", f"{target}/"])
     verify(tree, target, f"{tree.name} s5cmd cp down")
     shutil.rmtree(target)
     return {"s5cmd-up": sample(up), "s5cmd-down": sample(down)}
@@ -420,8 +441,8 @@ def tar_zstd(ctx: Ctx, tree: Tree, n: int) -> dict[str, dict]:
     target = ctx.work / "out" / f"{tree.name}-tar-{n}"
     target.mkdir(parents=True)
     shell = ["bash", "-o", "pipefail", "-c"]
-    create = run_child(shell + [f"tar -C '{tree.root}' -cf - . | zstd -T0 -q -o '{archive}'"], ctx.env)
-    extract = run_child(shell + [f"zstd -dc '{archive}' | tar -C '{target}' -xf -"], ctx.env)
+    create = ctx.run(shell + [f"tar -C '{tree.root}' -cf - . | zstd -T0 -q -o '{archive}'"])
+    extract = ctx.run(shell + [f"zstd -dc '{archive}' | tar -C '{target}' -xf -"])
     verify(tree, target, f"{tree.name} tar|zstd extract")
     shutil.rmtree(target)
     packed = archive.stat().st_size
@@ -509,8 +530,10 @@ def ratios(results: dict[str, dict[str, list[dict]]]) -> list[dict]:
 
 
 def print_report(trees: dict[str, Tree], results: dict, rows: list[dict], rss: dict) -> None:
+    # CPU s: the command's own user + system seconds; server CPU s: the S3 server's meanwhile. On a
+    # machine with fewer cores than the work can use, their sum over the core count bounds the wall time.
     print(f"{'tree':<18} {'files':>6} {'MB':>7}  {'operation':<13} {'median s':>9} {'min s':>8} {'max s':>8} "
-          f"{'MB/s':>7} {'peak RSS MiB':>12}")  # fmt: skip
+          f"{'MB/s':>7} {'CPU s':>6} {'server CPU s':>12} {'peak RSS MiB':>12}")  # fmt: skip
     for name, ops in results.items():
         tree = trees[name]
         size = sum(tree.listing.values()) / 1e6
@@ -519,7 +542,9 @@ def print_report(trees: dict[str, Tree], results: dict, rows: list[dict], rss: d
             secs = [s["seconds"] for s in samples]
             rate = size / median(samples)
             print(f"{name:<18} {len(tree.listing):>6} {size:>7.1f}  {op:<13} {median(samples):>9.3f} "
-                  f"{min(secs):>8.3f} {max(secs):>8.3f} {rate:>7.0f} {rss_mib:>12.0f}")  # fmt: skip
+                  f"{min(secs):>8.3f} {max(secs):>8.3f} {rate:>7.0f} {median(samples, 'cpu'):>6.2f} "
+                  f"{median(samples, 'server_cpu'):>12.2f} {rss_mib:>12.0f}")  # fmt: skip
+    print(f"cores this process may use: {len(os.sched_getaffinity(0))}")
     print()
     for row in rows:
         value = f"{row['value']:.3f}" if isinstance(row["value"], float) else str(row["value"])
@@ -611,8 +636,8 @@ def run_all(args: argparse.Namespace, work: Path, tools: dict[str, str]) -> dict
     env = base_env(work)
     (work / "files").mkdir(parents=True)
     trees = build_trees(args, work, env)
-    with moto_server(work, env) as endpoint:
-        ctx = Ctx(work, env, endpoint, tools["kcache"], tools["aws"], tools["s5cmd"])
+    with moto_server(work, env) as (endpoint, server):
+        ctx = Ctx(work, env, endpoint, tools["kcache"], tools["aws"], tools["s5cmd"], server)
         results = {}
         for name, tree in trees.items():
             step = rss_repeat if name == "synthetic-quarter" else one_repeat
@@ -626,6 +651,7 @@ def write_json(args: argparse.Namespace, tools: dict[str, str], out: dict) -> No
              for n, t in out["trees"].items()}  # fmt: skip
     plain_args = {k: sorted(v) if isinstance(v, set) else v for k, v in vars(args).items()}
     text = json.dumps({"args": plain_args, "tools": tools, "trees": trees, "results": out["results"],
+                       "cores": len(os.sched_getaffinity(0)),
                        "ratios": out["ratios"], "restore_peak_rss": out["rss"]}, sort_keys=True)  # fmt: skip
     if args.json == "-":
         print(text)
