@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from kcache import choice, fetch
 from kcache.errors import KcacheError
 from kcache.fingerprint import Fingerprint
+from kcache.progress import Meter, Report
 from kcache.store import Store
 from kcache.store.nodecache import NodeCacheStore
 
@@ -60,13 +61,15 @@ def bundle_key_target(bundle_key: str) -> Target:
 
 
 def prefetch(store: Store, index, cache: NodeCacheStore, targets: tuple[Target, ...], policy: choice.Policy, *,
-             jobs: int = 4, stop: threading.Event | None = None) -> tuple[Prefetched, ...]:  # fmt: skip
-    """Warm each target's packs in `cache`; one outcome per target (errors are outcomes, not raised)."""
+             jobs: int = 4, stop: threading.Event | None = None,
+             report: Report | None = None) -> tuple[Prefetched, ...]:  # fmt: skip
+    """Warm each target's packs in `cache`; one outcome per target (errors are outcomes, not raised).
+    `report` hears each target's progress (kcache.progress), a pack at a time."""
     stop = stop or threading.Event()
     results = []
     for target in targets:
         try:
-            results.append(_one(store, index, cache, target, policy, jobs, stop))
+            results.append(_one(store, index, cache, target, policy, jobs, stop, report))
         except KcacheError as exc:
             log.warning("prefetch of %s failed: %s", target.name, exc)
             results.append(Prefetched(target.name, target.fingerprint.bundle_key, "error", reason=str(exc), error=exc))
@@ -74,7 +77,8 @@ def prefetch(store: Store, index, cache: NodeCacheStore, targets: tuple[Target, 
     return tuple(results)
 
 
-def _one(store, index, cache, target: Target, policy, jobs: int, stop: threading.Event) -> Prefetched:
+def _one(store, index, cache, target: Target, policy, jobs: int, stop: threading.Event,
+         report: Report | None = None) -> Prefetched:  # fmt: skip
     fp = target.fingerprint
     if fp.mismatches:  # as restore: the facts file describes another kind of node
         return Prefetched(target.name, fp.bundle_key, "miss", reason=fp.mismatch_reason())
@@ -85,11 +89,17 @@ def _one(store, index, cache, target: Target, policy, jobs: int, stop: threading
     needs = fetch.pack_extents(manifest.entries)
     packs = sorted(needs)
     started = time.perf_counter()
+    meter = Meter(f"prefetching {target.name}", files=len(packs), bytes=sum(needs.values()), report=report,
+                  unit="packs")  # fmt: skip
 
     def warm(pack_id: str):
-        return None if stop.is_set() else cache.warm(pack_id, needs[pack_id], wait=LOCK_WAIT)
+        if stop.is_set():
+            return None
+        warmed = cache.warm(pack_id, needs[pack_id], wait=LOCK_WAIT)
+        meter.add(files=1, bytes=needs[pack_id])
+        return warmed
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="kcache-prefetch") as pool:
+    with meter, ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="kcache-prefetch") as pool:
         warmed = list(pool.map(warm, packs))
     done = [w for w in warmed if w is not None]
     fetched = [w for w in done if w.fetched]

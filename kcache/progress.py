@@ -32,6 +32,7 @@ class Update:
     bytes: int
     bytes_total: int
     done: bool = False
+    unit: str = "files"  # what `files` counts: prefetch counts packs
 
 
 Report = Callable[[Update], None]
@@ -40,8 +41,8 @@ Report = Callable[[Update], None]
 class Meter:
     """Counts files and bytes done from any thread; reports to `report` at most every MIN_INTERVAL."""
 
-    def __init__(self, task: str, *, files: int, bytes: int, report: Report | None = None):
-        self.task, self.files_total, self.bytes_total = task, files, bytes
+    def __init__(self, task: str, *, files: int, bytes: int, report: Report | None = None, unit: str = "files"):
+        self.task, self.files_total, self.bytes_total, self.unit = task, files, bytes, unit
         self._report = report
         self._lock = threading.Lock()
         self._files = self._bytes = 0
@@ -74,7 +75,7 @@ class Meter:
             return self._files, self._bytes
 
     def _update(self, done: bool) -> Update:
-        return Update(self.task, self._files, self.files_total, self._bytes, self.bytes_total, done)
+        return Update(self.task, self._files, self.files_total, self._bytes, self.bytes_total, done, self.unit)
 
     def __enter__(self) -> Meter:
         return self

@@ -11,6 +11,7 @@ from kcache import choice, fingerprint
 from kcache.allocator import reuse_freed_memory
 from kcache.catalog import open_for_restore
 from kcache.cli import format as fmt
+from kcache.cli import progress_bars
 from kcache.cli.errors import describe
 from kcache.cli.options import (
     REQUIRE_SIGNATURE_ENV,
@@ -84,7 +85,8 @@ def prefetch_cmd(node_cache, bundle_keys, max_bytes, once, every, jobs, trusted_
     while True:
         started = time.perf_counter()
         try:
-            results = _round(cfg, store, cache, targets, policy, jobs, stop)
+            with progress_bars.bars(progress_bars.wanted(as_json)) as report:  # drawn on a terminal only
+                results = _round(cfg, store, cache, targets, policy, jobs, stop, report)
         except KcacheError as exc:
             if once:
                 raise
@@ -98,10 +100,10 @@ def prefetch_cmd(node_cache, bundle_keys, max_bytes, once, every, jobs, trusted_
             return
 
 
-def _round(cfg, store, cache, targets, policy, jobs, stop) -> tuple[Prefetched, ...]:
+def _round(cfg, store, cache, targets, policy, jobs, stop, report=None) -> tuple[Prefetched, ...]:
     index = open_for_restore(cfg, store)  # per round: a long-lived DaemonSet must outlive an index restart
     try:
-        return prefetch(store, index, cache, targets, policy, jobs=jobs, stop=stop)
+        return prefetch(store, index, cache, targets, policy, jobs=jobs, stop=stop, report=report)
     finally:
         index.close()
 

@@ -66,4 +66,5 @@ def _fields(update: Update, elapsed: float) -> dict[str, str]:
     left = "done" if update.done else "left ?"
     if rate > 0 and not update.done:
         left = f"{(update.bytes_total - update.bytes) / rate:.0f} s left"
-    return {"files": f"{update.files}/{update.files_total} files", "rate": f"{fmt.size(int(rate))}/s", "left": left}
+    done = f"{update.files}/{update.files_total} {update.unit}"
+    return {"files": done, "rate": f"{fmt.size(int(rate))}/s", "left": left}

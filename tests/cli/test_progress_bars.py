@@ -47,7 +47,8 @@ def published(tmp_path):
 
 
 def command(verb: str, tmp_path, store: str, db) -> list[str]:
-    where = ["--into", str(tmp_path / "dst")] if verb == "restore" else ["--from", str(tmp_path / "src")]
+    where = {"restore": ["--into", str(tmp_path / "dst")], "publish": ["--from", str(tmp_path / "src")],
+             "prefetch": ["--node-cache", str(tmp_path / "node"), "--once"]}[verb]  # fmt: skip
     return [sys.executable, "-c", LAUNCHER, verb, *where, "--model", "m", "--store", store,
             "--index", f"sqlite:///{db}"]  # fmt: skip
 
@@ -73,7 +74,7 @@ def run_on_pty(argv: list[str]) -> tuple[int, str, str]:
     return proc.wait(timeout=60), stdout, shown.decode(errors="replace")
 
 
-@pytest.mark.parametrize("verb", ["restore", "publish"])
+@pytest.mark.parametrize("verb", ["restore", "publish", "prefetch"])
 def test_nothing_extra_on_stderr_when_it_is_not_a_terminal(tmp_path, published, verb):
     store, db = published
     if verb == "publish":  # a second publish of changed files: there is something to upload
@@ -82,9 +83,12 @@ def test_nothing_extra_on_stderr_when_it_is_not_a_terminal(tmp_path, published, 
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     assert "rich-not-imported" in proc.stdout
+    if verb == "prefetch":  # it did its work: the bundle's packs are in the node cache
+        assert "1 packs (" in proc.stdout and "1 fetched" in proc.stdout, proc.stdout
 
 
-@pytest.mark.parametrize("verb, phase", [("restore", "restoring"), ("publish", "uploading")])
+@pytest.mark.parametrize("verb, phase", [("restore", "restoring"), ("publish", "uploading"),
+                                         ("prefetch", "prefetching")])  # fmt: skip
 def test_a_terminal_shows_bytes_files_rate_and_eta(tmp_path, published, verb, phase):
     store, db = published
     if verb == "publish":
@@ -95,7 +99,7 @@ def test_a_terminal_shows_bytes_files_rate_and_eta(tmp_path, published, verb, ph
     drawn = [ANSI.sub("", line) for line in shown.replace("\r", "\n").splitlines() if phase in line]
     assert drawn, shown
     line = drawn[-1]  # the last frame: the phase finished
-    files = "41/41 files" if verb == "restore" else "1/1 files"
+    files = {"restore": "41/41 files", "publish": "1/1 files", "prefetch": "1/1 packs"}[verb]
     assert files in line  # files done of files in all
     assert re.search(r"\d/\d+\.\d MB", line)  # bytes done of bytes in all
     assert re.search(r"\d+\.\d (KiB|MiB|GiB)/s", line)  # the rate
