@@ -47,9 +47,14 @@ def published(tmp_path):
 
 
 def command(verb: str, tmp_path, store: str, db) -> list[str]:
-    where = {"restore": ["--into", str(tmp_path / "dst")], "publish": ["--from", str(tmp_path / "src")],
-             "prefetch": ["--node-cache", str(tmp_path / "node"), "--once"]}[verb]  # fmt: skip
-    return [sys.executable, "-c", LAUNCHER, verb, *where, "--model", "m", "--store", store,
+    where = {
+        "restore": ["--into", str(tmp_path / "dst")],
+        "publish": ["--from", str(tmp_path / "src")],
+        "prefetch": ["--node-cache", str(tmp_path / "node"), "--once"],
+        "verify": ["--read-data"],
+    }[verb]
+    model = [] if verb == "verify" else ["--model", "m"]
+    return [sys.executable, "-c", LAUNCHER, verb, *where, *model, "--store", store,
             "--index", f"sqlite:///{db}"]  # fmt: skip
 
 
@@ -74,7 +79,7 @@ def run_on_pty(argv: list[str]) -> tuple[int, str, str]:
     return proc.wait(timeout=60), stdout, shown.decode(errors="replace")
 
 
-@pytest.mark.parametrize("verb", ["restore", "publish", "prefetch"])
+@pytest.mark.parametrize("verb", ["restore", "publish", "prefetch", "verify"])
 def test_nothing_extra_on_stderr_when_it_is_not_a_terminal(tmp_path, published, verb):
     store, db = published
     if verb == "publish":  # a second publish of changed files: there is something to upload
@@ -88,7 +93,7 @@ def test_nothing_extra_on_stderr_when_it_is_not_a_terminal(tmp_path, published, 
 
 
 @pytest.mark.parametrize("verb, phase", [("restore", "restoring"), ("publish", "uploading"),
-                                         ("prefetch", "prefetching")])  # fmt: skip
+                                         ("prefetch", "prefetching"), ("verify", "verifying")])  # fmt: skip
 def test_a_terminal_shows_bytes_files_rate_and_eta(tmp_path, published, verb, phase):
     store, db = published
     if verb == "publish":
@@ -99,7 +104,7 @@ def test_a_terminal_shows_bytes_files_rate_and_eta(tmp_path, published, verb, ph
     drawn = [ANSI.sub("", line) for line in shown.replace("\r", "\n").splitlines() if phase in line]
     assert drawn, shown
     line = drawn[-1]  # the last frame: the phase finished
-    files = {"restore": "41/41 files", "publish": "1/1 files", "prefetch": "1/1 packs"}[verb]
+    files = {"restore": "41/41 files", "publish": "1/1 files", "prefetch": "1/1 packs", "verify": "41/41 files"}[verb]
     assert files in line  # files done of files in all
     assert re.search(r"\d/\d+\.\d MB", line)  # bytes done of bytes in all
     assert re.search(r"\d+\.\d (KiB|MiB|GiB)/s", line)  # the rate
