@@ -147,7 +147,7 @@ def fetch_blobs(
     meter = meter or Meter("fetching", files=0, bytes=0)
     share = sum(e.size for e in blobs) / max(1, jobs)
     digests = digests if open_blob is not None else None
-    split = [e for e in blobs if digests and e.blob in digests and e.size >= 2 * PART_BYTES and e.size > share]
+    split = [e for e in blobs if digests and splittable(e, digests) and e.size > share]
     tables = run_all([_telling(failed, e.pack, partial(read_seek_table, store, e, halt)) for e in split], jobs, stop)
     assemblies = [_Assembly(e, chunks, tuple(digests[e.blob]), jobs, open_blob, closed, meter)
                   for e, chunks in zip(split, tables) if _framed_by_chunk(chunks, e, digests[e.blob])]  # fmt: skip
@@ -164,6 +164,36 @@ def fetch_blobs(
     finally:
         for assembly in assemblies:
             assembly.close()
+
+
+def splittable(entry: Entry, digests: Mapping[str, Sequence[str]]) -> bool:
+    """Whether some restore may split `entry`: it has chunk digests and fills two parts (whether one
+    does also depends on the bundle: a blob within one thread's share is streamed)."""
+    return entry.blob in digests and entry.size >= 2 * PART_BYTES
+
+
+def read_split(store: Store, entry: Entry, digests: Sequence[str], *, jobs: int = 16,
+               cancelled: Callable[[], bool] = bool) -> bool:  # fmt: skip
+    """Read `entry` as a restore that splits it does (every part, each chunk checked against
+    `digests`), its content written nowhere; False, with no part read, when no restore would split it
+    (too small, or no seek table that frames it by CHUNK_BYTES). Raises what fails such a restore.
+
+    For `kcache verify --read-data`: the whole stream hashing to the blob id says nothing of the
+    seek table, and a table whose frame lengths were shifted (the frames themselves intact) fails
+    every restore that splits the blob."""
+    if not splittable(entry, {entry.blob: digests}):
+        return False
+    chunks = read_seek_table(store, entry, cancelled)
+    if not _framed_by_chunk(chunks, entry, digests):
+        return False
+    assembly = _Assembly(entry, chunks, tuple(digests), jobs, lambda _entry: open(os.devnull, "wb"),
+                         lambda _entry: None, Meter("verifying", files=0, bytes=0))  # fmt: skip
+    try:
+        run_all([partial(read_part, store, assembly, part, cancelled) for part in assembly.parts], jobs,
+                threading.Event())  # fmt: skip
+    finally:
+        assembly.close()
+    return True
 
 
 def _telling(failed: Callable[[str], None] | None, pack: str, task: Callable[[], object]) -> Callable[[], object]:

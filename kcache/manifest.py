@@ -150,7 +150,7 @@ def build(
     _check_entries(ordered)
     info = {str(k): {str(a): str(b) for a, b in v.items()} for k, v in (layer_info or {}).items() if v}
     digests = {str(blob): tuple(str(d) for d in pieces) for blob, pieces in (chunks or {}).items()}
-    _check_chunks(ordered, digests)
+    _check_blobs(ordered, digests)
     return Manifest(bundle_key, toolchain_key, workload_key, dict(facts), tuple(sorted(set(layers))), ordered, info,
                     chunks=digests)  # fmt: skip
 
@@ -201,7 +201,7 @@ def parse(data: bytes, expected_id: str) -> Manifest:
         raise IntegrityError("manifest", expected_id, "is not in canonical form")
     _check_entries(entries)
     try:
-        _check_chunks(entries, manifest.chunks)
+        _check_blobs(entries, manifest.chunks)
     except ValueError as exc:
         raise IntegrityError("manifest", expected_id, f"does not parse: {exc}") from None
     # The id is known to be right, and the bytes are not kept: what restore holds is the entries.
@@ -270,9 +270,14 @@ def _chunks(doc: Any) -> dict[str, tuple[str, ...]]:
     return found
 
 
-def _check_chunks(entries: tuple[Entry, ...], chunks: Mapping[str, tuple[str, ...]]) -> None:
-    """Every blob with chunk digests is a blob of the manifest, with one digest per CHUNK_BYTES of its size."""
-    sizes = {entry.blob: entry.size for entry in entries}
+def _check_blobs(entries: tuple[Entry, ...], chunks: Mapping[str, tuple[str, ...]]) -> None:
+    """Every blob has one size, whichever paths name it (restore checks the first path's and copies
+    the blob to the others); every blob with chunk digests is a blob of the manifest, with one
+    digest per CHUNK_BYTES of its size."""
+    sizes: dict[str, int] = {}
+    for entry in entries:
+        if sizes.setdefault(entry.blob, entry.size) != entry.size:
+            raise ValueError(f"blob {entry.blob[:12]} is listed with {sizes[entry.blob]} and {entry.size} bytes")
     for blob, digests in chunks.items():
         if blob not in sizes:
             raise ValueError(f"chunks name blob {blob[:12]}, which no entry holds")

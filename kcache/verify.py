@@ -398,9 +398,11 @@ def _read_all(store: Store, entries: list[manifests.Entry], jobs: int, problems:
               claims: dict[str, dict[tuple[str, ...], str]]) -> tuple[int, int]:  # fmt: skip
     """Re-hash every blob; a bad one is a problem, and the rest of its pack is still read. A blob
     that manifests give chunk digests for is also hashed chunk by chunk: restore trusts its parts by
-    them, so a manifest whose digests are not its content's fails that bundle's restore."""
+    them, so a manifest whose digests are not its content's fails that bundle's restore. Such a blob,
+    once sound, is read again in parts as a restore that splits it reads it (fetch.read_split)."""
     lock = threading.Lock()
     done = {"blobs": 0, "bytes": 0}
+    sound: list[tuple[manifests.Entry, tuple[str, ...]]] = []  # blobs with chunk digests, and their content's
     meter = progress.Meter("verifying", files=len(entries), bytes=sum(e.size for e in entries), report=report)
 
     def check(entry: manifests.Entry, frame) -> None:
@@ -417,6 +419,7 @@ def _read_all(store: Store, entries: list[manifests.Entry], jobs: int, problems:
             done["blobs"] += 1
             done["bytes"] += entry.size
             if isinstance(sink, _ChunkDigests):
+                sound.append((entry, sink.digests()))
                 problems.extend(f"bundle {bundle_id[:12]}: {entry.path}: its manifest's chunk digests are not "
                                 f"those of blob {entry.blob[:12]}" for digests, bundle_id in claims[entry.blob].items()
                                 if digests != sink.digests())  # fmt: skip
@@ -430,6 +433,12 @@ def _read_all(store: Store, entries: list[manifests.Entry], jobs: int, problems:
 
     with meter, ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         list(pool.map(one_range, fetch.plan_ranges(entries)))
+    for entry, digests in sound:  # its parts, with the digests of the content the id vouched for
+        try:
+            fetch.read_split(store, entry, digests, jobs=jobs)
+        except KcacheError as exc:
+            _failed(exc, f"pack {entry.pack[:12]}: {entry.path}: read in parts as restore reads it: {exc}",
+                    problems, unchecked)  # fmt: skip
     return done["blobs"], done["bytes"]
 
 

@@ -107,6 +107,10 @@ HOSTILE = {
     "declared-size-too-small": (lambda p, o: [row("inductor/a", p, size=5)], IntegrityError, "past its declared 5"),
     "declared-size-too-large": (lambda p, o: [row("inductor/a", p, size=10**6)], IntegrityError, "expected 1000000"),
     "wrong-blob-id": (lambda p, o: [row("inductor/a", p, blob=sha(b"other"))], IntegrityError, "hashes to"),
+    # One blob, one content, one size: the first path's size would be checked and the second path
+    # laid out with bytes its row does not describe.
+    "one-blob-two-sizes": (lambda p, o: [row("inductor/a", p), row("inductor/b", p, size=len(HELLO) + 1)],
+                           IntegrityError, "listed with 140 and 141 bytes"),
 }  # fmt: skip
 
 

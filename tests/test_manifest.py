@@ -101,7 +101,8 @@ def _whole_document(manifest: m.Manifest) -> bytes:
 
 @pytest.mark.parametrize("count", [0, 1, m._ROWS_PER_PIECE, m._ROWS_PER_PIECE + 1, 3 * m._ROWS_PER_PIECE - 7])
 def test_the_pieces_are_the_one_canonical_document(count):
-    entries = [m.Entry(f"inductor/é/{i:05d}", 0o644, i, BLOB, PACK, i * 10, 10, 10**18 + i) for i in range(count)]
+    entries = [m.Entry(f"inductor/é/{i:05d}", 0o644, i, f"{i:064x}", PACK, i * 10, 10, 10**18 + i)
+               for i in range(count)]  # fmt: skip
     built = m.build("bk", "tk", "wk", {"os": "linux", "z": "ü"}, ["inductor"], entries, {"inductor": {"k": "v"}})
     assert built.to_bytes() == _whole_document(built)
     parsed = m.parse(built.to_bytes(), built.id)

@@ -21,7 +21,7 @@ from kcache import restore as restoring
 from kcache.errors import IntegrityError
 from kcache.publish import publish
 from kcache.restore import restore
-from kcache.store import manifest_key
+from kcache.store import manifest_key, pack_key
 from kcache.verify import verify
 
 CHUNK = 4096
@@ -99,3 +99,36 @@ def test_a_manifest_whose_chunk_digests_lie_fails_restore_and_verify(tmp_path, s
     assert [p for p in found.problems if "chunk digests" in p] == [
         f"bundle {forged.id[:12]}: inductor/h.gch: its manifest's chunk digests are not those of blob {blob[:12]}"
     ]
+
+
+def test_a_seek_table_that_frames_the_blob_wrongly_fails_restore_and_verify_says_so(tmp_path, store, sqlite_index,
+                                                                                  fp, split_reads):  # fmt: skip
+    """A store writer shifts the seek table's frame lengths and leaves every frame intact: read as one
+    stream, the blob still hashes to its id; read in parts, as restore reads it, no part decompresses."""
+    header = big()
+    manifest = published(tmp_path, store, sqlite_index, fp, {"inductor/h.gch": header})
+    (entry,) = manifest.entries
+    path = store.root / pack_key(entry.pack)
+    pack = bytearray(path.read_bytes())
+    end = entry.offset + entry.length
+    chunks = packs.parse_seek_table(bytes(pack[entry.offset : end]), entry.length, entry.size)
+    frames = [[c.length, c.size] for c in chunks]
+    frames[0][0], frames[1][0] = frames[0][0] + 5, frames[1][0] - 5  # the same total: the table still adds up
+    table = packs.seek_table([tuple(f) for f in frames])
+    pack[end - len(table) : end] = table
+    path.write_bytes(bytes(pack))
+    with pytest.raises(IntegrityError, match="not a valid zstd frame"):
+        restore(store, sqlite_index, fp, tmp_path / "dst", jobs=4)
+    assert split_reads
+    found = verify(store, sqlite_index, read_data=True)
+    assert [p for p in found.problems if "in parts" in p] == [
+        f"pack {entry.pack[:12]}: inductor/h.gch: read in parts as restore reads it: blob {entry.blob}: "
+        "is not a valid zstd frame: zstd decompress error: Unknown frame descriptor"
+    ]
+
+
+def test_verify_reads_a_sound_split_blob_in_parts_too_and_finds_nothing(tmp_path, store, sqlite_index, fp,
+                                                                        split_reads):  # fmt: skip
+    published(tmp_path, store, sqlite_index, fp, {"inductor/h.gch": big()})
+    found = verify(store, sqlite_index, read_data=True)
+    assert found.problems == () and len(split_reads) >= 2

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import boto3
+from botocore.awsrequest import AWSResponse
 from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
@@ -47,6 +48,9 @@ log = logging.getLogger(__name__)
 _PACK_UPLOAD = re.compile(r"packs/[0-9a-f]{2}/[0-9a-f]{64}\Z")  # the only objects kcache uploads in parts
 
 MULTIPART_THRESHOLD = 64 * 1024 * 1024
+# The most of an error answer's body read: S3's are a few hundred bytes of XML. botocore reads every
+# answer of 300 and up whole into memory, and an endpoint on plain http can send gigabytes.
+ERROR_BODY_BYTES = 64 * 1024
 PART_SIZE = 16 * 1024 * 1024
 _MISSING = {"NoSuchKey", "404", "NotFound"}
 _EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
@@ -75,6 +79,7 @@ class S3Store:
             self.client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
         except (BotoCoreError, ValueError) as exc:
             raise StoreError(self.url, f"cannot create an S3 client: {exc}") from None
+        _bound_error_bodies(self.client)
 
     def _key(self, key: str) -> str:
         if not is_valid_key(key):
@@ -325,6 +330,53 @@ class S3Store:
             error = self._error(exc, key, "delete")
             if not isinstance(error, ObjectMissing):
                 raise error from None
+
+
+def _bound_error_bodies(client) -> None:
+    """Have `client` read at most ERROR_BODY_BYTES of an error answer's body (the rest is never read:
+    the connection is closed). botocore has no setting for it: its 'before-send' hook may answer a
+    request itself, so the hook sends it and hands botocore the answer with its body bounded."""
+    session = getattr(getattr(client, "_endpoint", None), "http_session", None)
+    if session is None:  # a botocore laid out otherwise: its own reading stands
+        log.debug("cannot bound S3 error bodies: no http session on the client")
+        return
+
+    def send(request, **_kwargs):
+        streamed = request.stream_output
+        request.stream_output = True  # the body is read here, not by the session
+        try:
+            answer = session.send(request)
+        finally:
+            request.stream_output = streamed
+        if answer.status_code >= 300:
+            return AWSResponse(answer.url, answer.status_code, answer.headers, _Bounded(answer.raw, ERROR_BODY_BYTES))
+        if not streamed:
+            answer.content  # noqa: B018 - read now, as the session would have
+        return answer
+
+    client.meta.events.register_first("before-send.s3", send)
+
+
+class _Bounded:
+    """An answer's raw body of which at most `limit` bytes are ever read; then the connection is closed."""
+
+    def __init__(self, raw, limit: int):
+        self._raw, self._left = raw, limit
+
+    def read(self, amt: int | None = None, **_kwargs) -> bytes:
+        want = self._left if amt is None or amt < 0 else min(amt, self._left)
+        data = self._raw.read(want) if want else b""
+        self._left -= len(data)
+        if not self._left:
+            self._raw.close()
+        return data
+
+    def stream(self, amt: int = 2**16, **_kwargs) -> Iterator[bytes]:
+        while data := self.read(amt):
+            yield data
+
+    def close(self) -> None:
+        self._raw.close()
 
 
 class _BodyReader:

@@ -163,3 +163,38 @@ def test_a_missing_object_in_an_existing_bucket_is_still_missing(s3_store):
         s3_store.size("refs/aa")
     with pytest.raises(ObjectMissing):
         s3_store.size("refs/bb")
+
+
+ERROR_BODY = 48 * 1024 * 1024  # an endless one, as far as a test needs: far past any bound
+
+
+def _huge_error(chunked: bool):
+    """An error answer with a body of ERROR_BODY bytes (chunked: no length to refuse up front),
+    streamed until the reader hangs up."""
+
+    def route(server, conn, request):
+        framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {ERROR_BODY}"
+        server.send(conn, f"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\n{framing}\r\n\r\n".encode())
+        piece = b"<Error><Code>AccessDenied</Code><Message>" + b"A" * (65536 - 41)
+        for _ in range(ERROR_BODY // len(piece)):
+            server.send(conn, b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+        server.send(conn, b"0\r\n\r\n" if chunked else b"")
+
+    return route
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_an_error_answer_is_read_no_further_than_its_bound(monkeypatch, chunked):
+    """A hostile endpoint (plain http) answers a pack read with an endless error body: botocore would
+    read all of it into memory, which would kill an init container with a memory limit."""
+    from hostile_http import HostileServer
+
+    for var, value in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "y"), ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(var, value)
+    key = "packs/ab/" + "ab" * 32
+    with HostileServer({f"GET /bucket/{key}": _huge_error(chunked)}) as server:
+        store = open_store("s3://bucket", endpoint_url=server.url)
+        with pytest.raises(StoreError, match="access denied"):
+            store.open_range(key, 0, 100)
+        # The bound, and what the sockets' buffers held when the reader hung up.
+        assert server.sent < 16 * 1024 * 1024
