@@ -41,7 +41,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING
 
 from kcache import canonical, durations, limits, signing
-from kcache.errors import IntegrityError, NotFound, ObjectMissing, ObjectTooLarge
+from kcache.errors import IntegrityError, NotFound, ObjectTooLarge
 from kcache.store import Store, ref_key
 
 if TYPE_CHECKING:
@@ -320,14 +320,11 @@ def _write(store: Store, bundle_key: str, decide: Callable, signer, ttl: timedel
 def _load(store: Store, key: str, bundle_key: str) -> tuple[Ref | None, str | None]:
     """The current ref and its version. An unreadable ref is replaced rather than obeyed."""
     try:
-        size = store.size(key)
-    except ObjectMissing:
-        return None, None
-    if size > limits.REF_BYTES:  # hostile: too big to read for its version, so remove it and start over
-        log.warning("removing %s: %s", key, ObjectTooLarge("ref", key, size, limits.REF_BYTES))
+        current = store.get_versioned(key, limits.REF_BYTES)
+    except ObjectTooLarge as exc:  # hostile: too big to read for its version, so remove it and start over
+        log.warning("removing %s: %s", key, exc)
         store.delete(key)
         return None, None
-    current = store.get_versioned(key)
     if current is None:
         return None, None
     try:

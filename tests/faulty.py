@@ -114,8 +114,8 @@ class CountingStore:
         self._count(key, len(data))
         return data
 
-    def get_versioned(self, key):
-        current = self.inner.get_versioned(key)
+    def get_versioned(self, key, limit=None):
+        current = self.inner.get_versioned(key, limit)
         if current:
             self._count(key, len(current[0]))
         return current

@@ -104,11 +104,11 @@ class YankBeforeRefRead:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def get_versioned(self, key):
+    def get_versioned(self, key, limit=None):
         if key == ref_key(self.bundle_key) and not self.done:
             self.done = True
             yank(self.inner, self.index, self.bundle_id, "broke pods")
-        return self.inner.get_versioned(key)
+        return self.inner.get_versioned(key, limit)
 
 
 def test_gc_never_points_a_ref_at_a_bundle_yanked_while_it_moves_the_ref(tmp_path, store, sqlite_index, fp):

@@ -87,8 +87,10 @@ class Store(Protocol):
     def remove_leftover(self, leftover: Leftover) -> None:
         """Delete a temp file or abort an upload; one already gone is no error."""
 
-    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
-        """(content, version) of a mutable object such as a ref, or None if absent."""
+    def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str] | None:
+        """(content, version) of a mutable object such as a ref, or None if absent; ObjectTooLarge,
+        its body unread, when the object is over `limit` bytes (as the read itself finds it: a size
+        asked for before can be answered small and the read large)."""
 
     def put_if(self, key: str, data: bytes, version: str | None) -> bool:
         """Compare-and-swap: write only if the object is still at `version` (None: still absent).

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from kcache import atomic
-from kcache.errors import ObjectMissing, StoreError
+from kcache.errors import ObjectMissing, ObjectTooLarge, StoreError
 from kcache.store.base import Leftover, ObjectInfo, is_valid_key
 from kcache.streams import Window
 
@@ -149,11 +149,21 @@ class LocalStore:
                 if stat.S_ISREG(st.st_mode):
                     yield ObjectInfo(key, st.st_size, _utc(st.st_mtime))
 
-    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+    def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str] | None:
         try:
-            data = self.get_bytes(key)
+            f = self._open(key)
         except ObjectMissing:
             return None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if limit is not None and size > limit:
+                raise ObjectTooLarge("object", key, size, limit)
+            try:
+                data = f.read(limit + 1 if limit is not None else -1)  # it may grow after the fstat
+            except OSError as exc:
+                raise StoreError(self.url, f"cannot read {key}: {exc.strerror}") from None
+        if limit is not None and len(data) > limit:
+            raise ObjectTooLarge("object", key, len(data), limit)
         return data, hashlib.sha256(data).hexdigest()
 
     def put_if(self, key: str, data: bytes, version: str | None) -> bool:

@@ -192,8 +192,8 @@ class NodeCacheStore:
     def remove_leftover(self, leftover: Leftover) -> None:
         self.inner.remove_leftover(leftover)
 
-    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
-        return self.inner.get_versioned(key)
+    def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str] | None:
+        return self.inner.get_versioned(key, limit)
 
     def put_if(self, key: str, data: bytes, version: str | None) -> bool:
         return self.inner.put_if(key, data, version)

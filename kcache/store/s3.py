@@ -39,7 +39,7 @@ from botocore.exceptions import (
 )
 
 from kcache import durations
-from kcache.errors import ConfigError, ObjectMissing, StoreError
+from kcache.errors import ConfigError, ObjectMissing, ObjectTooLarge, StoreError
 from kcache.store.base import Leftover, ObjectInfo, is_valid_key
 from kcache.streams import Resumable, Window, read_exact
 from kcache.untrusted import one_line
@@ -193,13 +193,17 @@ class S3Store:
     def get_bytes(self, key: str) -> bytes:
         return self._get_whole(key)[0]
 
-    def _get_whole(self, key: str) -> tuple[bytes, str]:
-        """(content, ETag). A body cut part-way is resumed with ranged GETs of the same version."""
+    def _get_whole(self, key: str, limit: int | None = None) -> tuple[bytes, str]:
+        """(content, ETag). A body cut part-way is resumed with ranged GETs of the same version.
+        Over `limit` bytes: ObjectTooLarge, and the body is not read (its connection is closed)."""
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
         except (ClientError, BotoCoreError) as exc:
             raise self._error(exc, key, "read") from None
         size, etag = int(response["ContentLength"]), response["ETag"]
+        if limit is not None and size > limit:
+            response["Body"].close()
+            raise ObjectTooLarge("object", key, size, limit)
         first = Window(_BodyReader(response["Body"], self, key), size)
         # If-Match: a ref replaced between the cut and the resume must not be read half old, half new.
         with Resumable(first, lambda at, n: self._ranged(key, at, n, etag), 0, size, name=key) as body:
@@ -287,9 +291,9 @@ class S3Store:
         except BotoCoreError as exc:
             raise self._error(exc, leftover.key, "abort the upload of") from None
 
-    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+    def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str] | None:
         try:
-            return self._get_whole(key)
+            return self._get_whole(key, limit)
         except ObjectMissing:
             return None
 

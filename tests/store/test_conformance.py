@@ -2,7 +2,7 @@
 
 import pytest
 
-from kcache.errors import ObjectMissing, StoreError
+from kcache.errors import ObjectMissing, ObjectTooLarge, StoreError
 
 
 def test_put_get_roundtrip(any_store, tmp_path):
@@ -67,3 +67,11 @@ def test_compare_and_swap(any_store):
     assert any_store.put_if("refs/k", b"two", version) is True
     assert any_store.put_if("refs/k", b"stale", version) is False  # version moved on
     assert any_store.get_versioned("refs/k")[0] == b"two"
+
+
+def test_a_versioned_read_over_its_limit_is_refused(any_store):
+    any_store.put_if("refs/k", b"x" * 100, None)
+    assert any_store.get_versioned("refs/k", limit=100)[0] == b"x" * 100
+    with pytest.raises(ObjectTooLarge):
+        any_store.get_versioned("refs/k", limit=99)
+    assert any_store.get_versioned("refs/absent", limit=10) is None

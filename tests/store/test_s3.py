@@ -198,3 +198,37 @@ def test_an_error_answer_is_read_no_further_than_its_bound(monkeypatch, chunked)
             store.open_range(key, 0, 100)
         # The bound, and what the sockets' buffers held when the reader hung up.
         assert server.sent < 16 * 1024 * 1024
+
+
+def _small_head(server, conn, request):
+    server.send(conn, b'HTTP/1.1 200 OK\r\nContent-Length: 200\r\nETag: "e"\r\n\r\n')
+
+
+def _huge_get(server, conn, request):
+    """A ref read answered with 2 GB, streamed until the reader hangs up."""
+    server.send(conn, b'HTTP/1.1 200 OK\r\nContent-Length: 2147483648\r\nETag: "e"\r\n\r\n')
+    while not server.stop.is_set():
+        server.send(conn, b"{" * 65536)
+
+
+def test_a_ref_whose_read_is_far_longer_than_its_head_said_is_refused_unread(monkeypatch):
+    """A hostile endpoint answers a ref's HEAD with 200 bytes and its GET with 2 GB: moving the ref
+    (publish, gc, refresh, yank: a watch sidecar in the pod does it) must not hold the 2 GB."""
+    from hostile_http import HostileServer
+
+    from kcache import refs
+    from kcache.errors import ObjectTooLarge
+
+    for var, value in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "y"), ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(var, value)
+    bundle_key = "ab" * 16
+    key = refs.ref_key(bundle_key)
+    deleted = lambda server, conn, request: server.send(conn, b"HTTP/1.1 204 No Content\r\n\r\n")  # noqa: E731
+    routes = {f"HEAD /bucket/{key}": _small_head, f"GET /bucket/{key}": _huge_get, f"DELETE /bucket/{key}": deleted}
+    with HostileServer(routes) as server:
+        store = open_store("s3://bucket", endpoint_url=server.url)
+        with pytest.raises(ObjectTooLarge):
+            store.get_versioned(key, limit=refs.limits.REF_BYTES)
+        assert refs._load(store, key, bundle_key) == (None, None)  # refused, removed, started over
+        assert ("DELETE", f"/bucket/{key}") in server.requests
+        assert server.sent < 64 * 1024 * 1024
