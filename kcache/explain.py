@@ -29,6 +29,7 @@ _VALUE_IN_VERDICT = 40  # characters of a fact value quoted in a verdict (cxx.ve
 _REASONS: tuple[tuple[str, str], ...] = (
     ("cpu.isa", "kernels built for another ISA are never restored (they give NaNs or corrupt the heap)"),
     ("cpu.features", "kernels built with -march=native for other CPU features can die with SIGILL"),
+    ("cxx.native", "the compiler's -march=native turns on other instructions there: its kernels can die with SIGILL"),
     ("gpu.sm", "kernels are compiled for one GPU architecture"),
     ("gpu.name", "Inductor's keys contain the GPU name"),
     ("arch", "kernels are machine code for one CPU architecture"),
@@ -38,6 +39,7 @@ _REASONS: tuple[tuple[str, str], ...] = (
     ("torch.path", "compiled kernels link with absolute paths into the torch install"),
     ("torch.", "torch's cache keys contain its version and build"),
     ("triton.", "Triton's cache keys contain its version"),
+    ("engine.", "not every engine refuses cache entries of another version (TensorRT-LLM's autotuner loads any)"),
     ("gpu.driver", "the CUDA JIT cache is valid for one driver version"),
     ("gpu.count", "the bundle was built for another GPU count"),
     ("cxx.", "the C++ compiler is part of Inductor's keys"),

@@ -39,14 +39,16 @@ log = logging.getLogger(__name__)
 # 3: cpu.isa names the vector ISA off x86 as torch does (sve128/sve256 by SVE length, neon, vsx,
 #    zvector, none; ATEN_CPU_CAPABILITY=default is none everywhere); s390x keys its features and
 #    ppc64le/s390x a cpu.model; TORCH_INDUCTOR_INSTALL_GXX is keyed.
-SCHEMA = 3
+# 4: cxx.native, the instruction sets the compiler's -march=native turns on (x86: gcc reads CPUID, and
+#    /proc/cpuinfo hides some of them, e.g. AVX10.2, APX, AVX-NE-CONVERT).
+SCHEMA = 4
 WORKLOAD_PREFIXES = ("model.", "workload.", "extra.")
 # A facts file without these would put every machine under one toolchain key. gpu.sm may be "none".
 CORE_FACTS = ("os", "arch", "python", "torch.version", "cpu.isa", "cpu.features", "gpu.sm")
 # Facts read from one --model-config file: a new file replaces all of them, stale ones included.
 _CONFIG_FACTS = ("model.config", "model.arch", "model.dtype")
 # Facts whose value is a space-separated set.
-_SET_FACTS = {"cpu.features"}
+_SET_FACTS = {"cpu.features", "cxx.native"}
 # Volatile fields of a Hugging Face config.json that do not change the compiled graph.
 _CONFIG_VOLATILE = {"_name_or_path", "transformers_version", "_commit_hash"}
 
@@ -224,6 +226,8 @@ def load_facts_file(path: Path) -> dict[str, str]:
     if not isinstance(facts, dict) or not all(isinstance(v, str) for v in facts.values()):
         raise ConfigError("--facts-file", str(path), "expected `kcache fingerprint --json` output or {name: value}")
     missing = [name for name in CORE_FACTS if name not in facts]
+    if facts.get("arch") in probing.X86 and "cxx.v_hash" in facts and "cxx.native" not in facts:
+        missing.append("cxx.native")  # a file from before schema 4, whose compiler saw what cpuinfo hides
     if missing:
         raise ConfigError("--facts-file", str(path), f"lacks the core facts {', '.join(missing)}; write it with "
                           "`kcache fingerprint --json` in the model container, with this kcache version")  # fmt: skip

@@ -14,6 +14,7 @@ import ctypes
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 from collections.abc import Callable, Mapping
@@ -24,6 +25,7 @@ from kcache import canonical, engines, gpus
 NONE = gpus.NONE  # one spelling for an absent fact
 
 Probe = Callable[[Mapping[str, str]], dict[str, str]]
+X86 = ("x86_64", "AMD64")  # platform.machine() on Linux, Windows
 
 # Settings that name places or runs rather than behaviour: they differ between identical replicas,
 # so keying on them would make every pod miss. Torch leaves all of these out of its own keys
@@ -56,7 +58,8 @@ _KEYED_ENV = ("TORCH_INDUCTOR_INSTALL_GXX",)
 # enabled by gcc from CPUID but hidden from /proc/cpuinfo by this VM's kernel; compilers emit them
 # only through intrinsics, never from -march=native code generation, so their absence is harmless.
 # -march=native also sets -mtune and cache-size parameters: those change speed, not legality.
-# The init container has no compiler to ask, hence a list rather than gcc's answer.
+# The init container has no compiler to ask, hence a list rather than gcc's answer; where the compiler
+# is (the model container), `cxx.native` keys gcc's answer too, which sees what cpuinfo hides (AVX10.2).
 _X86_FEATURES = frozenset("""
     mmx mmxext 3dnow 3dnowext 3dnowprefetch fxsr sse sse2 pni ssse3 sse4_1 sse4_2 sse4a
     avx avx2 fma fma4 xop tbm f16c bmi1 bmi2 abm popcnt movbe adx cx16 lahf_lm
@@ -140,19 +143,53 @@ def probe_gpu(env: Mapping[str, str], read: Callable[[], gpus.Reading | None] = 
     return gpus.facts(read(), env)
 
 
-def probe_compiler(env: Mapping[str, str]) -> dict[str, str]:
-    """The C++ compiler Inductor would call, and its `-v` text (part of torch's header keys)."""
+def probe_compiler(env: Mapping[str, str], arch: str | None = None) -> dict[str, str]:
+    """The C++ compiler Inductor would call, its `-v` text (part of torch's header keys), and on x86
+    what its `-march=native` turns on here (`cxx.native`)."""
     name = env.get("CXX") or "g++"
     path = shutil.which(name)
     if not path:
         return {"cxx.name": name, "cxx.version": NONE}
-    try:
-        text = subprocess.run([path, "-v"], capture_output=True, text=True, timeout=10).stderr
-    except (OSError, subprocess.SubprocessError):
-        text = ""
+    text = _stderr([path, "-v"])
     lines = [line for line in text.splitlines() if " version " in line]
-    return {"cxx.name": name, "cxx.version": lines[-1].strip() if lines else NONE,
-            "cxx.v_hash": canonical.xxh3(text)}  # fmt: skip
+    facts = {"cxx.name": name, "cxx.version": lines[-1].strip() if lines else NONE, "cxx.v_hash": canonical.xxh3(text)}
+    if (platform.machine() if arch is None else arch) in X86:
+        # gcc on x86 asks CPUID, not /proc/cpuinfo, which hides some of what it turns on: only the
+        # compiler can say what -march=native (every Inductor CPU kernel's flag) means here.
+        facts["cxx.native"] = native_isa(_stderr([path, "-###", "-march=native", "-x", "c++", "-E", os.devnull]))
+    return facts
+
+
+def _stderr(command: list[str]) -> str:
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=10).stderr
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def native_isa(driver_text: str) -> str:
+    """The instruction sets a compiler driver's `-### -march=native` passes on, sorted (or none).
+
+    gcc expands -march=native into `-march=<cpu> -m<isa>... -mno-<isa>... --param ... -mtune=<cpu>`,
+    an option for every extension it knows; clang into `-target-feature +<isa>` / `-<isa>`. Only
+    those turned on are kept: the CPU name and tuning change speed, not which instructions run.
+    """
+    for line in driver_text.splitlines():
+        if not line.startswith(" "):
+            continue  # the driver's own lines (specs, COLLECT_GCC_OPTIONS); the commands it runs are indented
+        try:
+            tokens = shlex.split(line)
+        except ValueError:
+            continue
+        if "-target-feature" in tokens:
+            found = {f[1:] for flag, f in zip(tokens, tokens[1:]) if flag == "-target-feature" and f.startswith("+")}
+        else:
+            start = next((i for i, t in enumerate(tokens) if t.startswith("-march=")), len(tokens))
+            found = {t[2:] for t in tokens[start + 1 :]
+                     if t.startswith("-m") and not t.startswith(("-mno-", "-mtune=", "-march="))}  # fmt: skip
+        if found:
+            return " ".join(sorted(found))
+    return NONE
 
 
 def probe_settings(env: Mapping[str, str]) -> dict[str, str]:
@@ -185,7 +222,7 @@ def _cpuinfo() -> dict[str, str]:
 
 def cpu_features(arch: str, flags: set[str]) -> str:
     """The ISA features `-march=native` can use here, sorted and space-separated (or none)."""
-    if arch in ("x86_64", "AMD64"):
+    if arch in X86:
         kept = flags & _X86_FEATURES
     elif arch == "aarch64":
         kept = flags - _AARCH64_NOT_ISA
@@ -276,7 +313,7 @@ def pick_isa(arch: str, flags: set[str], env: Mapping[str, str], sve_bits: int =
 
 
 def _isa_candidates(arch: str, flags: set[str], sve_bits: int) -> list[str]:
-    if arch in ("x86_64", "AMD64"):
+    if arch in X86:
         return _x86_candidates(flags)
     if arch == "aarch64":
         # cpuinfo's bf16 is the BF16 or the SVEBF16 hwcap. Torch builds VecSVE(128) only for a 128-bit

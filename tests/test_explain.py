@@ -278,3 +278,16 @@ def test_cli_explain_reuses_no_layer_when_the_facts_file_is_contradicted(tmp_pat
     text = run("explain", *where)
     assert "reusable from bundle" not in text
     assert "reuses no layer: the facts file does not describe this machine" in text
+
+
+def test_what_march_native_turns_on_is_named_feature_by_feature():
+    here = {**FACTS, "cxx.native": "avx2 avx512f fma"}
+    (cand,) = explain(here, [bundle({**FACTS, "cxx.native": "apxf avx10.2 avx2 avx512f fma"})]).nearest
+    assert cand.verdict.startswith("differs in cxx.native (2 in bundle only: apxf avx10.2): ")
+    assert "-march=native" in cand.verdict and "SIGILL" in cand.verdict
+
+
+def test_an_engine_version_is_named_with_its_reason():
+    (cand,) = explain({**FACTS, "engine.vllm": "0.11.0"}, [bundle({**FACTS, "engine.vllm": "0.10.2"})]).nearest
+    assert cand.verdict.startswith("differs in engine.vllm (0.11.0 here, 0.10.2 in bundle): ")
+    assert "every toolchain fact must match" not in cand.verdict and "version" in cand.verdict

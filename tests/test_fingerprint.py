@@ -150,6 +150,18 @@ def test_a_facts_file_without_the_core_facts_is_refused(tmp_path, content):
     assert named == [n for n in f.CORE_FACTS if n not in content.get("facts", {})]
 
 
+def test_an_x86_facts_file_with_a_compiler_but_not_what_its_march_native_turns_on_is_refused(tmp_path):
+    """Written by a kcache before schema 4: its keys would not tell an AVX10.2 CPU from an AVX10.1 one."""
+    old = {**AVX2_NODE, "cxx.name": "g++", "cxx.v_hash": "0d8c3b1e6f8a4c1f9b2a7e5d3c1b0a99"}
+    with pytest.raises(ConfigError, match="cxx.native"):
+        f.collect(facts_file=write_facts(tmp_path, old), checks=())
+    fresh = {**old, "cxx.native": "avx avx2 fma"}
+    assert f.collect(facts_file=write_facts(tmp_path, fresh), checks=()).facts["cxx.native"] == "avx avx2 fma"
+    # no compiler there (no kernels to build), or not x86 (gcc reads what cpu.features holds): not needed
+    f.collect(facts_file=write_facts(tmp_path, AVX2_NODE), checks=())
+    f.collect(facts_file=write_facts(tmp_path, {**old, "arch": "aarch64"}), checks=())
+
+
 def test_an_explicit_no_gpu_is_a_core_fact(tmp_path):
     facts = {**AVX2_NODE, "gpu.sm": "none"}
     assert f.collect(facts_file=write_facts(tmp_path, facts), checks=()).facts["gpu.sm"] == "none"
@@ -269,15 +281,16 @@ def test_a_fact_override_is_what_gets_checked(tmp_path):
 GOLDEN_FACTS = {
     "os": "linux", "arch": "x86_64", "libc": "glibc 2.35", "python": "3.12", "torch.version": "2.13.0+cu128",
     "torch.git": "cf30153c4c131c8164ee7798e5022d810682e2cb", "cpu.isa": "avx512_vnni",
-    "cpu.features": "avx avx2 avx512f avx512_vnni fma", "cpu.threads": "26", "gpu.name": "NVIDIA H100 80GB HBM3",
-    "gpu.sm": "sm_90", "gpu.count": "1", "gpu.driver": "570.124.06", "env.TORCH_COMPILE_CACHE_KEY_TAG": "t",
+    "cpu.features": "avx avx2 avx512f avx512_vnni fma", "cxx.native": "avx avx2 avx512f avx512vnni fma",
+    "cpu.threads": "26", "gpu.name": "NVIDIA H100 80GB HBM3", "gpu.sm": "sm_90", "gpu.count": "1",
+    "gpu.driver": "570.124.06", "env.TORCH_COMPILE_CACHE_KEY_TAG": "t",
     "model.id": "meta-llama/Llama-3.1-8B", "model.dtype": "bfloat16", "extra.tp": "8",
 }  # fmt: skip
 GOLDEN_KEYS = {
-    "schema": 3,
-    "toolchain_key": "93c79f15ce7384106d89319026b51bfd",
-    "workload_key": "ad64794794fa2ba830ceee289d467b9a",
-    "bundle_key": "372cc7c7f6f1b5fd9e66af244b030ad8",
+    "schema": 4,
+    "toolchain_key": "bad6bac99f67dd595960379ca92bd842",
+    "workload_key": "7115bde6dd3b4c84a67eb1d3fecf6c0b",
+    "bundle_key": "94014f78efa89a8d9bb8584f6414c42d",
 }
 
 

@@ -246,3 +246,73 @@ def test_every_feature_gcc_march_native_enables_is_keyed():
     keyed = set(p.probe_cpu(os.environ)["cpu.features"].split())
     assert wanted - keyed - GCC_INTRINSIC_ONLY == set()
     assert "amx_fp16" in p._X86_FEATURES
+
+
+# ---- what the compiler's -march=native turns on --------------------------------------------------
+
+# `g++ -### -march=native` on two x86 CPUs whose /proc/cpuinfo flags agree: Linux lists AVX-NE-CONVERT,
+# AVX10 (and its version) only for KVM (arch/x86/kvm/reverse_cpuid.h) and shows no flag whose
+# cpufeatures.h comment names none (APX), while gcc reads CPUID and turns them on. torch 2.13's
+# ATen/cpu/vec/vec512/vec512_float8.h, which Inductor's CPU kernels include, uses AVX10.2 instructions
+# under __AVX10_2__: a kernel built on the first CPU dies with SIGILL on the second.
+GCC_DRIVER = (
+    'Using built-in specs.\nCOLLECT_GCC=g++\nTarget: x86_64-linux-gnu\ngcc version 15.1.0 (GCC)\n'
+    ' /usr/libexec/gcc/x86_64-linux-gnu/15/cc1plus -E -quiet -imultiarch x86_64-linux-gnu -D_GNU_SOURCE'
+    ' /dev/null "-march=graniterapids" -mmmx -mpopcnt -msse -msse2 -mavx -mavx2 -mavx512f -mavx512bf16'
+    ' -mno-fma4 {extra} -mamx-tile --param "l1-cache-size=48" --param "l2-cache-size=2048"'
+    ' "-mtune=graniterapids" -dumpbase null\n'
+)  # fmt: skip
+AVX10_2 = "-mavx10.2 -mapxf -mavxneconvert"
+AVX10_1 = "-mno-avx10.2 -mno-apxf -mno-avxneconvert"
+
+
+def fake_compiler(directory, driver_text: str):
+    """A `g++` that answers `-v` as one compiler and `-###` with `driver_text`, as gcc writes both (stderr)."""
+    directory.mkdir()
+    tool = directory / "g++"
+    said = directory / "driver.txt"
+    said.write_text(driver_text)
+    tool.write_text('#!/bin/sh\ncase "$1" in -v) echo "gcc version 15.1.0 (GCC)" >&2 ;; '
+                    f'-\\#\\#\\#) cat "{said}" >&2 ;; esac\n')  # fmt: skip
+    tool.chmod(0o755)
+    return directory
+
+
+def test_what_the_compilers_march_native_turns_on_is_keyed(tmp_path, monkeypatch):
+    rich = fake_compiler(tmp_path / "avx10.2", GCC_DRIVER.format(extra=AVX10_2))
+    poor = fake_compiler(tmp_path / "avx10.1", GCC_DRIVER.format(extra=AVX10_1))
+    seen = {}
+    for cpu in (rich, poor):
+        monkeypatch.setenv("PATH", f"{cpu}{os.pathsep}{os.environ['PATH']}")  # its g++ first
+        seen[cpu] = p.probe_compiler({}, arch="x86_64")
+    assert {n for n in seen[rich] if seen[rich][n] != seen[poor][n]} == {"cxx.native"}
+    native = set(seen[rich]["cxx.native"].split())
+    assert {"avx10.2", "apxf", "avxneconvert", "avx512f", "amx-tile"} <= native
+    assert not {"no-fma4", "march=graniterapids", "tune=graniterapids"} & native  # neither off nor tuning
+    assert set(seen[rich]["cxx.native"].split()) - set(seen[poor]["cxx.native"].split()) == {
+        "avx10.2", "apxf", "avxneconvert"}  # fmt: skip
+
+
+def test_clang_names_what_march_native_turns_on_as_target_features():
+    clang = (' "/usr/lib/llvm-18/bin/clang" "-cc1" "-triple" "x86_64-pc-linux-gnu" "-E" "-mrelocation-model" "pic"'
+             ' "-target-cpu" "znver4" "-target-feature" "+avx512f" "-target-feature" "-avx10.2-512"'
+             ' "-target-feature" "+avxvnni" "-x" "c++" "/dev/null"\n')  # fmt: skip
+    assert p.native_isa(clang) == "avx512f avxvnni"
+    assert p.native_isa("") == p.NONE  # a compiler that cannot say: no vector code either
+
+
+def test_off_x86_the_cpuinfo_features_are_what_march_native_reads(tmp_path, monkeypatch):
+    """gcc reads /proc/cpuinfo on aarch64 and s390x (cpu.features), the model on ppc64le (cpu.model)."""
+    monkeypatch.setenv("PATH", str(fake_compiler(tmp_path / "cc", GCC_DRIVER.format(extra=AVX10_2))))
+    assert "cxx.native" not in p.probe_compiler({}, arch="aarch64")
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or not shutil.which("g++"), reason="needs g++ on x86_64")
+def test_cxx_native_is_what_this_gcc_turns_on_here():
+    out = subprocess.run(["g++", "-march=native", "-Q", "--help=target"], capture_output=True, text=True).stdout
+    enabled = set(re.findall(r"^\s+-m([\w.-]+)\s+\[enabled\]", out, re.M))
+    native = set(p.probe_compiler({"CXX": "g++"})["cxx.native"].split())
+    assert native <= enabled  # only instruction sets the driver turned on, no ABI switch or tuning
+    # every AVX extension /proc/cpuinfo shows here, gcc turns on (under its own name)
+    shown = {f for f in p.probe_cpu({})["cpu.features"].split() if f.startswith("avx")}
+    assert shown <= {GCC_TO_CPUINFO.get(opt, opt) for opt in native}
