@@ -270,9 +270,18 @@ def _hash_all(found: list[tuple[Source, FileInfo]], jobs: int, cache: HashCache 
         little = [i for i in todo if found[i][1].size < _HASH_CHUNK]
         work = [(pool, [i]) for i in todo if found[i][1].size >= _HASH_CHUNK]
         work += [(small, batch) for batch in _batches(little, [found[i][1].size for i in little])]
-        for batch, future in [(batch, where.submit(hash_batch, batch)) for where, batch in work]:
-            for i, hashed in zip(batch, future.result()):
-                hashes[i] = hashed
+        submitted = [(batch, where.submit(hash_batch, batch)) for where, batch in work]
+        try:
+            for batch, future in submitted:
+                for i, hashed in zip(batch, future.result()):
+                    hashes[i] = hashed
+        except BaseException:
+            # One failure fails the publish: files not started are neither read nor uploaded. An
+            # index that failed one pack's rows fails the rest, and a pack uploaded without rows
+            # is an orphan the next publish cannot name (it uploads a salted copy).
+            for _batch, future in submitted:
+                future.cancel()
+            raise
     if cache and todo:
         cache.remember(((keys[i], hashes[i], max(found[i][1].mtime_ns, found[i][1].ctime_ns)) for i in todo
                         if hashes[i] is not None), started)  # fmt: skip

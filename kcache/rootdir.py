@@ -174,6 +174,7 @@ def locked(root: Path, timeout: float | None, deadline: float | None) -> Iterato
 
 
 def _open_lock(path: Path) -> int:
+    _move_aside_unless_file(path)
     flags = os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         return os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o644)
@@ -184,6 +185,28 @@ def _open_lock(path: Path) -> int:
             raise RootError(str(path.parent), f"cannot open {LOCK_NAME}: {exc.strerror}") from None
     except OSError as exc:
         raise RootError(str(path.parent), f"cannot create {LOCK_NAME}: {exc.strerror}") from None
+
+
+def _move_aside_unless_file(path: Path) -> None:
+    """What is at the lock path that no lock can be taken on (a directory, a link, a socket: ROOT
+    outlives pods on a node-local volume, and others may write it) would fail every restore into
+    ROOT before its marker. It is renamed to a staging name, which the restore that takes the lock
+    removes (a link is unlinked, never followed). Opening any of the three fails, so no restore
+    holds a lock on one; a FIFO or a device opens and locks, and is left (another restore may hold it)."""
+    try:
+        if not _unlockable(os.lstat(path).st_mode):
+            return
+        os.rename(path, path.with_name(f"{STAGING_PREFIX}lock-{os.getpid()}-{os.urandom(4).hex()}"))
+    except FileNotFoundError:  # none there, or another restore moved it first
+        pass
+    except OSError as exc:  # opening the lock says why
+        log.warning("cannot move %s out of the way: %s", path, exc.strerror or exc)
+    else:
+        log.warning("%s was no file; moved it out of the way", path)
+
+
+def _unlockable(mode: int) -> bool:
+    return stat.S_ISDIR(mode) or stat.S_ISLNK(mode) or stat.S_ISSOCK(mode)
 
 
 def _try_lock(fd: int) -> bool:

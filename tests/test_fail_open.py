@@ -398,3 +398,31 @@ def test_a_restore_stopped_by_a_signal_still_leaves_env_and_marker(tmp_path, fac
     assert child.returncode == 128 + sig, err
     state = assert_cold_but_ready_to_start(root)
     assert "interrupted" in state["reason"]
+
+
+@pytest.mark.parametrize("planted", ["directory", "dangling-link", "link-to-a-directory", "socket"])
+def test_a_lock_path_that_is_no_file_does_not_keep_every_restore_out(tmp_path, store, sqlite_index, fp, planted):
+    """ROOT outlives pods on a node-local volume, and whoever else writes it (the model container, in
+    a shared ROOT) may leave something at .kcache-lock that no lock file can be opened as. Every
+    restore then failed before its marker: no pod on that volume would ever become ready."""
+    from kcache import rootdir
+    from kcache.restore import restore
+
+    _published(tmp_path, store, sqlite_index, fp)
+    root = tmp_path / "root"
+    root.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_bytes(b"not ours")
+    lock = root / rootdir.LOCK_NAME
+    listener = socket.socket(socket.AF_UNIX)
+    {"directory": lambda: (lock.mkdir(), (lock / "inside").write_bytes(b"x")),
+     "dangling-link": lambda: lock.symlink_to(tmp_path / "nowhere"),
+     "link-to-a-directory": lambda: lock.symlink_to(elsewhere),
+     "socket": lambda: listener.bind(str(lock))}[planted]()  # fmt: skip
+    with listener:
+        result = restore(store, sqlite_index, fp, root, timeout=60)
+    assert result.status == "hit" and (root / "inductor/k.py").read_bytes() == b"kernel"
+    assert read_state(root)["status"] == "hit" and (root / envfile.NAME).is_file()
+    assert lock.is_file() and not lock.is_symlink()
+    assert not list(root.glob(STAGING_PREFIX + "*")) and (elsewhere / "keep").read_bytes() == b"not ours"

@@ -430,3 +430,30 @@ def test_disk_full_is_a_clear_error_and_fails_open(small_disk, big_bundle, store
     result = cli("restore", "--into", root, *args)
     assert_started_cold(root, result.stderr)
     assert not list(root.glob(STAGING_PREFIX + "*"))
+
+
+# ---- a file size limit (RLIMIT_FSIZE) -----------------------------------------------------------------
+
+
+def test_a_file_size_limit_fails_open_with_its_own_reason(tmp_path, isolated_home):
+    """A process over RLIMIT_FSIZE gets SIGXFSZ, whose default action kills it (Python ignores it, so
+    writes fail with EFBIG instead): the restore must end as any full disk does, cold, with a reason
+    an operator can act on, the old layers kept, and the next restore without the limit a hit."""
+    import resource
+
+    write_tree(tmp_path / "src", {"inductor/big": os.urandom(1024 * 1024), "inductor/small": b"k"})
+    cli("publish", "--from", tmp_path / "src", "--model", MODEL)
+    root = tmp_path / "dst"
+    write_tree(root, OLD)
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+
+    child = kcache_child("restore", "--into", root, "--model", MODEL, "--timeout", 60, preexec_fn=limited)
+    code, _out, err, _s = finish(child, 120)
+    assert code == 0, err
+    assert_started_cold(root, err)
+    assert "file size limit" in read_state(root)["reason"], read_state(root)
+    _assert_untouched(root)
+    rerun = json.loads(cli("restore", "--into", root, "--model", MODEL, "--json").output)
+    assert rerun["status"] == "hit" and (root / "inductor/small").read_bytes() == b"k"

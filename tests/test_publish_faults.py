@@ -221,3 +221,55 @@ def test_links_above_the_layers_are_the_operators_and_followed(tmp_path, store, 
     from_root = publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "cache", env={})
     live = publish(store, sqlite_index, fp, [TritonSource()], env={"TRITON_CACHE_DIR": str(tmp_path / "triton")})
     assert (from_root.files, live.files) == (1, 1)
+
+
+# ---- an index that fails to record packs ------------------------------------------------------------
+
+
+class PackRowsFail:
+    """An index that went away after the publish looked up its blobs: every pack's rows fail."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def add_pack(self, *args, **kwargs):
+        raise IndexDbError(self.inner.url, "server closed the connection unexpectedly")
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class CountingPuts:
+    def __init__(self, inner):
+        self.inner, self.url, self.packs = inner, inner.url, []
+
+    def put_file(self, key, path):
+        self.packs.append(key)
+        return self.inner.put_file(key, path)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("size", ["large", "small"])
+def test_a_publish_whose_index_fails_stops_uploading_what_it_cannot_record(tmp_path, store, sqlite_index, fp,
+                                                                            monkeypatch, size):  # fmt: skip
+    """Each pack that goes up without its rows is an orphan the next publish cannot name (it writes a
+    salted copy instead): once the index fails one pack, the rest must not be read and uploaded too.
+    Large files are packed while hashing, small ones after; both stop."""
+    monkeypatch.setattr(publishing, "LARGE_FILE_BYTES", packs.CHUNK_BYTES + 1)  # packed while hashing
+    monkeypatch.setattr(publishing, "TARGET_PACK_BYTES", 64 * 1024)  # small files: one pack each
+    each = packs.CHUNK_BYTES + 4096 if size == "large" else 48 * 1024
+    files = {f"inductor/k{i}": os.urandom(16) * (each // 16) for i in range(8)}  # distinct, quick to compress
+    write_tree(tmp_path / "src", files)
+    counted = CountingPuts(store)
+    with pytest.raises(IndexDbError):
+        publish(counted, PackRowsFail(sqlite_index), fp, sources.select(), root=tmp_path / "src", env={},
+                config=PublishConfig(jobs=1))  # fmt: skip
+    assert 1 <= len(counted.packs) <= 2, counted.packs  # the one that failed, and at most one already started
+
+    counted.packs.clear()
+    result = publish(counted, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={})
+    assert result.files == 8 and len(counted.packs) <= 8 + 2  # the salted copies of those, no more
+    restore(store, sqlite_index, fp, tmp_path / "dst")
+    assert read_tree(tmp_path / "dst/inductor") == read_tree(tmp_path / "src/inductor")
