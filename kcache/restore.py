@@ -652,12 +652,14 @@ def _write_env(root: Path, layer_names, comment: str, run_as: str | None = None)
         if place.is_symlink() and not place.exists():
             place.unlink()  # a dangling link would make every run fail: replace it with a directory
         rootdir.make_dirs(root, place, shared)
+    rootdir.clear_for_file(root / envfile.NAME)
     return envfile.write(root, exports, comment)
 
 
 def _write_state(result: RestoreResult, fp: Fingerprint | None) -> None:
     """The restore marker: restore has finished, with what outcome (readiness and /metrics read it),
     and the workload it computed ("inputs": what `publish --from ROOT` publishes under)."""
+    rootdir.clear_for_file(result.root / RESTORE_MARKER)
     write_marker(result.root, RESTORE_MARKER, {
         "status": result.status, "bundle_key": result.bundle_key, "bundle_id": result.bundle_id,
         "files": result.files, "bytes": result.bytes, "seconds": round(result.seconds, 4),

@@ -23,7 +23,7 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 STAGING_PREFIX = ".kcache-staging-"
 LOCK_NAME = ".kcache-lock"
+# How long restore waits for a directory in the way of kcache.env or its marker to be deleted.
+ASIDE_DELETE_SECONDS = 1.0
 SHARED_DIR_MODE = 0o2775  # rwxrwsr-x: the group writes, new entries keep ROOT's group
 FILE_MODE_MASK = 0o755  # what a restored file may have of its manifest mode: no g+w, no o+w
 _LOCK_POLL = 0.05  # seconds between tries while another restore holds ROOT
@@ -193,16 +195,33 @@ def _move_aside_unless_file(path: Path) -> None:
     ROOT before its marker. It is renamed to a staging name, which the restore that takes the lock
     removes (a link is unlinked, never followed). Opening any of the three fails, so no restore
     holds a lock on one; a FIFO or a device opens and locks, and is left (another restore may hold it)."""
+    _move_aside(path, _unlockable)
+
+
+def clear_for_file(path: Path) -> None:
+    """Make way for a file of restore's own under ROOT (kcache.env, its marker): a directory there,
+    which no rename can replace, would cost the pod its start (its command sources kcache.env,
+    readiness waits for the marker). It goes aside under a staging name and is deleted for a second
+    at most; the next restore deletes what is left. Anything else there the rename replaces."""
+    aside = _move_aside(path, stat.S_ISDIR)
+    if aside is not None:
+        delete_until(aside, _now() + ASIDE_DELETE_SECONDS)
+
+
+def _move_aside(path: Path, unwanted: Callable[[int], bool]) -> Path | None:
+    """Rename `path` to a staging name when `unwanted(its lstat mode)`; where it went, or None."""
+    aside = path.with_name(f"{STAGING_PREFIX}{path.name.lstrip('.')}-{os.getpid()}-{os.urandom(4).hex()}")
     try:
-        if not _unlockable(os.lstat(path).st_mode):
-            return
-        os.rename(path, path.with_name(f"{STAGING_PREFIX}lock-{os.getpid()}-{os.urandom(4).hex()}"))
+        if not unwanted(os.lstat(path).st_mode):
+            return None
+        os.rename(path, aside)
     except FileNotFoundError:  # none there, or another restore moved it first
-        pass
-    except OSError as exc:  # opening the lock says why
+        return None
+    except OSError as exc:  # the write or open that follows says why
         log.warning("cannot move %s out of the way: %s", path, exc.strerror or exc)
-    else:
-        log.warning("%s was no file; moved it out of the way", path)
+        return None
+    log.warning("%s was no file; moved it out of the way", path)
+    return aside
 
 
 def _unlockable(mode: int) -> bool:

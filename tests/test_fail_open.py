@@ -426,3 +426,22 @@ def test_a_lock_path_that_is_no_file_does_not_keep_every_restore_out(tmp_path, s
     assert read_state(root)["status"] == "hit" and (root / envfile.NAME).is_file()
     assert lock.is_file() and not lock.is_symlink()
     assert not list(root.glob(STAGING_PREFIX + "*")) and (elsewhere / "keep").read_bytes() == b"not ours"
+
+
+@pytest.mark.parametrize("name", [envfile.NAME, ".kcache-state.json"])
+def test_a_directory_where_the_env_file_or_the_marker_goes_does_not_keep_the_pod_from_starting(
+    tmp_path, store, sqlite_index, fp, name
+):
+    """Something else writing a kept ROOT left a directory at kcache.env (the model's command sources
+    it) or at the marker (readiness waits for it): the rename onto it failed, and the pod never
+    started. Neither name is ever a directory of ours, so it goes aside with the staging."""
+    from kcache.restore import restore
+
+    _published(tmp_path, store, sqlite_index, fp)
+    root = tmp_path / "root"
+    (root / name).mkdir(parents=True)
+    (root / name / "inside").write_bytes(b"x")
+    result = restore(store, sqlite_index, fp, root, timeout=60)
+    assert result.status == "hit" and (root / "inductor/k.py").read_bytes() == b"kernel"
+    assert (root / envfile.NAME).is_file() and read_state(root)["status"] == "hit"
+    assert not list(root.glob(STAGING_PREFIX + "*"))
