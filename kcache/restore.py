@@ -258,9 +258,10 @@ def _forget_last_start(root: Path) -> None:
     """A restore begins a pod's start: the warmup and watch markers of the last one (an init
     container run again on a kept volume) would make the new server ready before it loaded."""
     for name in (WARMUP_MARKER, WATCH_MARKER):
+        rootdir.clear_for_file(root / name)  # a directory there: warmup could never write its marker
         try:
             (root / name).unlink(missing_ok=True)
-        except OSError as exc:  # a directory in its place: readiness reads that as no marker anyway
+        except OSError as exc:
             log.warning("cannot remove %s: %s", root / name, exc.strerror or exc)
 
 

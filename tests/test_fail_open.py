@@ -445,3 +445,22 @@ def test_a_directory_where_the_env_file_or_the_marker_goes_does_not_keep_the_pod
     assert result.status == "hit" and (root / "inductor/k.py").read_bytes() == b"kernel"
     assert (root / envfile.NAME).is_file() and read_state(root)["status"] == "hit"
     assert not list(root.glob(STAGING_PREFIX + "*"))
+
+
+def test_a_directory_where_warmup_writes_its_marker_is_cleared_by_restore(tmp_path, store, sqlite_index, fp):
+    """Restore begins a pod's start and clears the last start's warmup and watch markers; a directory
+    at one of them was left, and the warmup that follows could never write its marker (no rename
+    replaces a directory): the pod would never become ready."""
+    from kcache.readiness import WARMUP_MARKER, WATCH_MARKER, write_marker
+    from kcache.restore import restore
+
+    _published(tmp_path, store, sqlite_index, fp)
+    root = tmp_path / "root"
+    for name in (WARMUP_MARKER, WATCH_MARKER):
+        (root / name).mkdir(parents=True)
+        (root / name / "inside").write_bytes(b"x")
+    assert restore(store, sqlite_index, fp, root, timeout=60).status == "hit"
+    for name in (WARMUP_MARKER, WATCH_MARKER):
+        assert not (root / name).exists()
+        write_marker(root, name, {"status": "ok"})  # what warmup and watch do next
+    assert not list(root.glob(STAGING_PREFIX + "*"))
