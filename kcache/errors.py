@@ -103,6 +103,10 @@ class RootError(KcacheError):
         super().__init__(f"{path}: {why}")
 
 
+class RootFull(RootError):
+    """The restore root is the right place, but its volume (or quota, or file size limit) ran out."""
+
+
 class SourceDirError(RootError):
     """A directory publish was told to read (--from ROOT, --extra-dir NAME=PATH) is missing or no directory."""
 

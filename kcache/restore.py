@@ -50,6 +50,7 @@ from kcache.errors import (
     KcacheError,
     RestoreTimeout,
     RootError,
+    RootFull,
     StoreError,
     Terminated,
     UnsafePath,
@@ -300,12 +301,12 @@ def _safe_user(user: str | None) -> str:
 
 def _root_error(root: Path, exc: OSError) -> RootError:
     if exc.errno == errno.ENOSPC:
-        return RootError(str(root), "no space left on device for the bundle; give the volume more room")
+        return RootFull(str(root), "no space left on device for the bundle")
     if exc.errno == errno.EDQUOT:
-        return RootError(str(root), "disk quota exceeded by the bundle; raise the quota or give the volume more room")
+        return RootFull(str(root), "disk quota exceeded by the bundle")
     if exc.errno == errno.EFBIG:  # RLIMIT_FSIZE (Python ignores its SIGXFSZ), or the file system's own cap
-        return RootError(str(root), "a file of the bundle is over the file size limit (ulimit -f) or what the "
-                                    "file system allows")  # fmt: skip
+        return RootFull(str(root), "a file of the bundle is over the file size limit (ulimit -f) or what the "
+                                   "file system allows")  # fmt: skip
     return RootError(str(root), f"cannot write {exc.filename or root}: {exc.strerror or exc}")
 
 

@@ -1,7 +1,9 @@
 """One error boundary: every exception leaves through cli/errors.py's table, never as a traceback."""
 
+import errno
 import importlib
 import json
+import os
 import pkgutil
 import socket
 
@@ -250,3 +252,15 @@ def test_a_temp_dir_that_fills_while_a_pack_is_staged_is_named(tmp_path, monkeyp
     doc = json.loads(result.stdout)
     assert str(tmp_path / "tmp") in doc["error"] and "No space left" in doc["error"] and "TMPDIR" in doc["hint"]
     assert list((tmp_path / "tmp").iterdir()) == []  # the staging directory went with the failure
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EFBIG])
+def test_a_full_root_is_told_to_make_room_not_to_pick_another_directory(tmp_path, code):
+    """A restore root that filled up (or hit a quota, or ulimit -f) is the right directory: the hint
+    for a root kcache cannot use at all sent the operator to look for another one."""
+    from kcache.cli.errors import describe
+    from kcache.restore import _root_error
+
+    message, hint, exit_code = describe(_root_error(tmp_path, OSError(code, os.strerror(code))))
+    assert exit_code == 7 and str(tmp_path) in message
+    assert "room" in hint and "--into" not in hint
