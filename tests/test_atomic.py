@@ -58,6 +58,7 @@ OWN_WRITES = {
     "atomic.py": "the helper itself",
     "packs.py": "a scratch file for building a pack, uploaded and deleted, never renamed into place",
     "restore.py": "swaps whole layer directories into place (directories, not files)",
+    "rootdir.py": "renames what was planted at ROOT's lock, kcache.env or a marker aside to remove it",
     "store/nodedir.py": "renames a directory planted at a lock or pack path aside to remove it, nothing into place",
 }
 
