@@ -30,6 +30,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -259,11 +260,7 @@ def _forget_last_start(root: Path) -> None:
     """A restore begins a pod's start: the warmup and watch markers of the last one (an init
     container run again on a kept volume) would make the new server ready before it loaded."""
     for name in (WARMUP_MARKER, WATCH_MARKER):
-        rootdir.clear_for_file(root / name)  # a directory there: warmup could never write its marker
-        try:
-            (root / name).unlink(missing_ok=True)
-        except OSError as exc:
-            log.warning("cannot remove %s: %s", root / name, exc.strerror or exc)
+        rootdir.clear(root / name)  # a directory too: warmup could never write its marker over one
 
 
 @contextmanager
@@ -654,14 +651,14 @@ def _write_env(root: Path, layer_names, comment: str, run_as: str | None = None)
         if place.is_symlink() and not place.exists():
             place.unlink()  # a dangling link would make every run fail: replace it with a directory
         rootdir.make_dirs(root, place, shared)
-    rootdir.clear_for_file(root / envfile.NAME)
+    rootdir.clear(root / envfile.NAME, stat.S_ISDIR)  # a file there the rename replaces
     return envfile.write(root, exports, comment)
 
 
 def _write_state(result: RestoreResult, fp: Fingerprint | None) -> None:
     """The restore marker: restore has finished, with what outcome (readiness and /metrics read it),
     and the workload it computed ("inputs": what `publish --from ROOT` publishes under)."""
-    rootdir.clear_for_file(result.root / RESTORE_MARKER)
+    rootdir.clear(result.root / RESTORE_MARKER, stat.S_ISDIR)
     write_marker(result.root, RESTORE_MARKER, {
         "status": result.status, "bundle_key": result.bundle_key, "bundle_id": result.bundle_id,
         "files": result.files, "bytes": result.bytes, "seconds": round(result.seconds, 4),

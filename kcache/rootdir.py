@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 STAGING_PREFIX = ".kcache-staging-"
 LOCK_NAME = ".kcache-lock"
-# How long restore waits for a directory in the way of kcache.env or its marker to be deleted.
+# How long restore waits for a directory in the way of its lock, kcache.env or a marker to be deleted.
 ASIDE_DELETE_SECONDS = 1.0
 SHARED_DIR_MODE = 0o2775  # rwxrwsr-x: the group writes, new entries keep ROOT's group
 FILE_MODE_MASK = 0o755  # what a restored file may have of its manifest mode: no g+w, no o+w
@@ -176,7 +176,9 @@ def locked(root: Path, timeout: float | None, deadline: float | None) -> Iterato
 
 
 def _open_lock(path: Path) -> int:
-    _move_aside_unless_file(path)
+    # No lock can be taken on a directory, a link or a socket; a FIFO or a device opens and locks,
+    # and is left (another restore may hold it).
+    clear(path, _unlockable)
     flags = os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         return os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o644)
@@ -189,39 +191,28 @@ def _open_lock(path: Path) -> int:
         raise RootError(str(path.parent), f"cannot create {LOCK_NAME}: {exc.strerror}") from None
 
 
-def _move_aside_unless_file(path: Path) -> None:
-    """What is at the lock path that no lock can be taken on (a directory, a link, a socket: ROOT
-    outlives pods on a node-local volume, and others may write it) would fail every restore into
-    ROOT before its marker. It is renamed to a staging name, which the restore that takes the lock
-    removes (a link is unlinked, never followed). Opening any of the three fails, so no restore
-    holds a lock on one; a FIFO or a device opens and locks, and is left (another restore may hold it)."""
-    _move_aside(path, _unlockable)
-
-
-def clear_for_file(path: Path) -> None:
-    """Make way for a file of restore's own under ROOT (kcache.env, its marker): a directory there,
-    which no rename can replace, would cost the pod its start (its command sources kcache.env,
-    readiness waits for the marker). It goes aside under a staging name and is deleted for a second
-    at most; the next restore deletes what is left. Anything else there the rename replaces."""
-    aside = _move_aside(path, stat.S_ISDIR)
-    if aside is not None:
-        delete_until(aside, _now() + ASIDE_DELETE_SECONDS)
-
-
-def _move_aside(path: Path, unwanted: Callable[[int], bool]) -> Path | None:
-    """Rename `path` to a staging name when `unwanted(its lstat mode)`; where it went, or None."""
-    aside = path.with_name(f"{STAGING_PREFIX}{path.name.lstrip('.')}-{os.getpid()}-{os.urandom(4).hex()}")
+def clear(path: Path, unwanted: Callable[[int], bool] = lambda _mode: True) -> None:
+    """Remove what is at `path` when `unwanted(its lstat mode)`, never following a link. ROOT outlives
+    pods on a node-local volume and others may write it: a directory where restore's lock, kcache.env
+    or a marker goes (a link or a socket, for the lock) would keep every pod from its start. A directory
+    is renamed aside under a staging name, so the path is free at once, and deleted for a second at
+    most (the next restore deletes what is left); anything else is unlinked."""
     try:
-        if not unwanted(os.lstat(path).st_mode):
-            return None
+        mode = os.lstat(path).st_mode
+        if not unwanted(mode):
+            return
+        if not stat.S_ISDIR(mode):
+            os.unlink(path)
+            return
+        aside = path.with_name(f"{STAGING_PREFIX}{path.name.lstrip('.')}-{os.getpid()}-{os.urandom(4).hex()}")
         os.rename(path, aside)
-    except FileNotFoundError:  # none there, or another restore moved it first
-        return None
+    except FileNotFoundError:  # none there, or another restore cleared it first
+        return
     except OSError as exc:  # the write or open that follows says why
-        log.warning("cannot move %s out of the way: %s", path, exc.strerror or exc)
-        return None
-    log.warning("%s was no file; moved it out of the way", path)
-    return aside
+        log.warning("cannot remove %s: %s", path, exc.strerror or exc)
+        return
+    log.warning("%s was a directory; moved it out of the way", path)
+    delete_until(aside, _now() + ASIDE_DELETE_SECONDS)
 
 
 def _unlockable(mode: int) -> bool:
