@@ -200,10 +200,11 @@ class S3Store:
             response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
         except (ClientError, BotoCoreError) as exc:
             raise self._error(exc, key, "read") from None
-        size, etag = int(response["ContentLength"]), response["ETag"]
+        size = int(response["ContentLength"])
         if limit is not None and size > limit:
             response["Body"].close()
             raise ObjectTooLarge("object", key, size, limit)
+        etag = response["ETag"]
         first = Window(_BodyReader(response["Body"], self, key), size)
         # If-Match: a ref replaced between the cut and the resume must not be read half old, half new.
         with Resumable(first, lambda at, n: self._ranged(key, at, n, etag), 0, size, name=key) as body:

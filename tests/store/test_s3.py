@@ -165,6 +165,13 @@ def test_a_missing_object_in_an_existing_bucket_is_still_missing(s3_store):
         s3_store.size("refs/bb")
 
 
+@pytest.fixture
+def fake_credentials(monkeypatch):
+    """Credentials for a client of a hostile server, which checks none."""
+    for var, value in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "y"), ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(var, value)
+
+
 ERROR_BODY = 48 * 1024 * 1024  # an endless one, as far as a test needs: far past any bound
 
 
@@ -184,13 +191,11 @@ def _huge_error(chunked: bool):
 
 
 @pytest.mark.parametrize("chunked", [False, True])
-def test_an_error_answer_is_read_no_further_than_its_bound(monkeypatch, chunked):
+def test_an_error_answer_is_read_no_further_than_its_bound(fake_credentials, chunked):
     """A hostile endpoint (plain http) answers a pack read with an endless error body: botocore would
     read all of it into memory, which would kill an init container with a memory limit."""
     from hostile_http import HostileServer
 
-    for var, value in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "y"), ("AWS_DEFAULT_REGION", "us-east-1")):
-        monkeypatch.setenv(var, value)
     key = "packs/ab/" + "ab" * 32
     with HostileServer({f"GET /bucket/{key}": _huge_error(chunked)}) as server:
         store = open_store("s3://bucket", endpoint_url=server.url)
@@ -204,27 +209,18 @@ def _small_head(server, conn, request):
     server.send(conn, b'HTTP/1.1 200 OK\r\nContent-Length: 200\r\nETag: "e"\r\n\r\n')
 
 
-def _huge_get(server, conn, request):
-    """A ref read answered with 2 GB, streamed until the reader hangs up."""
-    server.send(conn, b'HTTP/1.1 200 OK\r\nContent-Length: 2147483648\r\nETag: "e"\r\n\r\n')
-    while not server.stop.is_set():
-        server.send(conn, b"{" * 65536)
-
-
-def test_a_ref_whose_read_is_far_longer_than_its_head_said_is_refused_unread(monkeypatch):
+def test_a_ref_whose_read_is_far_longer_than_its_head_said_is_refused_unread(fake_credentials):
     """A hostile endpoint answers a ref's HEAD with 200 bytes and its GET with 2 GB: moving the ref
     (publish, gc, refresh, yank: a watch sidecar in the pod does it) must not hold the 2 GB."""
-    from hostile_http import HostileServer
+    from hostile_http import HostileServer, huge_body
 
     from kcache import refs
     from kcache.errors import ObjectTooLarge
 
-    for var, value in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "y"), ("AWS_DEFAULT_REGION", "us-east-1")):
-        monkeypatch.setenv(var, value)
     bundle_key = "ab" * 16
     key = refs.ref_key(bundle_key)
     deleted = lambda server, conn, request: server.send(conn, b"HTTP/1.1 204 No Content\r\n\r\n")  # noqa: E731
-    routes = {f"HEAD /bucket/{key}": _small_head, f"GET /bucket/{key}": _huge_get, f"DELETE /bucket/{key}": deleted}
+    routes = {f"HEAD /bucket/{key}": _small_head, f"GET /bucket/{key}": huge_body, f"DELETE /bucket/{key}": deleted}
     with HostileServer(routes) as server:
         store = open_store("s3://bucket", endpoint_url=server.url)
         with pytest.raises(ObjectTooLarge):
