@@ -1,4 +1,4 @@
-"""`s3://bucket/prefix` backend (boto3; the only module that imports it).
+"""`s3://bucket/prefix` backend (botocore, boto3's core; the only module that imports it).
 
     s3://bucket/prefix/packs/<hh>/<pack-id>
                       /manifests/<hh>/<manifest-id>
@@ -10,7 +10,10 @@ GETs streamed to the caller. Retries with backoff, connect/read timeouts and the
 size are botocore configuration, not loops here. botocore retries requests, not bodies: a whole
 object read cut part-way is resumed here with ranged GETs of the same ETag (range reads are
 resumed by their reader, kcache.fetch). Any S3-compatible endpoint works through
-AWS_ENDPOINT_URL or --s3-endpoint-url; credentials come the usual boto3 way.
+AWS_ENDPOINT_URL or --s3-endpoint-url; credentials come the usual boto3 way: botocore's chain
+(environment, profile, web identity, container and instance metadata). boto3 itself is not
+imported: its transfer manager, which kcache does not use, cost every command 35 ms to import, and
+its session 25 ms more to make a client.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import BinaryIO
 
-import boto3
+import botocore.session
 from botocore.awsrequest import AWSResponse
 from botocore.config import Config
 from botocore.exceptions import (
@@ -76,7 +79,7 @@ class S3Store:
             s3={"payload_signing_enabled": False, **({"addressing_style": "path"} if endpoint_url else {})},
         )
         try:
-            self.client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
+            self.client = botocore.session.get_session().create_client("s3", endpoint_url=endpoint_url, config=config)
         except (BotoCoreError, ValueError) as exc:
             raise StoreError(self.url, f"cannot create an S3 client: {exc}") from None
         _bound_error_bodies(self.client)
