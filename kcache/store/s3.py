@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
+from functools import partial
 from pathlib import Path
 from typing import BinaryIO
 
@@ -54,6 +55,9 @@ MULTIPART_THRESHOLD = 64 * 1024 * 1024
 # The most of an error answer's body read: S3's are a few hundred bytes of XML. botocore reads every
 # answer of 300 and up whole into memory, and an endpoint on plain http can send gigabytes.
 ERROR_BODY_BYTES = 64 * 1024
+# The most of a successful answer read whole (list pages, multipart replies; object reads stream):
+# a page of 1000 keys is about 300 KB. Past it the answer is refused, not retried.
+WHOLE_BODY_BYTES = 16 * 1024 * 1024
 PART_SIZE = 16 * 1024 * 1024
 _MISSING = {"NoSuchKey", "404", "NotFound"}
 _EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
@@ -340,9 +344,14 @@ class S3Store:
                 raise error from None
 
 
+class AnswerTooLarge(BotoCoreError):
+    fmt = "the answer to {operation} is over {limit} bytes"
+
+
 def _bound_error_bodies(client) -> None:
-    """Have `client` read at most ERROR_BODY_BYTES of an error answer's body (the rest is never read:
-    the connection is closed). botocore has no setting for it: its 'before-send' hook may answer a
+    """Have `client` read at most ERROR_BODY_BYTES of an error answer's body, and refuse a successful
+    answer it reads whole (not a streamed object) past WHOLE_BODY_BYTES; the rest is never read: the
+    connection is closed. botocore has no setting for either: its 'before-send' hook may answer a
     request itself, so the hook sends it and hands botocore the answer with its body bounded."""
     session = getattr(getattr(client, "_endpoint", None), "http_session", None)
     if session is None:  # a botocore laid out otherwise: its own reading stands
@@ -356,10 +365,14 @@ def _bound_error_bodies(client) -> None:
             answer = session.send(request)
         finally:
             request.stream_output = streamed
+        bounded = partial(AWSResponse, answer.url, answer.status_code, answer.headers)
         if answer.status_code >= 300:
-            return AWSResponse(answer.url, answer.status_code, answer.headers, _Bounded(answer.raw, ERROR_BODY_BYTES))
-        if not streamed:
-            answer.content  # noqa: B018 - read now, as the session would have
+            return bounded(_Bounded(answer.raw, ERROR_BODY_BYTES))
+        if not streamed:  # read now, as the session would have
+            whole = bounded(_Bounded(answer.raw, WHOLE_BODY_BYTES + 1))
+            if len(whole.content) > WHOLE_BODY_BYTES:
+                raise AnswerTooLarge(operation=request.method, limit=WHOLE_BODY_BYTES)
+            return whole
         return answer
 
     client.meta.events.register_first("before-send.s3", send)

@@ -228,3 +228,26 @@ def test_a_ref_whose_read_is_far_longer_than_its_head_said_is_refused_unread(fak
         assert refs._load(store, key, bundle_key) == (None, None)  # refused, removed, started over
         assert ("DELETE", f"/bucket/{key}") in server.requests
         assert server.sent < 64 * 1024 * 1024
+
+
+class _ByPath(dict):
+    """Routes found by path alone: a list request's query string (prefix, token) varies."""
+
+    def get(self, key, default=None):
+        return super().get(key.split("?")[0], default)
+
+
+@pytest.mark.parametrize("route", ["huge_body", "endless_chunks"])
+def test_a_list_page_is_read_no_further_than_its_bound(fake_credentials, route):
+    """A hostile endpoint answers a listing (gc, verify, reindex, prefetch of a node's models) with a
+    200 whose body never ends: botocore reads a successful answer that it does not stream whole, so
+    the command would hold all of it in memory."""
+    import hostile_http
+
+    with hostile_http.HostileServer({}) as server:
+        server.routes = _ByPath({"GET /bucket": getattr(hostile_http, route)})
+        store = open_store("s3://bucket", endpoint_url=server.url)
+        with pytest.raises(StoreError, match="over .* bytes"):
+            list(store.list("packs"))
+        assert server.requests == [("GET", server.requests[0][1])]  # refused, not retried
+        assert server.sent < 64 * 1024 * 1024
