@@ -139,6 +139,12 @@ ROWS: tuple[tuple[str, str, ExitCode, str], ...] = (
     (_E, "BadEntry", ExitCode.CORRUPT, "a cached answer in Redis is damaged; the proxy overwrites it"),
     (_E, "CacheUnavailable", ExitCode.STORE, "check --redis; meanwhile the proxy passes requests to the engine"),
     (_E, "Terminated", ExitCode.TERMINATED, "the pod is being stopped; the next start restores again"),
+    (
+        "kcache.store.s3",
+        "AnswerTooLarge",
+        ExitCode.STORE,
+        "the endpoint answered with far more than S3 sends; check --s3-endpoint-url",
+    ),  # the store makes it a StoreError; a row in case one escapes
     ("kcache.index.repo", "BadRow", ExitCode.INDEX, "repair or delete the row it names (reindex rebuilds rows)"),
     (
         "kcache.fetch",
