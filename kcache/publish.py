@@ -10,6 +10,11 @@ The commit protocol (a crash at any step leaves only orphans for GC, never a bro
     5. ref       refs/<bundle-key> moved forward (compare-and-swap) for pods without the index
 
 Dedup asks the index which blob ids it already has, so the hundredth identical pod uploads nothing.
+Pods of one bundle key that publish at the same moment (a Deployment's replicas after the same
+warmup) would all find every blob missing and upload it, each one a copy. So steps 1-5 run under
+the bundle key's publish lease in the index: the others wait for it, then find the blobs in the
+index and upload only what the first did not. The lease only saves uploads: one that is lost,
+expires or is never taken changes no outcome.
 """
 
 from __future__ import annotations
@@ -60,6 +65,12 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 _HASH_CHUNK = 1024 * 1024
 _REVIVE_ROUNDS = 3
+# How long a publish waits for another one of its bundle key before uploading anyway, and how long
+# a lease lasts unless renewed (its holder renews it every third of that, so one that died frees
+# it within LEASE_SECONDS).
+PEER_WAIT = 600.0
+LEASE_SECONDS = 60.0
+_LEASE_POLL = 1.0  # seconds between looks at another publish's lease
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,8 @@ class PublishConfig:
     # stat key -> SHA-256 (and chunk digests): a re-publish re-reads only changed files
     hash_cache: HashCache | None = None
     allow_empty: bool = False  # an empty bundle becomes the newest for its key: only on purpose
+    peer_wait: float = PEER_WAIT  # seconds to wait for another publish of the same bundle key
+    lease_seconds: float = LEASE_SECONDS
 
 
 def _manifest_path(source: Source, info: FileInfo) -> str:
@@ -489,6 +502,15 @@ def publish(
     index.check_bundle(_bundle_row(head))
     limits.check_manifest_size(manifests.least_size(head, [_manifest_path(src, i) for src, i in found]), len(found),
                                at_least=True)  # fmt: skip
+    with _lease(index, fingerprint.bundle_key, config, note):
+        return _publish_leased(store, index, fingerprint, found, layers, info, config, note, compile_seconds, report,
+                               started)  # fmt: skip
+
+
+def _publish_leased(store: Store, index: Index, fingerprint: Fingerprint, found, layers: list[str], info,
+                    config: PublishConfig, note: Callable[[str], None], compile_seconds: float | None,
+                    report: progress.Report | None, started: float) -> PublishResult:  # fmt: skip
+    """Steps 1-5 of `publish`, under the bundle key's lease."""
     note(f"hashing {len(found)} files")
     with workdir() as tmp, ThreadPoolExecutor(max(1, config.jobs), thread_name_prefix="kcache-compress") as chunks:
         early = _PackWhileHashing(store, index, tmp, chunks)
@@ -539,6 +561,63 @@ def publish(
     except IndexDbError as exc:  # stats only: the bundle is committed, its ref moved; the exit code must say so
         log.warning("published, but cannot record the publish event: %s", exc)
     return result
+
+
+@contextlib.contextmanager
+def _lease(index: Index, bundle_key: str, config: PublishConfig, note: Callable[[str], None]):
+    """Hold `bundle_key`'s publish lease while the body runs, renewed on a thread; first wait while
+    another publish holds it, for at most `config.peer_wait` seconds. An index that cannot keep
+    leases costs the duplicate uploads they save, never the publish."""
+    holder = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"[-128:]
+    deadline = time.monotonic() + config.peer_wait
+    held = waited = False
+    while True:
+        try:
+            until = index.take_lease(bundle_key, holder, config.lease_seconds)
+        except KcacheError as exc:
+            log.warning("cannot take the publish lease of %s (%s); publishing without it", bundle_key, exc)
+            break
+        if until is None:
+            held = True
+            break
+        left = deadline - time.monotonic()
+        if left <= 0:
+            log.warning("another publish of bundle key %s still holds its lease (until %s); publishing anyway",
+                        bundle_key, f"{until:%H:%M:%S}")  # fmt: skip
+            break
+        if not waited:
+            waited = True
+            log.info("waiting up to %.0f s for another publish of bundle key %s", left, bundle_key)
+            note(f"waiting for another publish of bundle key {bundle_key[:12]} (its lease runs to {until:%H:%M:%S})")
+        time.sleep(min(_LEASE_POLL, left))
+    if not held:
+        yield
+        return
+    stop = threading.Event()
+    renewing = threading.Thread(target=_renew, args=(index, bundle_key, holder, config.lease_seconds, stop),
+                                name="kcache-lease", daemon=True)  # fmt: skip
+    renewing.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        renewing.join()
+        try:
+            index.release_lease(bundle_key, holder)
+        except KcacheError as exc:  # it expires by itself
+            log.warning("cannot release the publish lease of %s: %s", bundle_key, exc)
+
+
+def _renew(index: Index, bundle_key: str, holder: str, seconds: float, stop: threading.Event) -> None:
+    while not stop.wait(seconds / 3):
+        try:
+            lost = index.take_lease(bundle_key, holder, seconds) is not None
+        except KcacheError as exc:
+            log.warning("cannot renew the publish lease of %s: %s", bundle_key, exc)
+            continue
+        if lost:  # it expired and another publish took it: it no longer waits for this one
+            log.warning("the publish lease of %s passed to another publish", bundle_key)
+            return
 
 
 def _yanked_before(store: Store, manifest: manifests.Manifest) -> bool:

@@ -1,4 +1,5 @@
-"""Eight processes publish overlapping trees under one bundle key at once, on S3 and PostgreSQL."""
+"""Processes publish at once, on S3 and PostgreSQL: overlapping trees under one bundle key, identical
+pods' trees, and the same contents under different keys (their row inserts race)."""
 
 import multiprocessing
 import traceback
@@ -53,14 +54,20 @@ def _publisher(i, root, store_url, endpoint, index_url, facts, barrier, results,
         results.put((i, None, traceback.format_exc()))
 
 
-def _run_publishers(roots, store_url, endpoint, index_url, fp, *, barrier_before_inserts=False):
-    """One spawned publisher per tree, released together; (their (i, bundle id, error) outcomes, processes)."""
+def facts_of(fp, i: int, own_key: bool) -> dict:
+    return {**fp.facts, "model.id": f"writer-{i}"} if own_key else dict(fp.facts)
+
+
+def _run_publishers(roots, store_url, endpoint, index_url, fp, *, barrier_before_inserts=False, own_keys=False):
+    """One spawned publisher per tree, released together; (their (i, bundle id, error) outcomes, processes).
+    With `own_keys`, each publishes under its own bundle key (model.id): publishers of one key take
+    turns (its publish lease), so only writers of different keys insert rows at the same moment."""
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(len(roots)), ctx.Queue()
     extra = (ctx.Barrier(len(roots)),) if barrier_before_inserts else ()
     procs = [
         ctx.Process(target=_publisher,
-                    args=(i, root, store_url, endpoint, index_url, dict(fp.facts), barrier, results, *extra))
+                    args=(i, root, store_url, endpoint, index_url, facts_of(fp, i, own_keys), barrier, results, *extra))
         for i, root in enumerate(roots)
     ]  # fmt: skip
     for p in procs:
@@ -105,6 +112,19 @@ def test_eight_concurrent_publishers(tmp_path, s3_bucket, pg_index, fp):
             assert read_tree(dst / layer) == read_tree(roots[i] / layer)
 
 
+def test_identical_pods_publishing_at_once_upload_each_pack_once(tmp_path, s3_bucket, pg_index, fp):
+    """A Deployment's replicas warm up alike and publish together: one uploads, the rest wait for its
+    lease and then find every blob in the index (without it, each uploaded a salted copy of all)."""
+    store_url, endpoint = s3_bucket
+    write_tree(tmp_path / "tree", tree_for(0))
+    pods = 4
+    outcomes, _ = _run_publishers([tmp_path / "tree"] * pods, store_url, endpoint, pg_index.url, fp)
+    assert len({bundle_id for _, bundle_id, _ in outcomes}) == 1
+    store = open_store(store_url, endpoint_url=endpoint)
+    manifest = manifests.parse(store.get_bytes(manifest_key(outcomes[0][1])), outcomes[0][1])
+    assert {o.key for o in store.list("packs")} == {pack_key(p) for p in {e.pack for e in manifest.entries}}
+
+
 ORDERED_WRITERS, CONTENTS = 4, 2000
 
 
@@ -120,11 +140,12 @@ def test_publishers_with_differently_ordered_trees_do_not_deadlock(tmp_path, pg_
         write_tree(tmp_path / f"tree{i}", ordered_tree(i))
         roots.append(tmp_path / f"tree{i}")
     store_url = f"file://{tmp_path / 'store'}"
-    outcomes, _ = _run_publishers(roots, store_url, None, pg_index.url, fp, barrier_before_inserts=True)
+    outcomes, _ = _run_publishers(roots, store_url, None, pg_index.url, fp, barrier_before_inserts=True, own_keys=True)
     with pg_index.engine.connect() as conn:
         assert conn.execute(text("select count(*) from blobs")).scalar() == CONTENTS
     store = open_store(store_url)
     for i, bundle_id, _ in outcomes:
         dst = tmp_path / f"restored{i}"
-        assert restore(store, pg_index, fp, dst, bundle_id=bundle_id).status == "hit"
+        own = fingerprint.compute(facts_of(fp, i, True))
+        assert restore(store, pg_index, own, dst, bundle_id=bundle_id).status == "hit"
         assert read_tree(dst / "inductor") == read_tree(roots[i] / "inductor")

@@ -14,7 +14,6 @@ import importlib
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -24,12 +23,12 @@ import pytest
 from click.testing import CliRunner
 from faulty import corrupting, raising, truncating
 from hanging_server import S3FaultProxy, SilentServer
+from sqlalchemy import text
 from trees import read_tree, write_tree
 
 from kcache import sources
 from kcache.cli import main
 from kcache.errors import IntegrityError, KcacheError, StoreError
-from kcache.index import Index
 from kcache.publish import publish
 from kcache.restore import STAGING_PREFIX, read_state, restore
 from kcache.store.local import LocalStore
@@ -344,18 +343,20 @@ def test_concurrent_restores_into_one_root_take_turns(tmp_path, isolated_home):
     assert not list(root.glob(STAGING_PREFIX + "*"))
 
 
-def test_sigkill_mid_publish_leaves_no_bundle_without_blobs(tmp_path, isolated_home):
+def test_sigkill_mid_publish_leaves_no_bundle_without_blobs(tmp_path, isolated_home, pg_index):
+    index = ("--index", pg_index.url)
     write_tree(tmp_path / "v1", {"inductor/a": b"one" * 100})
-    cli("publish", "--from", tmp_path / "v1", "--model", MODEL)
+    cli("publish", "--from", tmp_path / "v1", "--model", MODEL, *index)
     store = home_store(isolated_home)
     old_packs = pack_keys(store)
     write_tree(tmp_path / "v2", {"inductor/a": b"two" * 100, "inductor/b": os.urandom(5000)})
 
-    # Hold SQLite's write lock: the child uploads its pack, then waits to record it (step 2),
-    # so it cannot reach the bundle row (step 4) before it is killed.
-    lock = sqlite3.connect(isolated_home / "index.db", isolation_level=None)
-    lock.execute("BEGIN IMMEDIATE")
-    child = kcache_child("publish", "--from", tmp_path / "v2", "--model", MODEL)
+    # Lock the packs table against writes: the child takes its publish lease and uploads its pack,
+    # then waits to record it (step 2), so it cannot reach the bundle row (step 4) before it is killed.
+    lock = pg_index.engine.connect()
+    lock.execute(text("BEGIN"))
+    lock.execute(text("LOCK TABLE packs IN EXCLUSIVE MODE"))
+    child = kcache_child("publish", "--from", tmp_path / "v2", "--model", MODEL, *index)
     try:
         wait_until(lambda: pack_keys(store) - old_packs, child, "uploaded pack")
         child.send_signal(signal.SIGKILL)
@@ -363,26 +364,24 @@ def test_sigkill_mid_publish_leaves_no_bundle_without_blobs(tmp_path, isolated_h
     finally:
         if child.poll() is None:
             child.kill()
-        lock.execute("ROLLBACK")
+        lock.rollback()
         lock.close()
     assert child.returncode == -signal.SIGKILL
 
-    index = Index.open(f"sqlite:///{isolated_home / 'index.db'}")
-    try:
-        bundles = index.list_bundles()
-    finally:
-        index.close()
+    bundles = pg_index.list_bundles()
     assert len(bundles) == 1
     for bundle in bundles:  # every committed bundle still restores in full
         out = cli("restore", "--into", tmp_path / f"check-{bundle.id[:8]}", "--model", MODEL, "--bundle", bundle.id,
-                  "--strict", "--json")  # fmt: skip
+                  "--strict", "--json", *index)  # fmt: skip
         assert json.loads(out.output)["status"] == "hit"
     via_refs = cli("restore", "--into", tmp_path / "refs", "--model", MODEL, "--index", "none", "--strict")
     assert via_refs.exit_code == 0 and (tmp_path / "refs/inductor/a").read_bytes() == b"one" * 100
 
-    again = json.loads(cli("publish", "--from", tmp_path / "v2", "--model", MODEL, "--json").output)
+    # Its lease lapses unrenewed (a minute); a rerun that finds it held waits no longer than --peer-wait.
+    again = json.loads(cli("publish", "--from", tmp_path / "v2", "--model", MODEL, "--json", "--peer-wait", "0",
+                           *index).output)  # fmt: skip
     assert again["files"] == 2
-    cli("restore", "--into", tmp_path / "dst", "--model", MODEL, "--strict")
+    cli("restore", "--into", tmp_path / "dst", "--model", MODEL, "--strict", *index)
     assert read_tree(tmp_path / "dst/inductor") == read_tree(tmp_path / "v2/inductor")
 
 

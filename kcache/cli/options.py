@@ -335,6 +335,13 @@ class Duration(_Parsed):
         return durations.parse(text, flag, bare_seconds=True, positive=True).total_seconds()
 
 
+class Wait(Duration):
+    """A Duration that may be zero: "do not wait"."""
+
+    def parse(self, text: str, flag: str) -> float:
+        return durations.parse(text, flag, bare_seconds=True).total_seconds()
+
+
 class Size(_Parsed):
     """`1073741824`, `512Mi`, `50Gi` -> bytes (kcache.sizes' rules)."""
 

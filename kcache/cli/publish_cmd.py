@@ -22,6 +22,7 @@ from kcache.cli.options import (
     FiniteFloat,
     NonEmptyPath,
     NonEmptyText,
+    Wait,
     command_line_workload,
     compute_fingerprint,
     fingerprint_options,
@@ -34,7 +35,7 @@ from kcache.cli.options import (
 )
 from kcache.config import Settings
 from kcache.hashcache import HashCache
-from kcache.publish import PublishConfig, publish, workload_of
+from kcache.publish import PEER_WAIT, PublishConfig, publish, workload_of
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +57,8 @@ def allow_empty_option(fn):
     )(fn)
 
 
-def publish_config(
-    cfg: Settings, *, jobs: int = 8, signing_key: Path | None = None, allow_empty: bool = False
-) -> PublishConfig:
+def publish_config(cfg: Settings, *, jobs: int = 8, signing_key: Path | None = None, allow_empty: bool = False,
+                   peer_wait: float = PEER_WAIT) -> PublishConfig:  # fmt: skip
     """The one publish configuration; its hash cache stays open until the command ends. Refuses
     --index none first: a publisher records its bundle in the index (prebake before its warmup)."""
     binding.require_index(cfg)
@@ -70,7 +70,7 @@ def publish_config(
         cache = None
     else:
         click.get_current_context().call_on_close(cache.close)
-    return PublishConfig(jobs=jobs, signing_key=key, hash_cache=cache, allow_empty=allow_empty)
+    return PublishConfig(jobs=jobs, signing_key=key, hash_cache=cache, allow_empty=allow_empty, peer_wait=peer_wait)
 
 
 @click.command("publish")
@@ -88,15 +88,19 @@ def publish_config(
 @click.option("--compile-seconds", type=FiniteFloat(min=0), metavar="S",
               help="Seconds the cold warmup took; `kcache stats` counts this minus restore time as saved.")  # fmt: skip
 @click.option("--jobs", type=click.IntRange(1, 256), default=8, show_default=True, help="Parallel hashing and uploads.")
+@click.option("--peer-wait", type=Wait(), default=f"{PEER_WAIT:g}s", show_default=True, metavar="DURATION",
+              help="Wait this long for a publish of the same bundle key elsewhere (another replica) to finish, "
+                   "then upload only what it did not; 0 uploads at once.")  # fmt: skip
 @fingerprint_options
 @store_options
 @json_option
-def publish_cmd(root, layers, extra_dirs, signing_key, allow_empty, compile_seconds, jobs, model, model_config, facts,
-                extras, store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
+def publish_cmd(root, layers, extra_dirs, signing_key, allow_empty, compile_seconds, jobs, peer_wait, model,
+                model_config, facts, extras, store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
     """Publish the compiled-kernel caches as a bundle for this machine's fingerprint.
 
     Uploads only blobs the index does not have: re-publishing an unchanged cache uploads
-    nothing. Safe to run from many pods at once. Without --model, `--from ROOT` publishes under
+    nothing. Safe to run from many pods at once: pods of one bundle key take turns (--peer-wait),
+    so each pack goes up once. Without --model, `--from ROOT` publishes under
     the model (and config, extras) that the restore into ROOT used, with --extra and --fact model.*
     over them; elsewhere a model is required. A --facts-file this machine contradicts is refused.
     A bundle with no files needs --allow-empty.
@@ -122,7 +126,7 @@ def publish_cmd(root, layers, extra_dirs, signing_key, allow_empty, compile_seco
     store = open_configured_store(cfg, jobs=jobs, publisher=True)
     show = stderr_is_terminal() and not as_json
     note = (lambda msg: click.echo(f"kcache: {fmt.text(msg)}", err=True)) if show else None  # names files of ROOT
-    config = publish_config(cfg, jobs=jobs, signing_key=signing_key, allow_empty=allow_empty)
+    config = publish_config(cfg, jobs=jobs, signing_key=signing_key, allow_empty=allow_empty, peer_wait=peer_wait)
     index = binding.open_index(cfg, store, write=True)
     try:
         with progress_bars.bars(progress_bars.wanted(as_json)) as report:

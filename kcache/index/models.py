@@ -5,6 +5,7 @@
     blobs    content id -> the pack, offset and compressed length that hold it
     events   restore/publish outcomes, the source of hit-rate and time-saved stats
     store_binding  one row: the id of the store these rows describe (kcache.binding)
+    publish_leases  bundle key -> the publish uploading for it now, until when (kcache.publish)
 
 Schema changes go through a new Alembic migration in migrations/versions; a test checks that
 these models and the migrations agree.
@@ -109,3 +110,14 @@ class StoreBindingRow(Base):
     store_id: Mapped[str] = mapped_column(String(64))
     store_url: Mapped[str] = mapped_column(Text)  # as first bound; for messages, never compared
     bound_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class PublishLeaseRow(Base):
+    """A publish of `bundle_key` under way: others of the same key wait for it, then upload what it did
+    not. Only saves uploads: a lease that is lost, expires or is never taken changes no outcome."""
+
+    __tablename__ = "publish_leases"
+
+    bundle_key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128))  # host:pid:token of the publish, for messages
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))  # by the index's clock

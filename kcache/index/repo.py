@@ -16,7 +16,7 @@ import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import TypeVar
 
 from sqlalchemy import Engine, String, any_, func, literal, select
@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 
 from kcache.errors import ConfigError, IndexConflict, IndexDbError, NotFound
 from kcache.index.db import describe_error, ensure_schema, make_engine
-from kcache.index.models import MAX_MODEL_ID, BlobRow, BundleRow, EventRow, PackRow, StoreBindingRow
+from kcache.index.models import MAX_MODEL_ID, BlobRow, BundleRow, EventRow, PackRow, PublishLeaseRow, StoreBindingRow
 from kcache.records import BlobLocation, Bundle, Event
 
 log = logging.getLogger(__name__)
@@ -310,6 +310,35 @@ class Index:
     def record_event(self, event: Event) -> None:
         """Stamped by the index's clock, like bundles: `kcache stats --since` windows agree across pods."""
         self.transaction(lambda s: s.add(EventRow(**event.__dict__, created_at=self._clock())))
+
+    def take_lease(self, bundle_key: str, holder: str, seconds: float) -> datetime | None:
+        """Hold the publish lease of `bundle_key` for `seconds` from now by the index's clock: a new
+        one, ours renewed, or another's that expired. None when held; else when the holder's ends."""
+        now = self.now()
+        until = now + timedelta(seconds=seconds)
+        key = PublishLeaseRow.bundle_key == bundle_key
+
+        def work(s: Session) -> datetime | None:
+            # The UPDATE's condition is judged again on a row another writer just changed (PostgreSQL
+            # READ COMMITTED; SQLite has one writer): of two takers of an expired lease, one wins.
+            mine_or_free = (PublishLeaseRow.holder == holder) | (PublishLeaseRow.expires_at < now)
+            if s.query(PublishLeaseRow).filter(key, mine_or_free).update({"holder": holder, "expires_at": until}):
+                return None
+            row = {"bundle_key": bundle_key, "holder": holder, "expires_at": until}
+            s.execute(self.insert_ignore(PublishLeaseRow, [row]))
+            held = s.execute(select(PublishLeaseRow.holder, PublishLeaseRow.expires_at).where(key)).first()
+            if held is None:  # released between the two statements: the next call takes it
+                return now
+            if held[0] == holder:
+                return None
+            return held[1] if held[1].tzinfo else held[1].replace(tzinfo=timezone.utc)
+
+        return self.transaction(work)
+
+    def release_lease(self, bundle_key: str, holder: str) -> None:
+        """Give up our lease of `bundle_key`; one another publish took over is left to it."""
+        self.transaction(lambda s: s.query(PublishLeaseRow).filter(
+            PublishLeaseRow.bundle_key == bundle_key, PublishLeaseRow.holder == holder).delete())  # fmt: skip
 
     def now(self) -> datetime:
         """What `_clock` reads now: the clock this index's rows are stamped by, so what gc holds their

@@ -321,3 +321,22 @@ def test_require_signature_reads_the_same_in_restore_and_prefetch_help():
     restore_help, prefetch_help = helps("restore"), helps("prefetch")
     assert "KCACHE_REQUIRE_SIGNATURE" in restore_help
     assert restore_help[restore_help.index("[env var"):] == prefetch_help[prefetch_help.index("[env var"):]
+
+
+def test_publish_peer_wait_zero_uploads_at_once_past_another_publishs_lease(tmp_path):
+    from kcache.index import Index
+
+    where = ["--store", f"file://{tmp_path / 'store'}", "--index", f"sqlite:///{tmp_path / 'index.db'}"]
+    write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"graph"})
+    first = json.loads(run("publish", "--from", str(tmp_path / "src"), "--model", "m", *where, "--json").output)
+    index = Index.open(f"sqlite:///{tmp_path / 'index.db'}")
+    try:
+        assert index.take_lease(first["bundle_key"], "a-replica-still-uploading", 3600) is None
+        write_tree(tmp_path / "src", {"inductor/fxgraph/h": b"another graph"})
+        args = ("publish", "--from", str(tmp_path / "src"), "--model", "m", *where, "--json")
+        second = json.loads(run(*args, "--peer-wait", "0").output)
+        assert second["new_blobs"] == 1 and second["bundle_id"] != first["bundle_id"]
+        refused = run(*args, "--peer-wait", "soon", ok=False)
+        assert refused.exit_code == 2 and "--peer-wait" in refused.output
+    finally:
+        index.close()
