@@ -502,19 +502,24 @@ def publish(
     index.check_bundle(_bundle_row(head))
     limits.check_manifest_size(manifests.least_size(head, [_manifest_path(src, i) for src, i in found]), len(found),
                                at_least=True)  # fmt: skip
-    with _lease(index, fingerprint.bundle_key, config, note):
+    with _Lease(index, fingerprint.bundle_key, config, note) as lease:
         return _publish_leased(store, index, fingerprint, found, layers, info, config, note, compile_seconds, report,
-                               started)  # fmt: skip
+                               started, lease)  # fmt: skip
 
 
 def _publish_leased(store: Store, index: Index, fingerprint: Fingerprint, found, layers: list[str], info,
                     config: PublishConfig, note: Callable[[str], None], compile_seconds: float | None,
-                    report: progress.Report | None, started: float) -> PublishResult:  # fmt: skip
-    """Steps 1-5 of `publish`, under the bundle key's lease."""
+                    report: progress.Report | None, started: float, lease: _Lease) -> PublishResult:  # fmt: skip
+    """Steps 1-5 of `publish`, under the bundle key's lease: taken at once, large files are packed
+    while they are hashed; held by another publish, every file is hashed (no upload) while it
+    works, and the lease is waited for after that."""
+    first = lease.take()
     note(f"hashing {len(found)} files")
     with workdir() as tmp, ThreadPoolExecutor(max(1, config.jobs), thread_name_prefix="kcache-compress") as chunks:
         early = _PackWhileHashing(store, index, tmp, chunks)
-        collected = _hash_all(found, config.jobs, config.hash_cache, report, early)
+        collected = _hash_all(found, config.jobs, config.hash_cache, report, early if first else None)
+    if not first:
+        lease.wait()
     new, uploaded, pack_count, locations = _upload_until_revived(collected, store, index, config.jobs, note, report)
     collected = _sized_as_stored(collected, locations)
     new, uploaded, pack_count = early.new + new, early.uploaded + uploaded, early.packs + pack_count
@@ -563,61 +568,71 @@ def _publish_leased(store: Store, index: Index, fingerprint: Fingerprint, found,
     return result
 
 
-@contextlib.contextmanager
-def _lease(index: Index, bundle_key: str, config: PublishConfig, note: Callable[[str], None]):
-    """Hold `bundle_key`'s publish lease while the body runs, renewed on a thread; first wait while
-    another publish holds it, for at most `config.peer_wait` seconds. An index that cannot keep
-    leases costs the duplicate uploads they save, never the publish."""
-    holder = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"[-128:]
-    deadline = time.monotonic() + config.peer_wait
-    held = waited = False
-    while True:
-        try:
-            until = index.take_lease(bundle_key, holder, config.lease_seconds)
-        except KcacheError as exc:
-            log.warning("cannot take the publish lease of %s (%s); publishing without it", bundle_key, exc)
-            break
-        if until is None:
-            held = True
-            break
-        left = deadline - time.monotonic()
-        if left <= 0:
-            log.warning("another publish of bundle key %s still holds its lease (until %s); publishing anyway",
-                        bundle_key, f"{until:%H:%M:%S}")  # fmt: skip
-            break
-        if not waited:
-            waited = True
-            log.info("waiting up to %.0f s for another publish of bundle key %s", left, bundle_key)
-            note(f"waiting for another publish of bundle key {bundle_key[:12]} (its lease runs to {until:%H:%M:%S})")
-        time.sleep(min(_LEASE_POLL, left))
-    if not held:
-        yield
-        return
-    stop = threading.Event()
-    renewing = threading.Thread(target=_renew, args=(index, bundle_key, holder, config.lease_seconds, stop),
-                                name="kcache-lease", daemon=True)  # fmt: skip
-    renewing.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        renewing.join()
-        try:
-            index.release_lease(bundle_key, holder)
-        except KcacheError as exc:  # it expires by itself
-            log.warning("cannot release the publish lease of %s: %s", bundle_key, exc)
+class _Lease:
+    """The publish lease of `bundle_key` (see the module's docstring): `take()` tries once, `wait()`
+    tries until it holds it or `config.peer_wait` has passed since the first try; once held, a thread
+    renews it until the block ends, which releases it. An index that cannot keep leases costs the
+    duplicate uploads they save, never the publish."""
 
+    def __init__(self, index: Index, bundle_key: str, config: PublishConfig, note: Callable[[str], None]):
+        self._index, self._key, self._seconds, self._note = index, bundle_key, config.lease_seconds, note
+        self._holder = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"[-128:]
+        self._deadline = time.monotonic() + config.peer_wait
+        self._stop = threading.Event()
+        self._renewing: threading.Thread | None = None
+        self._until: datetime | None = None  # the other holder's lease, after a try that failed
+        self._broken = False
 
-def _renew(index: Index, bundle_key: str, holder: str, seconds: float, stop: threading.Event) -> None:
-    while not stop.wait(seconds / 3):
+    def __enter__(self) -> _Lease:
+        return self
+
+    def take(self) -> bool:
         try:
-            lost = index.take_lease(bundle_key, holder, seconds) is not None
+            self._until = self._index.take_lease(self._key, self._holder, self._seconds)
         except KcacheError as exc:
-            log.warning("cannot renew the publish lease of %s: %s", bundle_key, exc)
-            continue
-        if lost:  # it expired and another publish took it: it no longer waits for this one
-            log.warning("the publish lease of %s passed to another publish", bundle_key)
+            log.warning("cannot take the publish lease of %s (%s); publishing without it", self._key, exc)
+            self._broken = True  # no waiting for a lease this index cannot keep
+            return False
+        if self._until is None:
+            self._renewing = threading.Thread(target=self._renew, name="kcache-lease", daemon=True)
+            self._renewing.start()
+        return self._until is None
+
+    def wait(self) -> None:
+        if self._broken:
             return
+        if (left := self._deadline - time.monotonic()) > 0 and self._until is not None:
+            log.info("waiting up to %.0f s for another publish of bundle key %s", left, self._key)
+            self._note(f"waiting for another publish of bundle key {self._key[:12]} "
+                       f"(its lease runs to {self._until:%H:%M:%S})")  # fmt: skip
+        while not self.take():
+            if self._broken or (left := self._deadline - time.monotonic()) <= 0:
+                if self._until is not None:
+                    log.warning("another publish of bundle key %s still holds its lease (until %s); publishing "
+                                "anyway", self._key, f"{self._until:%H:%M:%S}")  # fmt: skip
+                return
+            time.sleep(min(_LEASE_POLL, left))
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self._seconds / 3):
+            try:
+                lost = self._index.take_lease(self._key, self._holder, self._seconds) is not None
+            except KcacheError as exc:
+                log.warning("cannot renew the publish lease of %s: %s", self._key, exc)
+                continue
+            if lost:  # it lapsed and another publish took it: that one no longer waits for this one
+                log.warning("the publish lease of %s passed to another publish", self._key)
+                return
+
+    def __exit__(self, *exc) -> None:
+        if self._renewing is None:
+            return
+        self._stop.set()
+        self._renewing.join()
+        try:
+            self._index.release_lease(self._key, self._holder)
+        except KcacheError as exc:  # it lapses by itself
+            log.warning("cannot release the publish lease of %s: %s", self._key, exc)
 
 
 def _yanked_before(store: Store, manifest: manifests.Manifest) -> bool:

@@ -9,14 +9,15 @@ import pytest
 from trees import write_tree
 
 from kcache import sources
-from kcache.errors import StoreError
+from kcache.errors import IndexDbError, StoreError
 from kcache.index import Index
 from kcache.publish import PublishConfig, publish
 from kcache.store import open_store
 
 LAYERS = sources.select()
 TREE = {f"inductor/k/{n}.py": f"kernel {n}\n".encode() * 500 for n in range(40)}
-TREE["triton/big/kernel.cubin"] = bytes(range(256)) * 16 * 1024  # 4 MiB: a pack of its own
+# 17 MiB: packed while it is hashed (publish.LARGE_FILE_BYTES), unless another publish holds the lease
+TREE["triton/big/kernel.cubin"] = bytes(range(256)) * 68 * 1024
 
 
 class GatedStore:
@@ -150,3 +151,23 @@ def test_the_holder_renews_its_lease_while_it_uploads(tmp_path, index, fp, tree)
     finally:
         store.go.set()
     assert first().created
+
+
+class NoLeases:
+    """An index whose lease statements fail (a table it lacks, a connection that drops)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def take_lease(self, *args):
+        raise IndexDbError(self.inner.url, "no such table: publish_leases")
+
+
+def test_an_index_that_keeps_no_leases_costs_no_publish(tmp_path, index, fp, tree, caplog):
+    store = open_store(f"file://{tmp_path / 'store'}")
+    result = publish(store, NoLeases(index), fp, LAYERS, root=tree, env={})
+    assert result.created and result.files == len(TREE)
+    assert caplog.text.count("publishing without it") == 1
