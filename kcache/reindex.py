@@ -323,7 +323,11 @@ def _date(manifest_id: str, modified: datetime, ref: refs.Ref | None, now: datet
         return modified
     if ref.manifest == manifest_id:
         return ref.created_at
-    return min(modified, ref.created_at - timedelta(milliseconds=1))
+    try:
+        before = ref.created_at - timedelta(milliseconds=1)
+    except OverflowError:  # a ref dated on a datetime's first day (a forger's): nothing is older
+        before = ref.created_at
+    return min(modified, before)
 
 
 def _yanked(store: Store, skipped: list[str]) -> set[str]:
