@@ -48,7 +48,7 @@ def read_store_id(store: Store) -> str | None:
         return None
     try:
         store_id = json.loads(data)["store_id"]
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: 4 KiB of `[`
         raise IntegrityError("store id", STORE_ID_KEY, f"does not parse: {type(exc).__name__}") from None
     if not isinstance(store_id, str) or not _ID.match(store_id):
         raise IntegrityError("store id", STORE_ID_KEY, "is not 32 hex digits")
