@@ -123,11 +123,12 @@ def plan(store: Store, index: Index, policy: Policy, now: datetime | None = None
     else:
         store_time = now
     bundles = lifecycle.all_bundles(index)
-    listed_yanked = _check_covers(store, index, {b.id for b in bundles})
+    stored = _stored_manifests(store)
+    listed_yanked = _check_covers(store, index, {b.id for b in bundles}, stored)
     doomed = _expired(bundles, policy, now)
     retained = [b for b in bundles if b.id not in {d.id for d in doomed}]
     referenced, broken = _mark(store, retained)
-    lost, lost_packs = _yanked_without_rows(store, index, {b.id for b in bundles}, listed_yanked)
+    lost, lost_packs = _yanked_without_rows(store, index, {b.id for b in bundles}, listed_yanked, stored)
     referenced |= lost_packs
     unreferenced = [p for p in lifecycle.packs(index) if p.id not in referenced]
     cutoff = now - policy.grace
@@ -173,11 +174,12 @@ def execute(store: Store, index: Index, gc_plan: Plan, *, signer: signing.Signin
                   len(gc_plan.leftovers))  # fmt: skip
 
 
-def _check_covers(store: Store, index: Index, rows: set[str]) -> set[str]:
+def _check_covers(store: Store, index: Index, rows: set[str], stored: set[str]) -> set[str]:
     """Refuse an index that lacks a bundle the store's refs name: it is not the index this store's
     publishers commit to (another KCACHE_HOME, a backup missing recent rows), and to it every
     manifest they published is an orphan and every pack unreferenced. Returns the ids the refs
-    list as yanked (a yanked bundle is named by no ref: see _yanked_without_rows)."""
+    list as yanked (a yanked bundle is named by no ref: see _yanked_without_rows) among those
+    `stored`: a planted ref lists up to ~15k ids, each of which gc would otherwise hold and ask for."""
     from kcache.index import lifecycle
 
     unknown, yanked = [], set()
@@ -191,7 +193,7 @@ def _check_covers(store: Store, index: Index, rows: set[str]) -> set[str]:
             continue
         if ref is None:
             continue
-        yanked.update(ref.yanked)
+        yanked.update(bundle_id for bundle_id in ref.yanked if bundle_id in stored)
         # (has_bundle: a publish may have committed since the rows were read. A manifest the store lacks:
         # a store writer's ref, or a lost bundle; either way nothing of it for gc to delete, nothing to tell.)
         rowless = ref.manifest not in rows and not lifecycle.has_bundle(index, ref.manifest)
@@ -205,8 +207,8 @@ def _check_covers(store: Store, index: Index, rows: set[str]) -> set[str]:
     return yanked
 
 
-def _yanked_without_rows(store: Store, index: Index, rows: set[str],
-                         listed: set[str]) -> tuple[tuple[str, ...], set[str]]:  # fmt: skip
+def _yanked_without_rows(store: Store, index: Index, rows: set[str], listed: set[str],
+                         stored: set[str]) -> tuple[tuple[str, ...], set[str]]:  # fmt: skip
     """Yanked bundles the index has no row for whose manifest the store still holds, and their packs.
 
     A yank marker or a ref's yank list names them, yet no ref does (a signed ref never names a
@@ -219,9 +221,7 @@ def _yanked_without_rows(store: Store, index: Index, rows: set[str],
 
     named = {info.key[len("yanks/"):] for info in store.list("yanks/")} | listed
     kept, packs = [], set()
-    for bundle_id in sorted(named - rows):
-        if not _ID.match(bundle_id):
-            continue
+    for bundle_id in sorted((named & stored) - rows):  # without a manifest there is nothing to keep
         try:
             entries = manifests.fetch(store, bundle_id).entries
         except (ObjectMissing, IntegrityError, UnsafePath):  # gone (the usual case), or nothing to restore anyway
@@ -234,6 +234,12 @@ def _yanked_without_rows(store: Store, index: Index, rows: set[str],
         log.warning("keeping %d yanked bundles the index has no row for (e.g. %s): is it behind the publishers' "
                     "index? `kcache reindex` brings their rows back", len(kept), kept[0][:12])  # fmt: skip
     return tuple(kept), packs
+
+
+def _stored_manifests(store: Store) -> set[str]:
+    """The ids of the manifests the store holds where restore reads them (manifests/<hh>/<id>)."""
+    owners = ((_owner(info.key), info.key) for info in store.list("manifests/"))
+    return {owner for owner, key in owners if _ID.match(owner) and key == manifest_key(owner)}
 
 
 def _expired(bundles: list[Bundle], policy: Policy, now: datetime) -> list[Bundle]:
