@@ -136,7 +136,7 @@ class LocalStore:
         base = self.root / prefix if prefix else self.root
         if not base.is_dir():
             return
-        for dirpath, _dirs, files in os.walk(base):
+        for dirpath, files in _tree(base):
             rel = Path(dirpath).relative_to(self.root).as_posix()
             for name in files:
                 key = name if rel == "." else f"{rel}/{name}"
@@ -164,7 +164,7 @@ class LocalStore:
                 raise StoreError(self.url, f"cannot read {key}: {exc.strerror}") from None
         if limit is not None and len(data) > limit:
             raise ObjectTooLarge("object", key, len(data), limit)
-        return data, hashlib.sha256(data).hexdigest()
+        return data, _version(data)
 
     def put_if(self, key: str, data: bytes, version: str | None) -> bool:
         final = self._path(key)
@@ -175,13 +175,30 @@ class LocalStore:
             # (and on NFS v4, which supports fcntl locks).
             with open(final.parent / f".lock-{final.name}", "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
-                current = self.get_versioned(key)
-                if (current[1] if current else None) != version:
+                if not self._at_version(key, version):
                     return False
                 atomic.write_bytes(final, data)
                 return True
         except OSError as exc:
             raise StoreError(self.url, f"cannot write {key}: {exc.strerror or exc}") from None
+
+    def _at_version(self, key: str, version: str | None) -> bool:
+        """Whether `key` holds what `version` (from get_versioned; None: nothing) names. Read only at the
+        version's size: between a caller's capped read and its swap, whoever writes PATH can put a huge
+        (sparse) file at the key, and reading it whole for its hash would take the command's memory."""
+        try:
+            f = self._open(key)
+        except ObjectMissing:
+            return version is None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if version is None or not version.startswith(f"{size}-"):
+                return False
+            try:
+                data = f.read(size + 1)  # it may grow after the fstat
+            except OSError as exc:
+                raise StoreError(self.url, f"cannot read {key}: {exc.strerror}") from None
+        return _version(data) == version
 
     def now(self) -> datetime:
         """This host's clock: the filesystem stamps the mtimes `list` and `leftovers` report with it
@@ -196,6 +213,28 @@ class LocalStore:
         except OSError as exc:
             if exc.errno != errno.ENOENT:
                 raise StoreError(self.url, f"cannot delete {key}: {exc.strerror}") from None
+
+
+def _tree(base: Path) -> Iterator[tuple[str, list[str]]]:
+    """(directory, names of what is not a directory in it) for `base` and every directory under it,
+    as os.walk without following links. A stack, not os.walk: before Python 3.12 that recursed once
+    a level, and whoever writes PATH can nest directories a thousand deep, a RecursionError in every
+    listing (gc, verify, reindex, yank --undo)."""
+    pending = [str(base)]
+    while pending:
+        directory = pending.pop()
+        try:
+            with os.scandir(directory) as it:
+                entries = list(it)
+        except OSError:  # gone since it was listed, or unreadable: os.walk passes over it too
+            continue
+        pending += [e.path for e in entries if e.is_dir(follow_symlinks=False)]
+        yield directory, [e.name for e in entries if not e.is_dir(follow_symlinks=False)]
+
+
+def _version(data: bytes) -> str:
+    """An object's version: its size, then its SHA-256 (the size lets a swap refuse a changed object unread)."""
+    return f"{len(data)}-{hashlib.sha256(data).hexdigest()}"
 
 
 def _utc(seconds: float) -> datetime:
