@@ -21,6 +21,9 @@ def one_line(text: object, limit: int = LIMIT) -> str:
     surrogate, private and unassigned characters become '?', runs of spaces collapse, and
     anything past `limit` characters is cut (marked with '...')."""
     raw = str(text)[: limit * 4]  # bound the work on huge input before looking at characters
+    if raw.isascii() and raw.isprintable():  # the common case, no character to replace: skip the per-character walk
+        line = " ".join(raw.split())
+        return line if len(line) <= limit else line[: limit - 3] + "..."
     chars = []
     for ch in raw:
         category = unicodedata.category(ch)

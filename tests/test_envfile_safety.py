@@ -118,6 +118,17 @@ def test_one_line_is_bounded_and_keeps_plain_text():
     assert len(one_line("x" * 10_000)) == 300
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=400), st.integers(min_value=4, max_value=300))
+def test_one_line_shows_no_control_and_no_line_break_whatever_the_text(text, limit):
+    line = one_line(text, limit)
+    assert len(line) <= limit and "  " not in line and line == line.strip()
+    assert all(ch.isprintable() for ch in line), repr(line)
+    if text.isascii() and text.isprintable():  # plain text keeps every word, spaces collapsed
+        words = " ".join(text.split())
+        assert line == (words if len(words) <= limit else words[: limit - 3] + "...")
+
+
 # ---- every restore path that writes kcache.env ------------------------------------------------
 
 
