@@ -255,7 +255,7 @@ def _read_json(path: Path, flag: str, limit: int):
     data = boundedread.read_named(path, limit, flag)
     try:
         return json.loads(data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past the parser's limit
         raise ConfigError(flag, str(path), f"is not JSON: {exc}") from None
 
 

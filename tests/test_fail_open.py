@@ -84,12 +84,21 @@ def nested_ref_store(tmp_path: Path, key: str) -> str:
     return store.url
 
 
+def nested_file(tmp_path: Path, name: str) -> str:
+    """A JSON file nested deep enough to exhaust Python's recursion (a config another container wrote)."""
+    path = tmp_path / name
+    path.write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    return str(path)
+
+
 # Each case: (extra arguments, extra environment); callables get (tmp_path, facts_file, request).
 CASES = {
     "index-down": lambda t, f, r: (["--index", f"postgresql+psycopg://root@127.0.0.1:{free_port()}/none"], {}),
     "index-not-upgraded": lambda t, f, r: (["--index", r.getfixturevalue("empty_pg_database")], {}),
     "index-newer-than-kcache": lambda t, f, r: (["--index", newer_sqlite_index(t)], {}),
     "facts-file-typo": lambda t, f, r: (["--facts-file", str(t / "no-such-facts.json")], {}),
+    "deeply-nested-facts-file": lambda t, f, r: (["--facts-file", nested_file(t, "facts.json")], {}),
+    "deeply-nested-model-config": lambda t, f, r: (["--model-config", nested_file(t, "config.json")], {}),
     "trusted-key-typo": lambda t, f, r: (["--trusted-key", str(t / "no-such.pub")], {}),
     "unknown-store-scheme": lambda t, f, r: (["--store", "gs://bucket/cache"], {}),
     "deeply-nested-ref": lambda t, f, r: (["--store", nested_ref_store(t, bundle_key(f)), "--index", "none"], {}),

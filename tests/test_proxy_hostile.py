@@ -293,3 +293,29 @@ def test_an_engine_error_is_never_cached(prefix, status):
         replies = [proxy.post(CHAT, ASK) for _ in range(2)]
         assert [(r.status, r.headers["x-kcache-cache"]) for r in replies] == [(status, "miss")] * 2
         assert not list(redis.Redis.from_url(REDIS_URL).scan_iter(prefix + "*"))
+
+
+NESTED = b'{"choices": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # valid JSON, nested past the parser's limit
+
+
+def _nested_json(server, conn, request) -> None:
+    server.send(conn, b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                      b"Connection: close\r\n\r\n" % len(NESTED) + NESTED)  # fmt: skip
+
+
+def _nested_events(server, conn, request) -> None:
+    body = b"data: " + NESTED + b"\n\ndata: [DONE]\n\n"
+    server.send(conn, b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n"
+                      b"Connection: close\r\n\r\n" % len(body) + body)  # fmt: skip
+
+
+@pytest.mark.parametrize("route", [_nested_json, _nested_events], ids=["json", "event-stream"])
+def test_an_answer_nested_past_the_parsers_limit_reaches_the_client_and_is_not_stored(prefix, route):
+    # Deciding whether to store the answer parsed it; the RecursionError escaped the handler after the body
+    # was sent, so the client's answer never ended cleanly and the next request found the entry missing.
+    with HostileServer({f"POST {CHAT}": route}) as eng, RunningProxy(config(eng.url, prefix)) as proxy:
+        replies = [proxy.post(CHAT, ASK) for _ in range(2)]
+        assert [(r.status, r.headers["x-kcache-cache"]) for r in replies] == [(200, "miss")] * 2
+        assert all(NESTED in r.body for r in replies)
+        assert proxy.metric("kcache_proxy_not_stored_total", reason="upstream_error") == 2
+        assert not list(redis.Redis.from_url(REDIS_URL).scan_iter(prefix + "*"))

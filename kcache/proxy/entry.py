@@ -76,7 +76,7 @@ def storable(status: int, headers: tuple[tuple[str, str], ...], body: bytes) -> 
         return "" if sse.complete(body) else "upstream_error"
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: an answer nested past the parser's limit
         return "upstream_error"
     if not isinstance(doc, dict) or "error" in doc or "choices" not in doc:
         return "upstream_error"

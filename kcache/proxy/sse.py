@@ -43,7 +43,7 @@ def complete(body: bytes) -> bool:
     for payload in payloads[:-1]:
         try:
             doc = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: an event nested past the parser's limit
             return False
         if not isinstance(doc, dict) or "error" in doc:
             return False
