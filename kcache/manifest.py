@@ -292,7 +292,7 @@ def _entry_from_row(n: int, row: Any, length_of_row: int) -> Entry:
     path, mode, size, blob, pack, offset, length = row[:7]
     mtime_ns = row[7] if length_of_row > 7 else None
     # First, before any other check or the canonical comparison touches the path more than once.
-    if type(path) is str and (too_big := _over_caps(path)):
+    if type(path) is str and (too_big := over_caps(path)):
         raise ValueError(f"entry {n} ({_shown(path)}) {too_big}")
     # type() is int: JSON numbers parse to exact ints, and a bool (an int subclass) is no number here.
     if not (type(mode) is int and type(size) is int and type(offset) is int and type(length) is int
@@ -337,7 +337,7 @@ def _check_entries(entries: tuple[Entry, ...]) -> None:
 
 def check_path(path: str) -> str:
     """Return `path` if it is a safe relative POSIX path, else raise UnsafePath."""
-    if too_big := _over_caps(path):
+    if too_big := over_caps(path):
         raise UnsafePath(_shown(path, quoted=False), too_big)
     if not path:
         raise UnsafePath(path, "empty path")
@@ -351,7 +351,7 @@ def check_path(path: str) -> str:
     return path
 
 
-def _over_caps(path: str) -> str | None:
+def over_caps(path: str) -> str | None:
     """Why `path` is over MAX_PATH_BYTES or MAX_PATH_COMPONENTS, or None. One pass over it at most."""
     if len(path) > MAX_PATH_BYTES:  # a character is at least one UTF-8 byte: over the cap unencoded
         return f"is a path of {len(path)} characters, over the {MAX_PATH_BYTES} bytes a path may have"

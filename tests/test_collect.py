@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from trees import read_tree, write_tree
+from trees import nest, read_tree, remove_tree, write_tree
 
 from kcache import manifest as manifests
 from kcache import sources
@@ -168,3 +168,27 @@ def test_the_walk_lists_regular_files_in_name_order_and_skips_links_fifos_and_ju
     for name in ("linked_file", "dangling", "fifo"):
         assert f"{name}'" in caplog.text
     assert "linked_dir" not in caplog.text
+
+
+def test_paths_deeper_or_longer_than_a_manifest_carries_are_skipped_not_fatal(
+    tmp_path, store, sqlite_index, fp, caplog
+):
+    # One such file made the whole publish fail as "hostile or corrupt", and a tree ~1000 deep made the
+    # walk itself a RecursionError: the workload's own cache dir could stop every publish of the pod.
+    root = tmp_path / "root"
+    layer = root / "inductor"
+    write_tree(root, {"inductor/fxgraph/a": b"graph"})
+    deepest = manifests.MAX_PATH_COMPONENTS - 2  # "inductor/" + directories + the file name
+    nest(layer, ["d"] * deepest, "in", b"at the cap")
+    nest(layer, ["d"] * (deepest + 1), "out", b"one past it")
+    nest(layer, ["e"] * 1100, "far", b"past the recursion limit")
+    nest(layer, ["n" * 250] * 17, "long", b"over the bytes a path may have")
+    try:
+        with caplog.at_level("WARNING", logger="kcache.sources.base"):
+            result = publish(store, sqlite_index, fp, sources.select(), root=root)
+    finally:
+        remove_tree(layer / "e")  # pytest's own cleanup would recurse into it
+    assert not (layer / "e").exists()
+    assert published_paths(store, result) == {"inductor/fxgraph/a", "inductor/" + "d/" * deepest + "in"}
+    assert "components, over the" in caplog.text and "bytes a path may have" in caplog.text
+    assert restore(store, sqlite_index, fp, tmp_path / "dest").status == "hit"

@@ -17,6 +17,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kcache import manifest
+
 log = logging.getLogger(__name__)
 
 # Names that are never worth carrying: lock files, atomic-write temporaries, bytecode.
@@ -86,7 +88,8 @@ class Source:
         """Regular files under `top` that are not junk and whose names a manifest can carry.
 
         Links are skipped: they could point anywhere. So are names that are not UTF-8 or hold a
-        backslash: a manifest cannot carry them, and one such file would fail the whole publish.
+        backslash, and paths longer or deeper than a manifest path may be: a manifest cannot carry
+        them, and one such file would fail the whole publish.
         A directory's files come in name order, then its subdirectories, each the same way. A
         directory that cannot be listed (removed meanwhile, unreadable) is passed over.
         """
@@ -121,10 +124,17 @@ class Source:
             if not stat.S_ISREG(st.st_mode):
                 _skip(entry.path, "not a regular file")
                 continue
+            if too_long := manifest.over_caps(f"{self.subdir}/{prefix}{name}"):
+                _skip(entry.path, too_long)
+                continue
             yield FileInfo(prefix + name, Path(entry.path), stat.S_IMODE(st.st_mode) & 0o777, st.st_size,
                            st.st_mtime_ns, st.st_ctime_ns, st.st_ino)  # fmt: skip
         for entry in subdirs:
-            yield from self._walk_dir(entry.path, prefix + entry.name + "/")
+            below = prefix + entry.name + "/"
+            if too_deep := manifest.over_caps(f"{self.subdir}/{below}x"):  # what its shallowest file would be
+                _skip(entry.path, f"a file in it {too_deep}")  # and the walk's recursion stays bounded
+                continue
+            yield from self._walk_dir(entry.path, below)
 
 
 def _real_dir_below(root: Path, place: Path) -> bool:
