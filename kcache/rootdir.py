@@ -19,7 +19,6 @@ import contextlib
 import fcntl
 import logging
 import os
-import shutil
 import stat
 import threading
 import time
@@ -27,6 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from kcache import removal
 from kcache.errors import RootBusy, RootError
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def delete_until(path: Path, deadline: float | None) -> bool:
             os.unlink(path)
         return True
     if deadline is None:
-        shutil.rmtree(path, ignore_errors=True)
+        removal.remove_tree(path)
         return not os.path.lexists(path)
     left = deadline - _now()
     if left <= 0:
@@ -83,8 +83,7 @@ def delete_until(path: Path, deadline: float | None) -> bool:
 
 def delete_in_background(path: Path) -> threading.Thread:
     """rm -rf `path` on a daemon thread (it ends with the process, whatever is left)."""
-    worker = threading.Thread(target=shutil.rmtree, args=(path,), kwargs={"ignore_errors": True}, daemon=True,
-                              name="kcache-delete")  # fmt: skip
+    worker = threading.Thread(target=removal.remove_tree, args=(path,), daemon=True, name="kcache-delete")
     worker.start()
     return worker
 

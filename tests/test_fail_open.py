@@ -360,6 +360,30 @@ def test_cleanup_without_a_budget_removes_everything(tmp_path):
     assert not stale.exists() and (tmp_path / "elsewhere/keep").read_bytes() == b"not ours"
 
 
+@pytest.mark.parametrize("timeout", [None, 60], ids=["no-budget", "budget"])
+def test_a_previous_layer_nested_past_the_recursion_limit_is_removed(tmp_path, store, sqlite_index, fp, timeout):
+    """The model compiles into the restored layers, so what they hold is the workload's. shutil.rmtree
+    recursed once a level (Python 3.11): a tree ~1000 deep there made the next restore without a
+    budget a bug exit, and with one left it in a staging directory every later restore failed to
+    delete again."""
+    from trees import nest, remove_tree
+
+    from kcache.restore import restore
+
+    _published(tmp_path, store, sqlite_index, fp)
+    root = tmp_path / "root"
+    nest(root / "inductor", ["d"] * 1100, "k.so", b"compiled by the pod")
+    try:
+        result = restore(store, sqlite_index, fp, root, timeout=timeout)
+        assert result.status == "hit" and (root / "inductor/k.py").read_bytes() == b"kernel"
+        assert not (root / "inductor/d").exists()
+        assert not list(root.glob(STAGING_PREFIX + "*"))
+    finally:  # pytest's own cleanup recurses too
+        for left in [root / "inductor/d", *root.glob(STAGING_PREFIX + "*")]:
+            if left.is_dir():
+                remove_tree(left)
+
+
 def test_a_swap_that_fails_part_way_puts_every_layer_back(tmp_path, store, sqlite_index, fp, monkeypatch):
     """ROOT never holds some layers of the new bundle beside the old rest: a rename that fails on
     the second layer (EXDEV from a mount, EACCES on another user's directory) undoes the first."""

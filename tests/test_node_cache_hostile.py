@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from faulty import CountingStore
-from trees import write_tree
+from trees import nest, write_tree
 
 from kcache import atomic, filelock, publish
 from kcache import prefetch as prefetching
@@ -186,13 +186,17 @@ def plant(path: Path, what: str, outside: Path) -> None:
         (path / "junk").write_bytes(b"x")
         (path / "sub").mkdir()
         os.symlink(outside, path / "sub" / "out")  # removing the junk must not reach through this
+    elif what == "directory-nested-past-the-recursion-limit":  # shutil.rmtree recursed once a level
+        nest(path, ["d"] * 1100, "junk", b"x")
+        os.symlink(outside, path / "out")
     elif what == "dangling-link":
         os.symlink("/nonexistent/kcache-lock", path)
     elif what == "link-to-a-file-outside":
         os.symlink(outside / "precious", path)
 
 
-PLANTS = ["directory", "directory-with-files", "dangling-link", "link-to-a-file-outside"]
+PLANTS = ["directory", "directory-with-files", "directory-nested-past-the-recursion-limit", "dangling-link",
+          "link-to-a-file-outside"]
 
 
 @pytest.mark.parametrize("what", PLANTS)
@@ -224,7 +228,7 @@ def test_a_lock_path_that_is_no_lock_file_is_replaced_and_the_node_still_fills(t
     assert cache.warm(pack_id).bytes == len(data)
 
 
-@pytest.mark.parametrize("what", ["directory", "directory-with-files"])
+@pytest.mark.parametrize("what", ["directory", "directory-with-files", "directory-nested-past-the-recursion-limit"])
 def test_a_directory_at_a_packs_path_is_replaced_by_the_pack(tmp_path, backing, what):
     """A directory where a pack should be failed every fill of that pack (unlink said EISDIR), so
     every pod on the node read it from the store for good, and prefetch failed on it each round."""
@@ -238,7 +242,7 @@ def test_a_directory_at_a_packs_path_is_replaced_by_the_pack(tmp_path, backing, 
     assert read(NodeCacheStore(backing, node, wait=5), pack_id, 0, 100) == data[:100]
     assert cached_path(node, pack_id).read_bytes() == data
     assert (outside / "precious").read_bytes() == b"keep" and sorted(os.listdir(outside)) == ["precious"]
-    assert not list((node / "packs" / pack_id[:2]).glob(".tmp-*"))
+    assert not list((node / "packs" / pack_id[:2]).glob(".tmp-*"))  # the directory went with its whole tree
 
 
 # ---- the cap counts what eviction can remove ----------------------------------------------------------

@@ -19,12 +19,11 @@ import errno
 import hashlib
 import logging
 import os
-import shutil
 import stat
 from pathlib import Path
 from typing import BinaryIO
 
-from kcache import filelock
+from kcache import filelock, removal
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +78,7 @@ def lock(path: Path, mode: int, deadline: float | None) -> filelock.FileLock | N
 def clear(path: Path) -> None:
     """Remove what is at `path`, without following a link: a file, a link, a FIFO; a directory is
     first renamed aside (so the path is free at once) and then removed with what it holds
-    (shutil.rmtree never follows a link out of it)."""
+    (never following a link out of it)."""
     try:
         os.unlink(path)
         return
@@ -95,7 +94,7 @@ def clear(path: Path) -> None:
         os.rename(path, aside)
     except FileNotFoundError:
         return
-    shutil.rmtree(aside, ignore_errors=True)
+    removal.remove_tree(aside)
 
 
 def is_directory(path: Path) -> bool:
