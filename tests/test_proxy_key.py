@@ -27,17 +27,56 @@ CREDENTIAL_T = hashlib.sha256(b"Bearer t").hexdigest()
 TENANT_T = hashlib.sha256(f'[["authorization","{CREDENTIAL_T}"]]'.encode()).hexdigest()
 
 
+SCHEMA_PROPERTIES = [("name", {"type": "string"}), ("age", {"type": "integer"})]
+
+
+def structured(properties):
+    schema = {"type": "object", "properties": dict(properties), "required": [name for name, _ in properties]}
+    return {**BODY, "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}}
+
+
+def test_order_and_number_spelling_below_the_top_level_are_kept():
+    """An engine reads parameters by name, but what lies inside them it may read in order or as text:
+    structured output follows a schema's property order, and chat templates render `tools` with
+    json.dumps unsorted, so `1` and `1.0` there are different prompts. Such requests got one key."""
+    assert key.request_key(CHAT, [], [], structured(SCHEMA_PROPERTIES), FP) != key.request_key(
+        CHAT, [], [], structured(SCHEMA_PROPERTIES[::-1]), FP)  # fmt: skip
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "integer", "minimum": 1}}}
+    spelled = json.loads(json.dumps(tool).replace('"minimum": 1', '"minimum": 1.0'))
+    assert key.request_key(CHAT, [], [], {**BODY, "tools": [tool]}, FP) != key.request_key(
+        CHAT, [], [], {**BODY, "tools": [spelled]}, FP)  # fmt: skip
+    reordered = {"messages": [{"content": "hi", "role": "user"}], "model": "m", "temperature": 0}
+    assert key.request_key(CHAT, [], [], BODY, FP) != key.request_key(CHAT, [], [], reordered, FP)
+
+
+@pytest.mark.parametrize("name", ["temperature", "max_tokens", "top_p"])
+def test_a_top_level_number_is_one_key_however_spelled(name):
+    def keyed(value):
+        return key.request_key(CHAT, [], [], {**BODY, name: value}, FP)
+
+    assert keyed(1) == keyed(1.0) != keyed(1.5)
+
+
+def test_a_string_never_shares_a_key_with_the_value_it_spells():
+    assert key.request_key(CHAT, [], [], {**BODY, "stop": ["x"]}, FP) != key.request_key(
+        CHAT, [], [], {**BODY, "stop": '["x"]'}, FP)  # fmt: skip
+    assert key.request_key(CHAT, [], [], {**BODY, "stop": {"as_sent": '"x"'}}, FP) != key.request_key(
+        CHAT, [], [], {**BODY, "stop": "x"}, FP)  # fmt: skip
+
+
 def test_key_is_pinned():
     # A refactor must never change a key by accident: every cached answer would go cold at once.
     # The bytes below are the documented parts, written out by hand; bump KEY_SCHEMA to change them.
-    parts = ('{"body":{"messages":[{"content":"hi","role":"user"}],"model":"m","temperature":0},'
-             f'"fingerprint":"{FP}","path":"/v1/chat/completions","query":[["a","1"],["a","0"],["b","2"]],'
-             f'"schema":3,"tenant":"{TENANT_T}"}}')  # fmt: skip
+    # Top-level members sorted, numbers there integral when they can be; a list or object as the text of
+    # its JSON, in the order and spelling it came in.
+    parts = ('{"body":{"messages":{"as_sent":"[{\\"role\\":\\"user\\",\\"content\\":\\"hi\\"}]"},"model":"m",'
+             f'"temperature":0}},"fingerprint":"{FP}","path":"/v1/chat/completions",'
+             f'"query":[["a","1"],["a","0"],["b","2"]],"schema":4,"tenant":"{TENANT_T}"}}')  # fmt: skip
     assert TENANT_T == "b4e64ad2e1b894d9c48ac7338530cb66f303d364c592a5b227435807c8e464d4"
     got = key.request_key(CHAT, key.query_pairs("b=2&a=1&a=0"), [("Authorization", "Bearer t")],
-                          {**BODY, "user": "u"}, FP)  # fmt: skip
+                          {**BODY, "user": "u", "temperature": 0.0}, FP)  # fmt: skip
     assert got == hashlib.sha256(parts.encode()).hexdigest()
-    assert got == "c40b24a9e595546e3d790f1b6915373c7541576a43777a0b4bcd4175c8bb83c1"
+    assert got == "3cdc661259ced7765b0cff793d3ff44105f3f18b5c916a1b3b1bc8d5c1118cb9"
     assert key.tenant([]) == hashlib.sha256(b"[]").hexdigest()  # no credential: the one anonymous tenant
 
 
@@ -49,7 +88,7 @@ json_values = st.recursive(
 
 
 @given(st.dictionaries(st.text(min_size=1, max_size=6), json_values, max_size=6), st.randoms())
-def test_key_ignores_order_and_non_semantic_fields(body, rnd):
+def test_key_ignores_top_level_order_and_non_semantic_fields(body, rnd):
     items = list(body.items())
     rnd.shuffle(items)
     noisy = dict(items, user="someone", request_id="r-1", priority=5)

@@ -13,9 +13,13 @@ A key is SHA-256 over canonical JSON of named parts (pip's cache key, in spirit)
                  sorted by name, repeated names kept in their order (an engine reads the first or the
                  last), escapes decoded to bytes read as Latin-1 (one character a byte: no two raw
                  queries share a key, where UTF-8 decoding turns every invalid escape into U+FFFD)
-    body         the request's JSON with NON_SEMANTIC fields removed and integral floats made ints; a body
-                 that names a field twice at any depth is not cached (Python keeps the last, other parsers
-                 the first: the engine may read another request than the key)
+    body         the request's JSON with NON_SEMANTIC fields removed, its top-level members in any order
+                 and a top-level number integral when it can be (`temperature: 0.0` is `0`); a list or
+                 object as the text of its JSON, in the order and spelling it came in: an engine reads
+                 parameters by name, but structured output follows a schema's property order and chat
+                 templates render `tools` unsorted, `1.0` as `1.0`. A body that names a field twice at
+                 any depth is not cached (Python keeps the last, other parsers the first: the engine may
+                 read another request than the key)
 
 Deterministic by default means: `n` is absent or 1, and `temperature` is 0 or `seed` is an
 integer. A missing temperature is not 0: OpenAI defaults to 1 and vLLM to the model's generation
@@ -37,7 +41,9 @@ from typing import Any
 from kcache import canonical, readiness
 from kcache.errors import ConfigError
 
-KEY_SCHEMA = 3  # 2: query pairs decoded byte for byte, repeated names in order; 3: tenant of every credential header
+# 2: query pairs decoded byte for byte, repeated names in order; 3: tenant of every credential header;
+# 4: lists and objects in the body keyed as sent (order, number spelling)
+KEY_SCHEMA = 4
 CACHED_PATHS = ("/v1/completions", "/v1/chat/completions")
 BYPASS_HEADER = "X-Kcache-Bypass"
 # Headers that say who asks. An engine reads Authorization (vLLM's --api-key); a gateway in front of it may
@@ -202,7 +208,7 @@ def request_key(path: str, query, credentials: Sequence[tuple[str, str]], body: 
         "tenant": tenant(credentials),
         "path": path,
         "query": sorted(([str(k), str(v)] for k, v in items), key=lambda pair: pair[0]),  # stable: repeats in order
-        "body": normal_form({k: v for k, v in body.items() if k not in NON_SEMANTIC}),
+        "body": {name: _member(value) for name, value in body.items() if name not in NON_SEMANTIC},
     }
     return canonical.sha256(canonical.dumps(parts))
 
@@ -220,18 +226,15 @@ def tenant(credentials: Sequence[tuple[str, str]]) -> str:
     return canonical.sha256(canonical.dumps(pairs))
 
 
-def normal_form(value: Any) -> Any:
-    """`0.0` and `0` mean the same to an engine; JSON parsers keep them apart, the key must not.
-
-    A round trip through canonical JSON rather than a walk in Python: the C parser and encoder take
-    any depth parse_body let through, where a recursive walk spends two frames a level.
-    """
-    return json.loads(canonical.dumps(value), parse_float=_number)
-
-
-def _number(text: str) -> int | float:
-    value = float(text)
-    return int(value) if value.is_integer() else value
+def _member(value: Any) -> Any:
+    """A top-level member as the key holds it (see the module docstring). A list or object becomes
+    {"as_sent": its JSON text}: never a scalar, so no string shares a key with the value it spells.
+    The C encoder takes any depth parse_body let through, where a walk in Python spends frames a level."""
+    if isinstance(value, (dict, list)):
+        return {"as_sent": json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)}
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 _BUNDLE_KEY = re.compile(r"[0-9a-f]{32}")
