@@ -319,3 +319,33 @@ def test_an_answer_nested_past_the_parsers_limit_reaches_the_client_and_is_not_s
         assert all(NESTED in r.body for r in replies)
         assert proxy.metric("kcache_proxy_not_stored_total", reason="upstream_error") == 2
         assert not list(redis.Redis.from_url(REDIS_URL).scan_iter(prefix + "*"))
+
+
+def test_other_clients_are_served_while_a_request_body_is_judged(proxy, monkeypatch):
+    """Parsing and keying a body of up to 64 MiB took seconds of CPU on the event loop, where no other
+    client, cache hits and /metrics included, got an answer meanwhile. It runs on a worker thread now:
+    here it is held there until /metrics has answered."""
+    entered, release = threading.Event(), threading.Event()
+    judge = key.decide
+
+    def held(*args, **kwargs):
+        entered.set()
+        release.wait(60)
+        return judge(*args, **kwargs)
+
+    monkeypatch.setattr(key, "decide", held)
+    replies = []
+    asker = threading.Thread(target=lambda: replies.append(proxy.post(CHAT, ASK)), daemon=True)
+    asker.start()
+    try:
+        assert entered.wait(30)
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+        try:
+            conn.request("GET", "/metrics")
+            assert conn.getresponse().status == 200  # a timeout here: the loop was held
+        finally:
+            conn.close()
+    finally:
+        release.set()
+        asker.join(60)
+    assert [r.headers["x-kcache-cache"] for r in replies] == ["miss"]

@@ -14,6 +14,7 @@ share their prefix cache across tenants too.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,24 +24,32 @@ from kcache import canonical
 
 BLOCK_CHARS = 256
 BLOCK_TOKENS = 16  # vLLM's default KV block size
+# Segments measured of one prompt, its first: each costs a canonical dump, a hash and an LRU update on
+# the proxy's event loop, and a 64 MiB body of one-byte messages had ~30 million of them (~100 s in which
+# no other client was served). 16384 blocks are 4 MiB of text or 262k tokens.
+MAX_SEGMENTS = 16384
 
 
 @dataclass(frozen=True)
 class Seen:
-    total: int  # bytes of the prompt, canonical JSON of its segments
+    total: int  # bytes of the prompt measured, canonical JSON of its segments
     seen: int  # bytes of the longest prefix seen before
 
 
 def segments(path: str, body: Mapping[str, Any]) -> list[bytes]:
-    """The prompt of a chat or completion request, cut at reusable boundaries ([] when there is none)."""
+    """The first MAX_SEGMENTS segments of a chat or completion request's prompt, cut at reusable
+    boundaries ([] when there is none)."""
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
-        return [canonical.dumps(m) for m in messages] if isinstance(messages, list) else []
+        return [canonical.dumps(m) for m in messages[:MAX_SEGMENTS]] if isinstance(messages, list) else []
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return [canonical.dumps(prompt[i : i + BLOCK_CHARS]) for i in range(0, len(prompt), BLOCK_CHARS)]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return [canonical.dumps(prompt[i : i + BLOCK_TOKENS]) for i in range(0, len(prompt), BLOCK_TOKENS)]
+        ends = range(0, min(len(prompt), BLOCK_CHARS * MAX_SEGMENTS), BLOCK_CHARS)
+        return [canonical.dumps(prompt[i : i + BLOCK_CHARS]) for i in ends]
+    head = prompt[: BLOCK_TOKENS * MAX_SEGMENTS] if isinstance(prompt, list) else None
+    if head and all(isinstance(t, int) for t in head):
+        ends = range(0, len(head), BLOCK_TOKENS)
+        return [canonical.dumps(prompt[i : i + BLOCK_TOKENS]) for i in ends]
     return []  # a batch of prompts: each would need its own chain; not measured
 
 
@@ -50,6 +59,7 @@ class PrefixMemory:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._hashes: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()  # the proxy measures on worker threads
 
     def observe(self, fingerprint: str, path: str, body: Mapping[str, Any]) -> Seen:
         """Measure this prompt against what was seen, then remember it."""
@@ -58,13 +68,17 @@ class PrefixMemory:
         if path.endswith("/chat/completions"):
             root["tools"] = body.get("tools")
         chain = hashlib.sha256(canonical.dumps(root)).digest()
-        total = seen = 0
+        chains = []
         for part in parts:
             chain = hashlib.sha256(chain + part).digest()
-            total += len(part)
-            if chain in self._hashes:
-                seen = total
-            self._remember(chain)
+            chains.append(chain)
+        total = seen = 0
+        with self._lock:
+            for part, chain in zip(parts, chains):
+                total += len(part)
+                if chain in self._hashes:
+                    seen = total
+                self._remember(chain)
         return Seen(total, seen)
 
     def _remember(self, digest: bytes) -> None:

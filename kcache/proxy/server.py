@@ -134,9 +134,11 @@ class Proxy:
         if not whole:
             return await self._too_large(request, raw, started)
         query = key.query_pairs(request.rel_url.raw_query_string)
-        decision = key.decide(request.path, query, request.headers, raw, cfg.fingerprint,
-                              enabled=cfg.enabled, cache_sampled=cfg.cache_sampled,
-                              tenant_headers=self.tenant_headers)  # fmt: skip
+        # Parsing and keying up to max_request_bytes is seconds of CPU: on a worker thread, so the loop
+        # goes on serving others (the parser lets it in between objects; the prefix walk is bounded).
+        decision = await asyncio.to_thread(key.decide, request.path, query, request.headers, raw, cfg.fingerprint,
+                                           enabled=cfg.enabled, cache_sampled=cfg.cache_sampled,
+                                           tenant_headers=self.tenant_headers)  # fmt: skip
         cache_key, reason = decision.key, decision.reason
         if cache_key is not None:
             try:
@@ -151,7 +153,7 @@ class Proxy:
         outcome = "bypass" if cache_key is None else "miss"
         self.stats.requests[outcome] += 1
         if decision.body is not None:
-            seen = self.prefixes.observe(cfg.fingerprint, request.path, decision.body)
+            seen = await asyncio.to_thread(self.prefixes.observe, cfg.fingerprint, request.path, decision.body)
             self.stats.prompt_bytes += seen.total
             self.stats.prompt_seen_bytes += seen.seen
         return await self._forward(request, raw, started, outcome, cache_key)
