@@ -349,3 +349,41 @@ def test_other_clients_are_served_while_a_request_body_is_judged(proxy, monkeypa
         release.set()
         asker.join(60)
     assert [r.headers["x-kcache-cache"] for r in replies] == ["miss"]
+
+
+EVENTS = b'data: {"choices":[{"delta":{"content":"ok"}}]}\n\ndata: [DONE]\n\n'
+
+
+def _chunked_events_with(header: bytes):
+    def route(server, conn, request) -> None:
+        server.send(conn, b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n" + header
+                          + b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+                          + b"%x\r\n" % len(EVENTS) + EVENTS + b"\r\n0\r\n\r\n")  # fmt: skip
+    return route
+
+
+@pytest.mark.parametrize("header", [
+    b"X-Server: caf\xe9\r\n",
+    b"".join(b"X-H%d: v\r\n" % i for i in range(entry.MAX_HEADERS)),
+], ids=["not-utf8", "too-many"])  # fmt: skip
+def test_an_answer_whose_headers_the_cache_cannot_give_back_is_relayed_whole_and_not_stored(prefix, header):
+    """A Latin-1 byte in an engine's header made storing the answer raise after the body was relayed: a
+    streamed answer never got its last chunk. 65 headers were stored, then refused on every read."""
+    ask = {**ASK, "stream": True}
+    with HostileServer({f"POST {CHAT}": _chunked_events_with(header)}) as eng, \
+            RunningProxy(config(eng.url, prefix)) as proxy:  # fmt: skip
+        replies = [proxy.post(CHAT, ask) for _ in range(2)]
+        assert [(r.status, r.headers["x-kcache-cache"], r.body) for r in replies] == [(200, "miss", EVENTS)] * 2
+        assert proxy.metric("kcache_proxy_not_stored_total", reason="headers") == 2
+        assert proxy.metric("kcache_proxy_redis_errors_total", kind="bad_entry") == 0
+        assert not list(redis.Redis.from_url(REDIS_URL).scan_iter(prefix + "*"))
+
+
+def test_a_fault_while_storing_still_ends_the_clients_answer(proxy, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("a fault of the proxy's own")
+
+    monkeypatch.setattr(entry, "encode", broken)
+    reply = proxy.post(CHAT, {**ASK, "stream": True})
+    assert (reply.status, reply.headers["x-kcache-cache"]) == (200, "miss") and reply.body.endswith(b"data: [DONE]\n\n")
+    assert proxy.metric("kcache_proxy_not_stored_total", reason="error") == 1

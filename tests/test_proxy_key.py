@@ -319,6 +319,32 @@ def test_only_complete_successful_answers_are_storable(status, headers, body, re
     assert entry.storable(status, headers, body) == reason
 
 
+JSON_TYPE = ("Content-Type", "application/json")
+
+
+@pytest.mark.parametrize("headers", [
+    (JSON_TYPE, ("X-Server", "caf\udce9")),  # aiohttp's reading of a Latin-1 byte (surrogateescape)
+    (JSON_TYPE, *((f"X-H{i}", "v") for i in range(entry.MAX_HEADERS))),
+    (JSON_TYPE, ("X-Odd", "a\x01b")),
+    (JSON_TYPE, ("Bad Name", "v")),
+], ids=["not-utf8", "too-many", "control-character", "not-a-token"])  # fmt: skip
+def test_an_answer_whose_headers_could_not_be_read_back_is_not_storable(headers):
+    """Encoding a non-UTF-8 header raised in the handler after the body was sent (a streamed answer lost
+    its last chunk); 65 headers were stored and then refused on every read, a miss each time."""
+    assert entry.storable(200, headers, b'{"choices": []}') == "headers"
+
+
+header_texts = st.text(alphabet=st.characters(codec="utf-8") | st.sampled_from("\udce9\x01\x7f"), max_size=6)
+
+
+@given(st.lists(st.tuples(header_texts, header_texts), max_size=entry.MAX_HEADERS + 2))
+def test_whatever_is_storable_reads_back_as_it_was(headers):
+    headers = tuple(headers)
+    if entry.storable(200, headers, b'{"choices": []}') == "":
+        raw = entry.encode(entry.Entry(200, headers, b'{"choices": []}', False), key="k")
+        assert entry.decode(raw, max_bytes=len(raw), key="k").headers == headers
+
+
 def test_prefix_memory_measures_the_longest_seen_prefix_at_message_boundaries():
     memory = prefix.PrefixMemory(capacity=100)
     turns = [("system", "be brief"), ("user", "hi"), ("assistant", "hello"), ("user", "more")]

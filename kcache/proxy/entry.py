@@ -2,9 +2,11 @@
 
     b"kcp2\\n" + canonical JSON {"headers": [[name, value], ...], "key", "sha256", "status", "stream"} + b"\\n" + body
 
-Only complete, successful answers are stored: status 200, and for JSON a body that parses to an
-object with `choices` and no `error`; for server-sent events a stream that ends with `data: [DONE]`
-and carries no error event (vLLM reports a failure mid-stream as an event, after a 200). Redis is
+Only complete, successful answers are stored: status 200, headers that decode reads back as they
+are (at most MAX_HEADERS, tokens for names, values without controls that have a UTF-8 form), and
+for JSON a body that parses to an object with `choices` and no `error`; for server-sent events a
+stream that ends with `data: [DONE]` and carries no error event (vLLM reports a failure mid-stream
+as an event, after a 200). Redis is
 shared infrastructure, so a value is hostile until it decodes: it must be no larger than the proxy
 would have written (--max-entry-bytes), the header line must parse (a RecursionError counts as not
 parsing), it must name the request key it lies under (a value copied from another key, so from
@@ -69,9 +71,14 @@ def is_event_stream(headers: tuple[tuple[str, str], ...]) -> bool:
 
 
 def storable(status: int, headers: tuple[tuple[str, str], ...], body: bytes) -> str:
-    """Why this answer must not be cached ("" when it may be)."""
+    """Why this answer must not be cached ("" when it may be). What decode would refuse is never
+    stored: it would be written, then refused on every read."""
     if status != 200:
         return "upstream_error"
+    try:
+        _headers([list(pair) for pair in headers])
+    except BadEntry:  # over MAX_HEADERS, a name that is no token, a value with controls or no UTF-8 form
+        return "headers"
     if is_event_stream(headers):
         return "" if sse.complete(body) else "upstream_error"
     try:

@@ -246,7 +246,11 @@ class Proxy:
             store = asyncio.ensure_future(self._store(cache_key, upstream.status, answer, bytes(recording)))
             self._storing.add(store)
             store.add_done_callback(self._storing.discard)
-            await asyncio.shield(store)
+            try:
+                await asyncio.shield(store)
+            except Exception:  # whatever storing hit, the client's answer is whole and must end as such
+                log.exception("could not store an answer")
+                self.stats.not_stored["error"] += 1
         await response.write_eof()
         return response
 

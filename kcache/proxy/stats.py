@@ -4,7 +4,7 @@
     kcache_proxy_requests_total{outcome}          hit | miss | bypass | pass (a path the cache never answers)
     kcache_proxy_bypasses_total{reason}           bypass_header | disabled | not_json | ambiguous_auth |
                                                   too_large | sampling | n | redis
-    kcache_proxy_not_stored_total{reason}         upstream_error | too_large | redis | client_gone
+    kcache_proxy_not_stored_total{reason}         upstream_error | headers | too_large | redis | client_gone | error
     kcache_proxy_redis_errors_total{kind}         timeout | error | bad_entry
     kcache_proxy_redis_up                         0 while Redis is skipped after a failure
     kcache_proxy_hit_bytes_total                  bytes answered from the cache
