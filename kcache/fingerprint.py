@@ -134,13 +134,29 @@ def is_workload_fact(name: str) -> bool:
 
 
 def compute(facts: Mapping[str, str]) -> Fingerprint:
-    """Keys for a set of facts. Pure: the same facts give the same keys on any machine."""
+    """Keys for a set of facts. Pure: the same facts give the same keys on any machine.
+
+    ConfigError for a fact that is not UTF-8 text (an environment variable or --model holding a byte
+    no encoding names reads as a lone surrogate): canonical JSON cannot carry it, so nothing is keyed.
+    """
+    for name, value in facts.items():
+        if not (_is_utf8(name) and _is_utf8(value)):
+            raise ConfigError(f"fact {ascii(name)}", value, "is not UTF-8 text, so it cannot be keyed; "
+                              "set the environment variable or flag it comes from to UTF-8 text")  # fmt: skip
     toolchain = {k: v for k, v in facts.items() if not is_workload_fact(k)}
     workload = {k: v for k, v in facts.items() if is_workload_fact(k)}
     toolchain_key = canonical.xxh3({"schema": SCHEMA, "facts": toolchain})
     workload_key = canonical.xxh3({"schema": SCHEMA, "facts": workload})
     bundle_key = canonical.xxh3({"schema": SCHEMA, "toolchain": toolchain_key, "workload": workload_key})
     return Fingerprint(dict(facts), toolchain_key, workload_key, bundle_key)
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_assignments(pairs: Iterable[str], flag: str) -> dict[str, str]:
@@ -254,9 +270,19 @@ def workload_facts(model: str | None, config_path: Path | None, extra: Mapping[s
 def _read_json(path: Path, flag: str, limit: int):
     data = boundedread.read_named(path, limit, flag)
     try:
-        return json.loads(data)
+        doc = json.loads(data, parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as exc:  # RecursionError: nested past the parser's limit
         raise ConfigError(flag, str(path), f"is not JSON: {exc}") from None
+    try:  # what is read is hashed: it must have a canonical form (text escaped as a lone surrogate has none)
+        canonical.dumps(doc)
+    except (ValueError, RecursionError) as exc:
+        raise ConfigError(flag, str(path), f"cannot be keyed: {exc}") from None
+    return doc
+
+
+def _refuse_constant(name: str) -> None:
+    """NaN and Infinity: Python's json reads and writes them, JSON and canonical JSON have none."""
+    raise ValueError(f"{name} is no JSON number")
 
 
 def _model_config_facts(path: Path) -> dict[str, str]:

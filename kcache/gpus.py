@@ -104,12 +104,12 @@ def _cuda_order(cuda: list[Device], env: Mapping[str, str]) -> list[Device] | No
 
 
 def _lookup(entry: str, whole, devices, ordered, env) -> Device | None:
-    if entry.isdigit():
+    if entry.isascii() and entry.isdigit():  # "²".isdigit() is true: a name that selects nothing, below
         if ordered is None:
             why = ("names GPUs by index on a node with mixed GPUs, where CUDA's default FASTEST_FIRST numbering "
                    "is unknown; name them by UUID or set CUDA_DEVICE_ORDER=PCI_BUS_ID")  # fmt: skip
             raise ConfigError("CUDA_VISIBLE_DEVICES", env["CUDA_VISIBLE_DEVICES"], why)
-        index = int(entry)
+        index = int(entry) if len(entry) <= 9 else len(ordered)  # int() refuses more than 4300 digits
         return ordered[index] if index < len(ordered) else None
     pool = whole if entry.upper().startswith("GPU-") else devices if entry.upper().startswith("MIG-") else ()
     exact = [d for d in pool if entry in (d.uuid, d.legacy_id)]

@@ -37,7 +37,8 @@ def max_manifest_bytes(env: Mapping[str, str] | None = None) -> int:
     text = (os.environ if env is None else env).get(MANIFEST_ENV, "").strip()
     if not text:
         return DEFAULT_MANIFEST_BYTES
-    if not text.isdigit() or int(text) <= 0:
+    # isascii: "²".isdigit() is true and int() refuses it; 18 digits: int() refuses more than 4300
+    if not (text.isascii() and text.isdigit() and len(text) <= 18) or int(text) <= 0:
         raise ConfigError(MANIFEST_ENV, text, "expected a positive number of bytes, e.g. 33554432")
     return int(text)
 

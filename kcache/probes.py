@@ -355,6 +355,12 @@ def probe_threads(env: Mapping[str, str]) -> dict[str, str]:
     facts = {f"env.{name}": env[name] for name in _THREAD_ENV if name in env}
     if env.get("TORCHINDUCTOR_CPP_DYNAMIC_THREADS") == "1":
         facts["cpu.threads"] = "dynamic"
+    elif env.get("MKL_DOMAIN_NUM_THREADS", "").strip():
+        # MKL reads it before the rest (ALL=1 on 2 CPUs gave torch 1 thread; with OMP_NUM_THREADS=1,
+        # ALL=2 gave 2). Not worked out here: the raw setting is keyed above, with the cores it is
+        # read against, so only the same setting on the same machine shape shares a key.
+        usable, machine = physical_cores()
+        facts["cpu.threads"] = f"mkl-domain cores={usable}/{machine}"
     else:
         facts["cpu.threads"] = str(default_threads(env))
     return facts
@@ -371,15 +377,22 @@ def default_threads(env: Mapping[str, str], cores: int | None = None) -> int:
     requested: int | None = None
     mkl = env.get("MKL_NUM_THREADS", "").strip()
     if mkl and mkl != "0":
-        requested = int(mkl) if mkl.isdigit() and int(mkl) > 0 else 1
+        requested = _count(mkl) or 1
     elif "OMP_NUM_THREADS" in env:
-        first = env["OMP_NUM_THREADS"].split(",")[0].strip()
-        requested = int(first) if first.isdigit() and int(first) > 0 else None
+        requested = _count(env["OMP_NUM_THREADS"].split(",")[0].strip())
     if requested is None:
         return usable
     if env.get("MKL_DYNAMIC", "").strip().lower() == "false":
         return requested
     return min(requested, machine)
+
+
+def _count(text: str) -> int | None:
+    """A positive count in `text`, else None. isascii: "²".isdigit() is true and int() refuses it;
+    at most 9 digits: int() refuses more than 4300, and MKL's own parse stops at an int's range."""
+    if text.isascii() and text.isdigit() and len(text) <= 9 and int(text) > 0:
+        return int(text)
+    return None
 
 
 def physical_cores() -> tuple[int, int]:

@@ -109,7 +109,19 @@ CASES = {
     "env-timeout-garbage": lambda t, f, r: ([], {"KCACHE_RESTORE_TIMEOUT": "abc"}),
     "env-require-signature-garbage": lambda t, f, r: ([], {"KCACHE_REQUIRE_SIGNATURE": "abc"}),
     "bundle-id-prefix": lambda t, f, r: (["--bundle", "45422f"], {}),
+    # Facts that cannot be keyed: canonical JSON is UTF-8 without NaN (each was a bug exit, 70).
+    "model-not-utf8": lambda t, f, r: (["--model", "m\udce9"], {}),
+    "model-config-nan": lambda t, f, r: (["--model-config", text_file(t, '{"rope_scaling": {"factor": NaN}}')], {}),
+    "model-config-infinity": lambda t, f, r: (["--model-config", text_file(t, '{"max_len": -Infinity}')], {}),
+    "model-config-lone-surrogate": lambda t, f, r: (["--model-config", text_file(t, '{"name": "\\ud800"}')], {}),
+    "manifest-cap-superscript": lambda t, f, r: ([], {"KCACHE_MAX_MANIFEST_BYTES": "\u00b2"}),
 }
+
+
+def text_file(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    return str(path)
 
 
 def run_restore(root: Path, facts_file: Path, args: list[str], env: dict, *extra: str):

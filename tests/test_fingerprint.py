@@ -302,3 +302,12 @@ def test_keys_are_pinned():
         "the fingerprint keys changed: a change to the fingerprint needs a SCHEMA bump and a note in "
         "docs/design.md (then pin the new keys here); a refactor must never change a key"
     )
+
+
+@pytest.mark.parametrize("facts", [{"env.TORCHINDUCTOR_MAX_AUTOTUNE": "caf\udce9"}, {"model.id\udce9": "m"}])
+def test_a_fact_that_is_not_utf8_is_a_config_error_naming_it(facts):
+    """An environment variable holding a Latin-1 byte reads as a lone surrogate; hashing it raised
+    UnicodeEncodeError, a bug exit (70) from restore, publish, fingerprint and explain alike."""
+    with pytest.raises(ConfigError, match="not UTF-8") as raised:
+        f.compute({"os": "linux", **facts})
+    assert raised.value.what == f"fact {ascii(next(iter(facts)))}"

@@ -62,6 +62,8 @@ def test_the_list_ends_at_the_first_unusable_entry():
     assert gpus.visible(H100, {"CUDA_VISIBLE_DEVICES": "2,x,0"}) == (H100[2],)
     assert gpus.visible(H100, {"CUDA_VISIBLE_DEVICES": "0,0,1"}) == (H100[0],)
     assert gpus.visible(H100, {"CUDA_VISIBLE_DEVICES": " 3 , 1 "}) == (H100[3], H100[1])
+    assert gpus.visible(H100, {"CUDA_VISIBLE_DEVICES": "0,\u00b2"}) == (H100[0],)  # "²".isdigit(), no index
+    assert gpus.visible(H100, {"CUDA_VISIBLE_DEVICES": "1," + "9" * 4400}) == (H100[1],)  # past int()'s digits
 
 
 def test_mig_instances_are_named_by_uuid():

@@ -97,7 +97,7 @@ def test_huge_ref_and_signature_objects_are_refused_unread(tmp_path, store, fp, 
 def test_the_cap_is_configurable_and_checked():
     assert limits.max_manifest_bytes({}) == 32 * 1024 * 1024  # what the restore bound allows (test_restore_memory)
     assert limits.max_manifest_bytes({limits.MANIFEST_ENV: "1000"}) == 1000
-    for bad in ("-1", "0", "lots"):
+    for bad in ("-1", "0", "lots", "\u00b2", "9" * 4400):  # "²".isdigit(), and int() stops at 4300 digits
         with pytest.raises(ConfigError):
             limits.max_manifest_bytes({limits.MANIFEST_ENV: bad})
 

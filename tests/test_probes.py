@@ -151,6 +151,11 @@ def test_asking_torch_to_install_gxx_is_a_setting():
         ({"MKL_NUM_THREADS": "1", "OMP_NUM_THREADS": "3"}, 1),  # MKL's own setting wins
         ({"MKL_NUM_THREADS": "abc"}, 1),
         ({"MKL_NUM_THREADS": "0", "OMP_NUM_THREADS": "2"}, 2),
+        # "²".isdigit() is true and int() refuses it, as it refuses more than 4300 digits: not numbers
+        ({"OMP_NUM_THREADS": "\u00b2"}, 4),
+        ({"OMP_NUM_THREADS": "9" * 4400}, 4),
+        ({"MKL_NUM_THREADS": "\u00b2"}, 1),
+        ({"MKL_NUM_THREADS": "9" * 4400}, 1),
     ],
 )
 def test_thread_count_rule(env, expected):
@@ -316,3 +321,17 @@ def test_cxx_native_is_what_this_gcc_turns_on_here():
     # every AVX extension /proc/cpuinfo shows here, gcc turns on (under its own name)
     shown = {f for f in p.probe_cpu({})["cpu.features"].split() if f.startswith("avx")}
     assert shown <= {GCC_TO_CPUINFO.get(opt, opt) for opt in native}
+
+
+@pytest.mark.parametrize("setting", ["MKL_DOMAIN_ALL=1", "MKL_DOMAIN_ALL=2", "MKL_DOMAIN_BLAS=8"])
+def test_an_mkl_domain_setting_keys_the_cores_it_depends_on(setting):
+    """torch takes MKL's count, which MKL_DOMAIN_NUM_THREADS changes (ALL=1 on 2 CPUs gave 1 thread; with
+    OMP_NUM_THREADS=1, ALL=2 gave 2; MKL_DYNAMIC=false, ALL=8 gave 8), where the rule above gave the
+    cores: machines whose torch ran different counts could share a key. It is not worked out: the raw
+    setting and the cores it is read against are keyed, so only the same machine shape shares one."""
+    env = {"MKL_DOMAIN_NUM_THREADS": setting, "OMP_NUM_THREADS": "1"}
+    threads = p.probe_threads(env)["cpu.threads"]
+    assert threads != str(p.default_threads({"OMP_NUM_THREADS": "1"}))
+    usable, machine = p.physical_cores()
+    assert str(usable) in threads and str(machine) in threads
+    assert p.probe_threads(env) == p.probe_threads(dict(env))
