@@ -185,8 +185,10 @@ def _cut(conn: http.client.HTTPConnection, expired: threading.Event) -> None:
 
 def _read_capped(answer: http.client.HTTPResponse, max_body: int, url: str, deadline: float) -> bytes:
     declared = answer.getheader("Content-Length", "")
-    if declared.isdigit() and int(declared) > max_body:
-        raise RequestFailed(url, f"answer of {int(declared)} bytes is over the {max_body}-byte limit", transient=False)
+    # isascii: "²".isdigit() is true; past 18 digits over any cap, and int() refuses more than 4300
+    if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > max_body):
+        shown = declared if len(declared) <= 18 else f"a {len(declared)}-digit number of"
+        raise RequestFailed(url, f"answer of {shown} bytes is over the {max_body}-byte limit", transient=False)
     parts: list[bytes] = []
     size = 0
     while True:

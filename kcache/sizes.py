@@ -22,6 +22,8 @@ def parse(text: str, what: str) -> int:
     if not match or (match.group(2) == "" and not compact.isdigit()):
         raise ConfigError(what, str(text), "expected a size such as 1073741824, 512Mi or 50Gi")
     number, unit = match.group(1), _UNITS[match.group(2)]
+    if len(number) > 30:  # past any disk; int() refuses more than 4300 digits, float() turns them to inf
+        raise ConfigError(what, f"{compact[:20]}... ({len(compact)} characters)", "the size is too large")
     value = int(number) * unit if number.isdigit() else int(float(number) * unit)  # no float for whole numbers
     if value <= 0:
         raise ConfigError(what, str(text), "the size must be larger than zero")

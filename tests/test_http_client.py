@@ -156,3 +156,36 @@ def test_https_to_a_resolved_name_verifies_and_sends_that_name(tmp_path, monkeyp
             http_client.request("GET", f"https://127.0.0.1:{server.port}/health", timeout=5, max_body=1024)
     assert answer.status == 200 and server.seen == [("/health", f"localhost:{server.port}")]
     assert server.server_names[0] == "localhost" and "CERTIFICATE_VERIFY_FAILED" in wrong_name.value.why
+
+
+def _answer_once(head: str) -> tuple[socket.socket, threading.Thread]:
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(head.encode() + b"ok")
+
+    worker = threading.Thread(target=answer, daemon=True)
+    worker.start()
+    return listener, worker
+
+
+@pytest.mark.parametrize("declared", ["9" * 5000, "\u00b2"], ids=["past-int-digits", "superscript"])
+def test_a_content_length_int_cannot_read_is_no_crash(declared):
+    """An engine's Content-Length passed isdigit() and then could make int() raise: 5000 digits (past
+    Python's 4300) crashed the request with ValueError. Digits that many are over any cap; what is no
+    ASCII number is no declared length, and the answer is read up to the cap."""
+    listener, worker = _answer_once(f"HTTP/1.1 200 OK\r\nContent-Length: {declared}\r\nConnection: close\r\n\r\n")
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/"
+    try:
+        if declared.isascii():
+            with pytest.raises(http_client.RequestFailed, match="over the 1024-byte limit"):
+                http_client.request("GET", url, timeout=10, max_body=1024)
+        else:
+            got = http_client.request("GET", url, timeout=10, max_body=1024)
+            assert (got.status, got.body) == (200, b"ok")
+    finally:
+        worker.join(10)
+        listener.close()

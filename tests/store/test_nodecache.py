@@ -335,7 +335,7 @@ def test_the_cap_comes_from_the_environment(text, expected):
     assert max_bytes_from_env({"KCACHE_NODE_CACHE_MAX_BYTES": text}) == expected
 
 
-@pytest.mark.parametrize("text", ["lots", "-5", "0", "12b", "1.5x"])
+@pytest.mark.parametrize("text", ["lots", "-5", "0", "12b", "1.5x", "9" * 5000, "9" * 5000 + "Gi", "1." + "9" * 5000])
 def test_a_bad_cap_is_a_config_error(text):
     with pytest.raises(ConfigError):
         max_bytes_from_env({"KCACHE_NODE_CACHE_MAX_BYTES": text})
