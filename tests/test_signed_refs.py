@@ -211,6 +211,19 @@ def test_cli_refresh_revives_an_expired_ref(tmp_path, store, sqlite_index, fp, k
     assert missing.exit_code == 2 and "--signing-key" in missing.output
 
 
+def test_cli_refresh_says_which_keys_lost_their_ref(tmp_path, store, sqlite_index, fp, keys):
+    """A key whose only bundle is yanked has its ref removed; the text report sliced its missing bundle id
+    and exited 70 after the work was done, on every run of the refresh CronJob from then on."""
+    key = keys["prod"][0]
+    published = _publish(tmp_path, store, sqlite_index, fp, b"a", key)
+    yank(store, sqlite_index, published.bundle_id, signer=key)
+    args = ["--store", f"file://{store.root}", "--index", f"sqlite:///{tmp_path / 'index.db'}"]
+    out = CliRunner().invoke(main, ["refresh", "--signing-key", str(tmp_path / "keys/prod.key"), *args],
+                             catch_exceptions=False)  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert f"{fp.bundle_key} removed (no active bundle)" in out.output and "re-signed 0 refs" in out.output
+
+
 def test_cli_yank_signs_the_ref(tmp_path, store, sqlite_index, fp, keys):
     key = keys["prod"][0]
     v1 = _publish(tmp_path, store, sqlite_index, fp, b"good", key, "v1")

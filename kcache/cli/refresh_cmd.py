@@ -51,8 +51,10 @@ def refresh_cmd(bundle_keys, model, signing_key, ttl, store_url, index_url, s3_e
         return
     click.echo(f"kcache: re-signed {sum(1 for r in done.values() if r)} refs with key {key.name!r}")
     for row in rows:
-        what = f"-> {row['bundle_id'][:12]}, generation {row['generation']}, expires {row['expires']}"
-        click.echo(f"  {fmt.text(row['bundle_key'])} {what if row['bundle_id'] else 'removed (no active bundle)'}")
+        what = "removed (no active bundle)"
+        if row["bundle_id"]:  # a key whose every bundle is yanked has no ref left, so no id to show
+            what = f"-> {row['bundle_id'][:12]}, generation {row['generation']}, expires {row['expires']}"
+        click.echo(f"  {fmt.text(row['bundle_key'])} {what}")
 
 
 def _bundle_keys(given: tuple[str, ...], model: str | None) -> tuple[str, ...]:
