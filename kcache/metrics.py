@@ -91,7 +91,7 @@ def collect(root: Path, engine: readiness.EngineHealth | None = None) -> list[Fa
     return families
 
 
-def _numeric(doc: Mapping, field: str) -> float | None:
+def numeric(doc: Mapping, field: str) -> float | None:
     """A finite number at least 0 (every field is a count, a size or seconds), or None: markers are
     written by other containers, an int too large for a float (or 1e400, which parses to inf) must
     not turn every scrape into an error, and a negative counter would read as a reset to rate()."""
@@ -113,7 +113,7 @@ def _restore(doc: dict | None) -> list[Family]:
     for field, help_ in (("files", "Files the last restore laid down."),
                          ("bytes", "Bytes the last restore laid down."),
                          ("seconds", "Seconds the last restore took.")):  # fmt: skip
-        value = _numeric(doc, field)
+        value = numeric(doc, field)
         if value is not None:
             result.append(family(f"kcache_restore_{field}", "gauge", help_, ({}, value)))
     return result
@@ -127,7 +127,7 @@ def _warmup(doc: dict | None) -> list[Family]:
             "kcache_warmup_info", "gauge", "Outcome of warmup.", ({"status": _label(doc.get("status", "unknown"))}, 1)
         )
     ]
-    seconds = _numeric(doc, "seconds")
+    seconds = numeric(doc, "seconds")
     if seconds is not None:
         result.append(family("kcache_warmup_seconds", "gauge", "Seconds warmup took.", ({}, seconds)))
     if isinstance(doc.get("profiles"), list):
@@ -146,11 +146,11 @@ def _watch(doc: dict | None) -> list[Family]:
         family("kcache_jit_bytes_after_ready", "gauge", "Bytes of those files.",
                *(({"layer": layer}, size) for layer, size in sizes)),
         family("kcache_watch_baseline_files", "gauge", "Cache files present when the pod became ready.",
-               ({}, _numeric(doc, "baseline_files") or 0)),
+               ({}, numeric(doc, "baseline_files") or 0)),
         family("kcache_watch_publishes_total", "counter", "Delta publishes by kcache watch.",
-               ({}, _numeric(doc, "publishes") or 0)),
+               ({}, numeric(doc, "publishes") or 0)),
         family("kcache_watch_publish_errors_total", "counter", "Delta publishes that failed.",
-               ({}, _numeric(doc, "publish_errors") or 0)),
+               ({}, numeric(doc, "publish_errors") or 0)),
     ]  # fmt: skip
 
 
@@ -161,7 +161,7 @@ def _per_layer(doc: Mapping, field: str) -> list[tuple[str, float]]:
         return []
     pairs: dict[str, float] = {}
     for key in values:
-        number = _numeric(values, key)
+        number = numeric(values, key)
         if number is not None:
             pairs.setdefault(_label(key), number)  # two names cut to one label: one series, or the scrape fails
     return sorted(pairs.items())

@@ -332,3 +332,44 @@ def test_prefetch_outlasts_a_peer_that_holds_a_lock_forever(tmp_path, published,
     again = run_prefetch(store, node)  # the peer let go: the next round completes the node
     assert again.exit_code == 0, again.output + again.stderr
     assert {p for p in packs if cached_path(node, p).exists()} == set(packs)
+
+
+# ---- a long-lived process (the prefetch DaemonSet) and fills at once --------------------------------
+
+
+def test_each_warm_hashes_the_pack_again(tmp_path, backing):
+    """The DaemonSet's one NodeCacheStore remembered every pack it had hashed by (device, inode, size):
+    a copy damaged in place afterwards was reported cached round after round, and every pod on the node
+    read that pack from the store until the DaemonSet restarted."""
+    data = os.urandom(64 * KiB)
+    pack_id = put_pack(backing, data)
+    node = tmp_path / "node"
+    daemon = NodeCacheStore(backing, node)
+    assert daemon.warm(pack_id).fetched
+    with open(cached_path(node, pack_id), "r+b") as f:  # same inode, same size
+        f.seek(1000)
+        f.write(bytes([data[1000] ^ 0xFF]))
+    assert daemon.warm(pack_id).fetched, "the damaged copy was trusted"
+    assert cached_path(node, pack_id).read_bytes() == data
+    assert not daemon.warm(pack_id).fetched  # a good copy is kept
+
+
+def test_a_fill_that_lands_beside_another_leaves_the_cache_under_its_cap(tmp_path, backing, monkeypatch):
+    """A fill made room for itself before it downloaded, counting only the packs already in place: fills
+    at once each found room, and together left the cache over its cap (4 x 2 MiB under 3 MiB: 8 MiB).
+    Here one pod's fill lands while another's is downloading."""
+    node = tmp_path / "node"
+    first, second = (put_pack(backing, os.urandom(100 * KiB)) for _ in range(2))
+    pod_a, pod_b = (NodeCacheStore(backing, node, max_bytes=150 * KiB) for _ in range(2))
+    download = pod_b._download
+
+    def meanwhile_a_fills(key, pack_id, size, dst):
+        if pack_id == second:
+            assert pod_a.warm(first).fetched  # lands after pod_b made room, before its rename
+        return download(key, pack_id, size, dst)
+
+    monkeypatch.setattr(pod_b, "_download", meanwhile_a_fills)
+    assert pod_b.warm(second).fetched
+    usage = pod_b.usage()
+    assert usage.bytes <= usage.max_bytes, usage
+    assert cached_path(node, second).exists()  # the newest fill stays; the least recently used went

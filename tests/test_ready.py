@@ -47,6 +47,16 @@ def test_exit_code_and_reason(tmp_path, restore, warmup, code, says):
     assert says in result.output and len(result.output.splitlines()) == 1
 
 
+@pytest.mark.parametrize("seconds", [10**400, -5, "12"])
+def test_a_ready_pod_is_ready_whatever_its_warmup_marker_says_it_took(tmp_path, seconds):
+    """The marker is written by whoever can write ROOT: 10**400 made formatting the time an
+    OverflowError, so the exec probe exited 70 on a ready pod and held it unready."""
+    mark(tmp_path / "root", "hit")
+    write_marker(tmp_path / "root", WARMUP_MARKER, {"status": "ok", "seconds": seconds, "profiles": []})
+    result = ready("--root", str(tmp_path / "root"))
+    assert result.exit_code == 0 and result.output == "kcache: ready: restore hit, warmup ok\n"
+
+
 def signalled(root, status, weights, graphs, on_failure="unready"):
     mark(root, "hit")
     write_marker(root, WARMUP_MARKER, {"status": status, "profiles": [], "on_failure": on_failure,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kcache import readiness
+from kcache import metrics, readiness
 from kcache.cli import format as fmt
 from kcache.cli.errors import ExitCode
 from kcache.cli.options import health_url_option, json_option, root_option
@@ -39,8 +39,8 @@ def ready_cmd(root, health_url, as_json):
     elif state.cold:
         click.echo(f"kcache: ready (cold): restore {restore}, warmup failed; serving without warmup ({signals})")
     elif state.ready:
-        seconds = (state.warmup or {}).get("seconds")
-        took = f" in {fmt.seconds(seconds)}" if isinstance(seconds, (int, float)) else ""
+        seconds = metrics.numeric(state.warmup or {}, "seconds")  # a marker anyone in the pod may write
+        took = f" in {fmt.seconds(seconds)}" if seconds is not None else ""
         click.echo(f"kcache: ready: restore {restore}, warmup ok{took}")
     else:
         click.echo(f"kcache: not ready: {fmt.text(state.reason)} (root {root}; {signals})")

@@ -229,6 +229,7 @@ class NodeCacheStore:
         if _pack_id(key) is None:
             raise IntegrityError("pack", pack_id, "is not a SHA-256 hex digest")
         self._fetched.discard(pack_id)
+        self._forget(pack_id)  # hashed again: a long-lived prefetch must see a copy damaged since its last round
         try:
             held = self._open_cached(pack_id, key, need, self._deadline(wait))
         except OSError as exc:
@@ -238,6 +239,14 @@ class NodeCacheStore:
         with held:
             size = os.fstat(held.fileno()).st_size
         return Warmed(pack_id, pack_id in self._fetched, size)
+
+    def _forget(self, pack_id: str) -> None:
+        """Drop what this process knows of the copy at the pack's path: the next open hashes it."""
+        try:
+            st = os.stat(self._path(pack_id), follow_symlinks=False)
+        except OSError:
+            return
+        self._verified.discard((st.st_dev, st.st_ino, st.st_size))
 
     def usage(self) -> Usage:
         try:
@@ -430,6 +439,10 @@ class NodeCacheStore:
             atomic.write(path, lambda dst: written.append(self._download(key, pack_id, size, dst)))
             self._verified.add(written[0])  # the inode we wrote: the path may name a peer's file by now
             self._fetched.add(pack_id)
+            # Room was made before the download, counting the packs in place then: fills that ran at
+            # once each found room for themselves. Evict again now that this one is in (it is locked,
+            # so it stays; so does any pack a reader holds).
+            self._make_room(0, deadline)
             return True
 
     def _download(self, key: str, pack_id: str, size: int, dst: BinaryIO) -> tuple[int, int, int]:
