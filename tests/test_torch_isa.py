@@ -90,3 +90,13 @@ def test_restored_libraries_load_here_and_every_other_goes_to_torch(tmp_path, mo
     assert patched(None, str(probe)) is False and children == []
     elsewhere = tmp_path / "elsewhere.so"
     assert patched(None, str(elsewhere)) is True and children == [str(elsewhere)]
+
+
+@pytest.mark.parametrize("layers", [5, 1.5, True, {"inductor": 1}, "inductor"])
+def test_a_marker_whose_layers_are_no_list_vouches_for_nothing(tmp_path, layers):
+    """The marker lies in ROOT, which the model container writes: `"inductor" in 5` raised TypeError
+    in the model's own torch process, at its first compile."""
+    cache = tmp_path / "inductor"
+    cache.mkdir()
+    (tmp_path / RESTORE_MARKER).write_text(json.dumps({"status": "hit", "layers": layers}))
+    assert restored_inductor_dir({"TORCHINDUCTOR_CACHE_DIR": str(cache)}) is None

@@ -122,3 +122,10 @@ def test_a_record_over_its_cap_is_not_read(tmp_path):
     (headers / pch.NAME).write_text(json.dumps({"schema": 1, "headers": {KEY: NAME}, "pad": "x" * pch.MAX_BYTES}))
     os.utime(headers / pch.NAME, ns=(1, 1))
     assert pch._read(headers, root) == {}
+
+
+@pytest.mark.parametrize("layers", [5, 1.5, {"inductor-pch": 1}, "inductor-pch"])
+def test_a_marker_whose_layers_are_no_list_vouches_for_no_header(tmp_path, layers):
+    (tmp_path / "inductor").mkdir()
+    write_marker(tmp_path, RESTORE_MARKER, {"status": "hit", "layers": layers})
+    assert restored_root(tmp_path, tmp_path / "inductor" / "headers") is None

@@ -49,7 +49,9 @@ def restored_inductor_dir(env: Mapping[str, str] | None = None) -> Path | None:
         return None
     cache_dir = Path(configured).absolute()
     marker = read_marker(cache_dir.parent, RESTORE_MARKER)
-    if marker is None or marker.get("status") != "hit" or "inductor" not in (marker.get("layers") or []):
+    layers = marker.get("layers") if marker is not None else None
+    # A marker anyone in the pod may write: only a list vouches (`"inductor" in 5` raised in torch's process).
+    if marker is None or marker.get("status") != "hit" or not isinstance(layers, list) or "inductor" not in layers:
         return None
     return cache_dir
 

@@ -97,7 +97,8 @@ def _restored_root(header_dir: Path, env: Mapping[str, str]) -> Path | None:
         return None
     root = Path(configured).absolute().parent
     marker = read_marker(root, RESTORE_MARKER)
-    if marker is None or marker.get("status") != "hit" or "inductor-pch" not in (marker.get("layers") or []):
+    layers = marker.get("layers") if marker is not None else None
+    if marker is None or marker.get("status") != "hit" or not isinstance(layers, list) or "inductor-pch" not in layers:
         return None
     return root if header_dir.absolute().is_relative_to(root) else None
 
