@@ -138,16 +138,32 @@ def collect(sources: Iterable[Source], *, root: Path | None, env: Mapping[str, s
                 raise SourceDirError(flag, str(path), "does not exist" if not path.exists() else "is not a directory")
         dirs = named or source.read_dirs(root, env)
         seen: set[str] = set()
+        above: set[str] = set()  # the directories of what is in `seen`
         for top in dirs:
             if not (top.is_dir() or top.is_file()):  # a file: a one-file layer (the TRT-LLM autotuner's)
                 continue
             home = top if top.is_dir() else top.parent
             real = _resolved(home, None if named else root)
             for info in source.walk(top):
-                if info.rel not in seen:  # merged directories (triton per device): first wins
-                    seen.add(info.rel)
-                    found.append((source, _moved(info, str(home), real)))
+                if info.rel in seen:  # merged directories (triton per device): first wins
+                    continue
+                parents = _parents(info.rel)
+                if info.rel in above or not seen.isdisjoint(parents):
+                    # A file in one merged directory where another has a directory of that name: a
+                    # manifest cannot hold both, and the first directory's wins, as for one path.
+                    log.warning("skipping %r: %s/%s is a file in one merged directory and a directory in another",
+                                str(info.path), source.subdir, info.rel)  # fmt: skip
+                    continue
+                seen.add(info.rel)
+                above.update(parents)
+                found.append((source, _moved(info, str(home), real)))
     return found
+
+
+def _parents(rel: str) -> list[str]:
+    """"a/b/c" -> ["a", "a/b"]."""
+    parts = rel.split("/")
+    return ["/".join(parts[:n]) for n in range(1, len(parts))]
 
 
 def _resolved(home: Path, root: Path | None) -> str:
@@ -225,6 +241,11 @@ def _skip_resized(path: Path) -> None:
     log.warning("skipping %r: changed size since it was listed (a compile still writing it?)", str(path))
 
 
+# What open() says of a path whose file was replaced since the walk: a socket (ENXIO), a device
+# without a driver (ENODEV), a directory (EISDIR), a file where a directory above it was (ENOTDIR).
+_NOT_THE_FILE_LISTED = frozenset({errno.ENXIO, errno.ENODEV, errno.EISDIR, errno.ENOTDIR, errno.ENAMETOOLONG})
+
+
 def _skipping(path: Path, read: Callable[[], T]) -> T | None:
     """`read()` of a file listed by the walk, or None (with a warning) when the file went away,
     became unreadable, a link or no regular file since."""
@@ -239,10 +260,11 @@ def _skipping(path: Path, read: Callable[[], T]) -> T | None:
             log.warning("skipping %r: it or a directory above it became a symbolic link since it was listed",
                         str(path))  # fmt: skip
             return None
-        if isinstance(exc, boundedread.NotRegularFile):
-            log.warning("skipping %r: no longer a regular file since it was listed", str(path))
+        if isinstance(exc, boundedread.NotRegularFile) or exc.errno in _NOT_THE_FILE_LISTED:
+            log.warning("skipping %r: no longer a regular file at that path since it was listed (%s)", str(path),
+                        exc.strerror or exc)  # fmt: skip
             return None
-        raise
+        raise  # EIO and the like: the disk, not the workload; a bundle must not go out without the file
 
 
 def _hash_all(found: list[tuple[Source, FileInfo]], jobs: int, cache: HashCache | None,
@@ -518,6 +540,14 @@ def _publish_leased(store: Store, index: Index, fingerprint: Fingerprint, found,
     with workdir() as tmp, ThreadPoolExecutor(max(1, config.jobs), thread_name_prefix="kcache-compress") as chunks:
         early = _PackWhileHashing(store, index, tmp, chunks)
         collected = _hash_all(found, config.jobs, config.hash_cache, report, early if first else None)
+    # The walk found files; hashing may have skipped them all (removed, unreadable, changed since):
+    # an empty bundle would become the key's newest and every later pod would restore nothing.
+    kept = {c.path for c in collected}
+    if not kept and found and not config.allow_empty:
+        raise ConfigError("publish", f"{len(found)} files", "were all removed or changed while publish read "
+                          "them; nothing was published (pass --allow-empty to publish an empty bundle)")  # fmt: skip
+    layers = sorted({src.name for src, i in found if _manifest_path(src, i) in kept}) if found else layers
+    info = {name: value for name, value in info.items() if name in layers}
     if not first:
         lease.wait()
     new, uploaded, pack_count, locations = _upload_until_revived(collected, store, index, config.jobs, note, report)

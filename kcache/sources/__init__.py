@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,6 +20,8 @@ from kcache.sources.torch_extensions import TorchExtensionsSource
 from kcache.sources.triton import TritonSource
 from kcache.sources.trtllm import TrtllmAutotunerSource
 from kcache.sources.vllm import VllmSource
+
+log = logging.getLogger(__name__)
 
 BUILTIN: tuple[Source, ...] = (
     InductorSource(),
@@ -99,11 +102,14 @@ def in_root(root: Path, names: Iterable[str] | None = None, extras: Iterable[Ext
     named = {e.name for e in extras}
     extra_dir = Path(root) / "extra"
     # Only names restore can have laid down; a link here is refused when the layer is read (Source.read_dirs).
-    found = (
-        sorted(p.name for p in extra_dir.iterdir() if p.is_dir() and is_extra_name(p.name))
-        if extra_dir.is_dir()
-        else []
-    )
+    try:
+        found = sorted(p.name for p in extra_dir.iterdir() if p.is_dir() and is_extra_name(p.name))
+    except FileNotFoundError:
+        found = []
+    except OSError as exc:  # not a directory; another user's, unlistable: the extra layers are passed over
+        if extra_dir.exists() and extra_dir.is_dir():
+            log.warning("cannot list %s (%s); its extra layers are not published", extra_dir, exc.strerror or exc)
+        found = []
     return select(names, extras + [ExtraSource(n) for n in found if f"extra:{n}" not in named])
 
 

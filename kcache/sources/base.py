@@ -121,6 +121,9 @@ class Source:
                 st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue  # removed while we walked: a temp file of a running compile
+            except OSError as exc:  # EACCES (a directory listable, not searchable), ENAMETOOLONG (past PATH_MAX)
+                _skip(entry.path, f"cannot be looked at: {exc.strerror or exc}")
+                continue
             if not stat.S_ISREG(st.st_mode):
                 _skip(entry.path, "not a regular file")
                 continue

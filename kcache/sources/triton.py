@@ -10,11 +10,14 @@ same kernels; they are merged into one directory and TRITON_CACHE_DIR points eve
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 
 from kcache.sources.base import COMMON_JUNK, Source, home_dir
 from kcache.sources.inductor import inductor_dir
+
+log = logging.getLogger(__name__)
 
 
 class TritonSource(Source):
@@ -30,6 +33,11 @@ class TritonSource(Source):
         if env.get("TRITON_CACHE_DIR"):
             return [Path(env["TRITON_CACHE_DIR"])]
         under_inductor = inductor_dir(env) / "triton"
-        devices = sorted(under_inductor.iterdir()) if under_inductor.is_dir() else []
+        try:
+            devices = sorted(under_inductor.iterdir()) if under_inductor.is_dir() else []
+        except OSError as exc:  # another user's, unlistable: its kernels are passed over, not the publish
+            log.warning("cannot list %s (%s); its Triton kernels are not published", under_inductor,
+                        exc.strerror or exc)  # fmt: skip
+            devices = []
         # torch makes these per-device directories itself; one that is a link is not torch's.
         return [d for d in devices if d.is_dir() and not d.is_symlink()] + [home_dir(env) / ".triton" / "cache"]
