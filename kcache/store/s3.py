@@ -36,11 +36,13 @@ from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
+    ConnectionClosedError,
     ConnectTimeoutError,
     EndpointConnectionError,
     NoCredentialsError,
     ReadTimeoutError,
 )
+from urllib3 import exceptions as urllib3_errors
 
 from kcache import durations
 from kcache.errors import ConfigError, ObjectMissing, ObjectTooLarge, StoreError
@@ -252,8 +254,13 @@ class S3Store:
         try:
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
                 for obj in page.get("Contents", []):
-                    if is_valid_key(obj["Key"][strip:]):  # what no key can name, no command reads or deletes
-                        yield ObjectInfo(obj["Key"][strip:], int(obj["Size"]), obj["LastModified"])
+                    try:
+                        key, size, modified = obj["Key"][strip:], int(obj["Size"]), obj["LastModified"]
+                    except (KeyError, TypeError, ValueError):  # what botocore parsed is what was sent
+                        raise StoreError(self.url, f"list {prefix}: an entry without a key, size or date: "
+                                         f"{one_line(str(obj), 120)}") from None  # fmt: skip
+                    if is_valid_key(key):  # what no key can name, no command reads or deletes
+                        yield ObjectInfo(key, size, modified)
         except (ClientError, BotoCoreError) as exc:
             raise self._error(exc, prefix, "list") from None
 
@@ -268,7 +275,11 @@ class S3Store:
                 for upload in page.get("Uploads", []):
                     if not _PACK_UPLOAD.match(upload["Key"][strip:]):  # only packs go up in parts; a store
                         continue  # at a bucket's root must leave other applications' uploads alone
-                    found = self._leftover(upload["Key"], upload["UploadId"], upload["Initiated"], strip)
+                    try:
+                        found = self._leftover(upload["Key"], upload["UploadId"], upload["Initiated"], strip)
+                    except (KeyError, TypeError, ValueError):  # an entry without the fields S3 always sends
+                        raise StoreError(self.url, f"list uploads: an entry without its id, date or sizes: "
+                                         f"{one_line(str(upload), 120)}") from None  # fmt: skip
                     if found is not None:
                         yield found
         except (ClientError, BotoCoreError) as exc:
@@ -366,16 +377,49 @@ def _bound_error_bodies(client) -> None:
         finally:
             request.stream_output = streamed
         bounded = partial(AWSResponse, answer.url, answer.status_code, answer.headers)
+        # Read here, under botocore's handling of what this hook raises: a body cut off or stalled
+        # part-way is its ConnectionClosedError or ReadTimeoutError, retried as the session's own
+        # reads are (urllib3's errors, read later by botocore, were bugs to kcache).
         if answer.status_code >= 300:
-            return bounded(_Bounded(answer.raw, ERROR_BODY_BYTES))
+            return bounded(_Read(_read_bounded(answer.raw, ERROR_BODY_BYTES, request.url)))
         if not streamed:  # read now, as the session would have
-            whole = bounded(_Bounded(answer.raw, WHOLE_BODY_BYTES + 1))
-            if len(whole.content) > WHOLE_BODY_BYTES:
+            data = _read_bounded(answer.raw, WHOLE_BODY_BYTES + 1, request.url)
+            if len(data) > WHOLE_BODY_BYTES:
                 raise AnswerTooLarge(operation=request.method, limit=WHOLE_BODY_BYTES)
-            return whole
+            return bounded(_Read(data))
         return answer
 
     client.meta.events.register_first("before-send.s3", send)
+
+
+def _read_bounded(raw, limit: int, url: str) -> bytes:
+    """At most `limit` bytes of an answer's body, its read errors as botocore's (see `send`)."""
+    bounded = _Bounded(raw, limit)
+    try:
+        return b"".join(bounded.stream())
+    except urllib3_errors.ReadTimeoutError as exc:
+        bounded.close()
+        raise ReadTimeoutError(endpoint_url=url, error=exc) from None
+    except (urllib3_errors.HTTPError, OSError) as exc:  # ProtocolError: reset, cut short; SSLError
+        bounded.close()
+        raise ConnectionClosedError(endpoint_url=url, error=exc) from None
+
+
+class _Read:
+    """An answer's body, read already: what AWSResponse takes as its raw stream."""
+
+    def __init__(self, data: bytes):
+        self._data = data
+
+    def stream(self, **_kwargs) -> Iterator[bytes]:
+        yield self._data
+
+    def read(self, *_args, **_kwargs) -> bytes:
+        data, self._data = self._data, b""
+        return data
+
+    def close(self) -> None:
+        self._data = b""
 
 
 class _Bounded:

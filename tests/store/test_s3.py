@@ -1,6 +1,7 @@
 """S3 specifics against a real HTTP endpoint: multipart, conditional writes, faults."""
 
 import socket
+import struct
 
 import boto3
 import pytest
@@ -251,3 +252,51 @@ def test_a_list_page_is_read_no_further_than_its_bound(fake_credentials, route):
             list(store.list("packs"))
         assert server.requests == [("GET", server.requests[0][1])]  # refused, not retried
         assert server.sent < 64 * 1024 * 1024
+
+
+def _reset_after(status: str, head: bytes):
+    """An answer that promises 4000 bytes, sends `head` of them, then resets the connection."""
+
+    def route(server, conn, request):
+        server.send(conn, f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\nContent-Length: 4000\r\n\r\n".encode()
+                    + head)  # fmt: skip
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close() sends RST
+
+    return route
+
+
+LIST_HEAD = b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>bucket</Name>'
+
+
+@pytest.mark.parametrize("status, head", [("503 Slow Down", b"<Error><Code>SlowDown</Code>"),
+                                          ("200 OK", LIST_HEAD)], ids=["error-answer", "list-page"])  # fmt: skip
+def test_a_body_cut_off_mid_answer_is_a_store_error(fake_credentials, monkeypatch, status, head):
+    """The bounded read of an error answer or a list page ran outside botocore's own error handling:
+    a reset mid-body came out as urllib3's ProtocolError, a bug exit (70) for verify, gc and restore."""
+    import hostile_http
+
+    monkeypatch.setenv("KCACHE_S3_MAX_ATTEMPTS", "2")
+    with hostile_http.HostileServer({}) as server:
+        server.routes = _ByPath({"GET /bucket": _reset_after(status, head)})
+        store = open_store("s3://bucket", endpoint_url=server.url)
+        with pytest.raises(StoreError):
+            list(store.list("packs"))
+        assert len(server.requests) > 1  # retried, as botocore retries a cut connection
+
+
+def test_a_list_entry_without_its_size_or_date_is_a_store_error(fake_credentials):
+    import hostile_http
+
+    key = "packs/ab/" + "ab" * 32
+    page = (LIST_HEAD + b"<Prefix>packs/</Prefix><KeyCount>1</KeyCount><MaxKeys>1000</MaxKeys>"
+            b"<IsTruncated>false</IsTruncated><Contents><Key>" + key.encode() + b"</Key></Contents></ListBucketResult>")
+
+    def route(server, conn, request):
+        server.send(conn, b"HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\nContent-Length: %d\r\n\r\n%s"
+                    % (len(page), page))  # fmt: skip
+
+    with hostile_http.HostileServer({}) as server:
+        server.routes = _ByPath({"GET /bucket": route})
+        store = open_store("s3://bucket", endpoint_url=server.url)
+        with pytest.raises(StoreError, match="list"):
+            list(store.list("packs"))
