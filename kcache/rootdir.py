@@ -42,12 +42,26 @@ _LOCK_POLL = 0.05  # seconds between tries while another restore holds ROOT
 
 def prepare(root: Path) -> None:
     """Create ROOT; RootError when it cannot be a restore root (then nothing can be written there)."""
-    if root.exists() and not root.is_dir():
-        raise RootError(str(root), "exists and is not a directory; pass an empty or kcache-managed directory")
     try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise RootError(str(root), f"cannot be created: {exc.strerror}") from None
+        if root.exists() and not root.is_dir():
+            raise RootError(str(root), "exists and is not a directory; pass an empty or kcache-managed directory")
+        _make_dirs(root)
+    except OSError as exc:  # ENAMETOOLONG from exists() too: a path past what the kernel takes
+        raise RootError(str(root), f"cannot be created: {exc.strerror or exc}") from None
+
+
+def _make_dirs(path: Path) -> None:
+    """mkdir -p in a loop: Path.mkdir(parents=True) and os.makedirs recurse once a level."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        try:
+            directory.mkdir()
+        except FileExistsError:  # made meanwhile by another restore
+            if not directory.is_dir():
+                raise
 
 
 def remove_staging(root: Path, deadline: float | None = None) -> bool:

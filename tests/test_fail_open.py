@@ -23,6 +23,7 @@ from hanging_server import SilentServer
 
 from kcache import envfile, sources
 from kcache.cli import main
+from kcache.cli.errors import ExitCode
 from kcache.readiness import check
 from kcache.restore import read_state
 from kcache.rootdir import STAGING_PREFIX
@@ -153,6 +154,25 @@ def test_early_failure_writes_marker_and_env_and_exits_0(tmp_path, facts_file, r
     strict = run_restore(tmp_path / "root", facts_file, args, env, "--strict")
     assert strict.exit_code not in (0, 70), strict.stderr  # a named failure, not "a bug in kcache"
     assert_cold_but_ready_to_start(tmp_path / "root")
+
+
+@pytest.mark.parametrize("depth, name", [(1, "x" * 300), (2000, "d")], ids=["past-name-max", "thousands-deep"])
+def test_a_root_path_the_kernel_cannot_take_fails_open(tmp_path, facts_file, depth, name):
+    """--into with a component past NAME_MAX made exists() raise ENAMETOOLONG before restore's fail-open
+    path, and one 2000 levels deep made Path.mkdir(parents=True) recurse: both exit 70, even without --strict."""
+    from trees import remove_tree
+
+    into = tmp_path.joinpath("into", *[name] * depth)
+    base = ["restore", "--into", str(into), "--model", MODEL, "--facts-file", str(facts_file), "--json"]
+    try:
+        relaxed = CliRunner().invoke(main, base, catch_exceptions=False)
+        assert relaxed.exit_code == 0 and "bug" not in relaxed.output, relaxed.output
+        strict = CliRunner().invoke(main, [*base, "--strict"], catch_exceptions=False)
+        # Past NAME_MAX no ROOT can be made; 2000 short levels fit in PATH_MAX here, and restore goes on (a miss).
+        assert strict.exit_code == (ExitCode.ROOT if depth == 1 else ExitCode.MISS), strict.output
+    finally:  # pytest's own cleanup recurses
+        if (tmp_path / "into").exists():
+            remove_tree(tmp_path / "into")
 
 
 @pytest.mark.parametrize("given", ["45422f", "45422f" * 11, "G" * 64, " " + "a" * 64])

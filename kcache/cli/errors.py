@@ -36,6 +36,7 @@ class ExitCode(IntEnum):
     CHANGED = 16  # publish: a cache file changed while it was read; nothing stored is wrong
     BUG = 70
     INTERRUPTED = 130
+    BROKEN_PIPE = 141  # stdout closed before the output was written (`kcache ls | head`), as shells report SIGPIPE
     TERMINATED = 143  # SIGTERM during restore, after kcache.env and the marker are written
 
 
@@ -212,5 +213,6 @@ EXIT_MEANINGS = {
     ExitCode.CHANGED: "publish: a cache file changed while it was read (publish again)",
     ExitCode.BUG: "an unexpected error: a bug in kcache, please report it",
     ExitCode.INTERRUPTED: "interrupted (Ctrl-C), as shells report SIGINT",
+    ExitCode.BROKEN_PIPE: "the reader of the output closed it first (as `head` does), as shells report SIGPIPE",
     ExitCode.TERMINATED: "restore stopped by SIGTERM (kcache.env and the marker are written first)",
 }

@@ -275,6 +275,9 @@ class KcacheGroup(click.Group):
         except KeyboardInterrupt as exc:  # ^C, or SIGTERM where a command turned it into one (128 + signal)
             click.echo("kcache: interrupted", err=True)
             raise click.exceptions.Exit(128 + getattr(exc, "signum", ExitCode.INTERRUPTED - 128)) from None
+        except BrokenPipeError:  # `kcache stats | head`: the reader has what it wanted; no bug to report
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail again
+            raise click.exceptions.Exit(ExitCode.BROKEN_PIPE) from None
         except click.ClickException as exc:  # a usage error: click prints it, unless --json asks for JSON
             if not wants_json(ctx):
                 raise

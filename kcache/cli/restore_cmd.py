@@ -202,6 +202,13 @@ def _close_quietly(index) -> None:
         click.echo(f"kcache: warning: closing the index failed: {one_line(exc)}", err=True)
 
 
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # ENAMETOOLONG: a ROOT past what the kernel takes, which is why restore failed
+        return False
+
+
 def _report_error(exc: Exception, strict: bool, as_json: bool, seconds: float, root: Path,
                   bundle_key: str | None = None) -> None:  # fmt: skip
     message, hint, code = describe(exc)
@@ -210,7 +217,7 @@ def _report_error(exc: Exception, strict: bool, as_json: bool, seconds: float, r
         env_file = root / envfile.NAME
         click.echo(fmt.to_json({"status": "error", "bundle_key": bundle_key, "bundle_id": None, "files": 0,
                                 "bytes": 0, "seconds": round(seconds, 4), "reason": message, "root": str(root),
-                                "env_file": str(env_file) if env_file.is_file() else None, "layers": [],
+                                "env_file": str(env_file) if _is_file(env_file) else None, "layers": [],
                                 "signed_by": None, "donors": {}, "error": message, "hint": hint,
                                 "exit_code": int(code) if strict else 0}))  # fmt: skip
     action = "failing (--strict)" if strict else "starting cold"

@@ -264,3 +264,21 @@ def test_a_full_root_is_told_to_make_room_not_to_pick_another_directory(tmp_path
     message, hint, exit_code = describe(_root_error(tmp_path, OSError(code, os.strerror(code))))
     assert exit_code == 7 and str(tmp_path) in message
     assert "room" in hint and "--into" not in hint
+
+
+def test_output_cut_off_by_its_reader_is_no_bug(tmp_path):
+    """`kcache stats | head -c1`: the write after the reader left raised BrokenPipeError, reported as a
+    bug (exit 70). Exit 141, as shells report SIGPIPE, and nothing on stderr but what the command said."""
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first byte
+    try:
+        env = {**os.environ, "KCACHE_HOME": str(tmp_path)}
+        done = subprocess.run([sys.executable, "-m", "kcache", "config", "--json"], stdout=write,
+                              stderr=subprocess.PIPE, env=env, timeout=120)  # fmt: skip
+    finally:
+        os.close(write)
+    assert done.returncode == ExitCode.BROKEN_PIPE == 141, done.stderr
+    assert b"bug" not in done.stderr and b"Traceback" not in done.stderr
