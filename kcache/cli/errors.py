@@ -213,6 +213,6 @@ EXIT_MEANINGS = {
     ExitCode.CHANGED: "publish: a cache file changed while it was read (publish again)",
     ExitCode.BUG: "an unexpected error: a bug in kcache, please report it",
     ExitCode.INTERRUPTED: "interrupted (Ctrl-C), as shells report SIGINT",
-    ExitCode.BROKEN_PIPE: "the reader of the output closed it first (as `head` does), as shells report SIGPIPE",
+    ExitCode.BROKEN_PIPE: "the reader of the output closed it first (as head does), as shells report SIGPIPE",
     ExitCode.TERMINATED: "restore stopped by SIGTERM (kcache.env and the marker are written first)",
 }
