@@ -93,7 +93,10 @@ def sqlite_path(url: str) -> str | None:
 def missing_sqlite_file(url: str) -> bool:
     """True for a SQLite URL whose file does not exist (opening it would create it)."""
     path = sqlite_path(url)
-    return path is not None and not Path(path).expanduser().exists()
+    try:
+        return path is not None and not Path(path).expanduser().exists()
+    except (OSError, RuntimeError):  # ENAMETOOLONG; ~user unknown: opening it says so as an index error
+        return False
 
 
 def require_index(settings: Settings) -> None:

@@ -73,9 +73,14 @@ def resolve(
     found: dict[str, str] = {}
     for name in ("home", *given):
         values[name], found[name] = _lookup(name, given.get(name), env, origins or {})
-    home = Path(values["home"] or _default_home()).expanduser().absolute()
-    if home.exists() and not home.is_dir():
-        raise _config_error("KCACHE_HOME", str(home), "is not a directory")
+    try:
+        home = Path(values["home"] or _default_home()).expanduser().absolute()
+        if home.exists() and not home.is_dir():
+            raise _config_error("KCACHE_HOME", str(home), "is not a directory")
+    except RuntimeError:  # ~user of a user this system does not know
+        raise _config_error("KCACHE_HOME", str(values["home"]), "names the home of an unknown user") from None
+    except OSError as exc:  # ENAMETOOLONG
+        raise _config_error("KCACHE_HOME", str(values["home"]), f"cannot be looked at: {exc.strerror or exc}") from None
     return Settings(
         home=home,
         store_url=values["store"] or f"file://{home / 'store'}",

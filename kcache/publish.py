@@ -243,7 +243,8 @@ def _skip_resized(path: Path) -> None:
 
 # What open() says of a path whose file was replaced since the walk: a socket (ENXIO), a device
 # without a driver (ENODEV), a directory (EISDIR), a file where a directory above it was (ENOTDIR).
-_NOT_THE_FILE_LISTED = frozenset({errno.ENXIO, errno.ENODEV, errno.EISDIR, errno.ENOTDIR, errno.ENAMETOOLONG})
+_NOT_THE_FILE_LISTED = frozenset({errno.ENXIO, errno.ENODEV, errno.EISDIR, errno.ENOTDIR, errno.ENAMETOOLONG,
+                                  errno.EAGAIN})  # EAGAIN: a file that never reads without blocking (/proc/kmsg)
 
 
 def _skipping(path: Path, read: Callable[[], T]) -> T | None:

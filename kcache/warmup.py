@@ -189,9 +189,11 @@ def load_entrypoint(spec: str) -> CallableTarget:
         raise ConfigError("--entrypoint", spec, "expected module:function")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    if module_name.startswith("."):  # import_module raised TypeError: a relative name needs a package
+        raise ConfigError("--entrypoint", spec, "the module must be named in full, not relative to a package")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except (ImportError, ValueError) as exc:  # ValueError: an empty part ("a..b")
         raise ConfigError("--entrypoint", spec, f"cannot import {module_name}: {exc}") from None
     fn: Any = module
     for part in attr.split("."):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from kcache import layerkeys, refs
 from kcache import manifest as manifests
-from kcache.errors import KcacheError, NotFound, ObjectMissing
+from kcache.errors import ConfigError, KcacheError, NotFound, ObjectMissing
 from kcache.records import Bundle
 from kcache.signing import SigningKey
 from kcache.store import Store, pack_key
@@ -40,9 +40,13 @@ class BundleGone(NotFound):
 def yank(store: Store, index: Index, bundle_id: str, reason: str = "", *, signer: SigningKey | None = None) -> Bundle:
     from kcache.index import lifecycle
 
+    try:  # before anything changes: a reason the store cannot hold must not leave a half-done yank
+        text = (reason or "yanked").encode()
+    except UnicodeEncodeError:  # an argument holding bytes no encoding names (a lone surrogate)
+        raise ConfigError("--reason", reason, "is not UTF-8 text") from None
     bundle = lifecycle.set_status(index, bundle_id, "yanked")
     store.delete(refs.yank_key(bundle.id))  # a fresh reason replaces an old one
-    store.put_bytes(refs.yank_key(bundle.id), (reason or "yanked").encode())
+    store.put_bytes(refs.yank_key(bundle.id), text)
     refs.refresh(store, index, bundle.bundle_key, signer=signer)
     layerkeys.move_off(store, index, bundle, signer=signer)
     return bundle

@@ -29,6 +29,9 @@ PG_STATEMENT_TIMEOUT_MS = 120_000  # no single kcache statement should run longe
 
 def make_engine(url: str) -> Engine:
     """An engine for `url`; SQLite gets WAL, a busy timeout and foreign keys."""
+    if _in_memory_sqlite(url):  # each pooled connection (each thread) would get a database of its own, empty
+        raise ConfigError("index URL", url, "is an in-memory SQLite database, which no other connection or "
+                          "command sees; give a file, e.g. sqlite:////var/lib/kcache/index.db")  # fmt: skip
     try:
         if url.startswith("sqlite:///"):
             Path(url.removeprefix("sqlite:///")).expanduser().parent.mkdir(parents=True, exist_ok=True)
@@ -36,12 +39,20 @@ def make_engine(url: str) -> Engine:
             event.listen(engine, "connect", _sqlite_pragmas)
             return engine
         return create_engine(url, pool_pre_ping=True, connect_args=_pg_connect_args(url))
-    except (ArgumentError, NoSuchModuleError) as exc:
+    except (ArgumentError, NoSuchModuleError, ValueError, TypeError) as exc:  # ValueError: ?timeout=abc, a bad port
         raise ConfigError("index URL", url, f"not a usable SQLAlchemy URL ({exc})") from None
     except ModuleNotFoundError as exc:
         raise ConfigError("index URL", url, f"driver {exc.name!r} is not installed") from None
     except OSError as exc:
         raise IndexDbError(url, f"cannot create its directory: {exc.strerror}") from None
+
+
+def _in_memory_sqlite(url: str) -> bool:
+    if not url.startswith("sqlite:"):
+        return False
+    rest = url.removeprefix("sqlite:").lstrip("/")
+    path, _, query = rest.partition("?")
+    return path in ("", ":memory:") or "mode=memory" in query
 
 
 def _pg_connect_args(url: str) -> dict:

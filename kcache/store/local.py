@@ -33,8 +33,11 @@ class LocalStore:
         self.root = Path(root)
         self.url = f"file://{self.root}"
         self.create = create
-        if self.root.exists() and not self.root.is_dir():
-            raise StoreError(self.url, "is a file, not a directory")
+        try:
+            if self.root.exists() and not self.root.is_dir():
+                raise StoreError(self.url, "is a file, not a directory")
+        except OSError as exc:  # ENAMETOOLONG
+            raise StoreError(self.url, f"cannot be looked at: {exc.strerror or exc}") from None
         if not create:
             self._require_root()
 

@@ -467,7 +467,7 @@ def _seconds(var: str, default: str) -> float:
 
 def _attempts(var: str, default: str) -> int:
     text = (os.environ.get(var) or default).strip()
-    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 100:
+    if not (text.isascii() and text.isdigit() and len(text) <= 3) or not 1 <= int(text) <= 100:
         raise ConfigError(var, text, "expected a whole number of attempts from 1 to 100")
     return int(text)
 

@@ -543,3 +543,56 @@ def test_an_empty_environment_variable_still_means_unset(tmp_path):
     env = {"KCACHE_STORE": "", "KCACHE_HOME": str(tmp_path / "kcache-home")}
     doc = json.loads(run("config", "--json", env=env).stdout)
     assert doc["store"]["value"].startswith("file://")
+
+
+def _published(tmp_path) -> str:
+    write_tree(tmp_path / "src", {"inductor/a.py": b"a"})
+    out = CliRunner().invoke(main, ["publish", "--from", str(tmp_path / "src"), "--model", "m", "--json"])
+    assert out.exit_code == 0, out.output
+    return json.loads(out.output)["bundle_id"]
+
+
+LONG = "x" * 300  # past NAME_MAX: exists() raises ENAMETOOLONG rather than saying False
+
+
+@pytest.mark.parametrize("args, env, code", [
+    (["ls", "--json", "--index", "sqlite:///{t}/i.db?timeout=abc"], {}, ExitCode.USAGE),
+    (["ls", "--json", "--index", "sqlite:///{t}/i.db?check_same_thread=maybe"], {}, ExitCode.USAGE),
+    (["ls", "--json", "--index", "postgresql+psycopg://u@[::1/x"], {}, ExitCode.USAGE),
+    (["ls", "--json", "--index", "sqlite://"], {}, ExitCode.USAGE),
+    (["ls", "--json", "--index", "sqlite:///:memory:"], {}, ExitCode.USAGE),
+    (["ls", "--json", "--index", "sqlite:////{t}/" + LONG + "/i.db"], {}, ExitCode.INDEX),
+    (["verify", "--json", "--store", "file:///{t}/" + LONG], {}, ExitCode.STORE),
+    (["config", "--json"], {"KCACHE_HOME": "/{t}/" + LONG}, ExitCode.USAGE),
+    (["config", "--json"], {"KCACHE_HOME": "~kcache-no-such-user/x"}, ExitCode.USAGE),
+    (["warmup", "--json", "--entrypoint", "..:f"], {}, ExitCode.USAGE),
+    (["warmup", "--json", "--entrypoint", ".os:f"], {}, ExitCode.USAGE),
+    (["restore", "--into", "{t}/r", "--model", "m", "--strict", "--json", "--index", "none", "--store", "s3://b/p",
+      "--s3-endpoint-url", "http://127.0.0.1:1"], {"KCACHE_S3_MAX_ATTEMPTS": "9" * 5000}, ExitCode.USAGE),
+], ids=["sqlite-timeout", "sqlite-bool", "pg-port", "sqlite-memory", "sqlite-memory-named", "index-past-name-max",
+        "store-past-name-max", "home-past-name-max", "home-unknown-user", "entrypoint-dots", "entrypoint-relative",
+        "s3-attempts-digits"])  # fmt: skip
+def test_values_that_raised_past_their_checks_are_named_errors(tmp_path, monkeypatch, args, env, code):
+    """Each was a bug exit (70): a value SQLAlchemy or int() refuses with ValueError, a path the kernel refuses
+    with ENAMETOOLONG where it was asked whether it exists, ~user of no user, a relative module name."""
+    monkeypatch.setenv("KCACHE_HOME", str(tmp_path / "home"))
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(name, "x")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    (tmp_path / "i.db").touch()  # an index file to open (an empty file is an empty SQLite database)
+    filled = [a.replace("{t}", str(tmp_path)) for a in args]
+    out = CliRunner().invoke(main, filled, env={k: v.replace("{t}", str(tmp_path)) for k, v in env.items()},
+                             catch_exceptions=False)  # fmt: skip
+    assert out.exit_code == code, out.output
+    assert "bug" not in out.output
+
+
+def test_a_yank_reason_that_is_not_utf8_changes_nothing(tmp_path, monkeypatch):
+    """The reason was encoded after the index row was yanked: UnicodeEncodeError left the bundle yanked in the
+    index with no yank marker in the store and its ref not moved, and exited 70."""
+    monkeypatch.setenv("KCACHE_HOME", str(tmp_path / "home"))
+    bundle = _published(tmp_path)
+    out = CliRunner().invoke(main, ["yank", bundle, "--reason", "bad \udcff", "--json"], catch_exceptions=False)
+    assert out.exit_code == ExitCode.USAGE and "--reason" in out.output, out.output
+    listed = json.loads(CliRunner().invoke(main, ["ls", "--json"]).output)
+    assert [b["status"] for b in listed] == ["active"]
