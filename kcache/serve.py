@@ -364,6 +364,8 @@ def make_server(root: Path, host: str = "127.0.0.1", port: int = 0,
     or the host name does not resolve."""
     try:
         return ProbeServer((host, port), root, engine=engine)
+    except (UnicodeError, TypeError):  # a name IDNA cannot encode (a label past 63, bytes no encoding names)
+        raise ConfigError("--host", host, "is not a host name or address") from None
     except OSError as exc:
         # socket.create_server re-raises the resolver's gaierror as a plain OSError with its
         # errno: the EAI_* codes are the negative ones (EAI_NONAME, EAI_AGAIN, ...).

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 from kcache import readiness
 from kcache.config import redact_text
-from kcache.errors import ConfigError, KcacheError
+from kcache.errors import ConfigError, KcacheError, RootError
 from kcache.profiles import Profile
 from kcache.warmup_http import HttpTarget as HttpTarget  # re-exported: callers name warmup.HttpTarget
 from kcache.warmup_http import ServerUnavailable as ServerUnavailable
@@ -275,4 +275,7 @@ def write_marker(root: Path, report: WarmupReport, on_failure: str = "unready", 
     doc[readiness.AFTER_RESTORE] = readiness.restore_stamp(Path(root)) if after_restore is _NOW else after_restore
     if report.status == "running" and expires_at is not None:
         doc["expires_at"] = expires_at.isoformat()
-    return readiness.write_marker(Path(root), readiness.WARMUP_MARKER, doc)
+    try:
+        return readiness.write_marker(Path(root), readiness.WARMUP_MARKER, doc)
+    except OSError as exc:  # a directory where the marker goes, a read-only or full ROOT
+        raise RootError(str(root), f"cannot write {readiness.WARMUP_MARKER}: {exc.strerror or exc}") from None

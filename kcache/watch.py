@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kcache import readiness
 from kcache.config import redact_text
-from kcache.errors import KcacheError
+from kcache.errors import KcacheError, RootError
 from kcache.publish import PublishResult
 from kcache.sources import Source, in_root
 
@@ -158,6 +158,8 @@ class Watcher:
         clock: Callable[[], float] = time.monotonic,
     ):
         self.root = Path(root)
+        if self.root.exists() and not self.root.is_dir():  # a FIFO or file: every marker write below would fail
+            raise RootError(str(root), "is not a directory")
         self._publisher, self._every, self._clock = publisher, publish_every, clock
         self._baseline: Baseline | None = None
         self._since_publish = 0.0

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import socket
 import time
 from dataclasses import dataclass
 
@@ -102,8 +103,13 @@ class Proxy:
         site = web.TCPSite(self._runner, host, port)
         try:
             await site.start()
+        except (UnicodeError, TypeError):  # a name IDNA cannot encode
+            await self.close()
+            raise ConfigError("--host", host, "is not a host name or address") from None
         except OSError as exc:
             await self.close()
+            if isinstance(exc, socket.gaierror) or (exc.errno is not None and exc.errno < 0):  # EAI_* codes
+                raise ConfigError("--host", host, f"cannot be resolved: {exc.strerror or exc}") from None
             if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
                 raise ConfigError("--host/--port", f"{host}:{port}", exc.strerror or str(exc)) from None
             raise

@@ -596,3 +596,35 @@ def test_a_yank_reason_that_is_not_utf8_changes_nothing(tmp_path, monkeypatch):
     assert out.exit_code == ExitCode.USAGE and "--reason" in out.output, out.output
     listed = json.loads(CliRunner().invoke(main, ["ls", "--json"]).output)
     assert [b["status"] for b in listed] == ["active"]
+
+
+@pytest.mark.parametrize("args", [
+    ["serve", "--root", "{t}/r", "--port", "0", "--json", "--host", "bad\udcff"],
+    ["serve", "--root", "{t}/r", "--port", "0", "--json", "--host", "x" * 300],
+    ["proxy", "--model", "m", "--upstream", "http://127.0.0.1:1", "--redis", "redis://127.0.0.1:1/0", "--port", "0",
+     "--json", "--host", "nosuch.invalid"],
+    ["proxy", "--model", "m", "--upstream", "http://127.0.0.1:1", "--redis", "redis://127.0.0.1:1/0", "--port", "0",
+     "--json", "--host", "x" * 300],
+], ids=["serve-not-utf8", "serve-label-too-long", "proxy-unresolvable", "proxy-label-too-long"])  # fmt: skip
+def test_a_host_that_cannot_be_bound_is_a_usage_error(tmp_path, monkeypatch, args):
+    """UnicodeError from IDNA, TypeError from a lone surrogate, and (proxy) the resolver's gaierror were bug exits."""
+    monkeypatch.setenv("KCACHE_HOME", str(tmp_path / "home"))
+    (tmp_path / "r").mkdir()
+    out = CliRunner().invoke(main, [a.replace("{t}", str(tmp_path)) for a in args], catch_exceptions=False)
+    assert out.exit_code == ExitCode.USAGE and "--host" in out.output, out.output
+
+
+def test_watch_of_a_root_that_is_no_directory_is_a_root_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("KCACHE_HOME", str(tmp_path / "home"))
+    os.mkfifo(tmp_path / "fifo")
+    out = CliRunner().invoke(main, ["watch", "--once", "--json", "--root", str(tmp_path / "fifo")],
+                             catch_exceptions=False)  # fmt: skip
+    assert out.exit_code == ExitCode.ROOT, out.output
+
+
+def test_warmup_whose_marker_place_holds_a_directory_is_a_root_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("KCACHE_HOME", str(tmp_path / "home"))
+    (tmp_path / "r" / ".kcache-warmup.json").mkdir(parents=True)
+    out = CliRunner().invoke(main, ["warmup", "--json", "--url", "http://127.0.0.1:1", "--wait-timeout", "0",
+                                    "--root", str(tmp_path / "r")], catch_exceptions=False)  # fmt: skip
+    assert out.exit_code == ExitCode.ROOT, out.output
