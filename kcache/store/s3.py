@@ -72,6 +72,9 @@ class S3Store:
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.jobs = max(1, jobs)
         self._bucket_known = False  # set once a 404 was checked against the bucket (see _missing)
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+            if not os.environ.get(name, "").isascii():  # signing encodes them: a bug exit on the first request
+                raise ConfigError(name, "(not shown)", "holds characters a credential cannot have (non-ASCII)")
         config = Config(
             max_pool_connections=self.jobs + 4,
             retries={"max_attempts": _attempts("KCACHE_S3_MAX_ATTEMPTS", "6"), "mode": "adaptive"},

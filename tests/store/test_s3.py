@@ -300,3 +300,10 @@ def test_a_list_entry_without_its_size_or_date_is_a_store_error(fake_credentials
         store = open_store("s3://bucket", endpoint_url=server.url)
         with pytest.raises(StoreError, match="list"):
             list(store.list("packs"))
+
+
+def test_credentials_a_signature_cannot_encode_are_a_config_error(fake_credentials, monkeypatch):
+    """Signing encoded the secret on the first request: a byte no encoding names was UnicodeEncodeError, exit 70."""
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s\udcff")
+    with pytest.raises(ConfigError, match="AWS_SECRET_ACCESS_KEY"):
+        open_store("s3://bucket", endpoint_url="http://127.0.0.1:1")
