@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kcache import boundedread, canonical
+from kcache import boundedread, canonical, untrusted
 from kcache import probes as probing
 from kcache.errors import ConfigError
 from kcache.probes import NONE
@@ -140,7 +140,7 @@ def compute(facts: Mapping[str, str]) -> Fingerprint:
     no encoding names reads as a lone surrogate): canonical JSON cannot carry it, so nothing is keyed.
     """
     for name, value in facts.items():
-        if not (_is_utf8(name) and _is_utf8(value)):
+        if not (untrusted.is_utf8(name) and untrusted.is_utf8(value)):
             raise ConfigError(f"fact {ascii(name)}", value, "is not UTF-8 text, so it cannot be keyed; "
                               "set the environment variable or flag it comes from to UTF-8 text")  # fmt: skip
     toolchain = {k: v for k, v in facts.items() if not is_workload_fact(k)}
@@ -149,14 +149,6 @@ def compute(facts: Mapping[str, str]) -> Fingerprint:
     workload_key = canonical.xxh3({"schema": SCHEMA, "facts": workload})
     bundle_key = canonical.xxh3({"schema": SCHEMA, "toolchain": toolchain_key, "workload": workload_key})
     return Fingerprint(dict(facts), toolchain_key, workload_key, bundle_key)
-
-
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def parse_assignments(pairs: Iterable[str], flag: str) -> dict[str, str]:

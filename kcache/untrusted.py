@@ -16,6 +16,16 @@ LIMIT = 300  # characters: enough for any message kcache writes, short enough fo
 _WHITESPACE_CONTROLS = frozenset("\t\n\v\f\r\x1c\x1d\x1e\x1f\x85")
 
 
+def is_utf8(text: str) -> bool:
+    """Whether `text` has a UTF-8 form: a lone surrogate (bytes no encoding names, read from a
+    file name, an environment variable or JSON's \\ud800 escape) has none."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def one_line(text: object, limit: int = LIMIT) -> str:
     """`text` on one line: controls that break lines become spaces, other control, format,
     surrogate, private and unassigned characters become '?', runs of spaces collapse, and

@@ -22,7 +22,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from kcache import canonical
+from kcache import canonical, untrusted
 from kcache.errors import BadEntry
 from kcache.proxy import sse
 
@@ -136,15 +136,8 @@ def _headers(value) -> tuple[tuple[str, str], ...]:
         name, text = pair
         if not _TOKEN.fullmatch(name) or not _VALUE.fullmatch(text) or name.lower() in NOT_STORED_HEADERS:
             raise BadEntry(f"header {name[:40]!r} is not allowed")
-        if not _encodable(text):  # a lone surrogate (an escape, or raw bytes json reads with surrogatepass)
+        if not untrusted.is_utf8(text):  # a lone surrogate (an escape, or raw bytes json reads with surrogatepass)
             raise BadEntry(f"header {name[:40]!r} has no UTF-8 form")
         pairs.append((name, text))
     return tuple(pairs)
 
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
