@@ -282,7 +282,10 @@ def _room_for_outcome(root: Path):
         yield
     finally:
         for target in targets:
-            atomic.release(target)
+            try:
+                atomic.release(target)
+            except OSError as exc:  # ENAMETOOLONG under a ROOT near PATH_MAX: the failure already raised says why
+                log.warning("cannot give back the room set aside in %s: %s", root, exc.strerror or exc)
 
 
 def _safe_user(user: str | None) -> str:
