@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from trees import nest, read_tree, remove_tree, write_tree
+from trees import nest, read_tree, write_tree
 
 from kcache import manifest as manifests
 from kcache import sources
 from kcache.cli import main
 from kcache.publish import collect, publish
+from kcache.removal import remove_tree
 from kcache.restore import restore
 from kcache.sources import TritonSource
 from kcache.sources.base import torch_user

@@ -161,7 +161,7 @@ def test_a_root_path_the_kernel_cannot_take_fails_open(tmp_path, facts_file, lon
     """--into with a component past NAME_MAX made exists() raise ENAMETOOLONG before restore's fail-open
     path; one ~2000 levels deep made Path.mkdir(parents=True) recurse, and, just under PATH_MAX, giving back
     the room set aside for the marker raised ENAMETOOLONG over the failure: exit 70, even without --strict."""
-    from trees import remove_tree
+    from kcache.removal import remove_tree
 
     top = tmp_path / "into"
     depth = (4070 - len(str(top))) // 2  # ROOT just under PATH_MAX (4096), whatever the temp dir's length
@@ -400,8 +400,9 @@ def test_a_previous_layer_nested_past_the_recursion_limit_is_removed(tmp_path, s
     recursed once a level (Python 3.11): a tree ~1000 deep there made the next restore without a
     budget a bug exit, and with one left it in a staging directory every later restore failed to
     delete again."""
-    from trees import nest, remove_tree
+    from trees import nest
 
+    from kcache.removal import remove_tree
     from kcache.restore import restore
 
     _published(tmp_path, store, sqlite_index, fp)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 from trees import nest
-from trees import remove_tree as remove_in_test
 
 from kcache.removal import remove_tree
 
@@ -34,7 +34,7 @@ def test_a_tree_deeper_than_the_recursion_limit_goes_whole(tmp_path, outside):
         assert not os.path.lexists(top)
     finally:
         if top.exists():
-            remove_in_test(top)
+            subprocess.run(["rm", "-rf", str(top)], check=False)  # only when the remover failed: no depth limit
     assert sorted(p.relative_to(outside).as_posix() for p in outside.rglob("*")) == ["dir", "dir/keep", "file"]
 
 

@@ -45,30 +45,3 @@ def nest(top: Path, names: list[str], file_name: str, data: bytes) -> None:
     finally:
         os.close(fd)
 
-
-def remove_tree(top: Path) -> None:
-    """Remove `top` however deep it goes. shutil.rmtree (and so pytest's cleanup of old temporary
-    directories) recurses once a level on Python 3.11 and dies near 1000 levels, taking the session's
-    exit status with it. This goes down with one directory descriptor a level, on the heap."""
-    stack = [("", os.open(top, os.O_RDONLY | os.O_DIRECTORY))]  # (name in the parent, descriptor)
-    try:
-        while stack:
-            name, fd = stack[-1]
-            below = None
-            with os.scandir(fd) as entries:
-                for entry in entries:
-                    if entry.is_dir(follow_symlinks=False):
-                        below = entry.name
-                        break
-                    os.unlink(entry.name, dir_fd=fd)
-            if below is not None:
-                stack.append((below, os.open(below, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)))
-                continue
-            stack.pop()
-            os.close(fd)
-            if stack:
-                os.rmdir(name, dir_fd=stack[-1][1])
-    finally:
-        for _, fd in stack:
-            os.close(fd)
-    os.rmdir(top)
