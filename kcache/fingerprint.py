@@ -262,14 +262,9 @@ def workload_facts(model: str | None, config_path: Path | None, extra: Mapping[s
 def _read_json(path: Path, flag: str, limit: int):
     data = boundedread.read_named(path, limit, flag)
     try:
-        doc = json.loads(data, parse_constant=_refuse_constant)
+        return json.loads(data, parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as exc:  # RecursionError: nested past the parser's limit
         raise ConfigError(flag, str(path), f"is not JSON: {exc}") from None
-    try:  # what is read is hashed: it must have a canonical form (text escaped as a lone surrogate has none)
-        canonical.dumps(doc)
-    except (ValueError, RecursionError) as exc:
-        raise ConfigError(flag, str(path), f"cannot be keyed: {exc}") from None
-    return doc
 
 
 def _refuse_constant(name: str) -> None:
@@ -282,7 +277,10 @@ def _model_config_facts(path: Path) -> dict[str, str]:
     if not isinstance(config, dict):
         raise ConfigError("--model-config", str(path), "is not a JSON object")
     kept = {k: v for k, v in config.items() if k not in _CONFIG_VOLATILE}
-    facts = {"model.config": canonical.xxh3(kept)}
+    try:  # text escaped as a lone surrogate has no canonical (UTF-8) form; a facts file's is checked in compute
+        facts = {"model.config": canonical.xxh3(kept)}
+    except (ValueError, RecursionError) as exc:
+        raise ConfigError("--model-config", str(path), f"cannot be keyed: {exc}") from None
     if isinstance(config.get("architectures"), list):
         facts["model.arch"] = ",".join(map(str, config["architectures"]))
     dtype = config.get("torch_dtype") or config.get("dtype")

@@ -323,8 +323,8 @@ def test_an_answer_nested_past_the_parsers_limit_reaches_the_client_and_is_not_s
 
 def test_other_clients_are_served_while_a_request_body_is_judged(proxy, monkeypatch):
     """Parsing and keying a body of up to 64 MiB took seconds of CPU on the event loop, where no other
-    client, cache hits and /metrics included, got an answer meanwhile. It runs on a worker thread now:
-    here it is held there until /metrics has answered."""
+    client, cache hits and /metrics included, got an answer meanwhile. A large body is judged on a worker
+    thread now: here it is held there until /metrics has answered."""
     entered, release = threading.Event(), threading.Event()
     judge = key.decide
 
@@ -335,7 +335,8 @@ def test_other_clients_are_served_while_a_request_body_is_judged(proxy, monkeypa
 
     monkeypatch.setattr(key, "decide", held)
     replies = []
-    asker = threading.Thread(target=lambda: replies.append(proxy.post(CHAT, ASK)), daemon=True)
+    large = {**ASK, "messages": [{"role": "user", "content": "x" * (300 * 1024)}]}  # past what is judged inline
+    asker = threading.Thread(target=lambda: replies.append(proxy.post(CHAT, large)), daemon=True)
     asker.start()
     try:
         assert entered.wait(30)

@@ -26,6 +26,7 @@ import logging
 import socket
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import aiohttp
 from aiohttp import web
@@ -41,6 +42,8 @@ from kcache.proxy.prefix import PrefixMemory
 from kcache.proxy.stats import Stats
 
 log = logging.getLogger(__name__)
+
+_INLINE_BYTES = 256 * 1024  # a body judged on the loop itself: ~ms of parsing at most
 
 CACHE_HEADER = "X-Kcache-Cache"
 # Request headers that belong to this hop, or that the proxy sets itself, besides those the request's
@@ -140,11 +143,12 @@ class Proxy:
         if not whole:
             return await self._too_large(request, raw, started)
         query = key.query_pairs(request.rel_url.raw_query_string)
-        # Parsing and keying up to max_request_bytes is seconds of CPU: on a worker thread, so the loop
-        # goes on serving others (the parser lets it in between objects; the prefix walk is bounded).
-        decision = await asyncio.to_thread(key.decide, request.path, query, request.headers, raw, cfg.fingerprint,
-                                           enabled=cfg.enabled, cache_sampled=cfg.cache_sampled,
-                                           tenant_headers=self.tenant_headers)  # fmt: skip
+        # Parsing and keying up to max_request_bytes is seconds of CPU: a large body goes to a worker
+        # thread, so the loop goes on serving others (the parser lets it in between objects; the prefix
+        # walk is bounded). A small one, nearly every request, is judged here: a thread hop costs more.
+        judge = partial(key.decide, request.path, query, request.headers, raw, cfg.fingerprint, enabled=cfg.enabled,
+                        cache_sampled=cfg.cache_sampled, tenant_headers=self.tenant_headers)  # fmt: skip
+        decision = await asyncio.to_thread(judge) if len(raw) > _INLINE_BYTES else judge()
         cache_key, reason = decision.key, decision.reason
         if cache_key is not None:
             try:
@@ -159,7 +163,8 @@ class Proxy:
         outcome = "bypass" if cache_key is None else "miss"
         self.stats.requests[outcome] += 1
         if decision.body is not None:
-            seen = await asyncio.to_thread(self.prefixes.observe, cfg.fingerprint, request.path, decision.body)
+            measure = partial(self.prefixes.observe, cfg.fingerprint, request.path, decision.body)
+            seen = await asyncio.to_thread(measure) if len(raw) > _INLINE_BYTES else measure()
             self.stats.prompt_bytes += seen.total
             self.stats.prompt_seen_bytes += seen.seen
         return await self._forward(request, raw, started, outcome, cache_key)
