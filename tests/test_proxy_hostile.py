@@ -9,6 +9,7 @@ import http.client
 import json
 import socket
 import threading
+import time
 import uuid
 
 import pytest
@@ -56,6 +57,16 @@ def send(port: int, method: str, path: str, body: bytes, headers: list[tuple[str
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
     finally:
         conn.close()
+
+
+def stored_value(client, name: str, timeout: float = 30) -> bytes:
+    """The value under `name` once the proxy wrote it: a reply framed by its length is whole at the client
+    when its last byte is sent, which may be before the proxy's write to Redis has finished."""
+    done, deadline = threading.Event(), time.monotonic() + timeout
+    while (value := client.get(name)) is None:
+        assert time.monotonic() < deadline, f"{name} was never stored"
+        done.wait(0.01)
+    return value
 
 
 def stored_key(body: dict, headers: dict | None = None) -> str:
@@ -143,7 +154,8 @@ def test_headers_the_engine_names_in_connection_are_neither_passed_on_nor_stored
         for reply in replies:
             assert reply.headers["x-kcache-cache"] and reply.headers["x-kept"] == "1"
             assert not {"x-hop", "x-other-hop"} & set(reply.headers)
-        stored = entry.decode(redis.Redis.from_url(REDIS_URL).get(prefix + stored_key(ASK)), max_bytes=1 << 20,
+        raw = stored_value(redis.Redis.from_url(REDIS_URL), prefix + stored_key(ASK))
+        stored = entry.decode(raw, max_bytes=1 << 20,
                               key=stored_key(ASK))  # fmt: skip
         assert {name.lower() for name, _ in stored.headers} == {"content-type", "x-kept"}
 
@@ -248,7 +260,8 @@ def test_an_entry_copied_from_another_key_is_not_served(proxy, engine, prefix):
     client = redis.Redis.from_url(REDIS_URL)
     alice = proxy.post(CHAT, ASK, {"Authorization": "Bearer alice"})
     bob = {"Authorization": "Bearer bob"}
-    client.set(prefix + stored_key(ASK, bob), client.get(prefix + stored_key(ASK, {"Authorization": "Bearer alice"})))
+    alices = stored_value(client, prefix + stored_key(ASK, {"Authorization": "Bearer alice"}))
+    client.set(prefix + stored_key(ASK, bob), alices)
     reply = proxy.post(CHAT, ASK, bob)
     assert (reply.headers["x-kcache-cache"], reply.body) == ("miss", engine.sent[1])
     assert reply.body != alice.body
