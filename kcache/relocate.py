@@ -105,7 +105,10 @@ def _count_tokens(text: str, cap: int) -> None:
 
 def _vllm_handles(text: str, layer: Layer) -> str | None:
     _count_tokens(text, _MAX_TABLE_TOKENS)
-    table = ast.literal_eval(text)  # what vLLM itself uses to read it: literals only, never code
+    try:
+        table = ast.literal_eval(text)  # what vLLM itself uses to read it: literals only, never code
+    except TypeError as exc:  # a literal Python cannot build: an unhashable dict key or set member
+        raise Unmappable(f"is not a literal Python can build: {exc}") from None
     if not isinstance(table, dict):
         raise Unmappable("is not a dict literal")
     changed = False

@@ -174,6 +174,18 @@ def test_vllm_table_that_is_code_is_never_run(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
+@pytest.mark.parametrize("text", ["{[]: 1}", "{'k': {{}}}", "{(1, []): ('a', '/x')}"])
+def test_vllm_table_literal_python_cannot_build_is_dropped(tmp_path, caplog, text):
+    """literal_eval raises TypeError for an unhashable key or set member: that table goes, the restore goes on."""
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x/vllm_compile_cache.py").write_text(text)
+    layer = Layer(tmp_path, tmp_path / "t", known_paths(["x/vllm_compile_cache.py"]))
+    with caplog.at_level(logging.WARNING, logger="kcache.relocate"):
+        assert relocate(layer, ["x/vllm_compile_cache.py"], ["vllm-handles"]) == ["x/vllm_compile_cache.py"]
+    assert not (tmp_path / "x/vllm_compile_cache.py").exists()
+    assert "unhashable" in caplog.text
+
+
 @pytest.mark.parametrize("extra, kept", [(0, True), (2, False)])
 def test_vllm_table_past_the_token_cap_is_dropped_unparsed(tmp_path, monkeypatch, caplog, extra, kept):
     """literal_eval builds the whole AST first (~470 bytes a token): the tokens are counted before."""
