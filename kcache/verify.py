@@ -129,6 +129,9 @@ def verify(
             _failed(exc, f"bundle {bundle.id[:12]}: {exc}", problems, unchecked)
             continue
         keys_named[bundle.id] = manifest.bundle_key
+        if manifest.bundle_key != bundle.bundle_key:  # pods of the row's key are offered it, and refuse it
+            problems.append(f"bundle {bundle.id[:12]}: the index files it under bundle key {bundle.bundle_key}, "
+                            f"its manifest names {manifest.bundle_key}")  # fmt: skip
         layer_keys[bundle.id] = _layer_keys(manifest)
         for blob, digests in manifest.chunks.items():
             claims.setdefault(blob, {}).setdefault(digests, bundle.id)

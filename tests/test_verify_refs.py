@@ -269,3 +269,22 @@ def test_cli_verify_refuses_a_named_sqlite_index_that_does_not_exist_under_any_d
         assert result.exit_code == ExitCode.INDEX, (url, result.output)
         assert "does not exist" in json.loads(result.stdout)["error"] and not typo.exists()
 
+
+
+def test_an_index_row_filed_under_another_bundle_key(tmp_path, store, sqlite_index, fp, keys):
+    """An index writer files one key's signed bundle as another key's newest: that key's pods fail on it."""
+    from sqlalchemy import update
+
+    from kcache.index.models import BundleRow
+
+    ours = _publish(tmp_path, store, sqlite_index, fp, b"a", "v1", key=keys["k1"][0])
+    other = fingerprint.compute({**fp.facts, "model.id": "another-model"})
+    _publish(tmp_path, store, sqlite_index, other, b"b", "v2", key=keys["k1"][0])
+    sqlite_index.transaction(lambda s: s.execute(
+        update(BundleRow).where(BundleRow.id == ours.bundle_id)
+        .values(bundle_key=other.bundle_key, created_at=sqlite_index.now() + timedelta(days=1))))
+    assert sqlite_index.newest_bundle(other.bundle_key).id == ours.bundle_id  # what other's pods are offered
+    for trusted in ((), (keys["k1"][1],)):
+        problems = [p for p in verify(store, sqlite_index, trusted=trusted).problems
+                    if p.startswith(f"bundle {ours.bundle_id[:12]}")]  # fmt: skip
+        assert problems and all(other.bundle_key in p and fp.bundle_key in p for p in problems), problems
