@@ -149,6 +149,9 @@ class FallbackCatalog:
         """A pinned bundle is the index's to describe (its yank status included)."""
         return self.index.get_bundle(bundle_id)
 
+    def was_yanked(self, bundle_id: str) -> bool:
+        return self.index.was_yanked(bundle_id)
+
     def newest_bundle(self, bundle_key: str):
         found = self.index.newest_bundle(bundle_key)
         if found is None and not self.index.knows_key(bundle_key):

@@ -157,6 +157,8 @@ def _pinned_yanked(store: Store, index: Catalog, bundle_key: str, pinned: str, p
         try:
             yanked = (pinned,) if index.get_bundle(pinned).status == "yanked" else ()
         except NotFound:  # pinned by id from elsewhere: the store's ref holds its yank list, as without an index
+            if index.was_yanked(pinned):  # gc deleted it while yanked; a copy may have been put back
+                return f"bundle {pinned[:12]} is yanked (gc deleted it)"
             return _pinned_yanked(store, refs.RefCatalog(store), bundle_key, pinned, policy)
     return f"bundle {pinned[:12]} is yanked" if pinned in yanked else None
 

@@ -228,6 +228,8 @@ def _yanked_without_rows(store: Store, index: Index, rows: set[str], listed: set
             continue
         if lifecycle.has_bundle(index, bundle_id):  # published (yanked) since the rows were read: not lost
             continue
+        if index.was_yanked(bundle_id):  # this index's gc deleted it: a copy put back since is an orphan
+            continue
         kept.append(bundle_id)
         packs.update(e.pack for e in entries)
     if kept:

@@ -560,7 +560,7 @@ def _publish_leased(store: Store, index: Index, fingerprint: Fingerprint, found,
     data = manifest.to_bytes()
     limits.check_manifest_size(len(data), len(manifest.entries))  # exact now: the check above was a lower bound
     wrote = _write_manifest(store, manifest, data, config.signing_key)  # before the commit point
-    yanked = _yanked_before(store, manifest)
+    yanked = _yanked_before(store, manifest) or index.was_yanked(manifest.id)
     if yanked:
         log.warning("bundle %s was yanked before; it is committed yanked (`kcache yank --undo %s` restores it)",
                     manifest.id[:12], manifest.id)  # fmt: skip
@@ -670,7 +670,7 @@ def _yanked_before(store: Store, manifest: manifests.Manifest) -> bool:
     """Whether the store says this bundle was yanked: its `yanks/<id>` marker, or its key's ref
     listing it (the evidence reindex takes too).
 
-    A yank outlives the bundle's row (gc keeps the marker): the same bytes published again, by a
+    A yank outlives the bundle's row (gc keeps the marker, and the index its id): the same bytes published again, by a
     warmup that compiled the same broken kernels, must not become the newest bundle again. Any
     store writer can delete the marker, but not edit a signed ref's yank list. Neither is checked
     for a signature: a false yank only costs a cold start (see kcache.refs).

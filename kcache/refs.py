@@ -278,8 +278,13 @@ def for_bundle(index: Index, bundle_id: str) -> Ref:
 
 
 def yanked_in(index: Index, bundle_key: str) -> tuple[str, ...]:
+    """The key's yanked bundles: rows yanked, and yanked bundles gc deleted (a signed copy of one may
+    be put back in the store; only this list stops a pod pinned to it that trusts no marker)."""
+    from kcache.index import lifecycle
+
     rows = index.list_bundles(bundle_key=bundle_key, limit=_YANK_SCAN)
-    return tuple(sorted(b.id for b in rows if b.bundle_key == bundle_key and b.status == "yanked"))
+    yanked = {b.id for b in rows if b.bundle_key == bundle_key and b.status == "yanked"}
+    return tuple(sorted(yanked.union(lifecycle.yanked_gone(index, bundle_key, _YANK_SCAN))))
 
 
 def _stale(current: Ref, wanted: Ref, signer: signing.SigningKey | None, ttl: timedelta) -> bool:

@@ -225,7 +225,8 @@ def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool 
             skipped.append(f"{info.key}: {exc}")
             continue
         created = _date(manifest_id, info.modified, ref, now)
-        status = "yanked" if manifest_id in yanked or (ref and manifest_id in ref.yanked) else "active"
+        evidence = manifest_id in yanked or (ref and manifest_id in ref.yanked) or index.was_yanked(manifest_id)
+        status = "yanked" if evidence else "active"
         bundle = Bundle(
             manifest_id, manifest.bundle_key, manifest.toolchain_key, manifest.workload_key,
             manifest.facts.get("model.id"), dict(manifest.facts), manifest.layers, len(manifest.entries),

@@ -9,14 +9,15 @@ from trees import write_tree
 
 from kcache import manifest as manifests
 from kcache import sources
-from kcache.publish import publish
+from kcache.publish import PublishConfig, publish
 
 LAYERS = sources.select()
 
 
-def publish_tree(tmp_path, store, index, fp, content: bytes, name: str):
+def publish_tree(tmp_path, store, index, fp, content: bytes, name: str, signing_key=None):
     write_tree(tmp_path / name, {"inductor/kernel.so": content, f"inductor/{name}.py": name.encode()})
-    return publish(store, index, fp, LAYERS, root=tmp_path / name, env={})
+    return publish(store, index, fp, LAYERS, root=tmp_path / name, env={},
+                   config=PublishConfig(signing_key=signing_key))
 
 
 def packs_of(store, bundle_id):

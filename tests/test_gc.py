@@ -418,6 +418,30 @@ def test_a_yanked_bundle_gc_deleted_stays_yanked_when_its_bytes_are_published_ag
     assert (pod.status, pod.bundle_id) == ("hit", old.bundle_id), pod.reason
 
 
+def test_a_yanked_bundle_gc_deleted_stays_yanked_when_published_again_without_marker_or_ref(tmp_path, store,
+                                                                                             index, fp):  # fmt: skip
+    """As above, after a store writer deleted the marker and the ref: the index still has the yank;
+    `yank --undo` then makes the bundle active again, and its key's ref no longer lists it."""
+    from kcache import refs
+    from kcache.store import ref_key
+    from kcache.yank import unyank
+
+    old = _publish(tmp_path, store, index, fp, b"old kernel" * 100, "v1")
+    bad = _publish(tmp_path, store, index, fp, b"bad kernel" * 100, "v2")
+    yank(store, index, bad.bundle_id, "NaNs")
+    gc.execute(store, index, gc.plan(store, index, POLICY, now=datetime.now(timezone.utc) + timedelta(days=8)))
+    store.delete(refs.yank_key(bad.bundle_id))
+    store.delete(ref_key(fp.bundle_key))
+
+    again = publish(store, index, fp, LAYERS, root=tmp_path / "v2", env={})
+    assert (again.bundle_id, again.yanked) == (bad.bundle_id, True)
+    assert index.newest_bundle(fp.bundle_key).id == old.bundle_id
+    unyank(store, index, bad.bundle_id)
+    assert bad.bundle_id not in refs.read(store, fp.bundle_key).yanked
+    pod = restore(store, refs.RefCatalog(store), fp, tmp_path / "dst")
+    assert (pod.status, pod.bundle_id) == ("hit", bad.bundle_id), pod.reason
+
+
 def test_gc_removes_temp_files_of_killed_writes_once_past_grace(tmp_path, store, index, fp):
     import os
 

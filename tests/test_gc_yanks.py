@@ -175,3 +175,58 @@ def test_a_yanked_bundle_whose_manifest_is_lost_holds_no_sweep(tmp_path, store, 
     yank(store, sqlite_index, lost.bundle_id, "its manifest is gone")  # what gc's report says to do
     due = gc.plan(store, sqlite_index, young, now=later + timedelta(hours=7))  # the yanked one is retained
     assert due.broken == () and {p.id for p in due.sweep} == old_packs
+
+
+@pytest.mark.parametrize("mode", ["index", "refs"])
+def test_a_yanked_bundle_gc_deleted_stays_yanked_when_a_store_writer_puts_it_back(tmp_path, store, sqlite_index,
+                                                                                  fp, mode):  # fmt: skip
+    """A store writer keeps a copy of a yanked signed bundle; gc deletes it, the signer's next ref
+    is written from the index; the writer puts the bundle back and deletes its marker. The index and
+    the signed ref must still know the yank, for pods pinned to it that require signatures."""
+    private, public = signing.generate("prod", tmp_path / "keys")
+    key = signing.load_signing_key(private)
+    trusted = signing.load_trusted_keys([public])
+    publish_tree(tmp_path, store, sqlite_index, fp, b"good kernel" * 100, "v1", signing_key=key)
+    bad = publish_tree(tmp_path, store, sqlite_index, fp, b"bad kernel" * 100, "v2", signing_key=key)
+    yank(store, sqlite_index, bad.bundle_id, "NaNs", signer=key)
+    wanted = [manifest_key(bad.bundle_id), *(i.key for i in store.list(f"signatures/{bad.bundle_id}/")),
+              *(pack_key(p) for p in packs_of(store, bad.bundle_id))]  # fmt: skip
+    saved = {k: store.get_bytes(k) for k in wanted}
+    later = datetime.now(timezone.utc) + timedelta(days=8)
+    for at in (later, later + timedelta(hours=7)):
+        gc.execute(store, sqlite_index, gc.plan(store, sqlite_index, POLICY, now=at), signer=key)
+    refs.refresh(store, sqlite_index, fp.bundle_key, signer=key)
+    assert not store.exists(manifest_key(bad.bundle_id))  # gc deleted it
+
+    for k, data in saved.items():  # the writer puts every object back
+        if not store.exists(k):
+            assert store.put_bytes(k, data)
+    store.delete(refs.yank_key(bad.bundle_id))
+    catalog = sqlite_index if mode == "index" else refs.RefCatalog(store)
+    pod = restore(store, catalog, fp, tmp_path / "dst", bundle_id=bad.bundle_id, trusted=trusted,
+                  require_signature=True)  # fmt: skip
+    assert pod.status == "miss" and "yanked" in pod.reason, (pod.status, pod.reason)
+
+
+def test_a_yanked_bundle_put_back_after_gc_is_an_orphan_to_gc_and_yanked_to_reindex(tmp_path, store, sqlite_index,
+                                                                                     fp):  # fmt: skip
+    """The index knows gc deleted it: gc does not take the copy for a bundle a lagging index lacks
+    (kept with its packs, forever), and reindex into the same index files it yanked."""
+    from kcache.reindex import reindex
+
+    publish_tree(tmp_path, store, sqlite_index, fp, b"good kernel" * 100, "v1")
+    bad = publish_tree(tmp_path, store, sqlite_index, fp, b"bad kernel" * 100, "v2")
+    yank(store, sqlite_index, bad.bundle_id, "NaNs")
+    wanted = [manifest_key(bad.bundle_id), *(pack_key(p) for p in packs_of(store, bad.bundle_id))]
+    saved = {k: store.get_bytes(k) for k in wanted}
+    _gc_twice(store, sqlite_index)
+    for k, data in saved.items():
+        if not store.exists(k):
+            assert store.put_bytes(k, data)
+    store.delete(refs.yank_key(bad.bundle_id))
+
+    later = gc.plan(store, sqlite_index, POLICY, now=datetime.now(timezone.utc) + timedelta(days=10))
+    assert later.yanked_without_rows == ()
+    assert manifest_key(bad.bundle_id) in {o.key for o in later.orphans}
+    reindex(store, sqlite_index)
+    assert sqlite_index.get_bundle(bad.bundle_id).status == "yanked"

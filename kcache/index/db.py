@@ -22,7 +22,7 @@ from kcache.errors import ConfigError, IndexDbError
 log = logging.getLogger(__name__)
 
 # The newest migration in migrations/versions; tests/index/test_migrations.py keeps the two in step.
-HEAD = "0101_publish_leases"
+HEAD = "0102_yanks"
 PG_CONNECT_TIMEOUT = 10  # seconds, for connecting and logging in
 PG_STATEMENT_TIMEOUT_MS = 120_000  # no single kcache statement should run longer, GC's included
 

@@ -4,7 +4,8 @@ GC's two phases meet publishers in these rows:
 
     delete_expired_bundle   GC: a bundle row goes only if, in the same statement, it is still outside
                             its key's newest keep-last active bundles and older than the cutoff (a
-                            yank since the plan, or a publish that committed it again, keeps it)
+                            yank since the plan, or a publish that committed it again, keeps it);
+                            a yanked one leaves its id in `yanks`, so a copy put back stays yanked
     condemn(packs)          GC, phase 1: packs no retained bundle references get condemned_at = now,
                             by the index's clock (Index.now), as the bundles' created_at are
     adopt(packs)            GC, phase 1: a pack object with no row at all (a publish crashed before
@@ -27,7 +28,7 @@ from datetime import datetime
 
 from sqlalchemy import delete, select, update
 
-from kcache.index.models import BlobRow, BundleRow, PackRow
+from kcache.index.models import BlobRow, BundleRow, PackRow, YankRow
 from kcache.index.repo import Index, bundle_of
 from kcache.records import Bundle
 
@@ -45,7 +46,13 @@ class PackInfo:
 def set_status(index: Index, bundle_id: str, status: str) -> Bundle:
     """Mark a bundle active or yanked; returns it as it is now."""
     bundle = index.get_bundle(bundle_id)
-    index.transaction(lambda s: s.execute(update(BundleRow).where(BundleRow.id == bundle.id).values(status=status)))
+
+    def work(s) -> None:
+        s.execute(update(BundleRow).where(BundleRow.id == bundle.id).values(status=status))
+        if status == "active":  # an undone yank: a record of it from an earlier gc must not list it still
+            s.execute(delete(YankRow).where(YankRow.id == bundle.id))
+
+    index.transaction(work)
     return index.get_bundle(bundle.id)
 
 
@@ -74,9 +81,24 @@ def delete_expired_bundle(index: Index, bundle: Bundle, keep_last: int, cutoff: 
         .limit(keep_last)
     )
     doomed = (BundleRow.id == bundle.id, BundleRow.created_at < cutoff, BundleRow.id.not_in(kept))
-    stmt = delete(BundleRow).where(*doomed).returning(BundleRow.id)
-    return index.transaction(lambda s: s.execute(stmt, execution_options={"synchronize_session": False}).first()
-                             is not None)  # fmt: skip
+    stmt = delete(BundleRow).where(*doomed).returning(BundleRow.id, BundleRow.bundle_key, BundleRow.status)
+
+    def work(s) -> bool:
+        gone = s.execute(stmt, execution_options={"synchronize_session": False}).first()
+        if gone is not None and gone.status == "yanked":  # in the same transaction: no moment without the yank
+            row = {"id": gone.id, "bundle_key": gone.bundle_key, "deleted_at": index._clock()}  # the rows' clock
+            s.execute(index.insert_ignore(YankRow, [row]))
+        return gone is not None
+
+    return index.transaction(work)
+
+
+def yanked_gone(index: Index, bundle_key: str, limit: int) -> list[str]:
+    """Ids of `bundle_key`'s yanked bundles gc deleted, at most `limit` (the newest deletions first)."""
+    query = (select(YankRow.id).where(YankRow.bundle_key == bundle_key)
+             .order_by(YankRow.deleted_at.desc(), YankRow.id).limit(limit))  # fmt: skip
+    return index.read(lambda s: list(s.scalars(query)))
+
 
 
 def packs(index: Index) -> list[PackInfo]:

@@ -6,6 +6,7 @@
     events   restore/publish outcomes, the source of hit-rate and time-saved stats
     store_binding  one row: the id of the store these rows describe (kcache.binding)
     publish_leases  bundle key -> the publish uploading for it now, until when (kcache.publish)
+    yanks    bundles gc deleted while yanked: the yank outlives the row (see YankRow)
 
 Schema changes go through a new Alembic migration in migrations/versions; a test checks that
 these models and the migrations agree.
@@ -121,3 +122,15 @@ class PublishLeaseRow(Base):
     bundle_key: Mapped[str] = mapped_column(String(64), primary_key=True)
     holder: Mapped[str] = mapped_column(String(128))  # host:pid:token of the publish, for messages
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))  # by the index's clock
+
+
+class YankRow(Base):
+    """A yanked bundle whose row gc deleted. Its signed manifest still verifies wherever a copy of it
+    is put back (a store writer may have kept one), so the yank must outlive the row: pins to it and
+    its key's signed ref yank list are answered from here (kcache.choice, kcache.refs)."""
+
+    __tablename__ = "yanks"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # the bundle (manifest) id
+    bundle_key: Mapped[str] = mapped_column(String(64), index=True)
+    deleted_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))  # by the index's clock

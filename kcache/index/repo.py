@@ -25,7 +25,16 @@ from sqlalchemy.orm import Session
 
 from kcache.errors import ConfigError, IndexConflict, IndexDbError, NotFound
 from kcache.index.db import describe_error, ensure_schema, make_engine
-from kcache.index.models import MAX_MODEL_ID, BlobRow, BundleRow, EventRow, PackRow, PublishLeaseRow, StoreBindingRow
+from kcache.index.models import (
+    MAX_MODEL_ID,
+    BlobRow,
+    BundleRow,
+    EventRow,
+    PackRow,
+    PublishLeaseRow,
+    StoreBindingRow,
+    YankRow,
+)
 from kcache.records import BlobLocation, Bundle, Event
 
 log = logging.getLogger(__name__)
@@ -273,6 +282,10 @@ class Index:
             raise NotFound("bundle" if not rows else "unique bundle with prefix", id_or_prefix)
         with self._guard():
             return bundle_of(rows[0])
+
+    def was_yanked(self, bundle_id: str) -> bool:
+        """Whether gc deleted `bundle_id`'s row while it was yanked (kcache.index.lifecycle)."""
+        return self.read(lambda s: s.get(YankRow, bundle_id) is not None)
 
     def list_bundles(self, *, bundle_key: str | None = None, model: str | None = None, limit: int = 50) -> list[Bundle]:
         """Bundles newest first, optionally filtered by bundle key (or prefix) and model."""
