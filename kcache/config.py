@@ -155,3 +155,17 @@ def redact_url(url: str) -> str:
 def redact_text(text: str) -> str:
     """`text` with every URL in it redacted (error messages quote the URLs they failed on)."""
     return _URL.sub(lambda m: redact_url(m.group(0)), _USERINFO.sub(rf"\1:{MASK}@", text))
+
+
+def redact_doc(doc):
+    """A JSON-like document with every string in it (keys too) redacted, as `redact_text` does.
+
+    Each string on its own, never the serialised text: a URL's end found inside JSON's escapes
+    (a quote the server sent, as \\") took the escaping backslash with a secret and broke the JSON."""
+    if isinstance(doc, str):
+        return redact_text(doc)
+    if isinstance(doc, dict):
+        return {redact_doc(k): redact_doc(v) for k, v in doc.items()}
+    if isinstance(doc, (list, tuple)):
+        return [redact_doc(v) for v in doc]
+    return doc

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kcache import readiness
-from kcache.config import redact_text
+from kcache.config import redact_doc
 from kcache.errors import ConfigError, KcacheError, RootError
 from kcache.profiles import Profile
 from kcache.warmup_http import HttpTarget as HttpTarget  # re-exported: callers name warmup.HttpTarget
@@ -271,7 +271,7 @@ def write_marker(root: Path, report: WarmupReport, on_failure: str = "unready", 
     Path(root).mkdir(parents=True, exist_ok=True)
     # Every container of the pod reads ROOT, and `kcache ready --json` shows the marker: --url and
     # the errors quoting it may carry a password (http://user:pass@host).
-    doc = json.loads(redact_text(json.dumps({**to_dict(report), "on_failure": on_failure})))
+    doc = redact_doc(json.loads(json.dumps({**to_dict(report), "on_failure": on_failure})))
     doc[readiness.AFTER_RESTORE] = readiness.restore_stamp(Path(root)) if after_restore is _NOW else after_restore
     if report.status == "running" and expires_at is not None:
         doc["expires_at"] = expires_at.isoformat()

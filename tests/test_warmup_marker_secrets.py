@@ -3,6 +3,8 @@ marker under ROOT is read by every container of the pod and shown by `kcache rea
 
 from __future__ import annotations
 
+import json
+
 from click.testing import CliRunner
 
 from kcache import warmup
@@ -28,3 +30,19 @@ def test_warmup_with_a_password_in_url_leaves_no_password_under_root(tmp_path):
     for path in root.iterdir():
         assert "s3cr3t-pw" not in path.read_text(), path
     assert (root / ".kcache-warmup.json").exists()
+
+
+def test_a_quote_after_a_secret_query_value_in_server_text_leaves_a_readable_marker(tmp_path):
+    """Redacting the serialised JSON cut the backslash before an escaped quote along with the
+    secret: the marker could not be written and warmup exited as a bug."""
+    from kcache.cli.warmup_cmd import _report_json
+
+    said = 'HTTP 503: loading; see http://status.internal/?token=abc"def and http://u:pw@h/?sig=x\\"y'
+    failed = warmup.ProfileResult(Profile("p", 1, 8, 8), False, (), error=said)
+    report = warmup.WarmupReport("failed", URL, 1.0, (failed,), error=said)
+    marker = json.loads(warmup.write_marker(tmp_path, report).read_text())
+    shown = _report_json(report)
+    for doc in (marker, shown):
+        text = json.dumps(doc)
+        assert "abc" not in text and ":pw@" not in text and "s3cr3t-pw" not in text
+        assert 'def and' in doc["error"] and "status.internal" in doc["error"]

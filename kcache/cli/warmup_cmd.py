@@ -29,7 +29,7 @@ from kcache.cli.options import (
     store_options,
 )
 from kcache.cli.publish_cmd import publish_config
-from kcache.config import redact_text
+from kcache.config import redact_doc, redact_text
 from kcache.errors import ConfigError
 from kcache.prebake import ChildWarmup, ServerWarmup, prebake
 
@@ -177,7 +177,7 @@ def stdout_to_stderr() -> Iterator[None]:
 
 def _report_json(report: warmup.WarmupReport) -> dict:
     # The target URL, and errors quoting it, may carry a password (http://user:pass@host).
-    return json.loads(redact_text(fmt.to_json(warmup.to_dict(report))))
+    return redact_doc(json.loads(fmt.to_json(warmup.to_dict(report))))
 
 
 def _print_report(report: warmup.WarmupReport) -> None:
