@@ -121,6 +121,9 @@ class PublishResult:
     packs: int
     seconds: float
     yanked: bool = False  # this manifest was yanked before: committed yanked, no ref names it
+    # Manifest paths the walk found but the bundle left out (removed, unreadable or changed while
+    # read: a compile still writing them), for a caller that publishes again, like `kcache watch`.
+    skipped: tuple[str, ...] = ()
 
 
 def collect(sources: Iterable[Source], *, root: Path | None, env: Mapping[str, str]) -> list[tuple[Source, FileInfo]]:
@@ -589,6 +592,7 @@ def _publish_leased(store: Store, index: Index, fingerprint: Fingerprint, found,
     result = PublishResult(
         fingerprint.bundle_key, manifest.id, created, manifest.layers, len(manifest.entries), manifest.total_size,
         len(new), sum(c.info.size for c in new), uploaded, pack_count, seconds, yanked,
+        tuple(sorted({_manifest_path(src, i) for src, i in found} - {e.path for e in manifest.entries})),
     )  # fmt: skip
     event = Event("publish", "published" if created else "unchanged", fingerprint.bundle_key, manifest.id,
                   len(manifest.entries), uploaded, seconds)  # fmt: skip

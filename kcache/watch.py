@@ -258,7 +258,10 @@ class Watcher:
             log.warning("publishing %d new files failed: %s", len(pending), describe(exc))
             log.debug("publish failed", exc_info=True)
             return None, describe(exc)
-        self._published.update(pending)
+        # Only what the bundle holds: a file publish skipped (a compile still writing it) is pending still.
+        subdirs = {source.name: source.subdir for source in layers}
+        skipped = set(result.skipped)
+        self._published.update(p for p in pending if f"{subdirs.get(p[0], p[0])}/{p[1]}" not in skipped)
         self._publishes += 1
         self._last_publish = {"bundle_id": result.bundle_id, "created": result.created,
                               "new_blobs": result.new_blobs, "uploaded_bytes": result.uploaded_bytes}  # fmt: skip

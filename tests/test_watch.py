@@ -239,6 +239,39 @@ def test_a_file_changed_while_it_was_published_is_retried(published_root, store,
     assert read_marker(root, WATCH_MARKER)["publishes"] == 1
 
 
+def test_a_file_publish_skipped_is_published_when_next_due(published_root, store, sqlite_index, fp, monkeypatch):
+    """A compile still writing a file (g++ writes a .so in place) when publish hashes it: publish
+    leaves it out with a warning and succeeds; the watch must not count it published."""
+    from kcache import publish as publishing
+
+    root, first = published_root
+    clock = Clock()
+    real, grown = publishing.hash_file, []
+
+    def hash_while_the_linker_writes(path, *args, **kwargs):
+        if path.name == "kernel.so" and not grown:
+            with open(path, "ab") as out:
+                out.write(b" and the rest of it")
+            grown.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(publishing, "hash_file", hash_while_the_linker_writes)
+    watcher = Watcher(root, publisher=lambda layers: publish(store, sqlite_index, fp, layers, root=root),
+                      publish_every=10, clock=clock)  # fmt: skip
+    watcher.step()
+    write_tree(root, {"inductor/aa/kernel.so": b"\x7fELF half", "triton/k9/k.cubin": b"done"})
+    clock.now += 11
+    partial = watcher.step().published
+    assert grown and partial is not None and partial.skipped == ("inductor/aa/kernel.so",)
+    clock.now += 11
+    complete = watcher.step().published
+    assert complete is not None, "the skipped file was never published again"
+    entries = manifests.parse(store.get_bytes(manifest_key(complete.bundle_id)), complete.bundle_id).entries
+    assert {"inductor/aa/kernel.so", "triton/k9/k.cubin"} <= {e.path for e in entries}
+    clock.now += 11
+    assert watcher.step().published is None  # and only once
+
+
 @pytest.mark.parametrize("error", [
     UnicodeEncodeError("utf-8", "k\udcff", 1, 2, "surrogates not allowed"),  # a name no manifest can hold
     FileNotFoundError(2, "No such file or directory"),  # a file removed between walk and hash
