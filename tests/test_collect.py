@@ -140,9 +140,13 @@ def test_triton_temporary_directories_are_junk(tmp_path, store, sqlite_index, fp
     write_tree(root, {
         "triton/HASH/add_kernel.cubin": b"done",
         "triton/HASH/tmp.pid_4242_0b7c0f7e-1b2c-4d5e-9f00-123456789abc/add_kernel.json": b'{"half',
+        # torch's TritonBundler (_inductor/triton_bundler.py) writes a bundled kernel into
+        # <cache dir>/tmp.<uuid4>/ and renames it; one that lost the rename race is left there.
+        "triton/tmp.0b7c0f7e-1b2c-4d5e-9f00-123456789abc/triton_poi_fused_0.cubin": b"half",
+        "triton/tmp.notauuid/kept.cubin": b"a kernel directory of another name",
     })  # fmt: skip
     result = publish(store, sqlite_index, fp, sources.select(), root=root)
-    assert published_paths(store, result) == {"triton/HASH/add_kernel.cubin"}
+    assert published_paths(store, result) == {"triton/HASH/add_kernel.cubin", "triton/tmp.notauuid/kept.cubin"}
 
 
 def test_a_linked_device_directory_under_inductor_is_not_read(tmp_path, outside):

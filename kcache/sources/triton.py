@@ -27,7 +27,9 @@ class TritonSource(Source):
     # Triton (runtime/cache.py, FileCacheManager.put, read in 3.9) writes each file into
     # <kernel dir>/tmp.pid_<pid>_<uuid>/ and then renames it into place: what is left in such a
     # directory is half written, or orphaned by a killed compile.
-    junk = COMMON_JUNK + ("tmp.pid_*",)
+    # torch's TritonBundler (_inductor/triton_bundler.py) writes a kernel from a Mega-Cache or FX
+    # graph bundle into <cache dir>/tmp.<uuid4>/ and renames it; one that lost the race stays.
+    junk = COMMON_JUNK + ("tmp.pid_*", "tmp.????????-????-????-????-????????????")
 
     def live_dirs(self, env: Mapping[str, str]) -> list[Path]:
         if env.get("TRITON_CACHE_DIR"):
