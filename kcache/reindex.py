@@ -224,7 +224,7 @@ def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool 
         except KcacheError as exc:
             skipped.append(f"{info.key}: {exc}")
             continue
-        created = _date(manifest_id, info.modified, ref, now)
+        created = _date(manifest, info.modified, ref, now, signed=bool(trusted))
         evidence = manifest_id in yanked or (ref and manifest_id in ref.yanked) or index.was_yanked(manifest_id)
         status = "yanked" if evidence else "active"
         bundle = Bundle(
@@ -303,23 +303,41 @@ def _ref(store: Store, bundle_key: str, trusted: tuple, skipped: list[str]) -> r
     if ref is None or not trusted:
         return ref
     try:
-        if signing.check(trusted, dict(ref.signatures), ref.message(), bundle_key):
-            return ref
+        signed = signing.check(trusted, dict(ref.signatures), ref.message(), bundle_key)
     except SignatureError:
-        pass
-    skipped.append(f"refs/{bundle_key}: not signed by a trusted key; its bundles are dated by their objects")
-    return None
+        signed = None
+    if signed is None:
+        skipped.append(f"refs/{bundle_key}: not signed by a trusted key; its bundles are dated by their content")
+        return None
+    if ref.expired(datetime.now(timezone.utc)):  # a replay holds until its expiry, and only that long
+        skipped.append(f"refs/{bundle_key}: expired at {ref.expires:%Y-%m-%d %H:%M} UTC; its bundles are dated "
+                       "by their content")  # fmt: skip
+        return None
+    return ref
 
 
-def _date(manifest_id: str, modified: datetime, ref: refs.Ref | None, now: datetime) -> datetime:
+def _date(manifest: manifests.Manifest, modified: datetime, ref: refs.Ref | None, now: datetime,
+          signed: bool = False) -> datetime:  # fmt: skip
     """When a bundle was published, as far as the store can tell.
 
     The ref's time for the bundle it names (unless from the future: else newest for good). Any
     other bundle of the key is older than that one, whatever its object's time says: a store
     copied or migrated, or a manifest put back, has a new time, and made newest it would roll pods
     back and have gc delete the bundle the ref names. No object's time is taken past now.
+
+    A `signed` manifest (checked against trusted keys) is also taken no later than its newest
+    file's time, which its signature covers: the object's time is its last upload's, so a store
+    writer who uploads an old signed manifest again would otherwise make it the key's newest.
     """
+    manifest_id = manifest.id
     modified = min(modified, now)
+    if signed:
+        newest_file = max((e.mtime_ns or 0 for e in manifest.entries), default=0)
+        if newest_file > 0:
+            try:
+                modified = min(modified, datetime.fromtimestamp(newest_file / 1e9, timezone.utc))
+            except (OverflowError, OSError, ValueError):  # past a datetime's range: says nothing
+                pass
     if ref is None or refs.from_the_future(ref):
         return modified
     if ref.manifest == manifest_id:

@@ -156,3 +156,42 @@ def test_cli_ls_and_restore_after_reindexing_a_hostile_store(tmp_path, isolated_
     assert listed.exit_code == 0, listed.output
     pod = runner.invoke(main, ["restore", "--into", str(tmp_path / "dst"), "--index", index, "--json"])
     assert json.loads(pod.stdout)["status"] == "hit", pod.output  # before: the padded row failed every restore
+
+
+@pytest.mark.parametrize("forgery", ["expired-ref-put-back", "ref-deleted-manifest-reuploaded"])
+def test_a_store_writer_cannot_make_an_older_signed_bundle_the_newest_by_reindex(tmp_path, store, sqlite_index, fp,
+                                                                                 forgery):  # fmt: skip
+    """A replayed ref only holds until it expires, and an object's time is whatever its last upload
+    made it: with trusted keys, reindex dates neither by them. The bundle it took for the newest
+    was what refresh then signed and what gc kept, deleting the real newest."""
+    import os
+    import time
+    from datetime import timedelta
+
+    from kcache import refs, signing
+    from kcache.publish import PublishConfig
+
+    private, public = signing.generate("prod", tmp_path / "keys")
+    key = signing.load_signing_key(private)
+    write_tree(tmp_path / "v1", {"inductor/a": b"old kernel"})
+    hour_ago = time.time() - 3600
+    os.utime(tmp_path / "v1/inductor/a", (hour_ago, hour_ago))
+    old = publish(store, sqlite_index, fp, LAYERS, root=tmp_path / "v1", env={}, config=PublishConfig(signing_key=key))
+    refs.refresh(store, sqlite_index, fp.bundle_key, signer=key, ttl=timedelta(seconds=-1))  # signed, expired
+    replayed = store.get_bytes(ref_key(fp.bundle_key))
+    write_tree(tmp_path / "v2", {"inductor/a": b"new kernel"})
+    new = publish(store, sqlite_index, fp, LAYERS, root=tmp_path / "v2", env={}, config=PublishConfig(signing_key=key))
+
+    store.delete(ref_key(fp.bundle_key))
+    if forgery == "expired-ref-put-back":
+        assert store.put_bytes(ref_key(fp.bundle_key), replayed)
+    else:  # the same bytes again: only the object's time changes
+        data = store.get_bytes(manifest_key(old.bundle_id))
+        store.delete(manifest_key(old.bundle_id))
+        assert store.put_bytes(manifest_key(old.bundle_id), data)
+    rebuilt = _fresh(tmp_path)
+    try:
+        reindex(store, rebuilt, trusted=signing.load_trusted_keys([public]))
+        assert rebuilt.newest_bundle(fp.bundle_key).id == new.bundle_id
+    finally:
+        rebuilt.close()
