@@ -261,11 +261,22 @@ def refresh(store: Store, index: Index, bundle_key: str, *, signer: signing.Sign
 
     What the ref named before does not matter (a writer without keys may have pointed it
     anywhere); only its generation is carried forward. No active bundle: the ref is removed.
+    Without `signer`, a signed ref is left as it is (with a warning when it is behind the index):
+    only its signer may rewrite what pods requiring signatures follow.
     """
 
-    def decide(_current: Ref | None):
+    def decide(current: Ref | None):
         newest = index.newest_bundle(bundle_key)
-        return for_bundle(index, newest.id) if newest else None
+        wanted = for_bundle(index, newest.id) if newest else None
+        if signer is None and current is not None and current.signatures:
+            if wanted is None or current.manifest != wanted.manifest or current.yanked != wanted.yanked:
+                # Written unsigned, it would send every pod requiring signatures cold. Yank markers
+                # still stop a yanked bundle meanwhile; the signer's next write brings the list up.
+                log.warning("refs/%s is signed (by %s): left as it is; run `kcache refresh --signing-key KEY` "
+                            "to write what the index holds now", bundle_key,
+                            ", ".join(name for name, _ in current.signatures))  # fmt: skip
+            return _KEEP
+        return wanted
 
     written = _write(store, bundle_key, decide, signer, ttl or default_ttl())
     return None if written is _KEEP else written

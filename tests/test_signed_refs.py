@@ -349,3 +349,21 @@ def test_a_pinned_bundle_of_another_fingerprint_or_none_is_a_miss(tmp_path, stor
         assert result.status == "miss" and "another fingerprint" in result.reason, result.reason
         gone = restore(store, catalog, fp, tmp_path / "b", bundle_id="ab" * 32)
         assert gone.status == "miss" and "not in the store" in gone.reason, gone.reason
+
+
+@pytest.mark.parametrize("verb", ["yank-older", "refresh"])
+def test_an_unsigned_yank_or_refresh_leaves_a_signed_ref_signed(tmp_path, store, sqlite_index, fp, keys, verb, caplog):
+    """README's `kcache yank ID --reason ...` has no key: rewritten unsigned, the ref of a bundle it
+    did not even touch sent every pod requiring signatures cold until someone refreshed it."""
+    key = keys["prod"][0]
+    v1 = _publish(tmp_path, store, sqlite_index, fp, b"old", key, "v1")
+    v2 = _publish(tmp_path, store, sqlite_index, fp, b"new", key, "v2")
+    if verb == "yank-older":
+        yank(store, sqlite_index, v1.bundle_id, "NaNs")
+    else:
+        refs.refresh(store, sqlite_index, fp.bundle_key)
+    ref = refs.read(store, fp.bundle_key)
+    assert ref.manifest == v2.bundle_id and dict(ref.signatures).keys() == {"prod"}
+    pod = _pod(store, fp, tmp_path / "pod", keys)
+    assert (pod.status, pod.bundle_id) == ("hit", v2.bundle_id), pod.reason
+    assert verb != "yank-older" or "--signing-key" in caplog.text
