@@ -73,7 +73,7 @@ _COMPRESS_AHEAD = 4  # chunks of one file in flight in the pool: ~32 MiB of raw 
 SEEK_TAIL_GUESS = 16 * 1024  # the last bytes of a blob read first: a table of ~2000 frames (8 GiB)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PackedBlob:
     id: str
     offset: int
@@ -440,6 +440,10 @@ def trailer_span(pack_id: str, tail: bytes, pack_size: int) -> int:
     return trailer_len + FOOTER_SIZE
 
 
+# The shortest entry a trailer can hold: `["<64 hex digits>",0,0,0]`.
+_MIN_ENTRY_BYTES = 73
+
+
 def parse_trailer(pack_id: str, tail: bytes, pack_size: int) -> tuple[PackedBlob, ...]:
     """Parse a pack's trailer from its last bytes (`tail` must include trailer and footer)."""
     if len(tail) < FOOTER_SIZE or not tail.endswith(MAGIC):
@@ -448,8 +452,13 @@ def parse_trailer(pack_id: str, tail: bytes, pack_size: int) -> tuple[PackedBlob
     if trailer_len > len(tail) - FOOTER_SIZE:
         raise IntegrityError("pack", pack_id, "trailer is longer than the bytes given")
     body_end = pack_size - FOOTER_SIZE - trailer_len
+    body = tail[-FOOTER_SIZE - trailer_len : -FOOTER_SIZE]
+    # Counted before parsing: json.loads makes ~20 times the bytes of `["",0,0,0]` entries.
+    if body.count(b"[") > len(body) // _MIN_ENTRY_BYTES + 1:
+        raise IntegrityError("pack", pack_id, f"trailer claims more entries than its {len(body)} bytes can hold "
+                             f"({_MIN_ENTRY_BYTES} bytes an entry at least)")  # fmt: skip
     try:
-        doc = json.loads(tail[-FOOTER_SIZE - trailer_len : -FOOTER_SIZE])
+        doc = json.loads(body)
         if doc["schema"] not in READABLE_TRAILER_SCHEMAS:
             raise ValueError(f"schema {doc['schema']!r} is not one of {READABLE_TRAILER_SCHEMAS}")
         blobs = tuple(PackedBlob(str(i), int(o), int(n), int(s)) for i, o, n, s in doc["blobs"])

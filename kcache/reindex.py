@@ -52,7 +52,12 @@ from kcache.store.base import ObjectInfo
 
 _TAIL = 256 * 1024  # most trailers fit; longer ones get a second read
 _MAX_TRAILER = 64 * 1024 * 1024  # ~700k blobs: more than a 32 MiB pack of real files holds
-_TRAILER_BUDGET = 2 * _MAX_TRAILER  # trailer bytes held at once by all threads (see TrailerBudget)
+_TRAILER_BUDGET = 2 * _MAX_TRAILER
+_FAILURES_SHOWN = 3  # of one pack's blobs that failed, the rest counted
+# A trailer is charged for what parsing it makes too: its entries (73 bytes each at least, see
+# packs.parse_trailer) take about 2-3 times their bytes as objects, so two planted 64 MiB
+# trailers are never parsed at once (16 of them held 2.9 GB before entries were counted).
+_PARSED_PER_BYTE = 4  # trailer bytes held at once by all threads (see TrailerBudget)
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 
 
@@ -133,7 +138,7 @@ def _pack_blobs(store: Store, info: ObjectInfo, lease: _Lease) -> tuple[packs.Pa
         if span > _MAX_TRAILER:  # a hostile footer must not make reindex read a whole huge pack
             raise ObjectTooLarge("pack trailer", info.key, span, _MAX_TRAILER)
         tail = None  # dropped before waiting for the whole trailer's bytes
-        lease.hold(span)
+        lease.hold(span * _PARSED_PER_BYTE)
         tail = _read_end(store, info, span)
     return packs.parse_trailer(pack_id, tail, info.size)
 
@@ -148,15 +153,19 @@ def _verified(store: Store, pack_id: str, blobs: tuple[packs.PackedBlob, ...],
     """The blobs of one pack whose stored bytes decompress to content hashing to their ids."""
     good: list[packs.PackedBlob] = []
     listed = [b for b in blobs if _HEX64.match(b.id)]
-    skipped += [f"pack {pack_id[:12]}: blob {b.id[:64]!r} is not a blob id" for b in blobs if not _HEX64.match(b.id)]
+    unnamed = [b.id for b in blobs if not _HEX64.match(b.id)]
+    if unnamed:  # one line a pack: a planted trailer may list millions
+        skipped.append(f"pack {pack_id[:12]}: {len(unnamed)} entries name no blob id (e.g. {unnamed[0][:64]!r})")
     entries = [manifests.Entry(f"blob {b.id[:12]}", 0o644, b.size, b.id, pack_id, b.offset, b.length) for b in listed]
     by_entry = {(b.id, b.offset): b for b in listed}
+
+    failures: list[str] = []
 
     def check(entry: manifests.Entry, frame) -> None:
         try:
             packs.unpack_frame(frame, entry.blob, entry.size, Discard())
         except KcacheError as exc:
-            skipped.append(f"pack {pack_id[:12]}: {exc}")
+            failures.append(str(exc))
             return
         good.append(by_entry[(entry.blob, entry.offset)])
 
@@ -164,7 +173,10 @@ def _verified(store: Store, pack_id: str, blobs: tuple[packs.PackedBlob, ...],
         try:
             fetch.read_range(store, rng, check, cancelled=lambda: False)
         except KcacheError as exc:  # the range ended early or overlaps: its unread blobs get no row
-            skipped.append(f"pack {pack_id[:12]}: {exc}")
+            failures.append(str(exc))
+    skipped += [f"pack {pack_id[:12]}: {why}" for why in failures[:_FAILURES_SHOWN]]
+    if len(failures) > _FAILURES_SHOWN:
+        skipped.append(f"pack {pack_id[:12]}: and {len(failures) - _FAILURES_SHOWN} more blobs that failed")
     return good
 
 

@@ -155,3 +155,34 @@ def test_a_take_is_clamped_to_the_budget_and_given_back():
     assert budget.take(100) == 10 and budget.held == 10
     budget.give(10)
     assert budget.take(4) == 4 and budget.held == 4 and budget.peak == 10
+
+
+def _plant_json_trailer(store, entries: list) -> str:
+    """A pack whose trailer parses: the entries as given, over a body as long as they claim."""
+    import json
+
+    doc = json.dumps({"schema": 1, "blobs": entries}, separators=(",", ":")).encode()
+    data = b"\0" * 64 + doc + FOOTER.pack(len(doc)) + MAGIC
+    pack_id = hashlib.sha256(data).hexdigest()
+    assert store.put_bytes(pack_key(pack_id), data)
+    return pack_id
+
+
+def test_a_trailer_denser_than_any_pack_writes_is_refused_before_it_is_parsed(tmp_path, store):
+    """`["",0,0,0]` entries: 11 bytes of trailer each, parsed into ~20 times their bytes (a 64 MiB
+    trailer took 1.4 GB). A real entry names a 64-digit blob id, so it takes 73 bytes at least."""
+    from kcache import packs
+
+    junk = _plant_json_trailer(store, [["", 0, 0, 0]] * 5000)
+    with pytest.raises(packs.IntegrityError, match="more entries"):
+        packs.parse_trailer(junk, store.get_bytes(pack_key(junk)), store.size(pack_key(junk)))
+    result = _reindexed(store, tmp_path)
+    assert [s for s in result.skipped if junk[:12] in s] and len(result.skipped) == 1, result.skipped
+
+
+def test_a_trailer_of_many_bad_entries_is_one_line_of_the_report(tmp_path, store):
+    """Every bad entry was a line of reindex's report, held until it ended: millions of them."""
+    junk = _plant_json_trailer(store, [["z" * 64, 0, 1, 1]] * 500 + [["0" * 64, 0, 1, 1]] * 500)
+    result = _reindexed(store, tmp_path)
+    lines = [s for s in result.skipped if junk[:12] in s]
+    assert 1 <= len(lines) <= 2 and any("500" in s for s in lines), result.skipped
