@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from kcache import atomic
+from kcache import manifest as manifests
+from kcache.untrusted import one_line
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,8 @@ _MAX_GROUP_BYTES = 1024 * 1024  # json.loads of 4 MiB of `[],` held ~100 MiB
 # 4 MiB of it peaked at ~2 GiB). Real tables take ~15 tokens a handle, so this allows ~6,500
 # handles and bounds the AST to ~50 MiB; a table past it is dropped before it is parsed.
 _MAX_TABLE_TOKENS = 100_000
+_LOGGED_CHARS = 300  # of why an index file was dropped: it quotes paths from the store
+_SEP = "/"
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,10 @@ class Layer:
         if any(p in ("", ".", "..") for p in parts):
             return None
         within = self.files if file else self.known
-        for i in range(len(parts)):
-            rel = "/".join(parts[i:])
+        # No path a manifest carries has more components: a longer suffix can match nothing, and
+        # joining every suffix of a planted path of 80k components took 47 s.
+        for i in range(max(0, len(parts) - manifests.MAX_PATH_COMPONENTS), len(parts)):
+            rel = _SEP.join(parts[i:])
             if rel in within:
                 return str(self.target / rel)
         return None
@@ -195,7 +201,8 @@ def _apply(rewriter: Rewriter, layer: Layer, rel: str) -> bool:
         text = path.read_text(encoding="utf-8")
         new = rewriter.rewrite(text, layer)
     except (Unmappable, ValueError, SyntaxError, MemoryError, RecursionError) as exc:
-        log.warning("not restoring %s (%s): %s; the engine will rebuild it", rel, rewriter.name, exc)
+        log.warning("not restoring %s (%s): %s; the engine will rebuild it", rel, rewriter.name,
+                    one_line(str(exc), _LOGGED_CHARS))  # a path from the store, clipped
         path.unlink()
         return False
     if new is not None:

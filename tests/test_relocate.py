@@ -215,3 +215,28 @@ def test_vllm_table_of_thousands_of_handles_is_relocated(tmp_path):
     assert relocate(layer, [index], ["vllm-handles"]) == []
     moved = ast.literal_eval((tmp_path / index).read_text())
     assert moved[(19, 126, "inductor_standalone")][1] == f"/restored/vllm/{RANK}/artifact_shape_19_subgraph_126"
+
+
+def test_a_path_of_many_components_is_judged_by_its_last_ones_and_logged_clipped(tmp_path, caplog, monkeypatch):
+    """A group naming a path of 80k components took 47 s (every suffix joined) and was logged whole:
+    only the last MAX_PATH_COMPONENTS can match a manifest path, and a log line stays one short line."""
+    from kcache import relocate as relocation
+
+    joined = []
+    real_join = str.join
+
+    class Counting(str):
+        def join(self, parts):
+            joined.append(1)
+            return real_join(self, parts)
+
+    monkeypatch.setattr(relocation, "_SEP", Counting("/"))
+    long_path = "/" + "/".join(["d"] * 20_000) + "/k/add.cubin"
+    layer = Layer(tmp_path, Path("/restored/triton"), known_paths(["k/add.cubin"]), frozenset({"k/add.cubin"}))
+    assert layer.mapped(long_path, file=True) == "/restored/triton/k/add.cubin"
+    assert len(joined) <= 300
+    (tmp_path / "k").mkdir()
+    (tmp_path / "k/__grp__add.json").write_text(json.dumps({"child_paths": {"add.cubin": "/x" * 20_000}}))
+    with caplog.at_level(logging.WARNING, logger="kcache.relocate"):
+        assert relocate(layer, ["k/__grp__add.json"], ["triton-groups"]) == ["k/__grp__add.json"]
+    assert max(len(r.getMessage()) for r in caplog.records) < 1000
