@@ -6,10 +6,12 @@
     every candidate bundle: the facts that differ (ours vs its), split toolchain / workload
     ranked by how many facts differ, then newest first ──► nearest few, each with a verdict
 
-A miss is only ever caused by a differing fact, a bundle that is no longer active, or a facts
-file that this machine contradicts (restore then misses whatever the index holds), so naming the
-facts answers "why did my pod start cold?" without anyone reading hashes. Pure: takes facts and
-Bundle records, runs no queries.
+Among the index's bundles, a miss is caused by a differing fact, a bundle that is no longer
+active, or a facts file that this machine contradicts (restore then misses whatever the index
+holds), so naming the facts answers "why did my pod start cold?" without anyone reading hashes.
+Pure: takes facts and Bundle records, runs no queries. `kcache explain` also looks for a yank
+marker on the hit (restore obeys one whatever the index says); a signature a pod requires is
+`kcache verify --trusted-key`'s to check.
 """
 
 from __future__ import annotations

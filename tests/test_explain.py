@@ -291,3 +291,25 @@ def test_an_engine_version_is_named_with_its_reason():
     (cand,) = explain({**FACTS, "engine.vllm": "0.11.0"}, [bundle({**FACTS, "engine.vllm": "0.10.2"})]).nearest
     assert cand.verdict.startswith("differs in engine.vllm (0.11.0 here, 0.10.2 in bundle): ")
     assert "every toolchain fact must match" not in cand.verdict and "version" in cand.verdict
+
+
+def test_cli_explain_a_bundle_the_store_marks_yanked_is_a_miss_as_in_restore(tmp_path):
+    """A yank marker stops a bundle whatever the index says (any store writer may add one): explain
+    had said "hit ... `kcache restore` lays it down" where restore missed."""
+    from kcache import refs
+
+    store = LocalStore(tmp_path / "store")
+    write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"graph"})
+    fp = fingerprint.collect(model="m", overrides={"cpu.isa": "avx512"})
+    index = Index.open(f"sqlite:///{tmp_path / 'index.db'}")
+    try:
+        published = publish(store, index, fp, sources.select(), root=tmp_path / "src", env={})
+    finally:
+        index.close()
+    assert store.put_bytes(refs.yank_key(published.bundle_id), b"yanked by hand")
+    where = ("--store", f"file://{tmp_path / 'store'}", "--index", f"sqlite:///{tmp_path / 'index.db'}", "--model",
+             "m", "--fact", "cpu.isa=avx512")  # fmt: skip
+    doc = json.loads(run("explain", *where, "--json"))
+    assert doc["status"] == "miss" and doc["hit"] is None and doc["yanked_in_store"] == published.bundle_id
+    text = run("explain", *where)
+    assert "hit:" not in text and "miss:" in text and refs.yank_key(published.bundle_id) in text

@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
+
 import click
 
-from kcache import explain
+from kcache import explain, refs
 from kcache.cli import format as fmt
 from kcache.cli.fingerprint_cmd import echo_fingerprint
 from kcache.cli.options import (
     compute_fingerprint,
     fingerprint_options,
     json_option,
+    open_configured_store,
     opened,
     settings,
     store_options,
 )
+from kcache.errors import KcacheError
 
 # How many of the newest bundles to compare (and as many again of this model): the nearest
 # bundle is almost always recent, and comparing facts is cheap.
 SCAN = 500
+log = logging.getLogger(__name__)
 ABSENT = "(absent)"
 
 
@@ -43,20 +49,41 @@ def explain_cmd(limit, model, model_config, facts, extras, store_url, index_url,
       kcache explain --model my-llm --facts-file /etc/kcache-facts/facts.json
     """
     fp = compute_fingerprint(model, model_config, facts, extras)
-    with opened(settings(store_url, index_url, s3_endpoint_url), store=False, write=False) as (_, index):
+    cfg = settings(store_url, index_url, s3_endpoint_url)
+    with opened(cfg, store=False, write=False) as (_, index):
         bundles = index.list_bundles(limit=SCAN)
         bundles += index.list_bundles(model=fp.facts.get("model.id"), limit=SCAN)
         newest = index.newest_bundle(fp.bundle_key)  # may be older than the scanned window
         if newest is not None:
             bundles.append(newest)
     result = explain.explain(fp.facts, bundles, limit=limit, mismatches=fp.mismatches)
+    marked = result.hit.id if result.hit is not None and _yank_marker(cfg, result.hit.id) else None
+    if marked:  # restore refuses it whatever the index says (kcache.choice), and takes no other bundle
+        result = replace(result, hit=None)
     per_layer = () if result.hit else explain.layer_verdicts(fp, bundles)
     if as_json:
-        click.echo(fmt.to_json({**_as_json(result), "layers": [
+        click.echo(fmt.to_json({**_as_json(result), "yanked_in_store": marked, "layers": [
             {"layer": v.layer, "key": v.key, "donor": v.donor, "differing": list(v.differing), "verdict": v.verdict}
             for v in per_layer]}))  # fmt: skip
         return
+    if marked:
+        echo_fingerprint(fp)
+        click.echo()
+        click.echo(f"miss: bundle {marked[:12]}, the index's newest for bundle key {fp.bundle_key}, has a yank marker "
+                   f"in the store ({refs.yank_key(marked)}), which restore obeys whatever the index says; "
+                   f"`kcache yank {marked[:12]}` makes the index agree, and restore then takes the bundle "
+                   "before it")  # fmt: skip
+        return
     _echo(fp, result, per_layer)
+
+
+def _yank_marker(cfg, bundle_id: str) -> bool:
+    """Whether the store holds `bundle_id`'s yank marker; False (with a warning) when it cannot say."""
+    try:
+        return open_configured_store(cfg).exists(refs.yank_key(bundle_id))
+    except KcacheError as exc:
+        log.warning("cannot look for a yank marker in the store: %s", exc)
+        return False
 
 
 def _echo(fp, result: explain.Explanation, per_layer) -> None:
