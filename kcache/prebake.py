@@ -34,6 +34,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,9 @@ class WarmupChildFailed(KcacheError):
         self.returncode = returncode
         super().__init__(f"the warmup process exited with code {returncode} and no report; see its error above")
 
+
+_PIECE = 64 * 1024
+_DRAIN_SECONDS = 5.0  # for the rest of the child's stdout once its session is killed
 
 class WarmupChildTimedOut(KcacheError):
     """The warmup child process was still running when the budget was spent; it was killed."""
@@ -94,15 +98,23 @@ class ChildWarmup:
         progress(f"warming up {self.entrypoint} in a child process with {root / envfile.NAME}")
         # stderr is inherited: the child's progress and errors reach the user directly. Its own
         # session: a hung entrypoint's helpers (compile workers) are killed with it.
-        with subprocess.Popen(self.command(root), env=env, stdout=subprocess.PIPE, text=True,
+        # The child's exit is what is waited for, not its stdout's end: a helper the user's code
+        # forked (a worker pool, a daemon) inherits the pipe and would hold it open; what is left
+        # of the child's session once it exits is killed, which ends the pipe.
+        with subprocess.Popen(self.command(root), env=env, stdout=subprocess.PIPE,
                               start_new_session=True) as child:  # fmt: skip
+            chunks: list[bytes] = []
+            reader = threading.Thread(target=_drain, args=(child.stdout, chunks), name="kcache-child-out",
+                                      daemon=True)  # fmt: skip
+            reader.start()
             try:
-                out, _ = child.communicate(timeout=self.timeout)
+                child.wait(timeout=self.timeout)
             except subprocess.TimeoutExpired:
                 raise WarmupChildTimedOut(self.timeout or 0) from None
             finally:
                 _kill_group(child)
-        report = _last_report(out)
+            reader.join(_DRAIN_SECONDS)  # a helper that left the session may hold the pipe still
+        report = _last_report(b"".join(chunks).decode(errors="replace"))
         if report is None:
             raise WarmupChildFailed(child.returncode)
         return report
@@ -120,15 +132,19 @@ def _last_report(stdout: str) -> warmup.WarmupReport | None:
 
 
 def _kill_group(child: subprocess.Popen) -> None:
-    """A child still running (past its timeout, or this process interrupted) is killed with its
-    process group, then reaped."""
-    if child.poll() is not None:
-        return
+    """The child's process group is killed (the child itself when it still runs, past its timeout
+    or with this process interrupted; else what its session left running), then the child reaped."""
     try:
         os.killpg(child.pid, signal.SIGKILL)
-    except ProcessLookupError:  # gone meanwhile
+    except (ProcessLookupError, PermissionError):  # nothing of it left, or nothing of it ours to signal
         pass
     child.wait()
+
+
+def _drain(stream, chunks: list[bytes]) -> None:
+    """Read `stream` into `chunks` until its end, a piece at a time (what came is kept if it never ends)."""
+    while piece := stream.read1(_PIECE):
+        chunks.append(piece)
 
 
 @dataclass(frozen=True)

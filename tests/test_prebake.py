@@ -26,6 +26,14 @@ def chatty_at_exit(batch_size, input_tokens, output_tokens):
     atexit.register(print, "goodbye from the entrypoint")
 
 
+def leaves_a_helper(batch_size, input_tokens, output_tokens):
+    """Compiles, and forks a helper that outlives the warmup (a fork-started worker pool, a daemon)."""
+    (Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / f"kernel-{batch_size}x{input_tokens}.so").write_bytes(b"\x7fELF")
+    if os.fork() == 0:
+        threading.Event().wait()  # until killed
+        os._exit(0)
+
+
 def hang(batch_size, input_tokens, output_tokens):
     threading.Event().wait()  # a deadlocked model load: never returns
 
@@ -59,3 +67,12 @@ def test_a_hanging_entrypoint_is_stopped_at_the_budget_with_a_clear_error(tmp_pa
     out = prebake(tmp_path, child_path, "test_prebake:hang", "--budget", "2", code=ExitCode.WARMUP)
     assert "did not finish within 2 s (--budget)" in out.stderr
     assert "raise --budget" in out.stderr
+
+
+def test_a_helper_the_entrypoint_leaves_running_does_not_hold_prebake(tmp_path, child_path):
+    """The helper inherits the child's stdout pipe (kept open for kcache's report while the user's
+    code runs): prebake waited for its end of file, and under --budget called the finished warmup
+    timed out. The child's exit is what counts; what is left of its session is killed."""
+    out = prebake(tmp_path, child_path, "test_prebake:leaves_a_helper", "--budget", "60", "--json")
+    doc = json.loads(out.stdout)
+    assert doc["warmup"]["status"] == "ok" and doc["publish"] is not None
