@@ -54,6 +54,7 @@ from kcache.packs import (
 )
 from kcache.records import BlobLocation, Bundle, Event
 from kcache.sources import ExtraSource, FileInfo, Source
+from kcache.sources import for_manifest as sources_for_manifest
 from kcache.store import Store, manifest_key, pack_key
 from kcache.workdir import staging, workdir
 
@@ -88,6 +89,9 @@ class PublishConfig:
     allow_empty: bool = False  # an empty bundle becomes the newest for its key: only on purpose
     peer_wait: float = PEER_WAIT  # seconds to wait for another publish of the same bundle key
     lease_seconds: float = LEASE_SECONDS
+    # kcache watch: the bundle also carries the files of the key's newest bundle that ROOT lacks, so
+    # replicas that each compiled other shapes after ready keep each other's kernels (see _carried)
+    carry_newest: bool = False
 
 
 def _manifest_path(source: Source, info: FileInfo) -> str:
@@ -554,12 +558,21 @@ def _publish_leased(store: Store, index: Index, fingerprint: Fingerprint, found,
     info = {name: value for name, value in info.items() if name in layers}
     if not first:
         lease.wait()
+    donor = _newest_to_carry(store, index, fingerprint, config) if config.carry_newest else None
     new, uploaded, pack_count, locations = _upload_until_revived(collected, store, index, config.jobs, note, report)
     collected = _sized_as_stored(collected, locations)
     new, uploaded, pack_count = early.new + new, early.uploaded + uploaded, early.packs + pack_count
     entries = [_entry(c, locations[c.blob]) for c in collected]
     # From `collected` as kept: a file skipped above takes its digests with it.
-    manifest = _manifest(fingerprint, layers, entries, info, {c.blob: c.chunks for c in collected if c.chunks})
+    chunks = {c.blob: c.chunks for c in collected if c.chunks}
+    if donor is not None:
+        carried = _carried(index, donor, {c.path for c in collected})
+        entries += carried
+        chunks.update({e.blob: donor.chunks[e.blob] for e in carried if e.blob in donor.chunks})
+        layers = sorted(set(layers) | {name for name, source in _donor_layers(donor)
+                                       if any(e.path.startswith(source.subdir + "/") for e in carried)})  # fmt: skip
+        info = {**{k: v for k, v in donor.layer_info.items() if k in layers}, **info}
+    manifest = _manifest(fingerprint, layers, entries, info, chunks)
     data = manifest.to_bytes()
     limits.check_manifest_size(len(data), len(manifest.entries))  # exact now: the check above was a lower bound
     wrote = _write_manifest(store, manifest, data, config.signing_key)  # before the commit point
@@ -668,6 +681,53 @@ class _Lease:
             self._index.release_lease(self._key, self._holder)
         except KcacheError as exc:  # it lapses by itself
             log.warning("cannot release the publish lease of %s: %s", self._key, exc)
+
+
+def _newest_to_carry(store: Store, index: Index, fingerprint: Fingerprint,
+                     config: PublishConfig) -> manifests.Manifest | None:  # fmt: skip
+    """The key's newest bundle, whose files this publish carries where ROOT lacks them; None when
+    there is none or it may not be carried. With a signing key, only a bundle that key signed:
+    this publish signs what it carries, and must not sign what a store or index writer planted."""
+    newest = index.newest_bundle(fingerprint.bundle_key)
+    if newest is None:
+        return None
+    try:
+        manifest = manifests.fetch(store, newest.id)
+        if manifest.bundle_key != fingerprint.bundle_key:
+            raise IntegrityError("manifest", newest.id, f"is for bundle key {manifest.bundle_key}")
+        if config.signing_key is not None:
+            size = store.size(manifest_key(newest.id))
+            trusted = (signing.public_of(config.signing_key),)
+            if signing.verify(store, trusted, fingerprint.bundle_key, newest.id, size) is None:
+                raise IntegrityError("manifest", newest.id, f"is not signed by {config.signing_key.name!r}")
+    except KcacheError as exc:
+        log.warning("not carrying the files of bundle %s: %s", newest.id[:12], exc)
+        return None
+    return manifest
+
+
+def _donor_layers(donor: manifests.Manifest) -> list[tuple[str, Source]]:
+    """(name, source) of each layer of `donor` this kcache knows (a newer one's it cannot lay out)."""
+    known = {s.name: s for s in sources_for_manifest(donor.layers)}
+    return [(name, known[name]) for name in donor.layers if name in known]
+
+
+def _carried(index: Index, donor: manifests.Manifest, local: set[str]) -> list[manifests.Entry]:
+    """`donor`'s entries for paths ROOT lacks: neither one of its files, nor a directory above one,
+    nor under one. Their packs are revived as this publish's own are (a pack gc has taken
+    meanwhile takes its files with it)."""
+    from kcache.index import lifecycle
+
+    above = {path.rsplit("/", i)[0] for path in local for i in range(1, path.count("/") + 1)}
+    prefixes = tuple(source.subdir + "/" for _, source in _donor_layers(donor))
+
+    def fits(path: str) -> bool:
+        parents = (path.rsplit("/", i)[0] for i in range(1, path.count("/") + 1))
+        return path not in local and path not in above and not any(p in local for p in parents)
+
+    wanted = [e for e in donor.entries if e.path.startswith(prefixes) and fits(e.path)]
+    gone = lifecycle.revive(index, {e.pack for e in wanted})
+    return [e for e in wanted if e.pack not in gone]
 
 
 def _yanked_before(store: Store, manifest: manifests.Manifest) -> bool:

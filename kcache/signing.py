@@ -112,6 +112,15 @@ def load_trusted_keys(paths) -> tuple[TrustedKey, ...]:
     return tuple(TrustedKey(*_read_key_file(Path(p), PUBLIC_TAG)) for p in paths)
 
 
+def public_of(key: SigningKey) -> TrustedKey:
+    """The public half of `key`, under its name: what checks this key's own signatures."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    public = Ed25519PrivateKey.from_private_bytes(key.seed).public_key()
+    return TrustedKey(key.name, public.public_bytes(Encoding.Raw, PublicFormat.Raw))
+
+
 def sign(store: Store, key: SigningKey, bundle_key: str, manifest_id: str, manifest_size: int) -> bool:
     """Store this key's signature of the manifest, replacing any other bytes stored under its name.
     True if this call wrote it."""

@@ -448,3 +448,29 @@ def test_cli_watch_publishes_signed_deltas_under_the_restored_workload(tmp_path,
                 "--require-signature", "--trusted-key", str(tmp_path / "keys" / "pod.pub"))  # fmt: skip
     doc = json.loads(again.output)
     assert (doc["status"], doc["signed_by"]) == ("hit", "pod")
+
+
+def test_replicas_watch_publishes_keep_each_others_kernels(tmp_path):
+    """Two pods restore one bundle, each compiles another shape after ready, each watch publishes:
+    the second bundle had dropped the first pod's kernel, which the next pod compiled again on its
+    hot path. A watch publish carries what the key's newest bundle holds that its ROOT lacks."""
+    store = f"file://{tmp_path / 'store'}"
+    index = f"sqlite:///{tmp_path / 'index.db'}"
+    where = ("--model", "m", "--store", store, "--index", index)
+    write_tree(tmp_path / "built", RESTORED)
+    assert run("publish", "--from", str(tmp_path / "built"), *where).exit_code == 0
+    pods = {"a": "triton/kA/k.cubin", "b": "triton/kB/k.cubin"}
+    for pod in pods:  # both start from the same bundle
+        root = tmp_path / pod
+        assert "hit" in run("restore", "--into", str(root), *where).output
+        write_marker(root, WARMUP_MARKER, {"status": "ok", "seconds": 1.0, "profiles": []})
+        assert run("watch", "--root", str(root), "--once").exit_code == 0  # the baseline
+    for pod, kernel in pods.items():
+        root = tmp_path / pod
+        write_tree(root, {kernel: pod.encode()})
+        out = run("watch", "--root", str(root), "--once", "--json", "--publish-every", "1s", *where)
+        assert out.exit_code == 0 and json.loads(out.output)["published"], out.output
+    assert "hit" in run("restore", "--into", str(tmp_path / "next"), *where).output
+    assert (tmp_path / "next/triton/kA/k.cubin").read_bytes() == b"a"
+    assert (tmp_path / "next/triton/kB/k.cubin").read_bytes() == b"b"
+    assert (tmp_path / "next/inductor/fxgraph/aa/g1").read_bytes() == b"graph"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -44,7 +45,10 @@ def _publisher(root: Path, fingerprint_args, cfg: Settings, config: PublishConfi
     def publish_delta(layers):
         index = binding.open_index(cfg, store, write=True)
         try:
-            return publish(store, index, workload_of(fp, root, given), layers, root=root, config=config)
+            # Other replicas' publishes of the key since this pod's restore hold kernels it never
+            # compiled: carried, not dropped (the newest bundle holds what every replica added).
+            return publish(store, index, workload_of(fp, root, given), layers, root=root,
+                           config=replace(config, carry_newest=True))  # fmt: skip
         finally:
             index.close()
 
