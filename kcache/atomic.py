@@ -15,6 +15,7 @@ can have room set aside beforehand with `reserve`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -62,9 +63,18 @@ def write_bytes(path: Path, data: bytes, *, mode: int = 0o644, overwrite: bool =
 def reserve(path: Path, size: int) -> None:
     """Set `size` bytes aside for a later write of `path`: a file filled now, while there is room,
     whose blocks a write on a full volume takes over (see write_bytes). `release` gives them back.
-    Not synced: the space is taken when the bytes are written, and a crash only loses the room."""
-    fd = os.open(_spare(Path(path)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    Not synced: the space is taken when the bytes are written, and a crash only loses the room.
+
+    Whatever else is at the spare's name (a FIFO, whose open for writing waits for a reader, a
+    socket, a device) is removed first; O_NONBLOCK: one planted between the two is refused."""
+    spare = _spare(Path(path))
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISREG(os.lstat(spare).st_mode) and not stat.S_ISDIR(os.lstat(spare).st_mode):
+            os.unlink(spare)
+    fd = os.open(spare, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(spare))
         view = memoryview(bytes(size))
         while view:
             view = view[os.write(fd, view) :]
@@ -86,7 +96,7 @@ def _spare(path: Path) -> Path:
 def _into_spare(path: Path, data: bytes, mode: int) -> bool:
     """`data` written over the reserved blocks (no new ones needed), then renamed into place."""
     try:
-        fd = os.open(_spare(path), os.O_WRONLY | os.O_NOFOLLOW)
+        fd = os.open(_spare(path), os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO: ENXIO, never a wait
     except OSError:
         return False
     try:

@@ -532,3 +532,27 @@ def test_a_directory_where_warmup_writes_its_marker_is_cleared_by_restore(tmp_pa
         assert not (root / name).exists()
         write_marker(root, name, {"status": "ok"})  # what warmup and watch do next
     assert not list(root.glob(STAGING_PREFIX + "*"))
+
+
+@pytest.mark.parametrize("name", [f".tmp-{envfile.NAME}-reserved", ".tmp-.kcache-state.json-reserved"])
+def test_a_fifo_where_room_is_set_aside_does_not_hang_restore(tmp_path, facts_file, name):
+    """Opening a FIFO for writing waits for a reader: with one planted at a reserve file's name (a
+    kept volume, another container), restore never ended and held ROOT's lock for good."""
+    root = tmp_path / "root"
+    root.mkdir()
+    os.mkfifo(root / name)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "kcache", "restore", "--into", str(root), "--model", MODEL, "--facts-file",
+         str(facts_file), "--timeout", "3", "--store", f"file://{tmp_path / 'store'}", "--index", "none"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        _out, err = child.communicate(timeout=60)  # generous: a hang would last forever
+    except subprocess.TimeoutExpired:
+        child.kill()
+        with open(os.open(root / name, os.O_RDONLY | os.O_NONBLOCK), "rb"):  # let it go
+            pass
+        pytest.fail("restore hung on a FIFO in ROOT")
+    assert child.returncode == 0, err
+    assert read_state(root)["status"] == "miss"  # an empty store: the restore itself ran
+    assert envfile.read(root / envfile.NAME) == sources.all_exports(root)
