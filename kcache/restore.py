@@ -315,23 +315,39 @@ def _within(timeout: float | None, deadline: float | None, work) -> RestoreResul
     if deadline is None:
         return work(budget)
     box: dict = {}
+    # An event rather than Thread.join: a join that a signal's exception interrupts can leave the
+    # thread marked stopped while it runs (CPython 3.11), and later joins then return at once.
+    done = threading.Event()
 
     def run() -> None:
         try:
             box["result"] = work(budget)
         except BaseException as exc:  # handed to the caller's thread below
             box["error"] = exc
+        finally:
+            done.set()
 
-    worker = threading.Thread(target=run, name="kcache-restore", daemon=True)
-    worker.start()
-    worker.join(max(0.0, deadline - time.monotonic()))
-    with budget.lock:
-        if worker.is_alive() and not budget.swapping:
+    def give_up() -> bool:
+        """Stop the worker before its swap; False when the swap has begun."""
+        with budget.lock:
+            if done.is_set() or budget.swapping:
+                return False
             budget.expired = True
             if budget.staging is not None:  # the next restore deletes what is left when we exit
                 rootdir.delete_in_background(budget.staging)
+            return True
+
+    worker = threading.Thread(target=run, name="kcache-restore", daemon=True)
+    worker.start()
+    try:
+        done.wait(max(0.0, deadline - time.monotonic()))
+    except BaseException:  # SIGTERM (Terminated): the worker must not swap the bundle in after it
+        if give_up():
+            raise
+    else:
+        if give_up():
             raise RestoreTimeout(timeout or 0.0)
-    worker.join()  # the swap had begun: it is a few renames, let it finish
+    done.wait()  # the swap had begun (or the work ended): it is a few renames, let it finish
     if "error" in box:
         raise box["error"]
     return box["result"]

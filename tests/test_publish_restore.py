@@ -268,6 +268,67 @@ def test_timeout_gives_up_without_touching_root(tmp_path, store, sqlite_index, f
     assert read_tree(tmp_path / "dst/inductor") == {"old": (b"previous", 0o644)}
 
 
+class ReachedStore:
+    """The real store; the first read of a pack says so, then waits until released."""
+
+    def __init__(self, inner):
+        self.inner, self.reached, self.release = inner, threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def open_range(self, key, offset, length):
+        self.reached.set()
+        assert self.release.wait(60)
+        return self.inner.open_range(key, offset, length)
+
+
+def test_an_interrupt_stops_the_restore_before_its_swap(tmp_path, store, sqlite_index, fp, monkeypatch):
+    """SIGTERM while a pack is read under --timeout (restore turns it into Terminated): the
+    error path wrote its marker, and then the worker went on and swapped the bundle in."""
+    import os
+    import signal
+
+    from kcache.errors import Terminated
+
+    _published(tmp_path, store, sqlite_index, fp)
+    write_tree(tmp_path / "dst", {"inductor/old": b"previous"})
+    slow = ReachedStore(store)
+    terminate = lambda: slow.reached.wait(60) and os.kill(os.getpid(), signal.SIGTERM)  # noqa: E731
+    threading.Thread(target=terminate, daemon=True).start()
+
+    from kcache import restore as restoring
+
+    worked, real_work = threading.Event(), restoring._open_and_restore
+
+    def work(*args, **kwargs):  # the worker thread's whole run, then said so
+        try:
+            return real_work(*args, **kwargs)
+        finally:
+            worked.set()
+
+    monkeypatch.setattr(restoring, "_open_and_restore", work)
+
+    class ReleasingWhenRecorded:
+        """The error path records the outcome (a slow index took seconds): the read goes on meanwhile."""
+
+        def __getattr__(self, name):
+            return getattr(sqlite_index, name)
+
+        def record_event(self, event) -> None:
+            slow.release.set()
+            assert worked.wait(60)
+            sqlite_index.record_event(event)
+
+    try:
+        with pytest.raises(Terminated):
+            restore(slow, ReleasingWhenRecorded(), fp, tmp_path / "dst", timeout=60)
+    finally:
+        slow.release.set()
+    assert read_tree(tmp_path / "dst/inductor") == {"old": (b"previous", 0o644)}
+    assert read_state(tmp_path / "dst")["status"] == "error"
+
+
 class HangingEvents:
     """A catalog that answers, but whose event recording hangs until released (a wedged index)."""
 
