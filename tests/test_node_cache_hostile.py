@@ -373,3 +373,48 @@ def test_a_fill_that_lands_beside_another_leaves_the_cache_under_its_cap(tmp_pat
     usage = pod_b.usage()
     assert usage.bytes <= usage.max_bytes, usage
     assert cached_path(node, second).exists()  # the newest fill stays; the least recently used went
+
+
+class StallingReads:
+    """The real store; a pack's body stalls once it started (a store trickling a byte at a time,
+    which no per-read socket timeout catches), until released."""
+
+    def __init__(self, inner):
+        self.inner, self.release, self.stalled = inner, threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def open_range(self, key, offset, length):
+        stream, outer = self.inner.open_range(key, offset, length), self
+
+        class Stalling:
+            def read(self, n=-1):
+                outer.stalled.set()
+                assert outer.release.wait(120)
+                return stream.read(n)
+
+            def close(self):
+                stream.close()
+
+        return Stalling()
+
+
+def test_a_fill_that_stalls_gives_the_pack_back_to_the_store_and_its_lock_to_the_node(tmp_path, backing,
+                                                                                       monkeypatch):  # fmt: skip
+    """prefetch's fill held the pack's lock for as long as the store trickled: every pod on the node
+    waited half its budget on that lock, and the DaemonSet's round never ended."""
+    from kcache.errors import StoreError
+    from kcache.store import nodecache
+
+    monkeypatch.setattr(nodecache, "FILL_GRACE", 0.5)
+    pack_id = put_pack(backing, os.urandom(64 * KiB))
+    stalling = StallingReads(backing)
+    try:
+        with pytest.raises(StoreError, match="too slowly"):
+            NodeCacheStore(stalling, tmp_path / "node").warm(pack_id, wait=300)
+        assert stalling.stalled.is_set()
+        again = NodeCacheStore(backing, tmp_path / "node").warm(pack_id, wait=0)  # the lock is free
+        assert again.fetched
+    finally:
+        stalling.release.set()

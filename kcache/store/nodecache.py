@@ -80,6 +80,12 @@ _PACK_KEY = re.compile(r"packs/([0-9a-f]{2})/([0-9a-f]{64})\Z")
 _SHARD = re.compile(r"[0-9a-f]{2}\Z")
 _TEMP = re.compile(r"\.tmp-([0-9a-f]{64})-")
 _CHUNK = 1024 * 1024
+# A fill holds its pack's lock: past FILL_GRACE seconds plus one for each MIN_FILL_RATE bytes it is
+# stuck (a store trickling bytes, which no per-read socket timeout catches), and the pack is left
+# to the store. The download goes on in its thread until the store lets go; its bytes still only
+# land once they hash to the pack's id.
+FILL_GRACE = 60.0
+MIN_FILL_RATE = 1024 * 1024
 # How far a pack may reach past the last byte its bundle names. A pack shared by small files holds
 # at most TARGET_PACK_BYTES of content (a few % more once compressed, with frame headers), and a
 # later bundle may name only its first blobs; a large file's pack holds that file alone, but its
@@ -435,15 +441,40 @@ class NodeCacheStore:
                 log.info("node cache: pack %s (%d bytes) is larger than the cap; not cached", pack_id[:12], size)
                 return False
             self._make_room(size, deadline)
-            written: list[tuple[int, int, int]] = []
-            atomic.write(path, lambda dst: written.append(self._download(key, pack_id, size, dst)))
-            self._verified.add(written[0])  # the inode we wrote: the path may name a peer's file by now
+            written = self._download_in_time(path, key, pack_id, size)
+            self._verified.add(written)  # the inode we wrote: the path may name a peer's file by now
             self._fetched.add(pack_id)
             # Room was made before the download, counting the packs in place then: fills that ran at
             # once each found room for themselves. Evict again now that this one is in (it is locked,
             # so it stays; so does any pack a reader holds).
             self._make_room(0, deadline)
             return True
+
+    def _download_in_time(self, path: Path, key: str, pack_id: str, size: int) -> tuple[int, int, int]:
+        """`_download` into `path` (atomically) on a thread of its own, waited for as long as a fill
+        may hold the lock (FILL_GRACE, MIN_FILL_RATE), and no longer than this wrapper's deadline."""
+        limit = FILL_GRACE + size / MIN_FILL_RATE
+        wrapper = self._deadline()
+        if wrapper is not None:
+            limit = min(limit, max(0.0, wrapper - time.monotonic()))
+        box: dict = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                atomic.write(path, lambda dst: box.setdefault("written", self._download(key, pack_id, size, dst)))
+            except BaseException as exc:  # handed to the caller below
+                box["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="kcache-node-fill", daemon=True).start()
+        if not done.wait(limit):
+            raise StoreError(self.inner.url, f"pack {pack_id[:12]} ({size} bytes) came too slowly to fill the node "
+                                             f"cache within {limit:.0f} s; reading it from the store")  # fmt: skip
+        if "error" in box:
+            raise box["error"]
+        return box["written"]
 
     def _download(self, key: str, pack_id: str, size: int, dst: BinaryIO) -> tuple[int, int, int]:
         """The whole pack from the store into `dst`, hashed on the way: the rename waits for the match.
