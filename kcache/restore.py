@@ -227,8 +227,10 @@ def _fail(root: Path, opened: list[Opened], computed: Callable[[], Fingerprint |
     bundle_key = fp.bundle_key if fp is not None else None
     failed = RestoreResult("error", bundle_key, None, root, root / envfile.NAME, seconds=seconds, reason=reason)
     # Each on its own: a ROOT whose tmp/ links outside gets no env file, but still its marker.
-    for what, write in (("kcache.env", lambda: _write_env(root, (), _env_comment(failed), _safe_user(failed.user))),
-                        ("the restore marker", lambda: _write_state(failed, fp))):  # fmt: skip
+    # A directory planted at either name is moved aside, and deleted only while the budget lasts.
+    for what, write in (("kcache.env", lambda: _write_env(root, (), _env_comment(failed), _safe_user(failed.user),
+                                                          deadline)),
+                        ("the restore marker", lambda: _write_state(failed, fp, deadline))):  # fmt: skip
         try:
             write()
         except (OSError, KcacheError) as write_error:
@@ -654,7 +656,8 @@ def _env_comment(result: RestoreResult) -> str:
     return f"kcache restore: {what}{', ' + result.reason if result.reason else ''}"
 
 
-def _write_env(root: Path, layer_names, comment: str, run_as: str | None = None) -> Path:
+def _write_env(root: Path, layer_names, comment: str, run_as: str | None = None,
+               deadline: float | None = None) -> Path:  # fmt: skip
     """Create every layer directory and write kcache.env.
 
     No TORCH_COMPILE_CACHE_KEY_TAG: torch puts the tag into its FX graph keys, so a bundle
@@ -670,14 +673,14 @@ def _write_env(root: Path, layer_names, comment: str, run_as: str | None = None)
         if place.is_symlink() and not place.exists():
             place.unlink()  # a dangling link would make every run fail: replace it with a directory
         rootdir.make_dirs(root, place, shared)
-    rootdir.clear(root / envfile.NAME, stat.S_ISDIR)  # a file there the rename replaces
+    rootdir.clear(root / envfile.NAME, stat.S_ISDIR, deadline)  # a file there the rename replaces
     return envfile.write(root, exports, comment)
 
 
-def _write_state(result: RestoreResult, fp: Fingerprint | None) -> None:
+def _write_state(result: RestoreResult, fp: Fingerprint | None, deadline: float | None = None) -> None:
     """The restore marker: restore has finished, with what outcome (readiness and /metrics read it),
     and the workload it computed ("inputs": what `publish --from ROOT` publishes under)."""
-    rootdir.clear(result.root / RESTORE_MARKER, stat.S_ISDIR)
+    rootdir.clear(result.root / RESTORE_MARKER, stat.S_ISDIR, deadline)
     write_marker(result.root, RESTORE_MARKER, {
         "status": result.status, "bundle_key": result.bundle_key, "bundle_id": result.bundle_id,
         "files": result.files, "bytes": result.bytes, "seconds": round(result.seconds, 4),

@@ -204,12 +204,12 @@ def _open_lock(path: Path) -> int:
         raise RootError(str(path.parent), f"cannot create {LOCK_NAME}: {exc.strerror}") from None
 
 
-def clear(path: Path, unwanted: Callable[[int], bool] = lambda _mode: True) -> None:
+def clear(path: Path, unwanted: Callable[[int], bool] = lambda _mode: True, deadline: float | None = None) -> None:
     """Remove what is at `path` when `unwanted(its lstat mode)`, never following a link. ROOT outlives
     pods on a node-local volume and others may write it: a directory where restore's lock, kcache.env
     or a marker goes (a link or a socket, for the lock) would keep every pod from its start. A directory
     is renamed aside under a staging name, so the path is free at once, and deleted for a second at
-    most (the next restore deletes what is left); anything else is unlinked."""
+    most, and never past `deadline` (the next restore deletes what is left); anything else is unlinked."""
     try:
         mode = os.lstat(path).st_mode
         if not unwanted(mode):
@@ -225,7 +225,8 @@ def clear(path: Path, unwanted: Callable[[int], bool] = lambda _mode: True) -> N
         log.warning("cannot remove %s: %s", path, exc.strerror or exc)
         return
     log.warning("%s was a directory; moved it out of the way", path)
-    delete_until(aside, _now() + ASIDE_DELETE_SECONDS)
+    until = _now() + ASIDE_DELETE_SECONDS
+    delete_until(aside, until if deadline is None else min(until, deadline))
 
 
 def _unlockable(mode: int) -> bool:

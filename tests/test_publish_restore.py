@@ -422,3 +422,36 @@ def test_a_strict_umask_does_not_take_the_bits_a_manifest_asks_for(tmp_path, sto
     assert layer_dirs(tmp_path / "dst")["inductor"] == read_tree(tmp_path / "src/inductor")
     assert layer_dirs(tmp_path / "dst")["triton"] == read_tree(tmp_path / "src/triton")
     assert (tmp_path / "dst/inductor/b.py").stat().st_mtime_ns == 1_600_000_000_000_000_000
+
+
+def test_directories_planted_where_the_outcome_goes_are_deleted_within_the_budget(tmp_path, store, sqlite_index, fp,
+                                                                                  monkeypatch):  # fmt: skip
+    """A directory at kcache.env and at the marker is moved aside and deleted "for a second at most":
+    on the error path of a restore whose budget had run out, each second came on top of the budget."""
+    import time
+
+    from kcache import rootdir
+
+    _published(tmp_path, store, sqlite_index, fp)
+    root = tmp_path / "dst"
+    asked: list[float | None] = []
+    real = rootdir.delete_until
+    monkeypatch.setattr(rootdir, "delete_until", lambda path, deadline: asked.append(deadline) or real(path, deadline))
+    release = threading.Event()
+    ready = threading.Event()
+
+    class PlantsThenStalls(FailingStore):
+        def open_range(self, key, offset, length):  # the pod's neighbour plants while the pack is read
+            if not ready.is_set():
+                write_tree(root, {"kcache.env/x": b"", ".kcache-state.json/x": b""})
+                ready.set()
+            return super().open_range(key, offset, length)
+
+    budget_ends = time.monotonic() + 0.5
+    try:
+        with pytest.raises(RestoreTimeout):
+            restore(PlantsThenStalls(store, block=release), sqlite_index, fp, root, timeout=0.5)
+    finally:
+        release.set()
+    assert ready.is_set() and asked
+    assert all(d is not None and d <= budget_ends + 0.05 for d in asked), (asked, budget_ends)
