@@ -104,8 +104,10 @@ class ChildWarmup:
         with subprocess.Popen(self.command(root), env=env, stdout=subprocess.PIPE,
                               start_new_session=True) as child:  # fmt: skip
             chunks: list[bytes] = []
-            reader = threading.Thread(target=_drain, args=(child.stdout, chunks), name="kcache-child-out",
-                                      daemon=True)  # fmt: skip
+            # On a descriptor of its own: closing child.stdout (leaving this block) takes the
+            # buffered reader's lock, which a read blocked on a helper that left the session holds.
+            reader = threading.Thread(target=_drain, args=(os.dup(child.stdout.fileno()), chunks),
+                                      name="kcache-child-out", daemon=True)  # fmt: skip
             reader.start()
             try:
                 child.wait(timeout=self.timeout)
@@ -141,10 +143,16 @@ def _kill_group(child: subprocess.Popen) -> None:
     child.wait()
 
 
-def _drain(stream, chunks: list[bytes]) -> None:
-    """Read `stream` into `chunks` until its end, a piece at a time (what came is kept if it never ends)."""
-    while piece := stream.read1(_PIECE):
-        chunks.append(piece)
+def _drain(fd: int, chunks: list[bytes]) -> None:
+    """Read `fd` into `chunks` until its end, a piece at a time (what came is kept if it never
+    ends), then close it."""
+    try:
+        while piece := os.read(fd, _PIECE):
+            chunks.append(piece)
+    except OSError:  # the pipe's end is all this reader needs to know
+        pass
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)

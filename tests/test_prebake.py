@@ -76,3 +76,43 @@ def test_a_helper_the_entrypoint_leaves_running_does_not_hold_prebake(tmp_path, 
     out = prebake(tmp_path, child_path, "test_prebake:leaves_a_helper", "--budget", "60", "--json")
     doc = json.loads(out.stdout)
     assert doc["warmup"]["status"] == "ok" and doc["publish"] is not None
+
+
+@pytest.mark.parametrize("child_sleeps", [0, 100], ids=["child-exits", "child-past-budget"])
+def test_a_daemonized_helper_holding_stdout_does_not_hold_prebake(tmp_path, child_sleeps):
+    """A helper that left the child's session (setsid) keeps the pipe open: closing it waited for
+    the reader thread, which waited for the helper, so prebake outlived --budget by the helper's life."""
+    import signal
+    import sys
+
+    from kcache.prebake import ChildWarmup, WarmupChildFailed, WarmupChildTimedOut
+
+    pid_file = tmp_path / "helper.pid"
+    script = (f"import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n"
+              f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n    time.sleep(300)\n    os._exit(0)\n"
+              f"while not os.path.exists({str(pid_file)!r}):\n    time.sleep(0.01)\n"
+              f"time.sleep({child_sleeps})\n")  # fmt: skip
+
+    class Child(ChildWarmup):
+        def command(self, root):
+            return [sys.executable, "-c", script]
+
+    (tmp_path / "kcache.env").write_text("")
+    outcome: list[BaseException] = []
+    ended = threading.Event()
+
+    def warm():
+        try:
+            Child("x", timeout=2).warm(tmp_path, lambda _message: None)
+        except (WarmupChildFailed, WarmupChildTimedOut) as exc:
+            outcome.append(exc)
+        finally:
+            ended.set()
+
+    threading.Thread(target=warm, daemon=True).start()
+    try:
+        assert ended.wait(60), "prebake waited for the helper"
+        assert len(outcome) == 1
+    finally:  # the child went on only once the helper had written its pid
+        if pid_file.exists() and pid_file.read_text().strip():
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
