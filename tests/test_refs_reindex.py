@@ -170,7 +170,7 @@ def test_reindex_indexes_no_blob_a_forged_trailer_claims(tmp_path, store, sqlite
 def test_reindex_keeps_the_good_blobs_of_a_pack_with_a_bad_one(tmp_path, store, sqlite_index, fp):
     write_tree(tmp_path / "src", {"inductor/a": b"a" * 1000, "inductor/b": b"b" * 1000})
     publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={})
-    forged = _forged_pack(store, "not-a-blob-id", b"x")
+    forged = _forged_pack(store, "z" * 64, b"x")  # as long as a blob id (a shorter one is refused unparsed)
     fresh = Index.open(f"sqlite:///{tmp_path / 'rebuilt.db'}")
     rebuilt = reindex(store, fresh)
     assert rebuilt.blobs == 2 and len(rebuilt.skipped) == 1 and forged[:12] in rebuilt.skipped[0]
