@@ -565,6 +565,8 @@ def _publish_leased(store: Store, index: Index, fingerprint: Fingerprint, found,
     entries = [_entry(c, locations[c.blob]) for c in collected]
     # From `collected` as kept: a file skipped above takes its digests with it.
     chunks = {c.blob: c.chunks for c in collected if c.chunks}
+    if donor is not None and _yanked_since(store, index, donor):
+        donor = None
     if donor is not None:
         carried = _carried(index, donor, {c.path for c in collected})
         entries += carried
@@ -706,9 +708,23 @@ def _newest_to_carry(store: Store, index: Index, fingerprint: Fingerprint,
     return manifest
 
 
+def _yanked_since(store: Store, index: Index, donor: manifests.Manifest) -> bool:
+    """Whether the bundle to carry from is no longer active, or the store marks it yanked: looked at
+    again after the upload, right before the commit (a yank may have landed meanwhile)."""
+    try:
+        gone = index.get_bundle(donor.id).status != "active"
+    except KcacheError:  # gc deleted it, or the index cannot say: carry nothing
+        gone = True
+    if gone or _yanked_before(store, donor):
+        log.warning("not carrying the files of bundle %s: it was yanked", donor.id[:12])
+        return True
+    return False
+
+
 def _donor_layers(donor: manifests.Manifest) -> list[tuple[str, Source]]:
-    """(name, source) of each layer of `donor` this kcache knows (a newer one's it cannot lay out)."""
-    known = {s.name: s for s in sources_for_manifest(donor.layers)}
+    """(name, source) of each built-in layer of `donor` this kcache knows (a newer one's it cannot
+    lay out). Not extra layers: each pod names its own, and two names with one export clash."""
+    known = {s.name: s for s in sources_for_manifest(donor.layers) if not isinstance(s, ExtraSource)}
     return [(name, known[name]) for name in donor.layers if name in known]
 
 
@@ -719,13 +735,16 @@ def _carried(index: Index, donor: manifests.Manifest, local: set[str]) -> list[m
     from kcache.index import lifecycle
 
     above = {path.rsplit("/", i)[0] for path in local for i in range(1, path.count("/") + 1)}
-    prefixes = tuple(source.subdir + "/" for _, source in _donor_layers(donor))
+    sources = [source for _, source in _donor_layers(donor)]
 
     def fits(path: str) -> bool:
+        source = next((s for s in sources if path.startswith(s.subdir + "/")), None)
+        if source is None or not source.takes(path[len(source.subdir) + 1 :]):  # junk: never from ROOT either
+            return False
         parents = (path.rsplit("/", i)[0] for i in range(1, path.count("/") + 1))
         return path not in local and path not in above and not any(p in local for p in parents)
 
-    wanted = [e for e in donor.entries if e.path.startswith(prefixes) and fits(e.path)]
+    wanted = [e for e in donor.entries if fits(e.path)]
     gone = lifecycle.revive(index, {e.pack for e in wanted})
     return [e for e in wanted if e.pack not in gone]
 

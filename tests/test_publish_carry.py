@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import logging
 
+import pytest
 from trees import write_tree
 
 from kcache import manifest as manifests
@@ -53,3 +54,58 @@ def test_a_bundle_the_signing_key_did_not_sign_is_not_carried(tmp_path, store, s
     again = _publish(tmp_path, store, sqlite_index, fp, "c", {"triton/kC/k.cubin": b"ours too"}, carry_newest=True,
                      signing_key=key)  # fmt: skip
     assert set(_paths(store, again)) == {"triton/kB/k.cubin", "triton/kC/k.cubin"}
+
+
+@pytest.mark.parametrize("how", ["marker", "yanked-while-uploading"])
+def test_a_yanked_bundles_files_are_not_carried(tmp_path, store, sqlite_index, fp, monkeypatch, how):
+    """The newest bundle is yanked (a marker in the store, which restore obeys whatever the index
+    says, or a yank that lands while this publish uploads): carried, its bad kernel came back in a
+    new active bundle that no replica had compiled."""
+    from kcache import publish as publishing
+    from kcache import refs
+    from kcache.yank import yank
+
+    _publish(tmp_path, store, sqlite_index, fp, "a", {"triton/good/k.cubin": b"good"})
+    bad = _publish(tmp_path, store, sqlite_index, fp, "b", {"triton/good/k.cubin": b"good",
+                                                            "triton/BAD/k.cubin": b"NaNs"})  # fmt: skip
+    if how == "marker":
+        assert store.put_bytes(refs.yank_key(bad.bundle_id), b"NaNs")
+    else:
+        real = publishing._upload_until_revived
+
+        def yank_meanwhile(*args, **kwargs):
+            yank(store, sqlite_index, bad.bundle_id, "NaNs")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(publishing, "_upload_until_revived", yank_meanwhile)
+    files = {"triton/good/k.cubin": b"good", "triton/mine/k.cubin": b"mine"}
+    ours = _publish(tmp_path, store, sqlite_index, fp, "c", files, carry_newest=True)
+    assert set(_paths(store, ours)) == {"triton/good/k.cubin", "triton/mine/k.cubin"}
+
+
+def test_junk_in_the_newest_bundle_is_not_carried(tmp_path, store, sqlite_index, fp, monkeypatch):
+    """What publish would not take from ROOT (a junk name, such as torch's Triton temp directories,
+    junk since a newer kcache) it must not take from another bundle either, or it never goes away."""
+    from kcache.sources.base import COMMON_JUNK
+    from kcache.sources.triton import TritonSource
+
+    monkeypatch.setattr(TritonSource, "junk", COMMON_JUNK + ("tmp.pid_*",))  # an older kcache's publish
+    _publish(tmp_path, store, sqlite_index, fp, "a", {"triton/tmp.0b7c0f7e-1b2c-4d5e-9f00-123456789abc/k.cubin": b"x",
+                                                      "triton/kA/k.cubin": b"a"})  # fmt: skip
+    monkeypatch.undo()
+    ours = _publish(tmp_path, store, sqlite_index, fp, "b", {"triton/kB/k.cubin": b"b"}, carry_newest=True)
+    assert set(_paths(store, ours)) == {"triton/kA/k.cubin", "triton/kB/k.cubin"}
+
+
+def test_extra_layers_are_not_carried(tmp_path, store, sqlite_index, fp):
+    """Extra directories are named by each pod (`a-b` here, `a_b` there, one export name): carried,
+    two of them made every later watch of the restored ROOT fail."""
+    from kcache.sources.extra import ExtraSource
+
+    write_tree(tmp_path / "a", {"extra/a-b/f": b"theirs", "triton/kA/k.cubin": b"a"})
+    publish(store, sqlite_index, fp, [*LAYERS, ExtraSource("a-b")], root=tmp_path / "a", env={})
+    write_tree(tmp_path / "b", {"extra/a_b/f": b"ours", "triton/kB/k.cubin": b"b"})
+    ours = publish(store, sqlite_index, fp, [*LAYERS, ExtraSource("a_b")], root=tmp_path / "b", env={},
+                   config=PublishConfig(carry_newest=True))  # fmt: skip
+    assert "extra:a-b" not in ours.layers and set(_paths(store, ours)) == {
+        "extra/a_b/f", "triton/kA/k.cubin", "triton/kB/k.cubin"}

@@ -67,6 +67,12 @@ class Source:
         """Environment variables that point the tool at this layer under `root`."""
         return {self.env_var: str(self.restore_dir(root))} if self.env_var else {}
 
+    def takes(self, rel: str) -> bool:
+        """Whether a walk of this layer would take a file at `rel` by its names (junk and foreign
+        names are left); for files known only from a manifest, such as another bundle's."""
+        names = rel.split("/")
+        return names[0] not in self.foreign and not any(self._junk_name(name) for name in names)
+
     def _junk_name(self, name: str) -> bool:
         pattern = _JUNK_RE.get(self.junk)
         if pattern is None:
