@@ -54,6 +54,8 @@ DEFAULT_TTL = timedelta(days=1)  # the replay window; signed publishes and `kcac
 TTL_ENV = "KCACHE_REF_TTL"
 _CAS_ATTEMPTS = 20
 _YANK_SCAN = 10_000  # bundles of one key looked at for its yank list; gc keeps far fewer
+# Ids in a ref's yank list, ~67 bytes each: the ref stays well inside the limits.REF_BYTES pods read.
+_YANK_LIST = 12_000
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 _KEEP = object()  # a decision: leave the ref as it is
 # How far ahead of the writer's clock a ref's created_at may be and still hold a newer bundle off.
@@ -294,8 +296,11 @@ def yanked_in(index: Index, bundle_key: str) -> tuple[str, ...]:
     from kcache.index import lifecycle
 
     rows = index.list_bundles(bundle_key=bundle_key, limit=_YANK_SCAN)
-    yanked = {b.id for b in rows if b.bundle_key == bundle_key and b.status == "yanked"}
-    return tuple(sorted(yanked.union(lifecycle.yanked_gone(index, bundle_key, _YANK_SCAN))))
+    yanked = [b.id for b in rows if b.bundle_key == bundle_key and b.status == "yanked"]  # newest first
+    room = _YANK_LIST - len(yanked)
+    if room > 0:  # bundles whose rows exist first: only a yank stops them; then the newest gc deleted
+        yanked += lifecycle.yanked_gone(index, bundle_key, room)
+    return tuple(sorted(set(yanked[:_YANK_LIST])))
 
 
 def _stale(current: Ref, wanted: Ref, signer: signing.SigningKey | None, ttl: timedelta) -> bool:

@@ -230,3 +230,28 @@ def test_a_yanked_bundle_put_back_after_gc_is_an_orphan_to_gc_and_yanked_to_rein
     assert manifest_key(bad.bundle_id) in {o.key for o in later.orphans}
     reindex(store, sqlite_index)
     assert sqlite_index.get_bundle(bad.bundle_id).status == "yanked"
+
+
+def test_a_keys_yank_list_stays_within_what_pods_read_of_a_ref(tmp_path, store, sqlite_index, fp):
+    """The ids of yanked bundles gc deleted join the yank list: thousands of them made a ref over the
+    1 MiB pods read, so every pod of the key refused it. The rows' own yanks come first."""
+    from kcache import limits
+    from kcache.index.models import YankRow
+
+    publish_tree(tmp_path, store, sqlite_index, fp, b"good kernel" * 100, "v1")
+    bad = publish_tree(tmp_path, store, sqlite_index, fp, b"bad kernel" * 100, "v2")
+    yank(store, sqlite_index, bad.bundle_id, "NaNs")
+    from kcache.index.models import BundleRow
+
+    now = sqlite_index.now()
+    gone = [{"id": f"{i:064x}", "bundle_key": fp.bundle_key, "deleted_at": now} for i in range(20_000)]
+    old = [{"id": f"{i:063x}f", "bundle_key": fp.bundle_key, "toolchain_key": fp.toolchain_key,
+            "workload_key": fp.workload_key, "model": None, "facts": "{}", "layers": "inductor", "files": 0,
+            "bytes": 0, "created_at": now - timedelta(days=30), "created_by": "t", "status": "yanked"}
+           for i in range(8_000)]  # fmt: skip
+    sqlite_index.transaction(lambda s: (sqlite_index.insert_many(s, YankRow, gone),
+                                        sqlite_index.insert_many(s, BundleRow, old)))  # fmt: skip
+    refs.refresh(store, sqlite_index, fp.bundle_key)
+    assert store.size(ref_key(fp.bundle_key)) <= limits.REF_BYTES
+    ref = refs.read(store, fp.bundle_key)
+    assert bad.bundle_id in ref.yanked and len(ref.yanked) > 10_000
