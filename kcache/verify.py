@@ -352,6 +352,12 @@ def _ref_problems(store: Store, index: Index, ref: refs.Ref, seen: _Seen, manife
     theirs = seen.keys_named.get(row.id, row.bundle_key)
     if theirs != ref.bundle_key:
         problems.append(f"{where}: {named}, which is for bundle key {theirs}")
+    elif row.status == "active":
+        newest = index.newest_bundle(ref.bundle_key)
+        if newest is not None and newest.id != row.id and newest.created_at > row.created_at:
+            problems.append(f"{where}: {named}, older than the index's newest {newest.id[:12]}: pods restoring "
+                            "through refs take the older one (a replayed ref, or none rewritten since); "
+                            "`kcache refresh` re-points it")  # fmt: skip
     return problems
 
 
