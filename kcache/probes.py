@@ -44,11 +44,51 @@ _NOT_KEYED_ENV = {
     "TORCH_COMPILE_JOB_ID",
     "TORCH_COMPILE_STICKY_PGO_KEY",
 }
-_KEYED_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_")
+# Triton's settings name places or logs too; its compiler settings are keyed (see TRITON_ below).
+_NOT_KEYED_ENV |= {
+    "TRITON_CACHE_DIR",  # kcache.env sets it: keyed, no publisher and restorer would ever agree
+    "TRITON_HOME",
+    "TRITON_DUMP_DIR",
+    "TRITON_OVERRIDE_DIR",
+    "TRITON_CACHE_MANAGER",
+    "TRITON_REMOTE_CACHE_BACKEND",
+    "TRITON_REDIS_HOST",
+    "TRITON_REDIS_PORT",
+    "TRITON_REDIS_KEY_FORMAT",
+    "TRITON_PRINT_AUTOTUNING",
+    "TRITON_LIBCUDA_PATH",  # where the driver library is loaded from at run time
+    "TRITON_LIBHIP_PATH",
+}
+# TRITON_: Triton's compiler settings (fp fusion, target arch, f32 default, ASan...). Triton keys
+# its own cache by them, but Inductor bundles Triton's binaries into its FX graph entries and, on a
+# graph-cache hit, launches them without asking Triton (torch 2.13 triton_bundler, codecache), and
+# torch's key does not hold them: unkeyed, a pod with TRITON_FORCE_DISABLE_FP_FUSION=1 ran cubins
+# built with FMA contraction.
+_KEYED_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TRITON_")
 # Keyed whatever their prefix: Inductor reads each when compiling, and it changes what is built.
 # TORCH_INDUCTOR_INSTALL_GXX (any non-empty value) has it compile with a conda g++ that it installs
-# itself (cpp_builder.cpp_compiler_search) instead of the `cxx.*` one probed here.
-_KEYED_ENV = ("TORCH_INDUCTOR_INSTALL_GXX",)
+# itself (cpp_builder.cpp_compiler_search) instead of the `cxx.*` one probed here. The others are
+# the compiler settings Triton reads without its prefix (triton 3.9 knobs.py and its C++
+# get_cache_invalidating_env_vars), each changing the binaries it builds.
+_KEYED_ENV = (
+    "TORCH_INDUCTOR_INSTALL_GXX",
+    "PTXAS_OPTIONS",
+    "DISABLE_PTXAS_OPT",
+    "DISABLE_LLVM_OPT",
+    "DISABLE_MMA_V3",
+    "DISABLE_MMA_V5",
+    "ALLOW_LHS_TMEM_LAYOUT_CONVERSION",
+    "LLVM_PASS_PLUGIN_PATH",
+    "LLVM_EXTRACT_DI_LOCAL_VARIABLES",
+    "USE_IR_LOC",
+    "AMDGCN_USE_BUFFER_OPS",
+    "AMDGCN_USE_BUFFER_ATOMICS",
+    "AMDGCN_ANALYZE_SMALL_TENSOR_RANGE",
+    "AMDGCN_SCALARIZE_PACKED_FOPS",
+)
+# Words of the settings Triton keys its cache by that only write dumps, timings or diagnostics
+# (MLIR_ENABLE_DUMP, LLVM_ENABLE_TIMING...): the binaries are the same, so they are not keyed.
+DIAGNOSTIC_ENV_WORDS = ("DUMP", "TIMING", "DIAGNOSTICS", "MLIR_DISABLE_MULTITHREADING", "LLVM_DEBUG")
 
 # x86 /proc/cpuinfo flags that name an instruction-set extension: the features `-march=native`
 # (which Inductor passes to g++) may enable, each one also a `__FEATURE__` macro that ATen's and
@@ -193,14 +233,20 @@ def native_isa(driver_text: str) -> str:
 
 
 def probe_settings(env: Mapping[str, str]) -> dict[str, str]:
-    """Every Inductor / torch.compile setting from the environment (they change torch's keys or code)."""
+    """Every Inductor / torch.compile setting and Triton compiler setting from the environment (they
+    change torch's keys or the code built)."""
     facts = {
         f"env.{name}": value
         for name, value in env.items()
         if name.startswith(_KEYED_ENV_PREFIXES) and name not in _NOT_KEYED_ENV
     }
     facts.update({f"env.{name}": env[name] for name in _KEYED_ENV if env.get(name)})  # torch tests for truth
-    return facts
+    # Triton's dump, timing and debug-output switches only write files: not keyed.
+    return {k: v for k, v in facts.items() if not (k.startswith("env.TRITON_") and _diagnostic(k[4:]))}
+
+
+def _diagnostic(name: str) -> bool:
+    return any(word in name for word in DIAGNOSTIC_ENV_WORDS)
 
 
 # ---- CPU -------------------------------------------------------------------------------------------

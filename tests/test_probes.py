@@ -335,3 +335,44 @@ def test_an_mkl_domain_setting_keys_the_cores_it_depends_on(setting):
     usable, machine = p.physical_cores()
     assert str(usable) in threads and str(machine) in threads
     assert p.probe_threads(env) == p.probe_threads(dict(env))
+
+
+def test_triton_compiler_settings_are_facts_but_its_places_are_not():
+    """Inductor bundles Triton's cubins into its FX graph entries and launches them on a graph-cache
+    hit without asking Triton, whose own key holds these settings; torch's key does not. A pod
+    with TRITON_FORCE_DISABLE_FP_FUSION set got kernels built with FMA contraction."""
+    env = {"TRITON_FORCE_DISABLE_FP_FUSION": "1", "TRITON_OVERRIDE_ARCH": "sm80", "PTXAS_OPTIONS": "-O0",
+           "DISABLE_PTXAS_OPT": "1", "DISABLE_LLVM_OPT": "1", "TRITON_F32_DEFAULT": "ieee",
+           "TRITON_CACHE_DIR": "/root/triton", "TRITON_HOME": "/root", "TRITON_DUMP_DIR": "/d",
+           "TRITON_REDIS_HOST": "redis", "TRITON_PRINT_AUTOTUNING": "1"}  # fmt: skip
+    assert p.probe_settings(env) == {f"env.{name}": env[name] for name in (
+        "TRITON_FORCE_DISABLE_FP_FUSION", "TRITON_OVERRIDE_ARCH", "PTXAS_OPTIONS", "DISABLE_PTXAS_OPT",
+        "DISABLE_LLVM_OPT", "TRITON_F32_DEFAULT")}  # fmt: skip
+
+
+def test_every_setting_triton_keys_its_cache_by_is_a_fact_unless_it_only_dumps_or_times():
+    """Against the installed triton: what it names as cache-invalidating, set, is keyed here too,
+    except switches that only write dumps, timings or diagnostics."""
+    import subprocess
+    import sys
+
+    # Every setting triton's knobs read, and those only its C++ reads (not knobs), each set to "1".
+    probe = """
+import json, os, subprocess, sys
+from triton import knobs
+names = {d.key for c in vars(knobs).values() if isinstance(c, type) and issubclass(c, knobs.base_knobs)
+         for d in c.__dict__.values() if isinstance(d, knobs.env_base)}
+names |= set(sys.argv[1:])
+done = subprocess.run([sys.executable, "-c", "from triton._C.libtriton import get_cache_invalidating_env_vars as g;"
+                       "import json; print(json.dumps(sorted(g())))"], env={**{n: "1" for n in names},
+                      "PATH": os.environ["PATH"]}, capture_output=True, text=True, check=True)
+print(json.dumps([sorted(names), json.loads(done.stdout)]))
+"""
+    cxx_only = ["DISABLE_MMA_V3", "DISABLE_MMA_V5", "DISABLE_LLVM_OPT", "LLVM_PASS_PLUGIN_PATH",
+                "ALLOW_LHS_TMEM_LAYOUT_CONVERSION", "TRITON_PLUGIN_PATHS", "MLIR_ENABLE_DUMP"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", probe, *cxx_only], capture_output=True, text=True, check=True)
+    names, invalidating = json.loads(done.stdout)
+    assert "TRITON_FORCE_DISABLE_FP_FUSION" in invalidating, "the installed triton names other settings"
+    diagnostic = {n for n in invalidating if any(word in n for word in p.DIAGNOSTIC_ENV_WORDS)}
+    keyed = {k.removeprefix("env.") for k in p.probe_settings(dict.fromkeys(names, "1"))}
+    assert set(invalidating) - diagnostic <= keyed
