@@ -686,6 +686,7 @@ def _write_state(result: RestoreResult, fp: Fingerprint | None, deadline: float 
         "files": result.files, "bytes": result.bytes, "seconds": round(result.seconds, 4),
         "reason": result.reason, "layers": list(result.layers), "donors": dict(result.donors),
         "inputs": {k: v for k, v in fp.facts.items() if is_workload_fact(k)} if fp else {},
+        "run_as": result.user,  # whose header directory it laid out: `publish --from ROOT` reads it there
     })  # fmt: skip
 
 

@@ -455,3 +455,21 @@ def test_directories_planted_where_the_outcome_goes_are_deleted_within_the_budge
         release.set()
     assert ready.is_set() and asked
     assert all(d is not None and d <= budget_ends + 0.05 for d in asked), (asked, budget_ends)
+
+
+def test_publish_from_a_root_restored_for_another_user_keeps_its_header(tmp_path, store, sqlite_index, fp,
+                                                                         monkeypatch):  # fmt: skip
+    """Restored for the model's user (KCACHE_RUN_AS=bob), the ROOT was published again by a sidecar or an
+    operator without KCACHE_RUN_AS: publish looked for the header under its own user's name, dropped the
+    layer without a word, and every later pod rebuilt the 155 MB header. The marker names the user."""
+    pch = "tmp/torchinductor_alice/precompiled_headers/abc/c10.h.gch"
+    write_tree(tmp_path / "src", {"inductor/fxgraph/x": b"graph", pch: b"header"})
+    publish(store, sqlite_index, fp, sources.builtin("alice"), root=tmp_path / "src", env={})
+    root = tmp_path / "dst"
+    monkeypatch.setenv("KCACHE_RUN_AS", "bob")
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    assert (root / "tmp/torchinductor_bob/precompiled_headers/abc/c10.h.gch").read_bytes() == b"header"
+    monkeypatch.delenv("KCACHE_RUN_AS")
+    write_tree(root, {"inductor/fxgraph/y": b"a graph the pod compiled"})
+    again = publish(store, sqlite_index, fp, sources.in_root(root), root=root, env={})
+    assert "inductor-pch" in again.layers and again.files == 3

@@ -110,7 +110,28 @@ def in_root(root: Path, names: Iterable[str] | None = None, extras: Iterable[Ext
         if extra_dir.exists() and extra_dir.is_dir():
             log.warning("cannot list %s (%s); its extra layers are not published", extra_dir, exc.strerror or exc)
         found = []
-    return select(names, extras + [ExtraSource(n) for n in found if f"extra:{n}" not in named])
+    chosen = select(names, extras + [ExtraSource(n) for n in found if f"extra:{n}" not in named])
+    user = _header_user(Path(root))
+    return [PrecompiledHeaderSource(user) if user and isinstance(s, PrecompiledHeaderSource) else s for s in chosen]
+
+
+def _header_user(root: Path) -> str | None:
+    """The user restore laid the precompiled header out for, from its marker, unless KCACHE_RUN_AS
+    names one: a ROOT restored for the model's user and published again by a sidecar or an operator
+    under another name had its header layer dropped, and every later pod rebuilt the header."""
+    from kcache import readiness
+    from kcache.sources.inductor import RUN_AS_VAR, torch_user_name
+
+    if os.environ.get(RUN_AS_VAR):
+        return None  # the layer's own default reads it
+    recorded = (readiness.read_marker(root, readiness.RESTORE_MARKER) or {}).get("run_as")
+    if not isinstance(recorded, str):
+        return None
+    try:
+        return torch_user_name(recorded)
+    except ConfigError:  # another container may write ROOT
+        log.warning("ignoring the user %r the restore marker names for the precompiled header", recorded[:80])
+        return None
 
 
 def builtin(run_as: str | None = None) -> list[Source]:
