@@ -516,7 +516,10 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
         if mode & umask:  # the umask took bits the manifest asks for
             os.chmod(where, mode)
         if entry.mtime_ns:  # builders (ninja) judge "up to date" by mtime; set after the last write
-            os.utime(where, ns=(entry.mtime_ns, entry.mtime_ns))
+            # Not in the future (a publisher whose clock ran ahead): torch's shortcuts trust only
+            # files not newer than the restore marker, written after these.
+            when = min(entry.mtime_ns, time.time_ns())
+            os.utime(where, ns=(when, when))
 
     def lay(entry: manifests.Entry, write) -> None:
         with create(entry) as out:

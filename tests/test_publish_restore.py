@@ -447,14 +447,14 @@ def test_directories_planted_where_the_outcome_goes_are_deleted_within_the_budge
                 ready.set()
             return super().open_range(key, offset, length)
 
-    budget_ends = time.monotonic() + 0.5
     try:
         with pytest.raises(RestoreTimeout):
             restore(PlantsThenStalls(store, block=release), sqlite_index, fp, root, timeout=0.5)
+        returned = time.monotonic()  # past the budget's end, and before a second more of deleting would end
     finally:
         release.set()
     assert ready.is_set() and asked
-    assert all(d is not None and d <= budget_ends + 0.05 for d in asked), (asked, budget_ends)
+    assert all(d is not None and d <= returned for d in asked), (asked, returned)
 
 
 def test_publish_from_a_root_restored_for_another_user_keeps_its_header(tmp_path, store, sqlite_index, fp,
@@ -473,3 +473,25 @@ def test_publish_from_a_root_restored_for_another_user_keeps_its_header(tmp_path
     write_tree(root, {"inductor/fxgraph/y": b"a graph the pod compiled"})
     again = publish(store, sqlite_index, fp, sources.in_root(root), root=root, env={})
     assert "inductor-pch" in again.layers and again.files == 3
+
+
+def test_files_from_a_publisher_whose_clock_ran_ahead_are_not_newer_than_the_marker(tmp_path, store, sqlite_index,
+                                                                                     fp):  # fmt: skip
+    """Torch's ISA-probe and header shortcuts vouch only for files not newer than the restore marker:
+    mtimes from a publisher 10 minutes ahead made them distrust every restored file (a header
+    preprocessed, four probe interpreters run). A time in the future is laid down as the restore's."""
+    import os
+    import time
+
+    from kcache.readiness import RESTORE_MARKER
+
+    write_tree(tmp_path / "src", {"inductor/aa/probe.so": b"\x7fELF", "inductor/old": b"past"})
+    ahead, past = time.time_ns() + 600 * 10**9, time.time_ns() - 3600 * 10**9
+    os.utime(tmp_path / "src/inductor/aa/probe.so", ns=(ahead, ahead))
+    os.utime(tmp_path / "src/inductor/old", ns=(past, past))
+    publish(store, sqlite_index, fp, LAYERS, root=tmp_path / "src", env={})
+    root = tmp_path / "dst"
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    marker = (root / RESTORE_MARKER).stat().st_mtime_ns
+    assert (root / "inductor/aa/probe.so").stat().st_mtime_ns <= marker
+    assert (root / "inductor/old").stat().st_mtime_ns == past  # a time in the past travels as it was
