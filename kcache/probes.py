@@ -44,34 +44,41 @@ _NOT_KEYED_ENV = {
     "TORCH_COMPILE_JOB_ID",
     "TORCH_COMPILE_STICKY_PGO_KEY",
 }
-# Triton's settings name places or logs too; its compiler settings are keyed (see TRITON_ below).
-_NOT_KEYED_ENV |= {
-    "TRITON_CACHE_DIR",  # kcache.env sets it: keyed, no publisher and restorer would ever agree
-    "TRITON_HOME",
-    "TRITON_DUMP_DIR",
-    "TRITON_OVERRIDE_DIR",
-    "TRITON_CACHE_MANAGER",
-    "TRITON_REMOTE_CACHE_BACKEND",
-    "TRITON_REDIS_HOST",
-    "TRITON_REDIS_PORT",
-    "TRITON_REDIS_KEY_FORMAT",
-    "TRITON_PRINT_AUTOTUNING",
-    "TRITON_LIBCUDA_PATH",  # where the driver library is loaded from at run time
-    "TRITON_LIBHIP_PATH",
-}
-# TRITON_: Triton's compiler settings (fp fusion, target arch, f32 default, ASan...). Triton keys
-# its own cache by them, but Inductor bundles Triton's binaries into its FX graph entries and, on a
-# graph-cache hit, launches them without asking Triton (torch 2.13 triton_bundler, codecache), and
-# torch's key does not hold them: unkeyed, a pod with TRITON_FORCE_DISABLE_FP_FUSION=1 ran cubins
-# built with FMA contraction.
-_KEYED_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TRITON_")
+_KEYED_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_")
 # Keyed whatever their prefix: Inductor reads each when compiling, and it changes what is built.
 # TORCH_INDUCTOR_INSTALL_GXX (any non-empty value) has it compile with a conda g++ that it installs
-# itself (cpp_builder.cpp_compiler_search) instead of the `cxx.*` one probed here. The others are
-# the compiler settings Triton reads without its prefix (triton 3.9 knobs.py and its C++
-# get_cache_invalidating_env_vars), each changing the binaries it builds.
+# itself (cpp_builder.cpp_compiler_search) instead of the `cxx.*` one probed here.
+#
+# Triton's compiler settings: Triton keys its own cache by them, but Inductor bundles Triton's
+# binaries into its FX graph entries and, on a graph-cache hit, launches them without asking
+# Triton (torch 2.13 triton_bundler, codecache), and torch's key does not hold them: unkeyed, a pod
+# with TRITON_FORCE_DISABLE_FP_FUSION=1 ran cubins built with FMA contraction. Named one by one: the
+# TRITON_ prefix is not Triton's alone (Kubernetes service links of a Service named `triton`, the
+# Triton Inference Server image's variables), and its profiler, cache-location and dump settings
+# build nothing differently. The list is triton 3.9's get_cache_invalidating_env_vars() less its
+# dump, timing and debug-output switches, plus the compiler paths and knobs its compiler key covers.
 _KEYED_ENV = (
     "TORCH_INDUCTOR_INSTALL_GXX",
+    "TRITON_DEFAULT_FP_FUSION",
+    "TRITON_FORCE_DISABLE_FP_FUSION",
+    "TRITON_F32_DEFAULT",
+    "TRITON_OVERRIDE_ARCH",
+    "TRITON_ENABLE_ASAN",
+    "TRITON_DISABLE_LINE_INFO",
+    "TRITON_CONSAN_INIT_ALLOCATIONS",
+    "TRITON_ENABLE_EXPERIMENTAL_CONSAN",
+    "TRITON_PLUGIN_PATHS",
+    "TRITON_PLUGIN_VERSION_CHECK",
+    "TRITON_HIP_USE_ASYNC_COPY",
+    "TRITON_HIP_USE_BLOCK_PINGPONG",
+    "TRITON_HIP_USE_COEXEC_SCHEDULER",
+    "TRITON_HIP_USE_EXPERT_SCHEDULING",
+    "TRITON_HIP_USE_IN_THREAD_TRANSPOSE",
+    "TRITON_PTXAS_PATH",
+    "TRITON_LIBDEVICE_PATH",
+    "TRITON_MOCK_PTX_VERSION",
+    "TRITON_DEBUG",
+    "TRITON_INTERPRET",
     "PTXAS_OPTIONS",
     "DISABLE_PTXAS_OPT",
     "DISABLE_LLVM_OPT",
@@ -240,13 +247,9 @@ def probe_settings(env: Mapping[str, str]) -> dict[str, str]:
         for name, value in env.items()
         if name.startswith(_KEYED_ENV_PREFIXES) and name not in _NOT_KEYED_ENV
     }
-    facts.update({f"env.{name}": env[name] for name in _KEYED_ENV if env.get(name)})  # torch tests for truth
-    # Triton's dump, timing and debug-output switches only write files: not keyed.
-    return {k: v for k, v in facts.items() if not (k.startswith("env.TRITON_") and _diagnostic(k[4:]))}
-
-
-def _diagnostic(name: str) -> bool:
-    return any(word in name for word in DIAGNOSTIC_ENV_WORDS)
+    # Only when non-empty: torch tests these for truth, and Triton reads an empty value as unset.
+    facts.update({f"env.{name}": env[name] for name in _KEYED_ENV if env.get(name)})
+    return facts
 
 
 # ---- CPU -------------------------------------------------------------------------------------------

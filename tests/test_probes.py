@@ -376,3 +376,13 @@ print(json.dumps([sorted(names), json.loads(done.stdout)]))
     diagnostic = {n for n in invalidating if any(word in n for word in p.DIAGNOSTIC_ENV_WORDS)}
     keyed = {k.removeprefix("env.") for k in p.probe_settings(dict.fromkeys(names, "1"))}
     assert set(invalidating) - diagnostic <= keyed
+
+
+def test_triton_named_settings_that_build_nothing_differently_are_not_facts():
+    """The TRITON_ prefix is not Triton's alone: Kubernetes service links of a Service named `triton`,
+    the Triton Inference Server image's own variables, profiler settings; and an empty value is
+    unset to Triton. Keyed, each split bundle keys between pods that build the same kernels."""
+    env = {"TRITON_SERVICE_HOST": "10.0.0.7", "TRITON_PORT_8000_TCP_ADDR": "10.0.0.7", "TRITON_SERVER_VERSION": "2.50",
+           "TRITON_PROFILE_BUFFER_SIZE": "64", "TRITON_CUPTI_LIB_PATH": "/usr/lib", "TRITON_ENABLE_ASAN": "",
+           "PTXAS_OPTIONS": ""}  # fmt: skip
+    assert p.probe_settings(env) == {}
