@@ -501,6 +501,10 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
     # Directories once up front: per-file mkdir calls cost more than the writes on small caches.
     rootdir.make_tree(staging, ("/".join(("files", *e.path.split("/")[:-1])) for e in entries), shared)
     umask = _umask()
+    # A publisher whose clock ran ahead stamped times in the future: torch's shortcuts trust only
+    # files not newer than the restore marker, written after these. The bundle's times move back
+    # together, so that each file keeps its order (ninja: an output newer than its inputs).
+    shift = max(0, max((e.mtime_ns or 0 for e in entries), default=0) - time.time_ns())
     done: set[str] = set()  # blobs verified and staged: a retry leaves them be
     failed: set[str] = set()  # packs whose read or content failed (fetch_blobs says)
 
@@ -516,9 +520,7 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
         if mode & umask:  # the umask took bits the manifest asks for
             os.chmod(where, mode)
         if entry.mtime_ns:  # builders (ninja) judge "up to date" by mtime; set after the last write
-            # Not in the future (a publisher whose clock ran ahead): torch's shortcuts trust only
-            # files not newer than the restore marker, written after these.
-            when = min(entry.mtime_ns, time.time_ns())
+            when = max(1, entry.mtime_ns - shift)
             os.utime(where, ns=(when, when))
 
     def lay(entry: manifests.Entry, write) -> None:

@@ -479,19 +479,36 @@ def test_files_from_a_publisher_whose_clock_ran_ahead_are_not_newer_than_the_mar
                                                                                      fp):  # fmt: skip
     """Torch's ISA-probe and header shortcuts vouch only for files not newer than the restore marker:
     mtimes from a publisher 10 minutes ahead made them distrust every restored file (a header
-    preprocessed, four probe interpreters run). A time in the future is laid down as the restore's."""
+    preprocessed, four probe interpreters run). The bundle's times move back together, so that
+    ninja still finds each output newer than its inputs (a link after its objects)."""
     import os
     import time
 
     from kcache.readiness import RESTORE_MARKER
 
-    write_tree(tmp_path / "src", {"inductor/aa/probe.so": b"\x7fELF", "inductor/old": b"past"})
+    files = {"inductor/ext/a_ext.so": b"linked", "inductor/ext/b_kernels.o": b"object", "inductor/old": b"past"}
+    write_tree(tmp_path / "src", files)
     ahead, past = time.time_ns() + 600 * 10**9, time.time_ns() - 3600 * 10**9
-    os.utime(tmp_path / "src/inductor/aa/probe.so", ns=(ahead, ahead))
-    os.utime(tmp_path / "src/inductor/old", ns=(past, past))
+    times = {"inductor/ext/a_ext.so": ahead + 10**6, "inductor/ext/b_kernels.o": ahead, "inductor/old": past}
+    for rel, when in times.items():
+        os.utime(tmp_path / "src" / rel, ns=(when, when))
     publish(store, sqlite_index, fp, LAYERS, root=tmp_path / "src", env={})
     root = tmp_path / "dst"
     assert restore(store, sqlite_index, fp, root).status == "hit"
     marker = (root / RESTORE_MARKER).stat().st_mtime_ns
-    assert (root / "inductor/aa/probe.so").stat().st_mtime_ns <= marker
-    assert (root / "inductor/old").stat().st_mtime_ns == past  # a time in the past travels as it was
+    got = {rel: (root / rel).stat().st_mtime_ns for rel in times}
+    assert max(got.values()) <= marker
+    assert got["inductor/ext/a_ext.so"] - got["inductor/ext/b_kernels.o"] == 10**6  # the order, and the gap
+    assert got["inductor/ext/b_kernels.o"] - got["inductor/old"] == ahead - past
+
+
+def test_times_from_the_past_travel_as_they_were(tmp_path, store, sqlite_index, fp):
+    import os
+    import time
+
+    write_tree(tmp_path / "src", {"inductor/old": b"past"})
+    past = time.time_ns() - 3600 * 10**9
+    os.utime(tmp_path / "src/inductor/old", ns=(past, past))
+    publish(store, sqlite_index, fp, LAYERS, root=tmp_path / "src", env={})
+    assert restore(store, sqlite_index, fp, tmp_path / "dst").status == "hit"
+    assert (tmp_path / "dst/inductor/old").stat().st_mtime_ns == past
