@@ -38,6 +38,7 @@ import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING
 
 from kcache import choice, fetch, fingerprint, layerkeys, limits, progress, refs, signing
@@ -61,6 +62,10 @@ from kcache.untrusted import one_line
 if TYPE_CHECKING:
     from kcache.index import Index
     from kcache.records import Bundle
+
+# How long a publish may take between committing its bundle and writing its key's ref (an S3
+# compare-and-swap, retried) before a ref that names an older bundle is reported.
+REF_CATCH_UP = timedelta(minutes=5)
 
 
 @dataclass(frozen=True)
@@ -354,7 +359,9 @@ def _ref_problems(store: Store, index: Index, ref: refs.Ref, seen: _Seen, manife
         problems.append(f"{where}: {named}, which is for bundle key {theirs}")
     elif row.status == "active":
         newest = index.newest_bundle(ref.bundle_key)
-        if newest is not None and newest.id != row.id and newest.created_at > row.created_at:
+        # A publish commits its row, then writes the ref: one that has had minutes to do so is not catching up.
+        settled = newest is not None and _utc(newest.created_at) < index.now() - REF_CATCH_UP
+        if settled and newest.id != row.id and newest.created_at > row.created_at:
             problems.append(f"{where}: {named}, older than the index's newest {newest.id[:12]}: pods restoring "
                             "through refs take the older one (a replayed ref, or none rewritten since); "
                             "`kcache refresh` re-points it")  # fmt: skip
@@ -471,3 +478,7 @@ class _ChunkDigests:
 
     def digests(self) -> tuple[str, ...]:
         return tuple(self._done) + ((self._digest.hexdigest(),) if self._held else ())
+
+
+def _utc(moment: datetime) -> datetime:
+    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)  # SQLite drops the zone

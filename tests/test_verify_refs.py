@@ -293,11 +293,21 @@ def test_an_index_row_filed_under_another_bundle_key(tmp_path, store, sqlite_ind
 def test_a_ref_behind_the_indexs_newest_bundle(tmp_path, any_store, sqlite_index, fp):
     """A signed ref replayed within its lifetime (the documented limit), or one no signer has
     rewritten since: pods with --index none take an older bundle than index-mode pods; verify says so."""
+    from sqlalchemy import update
+
+    from kcache.index.models import BundleRow
+
     v1 = _publish(tmp_path, any_store, sqlite_index, fp, b"a", "v1")
     before = any_store.get_bytes(ref_key(fp.bundle_key))
     v2 = _publish(tmp_path, any_store, sqlite_index, fp, b"b", "v2")
     assert verify(any_store, sqlite_index).problems == ()
     _replace(any_store, ref_key(fp.bundle_key), before)
     assert _pod(any_store, fp, tmp_path / "r").bundle_id == v1.bundle_id
+    # Within minutes of v2's commit, its publish may still be writing the ref: no alarm yet.
+    assert verify(any_store, sqlite_index).problems == ()
+    for bundle, age in ((v1, 20), (v2, 10)):
+        sqlite_index.transaction(lambda s, b=bundle, a=age: s.execute(
+            update(BundleRow).where(BundleRow.id == b.bundle_id).values(created_at=sqlite_index.now()
+                                                                       - timedelta(minutes=a))))  # fmt: skip
     (problem,) = _ref_problems(verify(any_store, sqlite_index), fp.bundle_key)
     assert v1.bundle_id[:12] in problem and v2.bundle_id[:12] in problem and "kcache refresh" in problem
