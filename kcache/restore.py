@@ -691,7 +691,8 @@ def _write_state(result: RestoreResult, fp: Fingerprint | None, deadline: float 
         "files": result.files, "bytes": result.bytes, "seconds": round(result.seconds, 4),
         "reason": result.reason, "layers": list(result.layers), "donors": dict(result.donors),
         "inputs": {k: v for k, v in fp.facts.items() if is_workload_fact(k)} if fp else {},
-        "run_as": result.user,  # whose header directory it laid out: `publish --from ROOT` reads it there
+        # Whose header directory it laid out (`publish --from ROOT` reads it there); none laid out, none named.
+        "run_as": result.user if "inductor-pch" in result.layers else None,
     })  # fmt: skip
 
 

@@ -512,3 +512,26 @@ def test_times_from_the_past_travel_as_they_were(tmp_path, store, sqlite_index, 
     publish(store, sqlite_index, fp, LAYERS, root=tmp_path / "src", env={})
     assert restore(store, sqlite_index, fp, tmp_path / "dst").status == "hit"
     assert (tmp_path / "dst/inductor/old").stat().st_mtime_ns == past
+
+
+def test_the_header_a_pod_built_for_itself_wins_over_the_one_restored_for_another_user(tmp_path, store,
+                                                                                        sqlite_index, fp,
+                                                                                        monkeypatch):  # fmt: skip
+    """A miss lays no header out and names no user; a header the model built under its own user's
+    name is the one published, whatever user the restore laid the bundle's out for."""
+    root = tmp_path / "dst"
+    assert restore(store, sqlite_index, fp, root).status == "miss"
+    assert read_state(root).get("run_as") is None  # a cold start says nothing of who runs the model
+    me = torch_user()
+    write_tree(root, {f"tmp/torchinductor_{me}/precompiled_headers/abc/c10.h.gch": b"built here",
+                      "inductor/fxgraph/x": b"graph"})  # fmt: skip
+    first = publish(store, sqlite_index, fp, sources.in_root(root), root=root, env={})
+    assert "inductor-pch" in first.layers
+    monkeypatch.setenv("KCACHE_RUN_AS", "bob")
+    again = tmp_path / "again"
+    assert restore(store, sqlite_index, fp, again).status == "hit"
+    monkeypatch.delenv("KCACHE_RUN_AS")
+    write_tree(again, {f"tmp/torchinductor_{me}/precompiled_headers/abc/c10.h.gch": b"rebuilt by the model"})
+    layers = sources.in_root(again)
+    (header,) = [s for s in layers if s.name == "inductor-pch"]
+    assert header.restore_dir(again) == again / f"tmp/torchinductor_{me}/precompiled_headers"

@@ -124,6 +124,8 @@ def _header_user(root: Path) -> str | None:
 
     if os.environ.get(RUN_AS_VAR):
         return None  # the layer's own default reads it
+    if _holds_files(PrecompiledHeaderSource().restore_dir(root)):
+        return None  # a header the model built as this user (or one restored for it) is the one to publish
     recorded = (readiness.read_marker(root, readiness.RESTORE_MARKER) or {}).get("run_as")
     if not isinstance(recorded, str):
         return None
@@ -132,6 +134,14 @@ def _header_user(root: Path) -> str | None:
     except ConfigError:  # another container may write ROOT
         log.warning("ignoring the user %r the restore marker names for the precompiled header", recorded[:80])
         return None
+
+
+def _holds_files(directory: Path) -> bool:
+    try:
+        with os.scandir(directory) as entries:
+            return any(True for _ in entries)
+    except OSError:  # absent, not a directory, unreadable
+        return False
 
 
 def builtin(run_as: str | None = None) -> list[Source]:
