@@ -106,8 +106,9 @@ def test_hostile_schema_2_manifests_are_refused(data):
         m.parse(data, canonical.sha256(data))
 
 
-# From 1990 to 2100, in nanoseconds: what a file system can hold.
-mtimes = st.integers(min_value=631_152_000 * 10**9, max_value=4_102_444_800 * 10**9)
+# From 1990 to 2023, in nanoseconds: times in the past travel as they were (later ones move back
+# together to the restore's time: tests/test_publish_restore.py).
+mtimes = st.integers(min_value=631_152_000 * 10**9, max_value=1_700_000_000 * 10**9)
 
 
 @settings(max_examples=10, deadline=None)
