@@ -63,6 +63,7 @@ from kcache.records import Event
 from kcache.relocate import relocate_staged
 from kcache.rootdir import STAGING_PREFIX
 from kcache.sources.base import torch_user
+from kcache.sources.inductor import RUN_AS_VAR
 from kcache.store import Store
 from kcache.untrusted import one_line
 
@@ -378,9 +379,12 @@ def _restore(
         if donors:
             return _from_layers(store, fp, root, jobs, budget, donors, run_as, started, report)
     if isinstance(chosen, str):
+        # The user named (--run-as, KCACHE_RUN_AS) for whom TMPDIR is laid out; else nobody: the
+        # restoring user of an init container says nothing of the model's (the marker's run_as).
+        named = run_as or os.environ.get(RUN_AS_VAR)
         return RestoreResult("miss", fp.bundle_key, None, root, root / envfile.NAME,
                              seconds=time.perf_counter() - started, reason=one_line(chosen),
-                             user=layers.run_as_user(run_as, {}))  # fmt: skip
+                             user=layers.run_as_user(run_as, {}) if named else None)  # fmt: skip
     partial = chosen.partial
     manifest, signer, _size = choice.read_manifest(store, chosen, fp, policy)
     _check_layers(manifest)
@@ -491,6 +495,9 @@ def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jo
         rootdir.delete_until(staging, budget.deadline)
 
 
+_FUTURE_SKEW_NS = 24 * 3600 * 10**9  # a publisher's clock further ahead than this is no clock
+
+
 def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path, jobs: int, budget: _Budget,
                meter: progress.Meter, chunks: Mapping[str, tuple[str, ...]]) -> None:  # fmt: skip
     """Every blob into its staged path (verified), then the paths that share a blob as copies.
@@ -504,7 +511,11 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
     # A publisher whose clock ran ahead stamped times in the future: torch's shortcuts trust only
     # files not newer than the restore marker, written after these. The bundle's times move back
     # together, so that each file keeps its order (ninja: an output newer than its inputs).
-    shift = max(0, max((e.mtime_ns or 0 for e in entries), default=0) - time.time_ns())
+    # A time past any clock's skew (a day ahead) says nothing: that file gets the restore's time,
+    # and no other moves for it.
+    now = time.time_ns()
+    believable = [e.mtime_ns for e in entries if e.mtime_ns and e.mtime_ns <= now + _FUTURE_SKEW_NS]
+    shift = max(0, max(believable, default=0) - now)
     done: set[str] = set()  # blobs verified and staged: a retry leaves them be
     failed: set[str] = set()  # packs whose read or content failed (fetch_blobs says)
 
@@ -520,7 +531,7 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
         if mode & umask:  # the umask took bits the manifest asks for
             os.chmod(where, mode)
         if entry.mtime_ns:  # builders (ninja) judge "up to date" by mtime; set after the last write
-            when = max(1, entry.mtime_ns - shift)
+            when = max(1, entry.mtime_ns - shift) if entry.mtime_ns <= now + _FUTURE_SKEW_NS else now
             os.utime(where, ns=(when, when))
 
     def lay(entry: manifests.Entry, write) -> None:
@@ -691,8 +702,7 @@ def _write_state(result: RestoreResult, fp: Fingerprint | None, deadline: float 
         "files": result.files, "bytes": result.bytes, "seconds": round(result.seconds, 4),
         "reason": result.reason, "layers": list(result.layers), "donors": dict(result.donors),
         "inputs": {k: v for k, v in fp.facts.items() if is_workload_fact(k)} if fp else {},
-        # Whose header directory it laid out (`publish --from ROOT` reads it there); none laid out, none named.
-        "run_as": result.user if "inductor-pch" in result.layers else None,
+        "run_as": result.user,  # whose header directory it laid out: `publish --from ROOT` reads it there
     })  # fmt: skip
 
 

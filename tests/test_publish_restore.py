@@ -535,3 +535,34 @@ def test_the_header_a_pod_built_for_itself_wins_over_the_one_restored_for_anothe
     layers = sources.in_root(again)
     (header,) = [s for s in layers if s.name == "inductor-pch"]
     assert header.restore_dir(again) == again / f"tmp/torchinductor_{me}/precompiled_headers"
+
+
+def test_one_time_far_in_the_future_moves_no_other_file(tmp_path, store, sqlite_index, fp):
+    """One file stamped 2**62 ns (year 2116: no clock that ran ahead) took every other file of the
+    bundle back to 1970 with it, older than the image's headers they were built from."""
+    import os
+    import time
+
+    from kcache.readiness import RESTORE_MARKER
+
+    write_tree(tmp_path / "src", {"inductor/old": b"past", "triton/k/odd.json": b"{}"})
+    past = time.time_ns() - 3600 * 10**9
+    os.utime(tmp_path / "src/inductor/old", ns=(past, past))
+    os.utime(tmp_path / "src/triton/k/odd.json", ns=(2**62, 2**62))
+    publish(store, sqlite_index, fp, LAYERS, root=tmp_path / "src", env={})
+    root = tmp_path / "dst"
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    assert (root / "inductor/old").stat().st_mtime_ns == past
+    assert (root / "triton/k/odd.json").stat().st_mtime_ns <= (root / RESTORE_MARKER).stat().st_mtime_ns
+
+
+def test_a_cold_start_for_a_named_user_names_it_for_publish(tmp_path, store, sqlite_index, fp, monkeypatch):
+    """`restore --run-as app` misses and lays TMPDIR out for app, whose header the model then builds:
+    `publish --from ROOT` as another user must read app's, which the marker names."""
+    root = tmp_path / "dst"
+    monkeypatch.setenv("KCACHE_RUN_AS", "app")
+    assert restore(store, sqlite_index, fp, root).status == "miss"
+    monkeypatch.delenv("KCACHE_RUN_AS")
+    assert read_state(root)["run_as"] == "app"
+    (header,) = [s for s in sources.in_root(root) if s.name == "inductor-pch"]
+    assert header.restore_dir(root) == root / "tmp/torchinductor_app/precompiled_headers"
