@@ -386,3 +386,15 @@ def test_triton_named_settings_that_build_nothing_differently_are_not_facts():
            "TRITON_PROFILE_BUFFER_SIZE": "64", "TRITON_CUPTI_LIB_PATH": "/usr/lib", "TRITON_ENABLE_ASAN": "",
            "PTXAS_OPTIONS": ""}  # fmt: skip
     assert p.probe_settings(env) == {}
+
+
+@pytest.mark.parametrize("name, value", [
+    ("TRITON_INSTRUMENTATION_MODE", "fpsan"),  # a sanitizer compiled into the kernels (runtime/jit.py)
+    ("TRITON_FPSAN_HOMOMORPHIC_CASTS", "1"),
+    ("TRITON_PTXAS_BLACKWELL_PATH", "/opt/other/ptxas"),  # which ptxas builds sm_100+ (backends/nvidia)
+    ("TRITON_KERNEL_OVERRIDE", "1"),  # IR the user supplies replaces the compiled one
+    ("TRITON_SWAP_MIR", "/opt/mir"),
+    ("TRITON_AMD_CODEGEN_PATH", "/opt/llc"),
+])  # fmt: skip
+def test_triton_settings_its_compile_options_take_from_its_knobs_are_facts(name, value):
+    assert p.probe_settings({name: value}) == {f"env.{name}": value}
