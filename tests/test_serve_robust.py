@@ -381,3 +381,21 @@ def test_an_answer_nobody_reads_is_dropped_after_the_write_timeout(tmp_path, mon
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_signal_that_comes_while_the_main_thread_holds_the_stop_events_lock_still_stops():
+    """SIGTERM's handler set the stop event itself, in the main thread, which for a moment inside
+    `stop.wait()` holds that event's (not reentrant) lock: the handler then waited on it for ever,
+    and `watch` hung at SIGTERM (seen once in CI) until the kubelet killed it."""
+    code = (
+        "import signal\n"
+        "from kcache.cli.serve_cmd import stop_on_signals\n"
+        "stop = stop_on_signals()\n"
+        "handler = signal.getsignal(signal.SIGTERM)\n"
+        "with stop._cond:\n"  # where Event.wait() is when the signal's handler runs there
+        "    handler(signal.SIGTERM, None)\n"
+        "assert stop.wait(30)\n"
+        "print('stopped')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "stopped", done.stderr

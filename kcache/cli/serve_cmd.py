@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -23,10 +24,31 @@ def host_port_options(*, port_help: str, port_required: bool):
 
 
 def stop_on_signals() -> threading.Event:
-    """An event that SIGTERM (the kubelet stopping the pod) and SIGINT set."""
+    """An event that SIGTERM (the kubelet stopping the pod) and SIGINT set.
+
+    Not set by the handler itself: it runs in the main thread, which inside `stop.wait()` holds the
+    event's lock for a moment, and a handler that came then waited on that lock for ever (watch hung
+    at SIGTERM). The handler writes a byte to a pipe; a thread of its own reads it and sets the event.
+    """
     stop = threading.Event()
+    readable, writable = os.pipe()
+
+    def relay() -> None:
+        try:
+            os.read(readable, 1)
+        finally:
+            stop.set()
+
+    threading.Thread(target=relay, name="kcache-signals", daemon=True).start()
+
+    def handler(_signum, _frame) -> None:
+        try:
+            os.write(writable, b"\0")
+        except OSError:  # the pipe is full: a byte is already on its way
+            pass
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda _signum, _frame: stop.set())
+        signal.signal(sig, handler)
     return stop
 
 
