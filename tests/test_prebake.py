@@ -78,8 +78,8 @@ def test_a_helper_the_entrypoint_leaves_running_does_not_hold_prebake(tmp_path, 
     assert doc["warmup"]["status"] == "ok" and doc["publish"] is not None
 
 
-@pytest.mark.parametrize("child_sleeps", [0, 100], ids=["child-exits", "child-past-budget"])
-def test_a_daemonized_helper_holding_stdout_does_not_hold_prebake(tmp_path, child_sleeps):
+@pytest.mark.parametrize("child_waits", [False, True], ids=["child-exits", "child-past-budget"])
+def test_a_daemonized_helper_holding_stdout_does_not_hold_prebake(tmp_path, child_waits):
     """A helper that left the child's session (setsid) keeps the pipe open: closing it waited for
     the reader thread, which waited for the helper, so prebake outlived --budget by the helper's life."""
     import signal
@@ -88,10 +88,12 @@ def test_a_daemonized_helper_holding_stdout_does_not_hold_prebake(tmp_path, chil
     from kcache.prebake import ChildWarmup, WarmupChildFailed, WarmupChildTimedOut
 
     pid_file = tmp_path / "helper.pid"
-    script = (f"import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n"
-              f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n    time.sleep(300)\n    os._exit(0)\n"
-              f"while not os.path.exists({str(pid_file)!r}):\n    time.sleep(0.01)\n"
-              f"time.sleep({child_sleeps})\n")  # fmt: skip
+    # The helper says over a pipe that its pid is written, then lives until killed; the child goes
+    # on only then, and exits or (past the budget) waits to be killed.
+    script = (f"import os, signal\nr, w = os.pipe()\nif os.fork() == 0:\n    os.setsid()\n"
+              f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n    os.write(w, b'x')\n"
+              f"    signal.pause()\n    os._exit(0)\nos.read(r, 1)\n"
+              + ("signal.pause()\n" if child_waits else ""))  # fmt: skip
 
     class Child(ChildWarmup):
         def command(self, root):
