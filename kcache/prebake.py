@@ -63,6 +63,7 @@ class WarmupChildFailed(KcacheError):
 _PIECE = 64 * 1024
 _DRAIN_SECONDS = 5.0  # for the rest of the child's stdout once its session is killed
 
+
 class WarmupChildTimedOut(KcacheError):
     """The warmup child process was still running when the budget was spent; it was killed."""
 

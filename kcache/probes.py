@@ -99,9 +99,6 @@ _KEYED_ENV = (
     "AMDGCN_ANALYZE_SMALL_TENSOR_RANGE",
     "AMDGCN_SCALARIZE_PACKED_FOPS",
 )
-# Words of the settings Triton keys its cache by that only write dumps, timings or diagnostics
-# (MLIR_ENABLE_DUMP, LLVM_ENABLE_TIMING...): the binaries are the same, so they are not keyed.
-DIAGNOSTIC_ENV_WORDS = ("DUMP", "TIMING", "DIAGNOSTICS", "MLIR_DISABLE_MULTITHREADING", "LLVM_DEBUG")
 
 # x86 /proc/cpuinfo flags that name an instruction-set extension: the features `-march=native`
 # (which Inductor passes to g++) may enable, each one also a `__FEATURE__` macro that ATen's and

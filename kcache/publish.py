@@ -569,10 +569,9 @@ def _publish_leased(store: Store, index: Index, fingerprint: Fingerprint, found,
         donor = None
     if donor is not None:
         carried = _carried(index, donor, {c.path for c in collected})
-        entries += carried
-        chunks.update({e.blob: donor.chunks[e.blob] for e in carried if e.blob in donor.chunks})
-        layers = sorted(set(layers) | {name for name, source in _donor_layers(donor)
-                                       if any(e.path.startswith(source.subdir + "/") for e in carried)})  # fmt: skip
+        entries += [e for _, e in carried]
+        chunks.update({e.blob: donor.chunks[e.blob] for _, e in carried if e.blob in donor.chunks})
+        layers = sorted(set(layers) | {name for name, _ in carried})
         info = {**{k: v for k, v in donor.layer_info.items() if k in layers}, **info}
     manifest = _manifest(fingerprint, layers, entries, info, chunks)
     data = manifest.to_bytes()
@@ -721,42 +720,38 @@ def _yanked_since(store: Store, index: Index, donor: manifests.Manifest) -> bool
     return False
 
 
-def _donor_layers(donor: manifests.Manifest) -> list[tuple[str, Source]]:
-    """(name, source) of each built-in layer of `donor` this kcache knows (a newer one's it cannot
-    lay out). Not extra layers: each pod names its own, and two names with one export clash."""
-    known = {s.name: s for s in sources_for_manifest(donor.layers) if not isinstance(s, ExtraSource)}
-    return [(name, known[name]) for name in donor.layers if name in known]
-
-
-def _carried(index: Index, donor: manifests.Manifest, local: set[str]) -> list[manifests.Entry]:
-    """`donor`'s entries for paths ROOT lacks: neither one of its files, nor a directory above one,
-    nor under one. Their packs are revived as this publish's own are (a pack gc has taken
+def _carried(index: Index, donor: manifests.Manifest, local: set[str]) -> list[tuple[str, manifests.Entry]]:
+    """(layer, entry) of `donor`'s entries for paths ROOT lacks: neither one of its files, nor a
+    directory above one, nor under one, in a built-in layer this kcache knows (not extra layers:
+    each pod names its own, and two names with one export clash), under a name publish would take
+    from ROOT (no junk). Their packs are revived as this publish's own are (a pack gc has taken
     meanwhile takes its files with it)."""
     from kcache.index import lifecycle
 
     above = {path.rsplit("/", i)[0] for path in local for i in range(1, path.count("/") + 1)}
-    sources = [source for _, source in _donor_layers(donor)]
+    sources = [s for s in sources_for_manifest(donor.layers) if not isinstance(s, ExtraSource)]
 
-    def fits(path: str) -> bool:
+    def layer_of(path: str) -> str | None:
         source = next((s for s in sources if path.startswith(s.subdir + "/")), None)
-        if source is None or not source.takes(path[len(source.subdir) + 1 :]):  # junk: never from ROOT either
-            return False
+        if source is None or not source.takes(path[len(source.subdir) + 1 :]):
+            return None
         parents = (path.rsplit("/", i)[0] for i in range(1, path.count("/") + 1))
-        return path not in local and path not in above and not any(p in local for p in parents)
+        clashes = path in local or path in above or any(p in local for p in parents)
+        return None if clashes else source.name
 
-    wanted = [e for e in donor.entries if fits(e.path)]
-    gone = lifecycle.revive(index, {e.pack for e in wanted})
-    return [e for e in wanted if e.pack not in gone]
+    wanted = [(name, e) for e in donor.entries if (name := layer_of(e.path)) is not None]
+    gone = lifecycle.revive(index, {e.pack for _, e in wanted})
+    return [(name, e) for name, e in wanted if e.pack not in gone]
 
 
 def _yanked_before(store: Store, manifest: manifests.Manifest) -> bool:
     """Whether the store says this bundle was yanked: its `yanks/<id>` marker, or its key's ref
     listing it (the evidence reindex takes too).
 
-    A yank outlives the bundle's row (gc keeps the marker, and the index its id): the same bytes published again, by a
-    warmup that compiled the same broken kernels, must not become the newest bundle again. Any
-    store writer can delete the marker, but not edit a signed ref's yank list. Neither is checked
-    for a signature: a false yank only costs a cold start (see kcache.refs).
+    A yank outlives the bundle's row (gc keeps the marker, and the index its id): the same bytes
+    published again, by a warmup that compiled the same broken kernels, must not become the newest
+    bundle again. Any store writer can delete the marker, but not edit a signed ref's yank list.
+    Neither is checked for a signature: a false yank only costs a cold start (see kcache.refs).
     """
     if store.exists(refs.yank_key(manifest.id)):
         return True

@@ -52,12 +52,12 @@ from kcache.store.base import ObjectInfo
 
 _TAIL = 256 * 1024  # most trailers fit; longer ones get a second read
 _MAX_TRAILER = 64 * 1024 * 1024  # ~700k blobs: more than a 32 MiB pack of real files holds
-_TRAILER_BUDGET = 2 * _MAX_TRAILER
+_TRAILER_BUDGET = 2 * _MAX_TRAILER  # trailer bytes held at once by all threads (see TrailerBudget)
 _FAILURES_SHOWN = 3  # of one pack's blobs that failed, the rest counted
 # A trailer is charged for what parsing it makes too: its entries (73 bytes each at least, see
 # packs.parse_trailer) take about 2-3 times their bytes as objects, so two planted 64 MiB
 # trailers are never parsed at once (16 of them held 2.9 GB before entries were counted).
-_PARSED_PER_BYTE = 4  # trailer bytes held at once by all threads (see TrailerBudget)
+_PARSED_PER_BYTE = 4
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 
 

@@ -38,7 +38,7 @@ import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 from kcache import choice, fetch, fingerprint, layerkeys, limits, progress, refs, signing
@@ -154,7 +154,7 @@ def verify(
                 to_read.setdefault((entry.blob, entry.pack, entry.offset), entry)
     # After the rows were read: a ref a publish moved since then names a row the index is asked for again.
     seen = _Seen({bundle.id: bundle for bundle in bundles}, keys_named, signatures, limits.max_manifest_bytes(),
-                 layer_keys)  # fmt: skip
+                 layer_keys, index.now() - REF_CATCH_UP)  # fmt: skip
     ref_count, layer_ref_count = _check_refs(store, index, seen, trusted, problems, unchecked)
     read = _read_all(store, list(to_read.values()), jobs, problems, report, unchecked, claims) if read_data else (0, 0)
     packs = len({e.pack for e in to_read.values()}) if read_data else len(sizes)
@@ -243,6 +243,7 @@ class _Seen:
     signatures: Mapping[str, Mapping[str, ObjectInfo]]  # from the listing of signatures/
     manifest_cap: int  # limits.max_manifest_bytes(), as restore reads it
     layer_keys: Mapping[str, Mapping[str, str]]  # bundle id -> {layer: the layer key its manifest gives}
+    settled_before: datetime | None = None  # a bundle created before this has had time for its ref (REF_CATCH_UP)
 
 
 def _check_refs(store: Store, index: Index, seen: _Seen, trusted: tuple[signing.TrustedKey, ...],
@@ -360,7 +361,7 @@ def _ref_problems(store: Store, index: Index, ref: refs.Ref, seen: _Seen, manife
     elif row.status == "active":
         newest = index.newest_bundle(ref.bundle_key)
         # A publish commits its row, then writes the ref: one that has had minutes to do so is not catching up.
-        settled = newest is not None and _utc(newest.created_at) < index.now() - REF_CATCH_UP
+        settled = newest is not None and seen.settled_before is not None and newest.created_at < seen.settled_before
         if settled and newest.id != row.id and newest.created_at > row.created_at:
             problems.append(f"{where}: {named}, older than the index's newest {newest.id[:12]}: pods restoring "
                             "through refs take the older one (a replayed ref, or none rewritten since); "
@@ -479,6 +480,3 @@ class _ChunkDigests:
     def digests(self) -> tuple[str, ...]:
         return tuple(self._done) + ((self._digest.hexdigest(),) if self._held else ())
 
-
-def _utc(moment: datetime) -> datetime:
-    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)  # SQLite drops the zone

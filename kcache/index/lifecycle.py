@@ -100,7 +100,6 @@ def yanked_gone(index: Index, bundle_key: str, limit: int) -> list[str]:
     return index.read(lambda s: list(s.scalars(query)))
 
 
-
 def packs(index: Index) -> list[PackInfo]:
     return index.read(lambda s: [PackInfo(r.id, r.size, r.created_at, r.condemned_at)
                                  for r in s.scalars(select(PackRow))])  # fmt: skip

@@ -462,7 +462,7 @@ class NodeCacheStore:
 
         def run() -> None:
             try:
-                atomic.write(path, lambda dst: box.setdefault("written", self._download(key, pack_id, size, dst)))
+                atomic.write(path, lambda dst: box.update(written=self._download(key, pack_id, size, dst)))
             except BaseException as exc:  # handed to the caller below
                 box["error"] = exc
             finally:
