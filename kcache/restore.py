@@ -341,8 +341,8 @@ def _within(timeout: float | None, deadline: float | None, work) -> RestoreResul
             return True
 
     worker = threading.Thread(target=run, name="kcache-restore", daemon=True)
-    worker.start()
     try:
+        worker.start()  # inside: start() waits for the thread, which may already be reading when a signal lands
         done.wait(max(0.0, deadline - time.monotonic()))
     except BaseException:  # SIGTERM (Terminated): the worker must not swap the bundle in after it
         if give_up():

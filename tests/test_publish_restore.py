@@ -329,6 +329,47 @@ def test_an_interrupt_stops_the_restore_before_its_swap(tmp_path, store, sqlite_
     assert read_state(tmp_path / "dst")["status"] == "error"
 
 
+def test_a_signal_while_the_worker_starts_still_stops_it_before_its_swap(tmp_path, store, sqlite_index, fp,
+                                                                         monkeypatch):
+    """SIGTERM as the worker starts: the main thread may still be inside Thread.start(), waiting to
+    hear that the worker runs; the signal's exception there must stop the worker as anywhere else."""
+    import os
+    import signal
+
+    from kcache import restore as restoring
+    from kcache.errors import Terminated
+
+    _published(tmp_path, store, sqlite_index, fp)
+    write_tree(tmp_path / "dst", {"inductor/old": b"previous"})
+    worked, real_work, real_start = threading.Event(), restoring._open_and_restore, threading.Thread.start
+
+    def work(*args, **kwargs):
+        try:
+            return real_work(*args, **kwargs)
+        finally:
+            worked.set()
+
+    def start_then_signal(thread):  # the handler runs before this frame returns, inside start()
+        real_start(thread)
+        if thread.name == "kcache-restore":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    class ReleasingWhenRecorded:
+        def __getattr__(self, name):
+            return getattr(sqlite_index, name)
+
+        def record_event(self, event) -> None:
+            assert worked.wait(60)
+            sqlite_index.record_event(event)
+
+    monkeypatch.setattr(restoring, "_open_and_restore", work)
+    monkeypatch.setattr(threading.Thread, "start", start_then_signal)
+    with pytest.raises(Terminated):
+        restore(store, ReleasingWhenRecorded(), fp, tmp_path / "dst", timeout=60)
+    assert read_tree(tmp_path / "dst/inductor") == {"old": (b"previous", 0o644)}
+    assert read_state(tmp_path / "dst")["status"] == "error"
+
+
 class HangingEvents:
     """A catalog that answers, but whose event recording hangs until released (a wedged index)."""
 
