@@ -241,17 +241,29 @@ def _differing(layer: str, ours: Mapping[str, str], bundle) -> tuple[str, ...]:
 
 def verdicts(facts: Mapping[str, str], bundles) -> tuple[Verdict, ...]:
     """Per reusable layer, from index Bundle records (pure: the restore itself checks the manifests)."""
-    return tuple(_verdict(layer, facts, [b for b in bundles if b.status == "active"]) for layer in FACTS)
+    active = [b for b in bundles if b.status == "active"]
+    newest_of_key: dict[str, Bundle] = {}
+    for bundle in sorted(active, key=lambda b: (b.created_at, b.id), reverse=True):
+        newest_of_key.setdefault(bundle.bundle_key, bundle)
+    return tuple(_verdict(layer, facts, active, newest_of_key) for layer in FACTS)
 
 
-def _verdict(layer: str, facts: Mapping[str, str], active) -> Verdict:
+def _verdict(layer: str, facts: Mapping[str, str], active, newest_of_key: Mapping[str, Bundle]) -> Verdict:
+    """A layer ref names a bundle key, and restore takes that key's newest bundle (`donor_ref`): an
+    older bundle of the key holding the layer is no donor."""
     key = layer_key(layer, facts)
     ours = layer_facts(layer, facts) or {}
     holders = [b for b in active if layer in b.layers]
     matching = [b for b in holders if layer_key(layer, b.facts) == key]
-    if matching:
-        donor = max(matching, key=lambda b: (b.created_at, b.id))
+    donors = [b for b in matching if newest_of_key[b.bundle_key].id == b.id]
+    if donors:
+        donor = max(donors, key=lambda b: (b.created_at, b.id))
         return Verdict(layer, key, donor.id, (), f"reusable from bundle {donor.id[:12]}")
+    if matching:
+        held = max(matching, key=lambda b: (b.created_at, b.id))
+        newest = newest_of_key[held.bundle_key]
+        return Verdict(layer, key, None, (), f"bundle {held.id[:12]} holds it, but its key's newest bundle "
+                       f"{newest.id[:12]} does not, and restore takes a layer from a key's newest only")  # fmt: skip
     if not holders:
         return Verdict(layer, key, None, (), "no active bundle holds this layer")
     nearest = min(holders, key=lambda b: (len(_differing(layer, ours, b)), -b.created_at.timestamp(), b.id))

@@ -151,6 +151,18 @@ def test_explain_gives_a_verdict_per_layer(tmp_path, store, sqlite_index):
     assert "gpu.driver" in verdicts["cuda"].verdict
 
 
+def test_explain_names_the_donor_restore_would_take_not_an_older_bundle(tmp_path, store, sqlite_index):
+    """Restore takes a layer from the newest bundle of the key its ref names: an older bundle of that
+    key holding the layer is no donor once a newer one without it is published."""
+    older = published(tmp_path, store, sqlite_index, GPU, tree={"triton/k1/add.cubin": b"t", "inductor/g": b"g"})
+    published(tmp_path, store, sqlite_index, GPU, tree={"inductor/g": b"other"}, name="later")
+    other_model = {**GPU, "model.id": "another-model"}
+    result, reused = restored_layers(store, sqlite_index, other_model, tmp_path / "r")
+    assert "triton" not in reused
+    verdict = {v.layer: v for v in layerkeys.verdicts(other_model, sqlite_index.list_bundles())}["triton"]
+    assert verdict.donor is None and older.bundle_id[:12] in verdict.verdict and "newest" in verdict.verdict
+
+
 def test_explain_cli_lists_layers_on_a_miss(tmp_path):
     facts = tmp_path / "facts.json"
     facts.write_text(json.dumps({"facts": GPU}))
