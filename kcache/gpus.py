@@ -33,17 +33,24 @@ CUDA_DEVICE_ORDER=PCI_BUS_ID).
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from kcache.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 NONE = "none"
+# GPUs this container has (device nodes) that neither NVML nor nvidia-smi could read: no bundle is
+# published under it, so a restore misses rather than hit another GPU's kernels under "none".
+UNKNOWN = "unknown"
+UNKNOWN_FACTS = {"gpu.name": UNKNOWN, "gpu.sm": UNKNOWN, "gpu.count": UNKNOWN, "gpu.driver": UNKNOWN}
+_DEVICE_NODE = re.compile(r"nvidia[0-9]+")  # a GPU; nvidiactl, nvidia-uvm and nvidia-modeset are not
 
 
 @dataclass(frozen=True)
@@ -123,12 +130,30 @@ def facts(reading: Reading | None, env: Mapping[str, str]) -> dict[str, str]:
     if not shown:
         # No GPU in use: GPU kernels are neither built nor run, so the driver does not matter.
         return {"gpu.name": NONE, "gpu.sm": NONE, "gpu.count": "0", "gpu.driver": NONE}
-    return {
+    out = {
         "gpu.name": _joined(d.name for d in shown),
         "gpu.sm": _joined(d.sm for d in shown),
         "gpu.count": str(len(shown)),
         "gpu.driver": reading.driver,
     }
+    if _sorted_order(reading.devices, env, shown):
+        # The sorted list of a FASTEST_FIRST mixed node can read like another node's real CUDA order
+        # (PCI_BUS_ID, or UUIDs listed): device 0, which the model compiles for, differs between them.
+        out["gpu.order"] = "sorted"
+    return out
+
+
+def _sorted_order(devices: Sequence[Device], env: Mapping[str, str], shown: Sequence[Device]) -> bool:
+    return env.get("CUDA_VISIBLE_DEVICES") is None and len({(d.name, d.sm) for d in shown}) > 1 and \
+        _cuda_order([d for d in devices if d in shown], env) is None
+
+
+def devices_present(dev: Path = Path("/dev")) -> bool:
+    """Whether this container was given GPU device nodes (/dev/nvidia0...), read or not."""
+    try:
+        return any(_DEVICE_NODE.fullmatch(name) for name in os.listdir(dev))
+    except OSError:
+        return False
 
 
 def _joined(values) -> str:

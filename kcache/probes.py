@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import ctypes
+import logging
 import os
 import platform
 import re
@@ -23,6 +24,7 @@ from pathlib import Path
 from kcache import canonical, engines, gpus
 
 NONE = gpus.NONE  # one spelling for an absent fact
+log = logging.getLogger(__name__)
 
 Probe = Callable[[Mapping[str, str]], dict[str, str]]
 X86 = ("x86_64", "AMD64")  # platform.machine() on Linux, Windows
@@ -188,9 +190,17 @@ def probe_triton(env: Mapping[str, str]) -> dict[str, str]:
     return {"triton.version": match.group(1) if match else NONE}
 
 
-def probe_gpu(env: Mapping[str, str], read: Callable[[], gpus.Reading | None] = gpus.read) -> dict[str, str]:
-    """The GPUs this process would use (CUDA_VISIBLE_DEVICES applied); `read` lists the node's."""
-    return gpus.facts(read(), env)
+def probe_gpu(env: Mapping[str, str], read: Callable[[], gpus.Reading | None] = gpus.read,
+              present: Callable[[], bool] = gpus.devices_present) -> dict[str, str]:
+    """The GPUs this process would use (CUDA_VISIBLE_DEVICES applied); `read` lists the node's.
+    GPU device nodes that nothing could read give `unknown` facts, never a CPU machine's."""
+    reading = read()
+    if reading is None and present():
+        log.warning("this container has GPU device nodes (/dev/nvidia*) but neither NVML (pynvml) nor nvidia-smi "
+                    "could read them: the GPU facts are unknown, so restore misses and publish refuses; install "
+                    "kcache[gpu] or nvidia-smi, or pass --facts-file from the model container")  # fmt: skip
+        return dict(gpus.UNKNOWN_FACTS)
+    return gpus.facts(reading, env)
 
 
 def probe_compiler(env: Mapping[str, str], arch: str | None = None) -> dict[str, str]:
@@ -501,11 +511,12 @@ def check_cpu(env: Mapping[str, str], info: Mapping[str, str] | None = None, arc
     return _pick(probe_cpu(env, info, arch), "cpu.features", "cpu.model")
 
 
-def check_gpu(env: Mapping[str, str], read: Callable[[], gpus.Reading | None] = gpus.read) -> dict[str, str]:
+def check_gpu(env: Mapping[str, str], read: Callable[[], gpus.Reading | None] = gpus.read,
+              present: Callable[[], bool] = gpus.devices_present) -> dict[str, str]:
     """GPU name, SM and driver, when this container sees a GPU at all (not its count: an init
-    container may be given fewer GPUs than the model container)."""
-    facts = probe_gpu(env, read)
-    return _pick(facts, "gpu.name", "gpu.sm", "gpu.driver") if facts["gpu.count"] != "0" else {}
+    container may be given fewer GPUs than the model container) and could read it."""
+    facts = probe_gpu(env, read, present)
+    return _pick(facts, "gpu.name", "gpu.sm", "gpu.driver") if facts["gpu.count"] not in ("0", gpus.UNKNOWN) else {}
 
 
 CHECKS: tuple[Probe, ...] = (check_platform, check_cpu, check_gpu)

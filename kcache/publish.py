@@ -36,11 +36,11 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from kcache import boundedread, cpus, layerkeys, limits, progress, readiness, refs, signing
+from kcache import boundedread, cpus, gpus, layerkeys, limits, progress, readiness, refs, signing
 from kcache import fingerprint as fingerprints
 from kcache import manifest as manifests
 from kcache.errors import ConfigError, IndexDbError, IntegrityError, KcacheError, SourceDirError
-from kcache.fingerprint import Fingerprint
+from kcache.fingerprint import NONE, Fingerprint
 from kcache.hashcache import HashCache, key_for
 from kcache.packs import (
     CHUNK_BYTES,
@@ -524,6 +524,7 @@ def publish(
         where = str(root) if root is not None else "the live cache directories"
         raise ConfigError("publish", where, "holds no cache files; pass --allow-empty to publish an empty bundle")
     layers = sorted({src.name for src, _ in found})
+    _check_vouched(fingerprint.facts, [src for src in sources if src.name in layers])
     info = layerkeys.annotate({src.name: src.layer_info() for src in sources if src.name in layers}, layers,
                               fingerprint.facts)  # fmt: skip
     # Before any upload: a row the database would refuse, or a manifest too big for any restore to
@@ -535,6 +536,22 @@ def publish(
     with _Lease(index, fingerprint.bundle_key, config, note) as lease:
         return _publish_leased(store, index, fingerprint, found, layers, info, config, note, compile_seconds, report,
                                started, lease)  # fmt: skip
+
+
+def _check_vouched(facts: Mapping[str, str], sources: list[Source]) -> None:
+    """Refuse facts a probe could not read, and torch-built kernels under facts that name no torch:
+    every machine whose kcache cannot see the same thing probes the same facts, so such a bundle
+    would hit on any GPU or torch build."""
+    unread = sorted(name for name, value in facts.items() if name.startswith("gpu.") and value == gpus.UNKNOWN)
+    if unread:
+        why = ("the GPU facts are unknown (GPU devices nobody could read); publish with --facts-file from "
+               "`kcache fingerprint --json` where NVML or nvidia-smi works")
+        raise ConfigError("publish", ", ".join(unread), why)
+    built = [src.name for src in sources if src.needs_torch]
+    if built and facts.get("torch.version", NONE) == NONE:
+        why = (f"the facts name no torch, but {', '.join(built)} kernels are built against it; publish where "
+               "the model's torch is importable, or with --facts-file from the model container")
+        raise ConfigError("publish", f"torch.version={facts.get('torch.version', NONE)}", why)
 
 
 def _publish_leased(store: Store, index: Index, fingerprint: Fingerprint, found, layers: list[str], info,

@@ -50,6 +50,9 @@ class Source:
     # Index files holding absolute paths that restore rewrites (names in kcache.relocate.REWRITERS).
     # Triton's groups by default: a Triton cache can sit inside any engine's directory.
     rewriters: tuple[str, ...] = ("triton-groups",)
+    # Kernels built against the torch install (its headers, ABI, Inductor) and not keyed by its version
+    # alone: publish refuses them under facts that name no torch (a kcache that could not see it).
+    needs_torch: bool = False
 
     def live_dirs(self, env: Mapping[str, str]) -> list[Path]:
         """Directories this layer is read from on a running machine, most specific first."""

@@ -28,6 +28,7 @@ from kcache.sources.base import Source, home_dir
 
 class FlashInferSource(Source):
     name = "flashinfer"
+    needs_torch = True
     subdir = "flashinfer"
     env_var = "FLASHINFER_WORKSPACE_BASE"
 

@@ -39,6 +39,7 @@ def inductor_dir(env: Mapping[str, str]) -> Path:
 
 class InductorSource(Source):
     name = "inductor"
+    needs_torch = True
     subdir = "inductor"
     env_var = "TORCHINDUCTOR_CACHE_DIR"
     junk = COMMON_JUNK
@@ -73,6 +74,7 @@ class PrecompiledHeaderSource(Source):
     """The header under the temp dir, for `user` (default: KCACHE_RUN_AS, else the current user)."""
 
     name = "inductor-pch"
+    needs_torch = True
     subdir = "inductor-pch"
     env_var = "TMPDIR"
 

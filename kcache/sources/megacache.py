@@ -18,6 +18,7 @@ from kcache.sources.base import Source
 
 class MegacacheSource(Source):
     name = "megacache"
+    needs_torch = True
     subdir = "megacache"
     env_var = "KCACHE_MEGACACHE"
 

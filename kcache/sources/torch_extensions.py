@@ -34,6 +34,7 @@ def default_root(env: Mapping[str, str]) -> Path:
 
 class TorchExtensionsSource(Source):
     name = "torch_extensions"
+    needs_torch = True
     subdir = "torch_extensions"
     env_var = "TORCH_EXTENSIONS_DIR"
     junk = COMMON_JUNK + ("lock",)  # torch's FileBaton while a build runs

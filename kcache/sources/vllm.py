@@ -20,6 +20,7 @@ from kcache.sources.base import Source, home_dir
 
 class VllmSource(Source):
     name = "vllm"
+    needs_torch = True
     subdir = "vllm"
     env_var = "VLLM_CACHE_ROOT"
     rewriters = ("triton-groups", "vllm-handles")
