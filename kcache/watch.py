@@ -48,6 +48,9 @@ class CacheFile:
 @dataclass(frozen=True)
 class Baseline:
     files: frozenset[tuple[str, str]]  # (layer, rel)
+    # Those this pod compiled before ready (newer than its restore: warmup's kernels, all of them on
+    # a miss): no restore's files, so published at the first step like the files compiled after ready.
+    own: frozenset[tuple[str, str]] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -79,11 +82,13 @@ def listing(root: Path, layers: list[Source]) -> list[CacheFile]:
     return found
 
 
-def snapshot(root: Path, layers: list[Source], ready_at: float | None = None) -> Baseline:
-    """The files present now; with `ready_at` (epoch seconds), less those modified after it."""
-    return Baseline(
-        frozenset((f.layer, f.rel) for f in listing(root, layers) if ready_at is None or f.mtime <= ready_at)
-    )
+def snapshot(root: Path, layers: list[Source], ready_at: float | None = None,
+             restored_at: float | None = None) -> Baseline:
+    """The files present now; with `ready_at` (epoch seconds), less those modified after it; with
+    `restored_at`, those modified after it are the pod's own."""
+    present = [f for f in listing(root, layers) if ready_at is None or f.mtime <= ready_at]
+    own = [f for f in present if restored_at is not None and f.mtime > restored_at]
+    return Baseline(frozenset((f.layer, f.rel) for f in present), frozenset((f.layer, f.rel) for f in own))
 
 
 def scan(root: Path, baseline: Baseline, layers: list[Source]) -> tuple[CacheFile, ...]:
@@ -103,6 +108,14 @@ def emptied(baseline: Baseline, files: list[CacheFile]) -> list[str]:
     return sorted({layer for layer, _ in baseline.files} - {f.layer for f in files})
 
 
+def restore_time(root: Path) -> float | None:
+    """When the restore finished (its marker's mtime); a restored file is never newer."""
+    try:
+        return (Path(root) / readiness.RESTORE_MARKER).stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
 def ready_time(root: Path) -> float | None:
     """When the pod became ready: the later of the restore and warmup markers' mtimes."""
     try:
@@ -118,8 +131,9 @@ def load_baseline(root: Path) -> Baseline | None:
             return None
     except FileNotFoundError:
         return None
-    files = _pairs((readiness.read_marker(root, BASELINE_MARKER) or {}).get("files"))
-    return None if files is None else Baseline(files)  # a damaged baseline is taken again
+    doc = readiness.read_marker(root, BASELINE_MARKER) or {}
+    files = _pairs(doc.get("files"))
+    return None if files is None else Baseline(files, _pairs(doc.get("own", [])) or frozenset())  # damaged: again
 
 
 def _pairs(value) -> frozenset[tuple[str, str]] | None:
@@ -137,7 +151,7 @@ def _count(doc: dict, field: str) -> int:
 
 
 def save_baseline(root: Path, baseline: Baseline) -> None:
-    readiness.write_marker(root, BASELINE_MARKER, {"files": sorted(baseline.files)})
+    readiness.write_marker(root, BASELINE_MARKER, {"files": sorted(baseline.files), "own": sorted(baseline.own)})
 
 
 def describe(exc: Exception) -> str:
@@ -181,19 +195,23 @@ class Watcher:
                 state = readiness.check(self.root)
                 if not state.ready:
                     return Step(False, state.reason)
-                self._baseline = snapshot(self.root, layers_under(self.root), ready_time(self.root))
+                self._baseline = snapshot(self.root, layers_under(self.root), ready_time(self.root),
+                                          restore_time(self.root))  # fmt: skip
                 save_baseline(self.root, self._baseline)
-                log.info("ready: watching %d cache files under %s", len(self._baseline.files), self.root)
+                log.info("ready: watching %d cache files under %s (%d compiled here before ready)",
+                         len(self._baseline.files), self.root, len(self._baseline.own))  # fmt: skip
             self._since_publish = self._clock()
+            publish_now = publish_now or bool(self._baseline.own)  # later replicas need them now, not when due
         layers = layers_under(self.root)
         files = listing(self.root, layers)
         new = _not_in(self._baseline, files)
+        own = tuple(f for f in files if (f.layer, f.rel) in self._baseline.own)
         fresh = tuple(f for f in new if (f.layer, f.rel) not in self._reported)
         for f in fresh:
             log.warning("compiled after ready (warmup did not cover it): layer %s file %s (%d bytes)",
                         f.layer, f.rel, f.size)  # fmt: skip
         self._reported.update((f.layer, f.rel) for f in fresh)
-        published, error = self._maybe_publish(new, layers, publish_now, emptied(self._baseline, files))
+        published, error = self._maybe_publish(new + own, layers, publish_now, emptied(self._baseline, files))
         self._write_marker(new, layers)
         return Step(True, "", new, fresh, published, error)
 
@@ -265,7 +283,7 @@ class Watcher:
         self._publishes += 1
         self._last_publish = {"bundle_id": result.bundle_id, "created": result.created,
                               "new_blobs": result.new_blobs, "uploaded_bytes": result.uploaded_bytes}  # fmt: skip
-        log.info("published %d files compiled after ready: bundle %s, %d new blobs",
+        log.info("published %d files compiled in this pod: bundle %s, %d new blobs",
                  len(pending), result.bundle_id[:12], result.new_blobs)  # fmt: skip
         return result, ""
 

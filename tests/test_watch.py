@@ -151,6 +151,48 @@ def test_a_newer_restore_invalidates_a_saved_baseline(tmp_path):
     assert Watcher(tmp_path).step().new == ()
 
 
+@pytest.mark.parametrize("status", ["miss", "hit"])
+def test_kernels_this_pod_compiled_before_ready_are_published_at_the_first_step(tmp_path, store, sqlite_index, fp,
+                                                                               status):
+    """A cold pod compiles everything during warmup, before ready, and vLLM compiles nothing after:
+    those kernels are this pod's own, not a restore's, and every later replica needs them. On a hit,
+    the shapes warmup compiled that the bundle lacked are the same. Not after --publish-every: the
+    replicas starting meanwhile would miss."""
+    root = tmp_path / "root"
+    restored = {"inductor/fxgraph/aa/g1": b"graph"} if status == "hit" else {}
+    root.mkdir()
+    write_tree(root, restored)
+    write_marker(root, RESTORE_MARKER, {"status": status, "bundle_key": fp.bundle_key})
+    restored_at = (root / RESTORE_MARKER).stat().st_mtime
+    for rel in restored:
+        os.utime(root / rel, (restored_at - 60,) * 2)
+    compiled = {"triton/k1/k.cubin": b"warmup kernel", "inductor/fxgraph/bb/g2": b"warmup graph"}
+    write_tree(root, compiled)
+    for rel in compiled:  # during warmup: after the restore, before ready
+        os.utime(root / rel, (restored_at + 5,) * 2)
+    write_marker(root, WARMUP_MARKER, {"status": "ok", "seconds": 1.0, "profiles": []})
+    os.utime(root / WARMUP_MARKER, (restored_at + 10,) * 2)
+    published = []
+
+    def publisher(layers):
+        published.append(publish(store, sqlite_index, fp, layers, root=root))
+        return published[-1]
+
+    step = Watcher(root, publisher=publisher, publish_every=3600, clock=Clock()).step()
+    assert step.new == () and len(published) == 1 and step.published is published[0]
+    entries = manifests.parse(store.get_bytes(manifest_key(published[0].bundle_id)), published[0].bundle_id).entries
+    assert {e.path for e in entries} >= set(compiled)
+    again = Watcher(root, publisher=publisher, publish_every=3600, clock=Clock()).step()  # a restarted sidecar
+    assert again.published is None or not again.published.created
+
+
+def test_restored_files_alone_are_not_published_again(published_root, store, sqlite_index, fp):
+    root, _ = published_root
+    calls = []
+    Watcher(root, publisher=lambda layers: calls.append(layers), publish_every=3600, clock=Clock()).step()
+    assert calls == []
+
+
 @pytest.fixture
 def published_root(tmp_path, store, sqlite_index, fp):
     """ROOT as a restore of a published bundle laid it down, and ready."""
