@@ -161,6 +161,25 @@ def test_watch_sidecar_publishes_under_the_restore_fingerprint():
         assert fingerprint_args(args) == fingerprint_args(restore_args), resolve(args)[0]
 
 
+def _gibibytes(quantity: str) -> float:
+    number, unit = re.fullmatch(r"([0-9.]+)([KMGT]i)?", quantity).groups()
+    return float(number) * {"Ki": 2**-20, "Mi": 2**-10, "Gi": 1, "Ti": 2**10, None: 2**-30}[unit]
+
+
+def test_the_publishing_sidecars_temp_dir_holds_what_the_cache_does():
+    """Publish builds packs in TMPDIR, up to --jobs at once, each as big as a large file's compressed
+    size; an emptyDir over its sizeLimit gets the whole pod evicted, model included (no ENOSPC)."""
+    spec, _, restore_args, _ = deployment()
+    (sidecar,) = [c for c in spec["containers"] if any(resolve(a)[0] == ["watch"] for a in kcache_calls(c))]
+    tmp = env_of(sidecar).get("TMPDIR", "/tmp")
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = sorted(((m["mountPath"], m["name"]) for m in sidecar["volumeMounts"]
+                     if tmp == m["mountPath"] or tmp.startswith(m["mountPath"].rstrip("/") + "/")), reverse=True)
+    (cache,) = [m["name"] for m in sidecar["volumeMounts"] if m["mountPath"] == option(restore_args, "--into")[0]]
+    size = _gibibytes(volumes[mounts[0][1]]["emptyDir"]["sizeLimit"])
+    assert size >= _gibibytes(volumes[cache]["emptyDir"]["sizeLimit"])
+
+
 def env_of(container) -> dict[str, str]:
     """name -> value, or "secret:NAME/KEY" for a value from a Secret."""
     env = {}
