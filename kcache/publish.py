@@ -92,6 +92,8 @@ class PublishConfig:
     # kcache watch: the bundle also carries the files of the key's newest bundle that ROOT lacks, so
     # replicas that each compiled other shapes after ready keep each other's kernels (see _carried)
     carry_newest: bool = False
+    # publish --from ROOT may leave out a layer the restore into ROOT laid down (later pods lose it)
+    drop_layers: bool = False
 
 
 def _manifest_path(source: Source, info: FileInfo) -> str:
@@ -525,6 +527,8 @@ def publish(
         raise ConfigError("publish", where, "holds no cache files; pass --allow-empty to publish an empty bundle")
     layers = sorted({src.name for src, _ in found})
     _check_vouched(fingerprint.facts, [src for src in sources if src.name in layers])
+    if root is not None and not (config.drop_layers or config.carry_newest):  # carrying puts them back
+        _check_keeps_restored(Path(root), fingerprint.bundle_key, layers)
     info = layerkeys.annotate({src.name: src.layer_info() for src in sources if src.name in layers}, layers,
                               fingerprint.facts)  # fmt: skip
     # Before any upload: a row the database would refuse, or a manifest too big for any restore to
@@ -552,6 +556,20 @@ def _check_vouched(facts: Mapping[str, str], sources: list[Source]) -> None:
         why = (f"the facts name no torch, but {', '.join(built)} kernels are built against it; publish where "
                "the model's torch is importable, or with --facts-file from the model container")
         raise ConfigError("publish", f"torch.version={facts.get('torch.version', NONE)}", why)
+
+
+def _check_keeps_restored(root: Path, bundle_key: str, layers: list[str]) -> None:
+    """Refuse a bundle without a layer the restore into ROOT laid down from this key's bundle: it
+    becomes the key's newest, restore takes the newest, and every later pod would lose that layer."""
+    state = readiness.read_marker(root, readiness.RESTORE_MARKER) or {}
+    restored = state.get("layers") if state.get("status") == "hit" and state.get("bundle_key") == bundle_key else []
+    dropped = sorted({name for name in restored if isinstance(name, str)} - set(layers)) if isinstance(restored, list) \
+        else []  # fmt: skip
+    if dropped:
+        why = (f"the restore into it laid down layer {', '.join(dropped)}, which this publish leaves out (not "
+               "chosen, or its directory is empty now): restore takes the newest bundle, so every later pod would "
+               "lose it; publish every layer, or pass --drop-layers if that is meant")
+        raise ConfigError("--from", str(root), why)
 
 
 def _publish_leased(store: Store, index: Index, fingerprint: Fingerprint, found, layers: list[str], info,

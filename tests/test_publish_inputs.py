@@ -228,3 +228,23 @@ def test_a_hash_cache_entry_naming_a_blob_of_another_size_never_reaches_the_mani
     assert result.files == 1 and "a.cubin" in caplog.text
     out = restore(store, sqlite_index, fp, tmp_path / "dest")
     assert out.status == "hit" and read_tree(tmp_path / "dest/triton") == KEPT
+
+
+@pytest.mark.parametrize("how", ["--layers", "emptied"])
+def test_a_publish_from_root_that_leaves_out_a_restored_layer_is_refused(tmp_path, how):
+    """The newest bundle wins on restore: a publish --from ROOT without a layer the restore into ROOT
+    laid down would take it from every later pod (and gc then deletes the last bundle holding it)."""
+    write_tree(tmp_path / "src", {"inductor/fx/a": b"graph", "triton/t/b": b"kernel"})
+    assert _cli("publish", "--from", tmp_path / "src", *WORKLOAD).exit_code == 0
+    root = tmp_path / "root"
+    assert "hit" in _cli("restore", "--into", root, *WORKLOAD).output
+    write_tree(root, {"triton/t/c": b"new kernel"})
+    before = _bundles()
+    args = ("--layers", "triton") if how == "--layers" else ()
+    if how == "emptied":
+        (root / "inductor/fx/a").unlink()
+    refused = _cli("publish", "--from", root, *WORKLOAD, *args)
+    assert refused.exit_code == 2 and "inductor" in refused.stderr and "--drop-layers" in refused.stderr
+    assert _bundles() == before
+    assert _cli("publish", "--from", root, *WORKLOAD, *args, "--drop-layers").exit_code == 0
+    assert len(_bundles()) == len(before) + 1

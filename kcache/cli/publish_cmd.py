@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import click
@@ -83,6 +83,9 @@ def publish_config(cfg: Settings, *, jobs: int = 8, signing_key: Path | None = N
 )
 @click.option("--extra-dir", "extra_dirs", multiple=True, metavar="NAME=PATH",
               help="Also carry a directory of your own; restored to ROOT/extra/NAME.")  # fmt: skip
+@click.option("--drop-layers", is_flag=True,
+              help="With --from ROOT: publish even without a layer the restore into ROOT laid down (left out by "
+                   "--layers, or emptied). Later pods then lose it: restore takes the newest bundle.")  # fmt: skip
 @signing_key_option
 @allow_empty_option
 @click.option("--compile-seconds", type=FiniteFloat(min=0), metavar="S",
@@ -94,8 +97,8 @@ def publish_config(cfg: Settings, *, jobs: int = 8, signing_key: Path | None = N
 @fingerprint_options
 @store_options
 @json_option
-def publish_cmd(root, layers, extra_dirs, signing_key, allow_empty, compile_seconds, jobs, peer_wait, model,
-                model_config, facts, extras, store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
+def publish_cmd(root, layers, extra_dirs, drop_layers, signing_key, allow_empty, compile_seconds, jobs, peer_wait,
+                model, model_config, facts, extras, store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
     """Publish the compiled-kernel caches as a bundle for this machine's fingerprint.
 
     Uploads only blobs the index does not have: re-publishing an unchanged cache uploads
@@ -126,7 +129,8 @@ def publish_cmd(root, layers, extra_dirs, signing_key, allow_empty, compile_seco
     store = open_configured_store(cfg, jobs=jobs, publisher=True)
     show = stderr_is_terminal() and not as_json
     note = (lambda msg: click.echo(f"kcache: {fmt.text(msg)}", err=True)) if show else None  # names files of ROOT
-    config = publish_config(cfg, jobs=jobs, signing_key=signing_key, allow_empty=allow_empty, peer_wait=peer_wait)
+    config = replace(publish_config(cfg, jobs=jobs, signing_key=signing_key, allow_empty=allow_empty,
+                                    peer_wait=peer_wait), drop_layers=drop_layers)  # fmt: skip
     index = binding.open_index(cfg, store, write=True)
     try:
         with progress_bars.bars(progress_bars.wanted(as_json)) as report:
