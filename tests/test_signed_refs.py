@@ -224,6 +224,18 @@ def test_cli_refresh_says_which_keys_lost_their_ref(tmp_path, store, sqlite_inde
     assert f"{fp.bundle_key} removed (no active bundle)" in out.output and "re-signed 0 refs" in out.output
 
 
+def test_cli_refresh_of_a_model_the_index_does_not_know_is_an_error(tmp_path, store, sqlite_index, fp, keys):
+    """A typo in the refresh CronJob's --model re-signed nothing and exited 0 every day, until the
+    signed refs expired and every pod requiring signatures started cold."""
+    _publish(tmp_path, store, sqlite_index, fp, b"a", keys["prod"][0])
+    args = ["--signing-key", str(tmp_path / "keys/prod.key"), "--store", f"file://{store.root}",
+            "--index", f"sqlite:///{tmp_path / 'index.db'}"]  # fmt: skip
+    typo = CliRunner().invoke(main, ["refresh", "--model", fp.facts["model.id"] + "x", *args])
+    assert typo.exit_code == 3 and fp.facts["model.id"] + "x" in typo.output
+    right = CliRunner().invoke(main, ["refresh", "--model", fp.facts["model.id"], "--json", *args])
+    assert right.exit_code == 0 and [r["bundle_key"] for r in json.loads(right.output)["refs"]] == [fp.bundle_key]
+
+
 def test_cli_yank_signs_the_ref(tmp_path, store, sqlite_index, fp, keys):
     key = keys["prod"][0]
     v1 = _publish(tmp_path, store, sqlite_index, fp, b"good", key, "v1")

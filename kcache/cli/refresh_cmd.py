@@ -26,7 +26,7 @@ def refresh_cmd(bundle_keys, model, signing_key, ttl, store_url, index_url, s3_e
     what stops a replayed old ref. Run this more often than the TTL (a CronJob), and after
     repairing the index; signed publishes refresh a ref only once it is past half its lifetime.
     Without BUNDLE_KEY (or --model), every bundle key in the index is refreshed; a BUNDLE_KEY the
-    index has never seen is an error (exit 3), not a ref removed.
+    index has never seen is an error (exit 3), not a ref removed, and so is a --model it has no bundle of.
 
     \b
     Examples:
@@ -44,6 +44,8 @@ def refresh_cmd(bundle_keys, model, signing_key, ttl, store_url, index_url, s3_e
         if unknown:  # refreshing it would remove a ref that someone else's index may have written
             raise NotFound("bundle key in the index", unknown[0])
         done = refs.refresh_all(store, index, bundle_keys=keys, model=model, signer=key, ttl=lifetime)
+    if model is not None and not done:  # a typo in a CronJob would re-sign nothing, daily, until the refs expire
+        raise NotFound("model in the index", model)
     rows = [{"bundle_key": k, "bundle_id": r.manifest if r else None, "generation": r.generation if r else None,
              "expires": r.expires.isoformat() if r and r.expires else None} for k, r in done.items()]  # fmt: skip
     if as_json:
