@@ -187,6 +187,7 @@ class Watcher:
         self._last_publish = last if isinstance(last, dict) else None
         self._reported = set(_pairs(previous.get("files")) or ())
         self._written: dict | None = None
+        self.final_error = ""  # why the publish on stop failed (run), or ""
 
     def step(self, *, publish_now: bool = False) -> Step:
         if self._baseline is None:
@@ -239,7 +240,8 @@ class Watcher:
                 if stop.wait(interval):
                     break
             if self._publisher is not None and self._baseline is not None:
-                self._step_logged(publish_now=True)  # the pod is going away: keep what it compiled
+                last = self._step_logged(publish_now=True)  # the pod is going away: keep what it compiled
+                self.final_error = "the last scan failed (see the log)" if last is None else last.publish_error
         finally:
             stop.set()  # however the loop ended, run() stops waiting
 

@@ -452,6 +452,44 @@ def test_watch_command_serves_and_stops_on_sigterm(tmp_path):
         assert proc.wait(timeout=20) == 0, proc.stderr.read()
 
 
+def test_a_last_publish_that_fails_on_sigterm_exits_14(tmp_path):
+    """The store refused the publish on SIGTERM: the kernels compiled after ready are lost for the
+    pool, and watch said so only in a warning and exited 0 (14 came only from a publish abandoned)."""
+    root = tmp_path / "root"
+    make_ready(root)
+    write_tree(root, {"inductor/fxgraph/ee/g5": b"compiled after ready"})
+    os.utime(root / "inductor/fxgraph/ee/g5", (ready_time(root) + 1,) * 2)
+    (tmp_path / "gone").write_bytes(b"a file where the index's directory should be")  # opened at each publish
+    args = ("watch", "--root", str(root), "--interval", "1h", "--publish-every", "1h", "--model", "m", "--json",
+            "--store", f"file://{tmp_path / 'store'}", "--index", f"sqlite:///{tmp_path / 'gone/index.db'}")
+    proc = subprocess.Popen([sys.executable, "-m", "kcache", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        assert json.loads(proc.stdout.readline())["status"] == "watching"
+        proc.send_signal(signal.SIGTERM)
+        rest, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 14, stderr
+    doc = json.loads(rest)
+    assert doc["status"] == "error" and doc["exit_code"] == 14 and doc["error"] and doc["hint"]
+
+
+def test_a_failed_publish_under_once_is_the_error_object_with_the_report(tmp_path):
+    root = tmp_path / "root"
+    make_ready(root)
+    write_tree(root, {"inductor/fxgraph/ee/g5": b"compiled after ready"})
+    os.utime(root / "inductor/fxgraph/ee/g5", (ready_time(root) + 1,) * 2)
+    (tmp_path / "gone").write_bytes(b"")
+    out = run("watch", "--root", str(root), "--once", "--json", "--publish-every", "1h", "--model", "m",
+              "--store", f"file://{tmp_path / 'store'}", "--index", f"sqlite:///{tmp_path / 'gone/index.db'}")
+    doc = json.loads(out.stdout)
+    assert out.exit_code == doc["exit_code"] == 14 and doc["status"] == "error" and doc["hint"]
+    assert doc["publish_error"] in doc["error"] and doc["new_files"][0]["path"] == "fxgraph/ee/g5"
+
+
 def test_watch_json_starts_with_one_json_line_that_names_the_port(tmp_path):
     make_ready(tmp_path)
     args = ("watch", "--root", str(tmp_path), "--interval", "1h", "--port", "0", "--json")

@@ -119,6 +119,20 @@ def watch_cmd(root, interval, publish_every, once, stop_timeout, host, port, hea
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(ExitCode.PUBLISH)
+    if watcher.final_error:  # what the pod compiled after ready is lost for the pool: say so in the exit code
+        raise _publish_failed(watcher.final_error, as_json)
+
+
+def _publish_failed(error: str, as_json: bool, doc: dict | None = None) -> click.exceptions.Exit:
+    """Exit 14, as the error object of --json (with `doc`'s fields where a report is printed anyway)."""
+    message = f"publish failed: {redact_text(error)}"
+    hint = "the files stay under ROOT: the next publish (this pod's, or the next pod's) retries; check the store"
+    if as_json:
+        click.echo(fmt.to_json({**(doc or {}), "status": "error", "error": message, "hint": hint,
+                                "exit_code": int(ExitCode.PUBLISH)}))  # fmt: skip
+    click.echo(f"kcache: {fmt.text(message)}", err=True)
+    click.echo(f"  hint: {hint}", err=True)
+    return click.exceptions.Exit(ExitCode.PUBLISH)
 
 
 def _announce(root: Path, interval: float, publish_every: float | None, server, host: str, as_json: bool) -> None:
@@ -136,22 +150,29 @@ def _announce(root: Path, interval: float, publish_every: float | None, server, 
 
 
 def _report(step: Step, as_json: bool) -> None:
-    if as_json:
-        click.echo(fmt.to_json({
-            "ready": step.ready, "reason": step.reason,
-            "new_files": [{"layer": f.layer, "path": f.rel, "size": f.size} for f in step.new],
-            "published": step.published.bundle_id if step.published else None,
-            "publish_error": step.publish_error or None,
-        }))  # fmt: skip
-    elif not step.ready:
-        click.echo(f"kcache: not ready yet ({fmt.text(step.reason)}); nothing to watch")
-    else:
-        click.echo(f"kcache: {len(step.new)} cache files appeared after ready")
-        for f in step.new:
-            click.echo(f"  {f.layer}  {fmt.text(f.rel)}  {fmt.size(f.size)}")
-        if step.published:
-            click.echo(f"kcache: published bundle {step.published.bundle_id[:12]} "
-                       f"({step.published.new_blobs} new blobs)")  # fmt: skip
+    doc = {
+        "ready": step.ready, "reason": step.reason,
+        "new_files": [{"layer": f.layer, "path": f.rel, "size": f.size} for f in step.new],
+        "published": step.published.bundle_id if step.published else None,
+        "publish_error": step.publish_error or None,
+    }  # fmt: skip
     if step.publish_error:
-        click.echo(f"kcache: publish failed: {fmt.text(redact_text(step.publish_error))}", err=True)
-        raise click.exceptions.Exit(ExitCode.PUBLISH)
+        if not as_json:
+            _print_step(step)
+        raise _publish_failed(step.publish_error, as_json, doc)
+    if as_json:
+        click.echo(fmt.to_json(doc))
+    else:
+        _print_step(step)
+
+
+def _print_step(step: Step) -> None:
+    if not step.ready:
+        click.echo(f"kcache: not ready yet ({fmt.text(step.reason)}); nothing to watch")
+        return
+    click.echo(f"kcache: {len(step.new)} cache files appeared after ready")
+    for f in step.new:
+        click.echo(f"  {f.layer}  {fmt.text(f.rel)}  {fmt.size(f.size)}")
+    if step.published:
+        click.echo(f"kcache: published bundle {step.published.bundle_id[:12]} "
+                   f"({step.published.new_blobs} new blobs)")  # fmt: skip
