@@ -34,6 +34,10 @@ def leaves_a_helper(batch_size, input_tokens, output_tokens):
         os._exit(0)
 
 
+def fails(batch_size, input_tokens, output_tokens):
+    raise RuntimeError("CUDA out of memory")
+
+
 def hang(batch_size, input_tokens, output_tokens):
     threading.Event().wait()  # a deadlocked model load: never returns
 
@@ -67,6 +71,13 @@ def test_a_hanging_entrypoint_is_stopped_at_the_budget_with_a_clear_error(tmp_pa
     out = prebake(tmp_path, child_path, "test_prebake:hang", "--budget", "2", code=ExitCode.WARMUP)
     assert "did not finish within 2 s (--budget)" in out.stderr
     assert "raise --budget" in out.stderr
+
+
+def test_a_failed_warmup_is_the_error_object_beside_the_report(tmp_path, child_path):
+    out = prebake(tmp_path, child_path, "test_prebake:fails", "--json", code=ExitCode.WARMUP)
+    doc = json.loads(out.stdout)
+    assert doc["status"] == "error" and doc["exit_code"] == ExitCode.WARMUP and doc["hint"]
+    assert "CUDA out of memory" in doc["error"] and doc["publish"] is None and doc["warmup"]["status"] == "failed"
 
 
 def test_a_helper_the_entrypoint_leaves_running_does_not_hold_prebake(tmp_path, child_path):

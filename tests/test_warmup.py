@@ -167,6 +167,8 @@ def test_http_request_timeout_fails_the_profile(tmp_path, profiles_file):
     report = json.loads(out.output)
     assert report["status"] == "failed"
     assert all(p["error"] == "no complete answer within 0.3 s (--request-timeout)" for p in report["profiles"])
+    # a failed command's object says so as every command's error does: an error, a hint, the exit code
+    assert "--request-timeout" in report["error"] and report["hint"] and report["exit_code"] == ExitCode.WARMUP
 
 
 def test_health_wait_polls_until_healthy():

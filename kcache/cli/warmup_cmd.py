@@ -142,7 +142,8 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
                             parallel=parallel, progress=_note(), checkpoint=checkpoint)  # fmt: skip
     marker = warmup.write_marker(root, report, on_failure, after_restore=after) if root else None
     if as_json:
-        click.echo(fmt.to_json({**_report_json(report), "marker": str(marker) if marker else None}))
+        failure = _failure(report) if report.status != "ok" else {}
+        click.echo(fmt.to_json({**_report_json(report), "marker": str(marker) if marker else None, **failure}))
     else:
         _print_report(report)
         click.echo(f"kcache: marker {marker}" if marker else "kcache: no readiness marker (no --root)")
@@ -178,6 +179,14 @@ def stdout_to_stderr() -> Iterator[None]:
 def _report_json(report: warmup.WarmupReport) -> dict:
     # The target URL, and errors quoting it, may carry a password (http://user:pass@host).
     return redact_doc(json.loads(fmt.to_json(warmup.to_dict(report))))
+
+
+def _failure(report: warmup.WarmupReport) -> dict:
+    """What a failed warmup's --json object adds, as every command's error object has it: the first
+    failure's text, a hint and the exit code (its `status` stays the report's "failed")."""
+    first = report.error or next((f"profile {r.profile.name}: {r.error}" for r in report.failed), "")
+    hint = "the warmup marker records it; kcache ready and /readyz follow --on-failure"
+    return redact_doc({"error": first or "warmup failed", "hint": hint, "exit_code": int(ExitCode.WARMUP)})
 
 
 def _print_report(report: warmup.WarmupReport) -> None:
@@ -255,6 +264,7 @@ def prebake_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_
             "restore": {**asdict(result.restore), "donors": dict(result.restore.donors)} if result.restore else None,
             "warmup": _report_json(result.warmup),
             "publish": asdict(result.publish) if result.publish else None,
+            **({"status": "error", **_failure(result.warmup)} if result.publish is None else {}),
         }))  # fmt: skip
     else:
         _print_report(result.warmup)
