@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import TypeVar
 
-from sqlalchemy import Engine, String, any_, func, literal, select
+from sqlalchemy import Engine, String, and_, any_, func, literal, select
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -61,11 +61,32 @@ def _now() -> datetime:
 # index writer's row of gigabytes would otherwise take the init container's memory (json.loads
 # holds ~16 times the text).
 MAX_ROW_TEXT = 1024 * 1024
+# Every other text a lookup loads (ids, keys, model, created_by, the store binding): the index is
+# written by whoever can write it, and SQLite enforces no VARCHAR length.
+MAX_SHORT_TEXT = 4096
 _LOOKUP_TRIES = 3  # a newest bundle deleted between naming and loading it, that many times in a row: none
 
 
 class BadRow(ValueError):
     """A bundle row that does not read as one; Index._guard names the index."""
+
+
+def _small_row():
+    """SQL: whether a bundle row is small enough to load (each text column within its bound)."""
+    short = [BundleRow.id, BundleRow.bundle_key, BundleRow.toolchain_key, BundleRow.workload_key, BundleRow.model,
+             BundleRow.created_by, BundleRow.status]  # fmt: skip
+    limits = [(BundleRow.facts, MAX_ROW_TEXT), (BundleRow.layers, MAX_ROW_TEXT)] + [(c, MAX_SHORT_TEXT) for c in short]
+    return and_(*(func.coalesce(func.length(column), 0) <= limit for column, limit in limits))
+
+
+def _short_id():
+    """A bundle id as read before its row is known to be small: no more of it than a small row has."""
+    return func.substr(BundleRow.id, 1, MAX_SHORT_TEXT + 1)
+
+
+def _oversized(bundle_id) -> BadRow:
+    return BadRow(f"bundle {str(bundle_id)[:12]}'s row holds more text than a row may have (facts "
+                  f"or layers over {MAX_ROW_TEXT} characters, another column over {MAX_SHORT_TEXT})")  # fmt: skip
 
 
 def bundle_of(row: BundleRow) -> Bundle:
@@ -253,19 +274,18 @@ class Index:
             .limit(1)
             .scalar_subquery()
         )
-        small = (func.length(BundleRow.facts) <= MAX_ROW_TEXT) & (func.length(BundleRow.layers) <= MAX_ROW_TEXT)
+        small = _small_row()
         # One statement names the newest bundle and says whether its row may be loaded; asked again in a
         # second statement, PostgreSQL (READ COMMITTED) would see a bundle a publisher committed meanwhile,
         # and a fresh small row was taken for an oversized one. Loaded by its primary key next, the row
         # may be gone (gc deleted it): then the newest is asked for again.
         for _ in range(_LOOKUP_TRIES):
             with self._guard(), self._session() as s:
-                newest = s.execute(select(BundleRow.id, small).where(BundleRow.id == newest_id)).first()
+                newest = s.execute(select(_short_id(), small).where(BundleRow.id == newest_id)).first()
                 if newest is None:
                     return None
                 if not newest[1]:
-                    raise BadRow(f"bundle {str(newest[0])[:12]}'s row holds more than {MAX_ROW_TEXT} bytes of "
-                                 "facts or layers, more than a row may have")  # fmt: skip
+                    raise _oversized(newest[0])
                 row = s.get(BundleRow, newest[0])
                 if row is not None:
                     return bundle_of(row)
@@ -276,12 +296,16 @@ class Index:
         if not _HEX_ID_PREFIX.match(id_or_prefix):
             raise NotFound("bundle (give at least 6 hex digits of its id)", id_or_prefix)
         with self._guard(), self._session() as s:
-            query = select(BundleRow).where(BundleRow.id.startswith(id_or_prefix, autoescape=True)).limit(2)
-            rows = s.scalars(query).all()
-        if len(rows) != 1:
-            raise NotFound("bundle" if not rows else "unique bundle with prefix", id_or_prefix)
-        with self._guard():
-            return bundle_of(rows[0])
+            query = select(_short_id(), _small_row()).where(BundleRow.id.startswith(id_or_prefix, autoescape=True))
+            found = s.execute(query.limit(2)).all()
+            if len(found) != 1:
+                raise NotFound("bundle" if not found else "unique bundle with prefix", id_or_prefix)
+            if not found[0][1]:
+                raise _oversized(found[0][0])
+            row = s.get(BundleRow, found[0][0])
+            if row is None:  # gc deleted it meanwhile
+                raise NotFound("bundle", id_or_prefix)
+            return bundle_of(row)
 
     def was_yanked(self, bundle_id: str) -> bool:
         """Whether gc deleted `bundle_id`'s row while it was yanked (kcache.index.lifecycle)."""
@@ -305,9 +329,15 @@ class Index:
 
     def bound_store(self) -> tuple[str, str] | None:
         """(store id, store URL) of the store these rows describe; None while unbound."""
+        cut = MAX_SHORT_TEXT + 1  # read no more than that of either: a longer one is refused
         with self._guard(), self._session() as s:
-            row = s.get(StoreBindingRow, 1)
-            return (row.store_id, row.store_url) if row else None
+            row = s.execute(select(func.substr(StoreBindingRow.store_id, 1, cut), func.substr(StoreBindingRow.store_url,
+                                   1, cut)).where(StoreBindingRow.slot == 1)).first()  # fmt: skip
+            if row is None:
+                return None
+            if max(len(row[0] or ""), len(row[1] or "")) > MAX_SHORT_TEXT:
+                raise BadRow(f"its store binding holds more than {MAX_SHORT_TEXT} characters of store id or URL")
+            return str(row[0]), str(row[1])
 
     def bind_store(self, store_id: str, store_url: str) -> tuple[str, str]:
         """Bind this index to a store unless it is bound already; returns the binding that holds."""

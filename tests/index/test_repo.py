@@ -139,8 +139,44 @@ def test_restores_lookup_refuses_a_row_too_big_to_load(index, monkeypatch):
     index.add_bundle(bundle("1" * 64))
     huge = "{" + ",".join(f'"f{i}": "x"' for i in range(200)) + "}"
     index.transaction(lambda s: s.execute(update(BundleRow).values(facts=huge)))
-    with pytest.raises(IndexDbError, match="bytes"):
+    with pytest.raises(IndexDbError, match="more text than a row may have"):
         index.newest_bundle("k1")
+
+
+@pytest.mark.parametrize("column", ["created_by", "model", "layers", "facts"])
+def test_no_lookup_a_restore_makes_loads_an_oversized_row(index, monkeypatch, column):
+    """Only facts and layers were bounded, and only in the newest-bundle lookup: a writer of the index
+    planting 200 MB in created_by took restore to 446 MiB (SQLite enforces no VARCHAR length), and a
+    pinned bundle's row was loaded whole."""
+    from sqlalchemy import update
+
+    from kcache.errors import IndexDbError
+    from kcache.index import repo
+    from kcache.index.models import BundleRow
+
+    monkeypatch.setattr(repo, "MAX_ROW_TEXT", 100)
+    monkeypatch.setattr(repo, "MAX_SHORT_TEXT", 100)
+    index.add_bundle(bundle("1" * 64))
+    value = '{"a": "' + "x" * 200 + '"}' if column == "facts" else "x" * 200  # within PostgreSQL's own bounds
+    index.transaction(lambda s: s.execute(update(BundleRow).values({column: value})))
+    for read in (lambda: index.newest_bundle("k1"), lambda: index.get_bundle("1" * 64)):
+        with pytest.raises(IndexDbError, match="111111111111"):
+            read()
+
+
+def test_the_store_binding_is_read_only_when_small(index, monkeypatch):
+    from sqlalchemy import update
+
+    from kcache.errors import IndexDbError
+    from kcache.index import repo
+    from kcache.index.models import StoreBindingRow
+
+    monkeypatch.setattr(repo, "MAX_SHORT_TEXT", 100)
+    index.bind_store("s" * 32, "file:///store")
+    assert index.bound_store() == ("s" * 32, "file:///store")
+    index.transaction(lambda s: s.execute(update(StoreBindingRow).values(store_url="file:///" + "x" * 200)))
+    with pytest.raises(IndexDbError, match="store"):
+        index.bound_store()
 
 
 def before_second_statement(index, change):
