@@ -11,6 +11,9 @@ sets `connect_timeout` or `options` itself keeps its own values.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 
@@ -24,6 +27,7 @@ log = logging.getLogger(__name__)
 # The newest migration in migrations/versions; tests/index/test_migrations.py keeps the two in step.
 HEAD = "0102_yanks"
 PG_CONNECT_TIMEOUT = 10  # seconds, for connecting and logging in
+UPGRADE_LOCK_WAIT = 60.0  # seconds another process may take upgrading a SQLite index before we give up
 PG_STATEMENT_TIMEOUT_MS = 120_000  # no single kcache statement should run longer, GC's included
 
 
@@ -104,26 +108,68 @@ def ensure_schema(engine: Engine, url: str) -> None:
         if revision == HEAD:
             return
         if engine.dialect.name == "sqlite":
-            if revision is None and _create_fresh(engine):
-                return
-            from alembic.util import CommandError
+            with _upgrade_lock(engine, url):
+                revision = current_revision(engine)  # another process may have upgraded it meanwhile
+                if revision == HEAD or (revision is None and _create_fresh(engine)):
+                    return
+                from alembic.util import CommandError
 
-            log.info("upgrading index %s from %s to %s", url, revision, HEAD)
-            try:
-                upgrade(engine)
-            except CommandError:  # a revision this kcache has no migration for: a newer kcache's
-                raise IndexDbError(url, f"schema is at {revision}, which this kcache (schema {HEAD}) does not "
-                                        "know: use a newer kcache") from None  # fmt: skip
-            except SQLAlchemyError:
-                # Another process may have migrated the same file a moment earlier.
-                if current_revision(engine) != HEAD:
-                    raise
+                log.info("upgrading index %s from %s to %s", url, revision, HEAD)
+                try:
+                    upgrade(engine)
+                except CommandError as exc:
+                    if not _known(revision):  # a newer kcache's schema
+                        raise IndexDbError(url, f"schema is at {revision}, which this kcache (schema {HEAD}) does "
+                                                "not know: use a newer kcache") from None  # fmt: skip
+                    raise IndexDbError(url, f"cannot upgrade from {revision}: {exc}") from None
+                except SQLAlchemyError:
+                    # A kcache without this lock may have migrated the same file a moment earlier.
+                    if current_revision(engine) != HEAD:
+                        raise
             return
     except OperationalError as exc:
         raise IndexDbError(url, f"cannot connect: {describe_error(exc)}") from None
     except SQLAlchemyError as exc:
         raise IndexDbError(url, describe_error(exc)) from None
     raise IndexDbError(url, f"schema is at {revision or 'nothing'}, not {HEAD}: run `kcache db upgrade`")
+
+
+@contextmanager
+def _upgrade_lock(engine: Engine, url: str) -> Iterator[None]:
+    """One upgrader of a SQLite file at a time (across processes): alembic runs SQLite's DDL outside a
+    transaction, and upgraders that interleaved failed (a column or table already there). Without a
+    file (in memory), or where the lock cannot be created (a read-only directory), no lock."""
+    from kcache import filelock
+
+    database = engine.url.database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        yield
+        return
+    try:
+        lock = filelock.acquire(Path(f"{database}.upgrade-lock"), filelock.EXCLUSIVE,
+                                time.monotonic() + UPGRADE_LOCK_WAIT)  # fmt: skip
+    except OSError as exc:
+        log.debug("no upgrade lock beside %s: %s", database, exc)
+        yield
+        return
+    if lock is None:
+        raise IndexDbError(url, f"another process has been upgrading it for {UPGRADE_LOCK_WAIT:g} s")
+    with lock:
+        yield
+
+
+def _known(revision: str | None) -> bool:
+    """Whether this kcache has a migration named `revision`."""
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+    from alembic.util import CommandError
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(resources.files("kcache._migrations")))
+    try:
+        return revision is not None and ScriptDirectory.from_config(cfg).get_revision(revision) is not None
+    except CommandError:
+        return False
 
 
 def _create_fresh(engine: Engine) -> bool:

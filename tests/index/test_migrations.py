@@ -82,3 +82,30 @@ def test_creating_a_fresh_sqlite_index_does_not_load_alembic(tmp_path):
             f"Index.open('sqlite:///{tmp_path / 'i.db'}').close(); print('alembic' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+@pytest.mark.parametrize("round_", range(3))  # a race: each round is one more chance to lose it
+def test_processes_opening_an_old_sqlite_index_at_once_all_get_it_upgraded(tmp_path, round_):
+    """After an upgrade of kcache, a restore, a watch publish and an ls open the node's index at one
+    moment: alembic runs SQLite DDL outside a transaction, so concurrent upgraders interleaved and every
+    one but the winner failed (duplicate column, table exists, a known revision called unknown)."""
+    import os
+    import subprocess
+    import sys
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = make_engine(url)
+    upgrade(engine, "0001")
+    engine.dispose()
+    gate_out, gate_in = os.pipe()  # everyone waits to read the gate; closing it releases all at once
+    code = ("import os, sys\nfrom kcache.index import Index\nimport alembic.command\n"
+            "os.read(int(sys.argv[2]), 1)\nIndex.open(sys.argv[1]).close()\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, url, str(gate_out)], stderr=subprocess.PIPE, text=True,
+                              pass_fds=[gate_out]) for _ in range(6)]  # fmt: skip
+    os.close(gate_out)
+    os.close(gate_in)
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 6, "\n".join(e for e in errors if e)
+    engine = make_engine(url)
+    assert current_revision(engine) == HEAD
+    engine.dispose()
