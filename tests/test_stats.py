@@ -139,3 +139,16 @@ def test_an_index_at_0001_upgrades_and_old_bundles_have_no_estimate(tmp_path, fp
         assert index.get_bundle("b1b1b1").compile_seconds is None
     finally:
         index.close()
+
+
+@pytest.mark.parametrize("column, value", [("seconds", "'abc'"), ("seconds", "x'00'"), ("bytes", "'9e999'")])
+def test_a_wrong_typed_event_value_is_an_index_error_not_a_bug(sqlite_index, column, value):
+    """SQLite keeps text in a REAL column: stats summed a seconds of 'abc' and crashed as a bug (exit 70)."""
+    from kcache.cli.errors import ExitCode
+
+    for seconds in (1.0, 2.0, 3.0):
+        sqlite_index.record_event(Event("restore", "hit", "k" * 32, "b" * 64, 1, 100, seconds))
+    with sqlite_index.engine.begin() as conn:
+        conn.exec_driver_sql(f"UPDATE events SET {column} = {value}")
+    result = run("stats", "--index", sqlite_index.url, code=ExitCode.INDEX)
+    assert "Traceback" not in result.output and column in result.stderr

@@ -90,6 +90,12 @@ def _oversized(bundle_id) -> BadRow:
 
 
 def bundle_of(row: BundleRow) -> Bundle:
+    wrong = _wrong_column(row)
+    if wrong is not None:
+        column, expected = wrong
+        value = getattr(row, column)
+        held = repr(value) if type(value) in (int, float) else f"a {type(value).__name__}"  # never the text itself
+        raise BadRow(f"bundle {str(row.id)[:12]}'s {column} holds {held}, not {expected}")
     created = row.created_at if row.created_at.tzinfo else row.created_at.replace(tzinfo=timezone.utc)
     try:
         facts = json.loads(row.facts)
@@ -99,9 +105,34 @@ def bundle_of(row: BundleRow) -> Bundle:
         raise BadRow(f"bundle {str(row.id)[:12]}'s facts are not an object of strings")
     return Bundle(
         row.id, row.bundle_key, row.toolchain_key, row.workload_key, row.model,
-        facts, tuple(filter(None, str(row.layers).split(","))),
+        facts, tuple(filter(None, row.layers.split(","))),
         row.files, row.bytes, created, row.created_by, row.status, row.compile_seconds,
     )  # fmt: skip
+
+
+_TEXT_COLUMNS = ("id", "bundle_key", "toolchain_key", "workload_key", "facts", "layers", "created_by", "status")
+
+
+def _wrong_column(row) -> tuple[str, str] | None:
+    """(column, what it must hold) for the first column of a bundle row that holds something else.
+
+    SQLite keeps whatever a writer stores in any column (text in `bytes`, a blob in `model`), and the
+    index is untrusted: past here, a size of 'x' crashed `kcache ls` as a bug in kcache.
+    """
+    for column in _TEXT_COLUMNS:
+        if not isinstance(getattr(row, column), str):
+            return column, "text"
+    if row.model is not None and not isinstance(row.model, str):
+        return "model", "text"
+    for column in ("files", "bytes"):
+        value = getattr(row, column)
+        if type(value) is not int or value < 0:
+            return column, "a count"
+    if row.compile_seconds is not None and type(row.compile_seconds) not in (int, float):  # inf reads as null
+        return "compile_seconds", "seconds"
+    if not isinstance(row.created_at, datetime):
+        return "created_at", "a time"
+    return None
 
 
 class Index:

@@ -10,12 +10,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from decimal import Decimal
 
 from sqlalchemy import Float, case, cast, func, select
-from sqlalchemy.exc import SQLAlchemyError
 
-from kcache.errors import IndexDbError
-from kcache.index.db import describe_error
 from kcache.index.models import BundleRow, EventRow
 from kcache.index.repo import Index
 
@@ -61,14 +59,12 @@ def event_stats(index: Index, *, since: datetime | None = None, model: str | Non
         filters.append(EventRow.created_at >= since)
     if model is not None:
         filters.append(EventRow.bundle_key.in_(select(BundleRow.bundle_key).where(BundleRow.model == model)))
-    try:
-        with index.engine.connect() as conn:
-            totals = _totals(conn, filters)
-            hits = totals.get(("restore", "hit"), (0, 0))[0]
-            median, p95 = _hit_percentiles(conn, filters, hits)
-            saved, with_estimate = _saved(conn, filters)
-    except SQLAlchemyError as exc:
-        raise IndexDbError(index.url, describe_error(exc)) from None
+    # The guard makes a value that is no number (_number) an IndexDbError, as any row that does not read back.
+    with index._guard(), index.engine.connect() as conn:
+        totals = _totals(conn, filters)
+        hits = totals.get(("restore", "hit"), (0, 0))[0]
+        median, p95 = _hit_percentiles(conn, filters, hits)
+        saved, with_estimate = _saved(conn, filters)
     count = lambda kind, status: totals.get((kind, status), (0, 0))[0]  # noqa: E731
     return EventStats(
         since=since, model=model,
@@ -92,21 +88,23 @@ def _totals(conn, filters) -> dict[tuple[str, str], tuple[int, int]]:
         .where(*filters)
         .group_by(EventRow.kind, EventRow.status)
     )
-    return {(kind, status): (int(n), int(b)) for kind, status, n, b in conn.execute(query)}
+    return {(kind, status): (int(n), int(_number(b, f"the bytes of {kind} events", finite=True))) for kind, status, n, b
+            in conn.execute(query)}  # fmt: skip
 
 
 def _hit_percentiles(conn, filters, hits: int) -> tuple[float | None, float | None]:
     if not hits:
         return None, None
     ordered = (
-        select(EventRow.seconds)
+        select(EventRow.id, EventRow.seconds)
         .where(EventRow.kind == "restore", EventRow.status == "hit", *filters)
-        .order_by(EventRow.seconds)
+        .order_by(EventRow.seconds, EventRow.id)
     )
     # Median: the middle value, or the mean of the two middle ones. p95: nearest rank.
-    middle = list(conn.scalars(ordered.offset((hits - 1) // 2).limit(2 - hits % 2)))
-    p95 = conn.scalars(ordered.offset(math.ceil(0.95 * hits) - 1).limit(1)).first()
-    return sum(middle) / len(middle), float(p95)
+    seconds = lambda rows: [_number(s, f"event {i}'s seconds") for i, s in conn.execute(rows)]  # noqa: E731
+    middle = seconds(ordered.offset((hits - 1) // 2).limit(2 - hits % 2))
+    p95 = seconds(ordered.offset(math.ceil(0.95 * hits) - 1).limit(1))
+    return sum(middle) / len(middle), float(p95[0])
 
 
 def _saved(conn, filters) -> tuple[float, int]:
@@ -122,4 +120,15 @@ def _saved(conn, filters) -> tuple[float, int]:
         .where(EventRow.kind == "restore", EventRow.status == "hit", *filters)
     )
     saved, with_estimate = conn.execute(query).one()
-    return float(saved), int(with_estimate)
+    return float(_number(saved, "the seconds saved")), int(with_estimate)
+
+
+def _number(value, what: str, *, finite: bool = False):
+    """`value`, a number read or summed from the events (`finite`: one int() takes). SQLite keeps
+    whatever a writer stores in any column (text in `seconds`, 9e999 in `bytes`), and the index is
+    untrusted: summed as they were, such values crashed `kcache stats` as a bug in kcache. An
+    infinite number of seconds is shown as none (cli.format), as a bundle's compile_seconds is."""
+    if type(value) not in (int, float, Decimal) or (finite and not math.isfinite(value)):
+        held = repr(value) if type(value) in (int, float) else f"a {type(value).__name__}"  # never the text itself
+        raise ValueError(f"{what} holds {held}, not a number")
+    return value

@@ -6,6 +6,7 @@ import json
 import os
 import pkgutil
 import socket
+import sqlite3
 
 import pytest
 from click.testing import CliRunner
@@ -282,3 +283,17 @@ def test_output_cut_off_by_its_reader_is_no_bug(tmp_path):
         os.close(write)
     assert done.returncode == ExitCode.BROKEN_PIPE == 141, done.stderr
     assert b"bug" not in done.stderr and b"Traceback" not in done.stderr
+
+
+def test_ls_of_a_row_with_text_for_its_size_is_an_index_error(tmp_path):
+    """SQLite keeps text in a BIGINT column: ls read bytes 'x' back and crashed formatting it, as a bug."""
+    from trees import write_tree
+
+    write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"graph"})
+    index = f"sqlite:///{tmp_path / 'i.db'}"
+    assert run("publish", "--from", tmp_path / "src", "--model", "m", "--index", index).exit_code == 0
+    with sqlite3.connect(tmp_path / "i.db") as conn:
+        conn.execute("UPDATE bundles SET bytes = 'x'")
+    result = run("ls", "--index", index)
+    assert result.exit_code == ExitCode.INDEX and "Traceback" not in result.output
+    assert "bytes" in result.stderr
