@@ -154,12 +154,9 @@ def donor_ref(store: Store, index: Index, layer: str, key: str, *, without: str 
     (`refusal`; no yank marker), as verify checks it. None when it knows none."""
     from kcache.index import lifecycle
 
-    newest_of_key: dict[str, Bundle] = {}
-    for bundle in lifecycle.all_bundles(index):  # newest first
-        if bundle.status == "active" and bundle.id != without:
-            newest_of_key.setdefault(bundle.bundle_key, bundle)
-    holders = [b for b in newest_of_key.values() if keys_of(b).get(layer) == key]
-    for bundle in holders[:_DONOR_READS]:
+    holders = lifecycle.newest_holders(index, layer, lambda b: keys_of(b).get(layer) == key, _DONOR_READS,
+                                       without=without)  # fmt: skip
+    for bundle in holders:
         if _gives(store, bundle.id, layer, key):
             return refs.Ref(ref_name(layer, key), bundle.id, bundle.created_at)
     return None

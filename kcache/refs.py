@@ -376,7 +376,7 @@ def refresh_all(store: Store, index: Index, *, bundle_keys=(), model: str | None
     from kcache.index import lifecycle
 
     if not bundle_keys:
-        bundle_keys = sorted({b.bundle_key for b in lifecycle.all_bundles(index) if model is None or b.model == model})
+        bundle_keys = lifecycle.bundle_keys(index, model)
     return {key: refresh(store, index, key, signer=signer, ttl=ttl) for key in bundle_keys}
 
 

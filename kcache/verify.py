@@ -61,6 +61,7 @@ from kcache.untrusted import one_line
 
 if TYPE_CHECKING:
     from kcache.index import Index
+    from kcache.index.lifecycle import BundleHead
     from kcache.records import Bundle
 
 # How long a publish may take between committing its bundle and writing its key's ref (an S3
@@ -120,7 +121,7 @@ def verify(
     # By the whole key: a pack restore cannot find at packs/<hh>/<id> is missing, whatever lies elsewhere.
     sizes = {info.key: info.size for info in store.list("packs/")}
     signatures = _signatures(store)
-    bundles = lifecycle.all_bundles(index)
+    bundles = lifecycle.bundle_heads(index)
     # Every stored copy, not every blob: restore of a bundle reads the copy in the pack its manifest
     # names, so a bad copy fails that bundle even where another pack holds the blob intact.
     to_read: dict[tuple[str, str, int], manifests.Entry] = {}
@@ -238,7 +239,7 @@ def _signature_problems(store: Store, present: Mapping[str, ObjectInfo], signed:
 class _Seen:
     """What the bundle pass already learned, so the ref pass reads nothing twice."""
 
-    rows: Mapping[str, Bundle]  # the index's bundles by id
+    rows: Mapping[str, BundleHead]  # the index's bundles by id (heads: no facts)
     keys_named: Mapping[str, str]  # bundle id -> the bundle key its (verified) manifest names
     signatures: Mapping[str, Mapping[str, ObjectInfo]]  # from the listing of signatures/
     manifest_cap: int  # limits.max_manifest_bytes(), as restore reads it

@@ -22,17 +22,32 @@ row is gone. Together: no committed bundle ever points at a deleted pack.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields
 from datetime import datetime
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, exists, literal, select, update
+from sqlalchemy.orm import aliased
 
 from kcache.index.models import BlobRow, BundleRow, PackRow, YankRow
-from kcache.index.repo import Index, bundle_of
+from kcache.index.repo import BadRow, Index, aware, bundle_of, check_columns
 from kcache.records import Bundle
 
 _CHUNK = 500
+_STREAM = 1000  # rows fetched at a time where every bundle is walked
+_NEWEST = (BundleRow.created_at.desc(), BundleRow.id)  # "newest first", as every bundle query orders
+
+
+@dataclass(frozen=True)
+class BundleHead:
+    """A bundle row without its facts and layers: what gc and verify plan with. Parsed facts take a few
+    KiB a bundle; all 110k rows with them, held at once, took ~1.3 GiB (docs/index-scale.md)."""
+
+    id: str
+    bundle_key: str
+    model: str | None
+    status: str
+    created_at: datetime
 
 
 @dataclass(frozen=True)
@@ -56,10 +71,74 @@ def set_status(index: Index, bundle_id: str, status: str) -> Bundle:
     return index.get_bundle(bundle.id)
 
 
-def all_bundles(index: Index) -> list[Bundle]:
-    """Every bundle, newest first."""
-    query = select(BundleRow).order_by(BundleRow.created_at.desc(), BundleRow.id)
-    return index.read(lambda s: [bundle_of(r) for r in s.scalars(query)])
+def bundle_heads(index: Index) -> list[BundleHead]:
+    """Every bundle's head, newest first; the rows are streamed, and no facts are read."""
+    names = [field.name for field in fields(BundleHead)]
+    query = select(*(getattr(BundleRow, name) for name in names)).order_by(*_NEWEST)
+
+    def work(s) -> list[BundleHead]:
+        heads = []
+        for row in s.execute(query.execution_options(yield_per=_STREAM)):
+            check_columns(row, names)
+            heads.append(BundleHead(row.id, row.bundle_key, row.model, row.status, aware(row.created_at)))
+        return heads
+
+    return index.read(work)
+
+
+def bundle(index: Index, bundle_id: str) -> Bundle | None:
+    """The bundle with this whole id; None when it has no row (any more)."""
+
+    def work(s) -> Bundle | None:
+        row = s.get(BundleRow, bundle_id)
+        return None if row is None else bundle_of(row)
+
+    return index.read(work)
+
+
+def bundle_keys(index: Index, model: str | None = None) -> list[str]:
+    """Every bundle key the index holds (of `model`, if given), sorted."""
+    query = select(BundleRow.bundle_key).distinct().order_by(BundleRow.bundle_key)
+    if model is not None:
+        query = query.where(BundleRow.model == model)
+
+    def work(s) -> list[str]:
+        keys = list(s.scalars(query))
+        wrong = next((key for key in keys if not isinstance(key, str)), None)  # see check_columns
+        if wrong is not None:
+            raise BadRow(f"a bundle's bundle_key holds a {type(wrong).__name__}, not text")
+        return keys
+
+    return index.read(work)
+
+
+def newest_holders(index: Index, layer: str, gives: Callable[[Bundle], bool], limit: int, *,
+                   without: str = "") -> list[Bundle]:  # fmt: skip
+    """Newest first, the first `limit` bundles that are active, their key's newest active bundle (both
+    but `without`), list `layer` and satisfy `gives`: the donors a layer ref may name (kcache.layerkeys).
+
+    Only rows that pass the first three tests are loaded, streamed, until `limit` satisfy `gives`: a
+    yank or gc asks once per layer ref it moves, and every bundle held at once took ~1.3 GiB at 110k.
+    """
+    newer = aliased(BundleRow)
+    alive = lambda row: (row.status == "active") & (row.id != without)  # noqa: E731
+    before = (newer.created_at > BundleRow.created_at) | (
+        (newer.created_at == BundleRow.created_at) & (newer.id < BundleRow.id))  # the order of _NEWEST
+    superseded = exists().where(newer.bundle_key == BundleRow.bundle_key, alive(newer), before)
+    listed = (literal(",") + BundleRow.layers + literal(",")).contains(f",{layer},", autoescape=True)
+    query = select(BundleRow).where(alive(BundleRow), listed, ~superseded).order_by(*_NEWEST)
+
+    def work(s) -> list[Bundle]:
+        found: list[Bundle] = []
+        for row in s.scalars(query.execution_options(yield_per=_STREAM)):
+            if len(found) == limit:
+                break
+            candidate = bundle_of(row)
+            if gives(candidate):
+                found.append(candidate)
+        return found
+
+    return index.read(work)
 
 
 def has_bundle(index: Index, bundle_id: str) -> bool:
@@ -70,7 +149,7 @@ def delete_expired_bundle(index: Index, bundle: Bundle, keep_last: int, cutoff: 
     """Delete `bundle`'s row if it is still expired by gc's rule; True if it was deleted.
 
     One statement re-checks the rule against the rows as they are now: not among its key's newest
-    `keep_last` active bundles (the order of `all_bundles`), created before `cutoff`. A yank that
+    `keep_last` active bundles (the order of `bundle_heads`), created before `cutoff`. A yank that
     committed before the statement is seen, so the bundle it falls back to stays; one that commits
     after it is ordered after this GC (a ref it points at the deleted bundle meanwhile, gc re-points).
     """

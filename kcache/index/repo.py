@@ -90,13 +90,8 @@ def _oversized(bundle_id) -> BadRow:
 
 
 def bundle_of(row: BundleRow) -> Bundle:
-    wrong = _wrong_column(row)
-    if wrong is not None:
-        column, expected = wrong
-        value = getattr(row, column)
-        held = repr(value) if type(value) in (int, float) else f"a {type(value).__name__}"  # never the text itself
-        raise BadRow(f"bundle {str(row.id)[:12]}'s {column} holds {held}, not {expected}")
-    created = row.created_at if row.created_at.tzinfo else row.created_at.replace(tzinfo=timezone.utc)
+    check_columns(row)
+    created = aware(row.created_at)
     try:
         facts = json.loads(row.facts)
     except (ValueError, RecursionError) as exc:
@@ -110,29 +105,36 @@ def bundle_of(row: BundleRow) -> Bundle:
     )  # fmt: skip
 
 
-_TEXT_COLUMNS = ("id", "bundle_key", "toolchain_key", "workload_key", "facts", "layers", "created_by", "status")
+def aware(ts: datetime) -> datetime:
+    """A row's time in UTC: SQLite gives back naive UTC."""
+    return ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)
 
 
-def _wrong_column(row) -> tuple[str, str] | None:
-    """(column, what it must hold) for the first column of a bundle row that holds something else.
+_TEXT = ("text", lambda v: isinstance(v, str))
+_COUNT = ("a count", lambda v: type(v) is int and v >= 0)
+# What each bundle column must hold, and how to tell.
+_COLUMNS = {
+    "id": _TEXT, "bundle_key": _TEXT, "toolchain_key": _TEXT, "workload_key": _TEXT, "facts": _TEXT,
+    "layers": _TEXT, "created_by": _TEXT, "status": _TEXT,
+    "model": ("text", lambda v: v is None or isinstance(v, str)),
+    "files": _COUNT, "bytes": _COUNT,
+    "compile_seconds": ("seconds", lambda v: v is None or type(v) in (int, float)),  # inf: shown as none
+    "created_at": ("a time", lambda v: isinstance(v, datetime)),
+}  # fmt: skip
+
+
+def check_columns(row, columns: Iterable[str] = tuple(_COLUMNS)) -> None:
+    """BadRow for the first of a bundle row's `columns` that holds something else than it must.
 
     SQLite keeps whatever a writer stores in any column (text in `bytes`, a blob in `model`), and the
     index is untrusted: past here, a size of 'x' crashed `kcache ls` as a bug in kcache.
     """
-    for column in _TEXT_COLUMNS:
-        if not isinstance(getattr(row, column), str):
-            return column, "text"
-    if row.model is not None and not isinstance(row.model, str):
-        return "model", "text"
-    for column in ("files", "bytes"):
+    for column in columns:
+        expected, holds = _COLUMNS[column]
         value = getattr(row, column)
-        if type(value) is not int or value < 0:
-            return column, "a count"
-    if row.compile_seconds is not None and type(row.compile_seconds) not in (int, float):  # inf reads as null
-        return "compile_seconds", "seconds"
-    if not isinstance(row.created_at, datetime):
-        return "created_at", "a time"
-    return None
+        if not holds(value):
+            held = repr(value) if type(value) in (int, float) else f"a {type(value).__name__}"  # never the text
+            raise BadRow(f"bundle {str(row.id)[:12]}'s {column} holds {held}, not {expected}")
 
 
 class Index:

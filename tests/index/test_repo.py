@@ -1,5 +1,6 @@
 """Index queries, on SQLite and PostgreSQL alike."""
 
+from dataclasses import fields
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -239,7 +240,7 @@ def test_a_newest_bundle_deleted_while_it_is_loaded_gives_the_next_newest(index)
 # SQLite keeps whatever a writer stores in any column (PostgreSQL refuses it): text where a count is.
 @pytest.mark.parametrize("column, value", [("files", "'many'"), ("bytes", "'x'"), ("bytes", "-1"), ("files", "1.5"),
                                            ("compile_seconds", "'x'"), ("compile_seconds", "x'00'"),
-                                           ("created_by", "x'41'")])  # fmt: skip
+                                           ("created_by", "x'41'"), ("model", "x'41'")])  # fmt: skip
 def test_a_wrong_typed_value_is_an_index_error_naming_its_row_and_column(sqlite_index, column, value):
     """ls formatted a bytes of 'x' and crashed as a bug (exit 70); every read path must refuse the row."""
     from kcache.errors import IndexDbError
@@ -249,8 +250,10 @@ def test_a_wrong_typed_value_is_an_index_error_naming_its_row_and_column(sqlite_
     index.add_bundle(bundle("1" * 64))
     with index.engine.begin() as conn:
         conn.exec_driver_sql(f"UPDATE bundles SET {column} = {value}")
-    reads = (lambda: index.newest_bundle("k1"), lambda: index.get_bundle("1" * 64), index.list_bundles,
-             lambda: list(lifecycle.all_bundles(index)))  # fmt: skip
+    reads = [lambda: index.newest_bundle("k1"), lambda: index.get_bundle("1" * 64), index.list_bundles,
+             lambda: lifecycle.bundle(index, "1" * 64)]  # fmt: skip
+    if column in {field.name for field in fields(lifecycle.BundleHead)}:  # gc's and verify's listing
+        reads.append(lambda: lifecycle.bundle_heads(index))
     for read in reads:
         with pytest.raises(IndexDbError, match=f"111111111111.*{column}"):
             read()
