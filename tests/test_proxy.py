@@ -349,6 +349,30 @@ def test_the_cli_serves_with_the_fingerprint_of_the_restore_root(engine, prefix,
     assert 0 < ttl_ms <= 600_000
 
 
+@pytest.mark.parametrize("marker", [
+    {"status": "error", "bundle_key": None, "reason": "bad --timeout"},  # restore failed before the fingerprint
+    {"status": "miss", "bundle_key": "../../etc"},
+    None,  # no marker at all
+])  # fmt: skip
+def test_a_root_without_a_fingerprint_serves_every_request_uncached(engine, prefix, tmp_path, marker):
+    """The proxy had refused to start (exit 2): the sidecar crash-looped and the pod never became ready,
+    after a restore that had failed open so that it would."""
+    if marker is not None:
+        write_marker(tmp_path, RESTORE_MARKER, marker)
+    args = ["proxy", "--root", str(tmp_path), "--upstream", engine.url, "--redis", REDIS_URL, "--port", "0",
+            "--key-prefix", prefix]  # fmt: skip
+    with kcache_server(*args) as (proc, port):
+        replies = [request(port, "POST", CHAT, json.dumps(ASK).encode()) for _ in range(2)]
+        assert [(r.status, r.headers["x-kcache-cache"]) for r in replies] == [(200, "bypass")] * 2
+        assert [r.body for r in replies] == engine.sent
+        text = request(port, "GET", "/metrics").body.decode()
+        assert metric(text, "kcache_proxy_bypasses_total", reason="no_fingerprint") == 2
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+        assert "caching is off" in proc.stderr.read()
+    assert not list(redis.Redis.from_url(REDIS_URL).scan_iter(prefix + "*"))
+
+
 def test_the_cli_names_more_tenant_headers_by_flag_or_environment(engine, prefix, tmp_path, monkeypatch):
     write_marker(tmp_path, RESTORE_MARKER, {"status": "miss", "bundle_key": FP})
     args = ["proxy", "--root", str(tmp_path), "--upstream", engine.url, "--redis", REDIS_URL, "--port", "0",

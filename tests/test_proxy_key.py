@@ -218,7 +218,7 @@ NO_CANONICAL_FORM = [
     ({}, {}, "not_json"),
     ({}, {"cache_sampled": True}, "not_json"),
     ({"X-Kcache-Bypass": "1"}, {}, "bypass_header"),
-    ({}, {"enabled": False}, "disabled"),
+    ({}, {"off": "disabled"}, "disabled"),
 ])  # fmt: skip
 def test_bodies_without_a_canonical_form_are_neither_keyed_nor_measured(raw, headers, kw, reason):
     decision = key.decide(CHAT, [], headers, raw, FP, **kw)

@@ -45,8 +45,8 @@ MAX_PREFIX_ENTRIES = 10_000_000  # about a GiB of remembered prefix hashes
     "--root",
     type=NonEmptyPath(file_okay=False, path_type=Path),
     envvar="KCACHE_ROOT",
-    help="The restore root: its .kcache-state.json names the fingerprint. "
-    "Without it, the fingerprint flags below compute it as `kcache restore` does.",
+    help="The restore root: its .kcache-state.json names the fingerprint (when it names none, the proxy "
+    "serves with its cache off). Without it, the fingerprint flags below compute it as `kcache restore` does.",
 )
 @fingerprint_options
 @host_port_options(
@@ -141,7 +141,7 @@ def proxy_cmd(upstream, redis_url, root, model, model_config, facts, extras, hos
     if root is not None and (model or model_config or facts or extras):
         raise ConfigError("--root", str(root), "give either --root or the fingerprint flags, not both")
     if root is not None:
-        fingerprint = key.fingerprint_from_root(root)
+        fingerprint = _fingerprint_or_none(root)
     else:
         fingerprint = compute_fingerprint(model, model_config, facts, extras).bundle_key
     config = ProxyConfig(upstream=upstream, redis_url=redis_url, fingerprint=fingerprint, ttl=ttl,
@@ -155,9 +155,23 @@ def proxy_cmd(upstream, redis_url, root, model, model_config, facts, extras, hos
                                     "upstream": redact_url(upstream), "fingerprint": fingerprint}))  # fmt: skip
             return
         click.echo(f"kcache: proxy on http://{host}:{bound} -> {redact_url(upstream)}, cache {redacted(redis_url)}, "
-                   f"fingerprint {fingerprint}")  # fmt: skip
+                   f"fingerprint {fingerprint or 'unknown (caching off)'}")  # fmt: skip
 
     asyncio.run(_until_signal(config, host, port, ready, serve))
+
+
+def _fingerprint_or_none(root: Path) -> str | None:
+    """The restore root's fingerprint, or None with a warning: a restore that failed before computing it
+    (or a marker missing or unreadable) must not keep the pod from serving, so the proxy then forwards
+    every request uncached (bypass reason no_fingerprint) instead of exiting into a crash loop."""
+    from kcache.proxy import key
+
+    try:
+        return key.fingerprint_from_root(root)
+    except ConfigError as exc:
+        click.echo(f"kcache: warning: {exc}; caching is off, every request is forwarded (bypass reason "
+                   "no_fingerprint)", err=True)  # fmt: skip
+        return None
 
 
 def _check_upstream(upstream: str) -> None:

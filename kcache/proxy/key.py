@@ -72,7 +72,7 @@ class Decision:
     """A request's fate: `key` when the cache may answer it, else the bypass `reason`."""
 
     key: str | None
-    reason: str  # "" when cacheable; else bypass_header | disabled | not_json | ambiguous_auth | sampling | n
+    reason: str  # "" when cacheable; else the `off` reason | bypass_header | not_json | ambiguous_auth | sampling | n
     body: dict | None  # the parsed request, for prefix measurement; None when it is not a JSON object
 
 
@@ -83,7 +83,7 @@ def decide(
     raw: bytes,
     fingerprint: str,
     *,
-    enabled: bool = True,
+    off: str = "",
     cache_sampled: bool = False,
     tenant_headers: Sequence[str] = TENANT_HEADERS,
 ) -> Decision:
@@ -91,13 +91,14 @@ def decide(
 
     `headers` may repeat a name (a multidict with `getall`, as aiohttp gives them); a plain mapping
     holds one value per name as spelt. `tenant_headers`: every header that names the tenant
-    (tenant_headers() adds an operator's to TENANT_HEADERS).
+    (tenant_headers() adds an operator's to TENANT_HEADERS). `off`: why the cache answers nothing at all
+    (disabled: --no-cache; no_fingerprint: the restore root names none), "" while it is on.
     """
     # An encoded body is bytes the proxy does not read as the engine would (it may inflate it, or not).
     encodings = {e.strip().lower() for v in values(headers, "Content-Encoding") for e in v.split(",")}
     body = parse_body(raw) if encodings <= {"identity", ""} else None
-    if not enabled:
-        return Decision(None, "disabled", body)
+    if off:
+        return Decision(None, off, body)
     if wants_bypass(headers):
         return Decision(None, "bypass_header", body)
     if body is None:
@@ -243,8 +244,10 @@ _BUNDLE_KEY = re.compile(r"[0-9a-f]{32}")
 def fingerprint_from_root(root: Path) -> str:
     """The bundle key `kcache restore` computed for this pod, from ROOT/.kcache-state.json.
 
-    Written on a hit, a miss and an error alike, so a cold pod still has its fingerprint. The file
-    is on a shared volume: anything but 32 hex digits is refused rather than hashed into keys.
+    Written on a hit, a miss and an error alike, but a restore that failed before it computed the
+    fingerprint (a bad flag, a probe that crashed) writes none. The file is on a shared volume: anything
+    but 32 hex digits is refused rather than hashed into keys. Raises ConfigError; `kcache proxy` then
+    serves with its cache off rather than keep the pod from serving.
     """
     state = readiness.read_marker(root, readiness.RESTORE_MARKER)
     if state is None:

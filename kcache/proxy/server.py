@@ -59,7 +59,7 @@ NOT_FORWARDED = frozenset(
 class ProxyConfig:
     upstream: str  # http://127.0.0.1:8000, no trailing slash needed
     redis_url: str
-    fingerprint: str  # the bundle key of what the pod runs
+    fingerprint: str | None  # the bundle key of what the pod runs; None: unknown, so nothing is cached
     ttl: float = 3600.0  # seconds an answer lives in Redis
     max_entry_bytes: int = 1 << 20
     redis_timeout: float = 0.25  # seconds: the most a request waits on Redis (see docs/proxy.md)
@@ -77,7 +77,9 @@ class Proxy:
 
     def __init__(self, config: ProxyConfig):
         self.config = config
-        self.stats = Stats(fingerprint=config.fingerprint)
+        self.stats = Stats(fingerprint=config.fingerprint or "")
+        # Why the cache answers nothing ("" while it is on): a pod whose fingerprint is unknown still serves.
+        self.off = "disabled" if not config.enabled else "no_fingerprint" if config.fingerprint is None else ""
         self.prefixes = PrefixMemory(config.prefix_entries)
         self.upstream = config.upstream.rstrip("/")
         self.tenant_headers = key.tenant_headers(config.tenant_headers)
@@ -146,7 +148,7 @@ class Proxy:
         # Parsing and keying up to max_request_bytes is seconds of CPU: a large body goes to a worker
         # thread, so the loop goes on serving others (the parser lets it in between objects; the prefix
         # walk is bounded). A small one, nearly every request, is judged here: a thread hop costs more.
-        judge = partial(key.decide, request.path, query, request.headers, raw, cfg.fingerprint, enabled=cfg.enabled,
+        judge = partial(key.decide, request.path, query, request.headers, raw, cfg.fingerprint or "", off=self.off,
                         cache_sampled=cfg.cache_sampled, tenant_headers=self.tenant_headers)  # fmt: skip
         decision = await asyncio.to_thread(judge) if len(raw) > _INLINE_BYTES else judge()
         cache_key, reason = decision.key, decision.reason
@@ -163,7 +165,7 @@ class Proxy:
         outcome = "bypass" if cache_key is None else "miss"
         self.stats.requests[outcome] += 1
         if decision.body is not None:
-            measure = partial(self.prefixes.observe, cfg.fingerprint, request.path, decision.body)
+            measure = partial(self.prefixes.observe, cfg.fingerprint or "", request.path, decision.body)
             seen = await asyncio.to_thread(measure) if len(raw) > _INLINE_BYTES else measure()
             self.stats.prompt_bytes += seen.total
             self.stats.prompt_seen_bytes += seen.seen
@@ -172,8 +174,8 @@ class Proxy:
     async def _too_large(self, request: web.Request, head: bytes, started: float) -> web.StreamResponse:
         """A body over max_request_bytes: forwarded as it arrives (what was read, then the rest), never keyed."""
         reason = "too_large"
-        if not self.config.enabled:
-            reason = "disabled"  # decided before the body, as for a body that fits
+        if self.off:
+            reason = self.off  # decided before the body, as for a body that fits
         elif key.wants_bypass(request.headers):
             reason = "bypass_header"
         self.stats.bypasses[reason] += 1

@@ -1,9 +1,9 @@
 """The proxy's counters and their Prometheus text on GET /metrics.
 
-    kcache_proxy_info{fingerprint}                1; the bundle key answers are filed under
+    kcache_proxy_info{fingerprint}                1; the bundle key answers are filed under ("" when none)
     kcache_proxy_requests_total{outcome}          hit | miss | bypass | pass (a path the cache never answers)
-    kcache_proxy_bypasses_total{reason}           bypass_header | disabled | not_json | ambiguous_auth |
-                                                  too_large | sampling | n | redis
+    kcache_proxy_bypasses_total{reason}           bypass_header | disabled | no_fingerprint | not_json |
+                                                  ambiguous_auth | too_large | sampling | n | redis
     kcache_proxy_not_stored_total{reason}         upstream_error | headers | too_large | redis | client_gone | error
     kcache_proxy_redis_errors_total{kind}         timeout | error | bad_entry
     kcache_proxy_redis_up                         0 while Redis is skipped after a failure
