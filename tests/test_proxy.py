@@ -1,9 +1,11 @@
 """kcache proxy against real Redis and a real OpenAI-compatible server (tests/engine_server.py)."""
 
 import hashlib
+import hmac
 import http.client
 import json
 import threading
+import time
 import uuid
 from dataclasses import replace
 
@@ -49,9 +51,24 @@ def engine():
         yield server
 
 
+SECRET = b"the proxy tests' entry secret, 32+ bytes"
+
+
 def config(upstream: str, prefix: str, **kw) -> ProxyConfig:
     return ProxyConfig(upstream=upstream, redis_url=kw.pop("redis_url", REDIS_URL), fingerprint=kw.pop("fp", FP),
-                       key_prefix=prefix, redis_timeout=kw.pop("redis_timeout", 2.0), **kw)  # fmt: skip
+                       key_prefix=prefix, redis_timeout=kw.pop("redis_timeout", 2.0),
+                       entry_secret=kw.pop("entry_secret", SECRET), **kw)  # fmt: skip
+
+
+def sealed(answer: entry.Entry, name: str, credentials=()) -> bytes:
+    """`answer` as a proxy holding SECRET stores it under the Redis key `name` for that tenant, for a minute."""
+    return entry.encode(answer, name=name, mac_key=entry.tenant_key(SECRET, credentials),
+                        expires_ms=int(time.time() * 1000) + 60_000)  # fmt: skip
+
+
+def opened(raw: bytes, name: str, credentials=()) -> entry.Entry:
+    return entry.decode(raw, max_bytes=1 << 20, name=name, mac_key=entry.tenant_key(SECRET, credentials),
+                        now_ms=int(time.time() * 1000))  # fmt: skip
 
 
 @pytest.fixture
@@ -181,16 +198,19 @@ def test_a_tampered_entry_is_a_miss_and_is_replaced(proxy, engine, prefix):
     client = redis.Redis.from_url(REDIS_URL)
     (name,) = client.scan_iter(prefix + "*")
     good = client.get(name)
-    client.set(name, good[:-2] + b"!}")  # the body no longer hashes to its sha256
+    client.set(name, good[:-34] + b"!" + good[-33:], keepttl=True)  # the body no longer matches its tag
     reply = proxy.post(CHAT, ASK)
     assert reply.headers["x-kcache-cache"] == "miss" and reply.body == engine.sent[1]
     assert proxy.metric("kcache_proxy_redis_errors_total", kind="bad_entry") == 1
-    assert entry.decode(client.get(name), max_bytes=1 << 20, key=ASK_KEY).body == engine.sent[1]
+    assert opened(client.get(name), name.decode()).body == engine.sent[1]
     assert proxy.post(CHAT, ASK).headers["x-kcache-cache"] == "hit"
 
 
-def _raw_entry(head: bytes, body: bytes) -> bytes:
-    return entry.MAGIC + head.replace(b"SHA", hashlib.sha256(body).hexdigest().encode()) + b"\n" + body
+def _tagged(signed: bytes, name: str) -> bytes:
+    """`signed` with the tag a proxy holding SECRET gives it: a value only a holder of the key can make."""
+    mac = hmac.new(entry.tenant_key(SECRET, []), b"%d:%s" % (len(name), name.encode()), hashlib.sha256)
+    mac.update(signed)
+    return signed + mac.digest()
 
 
 ANSWER = json.dumps({"choices": [{"message": {"content": "cached"}}]}).encode()
@@ -198,15 +218,15 @@ ASK_KEY = key.decide(CHAT, [], {}, json.dumps(ASK).encode(), FP).key
 
 
 @pytest.mark.parametrize("value", [
-    entry.MAGIC + b"[" * 200_000 + b"\n" + ANSWER,  # a header nested past the parser's recursion limit
-    _raw_entry(b'{"headers": [["X-A", "\\ud800"]], "key": "' + ASK_KEY.encode() + b'", "sha256": "SHA", "status": 200, '
-               b'"stream": false}', ANSWER),
-    entry.encode(entry.Entry(200, (("Content-Type", "application/json"),), ANSWER + b" " * 5000, False),
-                 key=ASK_KEY),  # too big
-])  # fmt: skip
+    lambda name: _tagged(entry.MAGIC + b"[" * 200_000 + b"\n" + ANSWER, name),  # nested past the parser's limit
+    lambda name: _tagged(entry.MAGIC + b'{"expires": %d, "headers": [["X-A", "\\ud800"]], "status": 200, '
+                         b'"stream": false}\n' % (time.time() * 1000 + 60_000) + ANSWER, name),  # fmt: skip
+    lambda name: sealed(entry.Entry(200, (("Content-Type", "application/json"),), ANSWER + b" " * 5000, False),
+                        name),  # too big
+], ids=["nested", "surrogate", "too-big"])  # fmt: skip
 def test_a_hostile_entry_is_a_miss_and_is_replaced(engine, prefix, value):
     client = redis.Redis.from_url(REDIS_URL)
-    client.set(prefix + ASK_KEY, value)
+    client.set(prefix + ASK_KEY, value(prefix + ASK_KEY), px=60_000)
     with RunningProxy(config(engine.url, prefix, max_entry_bytes=4096)) as proxy:
         reply = proxy.post(CHAT, ASK)
         assert (reply.status, reply.headers["x-kcache-cache"], reply.body) == (200, "miss", engine.sent[0])
@@ -218,10 +238,9 @@ def test_an_entry_over_the_size_limit_is_not_read_whole(engine, prefix, tmp_path
     private = PrivateRedis(tmp_path)
     try:
         client = redis.Redis.from_url(private.url)
-        huge = entry.encode(
-            entry.Entry(200, (("Content-Type", "application/json"),), b" " * (4 << 20), False), key=ASK_KEY
-        )
-        client.set(prefix + ASK_KEY, huge)
+        huge = sealed(entry.Entry(200, (("Content-Type", "application/json"),), b" " * (4 << 20), False),
+                      prefix + ASK_KEY)  # fmt: skip
+        client.set(prefix + ASK_KEY, huge, px=60_000)
         with RunningProxy(config(engine.url, prefix, redis_url=private.url, max_entry_bytes=4096)) as proxy:
             before = client.info("stats")["total_net_output_bytes"]
             assert proxy.post(CHAT, ASK).headers["x-kcache-cache"] == "miss"
@@ -414,6 +433,35 @@ def test_the_cli_refuses_what_it_cannot_use(tmp_path, extra, message):
     args = ["proxy", "--root", str(tmp_path), "--upstream", "http://127.0.0.1:1", "--port", "0", *extra]
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 2 and message in result.output
+
+
+@pytest.mark.parametrize("content, why", [(None, "cannot be read"), ("short\n", "holds 5 bytes")])
+def test_the_cli_refuses_an_entry_key_file_it_cannot_use(tmp_path, monkeypatch, content, why):
+    write_marker(tmp_path, RESTORE_MARKER, {"status": "hit", "bundle_key": FP})
+    secret = tmp_path / "entry-key"
+    if content is not None:
+        secret.write_text(content)
+    args = ["proxy", "--root", str(tmp_path), "--upstream", "http://127.0.0.1:1", "--port", "0", "--redis", REDIS_URL]
+    for how in (["--entry-key-file", str(secret)], []):
+        monkeypatch.setenv("KCACHE_PROXY_ENTRY_KEY_FILE", str(secret))
+        result = CliRunner().invoke(main, args + how, catch_exceptions=False)
+        assert result.exit_code == 2 and "--entry-key-file" in result.output and why in result.output
+
+
+def test_replicas_given_one_entry_key_file_share_answers(engine, prefix, tmp_path):
+    write_marker(tmp_path, RESTORE_MARKER, {"status": "miss", "bundle_key": FP})
+    (tmp_path / "entry-key").write_text("0123456789abcdef" * 4 + "\n")  # as a mounted Secret holds it
+    args = ["proxy", "--root", str(tmp_path), "--upstream", engine.url, "--redis", REDIS_URL, "--port", "0",
+            "--key-prefix", prefix]  # fmt: skip
+    outcomes = []
+    for how in (["--entry-key-file", str(tmp_path / "entry-key")], ["--entry-key-file", str(tmp_path / "entry-key")],
+                []):  # fmt: skip
+        with kcache_server(*args, *how) as (proc, port):
+            outcomes.append(request(port, "POST", CHAT, json.dumps(ASK).encode()).headers["x-kcache-cache"])
+            proc.terminate()
+            assert proc.wait(timeout=30) == 0
+            assert ("no --entry-key-file" in proc.stderr.read()) == (not how)
+    assert outcomes == ["miss", "hit", "miss"]  # without the file, a key of its own: the others' answers are not its
 
 
 def test_redis_killed_while_a_miss_streams_still_delivers_the_whole_stream(prefix, tmp_path):

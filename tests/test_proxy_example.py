@@ -77,6 +77,23 @@ def test_the_secret_holds_what_the_proxy_reads():
     assert secret["metadata"]["name"] == ref["name"] and ref["key"] in secret["stringData"]
 
 
+def test_the_entry_key_comes_from_the_secret_mounted_read_only():
+    """Without --entry-key-file each replica tags answers with a key of its own: none reads another's."""
+    spec, _, _, proxy = merged_pod()
+    (args,) = kcache_calls(proxy)
+    (path,) = option(args, "--entry-key-file")
+    mount = next(m for m in proxy["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/"))
+    assert mount["readOnly"] is True
+    patch_volumes = sidecar_docs()["Deployment"]["spec"]["template"]["spec"]["volumes"]
+    (volume,) = [v for v in patch_volumes if v["name"] == mount["name"]]
+    assert volume["name"] not in {v["name"] for v in spec["volumes"]}, "the patch must add, not replace"
+    secret = sidecar_docs()["Secret"]
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    (item,) = volume["secret"]["items"]  # only the key: the Redis URL stays out of the file system
+    assert path == mount["mountPath"].rstrip("/") + "/" + item["path"] and item["key"] in secret["stringData"]
+    assert volume["secret"]["defaultMode"] & 0o077 == 0o040, "readable by the pod's group (fsGroup), no one else"
+
+
 def test_the_sidecar_runs_locked_down_with_a_pinned_image():
     _, _, _, proxy = merged_pod()
     ctx = proxy["securityContext"]

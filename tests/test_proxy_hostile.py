@@ -5,6 +5,7 @@ Real Redis on 127.0.0.1:6379, real HTTP: tests/engine_server.py as the engine, o
 """
 
 import gzip
+import hashlib
 import http.client
 import json
 import socket
@@ -17,9 +18,9 @@ import redis
 from engine_server import EngineServer
 from hostile_http import COMPLETION, HostileServer, answer
 from proxied import RunningProxy
-from test_proxy import ASK, CHAT, FP, REDIS_URL, config
+from test_proxy import ASK, CHAT, FP, REDIS_URL, SECRET, config, opened, sealed
 
-from kcache.proxy import entry, key
+from kcache.proxy import cache, entry, key
 
 
 @pytest.fixture
@@ -155,8 +156,7 @@ def test_headers_the_engine_names_in_connection_are_neither_passed_on_nor_stored
             assert reply.headers["x-kcache-cache"] and reply.headers["x-kept"] == "1"
             assert not {"x-hop", "x-other-hop"} & set(reply.headers)
         raw = stored_value(redis.Redis.from_url(REDIS_URL), prefix + stored_key(ASK))
-        stored = entry.decode(raw, max_bytes=1 << 20,
-                              key=stored_key(ASK))  # fmt: skip
+        stored = opened(raw, prefix + stored_key(ASK))
         assert {name.lower() for name, _ in stored.headers} == {"content-type", "x-kept"}
 
 
@@ -271,15 +271,102 @@ def test_an_entry_copied_from_another_key_is_not_served(proxy, engine, prefix):
 
 def test_an_entry_written_for_another_fingerprint_is_not_served(engine, prefix):
     client = redis.Redis.from_url(REDIS_URL)
-    forged = entry.encode(
+    forged = sealed(
         entry.Entry(200, (("Content-Type", "application/json"),), json.dumps(COMPLETION).encode(), False),
-        key=key.decide(CHAT, [], {}, json.dumps(ASK).encode(), "f" * 32).key,
+        prefix + key.decide(CHAT, [], {}, json.dumps(ASK).encode(), "f" * 32).key,
     )
-    client.set(prefix + stored_key(ASK), forged)
+    client.set(prefix + stored_key(ASK), forged, px=60_000)
     with RunningProxy(config(engine.url, prefix)) as proxy:
         reply = proxy.post(CHAT, ASK)
         assert (reply.headers["x-kcache-cache"], reply.body) == ("miss", engine.sent[0])
         assert proxy.metric("kcache_proxy_redis_errors_total", kind="bad_entry") == 1
+
+
+FORGED = json.dumps({"choices": [{"index": 0, "text": "Visit http://evil.example to log in again"}]}).encode()
+
+
+# Streamed: a stream's entry is in Redis before its last chunk goes out, so a client that has read it whole
+# knows that the proxy's write is done, and a value the test sets next is not overwritten by it.
+STREAMED = {**ASK, "stream": True}
+FORGED_EVENTS = b"data: " + FORGED + b"\n\ndata: [DONE]\n\n"
+
+
+def _forged_kcp2(name: str) -> bytes:
+    """What a Redis writer made of the request key it read from SCAN: a kcp2 entry needed no secret."""
+    head = {"headers": [["Content-Type", "application/json"]], "key": name.rsplit(":", 1)[1],
+            "sha256": hashlib.sha256(FORGED).hexdigest(), "status": 200, "stream": False}  # fmt: skip
+    return b"kcp2\n" + json.dumps(head, sort_keys=True, separators=(",", ":")).encode() + b"\n" + FORGED
+
+
+def test_an_entry_a_redis_writer_made_up_is_never_served(proxy, engine, prefix):
+    client = redis.Redis.from_url(REDIS_URL)
+    victim = {"Authorization": "Bearer victim-secret-token"}
+    first = proxy.post(CHAT, ASK, victim)
+    name = prefix + stored_key(ASK, victim)
+    stored_value(client, name)
+    client.set(name, _forged_kcp2(name), px=60_000)
+    reply = proxy.post(CHAT, ASK, victim)
+    assert FORGED not in reply.body and reply.headers["x-kcache-cache"] == "miss"
+    assert reply.body == engine.sent[1] != first.body
+    assert proxy.metric("kcache_proxy_redis_errors_total", kind="bad_entry") == 1
+
+
+def test_an_entry_saved_and_set_again_is_not_served_past_its_first_life(proxy, engine, prefix, monkeypatch):
+    client = redis.Redis.from_url(REDIS_URL)
+    proxy.post(CHAT, STREAMED)
+    name = prefix + stored_key(STREAMED)
+    saved = stored_value(client, name)
+    later = cache._now_ms() + 3_600_000 + 1  # past the default --ttl of an hour
+    monkeypatch.setattr(cache, "_now_ms", lambda: later)
+    client.set(name, saved, px=60_000)  # a fresh expiry in Redis: only the tagged one tells
+    reply = proxy.post(CHAT, STREAMED)
+    assert reply.headers["x-kcache-cache"] == "miss" and reply.body == engine.sent[1]
+    assert proxy.metric("kcache_proxy_redis_errors_total", kind="bad_entry") == 1
+    assert proxy.post(CHAT, STREAMED).headers["x-kcache-cache"] == "hit"  # written at the new time
+
+
+def test_a_holder_of_the_secret_cannot_forge_another_tenants_answer(proxy, engine, prefix):
+    """The shared secret is in every replica's pod; a tenant's answers need its credential as well."""
+    client = redis.Redis.from_url(REDIS_URL)
+    victim = {"Authorization": "Bearer victim-secret-token"}
+    proxy.post(CHAT, STREAMED, victim)
+    name = prefix + stored_key(STREAMED, victim)
+    forged = entry.Entry(200, (("Content-Type", "text/event-stream"),), FORGED_EVENTS, True)
+    for credentials in ([], [("Authorization", "Bearer attacker")], [("Authorization", "Bearer victim")]):
+        client.set(name, sealed(forged, name, credentials), px=60_000)
+        reply = proxy.post(CHAT, STREAMED, victim)
+        assert FORGED not in reply.body and reply.headers["x-kcache-cache"] == "miss"
+    assert proxy.metric("kcache_proxy_redis_errors_total", kind="bad_entry") == 3
+    client.set(name, sealed(forged, name, [("Authorization", "Bearer victim-secret-token")]), px=60_000)
+    assert proxy.post(CHAT, STREAMED, victim).body == FORGED_EVENTS  # the secret and the credential: a good tag
+
+
+def test_without_an_entry_secret_answers_serve_only_the_process_that_wrote_them(engine, prefix):
+    with RunningProxy(config(engine.url, prefix, entry_secret=None)) as one:
+        assert [one.post(CHAT, ASK).headers["x-kcache-cache"] for _ in range(2)] == ["miss", "hit"]
+    with RunningProxy(config(engine.url, prefix, entry_secret=None)) as other:
+        assert other.post(CHAT, ASK).headers["x-kcache-cache"] == "miss"
+        assert other.metric("kcache_proxy_redis_errors_total", kind="bad_entry") == 1
+    with RunningProxy(config(engine.url, prefix, entry_secret=SECRET)) as keyed:
+        assert keyed.post(CHAT, ASK).headers["x-kcache-cache"] == "miss"
+    with RunningProxy(config(engine.url, prefix, entry_secret=SECRET)) as replica:
+        assert replica.post(CHAT, ASK).headers["x-kcache-cache"] == "hit"
+
+
+@pytest.mark.parametrize("outlive", [
+    lambda client, name: client.persist(name),  # no expiry: served for ever
+    lambda client, name: client.pexpire(name, 7_200_000),  # longer than the proxy's --ttl (1 h)
+], ids=["persist", "longer"])  # fmt: skip
+def test_an_entry_whose_expiry_a_redis_writer_lifted_is_not_served(proxy, engine, prefix, outlive):
+    client = redis.Redis.from_url(REDIS_URL)
+    proxy.post(CHAT, STREAMED)
+    name = prefix + stored_key(STREAMED)
+    assert outlive(client, name)
+    reply = proxy.post(CHAT, STREAMED)
+    assert reply.headers["x-kcache-cache"] == "miss" and reply.body == engine.sent[1]
+    assert proxy.metric("kcache_proxy_redis_errors_total", kind="bad_entry") == 1
+    assert 0 < client.pttl(name) <= 3_600_000  # the next answer replaced it, with the proxy's expiry
+    assert proxy.post(CHAT, STREAMED).headers["x-kcache-cache"] == "hit"
 
 
 @pytest.mark.parametrize(
@@ -288,8 +375,8 @@ def test_an_entry_written_for_another_fingerprint_is_not_served(engine, prefix):
 def test_an_entry_carrying_a_header_the_proxy_never_stores_is_a_miss(engine, prefix, name):
     client = redis.Redis.from_url(REDIS_URL)
     headers = (("Content-Type", "application/json"), (name, "chunked" if name == "Transfer-Encoding" else "x"))
-    bad = entry.encode(entry.Entry(200, headers, json.dumps(COMPLETION).encode(), False), key=stored_key(ASK))
-    client.set(prefix + stored_key(ASK), bad)
+    bad = sealed(entry.Entry(200, headers, json.dumps(COMPLETION).encode(), False), prefix + stored_key(ASK))
+    client.set(prefix + stored_key(ASK), bad, px=60_000)
     with RunningProxy(config(engine.url, prefix)) as proxy:
         reply = proxy.post(CHAT, ASK)
         assert (reply.status, reply.headers["x-kcache-cache"], reply.body) == (200, "miss", engine.sent[0])

@@ -1,6 +1,7 @@
 """The proxy's pure parts: which requests are cacheable, the key, entries, events, prefixes."""
 
 import hashlib
+import hmac
 import json
 import sys
 
@@ -265,46 +266,124 @@ def test_a_stream_is_complete_only_when_it_ends_with_done_and_no_error():
     assert sse.complete(b': keep-alive\r\n\r\ndata: {"a": 1}\r\n\r\ndata: [DONE]\r\n\r\n')
 
 
+SECRET = b"s" * entry.MIN_SECRET_BYTES
+MAC = entry.tenant_key(SECRET, [])  # the anonymous tenant's
+NOW = 1_700_000_000_000  # Unix ms
+LATER = NOW + 60_000
+
+
+def seal(e: entry.Entry, name: str = "k", mac_key: bytes = MAC) -> bytes:
+    return entry.encode(e, name=name, mac_key=mac_key, expires_ms=LATER)
+
+
+def unseal(raw: bytes, name: str = "k", mac_key: bytes = MAC, max_bytes: int = 1 << 20, now_ms: int = NOW):
+    return entry.decode(raw, max_bytes=max_bytes, name=name, mac_key=mac_key, now_ms=now_ms)
+
+
 def test_entries_round_trip_and_refuse_tampering():
     e = entry.Entry(200, (("Content-Type", "application/json"), ("X-Request-Id", "7")), b'{"choices": []}', False)
-    raw = entry.encode(e, key="k1")
-    assert entry.decode(raw, max_bytes=1 << 20, key="k1") == e
-    with pytest.raises(entry.BadEntry, match="another request key"):
-        entry.decode(raw, max_bytes=1 << 20, key="k2")  # copied from another key: another tenant's answer
-    with pytest.raises(entry.BadEntry, match="sha256"):
-        entry.decode(raw[:-1] + b"]", max_bytes=1 << 20, key="k1")
-    injected = entry.encode(entry.Entry(200, (("X-A", "1\r\nSet-Cookie: evil"),), b"{}", False), key="k1")
-    with pytest.raises(entry.BadEntry, match="not allowed"):
-        entry.decode(injected, max_bytes=1 << 20, key="k1")
-    with pytest.raises(entry.BadEntry):
-        entry.decode(raw.replace(b'"status":200', b'"status":500'), max_bytes=1 << 20, key="k1")
+    raw = seal(e, "p:k1")
+    assert unseal(raw, "p:k1") == e
+    refused = [
+        (raw, "p:k2", MAC),  # copied from another key: another request's, tenant's or fingerprint's answer
+        (raw, "p:k1", entry.tenant_key(b"t" * 32, [])),  # tagged under another secret
+        (raw, "p:k1", entry.tenant_key(SECRET, [("Authorization", "Bearer t")])),  # for another tenant
+        (raw[: -TAG - 1] + b"]" + raw[-TAG:], "p:k1", MAC),  # the body changed
+        (raw.replace(b'"X-Request-Id","7"', b'"X-Request-Id","8"'), "p:k1", MAC),  # a header changed
+    ]
+    for value, name, mac_key in refused:
+        with pytest.raises(entry.BadEntry, match="not written by a proxy with this entry key"):
+            unseal(value, name, mac_key)
+    with pytest.raises(entry.BadEntry, match="expired"):  # saved, and SET again with a fresh Redis expiry
+        unseal(raw, "p:k1", now_ms=LATER)
 
 
-def _raw_entry(head: bytes, body: bytes = b'{"choices": []}') -> bytes:
-    return entry.MAGIC + head.replace(b"SHA", hashlib.sha256(body).hexdigest().encode()) + b"\n" + body
+TAG = 32
+
+
+def _tagged(signed: bytes, name: bytes = b"k", mac_key: bytes = MAC) -> bytes:
+    """A value as a writer holding the key would tag it: this is the format, written out again."""
+    mac = hmac.new(mac_key, b"%d:%s" % (len(name), name), hashlib.sha256)
+    mac.update(signed)
+    return signed + mac.digest()
+
+
+def test_the_tag_covers_the_key_name_and_the_value():
+    e = entry.Entry(200, (("Content-Type", "application/json"),), b'{"choices": []}', False)
+    signed = (b'kcp3\n{"expires":1700000060000,"headers":[["Content-Type","application/json"]],"status":200,'
+              b'"stream":false}\n{"choices": []}')  # fmt: skip
+    assert seal(e) == _tagged(signed)
+
+
+def test_tenant_keys_are_pinned_and_need_the_credential():
+    assert entry.tenant_key(SECRET, []) == hmac.digest(SECRET, b"kcache-proxy-tenant-key-1", "sha256")
+    bearer = entry.tenant_key(SECRET, [("Authorization", "Bearer t")])
+    assert bearer == entry.tenant_key(SECRET, [("authorization", "Bearer t")])  # names are case-insensitive
+    assert bearer == hmac.digest(SECRET, b"kcache-proxy-tenant-key-1" + b"13:authorization8:Bearer t", "sha256")
+    assert bearer.hex().startswith("af1e9585")  # a golden value: the derivation never changes by accident
+    others = [[("Authorization", "Bearer u")], [("X-Api-Key", "Bearer t")], [("Authorization", "")],
+              [("Authorization", "Bearer t"), ("Cookie", "c")], []]  # fmt: skip
+    assert len({bearer, *(entry.tenant_key(SECRET, creds) for creds in others)}) == len(others) + 1
+    # Framed by length: moving a byte between a name and its value is another tenant.
+    assert entry.tenant_key(SECRET, [("a", "bc")]) != entry.tenant_key(SECRET, [("ab", "c")])
+
+
+def _head(head: bytes) -> bytes:
+    return _tagged(entry.MAGIC + head + b'\n{"choices": []}')
 
 
 @pytest.mark.parametrize("raw", [
-    entry.MAGIC + b"[" * 200_000 + b"\n{}",  # nested past the parser's recursion limit
-    _raw_entry(b'{"headers": [["X-A", "\\ud800"]], "key": "k", "sha256": "SHA", "status": 200, "stream": false}'),
-    _raw_entry(b'{"headers": [["X-A", "\xed\xa0\x80"]], "key": "k", "sha256": "SHA", "status": 200, "stream": false}'),
-    _raw_entry(b'{"headers": [], "key": "k", "sha256": "SHA", "status": 200, "stream": false}\xff'),  # not UTF-8
-    _raw_entry(b'{"headers": [], "key": "k", "sha256": "SHA", "status": 2e400, "stream": false}'),
-    _raw_entry(b'{"headers": [], "sha256": "SHA", "status": 200, "stream": false}'),  # no key (a kcp1 head)
-    _raw_entry(b'["headers"]'),
+    _tagged(entry.MAGIC + b"[" * 200_000 + b"\n{}"),  # nested past the parser's recursion limit
+    _head(b'{"expires": 1700000060000, "headers": [["X-A", "\\ud800"]], "status": 200, "stream": false}'),
+    _head(b'{"expires": 1700000060000, "headers": [["X-A", "\xed\xa0\x80"]], "status": 200, "stream": false}'),
+    _head(b'{"expires": 1700000060000, "headers": [], "status": 200, "stream": false}\xff'),  # not UTF-8
+    _head(b'{"expires": 1700000060000, "headers": [], "status": 2e400, "stream": false}'),
+    _head(b'{"expires": 1700000060000, "headers": [], "status": 500, "stream": false}'),
+    _head(b'{"expires": 1700000060000, "headers": [], "status": 200}'),
+    _head(b'{"headers": [], "status": 200, "stream": false}'),  # no expiry
+    _head(b'{"expires": 1700000060000.5, "headers": [], "status": 200, "stream": false}'),
+    _head(b'{"expires": true, "headers": [], "status": 200, "stream": false}'),
+    _head(b'["headers"]'),
+    _tagged(entry.MAGIC + b'{"expires": 1700000060000, "headers": [], "status": 200, "stream": false}'),  # no body line
+    b'kcp2\n{"headers":[],"key":"k","sha256":"' + hashlib.sha256(b"{}").hexdigest().encode()
+    + b'","status":200,"stream":false}\n{}',  # the previous format: no tag, so anyone could write it
+    _tagged(b"kcp2\n" + b'{"headers": [], "status": 200, "stream": false}\n{}'),
     entry.MAGIC,
+    entry.MAGIC + b"x" * TAG,
     b"",
 ])  # fmt: skip
 def test_every_value_that_does_not_decode_is_a_bad_entry(raw):
     with pytest.raises(entry.BadEntry):
-        entry.decode(raw, max_bytes=1 << 20, key="k")
+        unseal(raw)
 
 
 def test_an_entry_over_the_size_limit_is_a_bad_entry():
-    raw = entry.encode(entry.Entry(200, (), b'{"choices": []}', False), key="k")
-    assert entry.decode(raw, max_bytes=len(raw), key="k").body == b'{"choices": []}'
+    raw = seal(entry.Entry(200, (), b'{"choices": []}', False))
+    assert unseal(raw, max_bytes=len(raw)).body == b'{"choices": []}'
     with pytest.raises(entry.BadEntry, match="larger than"):
-        entry.decode(raw, max_bytes=len(raw) - 1, key="k")
+        unseal(raw, max_bytes=len(raw) - 1)
+
+
+@pytest.mark.parametrize("content, why", [
+    (None, "cannot be read"),
+    ("", "holds 0 bytes"),
+    ("  \n", "holds 0 bytes"),
+    ("x" * 31 + "\n", "holds 31 bytes"),
+])  # fmt: skip
+def test_an_entry_secret_that_is_missing_empty_or_short_is_refused(tmp_path, content, why):
+    path = tmp_path / "entry-key"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError, match=why):
+        entry.read_secret(path)
+
+
+def test_an_entry_secret_is_the_files_bytes_without_the_whitespace_around_them(tmp_path):
+    (tmp_path / "a").write_text("k" * 64 + "\n")
+    (tmp_path / "b").write_text("k" * 64)
+    assert entry.read_secret(tmp_path / "a") == entry.read_secret(tmp_path / "b") == b"k" * 64
+    with pytest.raises(ConfigError, match="regular file"):
+        entry.read_secret(tmp_path)
 
 
 @pytest.mark.parametrize("status, headers, body, reason", [
@@ -341,8 +420,8 @@ header_texts = st.text(alphabet=st.characters(codec="utf-8") | st.sampled_from("
 def test_whatever_is_storable_reads_back_as_it_was(headers):
     headers = tuple(headers)
     if entry.storable(200, headers, b'{"choices": []}') == "":
-        raw = entry.encode(entry.Entry(200, headers, b'{"choices": []}', False), key="k")
-        assert entry.decode(raw, max_bytes=len(raw), key="k").headers == headers
+        raw = seal(entry.Entry(200, headers, b'{"choices": []}', False))
+        assert unseal(raw, max_bytes=len(raw)).headers == headers
 
 
 def test_prefix_memory_measures_the_longest_seen_prefix_at_message_boundaries():

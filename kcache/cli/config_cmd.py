@@ -32,6 +32,7 @@ ENVIRONMENT_ONLY = (
     ("warmup-on-failure", "KCACHE_WARMUP_ON_FAILURE", "unready"),
     ("proxy-upstream", "KCACHE_PROXY_UPSTREAM", None),
     ("proxy-redis", "KCACHE_PROXY_REDIS", None),
+    ("proxy-entry-key-file", "KCACHE_PROXY_ENTRY_KEY_FILE", None),
     ("proxy-tenant-headers", "KCACHE_PROXY_TENANT_HEADERS", None),
     ("megacache", "KCACHE_MEGACACHE", None),
     ("commit", "KCACHE_COMMIT", None),

@@ -42,6 +42,15 @@ MAX_PREFIX_ENTRIES = 10_000_000  # about a GiB of remembered prefix hashes
     help="redis://[:password@]host:6379/db.",
 )
 @click.option(
+    "--entry-key-file",
+    type=NonEmptyPath(dir_okay=False, path_type=Path),
+    envvar="KCACHE_PROXY_ENTRY_KEY_FILE",
+    help="A file holding the secret (at least 32 bytes, e.g. `openssl rand -hex 32`; a Kubernetes Secret mounted "
+    "as a file) that authenticates each answer in Redis: whoever can write Redis cannot forge one. Every replica "
+    "that shares the cache needs the same. Without it, a random key of this process's own: its answers serve "
+    "only itself.",
+)
+@click.option(
     "--root",
     type=NonEmptyPath(file_okay=False, path_type=Path),
     envvar="KCACHE_ROOT",
@@ -108,9 +117,9 @@ MAX_PREFIX_ENTRIES = 10_000_000  # about a GiB of remembered prefix hashes
     "Repeatable (env: space-separated).",
 )
 @json_option
-def proxy_cmd(upstream, redis_url, root, model, model_config, facts, extras, host, port, ttl, max_entry_bytes,
-              redis_timeout, redis_retry_after, key_prefix, no_cache, cache_sampled, prefix_entries, tenant_headers,
-              as_json):  # fmt: skip
+def proxy_cmd(upstream, redis_url, entry_key_file, root, model, model_config, facts, extras, host, port, ttl,
+              max_entry_bytes, redis_timeout, redis_retry_after, key_prefix, no_cache, cache_sampled, prefix_entries,
+              tenant_headers, as_json):  # fmt: skip
     """Answer repeated OpenAI-compatible requests from Redis, keyed by what the pod runs.
 
     POST /v1/completions and /v1/chat/completions are looked up by (fingerprint, tenant = hash of
@@ -120,17 +129,19 @@ def proxy_cmd(upstream, redis_url, root, model, model_config, facts, extras, hos
     is forwarded untouched. `stream: true` answers are recorded while they stream and replayed as
     the same events. Redis down or slow: requests go to the engine, counted on /metrics. A request
     with `X-Kcache-Bypass: 1` or `Cache-Control: no-cache` skips the cache. GET /metrics: hits,
-    misses, bypasses by reason, bytes, added latency, prefix reuse. See docs/proxy.md.
+    misses, bypasses by reason, bytes, added latency, prefix reuse. Each answer in Redis is
+    authenticated under --entry-key-file's secret (and the tenant's credential). See docs/proxy.md.
 
     \b
     Examples:
       kcache proxy --root /kcache --upstream http://127.0.0.1:8000 \\
-          --redis redis://redis:6379/0 --port 8080 --host 0.0.0.0 --ttl 6h
+          --redis redis://redis:6379/0 --entry-key-file /etc/kcache-proxy/entry-key \\
+          --port 8080 --host 0.0.0.0 --ttl 6h
       curl -s localhost:8080/v1/chat/completions -H 'Content-Type: application/json' \\
           -d '{"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}'
       curl -s localhost:8080/metrics | grep kcache_proxy_requests_total
     """
-    from kcache.proxy import key
+    from kcache.proxy import entry, key
     from kcache.proxy.cache import redacted
     from kcache.proxy.server import ProxyConfig, serve
 
@@ -144,10 +155,15 @@ def proxy_cmd(upstream, redis_url, root, model, model_config, facts, extras, hos
         fingerprint = _fingerprint_or_none(root)
     else:
         fingerprint = compute_fingerprint(model, model_config, facts, extras).bundle_key
+    secret = entry.read_secret(entry_key_file) if entry_key_file is not None else None
     config = ProxyConfig(upstream=upstream, redis_url=redis_url, fingerprint=fingerprint, ttl=ttl,
                          max_entry_bytes=max_entry_bytes, redis_timeout=redis_timeout, retry_after=redis_retry_after,
                          key_prefix=key_prefix, enabled=not no_cache, cache_sampled=cache_sampled,
-                         prefix_entries=prefix_entries, tenant_headers=tenant_headers)  # fmt: skip
+                         prefix_entries=prefix_entries, tenant_headers=tenant_headers,
+                         entry_secret=secret)  # fmt: skip
+    if secret is None:
+        click.echo("kcache: warning: no --entry-key-file: answers in Redis are authenticated with a random key of "
+                   "this process's own, so only this process reads them back", err=True)  # fmt: skip
 
     def ready(bound: int) -> None:
         if as_json:  # the start line, for scripts that need the port

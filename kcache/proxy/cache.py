@@ -9,6 +9,9 @@ hit; a pipelined STRLEN + GET would still carry the whole value.) GETRANGE answe
 absent key, and no entry is empty, so "" is a plain miss. A value of another type (a list, a hash)
 answers WRONGTYPE: Redis is up and the key holds no entry, so it is a bad entry like any other,
 and the next answer's SET replaces it, not a failure that would switch the cache off for everyone.
+The value's PTTL comes in the same MULTI: one without an expiry (-1) or with a longer one than
+this proxy gives (--ttl) was not written as this proxy writes, and would outlive what the operator
+chose, so it is a bad entry too (the tag, kcache.proxy.entry, cannot cover what Redis keeps apart).
 
 Every call is bounded by `timeout` (asyncio's, on top of the socket timeouts), and redis-py's own
 retries are off, so a dead or stopped Redis costs a request at most one timeout. After
@@ -61,14 +64,28 @@ class ResultCache:
         self.stats.redis_up = up
         return up
 
-    async def get(self, key: str) -> entries.Entry | None:
-        """The entry for `key`; None when absent or not one of ours (a miss, overwritten by the next
-        answer). Raises CacheUnavailable."""
+    def name(self, key: str) -> str:
+        """The Redis key of request key `key`: what an entry's tag covers."""
+        return self.prefix + key
+
+    async def get(self, key: str, mac_key: bytes) -> entries.Entry | None:
+        """The entry for `key`, tagged under `mac_key` (entry.tenant_key); None when absent or not one
+        of ours (a miss, overwritten by the next answer). Raises CacheUnavailable."""
         try:
-            raw = await self._call(self._redis.getrange(self.prefix + key, 0, self.max_bytes))  # end inclusive
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.getrange(self.name(key), 0, self.max_bytes)  # end inclusive
+            pipe.pttl(self.name(key))
+            raw, pttl = await self._call(pipe.execute(raise_on_error=False))
+            if isinstance(raw, ResponseError) and str(raw).startswith("WRONGTYPE"):
+                raise entries.BadEntry("the key holds a value of another type")
+            if isinstance(raw, Exception) or isinstance(pttl, Exception):
+                self._fail("error")
             if not raw:
                 return None
-            return entries.decode(raw, max_bytes=self.max_bytes, key=key)
+            if not 0 < pttl <= self._ttl_ms:  # -1: no expiry; -2: gone since, and then raw was ""
+                raise entries.BadEntry(f"expires in {pttl} ms, not within --ttl")
+            return entries.decode(raw, max_bytes=self.max_bytes, name=self.name(key), mac_key=mac_key,
+                                  now_ms=_now_ms())  # fmt: skip
         except entries.BadEntry as exc:
             log.warning("ignoring the Redis value at %s%s: %s", self.prefix, key[:16], exc)
             self.stats.redis_errors["bad_entry"] += 1
@@ -76,7 +93,15 @@ class ResultCache:
 
     async def put(self, key: str, raw: bytes) -> None:
         """Store an encoded entry under `key` for the TTL. Raises CacheUnavailable."""
-        await self._call(self._redis.set(self.prefix + key, raw, px=max(1, int(self.ttl * 1000))))
+        await self._call(self._redis.set(self.name(key), raw, px=self._ttl_ms))
+
+    def expiry_ms(self) -> int:
+        """When an entry written now expires, in Unix ms: what its tag covers (Redis's PX is not)."""
+        return _now_ms() + self._ttl_ms
+
+    @property
+    def _ttl_ms(self) -> int:
+        return max(1, int(self.ttl * 1000))
 
     async def _call(self, command):
         if not self.up:
@@ -86,12 +111,6 @@ class ResultCache:
             result = await asyncio.wait_for(command, self.timeout)
         except (asyncio.TimeoutError, TimeoutError, RedisTimeout):
             self._fail("timeout")
-        except ResponseError as exc:
-            if not str(exc).startswith("WRONGTYPE"):
-                log.debug("redis: %s", exc)
-                self._fail("error")
-            self._failures = 0  # Redis answered: the key holds no entry, and the next SET replaces it
-            raise entries.BadEntry("the key holds a value of another type") from None
         except (RedisError, OSError) as exc:
             log.debug("redis: %s", exc)
             self._fail("error")
@@ -119,3 +138,7 @@ def redacted(url: str) -> str:
     if "@" not in rest:
         return url
     return f"{scheme}{sep}***@{rest.rsplit('@', 1)[1]}"
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)  # wall clock: replicas that share Redis share it, unlike monotonic time

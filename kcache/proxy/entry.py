@@ -1,32 +1,51 @@
 """A cached answer as it lies in Redis, and the rules for what may become one.
 
-    b"kcp2\\n" + canonical JSON {"headers": [[name, value], ...], "key", "sha256", "status", "stream"} + b"\\n" + body
+    b"kcp3\\n" + canonical JSON {"expires", "headers": [[name, value], ...], "status", "stream"} + b"\\n" + body + tag
+
+    tag = HMAC-SHA256(tenant key, len(name) + b":" + name + the value up to the tag)   (32 raw bytes)
+    tenant key = HMAC-SHA256(secret, the credential headers the request carried, raw)  (tenant_key)
+    name = the Redis key the value lies under (--key-prefix + request key)
+
+Redis is shared infrastructure, and whoever can write to it must not be able to choose what a client
+is answered. So every entry is authenticated under a secret that never goes to Redis (--entry-key-file,
+else a random one of this process's own), and the tag is checked before anything else of the value is
+read. The tag covers the key name, so a value copied from another key (another tenant's, another
+fingerprint's) is not this request's answer; the tenant key mixes in the tenant's raw credential, so
+even a holder of the secret who can write Redis cannot forge the answers of a tenant whose credential
+it does not have (the anonymous tenant, with no credential, has only the secret to protect it). The
+credential itself is never stored: the request key holds only its hash (kcache.proxy.key). `expires`
+(Unix ms, written + --ttl) is tagged too: a value saved and SET again later, with a fresh Redis
+expiry, is served no longer than its first life.
 
 Only complete, successful answers are stored: status 200, headers that decode reads back as they
 are (at most MAX_HEADERS, tokens for names, values without controls that have a UTF-8 form), and
 for JSON a body that parses to an object with `choices` and no `error`; for server-sent events a
 stream that ends with `data: [DONE]` and carries no error event (vLLM reports a failure mid-stream
-as an event, after a 200). Redis is
-shared infrastructure, so a value is hostile until it decodes: it must be no larger than the proxy
-would have written (--max-entry-bytes), the header line must parse (a RecursionError counts as not
-parsing), it must name the request key it lies under (a value copied from another key, so from
-another tenant or fingerprint, is not this request's answer), the body must hash to its sha256, and
-headers must be plain tokens and values that encode as UTF-8, or the value counts as absent. (kcp1
-entries had no key; they read as bad entries and are overwritten.)
+as an event, after a 200). A value is hostile until it decodes: it must be no larger than the proxy
+would have written (--max-entry-bytes), carry the tag of its name under this tenant's key, and its
+header line must parse (a RecursionError counts as not parsing) to headers that are plain tokens and
+values that encode as UTF-8, or the value counts as absent. (kcp1 and kcp2 entries carried no tag;
+they read as bad entries and are overwritten.)
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from kcache import canonical, untrusted
-from kcache.errors import BadEntry
+from kcache import boundedread, canonical, untrusted
+from kcache.errors import BadEntry, ConfigError
 from kcache.proxy import sse
 
-MAGIC = b"kcp2\n"
+MAGIC = b"kcp3\n"
+TAG_BYTES = 32  # HMAC-SHA256
+MIN_SECRET_BYTES = 32  # what `openssl rand -hex 32` writes is 64
+MAX_SECRET_FILE_BYTES = 4096
 MAX_HEADERS = 64
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")  # no CR, LF or other controls: no header injection
@@ -90,27 +109,28 @@ def storable(status: int, headers: tuple[tuple[str, str], ...], body: bytes) -> 
     return ""
 
 
-def encode(entry: Entry, *, key: str) -> bytes:
-    """The bytes to store under request key `key` (without the Redis prefix)."""
-    meta = {
-        "status": entry.status,
-        "headers": [list(h) for h in entry.headers],
-        "key": key,
-        "sha256": hashlib.sha256(entry.body).hexdigest(),
-        "stream": entry.stream,
-    }
-    return MAGIC + canonical.dumps(meta) + b"\n" + entry.body
+def encode(entry: Entry, *, name: str, mac_key: bytes, expires_ms: int) -> bytes:
+    """The bytes to store under the Redis key `name`, tagged under `mac_key` (tenant_key), to be served
+    until `expires_ms` (Unix time in ms)."""
+    meta = {"status": entry.status, "headers": [list(h) for h in entry.headers], "stream": entry.stream,
+            "expires": expires_ms}  # fmt: skip
+    signed = MAGIC + canonical.dumps(meta) + b"\n" + entry.body
+    return signed + _tag(mac_key, name, signed)
 
 
-def decode(raw: bytes, *, max_bytes: int, key: str) -> Entry:
-    """The entry in `raw`, read under request key `key`; raises BadEntry for anything this proxy did not
-    write whole for that key, and for anything over `max_bytes`, which it would not have written (the
-    cache reads one byte past it)."""
+def decode(raw: bytes, *, max_bytes: int, name: str, mac_key: bytes, now_ms: int) -> Entry:
+    """The entry in `raw`, read under the Redis key `name` at `now_ms` (Unix time in ms); raises BadEntry
+    for anything this proxy did not write whole for that key and tenant, for an entry past its expiry,
+    and for anything over `max_bytes`, which it would not have written (the cache reads one byte past
+    it). Nothing but the tag is read before the tag is checked."""
     if not isinstance(raw, bytes) or not raw.startswith(MAGIC):
-        raise BadEntry("no kcp2 magic")
+        raise BadEntry("no kcp3 magic")
     if len(raw) > max_bytes:
         raise BadEntry(f"larger than --max-entry-bytes ({max_bytes})")
-    head, sep, body = raw[len(MAGIC) :].partition(b"\n")
+    signed, tag = raw[:-TAG_BYTES], raw[-TAG_BYTES:]
+    if len(signed) < len(MAGIC) or not hmac.compare_digest(tag, _tag(mac_key, name, signed)):
+        raise BadEntry("not written by a proxy with this entry key, for this key and tenant")
+    head, sep, body = signed[len(MAGIC) :].partition(b"\n")
     if not sep:
         raise BadEntry("no header line")
     try:
@@ -119,11 +139,39 @@ def decode(raw: bytes, *, max_bytes: int, key: str) -> Entry:
         raise BadEntry(f"header is not JSON: {str(exc)[:80]}") from None
     if not isinstance(meta, dict) or meta.get("status") != 200 or not isinstance(meta.get("stream"), bool):
         raise BadEntry("bad status or stream flag")
-    if meta.get("key") != key:
-        raise BadEntry("written for another request key")
-    if meta.get("sha256") != hashlib.sha256(body).hexdigest():
-        raise BadEntry("body does not match its sha256")
+    expires = meta.get("expires")
+    if not isinstance(expires, int) or isinstance(expires, bool) or expires <= now_ms:
+        raise BadEntry("expired, or no expiry")
     return Entry(200, _headers(meta.get("headers")), body, meta["stream"])
+
+
+def tenant_key(secret: bytes, credentials: Sequence[tuple[str, str]]) -> bytes:
+    """The key that tags one tenant's entries: HMAC-SHA256 under `secret` of its credential headers
+    ((name, value) pairs, as kcache.proxy.key.decide found them), each name lower-case, sorted, every
+    part framed by its length. A value is its bytes (aiohttp decodes header bytes that are not UTF-8
+    with surrogateescape)."""
+    framed = b"kcache-proxy-tenant-key-1"
+    for lower, value in sorted((n.lower().encode(), v.encode("utf-8", "surrogateescape")) for n, v in credentials):
+        framed += b"%d:%s%d:%s" % (len(lower), lower, len(value), value)
+    return hmac.digest(secret, framed, hashlib.sha256)
+
+
+def _tag(mac_key: bytes, name: str, signed: bytes) -> bytes:
+    encoded = name.encode("utf-8", "surrogateescape")
+    mac = hmac.new(mac_key, b"%d:%s" % (len(encoded), encoded), hashlib.sha256)
+    mac.update(signed)  # not concatenated: a copy of up to --max-entry-bytes
+    return mac.digest()
+
+
+def read_secret(path: Path) -> bytes:
+    """The entry secret in the file `path` (--entry-key-file; a Kubernetes Secret mounted as a file),
+    without the whitespace around it. ConfigError when it cannot be read or is shorter than
+    MIN_SECRET_BYTES: a guessable secret would let a Redis writer forge every answer."""
+    secret = boundedread.read_named(Path(path), MAX_SECRET_FILE_BYTES, "--entry-key-file").strip()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError("--entry-key-file", str(path), f"holds {len(secret)} bytes; at least {MIN_SECRET_BYTES} "
+                          "are needed, e.g. from `openssl rand -hex 32`")  # fmt: skip
+    return secret
 
 
 def _headers(value) -> tuple[tuple[str, str], ...]:

@@ -34,7 +34,7 @@ import json
 import re
 import urllib.parse
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,9 @@ class Decision:
     key: str | None
     reason: str  # "" when cacheable; else the `off` reason | bypass_header | not_json | ambiguous_auth | sampling | n
     body: dict | None  # the parsed request, for prefix measurement; None when it is not a JSON object
+    # (name, value) of each tenant header the request carries, as sent: what tags the tenant's entries
+    # (kcache.proxy.entry.tenant_key). Never stored, never shown.
+    credentials: tuple[tuple[str, str], ...] = field(default=(), repr=False)
 
 
 def decide(
@@ -109,8 +112,8 @@ def decide(
     reason = "" if cache_sampled else nondeterminism(body)
     if reason:
         return Decision(None, reason, body)
-    credentials = [(name, found[0]) for name, found in given if found]
-    return Decision(request_key(path, query, credentials, body, fingerprint), "", body)
+    credentials = tuple((name, found[0]) for name, found in given if found)
+    return Decision(request_key(path, query, credentials, body, fingerprint), "", body, credentials)
 
 
 def tenant_headers(extra: Iterable[str] = ()) -> tuple[str, ...]:

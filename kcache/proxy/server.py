@@ -23,9 +23,10 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import secrets
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import aiohttp
@@ -70,6 +71,9 @@ class ProxyConfig:
     prefix_entries: int = 100_000
     max_request_bytes: int = 64 << 20  # the most of one completion request's body held to key it
     tenant_headers: tuple[str, ...] = ()  # headers that name the tenant besides key.TENANT_HEADERS (never instead)
+    # The secret that tags entries (kcache.proxy.entry); None: a random one of this process's own, so that
+    # entries serve only the process that wrote them. Never in a repr.
+    entry_secret: bytes | None = field(default=None, repr=False)
 
 
 class Proxy:
@@ -83,6 +87,7 @@ class Proxy:
         self.prefixes = PrefixMemory(config.prefix_entries)
         self.upstream = config.upstream.rstrip("/")
         self.tenant_headers = key.tenant_headers(config.tenant_headers)
+        self._secret = config.entry_secret or secrets.token_bytes(entries.MIN_SECRET_BYTES)
         self._runner: web.AppRunner | None = None
         self._storing: set[asyncio.Task] = set()  # shielded writes whose client left: the loop holds tasks weakly
 
@@ -152,9 +157,10 @@ class Proxy:
                         cache_sampled=cfg.cache_sampled, tenant_headers=self.tenant_headers)  # fmt: skip
         decision = await asyncio.to_thread(judge) if len(raw) > _INLINE_BYTES else judge()
         cache_key, reason = decision.key, decision.reason
+        mac_key = entries.tenant_key(self._secret, decision.credentials) if cache_key is not None else b""
         if cache_key is not None:
             try:
-                hit = await self.cache.get(cache_key)
+                hit = await self.cache.get(cache_key, mac_key)
             except CacheUnavailable:
                 cache_key, reason = None, "redis"
             else:
@@ -169,7 +175,8 @@ class Proxy:
             seen = await asyncio.to_thread(measure) if len(raw) > _INLINE_BYTES else measure()
             self.stats.prompt_bytes += seen.total
             self.stats.prompt_seen_bytes += seen.seen
-        return await self._forward(request, raw, started, outcome, cache_key)
+        slot = _Slot(cache_key, mac_key) if cache_key is not None else None
+        return await self._forward(request, raw, started, outcome, slot)
 
     async def _too_large(self, request: web.Request, head: bytes, started: float) -> web.StreamResponse:
         """A body over max_request_bytes: forwarded as it arrives (what was read, then the rest), never keyed."""
@@ -198,13 +205,13 @@ class Proxy:
         self.stats.added["hit"].observe(time.perf_counter() - started)
         return response
 
-    async def _forward(self, request, body, started, outcome, cache_key=None) -> web.StreamResponse:
+    async def _forward(self, request, body, started, outcome, slot=None) -> web.StreamResponse:
         # A multidict: a repeated header (two Authorization values) reaches the engine as the client sent it.
         dropped = NOT_FORWARDED | entries.connection_names(request.headers)
         headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in dropped)
         if body is not None and not isinstance(body, bytes) and request.content_length is not None:
             headers["Content-Length"] = str(request.content_length)  # streamed, but framed as the client framed it
-        if cache_key is not None:
+        if slot is not None:
             headers.popall("Accept-Encoding", None)
             headers["Accept-Encoding"] = "identity"  # what is recorded must be replayable to any client
         clock = _Clock()
@@ -217,20 +224,20 @@ class Proxy:
             self.stats.added[outcome].observe(time.perf_counter() - started - clock.waited)
             return _unreachable(self.upstream, exc)
         async with upstream:
-            response = await self._relay(request, upstream, outcome, cache_key, clock)
+            response = await self._relay(request, upstream, outcome, slot, clock)
         self.stats.added[outcome].observe(time.perf_counter() - started - clock.waited)
         return response
 
-    async def _relay(self, request, upstream, outcome, cache_key, clock) -> web.StreamResponse:
+    async def _relay(self, request, upstream, outcome, slot, clock) -> web.StreamResponse:
         """Copy the upstream answer chunk by chunk, recording it when it may be cached."""
-        answer = (entries.answer_headers if cache_key else entries.passed_headers)(upstream.headers)
+        answer = (entries.answer_headers if slot is not None else entries.passed_headers)(upstream.headers)
         response = web.StreamResponse(status=upstream.status, headers=_answer(answer, outcome))
         if upstream.content_length is not None:
             response.content_length = upstream.content_length  # raw bytes: auto_decompress is off
         if "Content-Encoding" in upstream.headers:
             response.headers["Content-Encoding"] = upstream.headers["Content-Encoding"]
         encoded = upstream.headers.get("Content-Encoding", "identity").lower() != "identity"
-        recording = bytearray() if cache_key is not None and not encoded else None  # ignored our identity ask
+        recording = bytearray() if slot is not None and not encoded else None  # ignored our identity ask
         try:
             await response.prepare(request)
             while chunk := await clock.wait(upstream.content.readany()):
@@ -256,7 +263,7 @@ class Proxy:
                 request.transport.abort()
             return response
         if recording is not None:  # shielded: a client gone after the last byte must not cost the entry
-            store = asyncio.ensure_future(self._store(cache_key, upstream.status, answer, bytes(recording)))
+            store = asyncio.ensure_future(self._store(slot, upstream.status, answer, bytes(recording)))
             self._storing.add(store)
             store.add_done_callback(self._storing.discard)
             try:
@@ -267,17 +274,20 @@ class Proxy:
         await response.write_eof()
         return response
 
-    async def _store(self, cache_key: str, status: int, headers, body: bytes) -> None:
+    async def _store(self, slot: _Slot, status: int, headers, body: bytes) -> None:
         reason = entries.storable(status, headers, body)
         answer = entries.Entry(200, headers, body, entries.is_event_stream(headers))
-        raw = b"" if reason else entries.encode(answer, key=cache_key)
+        raw = b""
+        if not reason:
+            raw = entries.encode(answer, name=self.cache.name(slot.key), mac_key=slot.mac_key,
+                                 expires_ms=self.cache.expiry_ms())  # fmt: skip
         if not reason and len(raw) > self.config.max_entry_bytes:
             reason = "too_large"
         if reason:
             self.stats.not_stored[reason] += 1
             return
         try:
-            await self.cache.put(cache_key, raw)
+            await self.cache.put(slot.key, raw)
         except CacheUnavailable:
             self.stats.not_stored["redis"] += 1
             return
@@ -303,6 +313,14 @@ async def _then(head: bytes, rest: aiohttp.StreamReader):
         yield head
     while chunk := await rest.readany():
         yield chunk
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where an answer is filed: its request key, and the key that tags its tenant's entries."""
+
+    key: str
+    mac_key: bytes = field(repr=False)
 
 
 class _Clock:
