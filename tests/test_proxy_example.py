@@ -94,6 +94,25 @@ def test_the_entry_key_comes_from_the_secret_mounted_read_only():
     assert volume["secret"]["defaultMode"] & 0o077 == 0o040, "readable by the pod's group (fsGroup), no one else"
 
 
+def test_the_memory_limit_covers_the_documented_worst_case():
+    """docs/proxy.md: ~50 MiB at rest, ~30 x --max-request-bytes for the body being parsed, a request's
+    body and an answer per request in flight, ~150 B a remembered prefix. A 60 MiB body had taken 1.7 GiB
+    against a limit of 512Mi."""
+    _, _, _, proxy = merged_pod()
+    (args,) = kcache_calls(proxy)
+    _, command, rest = resolve(args)
+    params = command.make_context("proxy", list(rest) + ["--redis", "redis://x:6379/0"]).params
+    per_request = params["max_request_bytes"] + params["max_entry_bytes"]
+    worst = (50 << 20) + 30 * params["max_request_bytes"] + 150 * params["prefix_entries"] + 32 * per_request
+    limit = proxy["resources"]["limits"]["memory"]
+    assert _bytes(limit) >= worst, f"{limit} is under the worst case with 32 large requests in flight"
+
+
+def _bytes(quantity: str) -> int:
+    units = {"Mi": 1 << 20, "Gi": 1 << 30}
+    return int(quantity[:-2]) * units[quantity[-2:]]
+
+
 def test_the_sidecar_runs_locked_down_with_a_pinned_image():
     _, _, _, proxy = merged_pod()
     ctx = proxy["securityContext"]

@@ -207,6 +207,22 @@ def test_a_body_over_the_request_limit_is_forwarded_not_refused(engine, prefix):
         assert proxy.post(CHAT, ASK).headers["x-kcache-cache"] == "miss"  # below the limit: cached as before
 
 
+def test_a_body_over_4_mib_is_streamed_to_the_engine_and_never_parsed(engine, prefix, monkeypatch):
+    """A 60 MiB body under the old 64 MiB limit was parsed and serialised again to key it: 1.7 GiB of memory
+    (the example sidecar's limit is 512Mi) and seconds in which the parser held the GIL, and with it every
+    other client. Past 4 MiB a body is forwarded as it arrives, uncached."""
+    parsed = []
+    parse = key.parse_body
+    monkeypatch.setattr(key, "parse_body", lambda raw: parsed.append(len(raw)) or parse(raw))
+    big = {**ASK, "messages": [{"role": "user", "content": "x" * (4 << 20)}]}
+    with RunningProxy(config(engine.url, prefix)) as proxy:
+        reply = proxy.post(CHAT, big)
+        assert (reply.status, reply.headers["x-kcache-cache"]) == (200, "bypass") and reply.body == engine.sent[0]
+        assert engine.completions == [big] and parsed == []
+        assert proxy.metric("kcache_proxy_bypasses_total", reason="too_large") == 1
+        assert proxy.post(CHAT, ASK).headers["x-kcache-cache"] == "miss" and parsed == [len(json.dumps(ASK))]
+
+
 def test_expect_100_continue_is_not_forwarded(prefix):
     # The proxy has the body already (it answered the client's Expect itself); forwarded, the header made
     # aiohttp wait for a 100 the engine need not send, for ever.

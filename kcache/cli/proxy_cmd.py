@@ -22,6 +22,7 @@ from kcache.config import redact_url
 from kcache.errors import ConfigError
 
 MAX_ENTRY_BYTES = 512 * 1024 * 1024  # the largest string Redis stores
+MAX_REQUEST_BYTES = 64 << 20  # parsing one costs ~2 GiB and seconds in which no other client is served
 MAX_PREFIX_ENTRIES = 10_000_000  # about a GiB of remembered prefix hashes
 
 
@@ -77,6 +78,14 @@ MAX_PREFIX_ENTRIES = 10_000_000  # about a GiB of remembered prefix hashes
     help="Answers larger than this are forwarded but not cached.",
 )
 @click.option(
+    "--max-request-bytes",
+    type=click.IntRange(1, MAX_REQUEST_BYTES),
+    default=4 << 20,
+    show_default=True,
+    help="Request bodies larger than this are streamed to the engine uncached, never parsed: parsing one takes "
+    "up to ~30 times its size in memory, and holds up every other client meanwhile.",
+)
+@click.option(
     "--redis-timeout",
     type=FiniteFloat(0.001),
     default=0.25,
@@ -118,8 +127,8 @@ MAX_PREFIX_ENTRIES = 10_000_000  # about a GiB of remembered prefix hashes
 )
 @json_option
 def proxy_cmd(upstream, redis_url, entry_key_file, root, model, model_config, facts, extras, host, port, ttl,
-              max_entry_bytes, redis_timeout, redis_retry_after, key_prefix, no_cache, cache_sampled, prefix_entries,
-              tenant_headers, as_json):  # fmt: skip
+              max_entry_bytes, max_request_bytes, redis_timeout, redis_retry_after, key_prefix, no_cache,
+              cache_sampled, prefix_entries, tenant_headers, as_json):  # fmt: skip
     """Answer repeated OpenAI-compatible requests from Redis, keyed by what the pod runs.
 
     POST /v1/completions and /v1/chat/completions are looked up by (fingerprint, tenant = hash of
@@ -157,10 +166,10 @@ def proxy_cmd(upstream, redis_url, entry_key_file, root, model, model_config, fa
         fingerprint = compute_fingerprint(model, model_config, facts, extras).bundle_key
     secret = entry.read_secret(entry_key_file) if entry_key_file is not None else None
     config = ProxyConfig(upstream=upstream, redis_url=redis_url, fingerprint=fingerprint, ttl=ttl,
-                         max_entry_bytes=max_entry_bytes, redis_timeout=redis_timeout, retry_after=redis_retry_after,
-                         key_prefix=key_prefix, enabled=not no_cache, cache_sampled=cache_sampled,
-                         prefix_entries=prefix_entries, tenant_headers=tenant_headers,
-                         entry_secret=secret)  # fmt: skip
+                         max_entry_bytes=max_entry_bytes, max_request_bytes=max_request_bytes,
+                         redis_timeout=redis_timeout, retry_after=redis_retry_after, key_prefix=key_prefix,
+                         enabled=not no_cache, cache_sampled=cache_sampled, prefix_entries=prefix_entries,
+                         tenant_headers=tenant_headers, entry_secret=secret)  # fmt: skip
     if secret is None:
         click.echo("kcache: warning: no --entry-key-file: answers in Redis are authenticated with a random key of "
                    "this process's own, so only this process reads them back", err=True)  # fmt: skip

@@ -13,9 +13,14 @@ failing is a 502 in OpenAI's error shape, since there is nothing else to answer 
 
 Request bodies are read raw (never inflated: the engine gets the bytes the client sent, and the key
 is computed from them), and at most max_request_bytes of one is held: a larger body is forwarded as
-it arrives, uncached. Request headers are forwarded with their repeats, except this hop's (those the
-Connection header names too, both ways); a client that hangs up cancels its handler, which closes the
-engine's connection.
+it arrives, uncached and never parsed. Parsing a body costs up to ~30 times its size in memory and
+holds the GIL throughout (json's C code), so the bound is what keeps the proxy inside its memory
+limit and every other client served; bodies past _INLINE_BYTES are judged one at a time, on a worker
+thread (running two at once would gain nothing under the GIL, and double the memory).
+
+Request headers are forwarded with their repeats, except this hop's (those the Connection header
+names too, both ways); a client that hangs up cancels its handler, which closes the engine's
+connection.
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ class ProxyConfig:
     enabled: bool = True  # False: forward everything, count it, cache nothing
     cache_sampled: bool = False
     prefix_entries: int = 100_000
-    max_request_bytes: int = 64 << 20  # the most of one completion request's body held to key it
+    max_request_bytes: int = 4 << 20  # the most of one completion request's body held, parsed and keyed
     tenant_headers: tuple[str, ...] = ()  # headers that name the tenant besides key.TENANT_HEADERS (never instead)
     # The secret that tags entries (kcache.proxy.entry); None: a random one of this process's own, so that
     # entries serve only the process that wrote them. Never in a repr.
@@ -90,6 +95,7 @@ class Proxy:
         self._secret = config.entry_secret or secrets.token_bytes(entries.MIN_SECRET_BYTES)
         self._runner: web.AppRunner | None = None
         self._storing: set[asyncio.Task] = set()  # shielded writes whose client left: the loop holds tasks weakly
+        self._judging = asyncio.Semaphore(1)  # large bodies parsed at once (see the module docstring)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         cfg = self.config
@@ -150,12 +156,16 @@ class Proxy:
         if not whole:
             return await self._too_large(request, raw, started)
         query = key.query_pairs(request.rel_url.raw_query_string)
-        # Parsing and keying up to max_request_bytes is seconds of CPU: a large body goes to a worker
-        # thread, so the loop goes on serving others (the parser lets it in between objects; the prefix
-        # walk is bounded). A small one, nearly every request, is judged here: a thread hop costs more.
+        # Parsing and keying up to max_request_bytes is a fraction of a second of CPU: a large body goes
+        # to a worker thread, so the loop can go on with the Python parts of other requests in between.
+        # A small one, nearly every request, is judged here: a thread hop costs more.
         judge = partial(key.decide, request.path, query, request.headers, raw, cfg.fingerprint or "", off=self.off,
                         cache_sampled=cfg.cache_sampled, tenant_headers=self.tenant_headers)  # fmt: skip
-        decision = await asyncio.to_thread(judge) if len(raw) > _INLINE_BYTES else judge()
+        if len(raw) > _INLINE_BYTES:
+            async with self._judging:
+                decision = await asyncio.to_thread(judge)
+        else:
+            decision = judge()
         cache_key, reason = decision.key, decision.reason
         mac_key = entries.tenant_key(self._secret, decision.credentials) if cache_key is not None else b""
         if cache_key is not None:
@@ -179,7 +189,7 @@ class Proxy:
         return await self._forward(request, raw, started, outcome, slot)
 
     async def _too_large(self, request: web.Request, head: bytes, started: float) -> web.StreamResponse:
-        """A body over max_request_bytes: forwarded as it arrives (what was read, then the rest), never keyed."""
+        """A body over max_request_bytes: forwarded as it arrives (what was read, then the rest), never parsed."""
         reason = "too_large"
         if self.off:
             reason = self.off  # decided before the body, as for a body that fits
