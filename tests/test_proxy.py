@@ -4,6 +4,7 @@ import hashlib
 import hmac
 import http.client
 import json
+import socket
 import threading
 import time
 import uuid
@@ -18,7 +19,7 @@ from served import kcache_server
 
 from kcache import fingerprint
 from kcache.cli import main
-from kcache.proxy import entry, key
+from kcache.proxy import entry, key, sse
 from kcache.proxy.cache import FAILURES_TO_SKIP
 from kcache.proxy.server import ProxyConfig
 from kcache.readiness import RESTORE_MARKER, write_marker
@@ -163,6 +164,35 @@ def test_a_stream_is_replayed_byte_for_byte(proxy, engine):
     assert json.loads(events[0][len(b"data: ") :])["choices"][0]["delta"] == {"content": " t0"}
     # The same request without `stream` is another answer, in another format.
     assert proxy.post(CHAT, ASK).headers["x-kcache-cache"] == "miss"
+
+
+def chunks(port: int, path: str, doc: dict) -> list[bytes]:
+    """The chunks of a chunked answer, as framed on the wire (http.client would join them)."""
+    body = json.dumps(doc).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        conn.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+        raw = b"".join(iter(lambda: conn.recv(1 << 16), b""))
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower()
+    found = []
+    while True:
+        size, _, rest = rest.partition(b"\r\n")
+        if int(size, 16) == 0:
+            return found
+        found.append(rest[: int(size, 16)])
+        rest = rest[int(size, 16) + 2 :]
+
+
+def test_a_replayed_stream_is_written_in_pieces_of_whole_events(proxy, engine):
+    """A hit was written one event at a time without yielding: a cached stream of 2-byte events held every
+    other client of the proxy for seconds."""
+    streamed = {**ASK, "stream": True, "max_tokens": 400}
+    proxy.post(CHAT, streamed)
+    pieces = chunks(proxy.port, CHAT, streamed)
+    assert b"".join(pieces) == engine.sent[0] and len(engine.completions) == 1
+    assert all(len(p) >= sse.MIN_WRITE_BYTES for p in pieces[:-1]) and len(pieces) > 1
+    assert all(p.endswith(b"\n\n") for p in pieces)  # each a run of whole events, as the engine sent them
 
 
 def test_a_stream_that_reports_an_error_is_not_cached(prefix):

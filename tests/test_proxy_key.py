@@ -257,6 +257,30 @@ def test_events_never_change_a_byte(pieces):
     assert b"".join(sse.events(body)) == body
 
 
+@given(st.lists(st.sampled_from([b"data: x", b"\n", b"\r", b"\r\n", b"y" * 700, b":c"]), max_size=60),
+       st.sampled_from([1, 100, 1000]))  # fmt: skip
+def test_batches_are_runs_of_whole_events_never_changing_a_byte(pieces, at_least):
+    body = b"".join(pieces)
+    batches = list(sse.batches(body, at_least))
+    assert b"".join(batches) == body
+    assert all(len(b) >= at_least for b in batches[:-1])
+    ends = {0}
+    for event in sse.events(body):
+        ends.add(max(ends) + len(event))
+    cuts = [sum(len(b) for b in batches[: i + 1]) for i in range(len(batches))]
+    assert set(cuts) <= ends  # every cut falls where an event ends
+
+
+def test_a_stream_of_more_events_than_a_replay_may_write_is_neither_stored_nor_served():
+    many = b"\n\n" * entry.MAX_EVENTS + b"data: [DONE]\n\n"
+    stream = (("Content-Type", "text/event-stream"),)
+    assert entry.storable(200, stream, many) == "too_large"
+    with pytest.raises(entry.BadEntry, match="events"):
+        unseal(seal(entry.Entry(200, stream, many, True)), max_bytes=len(many) + 4096)
+    fewer = many[len(b"\n\n") :]
+    assert unseal(seal(entry.Entry(200, stream, fewer, True)), max_bytes=len(many) + 4096).body == fewer
+
+
 def test_a_stream_is_complete_only_when_it_ends_with_done_and_no_error():
     ok = b'data: {"choices": []}\n\ndata: [DONE]\n\n'
     assert sse.complete(ok)

@@ -17,15 +17,15 @@ credential itself is never stored: the request key holds only its hash (kcache.p
 (Unix ms, written + --ttl) is tagged too: a value saved and SET again later, with a fresh Redis
 expiry, is served no longer than its first life.
 
-Only complete, successful answers are stored: status 200, headers that decode reads back as they
-are (at most MAX_HEADERS, tokens for names, values without controls that have a UTF-8 form), and
-for JSON a body that parses to an object with `choices` and no `error`; for server-sent events a
-stream that ends with `data: [DONE]` and carries no error event (vLLM reports a failure mid-stream
-as an event, after a 200). A value is hostile until it decodes: it must be no larger than the proxy
-would have written (--max-entry-bytes), carry the tag of its name under this tenant's key, and its
-header line must parse (a RecursionError counts as not parsing) to headers that are plain tokens and
-values that encode as UTF-8, or the value counts as absent. (kcp1 and kcp2 entries carried no tag;
-they read as bad entries and are overwritten.)
+Only complete, successful answers are stored: status 200, headers that decode reads back as they are
+(at most MAX_HEADERS, tokens for names, values without controls that have a UTF-8 form), and for
+JSON a body that parses to an object with `choices` and no `error`; for server-sent events a stream
+that ends with `data: [DONE]` and carries no error event (vLLM reports a failure mid-stream as an
+event, after a 200) and holds at most MAX_EVENTS events. A value is hostile until it decodes: it
+must be no larger than the proxy would have written (--max-entry-bytes), carry the tag of its name
+under this tenant's key, and its header line must parse (a RecursionError counts as not parsing) to
+headers that are plain tokens and values that encode as UTF-8, or the value counts as absent. (kcp1
+and kcp2 entries carried no tag; they read as bad entries and are overwritten.)
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ MAGIC = b"kcp3\n"
 TAG_BYTES = 32  # HMAC-SHA256
 MIN_SECRET_BYTES = 32  # what `openssl rand -hex 32` writes is 64
 MAX_SECRET_FILE_BYTES = 4096
+# Events in a stream entry: one a token is ~130k for a long answer; each costs a regex match when it
+# is replayed (batched into writes, kcache.proxy.sse.batches), so a value of 2-byte events is bounded.
+MAX_EVENTS = 1 << 17
 MAX_HEADERS = 64
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")  # no CR, LF or other controls: no header injection
@@ -99,6 +102,8 @@ def storable(status: int, headers: tuple[tuple[str, str], ...], body: bytes) -> 
     except BadEntry:  # over MAX_HEADERS, a name that is no token, a value with controls or no UTF-8 form
         return "headers"
     if is_event_stream(headers):
+        if sse.count(body, MAX_EVENTS) > MAX_EVENTS:
+            return "too_large"
         return "" if sse.complete(body) else "upstream_error"
     try:
         doc = json.loads(body)
@@ -142,6 +147,8 @@ def decode(raw: bytes, *, max_bytes: int, name: str, mac_key: bytes, now_ms: int
     expires = meta.get("expires")
     if not isinstance(expires, int) or isinstance(expires, bool) or expires <= now_ms:
         raise BadEntry("expired, or no expiry")
+    if meta["stream"] and sse.count(body, MAX_EVENTS) > MAX_EVENTS:
+        raise BadEntry(f"more than {MAX_EVENTS} events")
     return Entry(200, _headers(meta.get("headers")), body, meta["stream"])
 
 

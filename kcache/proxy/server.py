@@ -6,10 +6,10 @@
 
 A miss is forwarded chunk by chunk while it is recorded; the entry is written to Redis before the
 response's last chunk goes out, so a client that has read an answer whole can count on the next
-identical request being a hit. A hit is replayed with the headers the engine sent and, for a
-stream, event by event with the engine's exact bytes. Every answer carries `X-Kcache-Cache`
-(hit | miss | bypass | pass). Redis failing is a pass-through (kcache.proxy.cache); the upstream
-failing is a 502 in OpenAI's error shape, since there is nothing else to answer with.
+identical request being a hit. A hit is replayed with the headers the engine sent and, for a stream,
+the engine's exact bytes in runs of whole events (sse.batches). Every answer carries
+`X-Kcache-Cache` (hit | miss | bypass | pass). Redis failing is a pass-through (kcache.proxy.cache); the
+upstream failing is a 502 in OpenAI's error shape, since there is nothing else to answer with.
 
 Request bodies are read raw (never inflated: the engine gets the bytes the client sent, and the key
 is computed from them), and at most max_request_bytes of one is held: a larger body is forwarded as
@@ -206,8 +206,8 @@ class Proxy:
             response.content_length = len(hit.body)
         try:
             await response.prepare(request)
-            for piece in sse.events(hit.body) if hit.stream else [hit.body]:
-                await response.write(piece)  # one write per event, as the engine flushes them
+            for piece in sse.batches(hit.body) if hit.stream else [hit.body]:
+                await response.write(piece)  # runs of whole events: a write per event held the loop for seconds
             await response.write_eof()
             self.stats.hit_bytes += len(hit.body)
         except ConnectionResetError:
