@@ -104,7 +104,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def measure(engine_url: str, proxy_url: str, args) -> dict:
+async def measure(engine_url: str, proxy_url: str, metrics_url: str, args) -> dict:
     n, clients = args.requests, args.clients
     fresh = iter(range(10**9))
     connector = aiohttp.TCPConnector(limit=0)
@@ -118,7 +118,7 @@ async def measure(engine_url: str, proxy_url: str, args) -> dict:
             "miss": await latencies(session, proxy_url, n, lambda _i: ask(next(fresh)), "miss"),
             "hit": await latencies(session, proxy_url, n, lambda _i: hit_body, "hit"),
         }
-        async with session.get(proxy_url + "/metrics") as resp:
+        async with session.get(metrics_url) as resp:
             sequential_metrics = await resp.text()  # before concurrency adds event-loop queueing to it
         rps = {
             "direct": await throughput(session, engine_url, n * 2, clients, ask, "direct@64"),
@@ -151,18 +151,20 @@ def _sample(text: str, name: str, outcome: str) -> float:
     return float(found[1]) if found else 0.0
 
 
-def start_proxy(engine_url: str, args, prefix: str) -> tuple[subprocess.Popen, str]:
+def start_proxy(engine_url: str, args, prefix: str) -> tuple[subprocess.Popen, str, str]:
+    """The proxy's process, its URL and its metrics URL."""
     argv = [sys.executable, "-m", "kcache", "proxy", "--upstream", engine_url, "--redis", args.redis, "--port", "0",
-            "--key-prefix", prefix, "--model", "bench/model", "--ttl", "10m"]  # fmt: skip
+            "--metrics-port", "0", "--key-prefix", prefix, "--model", "bench/model", "--ttl", "10m"]  # fmt: skip
     if args.redis_timeout is not None:
         argv += ["--redis-timeout", str(args.redis_timeout)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     found = re.search(r"http://127\.0\.0\.1:(\d+)", line)
-    if found is None:
+    metrics = re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", line)
+    if found is None or metrics is None:
         proc.kill()
         raise SystemExit(f"bench_proxy: kcache proxy did not start: {line!r}")
-    return proc, f"http://127.0.0.1:{found[1]}"
+    return proc, f"http://127.0.0.1:{found[1]}", metrics[1]
 
 
 def main() -> None:
@@ -180,9 +182,9 @@ def main() -> None:
     engine.start()
     engine_url = f"http://127.0.0.1:{port_box.get(timeout=30)}"
     prefix = f"kcache-bench:{uuid.uuid4().hex}:"
-    proxy, proxy_url = start_proxy(engine_url, args, prefix)
+    proxy, proxy_url, metrics_url = start_proxy(engine_url, args, prefix)
     try:
-        out = asyncio.run(measure(engine_url, proxy_url, args))
+        out = asyncio.run(measure(engine_url, proxy_url, metrics_url, args))
     finally:
         proxy.terminate()
         proxy.wait(timeout=30)

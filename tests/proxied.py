@@ -29,6 +29,7 @@ class RunningProxy:
         self.proxy = Proxy(config)
         self.loop = asyncio.new_event_loop()
         self.port = self.loop.run_until_complete(self.proxy.start("127.0.0.1", 0))
+        self.metrics_port = self.proxy.metrics_port
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
 
@@ -48,7 +49,7 @@ class RunningProxy:
         return request(self.port, "GET", path)
 
     def metric(self, name: str, **labels: str) -> float:
-        reply = self.get("/metrics")
+        reply = request(self.metrics_port, "GET", "/metrics")
         assert reply.status == 200 and reply.headers["content-type"].startswith("text/plain; version=0.0.4")
         return metric(reply.body.decode(), name, **labels)
 
@@ -80,6 +81,11 @@ def metric(text: str, name: str, **labels: str) -> float:
     pattern = "^" + re.escape(name) + (r"\{" + re.escape(want) + r"\}" if want else "") + r" (\S+)$"
     found = re.search(pattern, text, re.MULTILINE)
     return float(found[1]) if found else 0.0
+
+
+def metrics_port_of(proc) -> int:
+    """The metrics port `kcache proxy`'s start line names (tests/served.py keeps the line)."""
+    return int(re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", proc.start_line)[1])
 
 
 def free_port() -> int:

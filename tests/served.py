@@ -22,6 +22,7 @@ def kcache_server(*args: str) -> Iterator[tuple[subprocess.Popen, int]]:
             out, err = proc.communicate()
             raise AssertionError(f"kcache {' '.join(args)} did not start (exit {proc.returncode}): "
                                  f"{line}{out}{err}")  # fmt: skip
+        proc.start_line = line  # for commands that name more than one port in it
         yield proc, int(bound[1])
     finally:
         if proc.poll() is None:

@@ -14,7 +14,7 @@ import pytest
 import redis
 from click.testing import CliRunner
 from engine_server import SSE_TYPE, EngineServer
-from proxied import PrivateRedis, RunningProxy, free_port, metric, request
+from proxied import PrivateRedis, RunningProxy, free_port, metric, metrics_port_of, request
 from served import kcache_server
 
 from kcache import fingerprint
@@ -306,6 +306,19 @@ def test_a_body_without_a_canonical_form_is_forwarded_unchanged(engine, prefix, 
         assert proxy.metric("kcache_proxy_bypasses_total", reason=reason) == 2
 
 
+def test_metrics_are_served_on_their_own_port_not_to_clients(proxy, engine):
+    """On the client port, /metrics told any client whether another tenant had sent a prompt: the seen-prefix
+    counter moves when a prompt someone sent before comes again. Nor is the engine's own /metrics passed on
+    (vLLM's prefix-cache hit counters would tell the same)."""
+    proxy.post(CHAT, ASK)
+    on_client_port = proxy.get("/metrics")
+    assert on_client_port.status == 404 and b"kcache_proxy" not in on_client_port.body
+    assert "the proxy's metrics port" in on_client_port.json()["error"]["message"]  # the proxy's, not the engine's
+    text = request(proxy.metrics_port, "GET", "/metrics").body.decode()
+    assert metric(text, "kcache_proxy_requests_total", outcome="miss") == 1
+    assert request(proxy.metrics_port, "POST", CHAT, json.dumps(ASK).encode()).status == 404  # metrics only
+
+
 def test_other_paths_pass_through(proxy, engine):
     models = proxy.get("/v1/models")
     assert models.status == 200 and models.json()["data"][0]["id"] == EngineServer.MODEL
@@ -386,11 +399,12 @@ def test_after_a_failure_redis_is_skipped_for_a_while(engine, prefix, tmp_path):
 def test_the_cli_serves_with_the_fingerprint_of_the_restore_root(engine, prefix, tmp_path):
     write_marker(tmp_path, RESTORE_MARKER, {"status": "miss", "bundle_key": FP})
     args = ["proxy", "--root", str(tmp_path), "--upstream", engine.url, "--redis", REDIS_URL, "--port", "0",
+            "--metrics-port", "0",
             "--key-prefix", prefix, "--ttl", "10m"]  # fmt: skip
     with kcache_server(*args) as (proc, port):
         assert [request(port, "POST", CHAT, json.dumps(ASK).encode()).headers["x-kcache-cache"]
                 for _ in range(2)] == ["miss", "hit"]  # fmt: skip
-        text = request(port, "GET", "/metrics").body.decode()
+        text = request(metrics_port_of(proc), "GET", "/metrics").body.decode()
         assert metric(text, "kcache_proxy_requests_total", outcome="hit") == 1
         proc.terminate()
         assert proc.wait(timeout=30) == 0
@@ -409,12 +423,13 @@ def test_a_root_without_a_fingerprint_serves_every_request_uncached(engine, pref
     if marker is not None:
         write_marker(tmp_path, RESTORE_MARKER, marker)
     args = ["proxy", "--root", str(tmp_path), "--upstream", engine.url, "--redis", REDIS_URL, "--port", "0",
+            "--metrics-port", "0",
             "--key-prefix", prefix]  # fmt: skip
     with kcache_server(*args) as (proc, port):
         replies = [request(port, "POST", CHAT, json.dumps(ASK).encode()) for _ in range(2)]
         assert [(r.status, r.headers["x-kcache-cache"]) for r in replies] == [(200, "bypass")] * 2
         assert [r.body for r in replies] == engine.sent
-        text = request(port, "GET", "/metrics").body.decode()
+        text = request(metrics_port_of(proc), "GET", "/metrics").body.decode()
         assert metric(text, "kcache_proxy_bypasses_total", reason="no_fingerprint") == 2
         proc.terminate()
         assert proc.wait(timeout=30) == 0
@@ -425,6 +440,7 @@ def test_a_root_without_a_fingerprint_serves_every_request_uncached(engine, pref
 def test_the_cli_names_more_tenant_headers_by_flag_or_environment(engine, prefix, tmp_path, monkeypatch):
     write_marker(tmp_path, RESTORE_MARKER, {"status": "miss", "bundle_key": FP})
     args = ["proxy", "--root", str(tmp_path), "--upstream", engine.url, "--redis", REDIS_URL, "--port", "0",
+            "--metrics-port", "0",
             "--key-prefix", prefix]  # fmt: skip
     for name, how in [("X-Goog-Api-Key", ["--tenant-header", "X-Goog-Api-Key", "--tenant-header", "X-Team"]),
                       ("X-Org", [])]:  # fmt: skip
@@ -482,6 +498,7 @@ def test_replicas_given_one_entry_key_file_share_answers(engine, prefix, tmp_pat
     write_marker(tmp_path, RESTORE_MARKER, {"status": "miss", "bundle_key": FP})
     (tmp_path / "entry-key").write_text("0123456789abcdef" * 4 + "\n")  # as a mounted Secret holds it
     args = ["proxy", "--root", str(tmp_path), "--upstream", engine.url, "--redis", REDIS_URL, "--port", "0",
+            "--metrics-port", "0",
             "--key-prefix", prefix]  # fmt: skip
     outcomes = []
     for how in (["--entry-key-file", str(tmp_path / "entry-key")], ["--entry-key-file", str(tmp_path / "entry-key")],
@@ -522,10 +539,11 @@ def test_root_and_fingerprint_flags_give_the_key_restore_used(tmp_path, engine, 
     restored = CliRunner().invoke(main, ["restore", "--into", str(tmp_path / "root"), *flags, "--json"],
                                   catch_exceptions=False)  # fmt: skip
     bundle_key = json.loads(restored.output)["bundle_key"]
-    common = ["proxy", "--upstream", engine.url, "--redis", REDIS_URL, "--port", "0", "--key-prefix", prefix]
+    common = ["proxy", "--upstream", engine.url, "--redis", REDIS_URL, "--port", "0", "--metrics-port", "0",
+              "--key-prefix", prefix]
     for how in (["--root", str(tmp_path / "root")], flags):
-        with kcache_server(*common, *how) as (_proc, port):
-            text = request(port, "GET", "/metrics").body.decode()
+        with kcache_server(*common, *how) as (proc, port):
+            text = request(metrics_port_of(proc), "GET", "/metrics").body.decode()
             assert metric(text, "kcache_proxy_info", fingerprint=bundle_key) == 1, how[0]
 
 

@@ -12,7 +12,13 @@ SIDECAR = EXAMPLES / "proxy-sidecar.yaml"
 
 
 def sidecar_docs() -> dict[str, dict]:
-    return {doc["kind"]: doc for doc in yaml.safe_load_all(SIDECAR.read_text()) if doc}
+    """Each document as KIND/NAME, and as KIND for the first of its kind."""
+    docs: dict[str, dict] = {}
+    for doc in yaml.safe_load_all(SIDECAR.read_text()):
+        if doc:
+            docs.setdefault(doc["kind"], doc)
+            docs[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
+    return docs
 
 
 def merged_pod():
@@ -68,6 +74,24 @@ def test_the_proxy_reads_the_restore_state_and_fronts_the_model():
     assert str(named[port["targetPort"]]) == option(args, "--port")[0]
     labels = next(doc for _, doc in _deployments())["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
+
+
+def test_clients_reach_the_proxy_port_and_prometheus_the_metrics_port():
+    """/metrics on the clients' port told any client whether another tenant had sent a prompt."""
+    _, _, _, proxy = merged_pod()
+    (args,) = kcache_calls(proxy)
+    named = {p["name"]: str(p["containerPort"]) for p in proxy["ports"]}
+    assert option(args, "--metrics-port") == [named["metrics"]] and named["metrics"] != named["proxy"]
+    docs = sidecar_docs()
+    (client_port,) = docs["Service"]["spec"]["ports"]
+    assert client_port["targetPort"] == "proxy"
+    services = [doc for name, doc in docs.items() if name.startswith("Service/")]
+    assert {p["targetPort"] for doc in services if doc is not docs["Service"] for p in doc["spec"]["ports"]} == {
+        "metrics"
+    }
+    (scraped,) = [doc for doc in services if doc["metadata"].get("annotations", {}).get("prometheus.io/scrape")]
+    assert scraped["metadata"]["annotations"]["prometheus.io/port"] == named["metrics"]
+    assert proxy["readinessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
 
 
 def test_the_secret_holds_what_the_proxy_reads():

@@ -17,7 +17,7 @@ import pytest
 import redis
 from engine_server import EngineServer
 from hostile_http import COMPLETION, HostileServer, answer
-from proxied import RunningProxy
+from proxied import RunningProxy, request
 from test_proxy import ASK, CHAT, FP, REDIS_URL, SECRET, config, opened, sealed
 
 from kcache.proxy import cache, entry, key
@@ -254,7 +254,7 @@ def test_a_client_that_leaves_closes_the_engines_connection(prefix):
                            f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
             assert arrived.wait(30)
         assert closed.wait(30)
-        assert proxy.get("/metrics").status == 200  # and the proxy serves on
+        assert request(proxy.metrics_port, "GET", "/metrics").status == 200  # and the proxy serves on
 
 
 # --- Redis -----------------------------------------------------------------------------------------------------
@@ -456,7 +456,7 @@ def test_other_clients_are_served_while_a_request_body_is_judged(proxy, monkeypa
     asker.start()
     try:
         assert entered.wait(30)
-        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.metrics_port, timeout=10)  # served by the same loop
         try:
             conn.request("GET", "/metrics")
             assert conn.getresponse().status == 200  # a timeout here: the loop was held

@@ -24,6 +24,7 @@ from kcache.errors import ConfigError
 MAX_ENTRY_BYTES = 512 * 1024 * 1024  # the largest string Redis stores
 MAX_REQUEST_BYTES = 64 << 20  # parsing one costs ~2 GiB and seconds in which no other client is served
 MAX_PREFIX_ENTRIES = 10_000_000  # about a GiB of remembered prefix hashes
+METRICS_PORT = 9401  # next to the kcache watch/serve sidecar's 9400 in the same pod
 
 
 @click.command("proxy")
@@ -60,7 +61,16 @@ MAX_PREFIX_ENTRIES = 10_000_000  # about a GiB of remembered prefix hashes
 )
 @fingerprint_options
 @host_port_options(
-    port_help="TCP port to listen on (0 picks a free one; the line printed at start names it).", port_required=True
+    port_help="TCP port to listen on for clients (0 picks a free one; the line printed at start names it).",
+    port_required=True,
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=METRICS_PORT,
+    show_default=True,
+    help="TCP port of GET /metrics, on --host too, apart from the clients' port: the counters tell whether a "
+    "prompt was seen before, which no client may learn of another's. Route only --port to clients.",
 )
 @click.option(
     "--ttl",
@@ -126,9 +136,9 @@ MAX_PREFIX_ENTRIES = 10_000_000  # about a GiB of remembered prefix hashes
     "Repeatable (env: space-separated).",
 )
 @json_option
-def proxy_cmd(upstream, redis_url, entry_key_file, root, model, model_config, facts, extras, host, port, ttl,
-              max_entry_bytes, max_request_bytes, redis_timeout, redis_retry_after, key_prefix, no_cache,
-              cache_sampled, prefix_entries, tenant_headers, as_json):  # fmt: skip
+def proxy_cmd(upstream, redis_url, entry_key_file, root, model, model_config, facts, extras, host, port,
+              metrics_port, ttl, max_entry_bytes, max_request_bytes, redis_timeout, redis_retry_after, key_prefix,
+              no_cache, cache_sampled, prefix_entries, tenant_headers, as_json):  # fmt: skip
     """Answer repeated OpenAI-compatible requests from Redis, keyed by what the pod runs.
 
     POST /v1/completions and /v1/chat/completions are looked up by (fingerprint, tenant = hash of
@@ -137,8 +147,9 @@ def proxy_cmd(upstream, redis_url, entry_key_file, root, model, model_config, fa
     deterministic requests are cached: n = 1 and temperature 0 or an integer seed. Everything else
     is forwarded untouched. `stream: true` answers are recorded while they stream and replayed as
     the same events. Redis down or slow: requests go to the engine, counted on /metrics. A request
-    with `X-Kcache-Bypass: 1` or `Cache-Control: no-cache` skips the cache. GET /metrics: hits,
-    misses, bypasses by reason, bytes, added latency, prefix reuse. Each answer in Redis is
+    with `X-Kcache-Bypass: 1` or `Cache-Control: no-cache` skips the cache. GET /metrics on
+    --metrics-port (not the clients' port): hits, misses, bypasses by reason, bytes, added
+    latency, prefix reuse. Each answer in Redis is
     authenticated under --entry-key-file's secret (and the tenant's credential). See docs/proxy.md.
 
     \b
@@ -148,7 +159,7 @@ def proxy_cmd(upstream, redis_url, entry_key_file, root, model, model_config, fa
           --port 8080 --host 0.0.0.0 --ttl 6h
       curl -s localhost:8080/v1/chat/completions -H 'Content-Type: application/json' \\
           -d '{"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}'
-      curl -s localhost:8080/metrics | grep kcache_proxy_requests_total
+      curl -s localhost:9401/metrics | grep kcache_proxy_requests_total
     """
     from kcache.proxy import entry, key
     from kcache.proxy.cache import redacted
@@ -174,15 +185,17 @@ def proxy_cmd(upstream, redis_url, entry_key_file, root, model, model_config, fa
         click.echo("kcache: warning: no --entry-key-file: answers in Redis are authenticated with a random key of "
                    "this process's own, so only this process reads them back", err=True)  # fmt: skip
 
-    def ready(bound: int) -> None:
+    def ready(bound: int, metrics_bound: int) -> None:
         if as_json:  # the start line, for scripts that need the port
             click.echo(fmt.to_json({"status": "serving", "url": f"http://{host}:{bound}", "host": host, "port": bound,
+                                    "metrics_url": f"http://{host}:{metrics_bound}/metrics",
                                     "upstream": redact_url(upstream), "fingerprint": fingerprint}))  # fmt: skip
             return
         click.echo(f"kcache: proxy on http://{host}:{bound} -> {redact_url(upstream)}, cache {redacted(redis_url)}, "
-                   f"fingerprint {fingerprint or 'unknown (caching off)'}")  # fmt: skip
+                   f"fingerprint {fingerprint or 'unknown (caching off)'}, "
+                   f"metrics on http://{host}:{metrics_bound}/metrics")  # fmt: skip
 
-    asyncio.run(_until_signal(config, host, port, ready, serve))
+    asyncio.run(_until_signal(config, host, port, metrics_port, ready, serve))
 
 
 def _fingerprint_or_none(root: Path) -> str | None:
@@ -209,9 +222,9 @@ def _check_upstream(upstream: str) -> None:
         raise ConfigError("--upstream", redact_url(upstream), exc.why) from None
 
 
-async def _until_signal(config, host, port, ready, serve) -> None:
+async def _until_signal(config, host, port, metrics_port, ready, serve) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # the kubelet stopping the pod
         loop.add_signal_handler(sig, stop.set)
-    await serve(config, host, port, ready, stop)
+    await serve(config, host, port, metrics_port, ready, stop)

@@ -1,8 +1,16 @@
 """The reverse proxy itself: aiohttp server in front of an OpenAI-compatible engine, aiohttp client to it.
 
+    the client port:
     POST /v1/completions, /v1/chat/completions   cache lookup (kcache.proxy.key), else forwarded
-    GET  /metrics                                the proxy's own counters (kcache.proxy.stats)
+    /metrics                                     404, neither the proxy's nor the engine's (see below)
     anything else                                forwarded untouched, streamed both ways
+    the metrics port:
+    GET  /metrics                                the proxy's own counters (kcache.proxy.stats)
+
+The counters are not for clients: how much of a prompt was seen before moves when a prompt another
+tenant sent comes again, so any client reading them could tell what others asked (the engine's own
+prefix-cache counters would tell the same, hence no /metrics is forwarded either). They are served
+on a listener of their own, for Prometheus and the readiness probe, which a Service need not route.
 
 A miss is forwarded chunk by chunk while it is recorded; the entry is written to Redis before the
 response's last chunk goes out, so a client that has read an answer whole can count on the next
@@ -94,10 +102,14 @@ class Proxy:
         self.tenant_headers = key.tenant_headers(config.tenant_headers)
         self._secret = config.entry_secret or secrets.token_bytes(entries.MIN_SECRET_BYTES)
         self._runner: web.AppRunner | None = None
+        self._metrics_runner: web.AppRunner | None = None
+        self.metrics_port = 0  # bound by start()
         self._storing: set[asyncio.Task] = set()  # shielded writes whose client left: the loop holds tasks weakly
         self._judging = asyncio.Semaphore(1)  # large bodies parsed at once (see the module docstring)
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+    async def start(self, host: str = "127.0.0.1", port: int = 0, metrics_port: int = 0) -> int:
+        """Listen for clients on `port` and for metrics on `metrics_port` (0: a free one, then
+        self.metrics_port); returns the client port."""
         cfg = self.config
         self.cache = ResultCache(cfg.redis_url, self.stats, prefix=cfg.key_prefix, ttl=cfg.ttl,
                                  timeout=cfg.redis_timeout, retry_after=cfg.retry_after,
@@ -108,17 +120,25 @@ class Proxy:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
         )  # fmt: skip
         app = web.Application(client_max_size=cfg.max_request_bytes)
-        app.router.add_get("/metrics", self._metrics)
+        app.router.add_route("*", "/metrics", _metrics_elsewhere)
         app.router.add_route("*", "/{tail:.*}", self._any)
         # auto_decompress off: a Content-Encoding body is forwarded as sent, never inflated (a bomb stays small).
         # handler_cancellation: a client that hangs up cancels its handler, which closes the engine's connection:
         # that is how the engine learns to stop generating (otherwise only the next write would notice).
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False,
                                      handler_cancellation=True)  # fmt: skip
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        metrics_app = web.Application()
+        metrics_app.router.add_get("/metrics", self._metrics)
+        self._metrics_runner = web.AppRunner(metrics_app, access_log=None, handle_signals=False)
+        bound = await self._listen(self._runner, host, port, "--port")
+        self.metrics_port = await self._listen(self._metrics_runner, host, metrics_port, "--metrics-port")
+        return bound
+
+    async def _listen(self, runner: web.AppRunner, host: str, port: int, flag: str) -> int:
+        """Serve `runner` on host:port; the bound port. ConfigError (after closing everything) when it cannot."""
+        await runner.setup()
         try:
-            await site.start()
+            await web.TCPSite(runner, host, port).start()
         except (UnicodeError, TypeError):  # a name IDNA cannot encode
             await self.close()
             raise ConfigError("--host", host, "is not a host name or address") from None
@@ -127,13 +147,14 @@ class Proxy:
             if isinstance(exc, socket.gaierror) or (exc.errno is not None and exc.errno < 0):  # EAI_* codes
                 raise ConfigError("--host", host, f"cannot be resolved: {exc.strerror or exc}") from None
             if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
-                raise ConfigError("--host/--port", f"{host}:{port}", exc.strerror or str(exc)) from None
+                raise ConfigError(f"--host/{flag}", f"{host}:{port}", exc.strerror or str(exc)) from None
             raise
-        return self._runner.addresses[0][1]
+        return runner.addresses[0][1]
 
     async def close(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+        for runner in (self._runner, self._metrics_runner):
+            if runner is not None:
+                await runner.cleanup()
         await asyncio.gather(*self._storing, return_exceptions=True)  # each bounded by the Redis timeout
         await self.session.close()
         await self.cache.close()
@@ -353,6 +374,12 @@ def _answer(headers: tuple[tuple[str, str], ...], outcome: str) -> CIMultiDict:
     return out
 
 
+async def _metrics_elsewhere(_request: web.Request) -> web.Response:
+    doc = {"error": {"message": "kcache proxy: /metrics is on the proxy's metrics port (--metrics-port), "
+                                "not on this one", "type": "not_found", "code": 404}}  # fmt: skip
+    return web.json_response(doc, status=404, headers={CACHE_HEADER: "pass"})
+
+
 def _unreachable(upstream: str, exc: BaseException) -> web.Response:
     upstream = redact_url(upstream)  # the answer goes to any client, the log to anyone who reads it
     log.warning("upstream %s: %s", upstream, redact_text(str(exc)))
@@ -361,12 +388,12 @@ def _unreachable(upstream: str, exc: BaseException) -> web.Response:
     return web.json_response(doc, status=502, headers={CACHE_HEADER: "bypass"})
 
 
-async def serve(config: ProxyConfig, host: str, port: int, on_ready, stop: asyncio.Event) -> None:
-    """Run until `stop` is set; `on_ready(port)` is called once the port is bound."""
+async def serve(config: ProxyConfig, host: str, port: int, metrics_port: int, on_ready, stop: asyncio.Event) -> None:
+    """Run until `stop` is set; `on_ready(port, metrics_port)` is called once both ports are bound."""
     proxy = Proxy(config)
-    bound = await proxy.start(host, port)
+    bound = await proxy.start(host, port, metrics_port)
     try:
-        on_ready(bound)
+        on_ready(bound, proxy.metrics_port)
         await stop.wait()
     finally:
         await proxy.close()
