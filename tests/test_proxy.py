@@ -511,6 +511,31 @@ def test_replicas_given_one_entry_key_file_share_answers(engine, prefix, tmp_pat
     assert outcomes == ["miss", "hit", "miss"]  # without the file, a key of its own: the others' answers are not its
 
 
+SECRET_IN_QUERY = "redis://127.0.0.1:6379/0?password=Zq9-redis-pw"
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_a_redis_password_in_the_query_is_never_printed(engine, prefix, tmp_path, json_flag):
+    write_marker(tmp_path, RESTORE_MARKER, {"status": "miss", "bundle_key": FP})
+    args = ["proxy", "--root", str(tmp_path), "--upstream", engine.url, "--redis", SECRET_IN_QUERY, "--port", "0",
+            "--metrics-port", "0", "--key-prefix", prefix, *json_flag]  # fmt: skip
+    with kcache_server(*args) as (proc, port):
+        port = json.loads(proc.start_line)["port"] if json_flag else port  # the line names the upstream first
+        assert request(port, "POST", CHAT, json.dumps(ASK).encode()).status == 200  # Redis refuses the AUTH
+        proc.terminate()
+        out, err = proc.communicate(timeout=30)
+    printed = proc.start_line + out + err
+    assert "Zq9-redis-pw" not in printed and "password=***" in proc.start_line
+
+
+def test_a_redis_url_the_proxy_cannot_use_is_refused_without_its_password(tmp_path):
+    write_marker(tmp_path, RESTORE_MARKER, {"status": "hit", "bundle_key": FP})
+    for url in (SECRET_IN_QUERY + "&db=notanumber", "unix:///x?password=Zq9-redis-pw&db=zz"):
+        args = ["proxy", "--root", str(tmp_path), "--upstream", "http://127.0.0.1:1", "--port", "0", "--redis", url]
+        result = CliRunner().invoke(main, args, catch_exceptions=False)
+        assert result.exit_code == 2 and "--redis" in result.output and "Zq9-redis-pw" not in result.output
+
+
 def test_redis_killed_while_a_miss_streams_still_delivers_the_whole_stream(prefix, tmp_path):
     private, gate = PrivateRedis(tmp_path), threading.Event()
     try:

@@ -162,7 +162,6 @@ def proxy_cmd(upstream, redis_url, entry_key_file, root, model, model_config, fa
       curl -s localhost:9401/metrics | grep kcache_proxy_requests_total
     """
     from kcache.proxy import entry, key
-    from kcache.proxy.cache import redacted
     from kcache.proxy.server import ProxyConfig, serve
 
     _check_upstream(upstream)
@@ -189,9 +188,10 @@ def proxy_cmd(upstream, redis_url, entry_key_file, root, model, model_config, fa
         if as_json:  # the start line, for scripts that need the port
             click.echo(fmt.to_json({"status": "serving", "url": f"http://{host}:{bound}", "host": host, "port": bound,
                                     "metrics_url": f"http://{host}:{metrics_bound}/metrics",
-                                    "upstream": redact_url(upstream), "fingerprint": fingerprint}))  # fmt: skip
+                                    "upstream": redact_url(upstream), "redis": redact_url(redis_url),
+                                    "fingerprint": fingerprint}))  # fmt: skip
             return
-        click.echo(f"kcache: proxy on http://{host}:{bound} -> {redact_url(upstream)}, cache {redacted(redis_url)}, "
+        click.echo(f"kcache: proxy on http://{host}:{bound} -> {redact_url(upstream)}, cache {redact_url(redis_url)}, "
                    f"fingerprint {fingerprint or 'unknown (caching off)'}, "
                    f"metrics on http://{host}:{metrics_bound}/metrics")  # fmt: skip
 

@@ -51,7 +51,7 @@ class ResultCache:
                 retry_on_timeout=False, health_check_interval=0,
             )  # fmt: skip
         except ValueError as exc:
-            raise ConfigError("--redis", redacted(url), str(exc)) from None
+            raise ConfigError("--redis", url, str(exc)) from None  # ConfigError redacts what it shows
         self.prefix, self.ttl, self.timeout, self.retry_after = prefix, ttl, timeout, retry_after
         self.max_bytes = max_bytes  # the largest entry this proxy writes (--max-entry-bytes)
         self.stats = stats
@@ -130,14 +130,6 @@ class ResultCache:
 
     async def close(self) -> None:
         await self._redis.aclose()
-
-
-def redacted(url: str) -> str:
-    """The URL without its password: it appears in messages and logs."""
-    scheme, sep, rest = url.partition("://")
-    if "@" not in rest:
-        return url
-    return f"{scheme}{sep}***@{rest.rsplit('@', 1)[1]}"
 
 
 def _now_ms() -> int:
