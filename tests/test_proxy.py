@@ -5,8 +5,11 @@ import hmac
 import http.client
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.parse
 import uuid
 from dataclasses import replace
 
@@ -534,6 +537,24 @@ def test_a_redis_url_the_proxy_cannot_use_is_refused_without_its_password(tmp_pa
         args = ["proxy", "--root", str(tmp_path), "--upstream", "http://127.0.0.1:1", "--port", "0", "--redis", url]
         result = CliRunner().invoke(main, args, catch_exceptions=False)
         assert result.exit_code == 2 and "--redis" in result.output and "Zq9-redis-pw" not in result.output
+
+
+def test_the_json_start_line_gives_urls_that_parse_for_an_ipv6_host(engine, prefix, tmp_path):
+    write_marker(tmp_path, RESTORE_MARKER, {"status": "miss", "bundle_key": FP})
+    args = [sys.executable, "-m", "kcache", "proxy", "--root", str(tmp_path), "--upstream", engine.url, "--redis",
+            REDIS_URL, "--host", "::1", "--port", "0", "--metrics-port", "0", "--key-prefix", prefix,
+            "--json"]  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = json.loads(proc.stdout.readline())
+        url, metrics_url = urllib.parse.urlsplit(line["url"]), urllib.parse.urlsplit(line["metrics_url"])
+        assert (url.hostname, url.port) == ("::1", line["port"]) and metrics_url.hostname == "::1"
+        with socket.create_connection(("::1", metrics_url.port), timeout=30) as conn:
+            conn.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert b"kcache_proxy_info" in b"".join(iter(lambda: conn.recv(1 << 16), b""))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_redis_killed_while_a_miss_streams_still_delivers_the_whole_stream(prefix, tmp_path):

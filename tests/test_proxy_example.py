@@ -132,6 +132,15 @@ def test_the_memory_limit_covers_the_documented_worst_case():
     assert _bytes(limit) >= worst, f"{limit} is under the worst case with 32 large requests in flight"
 
 
+def test_the_proxy_exits_on_sigterm_before_the_kubelet_kills_it():
+    """aiohttp's default had the proxy take 124 s to exit with a request held by a wedged engine."""
+    spec, _, _, proxy = merged_pod()
+    (args,) = kcache_calls(proxy)
+    _, command, rest = resolve(args)
+    params = command.make_context("proxy", list(rest) + ["--redis", "redis://x:6379/0"]).params
+    assert params["shutdown_timeout"] + 5 <= spec["terminationGracePeriodSeconds"]
+
+
 def _bytes(quantity: str) -> int:
     units = {"Mi": 1 << 20, "Gi": 1 << 30}
     return int(quantity[:-2]) * units[quantity[-2:]]

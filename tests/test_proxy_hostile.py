@@ -18,9 +18,11 @@ import redis
 from engine_server import EngineServer
 from hostile_http import COMPLETION, HostileServer, answer
 from proxied import RunningProxy, request
+from served import kcache_server
 from test_proxy import ASK, CHAT, FP, REDIS_URL, SECRET, config, opened, sealed
 
 from kcache.proxy import cache, entry, key
+from kcache.readiness import RESTORE_MARKER, write_marker
 
 
 @pytest.fixture
@@ -255,6 +257,32 @@ def test_a_client_that_leaves_closes_the_engines_connection(prefix):
             assert arrived.wait(30)
         assert closed.wait(30)
         assert request(proxy.metrics_port, "GET", "/metrics").status == 200  # and the proxy serves on
+
+
+def test_sigterm_with_a_request_held_by_a_wedged_engine_exits_within_the_shutdown_timeout(prefix, tmp_path):
+    """aiohttp waited its default 60 s twice for the handler (to finish, then once cancelled): the proxy took
+    124 s to exit, and the example pod gives it 60 s before SIGKILL."""
+    arrived, release = threading.Event(), threading.Event()
+
+    def wedged(server, conn, request):
+        arrived.set()
+        release.wait(120)  # never answers while the test runs
+
+    write_marker(tmp_path, RESTORE_MARKER, {"status": "miss", "bundle_key": FP})
+    with HostileServer({f"POST {CHAT}": wedged}) as eng:
+        args = ["proxy", "--root", str(tmp_path), "--upstream", eng.url, "--redis", REDIS_URL, "--port", "0",
+                "--metrics-port", "0", "--key-prefix", prefix, "--shutdown-timeout", "1s"]  # fmt: skip
+        try:
+            with kcache_server(*args) as (proc, port):
+                body = json.dumps(ASK).encode()
+                with socket.create_connection(("127.0.0.1", port)) as client:
+                    client.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                   f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+                    assert arrived.wait(30)
+                    proc.terminate()
+                    assert proc.wait(timeout=30) == 0  # with aiohttp's defaults: 120 s
+        finally:
+            release.set()
 
 
 # --- Redis -----------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from kcache.cli.options import (
     fingerprint_options,
     json_option,
 )
-from kcache.cli.serve_cmd import host_port_options
+from kcache.cli.serve_cmd import host_port_options, url_of
 from kcache.config import redact_url
 from kcache.errors import ConfigError
 
@@ -71,6 +71,15 @@ METRICS_PORT = 9401  # next to the kcache watch/serve sidecar's 9400 in the same
     show_default=True,
     help="TCP port of GET /metrics, on --host too, apart from the clients' port: the counters tell whether a "
     "prompt was seen before, which no client may learn of another's. Route only --port to clients.",
+)
+@click.option(
+    "--shutdown-timeout",
+    type=Duration(),
+    default="20s",
+    show_default=True,
+    metavar="DURATION",
+    help="On SIGTERM, how long requests in flight may take to finish before they are cut off and the proxy "
+    "exits; keep it under the pod's terminationGracePeriodSeconds.",
 )
 @click.option(
     "--ttl",
@@ -137,8 +146,9 @@ METRICS_PORT = 9401  # next to the kcache watch/serve sidecar's 9400 in the same
 )
 @json_option
 def proxy_cmd(upstream, redis_url, entry_key_file, root, model, model_config, facts, extras, host, port,
-              metrics_port, ttl, max_entry_bytes, max_request_bytes, redis_timeout, redis_retry_after, key_prefix,
-              no_cache, cache_sampled, prefix_entries, tenant_headers, as_json):  # fmt: skip
+              metrics_port, shutdown_timeout, ttl, max_entry_bytes, max_request_bytes, redis_timeout,
+              redis_retry_after, key_prefix, no_cache, cache_sampled, prefix_entries, tenant_headers,
+              as_json):  # fmt: skip
     """Answer repeated OpenAI-compatible requests from Redis, keyed by what the pod runs.
 
     POST /v1/completions and /v1/chat/completions are looked up by (fingerprint, tenant = hash of
@@ -179,21 +189,22 @@ def proxy_cmd(upstream, redis_url, entry_key_file, root, model, model_config, fa
                          max_entry_bytes=max_entry_bytes, max_request_bytes=max_request_bytes,
                          redis_timeout=redis_timeout, retry_after=redis_retry_after, key_prefix=key_prefix,
                          enabled=not no_cache, cache_sampled=cache_sampled, prefix_entries=prefix_entries,
-                         tenant_headers=tenant_headers, entry_secret=secret)  # fmt: skip
+                         tenant_headers=tenant_headers, entry_secret=secret,
+                         shutdown_timeout=shutdown_timeout)  # fmt: skip
     if secret is None:
         click.echo("kcache: warning: no --entry-key-file: answers in Redis are authenticated with a random key of "
                    "this process's own, so only this process reads them back", err=True)  # fmt: skip
 
     def ready(bound: int, metrics_bound: int) -> None:
+        url, metrics_url = url_of(host, bound), url_of(host, metrics_bound) + "/metrics"
         if as_json:  # the start line, for scripts that need the port
-            click.echo(fmt.to_json({"status": "serving", "url": f"http://{host}:{bound}", "host": host, "port": bound,
-                                    "metrics_url": f"http://{host}:{metrics_bound}/metrics",
+            click.echo(fmt.to_json({"status": "serving", "url": url, "host": host, "port": bound,
+                                    "metrics_url": metrics_url,
                                     "upstream": redact_url(upstream), "redis": redact_url(redis_url),
                                     "fingerprint": fingerprint}))  # fmt: skip
             return
-        click.echo(f"kcache: proxy on http://{host}:{bound} -> {redact_url(upstream)}, cache {redact_url(redis_url)}, "
-                   f"fingerprint {fingerprint or 'unknown (caching off)'}, "
-                   f"metrics on http://{host}:{metrics_bound}/metrics")  # fmt: skip
+        click.echo(f"kcache: proxy on {url} -> {redact_url(upstream)}, cache {redact_url(redis_url)}, "
+                   f"fingerprint {fingerprint or 'unknown (caching off)'}, metrics on {metrics_url}")  # fmt: skip
 
     asyncio.run(_until_signal(config, host, port, metrics_port, ready, serve))
 

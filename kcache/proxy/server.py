@@ -84,6 +84,8 @@ class ProxyConfig:
     prefix_entries: int = 100_000
     max_request_bytes: int = 4 << 20  # the most of one completion request's body held, parsed and keyed
     tenant_headers: tuple[str, ...] = ()  # headers that name the tenant besides key.TENANT_HEADERS (never instead)
+    # On close, how long requests in flight may run on (then they are cut off): under the pod's grace period.
+    shutdown_timeout: float = 20.0
     # The secret that tags entries (kcache.proxy.entry); None: a random one of this process's own, so that
     # entries serve only the process that wrote them. Never in a repr.
     entry_secret: bytes | None = field(default=None, repr=False)
@@ -125,11 +127,15 @@ class Proxy:
         # auto_decompress off: a Content-Encoding body is forwarded as sent, never inflated (a bomb stays small).
         # handler_cancellation: a client that hangs up cancels its handler, which closes the engine's connection:
         # that is how the engine learns to stop generating (otherwise only the next write would notice).
+        # shutdown_timeout: aiohttp waits up to it twice on close (for a handler to finish, then for the cancelled
+        # one to end), so half each; its default of 60 s had the proxy take two minutes to exit on SIGTERM.
+        grace = cfg.shutdown_timeout / 2
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False,
-                                     handler_cancellation=True)  # fmt: skip
+                                     handler_cancellation=True, shutdown_timeout=grace)  # fmt: skip
         metrics_app = web.Application()
         metrics_app.router.add_get("/metrics", self._metrics)
-        self._metrics_runner = web.AppRunner(metrics_app, access_log=None, handle_signals=False)
+        self._metrics_runner = web.AppRunner(metrics_app, access_log=None, handle_signals=False,
+                                             shutdown_timeout=grace)  # fmt: skip
         bound = await self._listen(self._runner, host, port, "--port")
         self.metrics_port = await self._listen(self._metrics_runner, host, metrics_port, "--metrics-port")
         return bound
@@ -152,10 +158,17 @@ class Proxy:
         return runner.addresses[0][1]
 
     async def close(self) -> None:
-        for runner in (self._runner, self._metrics_runner):
-            if runner is not None:
-                await runner.cleanup()
-        await asyncio.gather(*self._storing, return_exceptions=True)  # each bounded by the Redis timeout
+        """Stop serving within config.shutdown_timeout: requests in flight get half of it to finish."""
+        try:
+            # A hard bound as well: aiohttp rounds each of its waits up to a whole second.
+            async with asyncio.timeout(self.config.shutdown_timeout):
+                for runner in (self._runner, self._metrics_runner):
+                    if runner is not None:
+                        await runner.cleanup()
+                await asyncio.gather(*self._storing, return_exceptions=True)  # each bounded by the Redis timeout
+        except TimeoutError:
+            log.warning("requests still in flight after the shutdown timeout (%g s) are cut off",
+                        self.config.shutdown_timeout)  # fmt: skip
         await self.session.close()
         await self.cache.close()
 
