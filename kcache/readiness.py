@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+import xxhash
+
 from kcache import atomic, boundedread, untrusted
 from kcache.config import redact_text
 from kcache.errors import ConfigError
@@ -35,6 +37,24 @@ from kcache.errors import ConfigError
 RESTORE_MARKER = ".kcache-state.json"
 WARMUP_MARKER = ".kcache-warmup.json"
 WATCH_MARKER = ".kcache-watch.json"
+# What the last restore laid down: one xxh3-64 digest of each manifest path per line (kcache.watch
+# tells the pod's own files from restored ones by it; files' times do not say, see docs/gpu.md).
+RESTORED_PATHS = ".kcache-restored"
+MAX_RESTORED_PATHS_BYTES = 64 * 1024 * 1024  # 17 bytes a path: millions of files
+
+
+def path_digest(manifest_path: str) -> str:
+    """A manifest path's line in RESTORED_PATHS."""
+    return xxhash.xxh3_64_hexdigest(manifest_path.encode("utf-8", "surrogateescape"))
+
+
+def restored_paths(root: Path) -> frozenset[str] | None:
+    """The digests of the paths the last restore laid down, or None when it recorded none."""
+    try:
+        text = boundedread.read_bytes(Path(root) / RESTORED_PATHS, MAX_RESTORED_PATHS_BYTES).decode("ascii")
+    except (OSError, ValueError):
+        return None
+    return frozenset(text.split())
 
 
 def write_marker(root: Path, name: str, doc: dict) -> Path:

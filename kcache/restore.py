@@ -58,7 +58,15 @@ from kcache.errors import (
 )
 from kcache.fingerprint import Fingerprint, is_workload_fact
 from kcache.packs import CHUNK_BYTES, unpack_bytes, unpack_frame
-from kcache.readiness import RESTORE_MARKER, WARMUP_MARKER, WATCH_MARKER, read_marker, write_marker
+from kcache.readiness import (
+    RESTORE_MARKER,
+    RESTORED_PATHS,
+    WARMUP_MARKER,
+    WATCH_MARKER,
+    path_digest,
+    read_marker,
+    write_marker,
+)
 from kcache.records import Event
 from kcache.relocate import relocate_staged
 from kcache.rootdir import STAGING_PREFIX
@@ -262,7 +270,7 @@ def _sigterm_interrupts():
 def _forget_last_start(root: Path) -> None:
     """A restore begins a pod's start: the warmup and watch markers of the last one (an init
     container run again on a kept volume) would make the new server ready before it loaded."""
-    for name in (WARMUP_MARKER, WATCH_MARKER):
+    for name in (WARMUP_MARKER, WATCH_MARKER, RESTORED_PATHS):
         rootdir.clear(root / name)  # a directory too: warmup could never write its marker over one
 
 
@@ -392,6 +400,7 @@ def _restore(
     entries = tuple(e for e in manifest.entries if not partial or e.path.split("/", 1)[0] in PARTIAL_LAYERS)
     user = layers.run_as_user(run_as, manifest.layer_info)
     _lay_out(store, root, entries, layers.for_manifest(layer_names, user), jobs, budget, report, manifest.chunks)
+    _record_laid(root, entries)
     reason = (
         f"kernel layers of bundle {manifest.id[:12]}, built on this toolchain for another workload" if partial else ""
     )
@@ -446,6 +455,7 @@ def _from_layers(store: Store, fp: Fingerprint, root: Path, jobs: int, budget: _
     user = layers.run_as_user(run_as, pch)
     chunks = _agreed_chunks(d.manifest for d in donors)
     _lay_out(store, root, tuple(entries), layers.for_manifest(names, user), jobs, budget, report, chunks)
+    _record_laid(root, entries)
     origin = ", ".join(f"{d.layer} from {d.manifest.id[:12]}" for d in donors)
     return RestoreResult("partial", fp.bundle_key, None, root, root / envfile.NAME, tuple(names), len(entries),
                          sum(e.size for e in entries), time.perf_counter() - started,
@@ -471,6 +481,15 @@ def _check_layers(manifest: manifests.Manifest) -> None:
     for entry in manifest.entries:
         if not entry.path.startswith(prefixes):
             raise UnsafePath(entry.path, "belongs to no layer of the bundle that this kcache knows")
+
+
+def _record_laid(root: Path, entries) -> None:
+    """ROOT/.kcache-restored: which paths this restore laid down (kcache.watch reads it). Not worth
+    a cold start: without it watch goes by the files' times alone, and may publish restored files again."""
+    try:
+        atomic.write_text(root / RESTORED_PATHS, "".join(f"{path_digest(e.path)}\n" for e in entries))
+    except OSError as exc:
+        log.warning("cannot record the restored paths in %s: %s", root, exc.strerror or exc)
 
 
 def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jobs: int, budget: _Budget,

@@ -85,9 +85,13 @@ def listing(root: Path, layers: list[Source]) -> list[CacheFile]:
 def snapshot(root: Path, layers: list[Source], ready_at: float | None = None,
              restored_at: float | None = None) -> Baseline:
     """The files present now; with `ready_at` (epoch seconds), less those modified after it; with
-    `restored_at`, those modified after it are the pod's own."""
+    `restored_at`, those modified after it are the pod's own, unless the restore laid their path
+    down (readiness.RESTORED_PATHS): the CUDA driver rewrites its restored files on a cache hit."""
     present = [f for f in listing(root, layers) if ready_at is None or f.mtime <= ready_at]
-    own = [f for f in present if restored_at is not None and f.mtime > restored_at]
+    laid = readiness.restored_paths(root) or frozenset()
+    subdirs = {source.name: source.subdir for source in layers}
+    own = [f for f in present if restored_at is not None and f.mtime > restored_at
+           and readiness.path_digest(f"{subdirs.get(f.layer, f.layer)}/{f.rel}") not in laid]  # fmt: skip
     return Baseline(frozenset((f.layer, f.rel) for f in present), frozenset((f.layer, f.rel) for f in own))
 
 

@@ -76,7 +76,7 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing
 # Inherited cache locations or kcache settings would point children past the scratch dir.
 ISOLATED = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TMPDIR", "TORCH_COMPILE_CACHE_KEY_TAG",
             "KCACHE_STORE", "KCACHE_INDEX", "KCACHE_HOME", "AWS_ENDPOINT_URL", "AWS_PROFILE")  # fmt: skip
-RESTORE_EXTRAS = {"kcache.env", ".kcache-state.json", ".kcache-lock"}  # written by restore, not part of the bundle
+RESTORE_EXTRAS = {"kcache.env", ".kcache-state.json", ".kcache-lock", ".kcache-restored"}  # written by restore, not part of the bundle
 HASH_SAMPLE = 200
 SEED = 20240611
 # (trees it applies to, label, numerator op, denominator op, bound, "min": ratio must reach bound,

@@ -186,6 +186,37 @@ def test_kernels_this_pod_compiled_before_ready_are_published_at_the_first_step(
     assert again.published is None or not again.published.created
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_restored_file_rewritten_after_the_restore_is_not_the_pods_own(tmp_path, store, sqlite_index, fp,
+                                                                         compiled):
+    """The CUDA driver rewrites its ComputeCache files on a cache hit (same bytes, new mtime; seen on
+    an H200): by time alone every warm pod took its restored cuda/ files for its own and published a
+    new bundle at its first step. Only paths the restore did not lay down are the pod's own."""
+    from kcache.restore import restore
+
+    write_tree(tmp_path / "src", {"cuda/index": b"jit index", "cuda/b/0/e": b"sass", "inductor/fx/g": b"graph"})
+    publish(store, sqlite_index, fp, sources.BUILTIN, root=tmp_path / "src")
+    root = tmp_path / "root"
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    restored_at = (root / RESTORE_MARKER).stat().st_mtime
+    for rel in ("cuda/index", "cuda/b/0/e"):  # the driver's hit: rewritten in place, same bytes
+        (root / rel).write_bytes((root / rel).read_bytes())
+        os.utime(root / rel, (restored_at + 5,) * 2)
+    if compiled:
+        write_tree(root, {"triton/k1/k.cubin": b"a shape the bundle lacked"})
+        os.utime(root / "triton/k1/k.cubin", (restored_at + 5,) * 2)
+    write_marker(root, WARMUP_MARKER, {"status": "ok", "seconds": 1.0, "profiles": []})
+    os.utime(root / WARMUP_MARKER, (restored_at + 10,) * 2)
+    calls = []
+
+    def publisher(layers):
+        calls.append(publish(store, sqlite_index, fp, layers, root=root))
+        return calls[-1]
+
+    Watcher(root, publisher=publisher, publish_every=3600, clock=Clock()).step()
+    assert len(calls) == (1 if compiled else 0)
+
+
 def test_restored_files_alone_are_not_published_again(published_root, store, sqlite_index, fp):
     root, _ = published_root
     calls = []
