@@ -135,10 +135,13 @@ def _config_error(what: str, value: str, why: str):
 
 _SECRET_PARAM = re.compile(r"pass|secret|token|key|sig|credential|auth", re.IGNORECASE)
 _QUERY_ITEM = re.compile(r"([^&=;]+)=([^&;]*)")
-_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>()\[\]]+")
+# Each scheme is tried only where a run of scheme characters begins (the look-behind): tried at every
+# letter of a long run, the search cost the square of its length (an index error quoting a padded
+# value took minutes to redact).
+_URL = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>()\[\]]+")
 # user:password@ after a scheme, up to the last @ before the path: a password may hold any of
 # ')', "'", '?' that end a URL in running text, so this pass does not rely on finding the URL's end.
-_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^\s:/@]*):[^\s/]*@")
+_USERINFO = re.compile(r"((?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://[^\s:/@]*):[^\s/]*@")
 
 
 def redact_url(url: str) -> str:

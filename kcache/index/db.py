@@ -11,6 +11,7 @@ sets `connect_timeout` or `options` itself keeps its own values.
 from __future__ import annotations
 
 import logging
+import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,6 +28,10 @@ log = logging.getLogger(__name__)
 # The newest migration in migrations/versions; tests/index/test_migrations.py keeps the two in step.
 HEAD = "0102_yanks"
 PG_CONNECT_TIMEOUT = 10  # seconds, for connecting and logging in
+# The longest string or blob a SQLite connection reads or writes (SQLITE_LIMIT_LENGTH): any writer of
+# the file is untrusted, SQLite's length() stops at a NUL and reads the whole value to count it, and
+# the largest value kcache writes is a row's facts (kcache.index.repo.MAX_ROW_TEXT, 1 MiB).
+SQLITE_MAX_VALUE = 8 * 1024 * 1024
 UPGRADE_LOCK_WAIT = 60.0  # seconds another process may take upgrading a SQLite index before we give up
 PG_STATEMENT_TIMEOUT_MS = 120_000  # no single kcache statement should run longer, GC's included
 
@@ -73,6 +78,8 @@ def _pg_connect_args(url: str) -> dict:
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    if hasattr(dbapi_conn, "setlimit"):  # Python 3.11+: no value longer than a row of ours may be
+        dbapi_conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, SQLITE_MAX_VALUE)
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA foreign_keys=ON")

@@ -36,6 +36,7 @@ from kcache.index.models import (
     YankRow,
 )
 from kcache.records import BlobLocation, Bundle, Event
+from kcache.untrusted import one_line
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,6 +65,7 @@ MAX_ROW_TEXT = 1024 * 1024
 # Every other text a lookup loads (ids, keys, model, created_by, the store binding): the index is
 # written by whoever can write it, and SQLite enforces no VARCHAR length.
 MAX_SHORT_TEXT = 4096
+_QUOTED = 500  # characters of an error's text an IndexDbError quotes
 _LOOKUP_TRIES = 3  # a newest bundle deleted between naming and loading it, that many times in a row: none
 
 
@@ -434,9 +436,11 @@ class Index:
         """Turn SQLAlchemy's exceptions into IndexDbError with the driver's first line."""
         try:
             yield
+        # Each text clipped first: a driver's message may quote a value of any length from the index.
         except SQLAlchemyError as exc:
-            raise IndexDbError(self.url, describe_error(exc)) from None
+            raise IndexDbError(self.url, one_line(describe_error(exc), _QUOTED)) from None
         except BadRow as exc:
-            raise IndexDbError(self.url, f"{exc}; repair or delete that row (`kcache reindex` rebuilds rows)") from None
+            raise IndexDbError(self.url, f"{one_line(exc, _QUOTED)}; repair or delete that row (`kcache reindex` "
+                                         "rebuilds rows)") from None  # fmt: skip
         except (ValueError, TypeError) as exc:  # a column the driver cannot read back (a date that is no date)
-            raise IndexDbError(self.url, f"a row does not read back: {exc}") from None
+            raise IndexDbError(self.url, f"a row does not read back: {one_line(exc, _QUOTED)}") from None

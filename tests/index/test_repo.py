@@ -257,3 +257,46 @@ def test_a_wrong_typed_value_is_an_index_error_naming_its_row_and_column(sqlite_
     for read in reads:
         with pytest.raises(IndexDbError, match=f"111111111111.*{column}"):
             read()
+
+
+def test_a_sqlite_value_past_the_length_limit_is_never_read_whole(tmp_path, monkeypatch):
+    """SQLite's length() stops at a NUL: "\\0" + 200 MB in created_by measured 0 and was loaded whole
+    (432 MiB), and length() itself read the whole value. Each SQLite connection caps a value's length."""
+    import sqlite3
+
+    from kcache.errors import IndexDbError
+    from kcache.index import Index, db
+
+    monkeypatch.setattr(db, "SQLITE_MAX_VALUE", 4096)
+    path = tmp_path / "i.db"
+    index = Index.open(f"sqlite:///{path}")
+    index.add_bundle(bundle("1" * 64))
+    raw = sqlite3.connect(path)  # a writer of the index, without kcache's limit
+    raw.execute("UPDATE bundles SET created_by = ?", ("\0" + "x" * 100_000,))
+    raw.commit()
+    raw.close()
+    for read in (lambda: index.newest_bundle("k1"), lambda: index.get_bundle("1" * 64)):
+        with pytest.raises(IndexDbError):
+            read()
+    index.close()
+
+
+def test_an_index_error_quotes_no_more_than_a_line_of_what_it_read(tmp_path):
+    """A padded created_at was quoted whole in the error (then redacted at a cost growing with the
+    square of its length: a restore held for minutes past its budget)."""
+    import sqlite3
+
+    from kcache.errors import IndexDbError
+    from kcache.index import Index
+
+    path = tmp_path / "i.db"
+    index = Index.open(f"sqlite:///{path}")
+    index.add_bundle(bundle("1" * 64))
+    raw = sqlite3.connect(path)
+    raw.execute("UPDATE bundles SET created_at = ?", ("2026-01-01" + "a" * 5_000,))
+    raw.commit()
+    raw.close()
+    with pytest.raises(IndexDbError) as caught:
+        index.newest_bundle("k1")
+    assert len(str(caught.value)) < 2000
+    index.close()
