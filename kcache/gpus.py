@@ -148,6 +148,16 @@ def _sorted_order(devices: Sequence[Device], env: Mapping[str, str], shown: Sequ
         _cuda_order([d for d in devices if d in shown], env) is None
 
 
+def hides_every_device(env: Mapping[str, str]) -> bool:
+    """Whether CUDA_VISIBLE_DEVICES leaves this process no device on any node: empty, or a first entry
+    that names none (CUDA stops at the first entry it cannot use: "-1")."""
+    spec = env.get("CUDA_VISIBLE_DEVICES")
+    if spec is None:
+        return False
+    first = spec.split(",")[0].strip()
+    return not (first.isascii() and first.isdigit()) and not first.upper().startswith(("GPU-", "MIG-"))
+
+
 def devices_present(dev: Path = Path("/dev")) -> bool:
     """Whether this container was given GPU device nodes (/dev/nvidia0...), read or not."""
     try:

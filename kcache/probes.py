@@ -195,7 +195,7 @@ def probe_gpu(env: Mapping[str, str], read: Callable[[], gpus.Reading | None] = 
     """The GPUs this process would use (CUDA_VISIBLE_DEVICES applied); `read` lists the node's.
     GPU device nodes that nothing could read give `unknown` facts, never a CPU machine's."""
     reading = read()
-    if reading is None and present():
+    if reading is None and not gpus.hides_every_device(env) and present():
         log.warning("this container has GPU device nodes (/dev/nvidia*) but neither NVML (pynvml) nor nvidia-smi "
                     "could read them: the GPU facts are unknown, so restore misses and publish refuses; install "
                     "kcache[gpu] or nvidia-smi, or pass --facts-file from the model container")  # fmt: skip

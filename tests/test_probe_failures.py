@@ -27,6 +27,15 @@ def test_gpu_device_nodes_without_a_reader_are_unknown_not_none():
     assert probes.probe_gpu({}, read=lambda: H100, present=lambda: True)["gpu.sm"] == "sm_90"
 
 
+@pytest.mark.parametrize("hidden", ["", "-1", " ", "none"])
+def test_unread_gpus_that_cuda_visible_devices_hides_are_no_gpu(hidden):
+    """A CPU-only workload on a GPU node: CUDA sees no device whatever the node holds."""
+    got = probes.probe_gpu({"CUDA_VISIBLE_DEVICES": hidden}, read=lambda: None, present=lambda: True)
+    assert got["gpu.count"] == "0" and got["gpu.sm"] == "none"
+    assert probes.probe_gpu({"CUDA_VISIBLE_DEVICES": "0"}, read=lambda: None, present=lambda: True)["gpu.count"] == \
+        "unknown"  # fmt: skip
+
+
 def test_an_unreadable_gpu_vouches_for_nothing_in_a_facts_file_check(monkeypatch):
     assert probes.check_gpu({}, read=lambda: None, present=lambda: True) == {}
 
