@@ -161,9 +161,10 @@ def _iso(moment: datetime) -> str:
 
 
 def read(store: Store, bundle_key: str) -> Ref | None:
-    """The ref as the store has it (not yet verified), read with a size cap."""
-    data = limits.read_capped(store, ref_key(bundle_key), limits.REF_BYTES, "ref")
-    return parse(data, bundle_key) if data is not None else None
+    """The ref as the store has it (not yet verified), read with a size cap. One read of one version:
+    a size asked first, then that many bytes, tore a ref rewritten in between with another length."""
+    got = store.get_versioned(ref_key(bundle_key), limits.REF_BYTES)
+    return parse(got[0], bundle_key) if got is not None else None
 
 
 def advance(store: Store, ref: Ref, *, signer: signing.SigningKey | None = None, ttl: timedelta | None = None,

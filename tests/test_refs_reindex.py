@@ -48,6 +48,26 @@ def any_store_kind(request):
     return request.param
 
 
+def test_a_ref_rewritten_between_its_size_and_its_read_is_read_whole(any_store_kind, request, monkeypatch):
+    """The ref was read as a size, then that many bytes: a writer that replaced it between the two with
+    one of another length (a yank list that grew) tore it, and a refs-only pod started cold. One read."""
+    store = request.getfixturevalue(any_store_kind)
+    refs.advance(store, refs.Ref("torn", "a" * 64, T0))
+    longer = refs.Ref("torn", "b" * 64, T0 + timedelta(seconds=1), yanked=("c" * 64, "d" * 64))
+    real_size = type(store).size
+
+    def size_then_rewrite(self, key):
+        size = real_size(self, key)
+        if key == ref_key("torn"):
+            monkeypatch.setattr(type(store), "size", real_size)
+            refs.advance(store, longer)  # another writer, right after the size was taken
+        return size
+
+    monkeypatch.setattr(type(store), "size", size_then_rewrite)
+    got = refs.read(store, "torn")
+    assert got.manifest in ("a" * 64, "b" * 64) and (got.manifest == "a" * 64 or got.yanked == longer.yanked)
+
+
 def test_restore_through_refs_without_index(tmp_path, store, sqlite_index, fp):
     write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"graph", "triton/k/k.json": b"{}"})
     result = publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={})
