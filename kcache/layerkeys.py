@@ -107,12 +107,13 @@ def annotate(info: Mapping[str, Mapping[str, str]], layers, facts: Mapping[str, 
     return out
 
 
-def advance(store: Store, manifest: manifests.Manifest, created_at) -> None:
-    """After the commit point: point each reusable layer's ref at this bundle (forward only)."""
+def advance(store: Store, manifest: manifests.Manifest, created_at, now=None) -> None:
+    """After the commit point: point each reusable layer's ref at this bundle (forward only; `now`,
+    the clock that stamped `created_at`, judges a ref from the future)."""
     for layer in manifest.layers:
         key = manifest.layer_info.get(layer, {}).get("key")
         if key:
-            refs.advance(store, refs.Ref(ref_name(layer, key), manifest.id, created_at))
+            refs.advance(store, refs.Ref(ref_name(layer, key), manifest.id, created_at), now=now)
 
 
 def keys_of(bundle: Bundle) -> dict[str, str]:

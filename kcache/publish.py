@@ -628,7 +628,7 @@ def _publish_leased(store: Store, index: Index, fingerprint: Fingerprint, found,
     # the time the index stamped (its clock, not ours).
     ref = refs.for_bundle(index, row.id)
     refs.advance(store, ref, signer=config.signing_key, index=index)
-    layerkeys.advance(store, manifest, ref.created_at)  # forward only: a re-publish moves nothing
+    layerkeys.advance(store, manifest, ref.created_at, index.now)  # forward only: a re-publish moves nothing
     if created and not yanked and replaced is not None:  # created: a new row, so not `replaced`
         # A layer the new bundle lacks: its ref still names the one replaced, and restore takes
         # the layer from that key's newest (this one). It goes to the next donor, or away; failing

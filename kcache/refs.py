@@ -168,19 +168,21 @@ def read(store: Store, bundle_key: str) -> Ref | None:
 
 
 def advance(store: Store, ref: Ref, *, signer: signing.SigningKey | None = None, ttl: timedelta | None = None,
-            index: Index | None = None) -> bool:  # fmt: skip
+            index: Index | None = None, now: Callable[[], datetime] | None = None) -> bool:  # fmt: skip
     """Point the ref at `ref.manifest` unless it already names a newer bundle. True if it was written.
 
     With a signer, a ref that already names this bundle is re-signed when it is unsigned by this
     key or past half its lifetime, so a fleet that keeps publishing keeps its ref fresh. With
     `index`, the bundle and the key's yank list are read from it again on every attempt: a yank
     that landed since `ref` was made must not be overwritten by a ref naming the yanked bundle.
+    `now` (default: `index`'s clock, else this host's) judges whether the current ref is from the future.
     """
 
     def wanted() -> Ref | None:
         return _unyanked(for_bundle(index, ref.manifest) if index is not None else ref)
 
-    return advance_chosen(store, ref.bundle_key, wanted, signer=signer, ttl=ttl)
+    clock = now or (index.now if index is not None else None)
+    return advance_chosen(store, ref.bundle_key, wanted, signer=signer, ttl=ttl, now=clock)
 
 
 def _unyanked(ref: Ref) -> Ref | None:
@@ -189,11 +191,15 @@ def _unyanked(ref: Ref) -> Ref | None:
 
 
 def advance_chosen(store: Store, name: str, choose: Callable[[], Ref | None], *,
-                   signer: signing.SigningKey | None = None, ttl: timedelta | None = None) -> bool:  # fmt: skip
+                   signer: signing.SigningKey | None = None, ttl: timedelta | None = None,
+                   now: Callable[[], datetime] | None = None) -> bool:  # fmt: skip
     """`advance` to whatever `choose()` gives (None: nothing to write), asked again on every attempt.
 
     For a ref the index cannot answer with `for_bundle` (a layer ref names a bundle of another key
     than its own name): `choose` reads the index itself, so a bundle yanked since is not written.
+    Whether the current ref is from the future is judged by `now`: the clock that stamps created_at
+    (the index's) where the caller has it, since a writer whose own clock runs behind took the newest
+    bundle's ref for a fast clock's and rolled it back to an older bundle.
     """
     ttl = ttl or default_ttl()
 
@@ -203,7 +209,7 @@ def advance_chosen(store: Store, name: str, choose: Callable[[], Ref | None], *,
             return _KEEP
         if current is None:
             return wanted
-        if from_the_future(current):
+        if from_the_future(current, now):
             log.warning("replacing %s: its created_at %s is ahead of this clock by more than %s",
                         ref_key(name), _utc(current.created_at).isoformat(), MAX_CLOCK_SKEW)  # fmt: skip
             return wanted
@@ -216,9 +222,14 @@ def advance_chosen(store: Store, name: str, choose: Callable[[], Ref | None], *,
     return _write(store, name, decide, signer, ttl) is not _KEEP
 
 
-def from_the_future(current: Ref) -> bool:
-    """Dated more than MAX_CLOCK_SKEW ahead of this clock: a fast clock's (or a forger's) ref."""
-    return _utc(current.created_at) > datetime.now(timezone.utc) + MAX_CLOCK_SKEW
+def from_the_future(current: Ref, now: Callable[[], datetime] | None = None) -> bool:
+    """Dated more than MAX_CLOCK_SKEW ahead of `now()` (default this host's clock): a fast clock's (or
+    a forger's) ref."""
+    return _utc(current.created_at) > _utc((now or _host_now)()) + MAX_CLOCK_SKEW
+
+
+def _host_now() -> datetime:
+    return datetime.now(timezone.utc)
 
 
 def repoint(store: Store, bundle_key: str, away_from: str, to: Ref | None, *,

@@ -86,3 +86,28 @@ def test_a_forged_huge_generation_is_not_carried_forward(store):
     written = refs.read(store, KEY)
     assert written.manifest == NEW
     assert written.generation <= (now() + refs.MAX_CLOCK_SKEW).timestamp() * 1000
+
+
+class _Clock:
+    """An index whose clock stamps created_at, as PostgreSQL's does, read by the ref's writer."""
+
+    def __init__(self, at: datetime):
+        self.at = at
+
+    def now(self) -> datetime:
+        return self.at
+
+
+def test_a_publisher_whose_clock_runs_behind_the_index_does_not_roll_the_ref_back(store, monkeypatch):
+    """A host 15 minutes behind the index took the index-stamped created_at of the newest bundle for a
+    fast clock's and replaced it with an older bundle on every unchanged re-publish: ahead is judged
+    by the clock that stamped it."""
+    index_now = now()
+    assert refs.advance(store, refs.Ref(KEY, NEW, index_now))
+    behind = index_now - timedelta(minutes=15)
+    monkeypatch.setattr(refs, "_host_now", lambda: behind)
+    older = refs.Ref(KEY, OLD, index_now - timedelta(hours=1))
+    assert not refs.advance_chosen(store, KEY, lambda: older, now=_Clock(index_now).now)
+    assert refs.read(store, KEY).manifest == NEW
+    # with the index's clock, a ref truly ahead of it is still replaced
+    assert refs.advance_chosen(store, KEY, lambda: older, now=_Clock(index_now - timedelta(days=1)).now)
