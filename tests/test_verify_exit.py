@@ -34,6 +34,11 @@ class FailingReads:
             raise StoreError(self.url, f"cannot read {key}: 503 Slow Down")
         return self.inner.open_range(key, offset, length)
 
+    def get_versioned(self, key, limit=None):  # how refs are read: one GET of one version
+        if key.startswith(self.prefix):
+            raise StoreError(self.url, f"cannot read {key}: 503 Slow Down")
+        return self.inner.get_versioned(key, limit)
+
 
 def _publish(tmp_path, store, index, fp, name="src"):
     write_tree(tmp_path / name, {"inductor/a": name.encode() * 100, "triton/k/k.cubin": b"kernel"})
