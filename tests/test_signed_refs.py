@@ -236,6 +236,17 @@ def test_cli_refresh_of_a_model_the_index_does_not_know_is_an_error(tmp_path, st
     assert right.exit_code == 0 and [r["bundle_key"] for r in json.loads(right.output)["refs"]] == [fp.bundle_key]
 
 
+def test_cli_refresh_names_the_variable_a_bad_ttl_came_from(tmp_path, store, sqlite_index, fp, keys, monkeypatch):
+    _publish(tmp_path, store, sqlite_index, fp, b"a", keys["prod"][0])
+    args = ["refresh", "--signing-key", str(tmp_path / "keys/prod.key"), "--store", f"file://{store.root}",
+            "--index", f"sqlite:///{tmp_path / 'index.db'}"]  # fmt: skip
+    monkeypatch.setenv("KCACHE_REF_TTL", "junk")
+    from_env = CliRunner().invoke(main, args)
+    assert from_env.exit_code == 2 and "KCACHE_REF_TTL" in from_env.output
+    from_flag = CliRunner().invoke(main, [*args, "--ttl", "junk"])
+    assert from_flag.exit_code == 2 and "--ttl" in from_flag.output and "KCACHE_REF_TTL" not in from_flag.output
+
+
 def test_cli_yank_signs_the_ref(tmp_path, store, sqlite_index, fp, keys):
     key = keys["prod"][0]
     v1 = _publish(tmp_path, store, sqlite_index, fp, b"good", key, "v1")

@@ -37,7 +37,8 @@ def refresh_cmd(bundle_keys, model, signing_key, ttl, store_url, index_url, s3_e
 
     keys = _bundle_keys(bundle_keys, model)
     key = load_signing_key(signing_key)
-    lifetime = durations.parse(ttl, "--ttl", positive=True) if ttl else None
+    from_env = click.get_current_context().get_parameter_source("ttl") == click.core.ParameterSource.ENVIRONMENT
+    lifetime = durations.parse(ttl, "KCACHE_REF_TTL" if from_env else "--ttl", positive=True) if ttl else None
     # Through opened(): refs are signed from the index, so it must be the index of this very store.
     with opened(settings(store_url, index_url, s3_endpoint_url)) as (store, index):
         unknown = [k for k in keys if not index.knows_key(k)]
