@@ -400,7 +400,6 @@ def _restore(
     entries = tuple(e for e in manifest.entries if not partial or e.path.split("/", 1)[0] in PARTIAL_LAYERS)
     user = layers.run_as_user(run_as, manifest.layer_info)
     _lay_out(store, root, entries, layers.for_manifest(layer_names, user), jobs, budget, report, manifest.chunks)
-    _record_laid(root, entries)
     reason = (
         f"kernel layers of bundle {manifest.id[:12]}, built on this toolchain for another workload" if partial else ""
     )
@@ -455,7 +454,6 @@ def _from_layers(store: Store, fp: Fingerprint, root: Path, jobs: int, budget: _
     user = layers.run_as_user(run_as, pch)
     chunks = _agreed_chunks(d.manifest for d in donors)
     _lay_out(store, root, tuple(entries), layers.for_manifest(names, user), jobs, budget, report, chunks)
-    _record_laid(root, entries)
     origin = ", ".join(f"{d.layer} from {d.manifest.id[:12]}" for d in donors)
     return RestoreResult("partial", fp.bundle_key, None, root, root / envfile.NAME, tuple(names), len(entries),
                          sum(e.size for e in entries), time.perf_counter() - started,
@@ -495,8 +493,9 @@ def _record_laid(root: Path, entries) -> None:
 def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jobs: int, budget: _Budget,
              report: progress.Report | None = None,
              chunks: Mapping[str, tuple[str, ...]] | None = None) -> None:  # fmt: skip
-    """Fetch and verify everything into staging, then swap the layers in (unless time ran out);
-    `chunks` are the manifest's chunk digests (large blobs are then verified part by part)."""
+    """Fetch and verify everything into staging, then swap the layers in (unless time ran out) and
+    record what was laid down; `chunks` are the manifest's chunk digests (large blobs are then
+    verified part by part)."""
     staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=root))
     with budget.lock:
         budget.staging = staging
@@ -510,6 +509,7 @@ def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jo
                 raise fetch.Cancelled()
             budget.swapping = True
         _swap(root, staging, sources)
+        _record_laid(root, entries)
     finally:  # the previous layers are in staging now: as much of them as the budget allows
         rootdir.delete_until(staging, budget.deadline)
 

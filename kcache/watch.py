@@ -114,16 +114,18 @@ def emptied(baseline: Baseline, files: list[CacheFile]) -> list[str]:
 
 def restore_time(root: Path) -> float | None:
     """When the restore finished (its marker's mtime); a restored file is never newer."""
-    try:
-        return (Path(root) / readiness.RESTORE_MARKER).stat().st_mtime
-    except FileNotFoundError:
-        return None
+    return _marker_time(root, readiness.RESTORE_MARKER)
 
 
 def ready_time(root: Path) -> float | None:
     """When the pod became ready: the later of the restore and warmup markers' mtimes."""
+    times = [_marker_time(root, name) for name in (readiness.RESTORE_MARKER, readiness.WARMUP_MARKER)]
+    return None if None in times else max(times)
+
+
+def _marker_time(root: Path, name: str) -> float | None:
     try:
-        return max((Path(root) / name).stat().st_mtime for name in (readiness.RESTORE_MARKER, readiness.WARMUP_MARKER))
+        return (Path(root) / name).stat().st_mtime
     except FileNotFoundError:
         return None
 
