@@ -562,9 +562,10 @@ def _check_keeps_restored(root: Path, bundle_key: str, layers: list[str]) -> Non
     """Refuse a bundle without a layer the restore into ROOT laid down from this key's bundle: it
     becomes the key's newest, restore takes the newest, and every later pod would lose that layer."""
     state = readiness.read_marker(root, readiness.RESTORE_MARKER) or {}
-    restored = state.get("layers") if state.get("status") == "hit" and state.get("bundle_key") == bundle_key else []
-    dropped = sorted({name for name in restored if isinstance(name, str)} - set(layers)) if isinstance(restored, list) \
-        else []  # fmt: skip
+    restored = state.get("layers")
+    if state.get("status") != "hit" or state.get("bundle_key") != bundle_key or not isinstance(restored, list):
+        return
+    dropped = sorted({name for name in restored if isinstance(name, str)} - set(layers))
     if dropped:
         why = (f"the restore into it laid down layer {', '.join(dropped)}, which this publish leaves out (not "
                "chosen, or its directory is empty now): restore takes the newest bundle, so every later pod would "

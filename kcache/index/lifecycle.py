@@ -29,6 +29,7 @@ from datetime import datetime
 from sqlalchemy import delete, exists, literal, select, update
 from sqlalchemy.orm import aliased
 
+from kcache.errors import NotFound
 from kcache.index.models import BlobRow, BundleRow, PackRow, YankRow
 from kcache.index.repo import BadRow, Index, aware, bundle_of, check_columns
 from kcache.records import Bundle
@@ -87,13 +88,12 @@ def bundle_heads(index: Index) -> list[BundleHead]:
 
 
 def bundle(index: Index, bundle_id: str) -> Bundle | None:
-    """The bundle with this whole id; None when it has no row (any more)."""
-
-    def work(s) -> Bundle | None:
-        row = s.get(BundleRow, bundle_id)
-        return None if row is None else bundle_of(row)
-
-    return index.read(work)
+    """The bundle with this whole id, loaded as every lookup is (its size checked first); None when it
+    has no row (any more)."""
+    try:
+        return index.get_bundle(bundle_id)
+    except NotFound:
+        return None
 
 
 def bundle_keys(index: Index, model: str | None = None) -> list[str]:
