@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
+from contextlib import contextmanager
 
 import pytest
 from click.testing import CliRunner
@@ -41,6 +42,36 @@ def make_ready(root, files=RESTORED):
     ready = ready_time(root)
     for rel in files:  # restored and warmed before ready, as on a real pod
         os.utime(root / rel, (ready - 5, ready - 5))
+
+
+def warmed(root, *, at: float) -> None:
+    """The warmup marker, written at `at` (epoch seconds): the pod became ready then."""
+    write_marker(root, WARMUP_MARKER, {"status": "ok", "seconds": 1.0, "profiles": []})
+    os.utime(root / WARMUP_MARKER, (at, at))
+
+
+def recording(store, index, fp, root):
+    """A publisher of ROOT, and the list of what it published."""
+    published = []
+
+    def publisher(layers):
+        published.append(publish(store, index, fp, layers, root=root))
+        return published[-1]
+
+    return publisher, published
+
+
+@contextmanager
+def watching(*args):
+    """`python -m kcache ARGS` with its stdout and stderr piped; killed on the way out if still running."""
+    proc = subprocess.Popen([sys.executable, "-m", "kcache", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_scan_finds_new_files_by_layer_and_ignores_junk(tmp_path):
@@ -170,13 +201,8 @@ def test_kernels_this_pod_compiled_before_ready_are_published_at_the_first_step(
     write_tree(root, compiled)
     for rel in compiled:  # during warmup: after the restore, before ready
         os.utime(root / rel, (restored_at + 5,) * 2)
-    write_marker(root, WARMUP_MARKER, {"status": "ok", "seconds": 1.0, "profiles": []})
-    os.utime(root / WARMUP_MARKER, (restored_at + 10,) * 2)
-    published = []
-
-    def publisher(layers):
-        published.append(publish(store, sqlite_index, fp, layers, root=root))
-        return published[-1]
+    warmed(root, at=restored_at + 10)
+    publisher, published = recording(store, sqlite_index, fp, root)
 
     step = Watcher(root, publisher=publisher, publish_every=3600, clock=Clock()).step()
     assert step.new == () and len(published) == 1 and step.published is published[0]
@@ -205,13 +231,8 @@ def test_a_restored_file_rewritten_after_the_restore_is_not_the_pods_own(tmp_pat
     if compiled:
         write_tree(root, {"triton/k1/k.cubin": b"a shape the bundle lacked"})
         os.utime(root / "triton/k1/k.cubin", (restored_at + 5,) * 2)
-    write_marker(root, WARMUP_MARKER, {"status": "ok", "seconds": 1.0, "profiles": []})
-    os.utime(root / WARMUP_MARKER, (restored_at + 10,) * 2)
-    calls = []
-
-    def publisher(layers):
-        calls.append(publish(store, sqlite_index, fp, layers, root=root))
-        return calls[-1]
+    warmed(root, at=restored_at + 10)
+    publisher, calls = recording(store, sqlite_index, fp, root)
 
     Watcher(root, publisher=publisher, publish_every=3600, clock=Clock()).step()
     assert len(calls) == (1 if compiled else 0)
@@ -395,11 +416,7 @@ def test_run_stops_on_the_event_and_publishes_what_remains(published_root, store
     root, _ = published_root
     write_tree(root, {"inductor/fxgraph/ee/g5": b"late"})  # after ready, never due within the run
     os.utime(root / "inductor/fxgraph/ee/g5", (ready_time(root) + 1,) * 2)
-    published = []
-
-    def publisher(layers):
-        published.append(publish(store, sqlite_index, fp, layers, root=root))
-        return published[-1]
+    publisher, published = recording(store, sqlite_index, fp, root)
 
     stop = threading.Event()
     stop.set()
@@ -483,39 +500,34 @@ def test_watch_command_serves_and_stops_on_sigterm(tmp_path):
         assert proc.wait(timeout=20) == 0, proc.stderr.read()
 
 
-def test_a_last_publish_that_fails_on_sigterm_exits_14(tmp_path):
-    """The store refused the publish on SIGTERM: the kernels compiled after ready are lost for the
-    pool, and watch said so only in a warning and exited 0 (14 came only from a publish abandoned)."""
+def ready_with_a_late_kernel_and_no_index(tmp_path):
+    """ROOT ready with one kernel compiled after ready, and the publish flags of an index no publish
+    can open (a file where its directory should be; the index is opened at each publish)."""
     root = tmp_path / "root"
     make_ready(root)
     write_tree(root, {"inductor/fxgraph/ee/g5": b"compiled after ready"})
     os.utime(root / "inductor/fxgraph/ee/g5", (ready_time(root) + 1,) * 2)
-    (tmp_path / "gone").write_bytes(b"a file where the index's directory should be")  # opened at each publish
-    args = ("watch", "--root", str(root), "--interval", "1h", "--publish-every", "1h", "--model", "m", "--json",
-            "--store", f"file://{tmp_path / 'store'}", "--index", f"sqlite:///{tmp_path / 'gone/index.db'}")
-    proc = subprocess.Popen([sys.executable, "-m", "kcache", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
-    try:
+    (tmp_path / "gone").write_bytes(b"a file where the index's directory should be")
+    return root, ("--publish-every", "1h", "--model", "m", "--store", f"file://{tmp_path / 'store'}",
+                  "--index", f"sqlite:///{tmp_path / 'gone/index.db'}")  # fmt: skip
+
+
+def test_a_last_publish_that_fails_on_sigterm_exits_14(tmp_path):
+    """The store refused the publish on SIGTERM: the kernels compiled after ready are lost for the
+    pool, and watch said so only in a warning and exited 0 (14 came only from a publish abandoned)."""
+    root, publishing = ready_with_a_late_kernel_and_no_index(tmp_path)
+    with watching("watch", "--root", str(root), "--interval", "1h", "--json", *publishing) as proc:
         assert json.loads(proc.stdout.readline())["status"] == "watching"
         proc.send_signal(signal.SIGTERM)
         rest, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 14, stderr
     doc = json.loads(rest)
     assert doc["status"] == "error" and doc["exit_code"] == 14 and doc["error"] and doc["hint"]
 
 
 def test_a_failed_publish_under_once_is_the_error_object_with_the_report(tmp_path):
-    root = tmp_path / "root"
-    make_ready(root)
-    write_tree(root, {"inductor/fxgraph/ee/g5": b"compiled after ready"})
-    os.utime(root / "inductor/fxgraph/ee/g5", (ready_time(root) + 1,) * 2)
-    (tmp_path / "gone").write_bytes(b"")
-    out = run("watch", "--root", str(root), "--once", "--json", "--publish-every", "1h", "--model", "m",
-              "--store", f"file://{tmp_path / 'store'}", "--index", f"sqlite:///{tmp_path / 'gone/index.db'}")
+    root, publishing = ready_with_a_late_kernel_and_no_index(tmp_path)
+    out = run("watch", "--root", str(root), "--once", "--json", *publishing)
     doc = json.loads(out.stdout)
     assert out.exit_code == doc["exit_code"] == 14 and doc["status"] == "error" and doc["hint"]
     assert doc["publish_error"] in doc["error"] and doc["new_files"][0]["path"] == "fxgraph/ee/g5"
@@ -523,10 +535,7 @@ def test_a_failed_publish_under_once_is_the_error_object_with_the_report(tmp_pat
 
 def test_watch_json_starts_with_one_json_line_that_names_the_port(tmp_path):
     make_ready(tmp_path)
-    args = ("watch", "--root", str(tmp_path), "--interval", "1h", "--port", "0", "--json")
-    proc = subprocess.Popen([sys.executable, "-m", "kcache", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
-    try:
+    with watching("watch", "--root", str(tmp_path), "--interval", "1h", "--port", "0", "--json") as proc:
         doc = json.loads(proc.stdout.readline())  # the first line, once the port is bound
         assert doc["status"] == "watching" and doc["root"] == str(tmp_path) and doc["interval"] == 3600
         assert doc["port"] > 0 and doc["url"] == f"http://127.0.0.1:{doc['port']}" and doc["publish_every"] is None
@@ -536,10 +545,6 @@ def test_watch_json_starts_with_one_json_line_that_names_the_port(tmp_path):
         rest, stderr = proc.communicate(timeout=20)
         assert proc.returncode == 0, stderr
         assert rest == ""  # nothing but the one object on stdout
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_cli_watch_publishes_signed_deltas_under_the_restored_workload(tmp_path, monkeypatch):
