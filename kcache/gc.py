@@ -149,6 +149,7 @@ def plan(store: Store, index: Index, policy: Policy, now: datetime | None = None
 
 def execute(store: Store, index: Index, gc_plan: Plan, *, signer: signing.SigningKey | None = None) -> Result:
     """Carry out the plan. `signer` signs the refs gc moves, so pods requiring signatures follow them."""
+    refs.default_ttl()  # a bad KCACHE_REF_TTL fails before the first delete, not at the first ref it moves
     from kcache.index import lifecycle
 
     deleted = sum(_delete_bundle(store, index, gc_plan, bundle, signer) for bundle in gc_plan.delete_bundles)

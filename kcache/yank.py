@@ -44,6 +44,7 @@ def yank(store: Store, index: Index, bundle_id: str, reason: str = "", *, signer
         text = (reason or "yanked").encode()
     except UnicodeEncodeError:  # an argument holding bytes no encoding names (a lone surrogate)
         raise ConfigError("--reason", reason, "is not UTF-8 text") from None
+    refs.default_ttl()  # and a bad KCACHE_REF_TTL, which the ref below is written with
     bundle = lifecycle.set_status(index, bundle_id, "yanked")
     store.delete(refs.yank_key(bundle.id))  # a fresh reason replaces an old one
     store.put_bytes(refs.yank_key(bundle.id), text)
@@ -62,6 +63,7 @@ def unyank(store: Store, index: Index, bundle_id: str, *, signer: SigningKey | N
             raise BundleGone(bundle_id) from None
         raise
     _check_restorable(store, bundle.id)
+    refs.default_ttl()  # a bad KCACHE_REF_TTL must fail before the row changes, not at the ref after it
     bundle = lifecycle.set_status(index, bundle.id, "active")
     store.delete(refs.yank_key(bundle.id))
     refs.refresh(store, index, bundle.bundle_key, signer=signer)

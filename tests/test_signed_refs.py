@@ -15,6 +15,7 @@ from trees import write_tree
 
 from kcache import refs, signing, sources
 from kcache.cli import main
+from kcache.errors import ConfigError
 from kcache.index import Index
 from kcache.publish import PublishConfig, publish
 from kcache.reindex import reindex
@@ -390,3 +391,29 @@ def test_an_unsigned_yank_or_refresh_leaves_a_signed_ref_signed(tmp_path, store,
     pod = _pod(store, fp, tmp_path / "pod", keys)
     assert (pod.status, pod.bundle_id) == ("hit", v2.bundle_id), pod.reason
     assert verb != "yank-older" or "--signing-key" in caplog.text
+
+
+def test_a_bad_ref_ttl_setting_stops_publish_before_its_commit_point(tmp_path, store, sqlite_index, fp, monkeypatch):
+    """KCACHE_REF_TTL was read only when the ref was written, after the bundle's row: publish (and
+    prebake and watch through it) committed the bundle, wrote no ref and exited 2, as if nothing
+    had been published, and every pod restoring through refs/ missed it."""
+    monkeypatch.setenv("KCACHE_REF_TTL", "abc")
+    with pytest.raises(ConfigError, match="KCACHE_REF_TTL"):
+        _publish(tmp_path, store, sqlite_index, fp, b"a")
+    assert sqlite_index.newest_bundle(fp.bundle_key) is None
+    assert not store.exists(ref_key(fp.bundle_key))
+
+
+@pytest.mark.parametrize("undo", [False, True])
+def test_a_bad_ref_ttl_setting_stops_yank_and_undo_before_they_change_anything(tmp_path, store, sqlite_index, fp,
+                                                                              monkeypatch, undo):  # fmt: skip
+    """yank set the row yanked and wrote the marker, then failed on the TTL with the ref (and the layer
+    refs) still naming the yanked bundle: verify then called the store damaged."""
+    published = _publish(tmp_path, store, sqlite_index, fp, b"a")
+    if undo:
+        yank(store, sqlite_index, published.bundle_id)
+    monkeypatch.setenv("KCACHE_REF_TTL", "abc")
+    with pytest.raises(ConfigError, match="KCACHE_REF_TTL"):
+        (unyank if undo else yank)(store, sqlite_index, published.bundle_id)
+    assert sqlite_index.get_bundle(published.bundle_id).status == ("yanked" if undo else "active")
+    assert store.exists(refs.yank_key(published.bundle_id)) == undo

@@ -219,6 +219,18 @@ def test_prebake_publishes_nothing_when_warmup_fails(tmp_path, monkeypatch, isol
     assert not list((isolated_home / "store").glob("manifests/*/*"))
 
 
+def test_prebake_refuses_a_bad_ref_ttl_setting_before_its_warmup(tmp_path, profiles_file, monkeypatch):
+    """The setting was read only when the ref was written: a warmup of minutes, a committed bundle
+    and then exit 2."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("KCACHE_REF_TTL", "abc")
+    root = tmp_path / "A"
+    out = cli("prebake", "--root", str(root), "--entrypoint", "test_warmup:write_kernel", "--profiles",
+              str(profiles_file), "--model", "m", code=ExitCode.USAGE)  # fmt: skip
+    assert "KCACHE_REF_TTL" in out.output
+    assert not (root / "inductor").exists()  # the warmup never ran
+
+
 def test_prebake_child_without_report_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     out = cli("prebake", "--root", str(tmp_path / "A"), "--entrypoint", "test_warmup:missing", code=ExitCode.WARMUP)

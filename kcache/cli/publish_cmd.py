@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from kcache import binding, sources
+from kcache import binding, refs, sources
 from kcache.allocator import fewer_collections, reuse_freed_memory
 from kcache.cli import format as fmt
 from kcache.cli import progress_bars
@@ -62,6 +62,7 @@ def publish_config(cfg: Settings, *, jobs: int = 8, signing_key: Path | None = N
     """The one publish configuration; its hash cache stays open until the command ends. Refuses
     --index none first: a publisher records its bundle in the index (prebake before its warmup)."""
     binding.require_index(cfg)
+    refs.default_ttl()  # a bad KCACHE_REF_TTL fails before the warmup and uploads; refs are written last
     key = load_signing_key(signing_key)
     try:
         cache = HashCache(cfg.home / "hashcache.db")
