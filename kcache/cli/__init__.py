@@ -51,6 +51,7 @@ class LazyCommands(MutableMapping):
             module, attr = self._table[name]  # KeyError for an unknown name, as a dict would
             command = getattr(importlib.import_module(f"kcache.cli.{module}"), attr)
             _show_envvars(command)
+            _take_verbose(command)
             self._loaded[name] = command
         return self._loaded[name]
 
@@ -110,6 +111,23 @@ def _show_envvars(command: click.Command) -> None:
     for param in command.params:
         if isinstance(param, click.Option) and param.envvar:
             param.show_envvar = True
+
+
+def _more_logging(_ctx: click.Context, _param, count: int) -> None:
+    if count:  # the group's callback set logging up already: it runs before a command's arguments parse
+        root = logging.getLogger()
+        root.setLevel(max(logging.DEBUG, min(root.level, logging.WARNING - 10 * count)))
+
+
+def _take_verbose(command: click.Command) -> None:
+    """-v after a command's name means what it means before it. Refused there, it was a usage error,
+    which restore answers by starting cold."""
+    for sub in command.commands.values() if isinstance(command, click.Group) else ():
+        _take_verbose(sub)
+    if not any("-v" in param.opts for param in command.params):
+        verbose = click.Option(["-v", "--verbose"], count=True, expose_value=False, callback=_more_logging,
+                               help="More logging on stderr (-vv for debug).")  # fmt: skip
+        command.params.append(verbose)
 
 
 def run() -> None:

@@ -4,6 +4,7 @@ the current directory, an empty index or invalid JSON. Each test names the input
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -628,3 +629,20 @@ def test_warmup_whose_marker_place_holds_a_directory_is_a_root_error(tmp_path, m
     out = CliRunner().invoke(main, ["warmup", "--json", "--url", "http://127.0.0.1:1", "--wait-timeout", "0",
                                     "--root", str(tmp_path / "r")], catch_exceptions=False)  # fmt: skip
     assert out.exit_code == ExitCode.ROOT, out.output
+
+
+def test_verbose_after_the_command_is_taken_by_every_command(tmp_path, isolated_home, monkeypatch):
+    """-v was only an option of `kcache` itself: `kcache restore ... -v`, a common habit, was a usage
+    error, which restore answers by starting cold (exit 0, one log line), and every other command
+    refused it. Each command now takes it after its name too."""
+    write_tree(tmp_path / "src", {"inductor/a": b"kernel"})
+    run("publish", "--from", tmp_path / "src", "--model", "m", "-v")
+    restored = strict_json(run("restore", "--into", tmp_path / "dst", "--model", "m", "--json", "-v").output)
+    assert restored["status"] == "hit", restored
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "level", logging.WARNING)  # and back to what it was after the test
+    run("restore", "--into", tmp_path / "third", "--model", "m")
+    assert root.level == logging.WARNING
+    run("restore", "--into", tmp_path / "again", "--model", "m", "-vv")
+    assert root.level == logging.DEBUG  # -vv after the command is debug, as before it
+    run("db", "upgrade", "-v")  # a group's commands too
