@@ -231,6 +231,17 @@ def test_prebake_refuses_a_bad_ref_ttl_setting_before_its_warmup(tmp_path, profi
     assert not (root / "inductor").exists()  # the warmup never ran
 
 
+def test_prebake_takes_the_allow_empty_its_error_names(tmp_path, profiles_file, monkeypatch, isolated_home):
+    """A warmup that compiled nothing made prebake say "pass --allow-empty", which it refused."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    args = ["prebake", "--root", str(tmp_path / "A"), "--entrypoint", "test_warmup:record", "--profiles",
+            str(profiles_file), "--model", "m", "--json"]  # fmt: skip
+    refused = json.loads(cli(*args, code=ExitCode.USAGE).stdout)
+    assert "--allow-empty" in refused["error"]
+    published = json.loads(cli(*args, "--allow-empty").stdout)["publish"]
+    assert published["files"] == 0 and published["created"]
+
+
 def test_prebake_child_without_report_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     out = cli("prebake", "--root", str(tmp_path / "A"), "--entrypoint", "test_warmup:missing", code=ExitCode.WARMUP)

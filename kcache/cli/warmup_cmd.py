@@ -28,7 +28,7 @@ from kcache.cli.options import (
     stderr_is_terminal,
     store_options,
 )
-from kcache.cli.publish_cmd import publish_config
+from kcache.cli.publish_cmd import allow_empty_option, publish_config
 from kcache.config import redact_doc, redact_text
 from kcache.errors import ConfigError
 from kcache.prebake import ChildWarmup, ServerWarmup, prebake
@@ -222,12 +222,13 @@ def _secs(value: float | None) -> str:
 @click.option("--signing-key", type=NonEmptyPath(dir_okay=False, path_type=Path), envvar="KCACHE_SIGNING_KEY",
               help="Sign the manifest with this key from `kcache keygen`.")  # fmt: skip
 @click.option("--jobs", type=click.IntRange(1, 256), default=8, show_default=True, help="Parallel transfers.")
+@allow_empty_option
 @fingerprint_options
 @store_options
 @json_option
 def prebake_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_timeout, served_model, retries, budget,
                 root,
-                signing_key, jobs, model, model_config, facts, extras,
+                signing_key, jobs, allow_empty, model, model_config, facts, extras,
                 store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
     """Warm up, then publish: the build-pipeline step that ships warm caches.
 
@@ -253,7 +254,7 @@ def prebake_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_
     fp = compute_fingerprint(model, model_config, facts, extras)
     cfg = settings(store_url, index_url, s3_endpoint_url)
     store = open_configured_store(cfg, jobs=jobs, publisher=True)
-    config = publish_config(cfg, jobs=jobs, signing_key=signing_key)
+    config = publish_config(cfg, jobs=jobs, signing_key=signing_key, allow_empty=allow_empty)
     index = binding.open_index(cfg, store, write=True)
     try:
         result = prebake(store, index, fp, root, warmer, config=config, progress=None if as_json else _note())
