@@ -6,6 +6,7 @@ import functools
 import math
 import os
 import re
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -273,8 +274,12 @@ class KcacheGroup(click.Group):
         except (click.exceptions.Exit, click.exceptions.Abort):
             raise
         except KeyboardInterrupt as exc:  # ^C, or SIGTERM where a command turned it into one (128 + signal)
+            code = 128 + getattr(exc, "signum", ExitCode.INTERRUPTED - 128)
+            if wants_json(ctx):  # a script reads one object, whatever happened
+                click.echo(fmt.to_json({"status": "error", "error": f"interrupted ({_signal_name(code - 128)})",
+                                        "hint": "run it again", "exit_code": code}))  # fmt: skip
             click.echo("kcache: interrupted", err=True)
-            raise click.exceptions.Exit(128 + getattr(exc, "signum", ExitCode.INTERRUPTED - 128)) from None
+            raise click.exceptions.Exit(code) from None
         except BrokenPipeError:  # `kcache stats | head`: the reader has what it wanted; no bug to report
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail again
             raise click.exceptions.Exit(ExitCode.BROKEN_PIPE) from None
@@ -289,6 +294,13 @@ class KcacheGroup(click.Group):
             if debugging():
                 raise
             raise report(exc, wants_json(ctx)) from None
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def wants_json(ctx: click.Context) -> bool:

@@ -5,6 +5,7 @@ import importlib
 import json
 import os
 import pkgutil
+import signal
 import socket
 import sqlite3
 
@@ -15,6 +16,7 @@ from command_tree import commands
 import kcache
 from kcache.cli import main
 from kcache.cli.errors import TABLE, ExitCode, describe
+from kcache.errors import Terminated
 
 ALL_COMMANDS = sorted(path for path, _ in commands(main))
 
@@ -112,13 +114,21 @@ def test_an_unexpected_error_in_any_command_is_one_line_exit_70(tmp_path, everyt
         assert doc["status"] == "error" and doc["exit_code"] == 70 and INJECTED in doc["error"] and doc["hint"]
 
 
-def test_ctrl_c_exits_130(monkeypatch):
+@pytest.mark.parametrize("stop, code", [(KeyboardInterrupt, 130), (lambda: Terminated(signal.SIGTERM), 143)],
+                         ids=["ctrl-c", "sigterm"])  # fmt: skip
+def test_an_interrupt_exits_128_plus_the_signal_and_still_answers_json(monkeypatch, stop, code):
+    """Under --json an interrupted command printed nothing on stdout: a script reading its one
+    object got no object at all."""
+
     def interrupt(*_args, **_kwargs):
-        raise KeyboardInterrupt
+        raise stop()
 
     monkeypatch.setattr(importlib.import_module("kcache.config"), "resolve", interrupt)
     result = run("ls", "--json")
-    assert result.exit_code == ExitCode.INTERRUPTED == 130 and "interrupted" in result.stderr
+    assert result.exit_code == code and "interrupted" in result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["status"] == "error" and doc["exit_code"] == code and "interrupted" in doc["error"]
+    assert "interrupted" in run("ls").stderr and not run("ls").stdout  # without --json: stderr only
 
 
 def test_kcache_debug_shows_the_traceback(everything_breaks):
