@@ -126,8 +126,9 @@ def verify_cmd(read_data, subset, jobs, trusted_keys, store_url, index_url, s3_e
 @click.command("gc")
 @click.option("--keep-last", type=click.IntRange(0, MAX_LIMIT), default=3, show_default=True,
               help="Newest active bundles kept per bundle key, however old.")  # fmt: skip
-@click.option("--older-than", default="7d", show_default=True, help="Only bundles older than this are deleted.")
-@click.option("--grace", default="6h", show_default=True,
+@click.option("--older-than", default="7d", show_default=True, metavar="DURATION",
+              help="Only bundles older than this are deleted.")  # fmt: skip
+@click.option("--grace", default="6h", show_default=True, metavar="DURATION",
               help="A condemned pack is deleted only after this long, so running publishes can revive it.")  # fmt: skip
 @click.option("--dry-run", is_flag=True, help="Print the plan and the bytes it would free; change nothing.")
 @ref_signing_key_option

@@ -18,8 +18,9 @@ from kcache import profiles as profile_files
 from kcache.cli import format as fmt
 from kcache.cli.errors import ExitCode
 from kcache.cli.options import (
-    FiniteFloat,
+    Duration,
     NonEmptyPath,
+    Wait,
     compute_fingerprint,
     fingerprint_options,
     json_option,
@@ -60,18 +61,18 @@ def target_options(fn):
                      help=f"YAML/TOML profiles file (default: {defaults})."),
         click.option("--parallel", type=click.IntRange(1, 64), default=1, show_default=True,
                      help="Profiles run at once (singles still finish before batches)."),
-        click.option("--request-timeout", type=FiniteFloat(min=0, min_open=True), default=300.0,
-                     show_default=True,
-                     help="Seconds one HTTP request may take in all: connect, headers and body (--url)."),
-        click.option("--wait-timeout", type=FiniteFloat(min=0), default=600.0, show_default=True,
-                     help="Seconds to wait for the server's /health (or /v1/models) to answer 200 (--url)."),
+        click.option("--request-timeout", type=Duration(), default=300.0, show_default=True, metavar="DURATION",
+                     help="How long one HTTP request may take in all: connect, headers and body (--url); "
+                          "seconds (300) or a duration (5m)."),
+        click.option("--wait-timeout", type=Wait(), default=600.0, show_default=True, metavar="DURATION",
+                     help="How long to wait for the server's /health (or /v1/models) to answer 200 (--url)."),
         click.option("--served-model", metavar="NAME",
                      help="The `model` field of requests (--url; default: the first of /v1/models)."),
         click.option("--retries", type=click.IntRange(0, 100), default=3, show_default=True,
                      help="Retries of a request that failed transiently (connection error, timeout, 408, 429, "
                           "502-504), with backoff (--url)."),
-        click.option("--budget", type=FiniteFloat(min=0), default=0, show_default=True,
-                     help="Seconds the whole warmup may take, the wait included; requests and retries stop "
+        click.option("--budget", type=Wait(), default=0, show_default=True, metavar="DURATION",
+                     help="How long the whole warmup may take, the wait included; requests and retries stop "
                           "when it is spent (--url), or prebake kills its --entrypoint warmup process "
                           "(0: no limit)."),
     )  # fmt: skip

@@ -646,3 +646,19 @@ def test_verbose_after_the_command_is_taken_by_every_command(tmp_path, isolated_
     run("restore", "--into", tmp_path / "again", "--model", "m", "-vv")
     assert root.level == logging.DEBUG  # -vv after the command is debug, as before it
     run("db", "upgrade", "-v")  # a group's commands too
+
+
+@pytest.mark.parametrize("name", ["warmup", "prebake"])
+def test_warmup_times_take_durations_like_every_other_time_option(name, tmp_path):
+    """restore --timeout, watch --stop-timeout and proxy --shutdown-timeout took 10m; warmup's and
+    prebake's --wait-timeout, --request-timeout and --budget refused it as "not a valid float"."""
+    command = main.commands[name]
+    args = ["--url", "http://127.0.0.1:1", "--root", str(tmp_path), "--wait-timeout", "10m", "--request-timeout",
+            "90s", "--budget", "1h"]  # fmt: skip
+    params = command.make_context(name, list(args)).params  # a copy: click consumes the list
+    assert (params["wait_timeout"], params["request_timeout"], params["budget"]) == (600.0, 90.0, 3600.0)
+    bare = command.make_context(name, [*args[:4], "--wait-timeout", "2.5", "--budget", "0"]).params
+    assert (bare["wait_timeout"], bare["budget"]) == (2.5, 0.0)  # seconds, and 0: no limit, as before
+    for flag, value in (("--request-timeout", "0"), ("--wait-timeout", "-1"), ("--budget", "soon")):
+        result = run(name, *args[:4], flag, value, code=ExitCode.USAGE)
+        assert flag in result.output
