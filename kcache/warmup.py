@@ -268,7 +268,6 @@ def write_marker(root: Path, report: WarmupReport, on_failure: str = "unready", 
     kept volume, still running when the new pod's restore finished, cannot make the new pod ready."""
     if on_failure not in readiness.ON_FAILURE:
         raise ConfigError("--on-failure", on_failure, f"expected one of {', '.join(readiness.ON_FAILURE)}")
-    Path(root).mkdir(parents=True, exist_ok=True)
     # Every container of the pod reads ROOT, and `kcache ready --json` shows the marker: --url and
     # the errors quoting it may carry a password (http://user:pass@host).
     doc = redact_doc(json.loads(json.dumps({**to_dict(report), "on_failure": on_failure})))
@@ -276,6 +275,7 @@ def write_marker(root: Path, report: WarmupReport, on_failure: str = "unready", 
     if report.status == "running" and expires_at is not None:
         doc["expires_at"] = expires_at.isoformat()
     try:
+        Path(root).mkdir(parents=True, exist_ok=True)
         return readiness.write_marker(Path(root), readiness.WARMUP_MARKER, doc)
-    except OSError as exc:  # a directory where the marker goes, a read-only or full ROOT
+    except OSError as exc:  # a file above ROOT, a directory where the marker goes, a read-only or full ROOT
         raise RootError(str(root), f"cannot write {readiness.WARMUP_MARKER}: {exc.strerror or exc}") from None

@@ -126,7 +126,7 @@ def ready_time(root: Path) -> float | None:
 def _marker_time(root: Path, name: str) -> float | None:
     try:
         return (Path(root) / name).stat().st_mtime
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # a file above ROOT: no ROOT, as for a missing one
         return None
 
 
@@ -135,7 +135,7 @@ def load_baseline(root: Path) -> Baseline | None:
     try:
         if (Path(root) / BASELINE_MARKER).stat().st_mtime < (Path(root) / readiness.RESTORE_MARKER).stat().st_mtime:
             return None
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     doc = readiness.read_marker(root, BASELINE_MARKER) or {}
     files = _pairs(doc.get("files"))

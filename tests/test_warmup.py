@@ -242,6 +242,15 @@ def test_prebake_takes_the_allow_empty_its_error_names(tmp_path, profiles_file, 
     assert published["files"] == 0 and published["created"]
 
 
+def test_warmup_root_that_cannot_be_made_is_a_root_error_naming_the_flag(tmp_path):
+    """A --root below a file was exit 70, "a bug in kcache"; the hint of a root error named only
+    restore's --into and --node-cache."""
+    (tmp_path / "file").write_bytes(b"")
+    out = cli("warmup", "--root", str(tmp_path / "file/root"), "--url", "http://127.0.0.1:1", "--wait-timeout", "0",
+              code=ExitCode.ROOT)  # fmt: skip
+    assert "file/root" in out.output and "--root" in out.output
+
+
 def test_prebake_child_without_report_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     out = cli("prebake", "--root", str(tmp_path / "A"), "--entrypoint", "test_warmup:missing", code=ExitCode.WARMUP)

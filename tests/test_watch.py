@@ -463,6 +463,13 @@ def test_cli_once_then_publish_and_restore_elsewhere(tmp_path):
     assert (tmp_path / "next/vllm/torch_compile_cache/h/rank_0_0/x").read_bytes() == b"late"
 
 
+def test_cli_once_on_a_root_below_a_file_is_not_ready_not_a_bug(tmp_path):
+    """A root whose parent is a file (a mistyped --root) was exit 70, "a bug in kcache"."""
+    (tmp_path / "file").write_bytes(b"")
+    out = run("watch", "--root", str(tmp_path / "file/root"), "--once")
+    assert out.exit_code == 0 and "not ready yet" in out.output
+
+
 def test_cli_once_publishes_past_a_file_name_that_is_not_utf8(tmp_path):
     root = tmp_path / "root"
     store = f"file://{tmp_path / 'store'}"

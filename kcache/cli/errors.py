@@ -91,7 +91,8 @@ ROWS: tuple[tuple[str, str, ExitCode, str], ...] = (
         "give --from and each --extra-dir NAME=PATH a directory that exists (--from: a root restore laid out)",
     ),
     (_E, "RootFull", ExitCode.ROOT, "give the volume more room (or raise its quota or ulimit -f); the pod starts cold"),
-    (_E, "RootError", ExitCode.ROOT, "pass --into (or --node-cache) a directory kcache may create and own"),
+    (_E, "RootError", ExitCode.ROOT,
+     "pass --into, --root or --node-cache a directory kcache may create and own"),  # fmt: skip
     (_E, "RootBusy", ExitCode.TIMEOUT, "run one restore per root at a time; the one that holds it writes kcache.env"),
     (_E, "RestoreTimeout", ExitCode.TIMEOUT, "raise --timeout, or check the store's bandwidth"),
     ("kcache.boundedread", "NotRegularFile", ExitCode.USAGE, "give a regular file (not a FIFO, device or directory)"),
