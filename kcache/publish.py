@@ -39,7 +39,16 @@ from typing import TYPE_CHECKING, TypeVar
 from kcache import boundedread, cpus, gpus, layerkeys, limits, progress, readiness, refs, signing
 from kcache import fingerprint as fingerprints
 from kcache import manifest as manifests
-from kcache.errors import ConfigError, IndexDbError, IntegrityError, KcacheError, SourceDirError
+from kcache.errors import (
+    ConfigError,
+    IndexDbError,
+    IntegrityError,
+    KcacheError,
+    NotFound,
+    ObjectMissing,
+    SignatureError,
+    SourceDirError,
+)
 from kcache.fingerprint import NONE, Fingerprint
 from kcache.hashcache import HashCache, key_for
 from kcache.packs import (
@@ -725,7 +734,11 @@ def _newest_to_carry(store: Store, index: Index, fingerprint: Fingerprint,
                      config: PublishConfig) -> manifests.Manifest | None:  # fmt: skip
     """The key's newest bundle, whose files this publish carries where ROOT lacks them; None when
     there is none or it may not be carried. With a signing key, only a bundle that key signed:
-    this publish signs what it carries, and must not sign what a store or index writer planted."""
+    this publish signs what it carries, and must not sign what a store or index writer planted.
+
+    Only a donor that fails its checks (damaged, missing, oversized, unsigned) is not carried. A
+    store or index that could not answer fails the publish: carrying nothing, it would commit a
+    newest bundle without the other replicas' kernels (watch publishes again when next due)."""
     newest = index.newest_bundle(fingerprint.bundle_key)
     if newest is None:
         return None
@@ -738,7 +751,7 @@ def _newest_to_carry(store: Store, index: Index, fingerprint: Fingerprint,
             trusted = (signing.public_of(config.signing_key),)
             if signing.verify(store, trusted, fingerprint.bundle_key, newest.id, size) is None:
                 raise IntegrityError("manifest", newest.id, f"is not signed by {config.signing_key.name!r}")
-    except KcacheError as exc:
+    except (IntegrityError, ObjectMissing, SignatureError) as exc:  # ObjectTooLarge is an IntegrityError
         log.warning("not carrying the files of bundle %s: %s", newest.id[:12], exc)
         return None
     return manifest
@@ -749,7 +762,7 @@ def _yanked_since(store: Store, index: Index, donor: manifests.Manifest) -> bool
     again after the upload, right before the commit (a yank may have landed meanwhile)."""
     try:
         gone = index.get_bundle(donor.id).status != "active"
-    except KcacheError:  # gc deleted it, or the index cannot say: carry nothing
+    except NotFound:  # gc deleted it (an index that cannot say fails the publish: see _newest_to_carry)
         gone = True
     if gone or _yanked_before(store, donor):
         log.warning("not carrying the files of bundle %s: it was yanked", donor.id[:12])

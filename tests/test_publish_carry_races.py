@@ -1,0 +1,62 @@
+"""Carrying publishes (`kcache watch`'s) that overlap other publishes and yanks of their key: the newest
+bundle keeps every replica's kernels and never a yanked bundle's, and a donor that cannot be read
+fails the publish rather than dropping its files. Interleavings come from wrapped stores and indexes."""
+
+from __future__ import annotations
+
+import pytest
+from trees import write_tree
+
+from kcache import manifest as manifests
+from kcache import sources
+from kcache.errors import IndexDbError, StoreError
+from kcache.publish import PublishConfig, publish
+from kcache.store import manifest_key
+from kcache.store.local import LocalStore
+
+LAYERS = sources.select()
+
+
+class Wrapped:
+    """Everything as `inner` does, but what a test overrides."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _paths(store, bundle_id) -> set[str]:
+    return {e.path for e in manifests.parse(store.get_bytes(manifest_key(bundle_id)), bundle_id).entries}
+
+
+def _publish(tmp_path, store, index, fp, name, files, carry=True):
+    write_tree(tmp_path / name, files)
+    return publish(store, index, fp, LAYERS, root=tmp_path / name, env={},
+                   config=PublishConfig(carry_newest=carry, peer_wait=0))  # fmt: skip
+
+
+@pytest.mark.parametrize("fault", ["store", "index"])
+def test_a_donor_that_cannot_be_read_fails_the_publish(tmp_path, index, fp, fault):
+    """A store that answers 503 for the donor's manifest, or an index that cannot say whether the
+    donor is still active: carrying nothing, the publish committed a newest bundle without the
+    other replicas' kernels. It fails instead, and watch publishes again when next due."""
+    store = LocalStore(tmp_path / "store")
+    theirs = _publish(tmp_path, store, index, fp, "a", {"triton/kA/k.cubin": b"theirs"})
+    flaky_store, flaky_index = Wrapped(store), Wrapped(index)
+    if fault == "store":
+        def size(key):
+            if key == manifest_key(theirs.bundle_id):
+                raise StoreError(store.url, "503 SlowDown (reached max retries: 6)")
+            return store.size(key)
+
+        flaky_store.size = size
+    else:
+        def get_bundle(id_or_prefix):
+            raise IndexDbError(index.url, "server closed the connection unexpectedly")
+
+        flaky_index.get_bundle = get_bundle
+    with pytest.raises(StoreError if fault == "store" else IndexDbError):
+        _publish(tmp_path, flaky_store, flaky_index, fp, "b", {"triton/kB/k.cubin": b"ours"})
+    assert index.newest_bundle(fp.bundle_key).id == theirs.bundle_id
