@@ -62,6 +62,17 @@ class IndexConflict(IndexDbError):
         super().__init__(url, f"{why} (gave up after {attempts} attempts)")
 
 
+class NewestChanged(IndexConflict):
+    """A commit made on condition that its key's newest bundle was still the one it carried from found
+    another one there: nothing was committed (kcache.publish carries from that one and tries again)."""
+
+    def __init__(self, url: str, bundle_key: str, expected: str | None, found: str | None):
+        self.bundle_key, self.expected, self.found = bundle_key, expected, found
+        why = (f"the newest bundle of key {bundle_key} became {(found or 'none')[:12]} while a publish carried "
+               f"{(expected or 'none')[:12]}")  # fmt: skip
+        super().__init__(url, why, 1)
+
+
 class IntegrityError(KcacheError):
     """Bytes read back do not hash to the id they were stored under, or do not parse."""
 

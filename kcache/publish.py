@@ -14,7 +14,9 @@ Pods of one bundle key that publish at the same moment (a Deployment's replicas 
 warmup) would all find every blob missing and upload it, each one a copy. So steps 1-5 run under
 the bundle key's publish lease in the index: the others wait for it, then find the blobs in the
 index and upload only what the first did not. The lease only saves uploads: one that is lost,
-expires or is never taken changes no outcome.
+expires or is never taken changes no outcome. A carrying publish (watch's) commits only while the
+bundle it carried from is still its key's newest, so an overlapping one never drops another's files
+(see _commit).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from kcache.errors import (
     IndexDbError,
     IntegrityError,
     KcacheError,
-    NotFound,
+    NewestChanged,
     ObjectMissing,
     SignatureError,
     SourceDirError,
@@ -604,32 +606,16 @@ def _publish_leased(store: Store, index: Index, fingerprint: Fingerprint, found,
     info = {name: value for name, value in info.items() if name in layers}
     if not first:
         lease.wait()
-    donor = _newest_to_carry(store, index, fingerprint, config) if config.carry_newest else None
+    donor = _donor(store, index, fingerprint, config) if config.carry_newest else None
     new, uploaded, pack_count, locations = _upload_until_revived(collected, store, index, config.jobs, note, report)
     collected = _sized_as_stored(collected, locations)
     new, uploaded, pack_count = early.new + new, early.uploaded + uploaded, early.packs + pack_count
-    entries = [_entry(c, locations[c.blob]) for c in collected]
     # From `collected` as kept: a file skipped above takes its digests with it.
-    chunks = {c.blob: c.chunks for c in collected if c.chunks}
-    if donor is not None and _yanked_since(store, index, donor):
-        donor = None
-    if donor is not None:
-        carried = _carried(index, donor, {c.path for c in collected})
-        entries += [e for _, e in carried]
-        chunks.update({e.blob: donor.chunks[e.blob] for _, e in carried if e.blob in donor.chunks})
-        layers = sorted(set(layers) | {name for name, _ in carried})
-        info = {**{k: v for k, v in donor.layer_info.items() if k in layers}, **info}
-    manifest = _manifest(fingerprint, layers, entries, info, chunks)
-    data = manifest.to_bytes()
-    limits.check_manifest_size(len(data), len(manifest.entries))  # exact now: the check above was a lower bound
-    wrote = _write_manifest(store, manifest, data, config.signing_key)  # before the commit point
-    yanked = _yanked_before(store, manifest) or index.was_yanked(manifest.id)
-    if yanked:
-        log.warning("bundle %s was yanked before; it is committed yanked (`kcache yank --undo %s` restores it)",
-                    manifest.id[:12], manifest.id)  # fmt: skip
-    row = _bundle_row(manifest, compile_seconds, "yanked" if yanked else "active")
-    replaced = index.newest_bundle(manifest.bundle_key)
-    created = index.add_bundle(row)
+    entries = [_entry(c, locations[c.blob]) for c in collected]
+    own = _Contents(entries, {c.blob: c.chunks for c in collected if c.chunks}, layers, info)
+    manifest, data, wrote, row, created, replaced = _commit(store, index, fingerprint, config, own, donor,
+                                                            compile_seconds)  # fmt: skip
+    yanked = row.status == "yanked"
     if not wrote and not _manifest_stored(store, manifest.id, config.signing_key):
         # The copy we found was an orphan of a crashed publish, and GC swept it before our commit.
         log.warning("manifest %s vanished while publishing; writing it again", manifest.id[:12])
@@ -661,6 +647,74 @@ def _publish_leased(store: Store, index: Index, fingerprint: Fingerprint, found,
     except IndexDbError as exc:  # stats only: the bundle is committed, its ref moved; the exit code must say so
         log.warning("published, but cannot record the publish event: %s", exc)
     return result
+
+
+_CARRY_ROUNDS = 8  # commits of a carrying publish that other commits of its key may overtake
+
+
+@dataclass(frozen=True)
+class _Donor:
+    """The key's newest bundle when last looked at, and its manifest when its files may be carried."""
+
+    newest: Bundle | None
+    manifest: manifests.Manifest | None
+
+
+@dataclass(frozen=True)
+class _Contents:
+    """What a bundle will hold: entries, chunk digests, layers and their layer info."""
+
+    entries: list[manifests.Entry]
+    chunks: dict[str, Sequence[str]]
+    layers: list[str]
+    info: dict
+
+    def carrying(self, index: Index, donor: manifests.Manifest) -> _Contents:
+        """These contents and the donor's files they lack (see _carried)."""
+        carried = _carried(index, donor, {e.path for e in self.entries})
+        chunks = {**self.chunks, **{e.blob: donor.chunks[e.blob] for _, e in carried if e.blob in donor.chunks}}
+        layers = sorted(set(self.layers) | {name for name, _ in carried})
+        info = {**{k: v for k, v in donor.layer_info.items() if k in layers}, **self.info}
+        return _Contents(self.entries + [e for _, e in carried], chunks, layers, info)
+
+
+def _commit(store: Store, index: Index, fingerprint: Fingerprint, config: PublishConfig, own: _Contents,
+            donor: _Donor | None, compile_seconds: float | None):  # fmt: skip
+    """Steps 3-4: the manifest, then the bundle row. Returns (manifest, its bytes, whether this
+    call wrote them, row, created, the key's newest bundle before the commit).
+
+    A carrying publish commits only while the bundle it carried from is still its key's newest
+    (Index.add_bundle's `if_newest`). Another commit of the key may have come since it chose the
+    donor: a publish whose lease it never waited for (--peer-wait ran out, the index refused leases,
+    the lease lapsed) or a yank. Then it carries from the newest bundle again and writes a new
+    manifest: a bundle that dropped the other's files would become the newest."""
+    changed: KcacheError | None = None
+    for _ in range(_CARRY_ROUNDS if donor is not None else 1):
+        if donor is not None:
+            donor = _donor(store, index, fingerprint, config, donor)  # looked at again right before the commit
+        contents = own.carrying(index, donor.manifest) if donor is not None and donor.manifest is not None else own
+        manifest = _manifest(fingerprint, contents.layers, contents.entries, contents.info, contents.chunks)
+        data = manifest.to_bytes()
+        limits.check_manifest_size(len(data), len(manifest.entries))  # exact now: the first check was a lower bound
+        wrote = _write_manifest(store, manifest, data, config.signing_key)  # before the commit point
+        yanked = _yanked_before(store, manifest) or index.was_yanked(manifest.id)
+        if yanked:
+            log.warning("bundle %s was yanked before; it is committed yanked (`kcache yank --undo %s` restores it)",
+                        manifest.id[:12], manifest.id)  # fmt: skip
+        row = _bundle_row(manifest, compile_seconds, "yanked" if yanked else "active")
+        if donor is None or yanked:  # nothing carried, or never the newest: any commit of the key may come between
+            replaced = index.newest_bundle(manifest.bundle_key)
+            return manifest, data, wrote, row, index.add_bundle(row), replaced
+        try:
+            created = index.add_bundle(row, if_newest=donor.newest.id if donor.newest is not None else None)
+        except NewestChanged as exc:
+            log.info("bundle %s was committed for key %s while this publish carried %s; carrying from it instead",
+                     (exc.found or "none")[:12], exc.bundle_key, (exc.expected or "none")[:12])  # fmt: skip
+            changed = exc
+            continue
+        return manifest, data, wrote, row, created, donor.newest
+    assert changed is not None
+    raise changed
 
 
 class _Lease:
@@ -730,18 +784,33 @@ class _Lease:
             log.warning("cannot release the publish lease of %s: %s", self._key, exc)
 
 
-def _newest_to_carry(store: Store, index: Index, fingerprint: Fingerprint,
-                     config: PublishConfig) -> manifests.Manifest | None:  # fmt: skip
-    """The key's newest bundle, whose files this publish carries where ROOT lacks them; None when
-    there is none or it may not be carried. With a signing key, only a bundle that key signed:
-    this publish signs what it carries, and must not sign what a store or index writer planted.
-
-    Only a donor that fails its checks (damaged, missing, oversized, unsigned) is not carried. A
-    store or index that could not answer fails the publish: carrying nothing, it would commit a
-    newest bundle without the other replicas' kernels (watch publishes again when next due)."""
+def _donor(store: Store, index: Index, fingerprint: Fingerprint, config: PublishConfig,
+           known: _Donor | None = None) -> _Donor:  # fmt: skip
+    """The key's newest bundle, and its manifest when this publish may carry its files where ROOT
+    lacks them; `known`'s manifest again when the newest is still that bundle. Not a bundle the
+    store marks yanked (the index's status is checked at the commit: Index.add_bundle)."""
     newest = index.newest_bundle(fingerprint.bundle_key)
     if newest is None:
-        return None
+        return _Donor(None, None)
+    if known is not None and known.newest is not None and known.newest.id == newest.id:
+        manifest = known.manifest
+    else:
+        manifest = _newest_to_carry(store, fingerprint, config, newest)
+    if manifest is not None and _yanked_before(store, manifest):
+        log.warning("not carrying the files of bundle %s: it was yanked", manifest.id[:12])
+        manifest = None
+    return _Donor(newest, manifest)
+
+
+def _newest_to_carry(store: Store, fingerprint: Fingerprint, config: PublishConfig,
+                     newest: Bundle) -> manifests.Manifest | None:  # fmt: skip
+    """The manifest of `newest`, the key's newest bundle; None when it may not be carried. With a
+    signing key, only a bundle that key signed: this publish signs what it carries, and must not
+    sign what a store or index writer planted.
+
+    Only a donor that fails its checks (damaged, missing, oversized, unsigned) is not carried. A
+    store that could not answer fails the publish: carrying nothing, it would commit a newest
+    bundle without the other replicas' kernels (watch publishes again when next due)."""
     try:
         manifest = manifests.fetch(store, newest.id)
         if manifest.bundle_key != fingerprint.bundle_key:
@@ -755,19 +824,6 @@ def _newest_to_carry(store: Store, index: Index, fingerprint: Fingerprint,
         log.warning("not carrying the files of bundle %s: %s", newest.id[:12], exc)
         return None
     return manifest
-
-
-def _yanked_since(store: Store, index: Index, donor: manifests.Manifest) -> bool:
-    """Whether the bundle to carry from is no longer active, or the store marks it yanked: looked at
-    again after the upload, right before the commit (a yank may have landed meanwhile)."""
-    try:
-        gone = index.get_bundle(donor.id).status != "active"
-    except NotFound:  # gc deleted it (an index that cannot say fails the publish: see _newest_to_carry)
-        gone = True
-    if gone or _yanked_before(store, donor):
-        log.warning("not carrying the files of bundle %s: it was yanked", donor.id[:12])
-        return True
-    return False
 
 
 def _carried(index: Index, donor: manifests.Manifest, local: set[str]) -> list[tuple[str, manifests.Entry]]:

@@ -64,6 +64,7 @@ def set_status(index: Index, bundle_id: str, status: str) -> Bundle:
     bundle = index.get_bundle(bundle_id)
 
     def work(s) -> None:
+        index.lock_key(s, bundle.bundle_key)  # a carrying publish's commit sees the yank, or lands first
         s.execute(update(BundleRow).where(BundleRow.id == bundle.id).values(status=status))
         if status == "active":  # an undone yank: a record of it from an earlier gc must not list it still
             s.execute(delete(YankRow).where(YankRow.id == bundle.id))

@@ -9,6 +9,7 @@ PostgreSQL still aborts (deadlock 40P01, serialization failure 40001) is run aga
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -19,11 +20,11 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import TypeVar
 
-from sqlalchemy import Engine, String, and_, any_, func, literal, select
+from sqlalchemy import Engine, String, and_, any_, func, literal, select, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from kcache.errors import ConfigError, IndexConflict, IndexDbError, NotFound
+from kcache.errors import ConfigError, IndexConflict, IndexDbError, NewestChanged, NotFound
 from kcache.index.db import describe_error, ensure_schema, make_engine
 from kcache.index.models import (
     MAX_MODEL_ID,
@@ -47,6 +48,7 @@ _HEX_KEY_PREFIX = re.compile(r"[0-9a-f]{1,32}\Z")
 _RETRY_SQLSTATES = frozenset({"40001", "40P01"})  # serialization failure, deadlock detected
 _ATTEMPTS = 5
 _BACKOFF = 0.05  # seconds; doubled per attempt, jittered so the losers do not collide again
+ANY = object()  # add_bundle's if_newest: commit whatever the key's newest bundle is
 
 
 def transient(exc: BaseException) -> bool:
@@ -105,6 +107,12 @@ def bundle_of(row: BundleRow) -> Bundle:
         facts, tuple(filter(None, row.layers.split(","))),
         row.files, row.bytes, created, row.created_by, row.status, row.compile_seconds,
     )  # fmt: skip
+
+
+def _newest_id(match):
+    """SQL: the id of the newest active bundle that `match`es (as restore picks it)."""
+    newest = select(BundleRow.id).where(match, BundleRow.status == "active")
+    return newest.order_by(BundleRow.created_at.desc(), BundleRow.id).limit(1)
 
 
 def aware(ts: datetime) -> datetime:
@@ -259,25 +267,56 @@ class Index:
                     found[row[0]] = BlobLocation(*row)
         return found
 
-    def add_bundle(self, bundle: Bundle, *, keep_time: bool = False) -> bool:
+    def add_bundle(self, bundle: Bundle, *, keep_time: bool = False, if_newest: str | None | object = ANY) -> bool:
         """The commit point of a publish. False if this exact manifest was already a bundle.
 
         The row is stamped with the index's clock, not `bundle.created_at`: "newest" must not be
         whatever the publisher's clock claims (a node a year ahead would stay newest for a year).
         PostgreSQL stamps with its server time; SQLite, a file on this host, with this host's.
         `keep_time` keeps the given time, for `kcache reindex` rebuilding history from the store.
+
+        With `if_newest` (a bundle id, or None for none), the row goes in only while that is still
+        the key's newest active bundle (or this one is): else NewestChanged and nothing committed.
+        A carrying publish commits so (kcache.publish). Commits and status changes of one key run
+        one at a time (lock_key), so none lands between the look and the insert.
         """
-        created = bundle.created_at if keep_time else self._clock()
-        row = dict(
-            id=bundle.id, bundle_key=bundle.bundle_key, toolchain_key=bundle.toolchain_key,
-            workload_key=bundle.workload_key, model=bundle.model,
-            facts=json.dumps(bundle.facts, sort_keys=True), layers=",".join(bundle.layers),
-            files=bundle.files, bytes=bundle.bytes, created_at=created,
-            created_by=bundle.created_by, status=bundle.status, compile_seconds=bundle.compile_seconds,
-        )  # fmt: skip
-        # RETURNING, not rowcount: psycopg reports -1 for ON CONFLICT inserts.
-        stmt = self.insert_ignore(BundleRow, [row]).returning(BundleRow.id)
-        return self.transaction(lambda s: s.connection().execute(stmt).first() is not None)
+        def work(s: Session) -> bool:
+            self.lock_key(s, bundle.bundle_key)
+            if if_newest is not ANY:
+                newest = s.scalar(_newest_id(BundleRow.bundle_key == bundle.bundle_key))
+                if newest not in (if_newest, bundle.id):
+                    raise NewestChanged(self.url, bundle.bundle_key, if_newest, newest)  # type: ignore[arg-type]
+            # Stamped once the lock is held: a commit that waited for another is newer than it.
+            created = bundle.created_at if keep_time else self._stamp()
+            row = dict(
+                id=bundle.id, bundle_key=bundle.bundle_key, toolchain_key=bundle.toolchain_key,
+                workload_key=bundle.workload_key, model=bundle.model,
+                facts=json.dumps(bundle.facts, sort_keys=True), layers=",".join(bundle.layers),
+                files=bundle.files, bytes=bundle.bytes, created_at=created,
+                created_by=bundle.created_by, status=bundle.status, compile_seconds=bundle.compile_seconds,
+            )  # fmt: skip
+            # RETURNING, not rowcount: psycopg reports -1 for ON CONFLICT inserts.
+            stmt = self.insert_ignore(BundleRow, [row]).returning(BundleRow.id)
+            return s.connection().execute(stmt).first() is not None
+
+        return self.transaction(work)
+
+    def lock_key(self, s: Session, bundle_key: str) -> None:
+        """Hold, until `s`'s transaction ends, the lock that orders the commits and status changes of
+        `bundle_key`'s bundles. PostgreSQL: a transaction-scoped advisory lock named by the key (READ
+        COMMITTED alone would let two commits each see the other's absence). SQLite has one writer:
+        a write as the transaction's first statement takes the database's write lock before anything
+        is read (a read first would pin a snapshot that a later write can no longer upgrade)."""
+        if self.engine.dialect.name == "postgresql":
+            name = hashlib.sha256(b"kcache bundle key " + bundle_key.encode()).digest()[:8]
+            s.execute(select(func.pg_advisory_xact_lock(int.from_bytes(name, "big", signed=True))))
+        else:
+            s.execute(update(PublishLeaseRow).where(literal(False)).values(holder=PublishLeaseRow.holder))
+
+    def _stamp(self):
+        """The index's time for a row written now, inside a transaction: PostgreSQL's time at this
+        statement (now() is the transaction's start, which may be before a lock was waited for)."""
+        return func.statement_timestamp() if self.engine.dialect.name == "postgresql" else _now()
 
     @staticmethod
     def check_bundle(bundle: Bundle) -> None:
@@ -302,13 +341,7 @@ class Index:
         # The id first, from the (key, status, created_at DESC, id) index alone, then its row. Asked for the
         # whole row at once, PostgreSQL may instead walk all bundles newest first when a key holds many of
         # them, and pass every newer bundle when that key's newest is old (docs/index-scale.md).
-        newest_id = (
-            select(BundleRow.id)
-            .where(match, BundleRow.status == "active")
-            .order_by(BundleRow.created_at.desc(), BundleRow.id)
-            .limit(1)
-            .scalar_subquery()
-        )
+        newest_id = _newest_id(match).scalar_subquery()
         small = _small_row()
         # One statement names the newest bundle and says whether its row may be loaded; asked again in a
         # second statement, PostgreSQL (READ COMMITTED) would see a bundle a publisher committed meanwhile,
