@@ -43,10 +43,12 @@ from kcache import fingerprint as fingerprints
 from kcache import manifest as manifests
 from kcache.errors import (
     ConfigError,
+    IndexConflict,
     IndexDbError,
     IntegrityError,
     KcacheError,
     NewestChanged,
+    NotFound,
     ObjectMissing,
     SignatureError,
     SourceDirError,
@@ -712,9 +714,38 @@ def _commit(store: Store, index: Index, fingerprint: Fingerprint, config: Publis
                      (exc.found or "none")[:12], exc.bundle_key, (exc.expected or "none")[:12])  # fmt: skip
             changed = exc
             continue
+        if len(contents.entries) > len(own.entries) and _donor_yanked(store, index, donor):
+            _yank_carrier(store, index, row, donor, config)
+            continue  # and publish again, carrying from the newest bundle left
         return manifest, data, wrote, row, created, donor.newest
-    assert changed is not None
+    if changed is None:
+        raise IndexConflict(index.url, f"the newest bundle of key {fingerprint.bundle_key} was yanked after "
+                            "each commit of this publish", _CARRY_ROUNDS)  # fmt: skip
     raise changed
+
+
+def _donor_yanked(store: Store, index: Index, donor: _Donor) -> bool:
+    """Whether the bundle just carried from is yanked now: a yank that landed right after the commit
+    (Index.add_bundle orders the two), before this publish could know."""
+    assert donor.newest is not None and donor.manifest is not None
+    try:
+        gone = index.get_bundle(donor.newest.id).status != "active"
+    except NotFound:  # gc deleted it since: only a yanked row leaves its id behind
+        gone = index.was_yanked(donor.newest.id)
+    return gone or _yanked_before(store, donor.manifest)
+
+
+def _yank_carrier(store: Store, index: Index, row: Bundle, donor: _Donor, config: PublishConfig) -> None:
+    """Yank the bundle just committed, which carries the files of `donor`, yanked since: a yanked
+    bundle's files must never come back. Yanked at once rather than replaced by the next commit:
+    pods may restore it meanwhile, and a publish cut short here (SIGTERM) would leave it the newest."""
+    from kcache.yank import yank
+
+    assert donor.newest is not None
+    log.warning("bundle %s, yanked as this publish committed, had its files carried into bundle %s: yanking that "
+                "too and publishing again without them", donor.newest.id[:12], row.id[:12])  # fmt: skip
+    yank(store, index, row.id, f"carried the files of bundle {donor.newest.id}, yanked as it was committed",
+         signer=config.signing_key)  # fmt: skip
 
 
 class _Lease:

@@ -97,3 +97,31 @@ def test_a_bundle_committed_after_the_donor_was_chosen_is_carried_too(tmp_path, 
     assert done and newest.id == ours.bundle_id
     assert _paths(store, newest.id) == {"triton/kA/k.cubin", "triton/kB/k.cubin", "triton/kC/k.cubin"}
 
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_yank_of_the_donor_at_the_commit_keeps_its_files_out(tmp_path, index, fp, when):
+    """`kcache yank` of the donor lands just before or just after the carrying publish's commit (its
+    look at the donor was earlier: its manifest PUT is slow). The bundle it committed carried the
+    yanked bundle's bad kernel, active and the key's newest: every new pod restored it."""
+    from kcache.yank import yank
+
+    store = LocalStore(tmp_path / "store")
+    _publish(tmp_path, store, index, fp, "a", {"triton/good/k.cubin": b"good"}, carry=False)
+    bad = _publish(tmp_path, store, index, fp, "b", {"triton/good/k.cubin": b"good", "triton/BAD/k.cubin": b"NaNs"},
+                   carry=False)  # fmt: skip
+    yanking = Wrapped(index)
+
+    def add_bundle(row, **kwargs):
+        if when == "before":
+            yank(store, index, bad.bundle_id, "NaNs")
+        created = index.add_bundle(row, **kwargs)
+        if when == "after" and not yanking.__dict__.get("done"):
+            yanking.done = True
+            yank(store, index, bad.bundle_id, "NaNs")
+        return created
+
+    yanking.add_bundle = add_bundle
+    _publish(tmp_path, store, yanking, fp, "c", {"triton/good/k.cubin": b"good", "triton/mine/k.cubin": b"mine"})
+    active = [b for b in index.list_bundles(bundle_key=fp.bundle_key) if b.status == "active"]
+    assert all("triton/BAD/k.cubin" not in _paths(store, b.id) for b in active)
+    assert _paths(store, index.newest_bundle(fp.bundle_key).id) == {"triton/good/k.cubin", "triton/mine/k.cubin"}
