@@ -17,6 +17,7 @@ from kcache import metrics, sources
 from kcache.publish import publish
 from kcache.readiness import WATCH_MARKER, read_marker
 from kcache.store import manifest_key
+from kcache.store.local import LocalStore
 from kcache.watch import Watcher, ready_time
 
 
@@ -30,7 +31,7 @@ def test_a_publish_that_hangs_when_stopped_is_abandoned_after_the_grace(tmp_path
     compiled_after_ready(tmp_path)
     stop, entered, release = threading.Event(), threading.Event(), threading.Event()
 
-    def hanging_publisher(layers):  # a store that accepted the connection and went quiet
+    def hanging_publisher(layers, **_):  # a store that accepted the connection and went quiet
         entered.set()
         stop.set()  # SIGTERM arrives mid-publish
         release.wait(60)
@@ -54,7 +55,7 @@ def test_a_publish_that_ends_within_the_grace_is_kept(tmp_path, store, sqlite_in
     stop.set()
     published = []
 
-    def publisher(layers):
+    def publisher(layers, **_):
         published.append(publish(store, sqlite_index, fp, layers, root=tmp_path))
         return published[-1]
 
@@ -131,3 +132,49 @@ def test_sigterm_while_a_publish_hangs_on_the_store_exits_within_the_stop_timeou
                 proc.wait()
     assert proc.returncode == 14, stderr
     assert "did not finish within 1.00 s (--stop-timeout); abandoned" in stderr
+
+
+def test_replicas_stopped_together_each_get_their_last_publish_in(tmp_path, index, fp):
+    """Pods of one Deployment get SIGTERM together, and another publish of their key holds the lease
+    (a pod still uploading). Each waited for the lease up to --peer-wait (10 min), past its
+    --stop-timeout, and was abandoned: the kernels it compiled were in no bundle. The last publish
+    waits only up to half the stop timeout, then publishes without the lease (its commit is
+    conditional on the newest bundle, so none drops another's kernels)."""
+    from kcache.index import Index
+    from kcache.publish import PublishConfig
+
+    store = LocalStore(tmp_path / "store")
+    assert index.take_lease(fp.bundle_key, "a-pod-still-uploading", 600) is None
+    pods = [f"pod{n}" for n in range(3)]
+    stops, finished, watchers, indexes = [threading.Event() for _ in pods], {}, [], []
+    for pod in pods:
+        root = tmp_path / pod
+        make_ready(root)
+        compiled_after_ready(root, f"triton/{pod}/k.cubin")
+        pod_index = Index.open(index.url)
+        indexes.append(pod_index)
+
+        def publisher(layers, peer_wait=None, root=root, pod_index=pod_index):  # as `kcache watch` publishes
+            config = PublishConfig(carry_newest=True, **({} if peer_wait is None else {"peer_wait": peer_wait}))
+            return publish(store, pod_index, fp, layers, root=root, env={}, config=config)
+
+        watcher = Watcher(root, publisher=publisher, publish_every=3600)
+        watcher.step()  # ready: the baseline taken, the kernel found and not yet due
+        watchers.append(watcher)
+    threads = [threading.Thread(target=lambda w=w, s=s, p=p: finished.update({p: w.run(s, 3600, grace=6)}))
+               for w, s, p in zip(watchers, stops, pods)]  # fmt: skip
+    try:
+        for thread in threads:
+            thread.start()
+        for stop in stops:  # SIGTERM to every replica at once
+            stop.set()
+        for thread in threads:
+            thread.join(120)  # a bound on a broken run: run returns once the grace is over
+    finally:
+        for pod_index in indexes:
+            pod_index.close()
+    assert finished == {pod: True for pod in pods}
+    assert all(not w.final_error for w in watchers), [w.final_error for w in watchers]
+    newest = index.newest_bundle(fp.bundle_key)
+    paths = {e.path for e in manifests.parse(store.get_bytes(manifest_key(newest.id)), newest.id).entries}
+    assert {f"triton/{pod}/k.cubin" for pod in pods} <= paths
