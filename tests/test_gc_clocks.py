@@ -260,13 +260,17 @@ def test_gc_plans_through_a_store_wrapper_by_its_inner_stores_clock(tmp_path, st
 @pytest.fixture
 def lagging_index(pg_index):
     """`pg_index` on a PostgreSQL server whose clock reads 7 h behind this host's: the sessions'
-    now(), which publish stamps bundle rows with, is a function searched for before pg_catalog's."""
+    now() and statement_timestamp() (which publish stamps bundle rows with) are functions searched
+    for before pg_catalog's."""
     from kcache.index import Index
 
     with pg_index.engine.begin() as conn:
         conn.exec_driver_sql("CREATE SCHEMA IF NOT EXISTS lagging")
         conn.exec_driver_sql("CREATE OR REPLACE FUNCTION lagging.now() RETURNS timestamptz LANGUAGE sql STABLE "
                              "AS $$ SELECT pg_catalog.now() - interval '7 hours' $$")  # fmt: skip
+        conn.exec_driver_sql("CREATE OR REPLACE FUNCTION lagging.statement_timestamp() RETURNS timestamptz "
+                             "LANGUAGE sql STABLE "
+                             "AS $$ SELECT pg_catalog.statement_timestamp() - interval '7 hours' $$")  # fmt: skip
     index = Index.open(f"{pg_index.url}?options=-c%20search_path%3Dpublic%2Clagging%2Cpg_catalog")
     yield index
     index.close()
