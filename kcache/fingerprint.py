@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 #    ppc64le/s390x a cpu.model; TORCH_INDUCTOR_INSTALL_GXX is keyed.
 # 4: cxx.native, the instruction sets the compiler's -march=native turns on (x86: gcc reads CPUID, and
 #    /proc/cpuinfo hides some of them, e.g. AVX10.2, APX, AVX-NE-CONVERT).
-SCHEMA = 4
+# 5: cxx.v_hash hashes `g++ -v` as torch runs it for its keys (by name, LC_ALL=C), not by its path.
+SCHEMA = 5
 WORKLOAD_PREFIXES = ("model.", "workload.", "extra.")
 # A facts file without these would put every machine under one toolchain key. gpu.sm may be "none".
 CORE_FACTS = ("os", "arch", "python", "torch.version", "cpu.isa", "cpu.features", "gpu.sm")

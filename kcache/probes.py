@@ -210,7 +210,10 @@ def probe_compiler(env: Mapping[str, str], arch: str | None = None) -> dict[str,
     path = shutil.which(name)
     if not path:
         return {"cxx.name": name, "cxx.version": NONE}
-    text = _stderr([path, "-v"])
+    # As torch runs it for its keys (cpp_builder.get_compiler_version_info): by name, under LC_ALL=C.
+    # gcc names itself as it was called (COLLECT_GCC=...): the absolute path here kept one bundle key
+    # where torch's keys told a wrapper script from the compiler, and a hit rebuilt every ISA probe.
+    text = _stderr([name, "-v"], env={**os.environ, **env, "LC_ALL": "C"})
     lines = [line for line in text.splitlines() if " version " in line]
     facts = {"cxx.name": name, "cxx.version": lines[-1].strip() if lines else NONE, "cxx.v_hash": canonical.xxh3(text)}
     if (platform.machine() if arch is None else arch) in X86:
@@ -220,9 +223,9 @@ def probe_compiler(env: Mapping[str, str], arch: str | None = None) -> dict[str,
     return facts
 
 
-def _stderr(command: list[str]) -> str:
+def _stderr(command: list[str], env: Mapping[str, str] | None = None) -> str:
     try:
-        return subprocess.run(command, capture_output=True, text=True, timeout=10).stderr
+        return subprocess.run(command, capture_output=True, text=True, timeout=10, env=env).stderr
     except (OSError, subprocess.SubprocessError):
         return ""
 

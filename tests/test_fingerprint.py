@@ -287,10 +287,10 @@ GOLDEN_FACTS = {
     "model.id": "meta-llama/Llama-3.1-8B", "model.dtype": "bfloat16", "extra.tp": "8",
 }  # fmt: skip
 GOLDEN_KEYS = {
-    "schema": 4,
-    "toolchain_key": "bad6bac99f67dd595960379ca92bd842",
-    "workload_key": "7115bde6dd3b4c84a67eb1d3fecf6c0b",
-    "bundle_key": "94014f78efa89a8d9bb8584f6414c42d",
+    "schema": 5,
+    "toolchain_key": "6ed3613c102eaa1e14ad5f7aca9ffc9a",
+    "workload_key": "91009540f4e36369d1ecbd1d24cbc1c0",
+    "bundle_key": "ef68eecc18005dae952c3b98d343b08f",
 }
 
 

@@ -400,3 +400,25 @@ def test_triton_named_settings_that_build_nothing_differently_are_not_facts():
 ])  # fmt: skip
 def test_triton_settings_its_compile_options_take_from_its_knobs_are_facts(name, value):
     assert p.probe_settings({name: value}) == {f"env.{name}": value}
+
+
+def test_the_compiler_fact_changes_when_torchs_compiler_key_does(tmp_path, monkeypatch):
+    """torch keys its ISA probes and headers on `g++ -v` run by name under LC_ALL=C; kcache ran the
+    absolute path, so gcc's COLLECT_GCC line differed. A pod reaching g++ through a wrapper script
+    (`exec /usr/bin/g++ "$@"`) kept the publisher's bundle key and hit, then rebuilt every ISA probe."""
+    cpp_builder = pytest.importorskip("torch._inductor.cpp_builder")
+    real = shutil.which("g++")
+    if real is None:
+        pytest.skip("no g++")
+    torch_text = cpp_builder.get_compiler_version_info.__wrapped__  # uncached: PATH changes below
+    plain = (torch_text("g++"), p.probe_compiler({})["cxx.v_hash"])
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "g++").write_text(f'#!/bin/sh\nexec {real} "$@"\n')
+    (shim / "g++").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim}{os.pathsep}{os.environ['PATH']}")
+    wrapped = (torch_text("g++"), p.probe_compiler({})["cxx.v_hash"])
+    assert plain[0] != wrapped[0]  # torch's key sees the wrapper
+    assert plain[1] != wrapped[1]  # so must the bundle key
+    monkeypatch.setenv("LC_ALL", "de_DE.UTF-8")  # torch runs it under LC_ALL=C whatever the locale
+    assert p.probe_compiler({})["cxx.v_hash"] == wrapped[1]
