@@ -21,12 +21,16 @@ def layout(root: Path, status: str = "hit", layers=("inductor", "inductor-pch"))
     return probe
 
 
-def test_a_hit_vouches_for_its_inductor_dir(tmp_path):
-    layout(tmp_path)
+@pytest.mark.parametrize("status", ["hit", "partial"])
+def test_a_hit_or_a_partial_restore_of_the_layer_vouches_for_its_inductor_dir(tmp_path, status):
+    """A partial restore (--fallback toolchain or layers) lays the inductor layer down from a bundle of
+    this toolchain key (layerkeys.FACTS: inductor is keyed on the whole toolchain), as a hit does; it
+    ran six probe interpreters and a header preprocessing again (2.68 s -> 3.48 s to first output)."""
+    layout(tmp_path, status)
     assert restored_inductor_dir({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}) == tmp_path / "inductor"
 
 
-@pytest.mark.parametrize("status,layers", [("miss", ()), ("error", ()), ("partial", ("inductor",)),
+@pytest.mark.parametrize("status,layers", [("miss", ()), ("error", ()), ("partial", ("triton",)),
                                            ("hit", ("triton",))])  # fmt: skip
 def test_nothing_else_vouches(tmp_path, status, layers):
     layout(tmp_path, status, layers)

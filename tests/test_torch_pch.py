@@ -72,8 +72,9 @@ def test_outside_a_restored_root_torch_answers_and_the_answer_is_recorded(tmp_pa
     assert json.loads((headers / pch.NAME).read_text()) == {"schema": 1, "headers": {KEY: NAME}}
 
 
-def test_in_a_restored_root_a_recorded_header_is_named_without_asking_torch(tmp_path):
-    root, headers = layout(tmp_path, recorded={KEY: NAME}, marker=HIT)
+@pytest.mark.parametrize("status", ["hit", "partial"])  # partial: --fallback toolchain or layers, same toolchain
+def test_in_a_restored_root_a_recorded_header_is_named_without_asking_torch(tmp_path, status):
+    root, headers = layout(tmp_path, recorded={KEY: NAME}, marker={**HIT, "status": status})
     original, calls = calls_of("unused")
     answer = pch._answering(original, headers, restored_root(root, headers))
     assert answer("torch/x.h", "g++ -O3", vec_isa=Isa(), shared=True) == os.path.join(str(headers), NAME)
@@ -83,11 +84,12 @@ def test_in_a_restored_root_a_recorded_header_is_named_without_asking_torch(tmp_
     assert json.loads((headers / pch.NAME).read_text()) == {"schema": 1, "headers": {KEY: NAME}}  # not rewritten
 
 
-@pytest.mark.parametrize("case", ["miss marker", "no pch layer", "file after the restore", "gch missing"])
+@pytest.mark.parametrize("case", ["miss marker", "no pch layer", "partial without it", "file after the restore",
+                                  "gch missing"])  # fmt: skip
 def test_a_record_nothing_vouches_for_is_not_used(tmp_path, case):
     marker = {"status": "miss", "layers": []} if case == "miss marker" else HIT
-    if case == "no pch layer":
-        marker = {"status": "hit", "layers": ["inductor"]}
+    if case in ("no pch layer", "partial without it"):
+        marker = {"status": "hit" if case == "no pch layer" else "partial", "layers": ["inductor"]}
     root, headers = layout(tmp_path, recorded={KEY: NAME} if case != "file after the restore" else None, marker=marker)
     if case == "file after the restore":  # written after the marker: not restored bytes
         (headers / pch.NAME).write_text(json.dumps({"schema": 1, "headers": {KEY: NAME}}))

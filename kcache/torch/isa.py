@@ -41,17 +41,26 @@ log = logging.getLogger(__name__)
 _PATCHED = "_kcache_restored_probes"  # attribute on the patched function: which root it trusts
 
 
+def vouches(marker: dict | None, layer: str) -> bool:
+    """Whether a restore marker says the restore laid `layer` down: a hit, or a partial restore
+    (--fallback toolchain or layers) listing it, whose layers come from bundles of this toolchain
+    key (inductor and inductor-pch are keyed on the whole toolchain: layerkeys.FACTS)."""
+    layers = marker.get("layers") if marker is not None else None
+    # A marker anyone in the pod may write: only a list vouches (`"inductor" in 5` raised in torch's process).
+    return marker is not None and marker.get("status") in ("hit", "partial") and isinstance(layers, list) \
+        and layer in layers
+
+
 def restored_inductor_dir(env: Mapping[str, str] | None = None) -> Path | None:
-    """The Inductor cache dir when a restore hit laid it down (ROOT/inductor of a hit), else None."""
+    """The Inductor cache dir when a restore laid it down (ROOT/inductor of a hit, or of a partial
+    restore with the inductor layer: see `vouches`), else None."""
     env = os.environ if env is None else env
     configured = env.get("TORCHINDUCTOR_CACHE_DIR")
     if not configured:
         return None
     cache_dir = Path(configured).absolute()
     marker = read_marker(cache_dir.parent, RESTORE_MARKER)
-    layers = marker.get("layers") if marker is not None else None
-    # A marker anyone in the pod may write: only a list vouches (`"inductor" in 5` raised in torch's process).
-    if marker is None or marker.get("status") != "hit" or not isinstance(layers, list) or "inductor" not in layers:
+    if not vouches(marker, "inductor"):
         return None
     return cache_dir
 

@@ -43,7 +43,7 @@ from pathlib import Path
 
 from kcache import atomic, canonical
 from kcache.readiness import RESTORE_MARKER, read_marker
-from kcache.torch.isa import is_restored
+from kcache.torch.isa import is_restored, vouches
 
 log = logging.getLogger(__name__)
 
@@ -91,14 +91,14 @@ def _stable(value: object) -> str:
 
 
 def _restored_root(header_dir: Path, env: Mapping[str, str]) -> Path | None:
-    """The root a restore hit laid `header_dir` down in (with the inductor-pch layer), else None."""
+    """The root a restore hit (or partial restore) laid `header_dir` down in with the inductor-pch layer,
+    else None (see isa.restored_inductor_dir)."""
     configured = env.get("TORCHINDUCTOR_CACHE_DIR")
     if not configured:
         return None
     root = Path(configured).absolute().parent
     marker = read_marker(root, RESTORE_MARKER)
-    layers = marker.get("layers") if marker is not None else None
-    if marker is None or marker.get("status") != "hit" or not isinstance(layers, list) or "inductor-pch" not in layers:
+    if not vouches(marker, "inductor-pch"):
         return None
     return root if header_dir.absolute().is_relative_to(root) else None
 
