@@ -66,11 +66,11 @@ class NewestChanged(IndexConflict):
     """A commit made on condition that its key's newest bundle was still the one it carried from found
     another one there: nothing was committed (kcache.publish carries from that one and tries again)."""
 
-    def __init__(self, url: str, bundle_key: str, expected: str | None, found: str | None):
+    def __init__(self, url: str, bundle_key: str, expected: str | None, found: str | None, attempts: int = 1):
         self.bundle_key, self.expected, self.found = bundle_key, expected, found
         why = (f"the newest bundle of key {bundle_key} became {(found or 'none')[:12]} while a publish carried "
                f"{(expected or 'none')[:12]}")  # fmt: skip
-        super().__init__(url, why, 1)
+        super().__init__(url, why, attempts)
 
 
 class IntegrityError(KcacheError):

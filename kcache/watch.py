@@ -201,6 +201,7 @@ class Watcher:
         self._reported = set(_pairs(previous.get("files")) or ())
         self._written: dict | None = None
         self._stopped_at: float | None = None  # time.monotonic() when run() saw the stop
+        self._grace: float | None = None  # run()'s
         self.final_error = ""  # why the publish on stop failed (run), or ""
 
     def step(self, *, publish_now: bool = False, peer_wait: float | None = None) -> Step:
@@ -241,6 +242,7 @@ class Watcher:
         what it would have published comes with the next pod's. The last publish waits for another
         publish's lease of its key only up to LEASE_SHARE of `grace`."""
         worker = threading.Thread(target=self._loop, args=(stop, interval, grace), name="kcache-watch", daemon=True)
+        self._grace = grace
         worker.start()
         stop.wait()
         self._stopped_at = time.monotonic()
@@ -249,6 +251,13 @@ class Watcher:
             log.warning("the last publish did not finish within %g s of the stop; abandoned", grace)
             return False
         return True
+
+    def lease_deadline(self) -> float | None:
+        """When any publish of this watcher stops waiting for its key's lease: LEASE_SHARE of the
+        grace after the stop (a periodic publish waiting when the stop came included), else None."""
+        if self._stopped_at is None or self._grace is None:
+            return None
+        return self._stopped_at + self._grace * LEASE_SHARE
 
     def _loop(self, stop: threading.Event, interval: float, grace: float | None = None) -> None:
         try:

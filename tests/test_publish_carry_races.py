@@ -125,3 +125,26 @@ def test_a_yank_of_the_donor_at_the_commit_keeps_its_files_out(tmp_path, index, 
     active = [b for b in index.list_bundles(bundle_key=fp.bundle_key) if b.status == "active"]
     assert all("triton/BAD/k.cubin" not in _paths(store, b.id) for b in active)
     assert _paths(store, index.newest_bundle(fp.bundle_key).id) == {"triton/good/k.cubin", "triton/mine/k.cubin"}
+
+
+def test_a_carrying_publish_overtaken_many_times_still_commits(tmp_path, index, fp):
+    """Replicas stopped together publish at once without the lease, and each round only one of them
+    commits: a publish gave up after 8 rounds (4 of 12 pods' kernels in no bundle). It goes on,
+    pausing a jittered moment between tries, for as long as other commits keep overtaking it."""
+    store = LocalStore(tmp_path / "store")
+    _publish(tmp_path, store, index, fp, "a", {"triton/kA/k.cubin": b"a"})
+    overtaking = Wrapped(index)
+    others: list = []
+
+    def add_bundle(row, **kwargs):
+        if len(others) < 12:  # another replica commits first, twelve times over
+            n = len(others)
+            others.append(_publish(tmp_path, store, index, fp, f"o{n}", {f"triton/k{n}/k.cubin": b"%d" % n}))
+        return index.add_bundle(row, **kwargs)
+
+    overtaking.add_bundle = add_bundle
+    ours = _publish(tmp_path, store, overtaking, fp, "b", {"triton/kB/k.cubin": b"b"})
+    newest = index.newest_bundle(fp.bundle_key)
+    assert len(others) == 12 and newest.id == ours.bundle_id
+    assert _paths(store, newest.id) >= {"triton/kA/k.cubin", "triton/kB/k.cubin"} | {
+        f"triton/k{n}/k.cubin" for n in range(12)}

@@ -178,3 +178,35 @@ def test_replicas_stopped_together_each_get_their_last_publish_in(tmp_path, inde
     newest = index.newest_bundle(fp.bundle_key)
     paths = {e.path for e in manifests.parse(store.get_bytes(manifest_key(newest.id)), newest.id).entries}
     assert {f"triton/{pod}/k.cubin" for pod in pods} <= paths
+
+
+def test_a_stop_ends_a_periodic_publishs_wait_for_the_lease_too(tmp_path, index, fp):
+    """The stop came while a periodic (or first-step) publish waited for another pod's lease: only
+    the last publish's wait was bounded, so this one waited on (up to --peer-wait), the grace ran
+    out and the last publish never ran. Every publish of a watcher being stopped waits only up to
+    half the grace (kcache watch passes Watcher.lease_deadline to every publish)."""
+    from kcache.publish import PublishConfig
+
+    store = LocalStore(tmp_path / "store")
+    assert index.take_lease(fp.bundle_key, "a-pod-still-uploading", 600) is None
+    root = tmp_path / "pod"
+    make_ready(root)
+    compiled_after_ready(root)
+    stop, started, finished = threading.Event(), threading.Event(), []
+
+    def publisher(layers, peer_wait=None):  # as `kcache watch` publishes (--peer-wait 600 s)
+        started.set()
+        config = PublishConfig(carry_newest=True, lease_deadline=watcher.lease_deadline,
+                               **({} if peer_wait is None else {"peer_wait": peer_wait}))  # fmt: skip
+        return publish(store, index, fp, layers, root=root, env={}, config=config)
+
+    watcher = Watcher(root, publisher=publisher, publish_every=0)
+    thread = threading.Thread(target=lambda: finished.append(watcher.run(stop, 3600, grace=6)))
+    thread.start()
+    assert started.wait(60)  # the first step publishes the kernel and waits for the lease
+    stop.set()  # SIGTERM
+    thread.join(120)  # a bound on a broken run: run returns once the grace is over
+    assert finished == [True] and not watcher.final_error, watcher.final_error
+    newest = index.newest_bundle(fp.bundle_key)
+    assert "triton/k9/k.cubin" in {e.path for e in manifests.parse(store.get_bytes(manifest_key(newest.id)),
+                                                                    newest.id).entries}  # fmt: skip

@@ -90,13 +90,15 @@ def watch_cmd(root, interval, publish_every, once, stop_timeout, host, port, hea
       kcache watch --root /kcache --publish-every 10m --model my-llm --port 9400 --host 0.0.0.0
       kcache watch --root /kcache --once --json
     """
-    publisher = None
+    publisher, watching = None, []
     if publish_every is not None:
         cfg = settings(store_url, index_url, s3_endpoint_url)
-        publisher = _publisher(
-            root, (model, model_config, facts, extras), cfg, publish_config(cfg, signing_key=signing_key)
-        )
+        # Every publish, not only the last, stops waiting for a lease within --stop-timeout of a stop.
+        config = replace(publish_config(cfg, signing_key=signing_key),
+                         lease_deadline=lambda: watching[0].lease_deadline() if watching else None)  # fmt: skip
+        publisher = _publisher(root, (model, model_config, facts, extras), cfg, config)
     watcher = Watcher(root, publisher=publisher, publish_every=publish_every)
+    watching.append(watcher)
     if once:
         _report(watcher.step(publish_now=True), as_json)
         return
