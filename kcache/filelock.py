@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -61,19 +62,25 @@ def acquire(path: Path, mode: int, deadline: float | None) -> FileLock | None:
 
 def _open(path: Path, mode: int) -> int:
     """The lock file, created if absent. O_NOFOLLOW: whoever can write the directory must not make us
-    create a file elsewhere. A reader that may not write there (a pod mounting the node cache
-    read-only, or as another user) takes its shared lock on the existing file opened for reading:
-    flock needs no write access, so it still keeps the writer that replaces the file waiting."""
-    flags = os.O_CLOEXEC | os.O_NOFOLLOW
+    create a file elsewhere. O_NONBLOCK: a FIFO planted there must not keep us waiting for a writer
+    (opened for reading, it would); anything but a regular file is refused (ENXIO), for the caller to
+    replace. A reader that may not write there (a pod mounting the node cache read-only, or as another
+    user) takes its shared lock on the existing file opened for reading: flock needs no write access,
+    so it still keeps the writer that replaces the file waiting."""
+    flags = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o644)
     except OSError as exc:
         if mode != SHARED or exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise
         try:
-            return os.open(path, os.O_RDONLY | flags)
+            fd = os.open(path, os.O_RDONLY | flags)
         except FileNotFoundError:
             raise exc from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.ENXIO, "not a lock file", str(path))
+    return fd
 
 
 def _flock(fd: int, mode: int, deadline: float | None) -> bool:

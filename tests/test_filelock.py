@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -58,3 +59,14 @@ def test_a_lock_file_that_is_a_symlink_is_refused(tmp_path):
     with pytest.raises(OSError):
         filelock.acquire(tmp_path / ".lock-x", filelock.SHARED, 0.0)
     assert not target.exists()
+
+
+def test_a_fifo_at_the_lock_path_is_refused_without_waiting_for_a_writer(tmp_path):
+    """Opened for reading without O_NONBLOCK (a reader that may not write the file), a FIFO blocked
+    until some writer came; it is no lock file: ENXIO, for the node cache to replace."""
+    path = tmp_path / ".lock-x"
+    os.mkfifo(path, 0o644)
+    for mode in (filelock.SHARED, filelock.EXCLUSIVE):
+        with pytest.raises(OSError) as raised:
+            filelock.acquire(path, mode, 0.0)
+        assert raised.value.errno == errno.ENXIO

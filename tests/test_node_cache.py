@@ -310,3 +310,34 @@ def test_a_node_cache_on_a_read_only_mount_serves_its_packs(tmp_path, bundle):
     assert result["status"] == "hit"
     assert sum(gets.by_pack.values()) == 0
     assert_restored(tmp_path / "root", files)
+
+
+@pytest.mark.parametrize("mount", ["writable", "read-only"])
+def test_a_fifo_at_a_packs_lock_path_costs_a_reader_that_may_not_write_it_no_wait(tmp_path, bundle, mount):
+    """A reader that may not open a lock file for writing (another user's file, a read-only mount)
+    opened it for reading without O_NONBLOCK: a FIFO planted there blocked it until a writer came, and
+    the pod waited out its --timeout and started cold. It is now replaced where the reader may, else
+    that pack comes from the store."""
+    if os.geteuid() != 0:
+        pytest.skip("plants a FIFO owned by another user: needs root")
+    url, endpoint, packs, files = bundle
+    node = tmp_path / "node"
+    cli(*prefetch_args(url, endpoint, node, "--once"))
+    planted = node / "packs" / packs[0][:2] / f".lock-{packs[0]}"
+    planted.unlink()
+    os.mkfifo(planted, 0o644)
+    os.chown(planted, 65532, 65532)  # readable, not writable, by the restoring pod's user
+    if mount == "read-only":
+        _read_only(node)
+    gets = PackGets()
+    try:
+        with CuttingProxy(endpoint, after=0, cuts=0, cut_if=gets) as proxy:
+            result, _err = restore_in_child([*restore_args(url, proxy, tmp_path / "root", node), "--timeout", "10"])
+    finally:
+        for dirpath, _dirs, _names in os.walk(node):
+            os.chmod(dirpath, 0o755)
+    assert result["status"] == "hit"
+    assert gets.by_pack == (Counter({packs[0]: 1}) if mount == "read-only" else Counter())
+    if mount == "writable":
+        assert planted.is_file(), "the FIFO is replaced by a lock file"
+    assert_restored(tmp_path / "root", files)

@@ -5,8 +5,9 @@ outlives every pod on the node. What these helpers guard against, each where the
 
 - A link at packs/ or packs/<hh> would have locks, fills and packs land outside DIR, where the cap never
   sees them: `real_directory` replaces it with a directory.
-- A lock path that holds no regular file (a link, a directory, a socket) would keep every reader off a
-  pack, or at DIR/.evict.lock every fill off the node, for good: `lock` removes it and takes the lock.
+- A lock path that holds no regular file (a link, a directory, a socket, a FIFO) would keep every reader
+  off a pack, or at DIR/.evict.lock every fill off the node, for good (a FIFO opened for reading blocked
+  its reader outright): `lock` removes it and takes the lock.
 - Removing a path removes what is at it, never what a link there names: `clear`. A directory there is
   renamed aside first (the one rename here: nothing is renamed into place) and removed with its contents.
 - Listing and stat-ing never follow a link (`entries`, `lstat`, `is_directory`), and a file a peer keeps
@@ -58,10 +59,11 @@ def entries(directory: Path) -> list[os.DirEntry]:
 
 
 def lock(path: Path, mode: int, deadline: float | None) -> filelock.FileLock | None:
-    """filelock.acquire, once what is at `path` is a lock file. A link, a directory or a socket
-    planted there (filelock opens with O_NOFOLLOW: ELOOP, EISDIR, ENXIO) is removed: it would keep
-    every reader off the pack, or at DIR/.evict.lock every fill off the node, for good. A regular
-    file that cannot be opened (another user's, a read-only volume) is left: OSError."""
+    """filelock.acquire, once what is at `path` is a lock file. A link, a directory, a socket or a FIFO
+    planted there (filelock opens with O_NOFOLLOW|O_NONBLOCK and takes regular files only: ELOOP,
+    EISDIR, ENXIO) is removed: it would keep every reader off the pack, or at DIR/.evict.lock every
+    fill off the node, for good. A regular file that cannot be opened (another user's, a read-only
+    volume), or a plant we may not remove, is left: OSError, and the store serves the read."""
     cleared = 0
     while True:
         try:
