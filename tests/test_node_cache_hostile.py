@@ -245,6 +245,25 @@ def test_a_directory_at_a_packs_path_is_replaced_by_the_pack(tmp_path, backing, 
     assert not list((node / "packs" / pack_id[:2]).glob(".tmp-*"))  # the directory went with its whole tree
 
 
+@pytest.mark.parametrize("what", ["file", "fifo"])
+@pytest.mark.parametrize("where", ["packs", "shard"])
+def test_what_is_no_directory_at_packs_or_a_shard_is_replaced_by_one(tmp_path, backing, what, where):
+    """Two bytes written to DIR/packs (or a FIFO made there) switched the node cache off for good: every
+    read went to the store and every prefetch round failed. At packs/<hh> it did so for 1/256 of packs."""
+    data = os.urandom(10 * KiB)
+    pack_id = put_pack(backing, data)
+    node = tmp_path / "node"
+    planted = node / "packs" if where == "packs" else node / "packs" / pack_id[:2]
+    planted.parent.mkdir(parents=True)
+    if what == "file":
+        planted.write_bytes(b"x\n")
+    else:
+        os.mkfifo(planted)
+    assert read(NodeCacheStore(backing, node, wait=5), pack_id, 0, 100) == data[:100]
+    assert cached_path(node, pack_id).read_bytes() == data
+    assert NodeCacheStore(backing, node).warm(pack_id).bytes == len(data)
+
+
 # ---- the cap counts what eviction can remove ----------------------------------------------------------
 
 

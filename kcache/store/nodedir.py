@@ -4,7 +4,8 @@ Whoever can write DIR (its tree is drawn in kcache.store.nodecache) may plant an
 outlives every pod on the node. What these helpers guard against, each where the node cache touches DIR:
 
 - A link at packs/ or packs/<hh> would have locks, fills and packs land outside DIR, where the cap never
-  sees them: `real_directory` replaces it with a directory.
+  sees them; a file or a FIFO there failed every fill below it: `real_directory` replaces either with a
+  directory.
 - A lock path that holds no regular file (a link, a directory, a socket, a FIFO) would keep every reader
   off a pack, or at DIR/.evict.lock every fill off the node, for good (a FIFO opened for reading blocked
   its reader outright): `lock` removes it and takes the lock.
@@ -109,9 +110,10 @@ def is_directory(path: Path) -> bool:
 
 def real_directory(path: Path) -> None:
     """Make `path` a directory of its own. A link planted there would have locks, fills and packs
-    land outside DIR, where the cap never sees them: it is removed (OSError when it is not ours to
-    remove, and then the store serves the read). Anything else that is not a directory: OSError."""
-    for _attempt in range(3):  # peers may be replacing the same link at once
+    land outside DIR, where the cap never sees them; a file or a FIFO there failed every fill below it,
+    for good. Whatever is there and is no directory is removed (OSError when it is not ours to remove,
+    and then the store serves the read)."""
+    for _attempt in range(3):  # peers may be replacing the same plant at once
         try:
             os.mkdir(path)
             return
@@ -120,10 +122,8 @@ def real_directory(path: Path) -> None:
         st = lstat(path)
         if st is not None and stat.S_ISDIR(st.st_mode):
             return
-        if st is not None and not stat.S_ISLNK(st.st_mode):
-            break
         if st is not None:
-            log.warning("node cache: %s is a link; replacing it with a directory", path)
+            log.warning("node cache: %s is no directory; replacing it with one", path)
             try:
                 os.unlink(path)
             except FileNotFoundError:
