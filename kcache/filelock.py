@@ -64,14 +64,14 @@ def _open(path: Path, mode: int) -> int:
     """The lock file, created if absent. O_NOFOLLOW: whoever can write the directory must not make us
     create a file elsewhere. O_NONBLOCK: a FIFO planted there must not keep us waiting for a writer
     (opened for reading, it would); anything but a regular file is refused (ENXIO), for the caller to
-    replace. A reader that may not write there (a pod mounting the node cache read-only, or as another
-    user) takes its shared lock on the existing file opened for reading: flock needs no write access,
-    so it still keeps the writer that replaces the file waiting."""
+    replace. Whoever may not write the file (a pod mounting the node cache read-only, or as another
+    user; a filler whose peer made the file 0444) takes its lock on the existing file opened for
+    reading: flock needs no write access, shared or exclusive, so the lock excludes as it would."""
     flags = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o644)
     except OSError as exc:
-        if mode != SHARED or exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise
         try:
             fd = os.open(path, os.O_RDONLY | flags)

@@ -21,6 +21,7 @@ import pytest
 from click.testing import CliRunner
 from cutting_proxy import CuttingProxy
 from trees import read_tree, write_tree
+from unprivileged import run_kcache
 
 from kcache import filelock, publish
 from kcache.cli import main
@@ -246,22 +247,9 @@ def _read_only(tree):
         os.chmod(dirpath, 0o555)
 
 
-def _without_root_powers():
-    """For a child run as root (this suite's CI): drop the capabilities that ignore file modes
-    (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER) from its bounding set before it execs."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    for cap in (1, 2, 3):
-        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
-            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
-
-
 def restore_in_child(args):
     """`kcache restore` in a process that file modes bind, as a pod's non-root user is bound."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run([sys.executable, "-m", "kcache", *map(str, args)], env=env, capture_output=True,
-                          timeout=120, preexec_fn=_without_root_powers if os.geteuid() == 0 else None)  # fmt: skip
+    proc = run_kcache(args)
     assert proc.returncode == 0, proc.stderr.decode()
     return json.loads(proc.stdout), proc.stderr.decode()
 

@@ -18,6 +18,7 @@ import pytest
 from click.testing import CliRunner
 from faulty import CountingStore
 from trees import nest, write_tree
+from unprivileged import run_kcache
 
 from kcache import atomic, filelock, publish
 from kcache import prefetch as prefetching
@@ -350,6 +351,32 @@ def test_prefetch_outlasts_a_peer_that_holds_a_lock_forever(tmp_path, published,
         assert cached == set(packs) - {stuck}
     again = run_prefetch(store, node)  # the peer let go: the next round completes the node
     assert again.exit_code == 0, again.output + again.stderr
+    assert {p for p in packs if cached_path(node, p).exists()} == set(packs)
+
+
+@pytest.mark.parametrize(("where", "mode"), [("the-evict-lock", 0o444), ("a-packs-lock", 0o444),
+                                           ("the-evict-lock", 0o000)])  # fmt: skip
+def test_a_lock_file_the_filler_may_not_write_keeps_no_fill_off_the_node(tmp_path, published, where, mode):
+    """A peer of the DaemonSet's own user that chmods .evict.lock 0444 made every fill fail (EACCES: only
+    shared locks fell back to opening the file for reading), every prefetch round exit 7 with no
+    target in its report, and every restore read the store; at one pack's lock, that pack for good.
+    flock takes an exclusive lock on a file open for reading as well; and eviction, best-effort, goes
+    on without an .evict.lock it cannot open at all."""
+    if os.geteuid() != 0:
+        pytest.skip("drops root's powers over file modes: needs root")
+    store, packs = published
+    node = tmp_path / "node"
+    planted = node / ".evict.lock" if where == "the-evict-lock" else lock_path(node, packs[0])
+    planted.parent.mkdir(parents=True)
+    planted.touch(mode=mode)
+    planted.chmod(mode)
+    args = ["prefetch", "--node-cache", node, "--model", "m", "--store", store, "--index", "none", "--once",
+            "--json"]  # fmt: skip
+    for _round in range(2):
+        proc = run_kcache(args)
+        assert proc.returncode == 0, proc.stderr.decode()
+        (target,) = json.loads(proc.stdout)["targets"]
+        assert (target["status"], target["packs"]) == ("cached", len(packs))
     assert {p for p in packs if cached_path(node, p).exists()} == set(packs)
 
 

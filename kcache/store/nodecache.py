@@ -51,6 +51,7 @@ Rules, because many pods on a node restore at once and DIR outlives every one of
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
@@ -499,7 +500,12 @@ class NodeCacheStore:
 
     def _make_room(self, need: int, deadline: float | None) -> None:
         """Evict least recently used packs until `need` more bytes fit under the cap."""
-        evicting = nodedir.lock(self.directory / ".evict.lock", filelock.EXCLUSIVE, deadline)
+        try:
+            evicting = nodedir.lock(self.directory / ".evict.lock", filelock.EXCLUSIVE, deadline)
+        except OSError as exc:  # a file we may not even read: it only keeps evictions apart, each victim has its lock
+            log.warning("node cache: cannot lock %s (%s); evicting without it", self.directory / ".evict.lock",
+                        exc.strerror or exc)  # fmt: skip
+            evicting = contextlib.nullcontext()
         if evicting is None:
             return  # someone else is evicting; our fill may overshoot the cap by one pack
         with evicting:
