@@ -19,8 +19,10 @@ Rules, because many pods on a node restore at once and DIR outlives every one of
   serves a byte of it. A file that does not match is corrupt: deleted and fetched again.
 - One fetch per pack per node: the first reader takes the pack's lock exclusively and downloads it;
   the others wait on the lock (until `wait` seconds after the wrapper was made, then they read
-  the store directly) and read the cached file. Whoever gets the exclusive lock looks again at
-  what is there, by its hash: a peer's fill may have the damaged file's inode and size.
+  the store directly) and read the cached file. No fill starts once that deadline is too close for
+  the pack at MIN_FILL_RATE: past it, every range is read from the store once. Whoever gets the
+  exclusive lock looks again at what is there, by its hash: a peer's fill may have the damaged
+  file's inode and size.
 - A fill reads no more than the pack can be: at most `fill_limit(need)` bytes, where `need` is the
   largest offset+length its reader will read from it (restore announces every pack's through
   `expect_reads`, prefetch passes it to `warm`; else the range asked for). A store object larger
@@ -421,6 +423,8 @@ class NodeCacheStore:
         waited may have been given its inode back (ext4 reuses a freed one at once) with its size,
         or repaired it in place, and deleting that would fetch the pack a second time for nothing.
         A damaged file is hashed twice that way; a good one once (it is then known to this process)."""
+        if not self._time_to_fill(need):
+            return False
         lock = nodedir.lock(self._lock_path(pack_id), filelock.EXCLUSIVE, deadline)
         if lock is None:
             log.info("node cache: waited too long for pack %s; reading it from the store", pack_id[:12])
@@ -441,6 +445,8 @@ class NodeCacheStore:
             if size > self.max_bytes:
                 log.info("node cache: pack %s (%d bytes) is larger than the cap; not cached", pack_id[:12], size)
                 return False
+            if not self._time_to_fill(size):
+                return False
             self._make_room(size, deadline)
             written = self._download_in_time(path, key, pack_id, size)
             self._verified.add(written)  # the inode we wrote: the path may name a peer's file by now
@@ -450,6 +456,19 @@ class NodeCacheStore:
             # so it stays; so does any pack a reader holds).
             self._make_room(0, deadline)
             return True
+
+    def _time_to_fill(self, size: int) -> bool:
+        """Whether this wrapper's deadline leaves a fill of `size` bytes the time it takes at MIN_FILL_RATE.
+        Past the deadline (or close to it) a fill was given up at once, its download left running,
+        and the reader read the pack from the store as well: twice, or once a range plus once a fill."""
+        wrapper = self._deadline()
+        if wrapper is None:
+            return True
+        left = wrapper - time.monotonic()
+        if left > 0 and left >= size / MIN_FILL_RATE:
+            return True
+        log.debug("node cache: %.1f s left, too little to fill %d bytes; reading the store", left, size)
+        return False
 
     def _download_in_time(self, path: Path, key: str, pack_id: str, size: int) -> tuple[int, int, int]:
         """`_download` into `path` (atomically) on a thread of its own, waited for as long as a fill

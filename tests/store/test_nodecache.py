@@ -90,6 +90,31 @@ def test_a_reader_whose_wait_runs_out_reads_the_store(tmp_path, backing):
     assert not cached_path(node, pack_id).exists()
 
 
+def finished_fills() -> None:
+    """Wait for the fills this process left running in the background (they give the lock back, not
+    the download): what they read from the store counts too."""
+    for thread in threading.enumerate():
+        if thread.name == "kcache-node-fill":
+            thread.join(60)
+            assert not thread.is_alive(), "a fill hung"
+
+
+@pytest.mark.parametrize("parts", [1, 4])
+def test_past_the_wait_a_pack_is_read_from_the_store_once(tmp_path, backing, parts):
+    """Once a restore's node-cache wait had run out, each pack whose lock was free still started a fill
+    with no time left: downloaded whole in the background, given up on at once, and read from the store
+    again, range by range (a pack read in 8 ranges: 8 downloads at once, 9 times the pack)."""
+    data = os.urandom(2 * 1024 * KiB)
+    pack_id = put_pack(backing, data)
+    node = tmp_path / "node"
+    cache = NodeCacheStore(backing, node, wait=0.0)  # restore's wait, already spent
+    part = len(data) // parts
+    assert b"".join(read(cache, pack_id, i * part, part) for i in range(parts)) == data
+    finished_fills()
+    assert backing.read["packs"] == len(data), "each byte once, from the store"
+    assert not list(node.rglob(pack_id)), "no fill started with no time left"
+
+
 def test_waiters_read_what_the_first_reader_fetched(tmp_path, backing):
     data = os.urandom(400 * KiB)
     pack_id = put_pack(backing, data)
