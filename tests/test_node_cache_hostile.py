@@ -380,6 +380,39 @@ def test_a_lock_file_the_filler_may_not_write_keeps_no_fill_off_the_node(tmp_pat
     assert {p for p in packs if cached_path(node, p).exists()} == set(packs)
 
 
+def test_a_held_evict_lock_costs_a_fill_no_wait(tmp_path, backing):
+    """Eviction is best-effort, yet every fill waited for .evict.lock up to its whole deadline: one
+    frozen or hostile pod holding it cost every restore on the node half its --timeout."""
+    node = tmp_path / "node"
+    old = put_pack(backing, os.urandom(100 * KiB))
+    NodeCacheStore(backing, node).warm(old)
+    data = os.urandom(100 * KiB)
+    pack_id = put_pack(backing, data)
+    with filelock.acquire(node / ".evict.lock", filelock.EXCLUSIVE, None):  # the peer
+        cache = NodeCacheStore(backing, node, max_bytes=150 * KiB, wait=300)  # restore's default half
+        assert in_thread(lambda: read(cache, pack_id), timeout=30) == data
+    assert cached_path(node, pack_id).read_bytes() == data  # filled, over the cap while nobody could evict
+    cache.trim()
+    assert not cached_path(node, old).exists(), "the next eviction brings the node under its cap"
+
+
+def test_a_held_evict_lock_costs_a_prefetch_round_one_wait_not_one_a_pack(tmp_path, published, monkeypatch):
+    """Each fill waited LOCK_WAIT (300 s) for .evict.lock: 20 minutes for 9 packs, a day for 1000. Only
+    the round's trim, which exists to evict, waits for it now."""
+    store, packs = published
+    node = tmp_path / "node"
+    monkeypatch.setattr(prefetching, "LOCK_WAIT", 5.0)
+    args = ["prefetch", "--node-cache", str(node), "--model", "m", "--store", str(store), "--index", "none",
+            "--once", "--json", "--jobs", "1"]  # fmt: skip
+    node.mkdir()
+    with filelock.acquire(node / ".evict.lock", filelock.EXCLUSIVE, None):
+        result = in_thread(lambda: CliRunner().invoke(main, args, catch_exceptions=False),
+                           timeout=len(packs) * prefetching.LOCK_WAIT)  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    (target,) = json.loads(result.stdout)["targets"]
+    assert (target["status"], target["fetched"]) == ("cached", len(packs))
+
+
 # ---- a long-lived process (the prefetch DaemonSet) and fills at once --------------------------------
 
 

@@ -29,9 +29,10 @@ Rules, because many pods on a node restore at once and DIR outlives every one of
   than that is not the pack the (signed) manifest names, only padding that would fail its hash:
   it is refused before anything is evicted or written, and read from the store range by range.
 - Size cap `max_bytes` (KCACHE_NODE_CACHE_MAX_BYTES): before a fill, the least recently used packs
-  go first. Use is the file's mtime, set on every read, because atime is off on most node disks
-  (noatime). A pack someone holds a lock on (a reader or a filler) is never evicted, so the cap
-  can be exceeded while every pack is in use.
+  go first, if .evict.lock is free at once (a fill never waits for it: `trim`, or the next fill,
+  evicts what a fill made while someone held it). Use is the file's mtime, set on every read,
+  because atime is off on most node disks (noatime). A pack someone holds a lock on (a reader or a
+  filler) is never evicted, so the cap can be exceeded while every pack is in use.
 - Whoever can write DIR may plant anything in it. The rules for links, directories and other plants
   at its directory, lock and pack paths are kcache.store.nodedir's: every lock, removal and listing
   here goes through it. A pack's path is opened without following links or waiting, and
@@ -447,14 +448,16 @@ class NodeCacheStore:
                 return False
             if not self._time_to_fill(size):
                 return False
-            self._make_room(size, deadline)
+            # Eviction is best-effort: one try at .evict.lock, never a wait. A frozen pod holding it cost
+            # every restore on the node half its --timeout, and prefetch LOCK_WAIT a pack.
+            self._make_room(size, 0.0)
             written = self._download_in_time(path, key, pack_id, size)
             self._verified.add(written)  # the inode we wrote: the path may name a peer's file by now
             self._fetched.add(pack_id)
             # Room was made before the download, counting the packs in place then: fills that ran at
             # once each found room for themselves. Evict again now that this one is in (it is locked,
             # so it stays; so does any pack a reader holds).
-            self._make_room(0, deadline)
+            self._make_room(0, 0.0)
             return True
 
     def _time_to_fill(self, size: int) -> bool:
@@ -518,7 +521,8 @@ class NodeCacheStore:
     # ---- the size cap ----------------------------------------------------------------------------
 
     def _make_room(self, need: int, deadline: float | None) -> None:
-        """Evict least recently used packs until `need` more bytes fit under the cap."""
+        """Evict least recently used packs until `need` more bytes fit under the cap; skipped when
+        another process holds .evict.lock past `deadline` (0.0: one try, as a fill makes it)."""
         try:
             evicting = nodedir.lock(self.directory / ".evict.lock", filelock.EXCLUSIVE, deadline)
         except OSError as exc:  # a file we may not even read: it only keeps evictions apart, each victim has its lock
