@@ -118,6 +118,10 @@ class RootFull(RootError):
     """The restore root is the right place, but its volume (or quota, or file size limit) ran out."""
 
 
+class NodeCacheFull(RootError):
+    """A prefetch target's packs do not fit under the node cache's cap beside the targets before it."""
+
+
 class SourceDirError(RootError):
     """A directory publish was told to read (--from ROOT, --extra-dir NAME=PATH) is missing or no directory."""
 

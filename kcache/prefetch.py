@@ -6,6 +6,12 @@ size and signature), so a node never warms what its pods would refuse; then ever
 names is warmed in the node cache (kcache.store.nodecache), which verifies each against its id.
 A target without a bundle yet is a miss, not an error: the first pod publishes it.
 
+Targets are fitted under the cap (--max-bytes) in their order, by the bytes their manifests name,
+before anything is fetched: one that does not fit beside those before it is over_cap, an error
+outcome, and nothing of it is fetched. Packs a round warmed are not evicted by that round: under a
+cap too small, a round had evicted what it had just warmed, reported every target cached, and
+fetched it all again each round.
+
 A DaemonSet lives for months beside pods that come and go: no lock one of them holds (a frozen
 pod, or a hostile one that can write the node directory) may stop it. Each pack's warm and the
 round's trim wait at most LOCK_WAIT for their locks; a pack still locked then is this round's
@@ -18,10 +24,11 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 from kcache import choice, fetch
-from kcache.errors import KcacheError
+from kcache.errors import KcacheError, NodeCacheFull, RootError
 from kcache.fingerprint import Fingerprint
 from kcache.progress import Meter, Report
 from kcache.store import Store
@@ -45,7 +52,7 @@ class Target:
 class Prefetched:
     target: str
     bundle_key: str
-    status: str  # cached | miss | error | stopped
+    status: str  # cached | miss | over_cap | error | stopped
     bundle_id: str | None = None
     packs: int = 0
     fetched: int = 0  # packs downloaded by this run (the rest were cached and verified)
@@ -64,29 +71,98 @@ def prefetch(store: Store, index, cache: NodeCacheStore, targets: tuple[Target, 
              jobs: int = 4, stop: threading.Event | None = None,
              report: Report | None = None) -> tuple[Prefetched, ...]:  # fmt: skip
     """Warm each target's packs in `cache`; one outcome per target (errors are outcomes, not raised).
-    `report` hears each target's progress (kcache.progress), a pack at a time."""
+    `report` hears each target's progress (kcache.progress), a pack at a time. Targets are fitted
+    under the cap in their order before anything is fetched (`_fit`); what this round warmed, its
+    own later fills and trim do not evict."""
     stop = stop or threading.Event()
-    results = []
-    for target in targets:
+    planned = _fit([_choose(store, index, target, policy) for target in targets], cache)
+    outcomes: list[tuple[Prefetched, dict[str, int]]] = []
+    kept: set[str] = set()
+    with cache.keeping(kept):
+        for item in planned:
+            if isinstance(item, _Chosen):
+                kept.update(item.needs)
+                outcomes.append((_guarded(item.target, partial(_warm, cache, item, jobs, stop, report)), item.needs))
+            else:
+                outcomes.append((item, {}))
         try:
-            results.append(_one(store, index, cache, target, policy, jobs, stop, report))
-        except KcacheError as exc:
-            log.warning("prefetch of %s failed: %s", target.name, exc)
-            results.append(Prefetched(target.name, target.fingerprint.bundle_key, "error", reason=str(exc), error=exc))
-    cache.trim(wait=LOCK_WAIT)
-    return tuple(results)
+            cache.trim(wait=LOCK_WAIT)
+        except KcacheError as exc:  # the round's outcomes stand: the next round trims again
+            log.warning("prefetch: trimming the node cache failed: %s", exc)
+    return tuple(_still_held(cache, result, needs) for result, needs in outcomes)
 
 
-def _one(store, index, cache, target: Target, policy, jobs: int, stop: threading.Event,
-         report: Report | None = None) -> Prefetched:  # fmt: skip
-    fp = target.fingerprint
-    if fp.mismatches:  # as restore: the facts file describes another kind of node
-        return Prefetched(target.name, fp.bundle_key, "miss", reason=fp.mismatch_reason())
-    chosen = choice.pick(store, index, fp, None, None, policy)
-    if isinstance(chosen, str):
-        return Prefetched(target.name, fp.bundle_key, "miss", reason=chosen)
-    manifest, _signer, _size = choice.read_manifest(store, chosen, fp, policy)
-    needs = fetch.pack_extents(manifest.entries)
+@dataclass(frozen=True)
+class _Chosen:
+    """A target's bundle, chosen, and what it needs of each pack (the largest offset+length named)."""
+
+    target: Target
+    bundle_id: str
+    needs: dict[str, int]
+
+
+def _guarded(target: Target, fn):
+    try:
+        return fn()
+    except KcacheError as exc:
+        log.warning("prefetch of %s failed: %s", target.name, exc)
+        return Prefetched(target.name, target.fingerprint.bundle_key, "error", reason=str(exc), error=exc)
+
+
+def _choose(store, index, target: Target, policy) -> _Chosen | Prefetched:
+    def pick() -> _Chosen | Prefetched:
+        fp = target.fingerprint
+        if fp.mismatches:  # as restore: the facts file describes another kind of node
+            return Prefetched(target.name, fp.bundle_key, "miss", reason=fp.mismatch_reason())
+        chosen = choice.pick(store, index, fp, None, None, policy)
+        if isinstance(chosen, str):
+            return Prefetched(target.name, fp.bundle_key, "miss", reason=chosen)
+        manifest, _signer, _size = choice.read_manifest(store, chosen, fp, policy)
+        return _Chosen(target, manifest.id, fetch.pack_extents(manifest.entries))
+
+    return _guarded(target, pick)
+
+
+def _fit(chosen: list[_Chosen | Prefetched], cache: NodeCacheStore) -> list[_Chosen | Prefetched]:
+    """Each target whose packs fit under the cap beside those of the targets before it (a pack two
+    share counts once), weighed by the bytes its manifest names; the others over_cap, not fetched: under
+    a cap too small, a round had evicted what it had just warmed, and fetched it all again every round."""
+    taken: dict[str, int] = {}
+    planned: list[_Chosen | Prefetched] = []
+    for item in chosen:
+        if isinstance(item, _Chosen):
+            more = {pack: need for pack, need in item.needs.items() if pack not in taken}
+            if sum(taken.values()) + sum(more.values()) > cache.max_bytes:
+                planned.append(_over_cap(item, cache, sum(taken.values())))
+                continue
+            taken.update(more)
+        planned.append(item)
+    return planned
+
+
+def _over_cap(item: _Chosen, cache: NodeCacheStore, taken: int) -> Prefetched:
+    size = sum(item.needs.values())
+    why = (f"its packs need {size} bytes; the cap is {cache.max_bytes}"
+           + (f", {taken} of which the targets before it take" if taken else "") + ": not prefetched")  # fmt: skip
+    log.warning("prefetch of %s: %s", item.target.name, why)
+    return Prefetched(item.target.name, item.target.fingerprint.bundle_key, "over_cap", item.bundle_id,
+                      len(item.needs), bytes=size, reason=why,
+                      error=NodeCacheFull(str(cache.directory), why))  # fmt: skip
+
+
+def _still_held(cache: NodeCacheStore, result: Prefetched, needs: dict[str, int]) -> Prefetched:
+    """A target reported cached has every pack in the node cache once the round is over: a peer's
+    fills (or removals) may have taken some meanwhile."""
+    gone = [pack for pack in needs if not cache.holds(pack)] if result.status == "cached" else []
+    if not gone:
+        return result
+    why = f"{len(gone)} of its {len(needs)} packs left the node cache during the round (other fills on the node)"
+    return replace(result, status="error", reason=why, error=RootError(str(cache.directory), why))
+
+
+def _warm(cache: NodeCacheStore, item: _Chosen, jobs: int, stop: threading.Event,
+          report: Report | None = None) -> Prefetched:  # fmt: skip
+    target, needs = item.target, item.needs
     packs = sorted(needs)
     started = time.perf_counter()
     meter = Meter(f"prefetching {target.name}", files=len(packs), bytes=sum(needs.values()), report=report,
@@ -106,6 +182,6 @@ def _one(store, index, cache, target: Target, policy, jobs: int, stop: threading
     log.info("prefetch of %s: %d packs (%d fetched) in %.2fs", target.name, len(packs), len(fetched),
              time.perf_counter() - started)  # fmt: skip
     return Prefetched(
-        target.name, fp.bundle_key, "stopped" if len(done) < len(packs) else "cached", manifest.id, len(packs),
-        len(fetched), sum(w.bytes for w in done), sum(w.bytes for w in fetched),
+        target.name, target.fingerprint.bundle_key, "stopped" if len(done) < len(packs) else "cached", item.bundle_id,
+        len(packs), len(fetched), sum(w.bytes for w in done), sum(w.bytes for w in fetched),
     )  # fmt: skip

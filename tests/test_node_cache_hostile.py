@@ -413,6 +413,41 @@ def test_a_held_evict_lock_costs_a_prefetch_round_one_wait_not_one_a_pack(tmp_pa
     assert (target["status"], target["fetched"]) == ("cached", len(packs))
 
 
+def publish_model(tmp_path: Path, store: Path, model: str, files: int) -> list[str]:
+    """Publish `files` files of 200 KiB (a pack each) as `model`; its pack ids."""
+    src = tmp_path / f"src-{model}"
+    write_tree(src, {f"inductor/fx/{i:02d}": os.urandom(200 * KiB) for i in range(files)})
+    before = {p.name for p in (store / "packs").rglob("*")} if (store / "packs").exists() else set()
+    result = CliRunner().invoke(main, ["publish", "--from", str(src), "--model", model, "--store", str(store),
+                                       "--index", f"sqlite:///{tmp_path / 'pub.db'}"],
+                                catch_exceptions=False)  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    return sorted(p.name for p in (store / "packs").rglob("*")
+                  if p.is_file() and not p.name.startswith(".") and p.name not in before)  # fmt: skip
+
+
+def test_a_target_over_the_cap_is_reported_over_cap_and_fetched_no_more(tmp_path, monkeypatch):
+    """Under a cap smaller than its targets, prefetch evicted the packs it had just warmed to warm the
+    next, reported every target cached (exit 0), and fetched them all again each round, for ever. Now
+    targets are fitted in their order before anything is fetched; what does not fit is over_cap and
+    left alone (exit 7 with --once), and nothing one round warmed is evicted by that round."""
+    monkeypatch.setattr(publish, "TARGET_PACK_BYTES", 256 * KiB)
+    store = tmp_path / "store"
+    first, second = publish_model(tmp_path, store, "a", 3), publish_model(tmp_path, store, "b", 3)
+    node = tmp_path / "node"
+    args = ["prefetch", "--node-cache", str(node), "--model", "a", "--model", "b", "--store", str(store),
+            "--index", "none", "--once", "--json", "--max-bytes", str(1000 * KiB)]  # room for a's 3, not b's too
+    for round_ in range(2):
+        result = in_thread(lambda: CliRunner().invoke(main, args, catch_exceptions=False))
+        assert result.exit_code == 7, result.output + result.stderr
+        report = json.loads(result.stdout)
+        a, b = report["targets"]
+        assert (report["status"], a["status"], b["status"]) == ("error", "cached", "over_cap")
+        assert a["fetched"] == (3 if round_ == 0 else 0) and b["fetched"] == 0
+        assert "max-bytes" in b["reason"] or "cap" in b["reason"]
+        assert {p for p in first + second if cached_path(node, p).exists()} == set(first)
+
+
 # ---- a long-lived process (the prefetch DaemonSet) and fills at once --------------------------------
 
 

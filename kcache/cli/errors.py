@@ -91,6 +91,12 @@ ROWS: tuple[tuple[str, str, ExitCode, str], ...] = (
         "give --from and each --extra-dir NAME=PATH a directory that exists (--from: a root restore laid out)",
     ),
     (_E, "RootFull", ExitCode.ROOT, "give the volume more room (or raise its quota or ulimit -f); the pod starts cold"),
+    (
+        _E,
+        "NodeCacheFull",
+        ExitCode.ROOT,
+        "raise --max-bytes (KCACHE_NODE_CACHE_MAX_BYTES) to hold every target's packs, or prefetch fewer targets",
+    ),
     (_E, "RootError", ExitCode.ROOT,
      "pass --into, --root or --node-cache a directory kcache may create and own"),  # fmt: skip
     (_E, "RootBusy", ExitCode.TIMEOUT, "run one restore per root at a time; the one that holds it writes kcache.env"),

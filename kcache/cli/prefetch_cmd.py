@@ -40,8 +40,11 @@ from kcache.store.nodecache import MAX_BYTES_ENV, NodeCacheStore
 @click.option("--bundle-key", "bundle_keys", multiple=True, metavar="KEY",
               help="Prefetch the newest bundle of this key (`kcache fingerprint` prints it); repeatable.")  # fmt: skip
 @click.option("--max-bytes", type=Size(), envvar=MAX_BYTES_ENV, metavar="SIZE",
-              help="Cap on the node cache (e.g. 50Gi); least recently used packs go first. Default 32Gi.")  # fmt: skip
-@click.option("--once", is_flag=True, help="One round, then exit (non-zero if a target failed).")
+              help="Cap on the node cache (e.g. 50Gi); least recently used packs go first. Default 32Gi. "
+                   "Targets are fitted in their order: one that does not fit beside those before it is "
+                   "reported over_cap and not fetched.")  # fmt: skip
+@click.option("--once", is_flag=True,
+              help="One round, then exit (non-zero if a target failed; 7 if one was over_cap).")  # fmt: skip
 @click.option("--every", type=Duration(), default="10m", show_default=True, metavar="DURATION",
               help="Without --once: time between rounds, to follow new bundles.")  # fmt: skip
 @click.option("--jobs", type=click.IntRange(1, 64), default=4, show_default=True, help="Packs fetched at once.")
@@ -62,7 +65,9 @@ def prefetch_cmd(node_cache, bundle_keys, max_bytes, once, every, jobs, trusted_
     restore's (--model repeats; --model-config needs a single --model), so prefetch picks the
     bundle restore will pick. Every round re-reads which bundle is newest, fetches only the packs
     the node lacks, verifies each against its SHA-256 id, and evicts least recently used packs
-    over --max-bytes.
+    over --max-bytes. A target whose packs do not fit under --max-bytes beside those of the
+    targets before it is reported over_cap ("status": "over_cap" in --json, whose "status" is then
+    "error") and not fetched; with --once, kcache exits 7.
 
     \b
     Examples:
@@ -134,7 +139,7 @@ def _report(results: tuple[Prefetched, ...], cache: NodeCacheStore, seconds: flo
     usage = cache.usage()
     if as_json:
         click.echo(fmt.to_json({
-            "status": "error" if any(r.status == "error" for r in results) else "ok",
+            "status": "error" if any(r.error is not None for r in results) else "ok",
             "seconds": round(seconds, 4),
             "targets": [{"target": r.target, "bundle_key": r.bundle_key, "status": r.status,
                          "bundle_id": r.bundle_id, "packs": r.packs, "fetched": r.fetched, "bytes": r.bytes,
@@ -150,6 +155,8 @@ def _report(results: tuple[Prefetched, ...], cache: NodeCacheStore, seconds: flo
                        + ("; stopped early" if r.status == "stopped" else ""))  # fmt: skip
         elif r.status == "miss":
             click.echo(f"kcache: {r.target}: nothing to prefetch: {r.reason}")
+        elif r.status == "over_cap":
+            click.echo(f"kcache: {r.target}: over the node cache's cap (--max-bytes): {r.reason}", err=True)
         else:
             click.echo(f"kcache: {r.target}: prefetch failed: {r.reason}", err=True)
     click.echo(f"kcache: node cache {cache.directory}: {usage.packs} packs, {fmt.size(usage.bytes)} of "

@@ -141,6 +141,7 @@ class NodeCacheStore:
         self._dropped: set[str] = set()  # packs whose copy went bad: read from `inner` from now on
         self._doomed: dict[str, set[tuple[int, int, int]]] = {}  # dropped copies still to remove
         self._warned = False
+        self._kept: set[str] | frozenset[str] = frozenset()  # packs eviction by this wrapper leaves alone
 
     # ---- the Store protocol: packs from the node cache, everything else from the store -----------
 
@@ -249,6 +250,21 @@ class NodeCacheStore:
         with held:
             size = os.fstat(held.fileno()).st_size
         return Warmed(pack_id, pack_id in self._fetched, size)
+
+    @contextlib.contextmanager
+    def keeping(self, packs: set[str]) -> Iterator[None]:
+        """While inside, eviction by this wrapper skips `packs`, a set the caller may add to between
+        warms: prefetch keeps what its round warmed, which its own later fills had evicted."""
+        self._kept = packs
+        try:
+            yield
+        finally:
+            self._kept = frozenset()
+
+    def holds(self, pack_id: str) -> bool:
+        """Whether a pack-like file is at the pack's path now (not hashed: `warm` does that)."""
+        st = nodedir.lstat(self._path(pack_id))
+        return st is not None and stat.S_ISREG(st.st_mode)
 
     def _forget(self, pack_id: str) -> None:
         """Drop what this process knows of the copy at the pack's path: the next open hashes it."""
@@ -537,6 +553,8 @@ class NodeCacheStore:
             for f in sorted(files, key=lambda f: f.used):
                 if total + need <= self.max_bytes:
                     break
+                if f.pack in self._kept:
+                    continue
                 try:
                     removed = self._remove(f.pack, 0.0)
                 except OSError as exc:  # one pack we cannot remove must not keep every fill off the node

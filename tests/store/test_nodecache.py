@@ -150,6 +150,20 @@ def test_least_recently_used_packs_are_evicted_over_the_cap(tmp_path, backing):
     assert cache.usage().bytes <= 250 * KiB
 
 
+def test_packs_kept_by_the_caller_are_not_evicted_by_its_fills(tmp_path, backing):
+    """prefetch keeps what its round warmed: a later fill of the round evicts other packs first, even
+    ones used since, or overshoots the cap; it had evicted the round's own least recently used."""
+    node = tmp_path / "node"
+    cache = NodeCacheStore(backing, node, max_bytes=250 * KiB)
+    warmed, other, later = (put_pack(backing, os.urandom(100 * KiB)) for _ in range(3))
+    cache.warm(warmed)
+    cache.warm(other)  # used after it: LRU alone would evict `warmed`
+    with cache.keeping({warmed}):
+        cache.warm(later)
+        cache.trim()
+    assert [cached_path(node, p).exists() for p in (warmed, other, later)] == [True, False, True]
+
+
 def test_a_pack_being_read_is_never_evicted(tmp_path, backing):
     packs = [put_pack(backing, os.urandom(100 * KiB)) for _ in range(2)]
     node = tmp_path / "node"
