@@ -66,6 +66,8 @@ ROWS: tuple[tuple[str, str, ExitCode, str], ...] = (
     (_E, "NotFound", ExitCode.NOT_FOUND, "`kcache ls` lists the bundles the index knows"),
     (_E, "ObjectMissing", ExitCode.STORE, "the store lost an object the index names; re-publish the bundle"),
     (_E, "StoreError", ExitCode.STORE, "check the store URL, that it exists and that you may read and write it"),
+    (_E, "NewestChanged", ExitCode.INDEX,
+     "other publishes of the key kept committing first for a minute; run it again (none committed)"),  # fmt: skip
     (_E, "IndexConflict", ExitCode.INDEX, "other writers held the same rows; run it again (nothing was committed)"),
     (_E, "IndexDbError", ExitCode.INDEX, "check --index / KCACHE_INDEX; PostgreSQL needs `kcache db upgrade`"),
     (_E, "UnsafePath", ExitCode.CORRUPT, "the bundle is hostile or corrupt; re-publish it from a clean cache"),
