@@ -23,7 +23,7 @@ from kcache.cli.options import (
 @click.option("--limit", type=click.IntRange(1, MAX_LIMIT), default=50, show_default=True,
               help="At most this many bundles.")  # fmt: skip
 @store_options
-@json_option
+@json_option(listing="bundle")
 def ls_cmd(key, model, limit, store_url, index_url, s3_endpoint_url, as_json):
     """List bundles, newest first.
 

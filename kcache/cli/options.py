@@ -152,10 +152,14 @@ def _default_read_jobs(_ctx, _param, value: int | None) -> int:
     return value or cpus.read_jobs()
 
 
-def json_option(fn):
-    return click.option("--json", "as_json", is_flag=True, callback=_remember_json,
-                        help="Print one JSON object for scripts (an error too: status, error, hint, exit_code)."
-                        )(fn)  # fmt: skip
+def json_option(fn=None, *, listing: str | None = None):
+    """--json; `listing` names what a command that prints a JSON array lists, one object each."""
+    if fn is None:
+        return lambda f: json_option(f, listing=listing)
+    error = "status, error, hint, exit_code"
+    what = (f"one JSON array for scripts, an object a {listing} (an error: one object, {error})" if listing
+            else f"one JSON object for scripts (an error too: {error})")  # fmt: skip
+    return click.option("--json", "as_json", is_flag=True, callback=_remember_json, help=f"Print {what}.")(fn)
 
 
 def _remember_json(ctx: click.Context, _param, value):

@@ -662,3 +662,10 @@ def test_warmup_times_take_durations_like_every_other_time_option(name, tmp_path
     for flag, value in (("--request-timeout", "0"), ("--wait-timeout", "-1"), ("--budget", "soon")):
         result = run(name, *args[:4], flag, value, code=ExitCode.USAGE)
         assert flag in result.output
+
+
+def test_ls_json_help_says_it_prints_an_array(isolated_home):
+    """Every --json help said "one JSON object"; ls prints an array of them."""
+    assert "one JSON array" in " ".join(run("ls", "--help").output.split())
+    assert isinstance(strict_json(run("ls", "--json").stdout), list)
+    assert "one JSON object" in " ".join(run("show", "--help").output.split())
