@@ -34,10 +34,9 @@ log = logging.getLogger(__name__)
 BASELINE_MARKER = ".kcache-watch-baseline.json"
 MAX_LISTED = 200  # the marker lists this many new files; the counts are always complete
 
-# publisher(layers) or, for the last publish when the stop has a grace, publisher(layers, peer_wait=s):
-# how long that publish may wait for another publish's lease of its key (kcache.publish).
-Publisher = Callable[..., PublishResult]
-# The share of the stop's grace the last publish may spend waiting for the lease: a Deployment's
+Publisher = Callable[[list[Source]], PublishResult]
+# The share of the stop's grace a publish may spend waiting for the lease (the publisher's config asks
+# Watcher.lease_deadline, kcache.publish.PublishConfig.lease_deadline): a Deployment's
 # replicas stopped together would otherwise publish one after another, far past the grace, and be
 # abandoned with their kernels in no bundle. Without the lease it uploads what the holder has not
 # yet, and its commit keeps every other replica's kernels (kcache.publish._commit).
@@ -204,7 +203,7 @@ class Watcher:
         self._grace: float | None = None  # run()'s
         self.final_error = ""  # why the publish on stop failed (run), or ""
 
-    def step(self, *, publish_now: bool = False, peer_wait: float | None = None) -> Step:
+    def step(self, *, publish_now: bool = False) -> Step:
         if self._baseline is None:
             self._baseline = load_baseline(self.root)
             if self._baseline is None:
@@ -227,8 +226,7 @@ class Watcher:
             log.warning("compiled after ready (warmup did not cover it): layer %s file %s (%d bytes)",
                         f.layer, f.rel, f.size)  # fmt: skip
         self._reported.update((f.layer, f.rel) for f in fresh)
-        published, error = self._maybe_publish(new + own, layers, publish_now, emptied(self._baseline, files),
-                                               peer_wait)  # fmt: skip
+        published, error = self._maybe_publish(new + own, layers, publish_now, emptied(self._baseline, files))
         self._write_marker(new, layers)
         return Step(True, "", new, fresh, published, error)
 
@@ -239,9 +237,9 @@ class Watcher:
         whatever a publish is waiting for. From then on the step under way and the last publish
         get `grace` seconds (None: no limit; keep it under the pod's terminationGracePeriod), then
         are abandoned: False. A publish cut short leaves only orphans for GC (kcache.publish), and
-        what it would have published comes with the next pod's. The last publish waits for another
-        publish's lease of its key only up to LEASE_SHARE of `grace`."""
-        worker = threading.Thread(target=self._loop, args=(stop, interval, grace), name="kcache-watch", daemon=True)
+        what it would have published comes with the next pod's. Publishes whose config asks
+        `lease_deadline` wait for another publish's lease of their key only up to LEASE_SHARE of `grace`."""
+        worker = threading.Thread(target=self._loop, args=(stop, interval), name="kcache-watch", daemon=True)
         self._grace = grace
         worker.start()
         stop.wait()
@@ -259,19 +257,15 @@ class Watcher:
             return None
         return self._stopped_at + self._grace * LEASE_SHARE
 
-    def _loop(self, stop: threading.Event, interval: float, grace: float | None = None) -> None:
+    def _loop(self, stop: threading.Event, interval: float) -> None:
         try:
             while True:
                 self._step_logged()
                 if stop.wait(interval):
                     break
+            self._stopped_at = self._stopped_at or time.monotonic()  # run() may not have noted it yet
             if self._publisher is not None and self._baseline is not None:
-                wait = None
-                if grace is not None:
-                    stopped = self._stopped_at or time.monotonic()
-                    wait = max(0.0, stopped + grace * LEASE_SHARE - time.monotonic())
-                # The pod is going away: keep what it compiled.
-                last = self._step_logged(publish_now=True, peer_wait=wait)
+                last = self._step_logged(publish_now=True)  # the pod is going away: keep what it compiled
                 self.final_error = "the last scan failed (see the log)" if last is None else last.publish_error
         finally:
             stop.set()  # however the loop ended, run() stops waiting
@@ -284,8 +278,7 @@ class Watcher:
             log.debug("watch step failed", exc_info=True)
             return None
 
-    def _maybe_publish(self, new, layers, publish_now: bool, gone: list[str],
-                       peer_wait: float | None = None) -> tuple[PublishResult | None, str]:  # fmt: skip
+    def _maybe_publish(self, new, layers, publish_now: bool, gone: list[str]) -> tuple[PublishResult | None, str]:
         pending = {(f.layer, f.rel) for f in new} - self._published
         if self._publisher is None or not pending:
             return None, ""
@@ -302,7 +295,7 @@ class Watcher:
             log.warning("%s", why)
             return None, why
         try:
-            result = self._publisher(layers) if peer_wait is None else self._publisher(layers, peer_wait=peer_wait)
+            result = self._publisher(layers)
         # Store or index away, a file unreadable, or a bug: count it, retry when next due. A sidecar
         # that died here would take the pod's /readyz with it.
         except Exception as exc:

@@ -154,11 +154,14 @@ def test_replicas_stopped_together_each_get_their_last_publish_in(tmp_path, inde
         pod_index = Index.open(index.url)
         indexes.append(pod_index)
 
-        def publisher(layers, peer_wait=None, root=root, pod_index=pod_index):  # as `kcache watch` publishes
-            config = PublishConfig(carry_newest=True, **({} if peer_wait is None else {"peer_wait": peer_wait}))
+        mine: list[Watcher] = []
+
+        def publisher(layers, root=root, pod_index=pod_index, mine=mine):  # as `kcache watch` publishes
+            config = PublishConfig(carry_newest=True, lease_deadline=mine[0].lease_deadline)
             return publish(store, pod_index, fp, layers, root=root, env={}, config=config)
 
         watcher = Watcher(root, publisher=publisher, publish_every=3600)
+        mine.append(watcher)
         watcher.step()  # ready: the baseline taken, the kernel found and not yet due
         watchers.append(watcher)
     threads = [threading.Thread(target=lambda w=w, s=s, p=p: finished.update({p: w.run(s, 3600, grace=6)}))
@@ -194,10 +197,9 @@ def test_a_stop_ends_a_periodic_publishs_wait_for_the_lease_too(tmp_path, index,
     compiled_after_ready(root)
     stop, started, finished = threading.Event(), threading.Event(), []
 
-    def publisher(layers, peer_wait=None):  # as `kcache watch` publishes (--peer-wait 600 s)
+    def publisher(layers):  # as `kcache watch` publishes (--peer-wait 600 s)
         started.set()
-        config = PublishConfig(carry_newest=True, lease_deadline=watcher.lease_deadline,
-                               **({} if peer_wait is None else {"peer_wait": peer_wait}))  # fmt: skip
+        config = PublishConfig(carry_newest=True, lease_deadline=watcher.lease_deadline)
         return publish(store, index, fp, layers, root=root, env={}, config=config)
 
     watcher = Watcher(root, publisher=publisher, publish_every=0)

@@ -42,14 +42,13 @@ def _publisher(root: Path, fingerprint_args, cfg: Settings, config: PublishConfi
     given = command_line_workload(*fingerprint_args[2:])
     store = open_configured_store(cfg, publisher=True)
 
-    def publish_delta(layers, peer_wait: float | None = None):
+    def publish_delta(layers):
         index = binding.open_index(cfg, store, write=True)
-        # Other replicas' publishes of the key since this pod's restore hold kernels it never
-        # compiled: carried, not dropped (the newest bundle holds what every replica added).
-        # `peer_wait`: the last publish on SIGTERM waits for the lease only within --stop-timeout.
-        run = replace(config, carry_newest=True, peer_wait=config.peer_wait if peer_wait is None else peer_wait)
         try:
-            return publish(store, index, workload_of(fp, root, given), layers, root=root, config=run)
+            # Other replicas' publishes of the key since this pod's restore hold kernels it never
+            # compiled: carried, not dropped (the newest bundle holds what every replica added).
+            return publish(store, index, workload_of(fp, root, given), layers, root=root,
+                           config=replace(config, carry_newest=True))  # fmt: skip
         finally:
             index.close()
 
