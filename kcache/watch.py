@@ -138,10 +138,8 @@ def _marker_time(root: Path, name: str) -> float | None:
 
 def load_baseline(root: Path) -> Baseline | None:
     """The saved baseline, unless a restore finished after it was taken (a reused root)."""
-    try:
-        if (Path(root) / BASELINE_MARKER).stat().st_mtime < (Path(root) / readiness.RESTORE_MARKER).stat().st_mtime:
-            return None
-    except (FileNotFoundError, NotADirectoryError):
+    taken, restored = _marker_time(root, BASELINE_MARKER), _marker_time(root, readiness.RESTORE_MARKER)
+    if taken is None or restored is None or taken < restored:
         return None
     doc = readiness.read_marker(root, BASELINE_MARKER) or {}
     files = _pairs(doc.get("files"))
