@@ -235,10 +235,11 @@ def _fail(root: Path, opened: list[Opened], computed: Callable[[], Fingerprint |
     fp = opened[0].fingerprint if opened else computed()
     bundle_key = fp.bundle_key if fp is not None else None
     failed = RestoreResult("error", bundle_key, None, root, root / envfile.NAME, seconds=seconds, reason=reason)
-    # Each on its own: a ROOT whose tmp/ links outside gets no env file, but still its marker.
-    # A directory planted at either name is moved aside, and deleted only while the budget lasts.
+    # Each on its own (the marker still goes where the env file cannot); a layer whose place a link
+    # carries out of ROOT, or that a file blocks (ROOT/tmp), is left out of the env file, not the whole
+    # file. A directory planted at either name is moved aside, and deleted only while the budget lasts.
     for what, write in (("kcache.env", lambda: _write_env(root, (), _env_comment(failed), _safe_user(failed.user),
-                                                          deadline)),
+                                                          deadline, leave_out_unsafe=True)),
                         ("the restore marker", lambda: _write_state(failed, fp, deadline))):  # fmt: skip
         try:
             write()
@@ -692,8 +693,13 @@ def _env_comment(result: RestoreResult) -> str:
 
 
 def _write_env(root: Path, layer_names, comment: str, run_as: str | None = None,
-               deadline: float | None = None) -> Path:  # fmt: skip
+               deadline: float | None = None, *, leave_out_unsafe: bool = False) -> Path:  # fmt: skip
     """Create every layer directory and write kcache.env.
+
+    A layer whose place a link in ROOT carries outside (ROOT/tmp -> /dev/shm) is UnsafePath, one whose
+    directory cannot be made (a file or a FIFO at ROOT/tmp) an OSError; with `leave_out_unsafe` (the
+    error path) such a layer is skipped and its variables left out instead, so that a pod whose
+    command sources kcache.env still starts, cold.
 
     No TORCH_COMPILE_CACHE_KEY_TAG: torch puts the tag into its FX graph keys, so a bundle
     published from a run without kcache.env (the plain live directories) would miss every graph
@@ -704,10 +710,18 @@ def _write_env(root: Path, layer_names, comment: str, run_as: str | None = None,
     exports = layers.all_exports(root, layer_names)
     shared = rootdir.group_shared(root)
     for source in layers.builtin(run_as):
-        place = _inside(root, source.restore_dir(root))
-        if place.is_symlink() and not place.exists():
-            place.unlink()  # a dangling link would make every run fail: replace it with a directory
-        rootdir.make_dirs(root, place, shared)
+        try:
+            place = _inside(root, source.restore_dir(root))
+            if place.is_symlink() and not place.exists():
+                place.unlink()  # a dangling link would make every run fail: replace it with a directory
+            rootdir.make_dirs(root, place, shared)
+        except (UnsafePath, OSError) as exc:
+            if not leave_out_unsafe:
+                raise
+            why = one_line(exc) if isinstance(exc, UnsafePath) else f"{exc.filename}: {exc.strerror or exc}"
+            log.warning("kcache.env leaves out %s: %s", ", ".join(source.exports(root)), why)
+            for name in source.exports(root):
+                exports.pop(name, None)
     rootdir.clear(root / envfile.NAME, stat.S_ISDIR, deadline)  # a file there the rename replaces
     return envfile.write(root, exports, comment)
 

@@ -156,6 +156,32 @@ def test_early_failure_writes_marker_and_env_and_exits_0(tmp_path, facts_file, r
     assert_cold_but_ready_to_start(tmp_path / "root")
 
 
+@pytest.mark.parametrize("planted", ["link-outside", "file", "fifo"])
+def test_a_root_whose_tmp_is_unusable_still_gets_kcache_env(tmp_path, facts_file, planted):
+    """ROOT/tmp left on a kept volume as a link out of ROOT (say to /dev/shm), a file or a FIFO:
+    restore lays nothing there and fails, but it wrote no kcache.env either, and a model command that
+    sources it (README's `. /cache/kcache.env`) failed on every start. The env file leaves out TMPDIR,
+    which would send the model's temp files through the link or nowhere, and exports the rest as ever."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = tmp_path / "root"
+    root.mkdir()
+    if planted == "link-outside":
+        (root / "tmp").symlink_to(outside)
+    elif planted == "file":
+        (root / "tmp").write_bytes(b"not a directory")
+    else:
+        os.mkfifo(root / "tmp")
+    result = run_restore(root, facts_file, ["--store", f"file://{tmp_path / 'store'}", "--index", "none"], {})
+    assert result.exit_code == 0, result.output + result.stderr
+    state = read_state(root)
+    assert state["status"] == "error" and "tmp" in state["reason"], state
+    exports = envfile.read(root / envfile.NAME)
+    assert exports == {k: v for k, v in sources.all_exports(root).items() if k != "TMPDIR"}
+    assert list(outside.rglob("*")) == []
+    assert check(root).reason != "restore has not finished"
+
+
 @pytest.mark.parametrize("long", [True, False], ids=["past-name-max", "thousands-deep-near-path-max"])
 def test_a_root_path_the_kernel_cannot_take_fails_open(tmp_path, facts_file, long):
     """--into with a component past NAME_MAX made exists() raise ENAMETOOLONG before restore's fail-open

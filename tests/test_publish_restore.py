@@ -434,7 +434,8 @@ def test_link_in_root_cannot_carry_a_layer_outside(tmp_path, store, sqlite_index
     with pytest.raises(UnsafePath, match="outside"):
         restore(store, sqlite_index, fp, tmp_path / "dst")
     assert list(outside.rglob("*")) == []
-    assert read_state(tmp_path / "dst")["status"] == "error"  # no env file here, but the pod can start
+    assert read_state(tmp_path / "dst")["status"] == "error"
+    assert "TMPDIR" not in envfile.read(tmp_path / "dst" / envfile.NAME)  # the pod starts cold, its temp dir its own
 
 
 def test_publish_from_root_keeps_extra_layers_a_restore_laid_down(tmp_path, store, sqlite_index, fp):
