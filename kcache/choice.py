@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from kcache import limits, refs, signing
 from kcache import manifest as manifests
-from kcache.errors import IntegrityError, NotFound, ObjectMissing, ObjectTooLarge, SignatureError
+from kcache.errors import IntegrityError, ManifestTooLarge, NotFound, ObjectMissing, SignatureError
 from kcache.fingerprint import Fingerprint
 from kcache.store import Store, manifest_key
 
@@ -177,7 +177,7 @@ def read_manifest(store: Store, choice: Choice, fp: Fingerprint, policy: Policy,
     size = store.size(key)
     limit = policy.max_manifest_bytes if cap is None else min(cap, policy.max_manifest_bytes)
     if size > limit:
-        raise ObjectTooLarge("manifest", key, size, limit)
+        raise ManifestTooLarge(key, size, limit)
     signer = policy.check(store, choice.bundle_key, choice.manifest_id, size)
     manifest = manifests.parse(limits.read_exactly(store, key, size), choice.manifest_id)
     if choice.partial and manifest.toolchain_key != fp.toolchain_key:

@@ -18,7 +18,7 @@ import logging
 import os
 from collections.abc import Mapping
 
-from kcache.errors import ConfigError, IntegrityError, ObjectMissing, ObjectTooLarge, StoreError
+from kcache.errors import ConfigError, IntegrityError, ManifestTooLarge, ObjectMissing, ObjectTooLarge, StoreError
 from kcache.store import Store
 from kcache.streams import Resumable
 
@@ -50,7 +50,7 @@ def read_capped(store: Store, key: str, limit: int, what: str) -> bytes | None:
     except ObjectMissing:
         return None
     if size > limit:
-        raise ObjectTooLarge(what, key, size, limit)
+        raise ManifestTooLarge(key, size, limit) if what == "manifest" else ObjectTooLarge(what, key, size, limit)
     return read_exactly(store, key, size)
 
 

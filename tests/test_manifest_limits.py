@@ -113,3 +113,24 @@ def test_cli_starts_cold_on_a_huge_manifest(tmp_path, monkeypatch):
     assert cold.exit_code == 0 and "limit" in cold.stderr and (tmp_path / "dst/kcache.env").exists()
     strict = runner.invoke(main, ["restore", "--into", str(tmp_path / "dst"), "--strict", *args])
     assert strict.exit_code == 6 and "KCACHE_MAX_MANIFEST_BYTES" in strict.stderr
+
+
+@pytest.mark.parametrize("planted", ["ref", "signature"])
+def test_a_planted_ref_or_signature_over_its_cap_is_not_blamed_on_the_manifest_cap(tmp_path, keys, planted):
+    """Refs and signatures have fixed caps; the hint of an oversized one told the operator to raise
+    KCACHE_MAX_MANIFEST_BYTES, which changes nothing for them (and a planted object is no publisher's)."""
+    store = LocalStore(tmp_path / "bucket")
+    runner = CliRunner()
+    facts = runner.invoke(main, ["fingerprint", "--json", "--model", "m1"], catch_exceptions=False)
+    fp = fingerprint.compute(json.loads(facts.output)["facts"])
+    private, _public = keys
+    _huge_manifest_under_ref(store, fp, 100, signer=private)
+    key = ref_key(fp.bundle_key) if planted == "ref" else signing.signature_key(BIG, "prod")
+    store.delete(key)
+    store.put_file(key, _sparse(tmp_path / "big.tmp", limits.REF_BYTES + 1))
+    args = ["--store", f"file://{store.root}", "--index", "none", "--model", "m1", "--strict", "--json",
+            "--trusted-key", str(tmp_path / "keys" / "prod.pub")]
+    out = runner.invoke(main, ["restore", "--into", str(tmp_path / "dst"), *args])
+    assert out.exit_code == 6, out.output
+    answer = json.loads(out.stdout)
+    assert "refused unread" in answer["error"] and "KCACHE_MAX_MANIFEST_BYTES" not in answer["hint"], answer

@@ -71,7 +71,13 @@ ROWS: tuple[tuple[str, str, ExitCode, str], ...] = (
     (_E, "IndexConflict", ExitCode.INDEX, "other writers held the same rows; run it again (nothing was committed)"),
     (_E, "IndexDbError", ExitCode.INDEX, "check --index / KCACHE_INDEX; PostgreSQL needs `kcache db upgrade`"),
     (_E, "UnsafePath", ExitCode.CORRUPT, "the bundle is hostile or corrupt; re-publish it from a clean cache"),
-    (_E, "ObjectTooLarge", ExitCode.CORRUPT, "a manifest this big needs KCACHE_MAX_MANIFEST_BYTES raised"),
+    (_E, "ManifestTooLarge", ExitCode.CORRUPT, "a manifest this big needs KCACHE_MAX_MANIFEST_BYTES raised"),
+    (
+        _E,
+        "ObjectTooLarge",
+        ExitCode.CORRUPT,
+        "no object kcache writes of this kind is that big: replace it (publish again; `kcache refresh` rewrites a ref)",
+    ),
     (
         _E,
         "FileChanged",
