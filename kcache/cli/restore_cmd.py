@@ -57,8 +57,9 @@ MAX_TIMEOUT = 86400.0
 @require_signature_option("Refuse bundles not signed by a trusted key.")  # env read in the budget: no crash-loop
 @click.option("--fallback", type=click.Choice(["toolchain", "layers"]),
               help="On a miss, restore the kernel layers (inductor, triton, cuda) of the newest bundle built "
-                   "on this toolchain for another workload; 'layers': each reusable layer from the newest "
-                   "bundle whose layer key matches (kcache/layerkeys.py).")  # fmt: skip
+                   "on this toolchain for another workload (needs the index: through refs/ it stays a miss); "
+                   "'layers': each reusable layer from the newest bundle whose layer key matches "
+                   "(kcache/layerkeys.py), through the index or refs/.")  # fmt: skip
 @click.option("--run-as", "run_as", metavar="USER", envvar="KCACHE_RUN_AS",
               help="User the model container runs as (torch names the precompiled header's directory for it); "
                    "default: the user publish recorded, else this one.")  # fmt: skip
