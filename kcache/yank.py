@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kcache import layerkeys, refs
+from kcache import fetch, layerkeys, refs
 from kcache import manifest as manifests
-from kcache.errors import ConfigError, KcacheError, NotFound, ObjectMissing
+from kcache.errors import ConfigError, IntegrityError, KcacheError, NotFound
 from kcache.records import Bundle
 from kcache.signing import SigningKey
 from kcache.store import Store, pack_key
@@ -72,7 +72,9 @@ def unyank(store: Store, index: Index, bundle_id: str, *, signer: SigningKey | N
 
 
 def _check_restorable(store: Store, bundle_id: str) -> None:
-    """Raise unless the manifest verifies and every pack it names exists (one HEAD each)."""
-    for pack in sorted({e.pack for e in manifests.fetch(store, bundle_id).entries}):
-        if not store.exists(pack_key(pack)):
-            raise ObjectMissing(store.url, pack_key(pack))
+    """Raise unless the manifest verifies and every pack it names holds the bytes its entries
+    reach (one HEAD each): a pack cut short fails every restore as surely as a missing one."""
+    for pack, reach in sorted(fetch.pack_extents(manifests.fetch(store, bundle_id).entries).items()):
+        size = store.size(pack_key(pack))  # ObjectMissing when it is gone
+        if size < reach:
+            raise IntegrityError("pack", pack_key(pack), f"is {size} bytes; the bundle's files reach byte {reach}")

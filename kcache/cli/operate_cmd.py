@@ -43,7 +43,7 @@ def ref_signing_key_option(fn):
 def yank_cmd(bundle, undo, reason, signing_key, store_url, index_url, s3_endpoint_url, as_json):
     """Stop a bundle from ever being restored again (pods restore the previous one, or start cold).
 
-    --undo refuses a bundle whose manifest or packs the store has lost (pods would fail on it instead
+    --undo refuses a bundle whose manifest or packs the store has lost or cut short (pods would fail on it instead
     of taking the previous bundle): publish the same files again first.
 
     \b
