@@ -100,3 +100,14 @@ def test_cli_exit_codes_and_json_status(tmp_path, isolated_home, monkeypatch):
     manifest.write_bytes(manifest.read_bytes()[:-1] + b" ")  # damaged: hashes to another id
     damaged = runner.invoke(main, ["verify", "--json"])
     assert damaged.exit_code == ExitCode.PROBLEMS and json.loads(damaged.stdout)["status"] == "damaged"
+
+
+def test_a_subset_without_read_data_is_refused_not_ignored(isolated_home):
+    """--subset slices the packs whose data is read: without --read-data a nightly job that meant to
+    read a seventh of the packs would check existence only, and report "ok" every night."""
+    runner = CliRunner()
+    alone = runner.invoke(main, ["verify", "--subset", "3/7", "--json"])
+    assert alone.exit_code == ExitCode.USAGE, alone.output
+    error = json.loads(alone.stdout)
+    assert "--subset" in error["error"] and "--read-data" in error["error"], error
+    assert runner.invoke(main, ["verify", "--subset", "1/1", "--read-data", "--json"]).exit_code == 0

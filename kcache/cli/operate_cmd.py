@@ -24,6 +24,7 @@ from kcache.cli.options import (
     settings,
     store_options,
 )
+from kcache.errors import ConfigError
 
 
 def ref_signing_key_option(fn):
@@ -66,7 +67,7 @@ def yank_cmd(bundle, undo, reason, signing_key, store_url, index_url, s3_endpoin
 
 @click.command("verify")
 @click.option("--read-data", is_flag=True, help="Also fetch every blob and re-hash it.")
-@click.option("--subset", metavar="N/T", default="1/1", help="With --read-data, only the N-th of T slices of packs.")
+@click.option("--subset", metavar="N/T", help="With --read-data, only the N-th of T slices of packs [default: 1/1].")
 @read_jobs_option
 @click.option("--trusted-key", "trusted_keys", multiple=True, type=NonEmptyPath(dir_okay=False, path_type=Path),
               envvar="KCACHE_TRUSTED_KEYS",
@@ -99,7 +100,9 @@ def verify_cmd(read_data, subset, jobs, trusted_keys, store_url, index_url, s3_e
     """
     from kcache.verify import parse_subset, verify
 
-    part = parse_subset(subset)
+    if subset is not None and not read_data:  # a nightly slice that reads nothing would report "ok" every night
+        raise ConfigError("--subset", subset, "slices the packs --read-data reads; pass --read-data too")
+    part = parse_subset(subset or "1/1")
     trusted = load_trusted_keys(trusted_keys)
     reuse_freed_memory()  # --read-data streams every pack: see kcache.allocator
     with opened(settings(store_url, index_url, s3_endpoint_url), jobs=jobs, write=False) as (store, index):
