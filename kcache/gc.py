@@ -12,7 +12,8 @@
              swept (which packs it names is unknown); a yanked one is not: nothing can restore it
     condemn  phase 1: packs nobody references get condemned_at = now (the index's now)
     sweep    phase 2: packs condemned more than --grace ago and still condemned lose their rows,
-             then their objects (a publish that reused one revived it: see index/lifecycle.py)
+             then their objects (a publish that reused one revived it: see index/lifecycle.py);
+             --grace must outlast a publish's revive-to-commit span (MIN_GRACE)
     adopt    pack objects with no row at all (a publish that crashed) older than --grace get a row
              condemned now: a later run sweeps them by the phase-2 rule, unless a publish that
              rebuilt the identical pack revived the row first (the store's "already there" does
@@ -73,6 +74,12 @@ log = logging.getLogger(__name__)
 _ID = re.compile(r"[0-9a-f]{64}\Z")  # a pack id; anything else under packs/ (a temp file) no publish reuses
 _NEXT_SCAN = 100  # rows looked at for the bundle a ref falls back to; none among them: the ref is removed
 _SKEW = timedelta(minutes=1)  # this host's clock further off the index's or store's than this is reported
+# The shortest --grace `kcache gc` takes without --allow-short-grace. A run planned before a publish revived
+# a pack condemns it after the revive; a second run then sweeps it if it was condemned more than --grace
+# ago, and the publish commits a bundle naming a pack the store no longer has. So --grace must outlast a
+# publish's revive-to-commit span: its pack checks, manifest and signature writes, and a carrying
+# publish's commit retries (publish._CARRY_SECONDS, a minute), with room for a slow store or index.
+MIN_GRACE = timedelta(hours=1)
 
 
 @dataclass(frozen=True)

@@ -265,7 +265,7 @@ def test_cli_dry_run_changes_nothing(tmp_path):
     for name, content in (("v1", b"one"), ("v2", b"two")):
         write_tree(tmp_path / name, {"inductor/k": content})
         runner.invoke(main, ["publish", "--from", str(tmp_path / name), "--model", "m"], catch_exceptions=False)
-    args = ["gc", "--keep-last", "1", "--older-than", "0s", "--grace", "0s"]
+    args = ["gc", "--keep-last", "1", "--older-than", "0s", "--grace", "0s", "--allow-short-grace"]
     dry = runner.invoke(main, args + ["--dry-run", "--json"], catch_exceptions=False)
     planned = json.loads(dry.output)
     assert len(planned["bundles_to_delete"]) == 1 and planned["result"] is None
@@ -553,3 +553,68 @@ def test_a_retained_bundle_whose_manifest_names_unsafe_paths_is_reported_broken(
                             ("inductor",), 2, 2, datetime.now(timezone.utc), "test", "active"))  # fmt: skip
     plan = gc.plan(store, index, POLICY)
     assert [b.id for b in plan.broken] == [bundle_id] and plan.sweep == ()
+
+
+class GcRunsBeforeTheCommit:
+    """The publisher's store: once the publish revived its packs and writes its manifest, `meanwhile` runs."""
+
+    def __init__(self, inner, meanwhile):
+        self.inner, self.meanwhile, self.ran = inner, meanwhile, False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def put_bytes(self, key, data):
+        if key.startswith("manifests/") and not self.ran:
+            self.ran = True
+            self.meanwhile()
+        return self.inner.put_bytes(key, data)
+
+
+def test_gc_runs_within_the_smallest_grace_leave_a_committing_publish_its_packs(tmp_path, store, sqlite_index, fp):
+    """A gc planned before a publish revived a pack condemns it after the revive; a second gc with a
+    --grace shorter than the publish's revive-to-commit span then swept it, and the publish committed a
+    bundle naming a pack the store no longer had (with --grace 0s: 1 of its 2 packs gone, every restore of
+    it failed). The smallest grace the CLI takes must outlast that span."""
+    write_tree(tmp_path / "v1", {"inductor/kernel.so": b"shared" * 100, "inductor/a.py": b"a"})
+    publish(store, sqlite_index, fp, LAYERS, root=tmp_path / "v1", env={})
+    _publish(tmp_path, store, sqlite_index, fp, b"other" * 100, "v2")
+    policy = gc.Policy(keep_last=1, older_than=timedelta(0), grace=gc.MIN_GRACE)
+    stale = gc.plan(store, sqlite_index, policy)  # v1 goes, and the pack of its kernel is to be condemned
+    swept = []
+
+    def two_gc_runs():
+        gc.execute(store, sqlite_index, stale)  # condemns the pack the publish has just revived
+        swept.append(gc.execute(store, sqlite_index, gc.plan(store, sqlite_index, policy)).packs_deleted)
+
+    write_tree(tmp_path / "v3", {"inductor/kernel.so": b"shared" * 100, "inductor/c.py": b"c"})
+    v3 = publish(GcRunsBeforeTheCommit(store, two_gc_runs), sqlite_index, fp, LAYERS, root=tmp_path / "v3", env={})
+    assert swept == [0]
+    assert all(store.exists(pack_key(p)) for p in _packs_of(store, v3.bundle_id))
+    assert restore(store, sqlite_index, fp, tmp_path / "dst").bundle_id == v3.bundle_id
+
+
+@pytest.mark.parametrize("grace", ["0s", "59m", "0.5h"])
+def test_a_grace_shorter_than_the_floor_is_a_usage_error_that_names_it(tmp_path, grace):
+    """`gc --grace 0s` was taken silently; see the test above for what it can break."""
+    result = CliRunner().invoke(main, ["gc", "--dry-run", "--grace", grace])
+    assert result.exit_code == 2, result.output
+    assert "--grace" in result.stderr and "1h" in result.stderr and "--allow-short-grace" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_the_floor_the_cli_names_is_the_one_gc_keeps():
+    from kcache import durations
+    from kcache.cli.operate_cmd import MIN_GRACE_TEXT
+
+    assert durations.parse(MIN_GRACE_TEXT, "--grace") == gc.MIN_GRACE
+
+
+def test_a_short_grace_runs_with_the_override(tmp_path):
+    runner = CliRunner()
+    write_tree(tmp_path / "v1", {"inductor/k": b"one"})
+    assert runner.invoke(main, ["publish", "--from", str(tmp_path / "v1"), "--model", "m"]).exit_code == 0
+    floor = runner.invoke(main, ["gc", "--dry-run", "--grace", "1h"], catch_exceptions=False)
+    assert floor.exit_code == 0, floor.output
+    short = runner.invoke(main, ["gc", "--dry-run", "--grace", "0s", "--allow-short-grace"], catch_exceptions=False)
+    assert short.exit_code == 0, short.output

@@ -148,7 +148,7 @@ def test_cli_gc_reports_the_yanked_bundles_its_index_lacks(tmp_path, isolated_ho
         source.backup(copy)
     bad = publish_cli("m")
     assert runner.invoke(main, ["yank", bad]).exit_code == 0
-    backup = ["--index", f"sqlite:///{tmp_path / 'backup.db'}", "--grace", "0s"]
+    backup = ["--index", f"sqlite:///{tmp_path / 'backup.db'}", "--grace", "0s", "--allow-short-grace"]
     planned = runner.invoke(main, ["gc", "--dry-run", "--json", *backup])
     assert planned.exit_code == 0, planned.output
     summary = json.loads(planned.stdout)

@@ -26,6 +26,9 @@ from kcache.cli.options import (
 )
 from kcache.errors import ConfigError
 
+# kcache.gc.MIN_GRACE as --grace is written; not imported from there: `kcache --help` would pay for gc's imports.
+MIN_GRACE_TEXT = "1h"
+
 
 def ref_signing_key_option(fn):
     """--signing-key for commands that move refs (yank, gc): what they write, pods requiring signatures follow."""
@@ -132,12 +135,17 @@ def verify_cmd(read_data, subset, jobs, trusted_keys, store_url, index_url, s3_e
 @click.option("--older-than", default="7d", show_default=True, metavar="DURATION",
               help="Only bundles older than this are deleted.")  # fmt: skip
 @click.option("--grace", default="6h", show_default=True, metavar="DURATION",
-              help="A condemned pack is deleted only after this long, so running publishes can revive it.")  # fmt: skip
+              help="A condemned pack is deleted only after this long, so running publishes can revive it; "
+                   f"at least {MIN_GRACE_TEXT}.")  # fmt: skip
+@click.option("--allow-short-grace", is_flag=True,
+              help=f"Take a --grace under {MIN_GRACE_TEXT}: only when no publish can run meanwhile (a publish "
+                   "that revives a pack gc is sweeping may commit a bundle naming a deleted pack).")  # fmt: skip
 @click.option("--dry-run", is_flag=True, help="Print the plan and the bytes it would free; change nothing.")
 @ref_signing_key_option
 @store_options
 @json_option
-def gc_cmd(keep_last, older_than, grace, dry_run, signing_key, store_url, index_url, s3_endpoint_url, as_json):
+def gc_cmd(keep_last, older_than, grace, allow_short_grace, dry_run, signing_key, store_url, index_url,
+           s3_endpoint_url, as_json):  # fmt: skip
     """Delete old bundles and the packs nobody needs, in two phases that are safe while publishes run.
 
     A first run condemns unreferenced packs; a run after --grace deletes those still condemned.
@@ -151,6 +159,10 @@ def gc_cmd(keep_last, older_than, grace, dry_run, signing_key, store_url, index_
     from kcache.errors import IndexDbError
 
     policy = gc.Policy(keep_last, durations.parse(older_than, "--older-than"), durations.parse(grace, "--grace"))
+    if policy.grace < gc.MIN_GRACE and not allow_short_grace:
+        raise ConfigError("--grace", grace, f"is shorter than {MIN_GRACE_TEXT}, the least a publish running meanwhile "
+                          "may need between reviving a pack and committing the bundle that names it; pass "
+                          "--allow-short-grace if no publish can run")  # fmt: skip
     key = load_signing_key(signing_key)
     cfg = settings(store_url, index_url, s3_endpoint_url)
     if not cfg.index_explicit and binding.missing_sqlite_file(cfg.index_url):  # (a named one: `opened` says so)
