@@ -304,6 +304,31 @@ def test_junk_named_like_a_killed_fills_temp_file_does_not_keep_fills_off_the_no
     assert cached_path(node, pack_id).read_bytes() == data
 
 
+def test_what_a_killed_removal_set_aside_is_removed_by_the_next_trim(tmp_path, backing):
+    """A directory at a lock or pack path is renamed aside to .tmp-junk-<hex> and then removed; a process
+    killed in between (a restore whose budget ran out, an OOM kill) left it for good: 200 MB aside from a
+    planted .evict.lock stayed through every later trim, counted nowhere. Prefetch's trim removes it now,
+    without following a link out of it; packs and a fill's temp file are no junk."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"not the node cache's")
+    node = tmp_path / "node"
+    pack_id = put_pack(backing, os.urandom(10 * KiB))
+    NodeCacheStore(backing, node).warm(pack_id)
+    shard = cached_path(node, pack_id).parent
+    aside = [node / ".tmp-junk-0123456789abcdef", shard / ".tmp-junk-fedcba9876543210"]
+    for junk in aside:  # what nodedir.clear leaves when it is killed part-way
+        nest(junk, ["d"] * 3, "f", os.urandom(64 * KiB))
+        os.symlink(outside, junk / "out")
+    os.symlink(outside, shard / ".tmp-junk-00112233445566aa")  # a link by that name: unlinked, not followed
+    temp = shard / f".tmp-{pack_id}-x"  # a fill's temp file: fills remove it under the pack's lock
+    temp.write_bytes(b"partial")
+    NodeCacheStore(backing, node).trim()
+    assert not any(os.path.lexists(p) for p in [*aside, shard / ".tmp-junk-00112233445566aa"])
+    assert (outside / "precious").read_bytes() == b"not the node cache's"
+    assert cached_path(node, pack_id).is_file() and not temp.exists()
+
+
 # ---- prefetch against a peer that holds a lock and never lets go ------------------------------------
 
 

@@ -11,6 +11,8 @@ node) keeps the packs of named models in DIR before any pod asks.
       packs/<hh>/.lock-<pack-id>    flock: shared while a reader has the pack open, exclusive while
                                     one process fills, replaces or evicts it
       packs/<hh>/.tmp-<pack-id>-*   a fill in progress (kcache.atomic's temp sibling)
+      .tmp-junk-<hex>, packs/<hh>/.tmp-junk-<hex>
+                                    a directory found at a lock or pack path, set aside to be removed
 
 Rules, because many pods on a node restore at once and DIR outlives every one of them:
 
@@ -282,14 +284,27 @@ class NodeCacheStore:
         return Usage(len(files), sum(f.size for f in files), self.max_bytes)
 
     def trim(self, *, wait: float | None = None) -> None:
-        """Evict down to the cap and remove what killed fills left behind; skipped when another
-        process is evicting for longer than `wait` seconds."""
+        """Evict down to the cap and remove what killed fills and removals left behind; eviction is
+        skipped when another process is evicting for longer than `wait` seconds."""
         if not self.directory.is_dir():
             return
         try:
+            self._remove_junk()
             self._make_room(0, self._deadline(wait))
         except OSError as exc:
             raise self._root_error(exc) from None
+
+    def _remove_junk(self) -> None:
+        """Remove the directories a removal killed part-way set aside (nodedir.clear), in DIR and in each
+        shard: only here, in prefetch's trim, not in a fill, whose time is a restore's budget. They are
+        removed, not counted against the cap: a tree this cannot remove, no eviction could either."""
+        places = [self.directory]
+        if nodedir.is_directory(self.directory / "packs"):
+            places += [Path(shard.path) for shard in nodedir.entries(self.directory / "packs")
+                       if _SHARD.match(shard.name) and shard.is_dir(follow_symlinks=False)]  # fmt: skip
+        removed = sum(nodedir.remove_junk(place) for place in places)
+        if removed:
+            log.info("node cache: removed %d directories that removals killed part-way had set aside", removed)
 
     def _deadline(self, wait: float | None = None) -> float | None:
         """When one call stops waiting for locks: the wrapper's deadline, or `wait` from now if sooner."""

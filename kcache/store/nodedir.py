@@ -11,6 +11,7 @@ outlives every pod on the node. What these helpers guard against, each where the
   its reader outright): `lock` removes it and takes the lock.
 - Removing a path removes what is at it, never what a link there names: `clear`. A directory there is
   renamed aside first (the one rename here: nothing is renamed into place) and removed with its contents.
+  A process killed in between leaves it aside (`.tmp-junk-<hex>`): `remove_junk` removes it later.
 - Listing and stat-ing never follow a link (`entries`, `lstat`, `is_directory`), and a file a peer keeps
   appending to is hashed only up to the size that was stat-ed (`sha256`).
 """
@@ -21,6 +22,7 @@ import errno
 import hashlib
 import logging
 import os
+import re
 import stat
 from pathlib import Path
 from typing import BinaryIO
@@ -30,6 +32,8 @@ from kcache import filelock, removal
 log = logging.getLogger(__name__)
 
 _CHUNK = 1024 * 1024
+JUNK_PREFIX = ".tmp-junk-"  # + 16 hex digits: a directory `clear` set aside, to be removed
+_JUNK = re.compile(re.escape(JUNK_PREFIX) + r"[0-9a-f]{16}\Z")
 
 
 def sha256(f: BinaryIO, size: int) -> str:
@@ -92,12 +96,26 @@ def clear(path: Path) -> None:
     except PermissionError:  # unlink(2) of a directory says EPERM on some systems
         if not is_directory(path):
             raise
-    aside = path.with_name(f".tmp-junk-{os.urandom(8).hex()}")
+    aside = path.with_name(f"{JUNK_PREFIX}{os.urandom(8).hex()}")
     try:
         os.rename(path, aside)
     except FileNotFoundError:
         return
     removal.remove_tree(aside)
+
+
+def remove_junk(directory: Path) -> int:
+    """Remove what `clear` set aside in `directory` and a killed process left there; how many went.
+
+    No liveness check is needed: a junk name is made by one rename to a fresh random name, nothing is
+    ever renamed to it again, and what it holds is only ever removed. Its maker may still be removing
+    it; two removers of one tree only race to unlink the same names, and each leaves what it finds gone."""
+    removed = 0
+    for entry in entries(directory):
+        if _JUNK.match(entry.name):
+            removal.remove_tree(entry.path)  # a link is unlinked, never followed
+            removed += not os.path.lexists(entry.path)
+    return removed
 
 
 def is_directory(path: Path) -> bool:
