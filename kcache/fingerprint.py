@@ -193,12 +193,27 @@ def collect(
         for name in _CONFIG_FACTS:
             facts.pop(name, None)
     facts.update(workload_facts(model, model_config, extra or {}))
+    _refuse_blank_identity(overrides or {})
     _warn_unknown(overrides or {}, facts)
     facts.update(overrides or {})
     fp = compute(facts)
     if facts_file is None:
         return fp
     return replace(fp, mismatches=find_mismatches(facts, env, _default(checks, "CHECKS")))
+
+
+# The facts that say which model a bundle is for (publish.names_a_model). Other facts may be blank on
+# a real machine (env.TORCHINDUCTOR_X set to ""; model.arch of an empty architectures list); these never.
+_IDENTITY_FACTS = ("model.id", "model.config")
+
+
+def _refuse_blank_identity(overrides: Mapping[str, str]) -> None:
+    """A blank --fact model.id= (a variable expanded to nothing) is refused as a blank --model is: it
+    would key a bundle no pod naming its model ever restores."""
+    for name in _IDENTITY_FACTS:
+        if name in overrides and not overrides[name].strip():
+            raise ConfigError(f"--fact {name}", overrides[name], "is blank; give the model identity "
+                              "(e.g. --model meta-llama/Llama-3.1-8B), or leave the fact out")  # fmt: skip
 
 
 def _warn_unknown(overrides: Mapping[str, str], facts: Mapping[str, str]) -> None:

@@ -669,3 +669,44 @@ def test_ls_json_help_says_it_prints_an_array(isolated_home):
     assert "one JSON array" in " ".join(run("ls", "--help").output.split())
     assert isinstance(strict_json(run("ls", "--json").stdout), list)
     assert "one JSON object" in " ".join(run("show", "--help").output.split())
+
+
+BLANK_MODEL_FACT = {
+    "fingerprint": ["fingerprint"],
+    "explain": ["explain"],
+    "publish": ["publish", "--from", "{tmp}/src"],
+    "restore": ["restore", "--into", "{tmp}/root", "--strict"],
+    "prefetch": ["prefetch", "--node-cache", "{tmp}/node", "--once", "--model", "m"],
+    "prebake": ["prebake", "--root", "{tmp}/root", "--url", "http://127.0.0.1:1"],
+    "watch": ["watch", "--root", "{tmp}/root", "--once", "--publish-every", "10m"],
+    # A key file too short to use: proxy refuses it right after the fingerprint, rather than serve.
+    "proxy": ["proxy", "--upstream", "http://127.0.0.1:9", "--redis", "redis://127.0.0.1:9", "--port", "0",
+              "--entry-key-file", "{tmp}/short.key"],
+}  # fmt: skip
+
+
+def test_every_command_that_takes_fact_is_in_the_blank_model_table():
+    from command_tree import commands
+
+    taking = {" ".join(path) for path, command in commands(main) if any(p.name == "facts" for p in command.params)}
+    assert taking == set(BLANK_MODEL_FACT)
+
+
+@pytest.mark.parametrize("fact", ["model.id=", "model.id= ", "model.config="])
+@pytest.mark.parametrize("case", list(BLANK_MODEL_FACT))
+def test_a_blank_model_fact_is_a_usage_error_as_a_blank_model_is(tmp_path, case, fact):
+    """`--model ""` was refused (a bundle keyed by a blank model reaches no pod naming its model), yet
+    `--fact model.id=` (a variable expanded to nothing) was taken: fingerprint printed a key for it and
+    publish stored a bundle under it. Every command that takes --fact refuses it now."""
+    write_tree(tmp_path, {"src/inductor/a": b"kernel", "short.key": b"x"})
+    args = [a.format(tmp=tmp_path) for a in BLANK_MODEL_FACT[case]]
+    result = run(*args, "--fact", fact, code=ExitCode.USAGE)
+    name = fact.partition("=")[0]
+    assert f"--fact {name}" in result.stderr and "blank" in result.stderr, result.stderr
+    assert run("ls", "--json").stdout.strip() == "[]"  # nothing published
+
+
+def test_restore_with_a_blank_model_fact_still_starts_cold_without_strict(tmp_path):
+    result = run("restore", "--into", tmp_path / "root", "--fact", "model.id=", "--json")
+    doc = strict_json(result.stdout)
+    assert doc["status"] == "error" and "blank" in doc["error"] and (tmp_path / "root" / "kcache.env").is_file()
