@@ -271,7 +271,10 @@ class KcacheGroup(click.Group):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         ctx.meta.setdefault("kcache.argv", list(args))  # --json, for errors raised before it is parsed
-        return super().parse_args(ctx, args)
+        try:  # `kcache --help` and `--version` print here, before any command is invoked
+            return super().parse_args(ctx, args)
+        except BrokenPipeError:  # click's own answer to it is exit 1
+            raise _reader_gone() from None
 
     def invoke(self, ctx: click.Context):
         try:
@@ -286,8 +289,7 @@ class KcacheGroup(click.Group):
             click.echo("kcache: interrupted", err=True)
             raise click.exceptions.Exit(code) from None
         except BrokenPipeError:  # `kcache stats | head`: the reader has what it wanted; no bug to report
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail again
-            raise click.exceptions.Exit(ExitCode.BROKEN_PIPE) from None
+            raise _reader_gone() from None
         except click.ClickException as exc:  # a usage error: click prints it, unless --json asks for JSON
             if not wants_json(ctx):
                 raise
@@ -299,6 +301,12 @@ class KcacheGroup(click.Group):
             if debugging():
                 raise
             raise report(exc, wants_json(ctx)) from None
+
+
+def _reader_gone() -> click.exceptions.Exit:
+    """Exit 141, as shells report SIGPIPE, once stdout's reader closed it."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail again
+    return click.exceptions.Exit(ExitCode.BROKEN_PIPE)
 
 
 def _signal_name(signum: int) -> str:

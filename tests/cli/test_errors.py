@@ -277,9 +277,7 @@ def test_a_full_root_is_told_to_make_room_not_to_pick_another_directory(tmp_path
     assert "room" in hint and "--into" not in hint
 
 
-def test_output_cut_off_by_its_reader_is_no_bug(tmp_path):
-    """`kcache stats | head -c1`: the write after the reader left raised BrokenPipeError, reported as a
-    bug (exit 70). Exit 141, as shells report SIGPIPE, and nothing on stderr but what the command said."""
+def _closed_stdout(tmp_path, *args):
     import subprocess
     import sys
 
@@ -287,12 +285,26 @@ def test_output_cut_off_by_its_reader_is_no_bug(tmp_path):
     os.close(read)  # the reader is gone before the first byte
     try:
         env = {**os.environ, "KCACHE_HOME": str(tmp_path)}
-        done = subprocess.run([sys.executable, "-m", "kcache", "config", "--json"], stdout=write,
-                              stderr=subprocess.PIPE, env=env, timeout=120)  # fmt: skip
+        return subprocess.run([sys.executable, "-m", "kcache", *args], stdout=write, stderr=subprocess.PIPE,
+                              env=env, timeout=120)  # fmt: skip
     finally:
         os.close(write)
+
+
+def test_output_cut_off_by_its_reader_is_no_bug(tmp_path):
+    """`kcache stats | head -c1`: the write after the reader left raised BrokenPipeError, reported as a
+    bug (exit 70). Exit 141, as shells report SIGPIPE, and nothing on stderr but what the command said."""
+    done = _closed_stdout(tmp_path, "config", "--json")
     assert done.returncode == ExitCode.BROKEN_PIPE == 141, done.stderr
     assert b"bug" not in done.stderr and b"Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("args", [["--help"], ["-h"], ["--version"], ["gc", "--help"], ["db", "--help"]])
+def test_help_and_version_cut_off_by_their_reader_exit_as_every_command_does(tmp_path, args):
+    """`kcache --help | head -0` exited 1 (click's own answer to EPIPE, printed before any command ran),
+    where `kcache gc --help | head -0` exited 141 as README's table says."""
+    done = _closed_stdout(tmp_path, *args)
+    assert (done.returncode, done.stderr) == (ExitCode.BROKEN_PIPE, b"")
 
 
 def test_ls_of_a_row_with_text_for_its_size_is_an_index_error(tmp_path):
