@@ -1,4 +1,4 @@
-"""Durations on the command line: `90s`, `30m`, `12h`, `7d`, `2w`, or combinations like `1d12h`."""
+"""Durations on the command line: `250ms`, `90s`, `30m`, `12h`, `7d`, `2w`, or combinations like `1d12h`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from datetime import timedelta
 
 from kcache.errors import ConfigError
 
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_PART = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|[smhdw])")  # ms before m: `5ms` is not 5 minutes and an `s`
 _BARE = re.compile(r"\d+(?:\.\d+)?")
 # The longest duration kcache takes. Every use adds one to or subtracts one from now (a --since window, a
 # ref's expiry, gc's cutoff) or sleeps on it: a century keeps all of them inside datetime's years 1..9999

@@ -355,12 +355,19 @@ class _Parsed(click.ParamType):
 
 
 class Duration(_Parsed):
-    """`90`, `90s`, `10m`, `1h` -> seconds (kcache.durations' rules; a bare number is seconds)."""
+    """`90`, `90s`, `10m`, `1h` -> seconds (kcache.durations' rules; a bare number is seconds), at least
+    `at_least` seconds."""
 
     name, example = "duration", "e.g. 30s, 10m or 1h"
 
+    def __init__(self, at_least: float = 0.0):
+        self.at_least = at_least
+
     def parse(self, text: str, flag: str) -> float:
-        return durations.parse(text, flag, bare_seconds=True, positive=True).total_seconds()
+        seconds = durations.parse(text, flag, bare_seconds=True, positive=True).total_seconds()
+        if seconds < self.at_least:
+            raise ConfigError(flag, text, f"is shorter than {self.at_least * 1000:g}ms")
+        return seconds
 
 
 class Wait(Duration):

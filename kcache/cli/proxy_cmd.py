@@ -11,8 +11,8 @@ import click
 from kcache.cli import format as fmt
 from kcache.cli.options import (
     Duration,
-    FiniteFloat,
     NonEmptyPath,
+    Wait,
     compute_fingerprint,
     fingerprint_options,
     json_option,
@@ -106,18 +106,18 @@ METRICS_PORT = 9401  # next to the kcache watch/serve sidecar's 9400 in the same
 )
 @click.option(
     "--redis-timeout",
-    type=FiniteFloat(0.001),
-    default=0.25,
+    type=Duration(at_least=0.001),
+    default="250ms",
     show_default=True,
-    metavar="SECONDS",
+    metavar="DURATION",
     help="The most a request waits on Redis before it is forwarded uncached (event-loop queueing counts).",
 )
 @click.option(
     "--redis-retry-after",
-    type=FiniteFloat(0),
-    default=2.0,
+    type=Wait(),
+    default="2s",
     show_default=True,
-    metavar="SECONDS",
+    metavar="DURATION",
     help="After a Redis failure, skip Redis this long (a dead Redis then costs one timeout, not one each).",
 )
 @click.option("--key-prefix", default="kcache:proxy:", show_default=True, help="Prefix of every Redis key.")

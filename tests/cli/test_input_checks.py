@@ -710,3 +710,30 @@ def test_restore_with_a_blank_model_fact_still_starts_cold_without_strict(tmp_pa
     result = run("restore", "--into", tmp_path / "root", "--fact", "model.id=", "--json")
     doc = strict_json(result.stdout)
     assert doc["status"] == "error" and "blank" in doc["error"] and (tmp_path / "root" / "kcache.env").is_file()
+
+
+def test_proxy_redis_times_take_durations_like_every_other_time_option():
+    """--redis-timeout and --redis-retry-after took bare seconds only: `--redis-timeout 250ms` (its
+    default, as docs/proxy.md writes it) and `1s` were "not a valid float"."""
+    command = main.commands["proxy"]
+    base = ["--upstream", "http://127.0.0.1:9", "--redis", "redis://127.0.0.1:9", "--port", "0"]
+
+    def parsed(*args):
+        params = command.make_context("proxy", [*base, *args]).params
+        return params["redis_timeout"], params["redis_retry_after"]
+
+    assert parsed() == (0.25, 2.0)
+    assert parsed("--redis-timeout", "250ms", "--redis-retry-after", "2m") == (0.25, 120.0)
+    assert parsed("--redis-timeout", "1s", "--redis-retry-after", "1m30s") == (1.0, 90.0)
+    assert parsed("--redis-timeout", "0.5", "--redis-retry-after", "0") == (0.5, 0.0)  # seconds, as before
+    for flag, value in (("--redis-timeout", "0"), ("--redis-timeout", "0.5ms"), ("--redis-retry-after", "soon")):
+        result = run("proxy", *base, "--model", "m", flag, value, code=ExitCode.USAGE)
+        assert flag in result.stderr
+
+
+def test_milliseconds_are_a_duration_unit():
+    assert durations.parse("500ms", "--x").total_seconds() == 0.5
+    assert durations.parse("1m500ms", "--x").total_seconds() == 60.5
+    assert durations.parse("5m", "--x").total_seconds() == 300  # m is still minutes
+    with pytest.raises(ConfigError):
+        durations.parse("5sm", "--x")
