@@ -162,6 +162,25 @@ def test_headers_the_engine_names_in_connection_are_neither_passed_on_nor_stored
         assert {name.lower() for name, _ in stored.headers} == {"content-type", "x-kept"}
 
 
+# vLLM and SGLang mount their Prometheus app at ^/metrics(.*)$: each of these paths reaches it once the engine
+# has decoded it (uvicorn percent-decodes) or the proxy's client has normalised it (dot segments).
+ENGINE_METRICS = ["/metrics/", "/metricsx", "/metrics/anything?name[]=vllm:prefix_cache_hits", "/metrics%2F",
+                  "/%6detrics/", "/v1/../metrics/", "/v1/%2e%2e/metrics", "//metrics"]  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_no_path_the_engine_reads_as_its_metrics_is_forwarded(prefix, method):
+    # Only the exact path /metrics was kept from the engine: GET /metrics/ on the clients' port answered with
+    # vLLM's prefix-cache hit counters, which tell any client whether another tenant had sent a prompt.
+    with HostileServer({}) as eng, RunningProxy(config(eng.url, prefix)) as proxy:
+        for path in ENGINE_METRICS:
+            status, headers, body = send(proxy.port, method, path, b"", [])
+            assert (status, headers["x-kcache-cache"]) == (404, "pass"), path
+            assert "the proxy's metrics port" in json.loads(body)["error"]["message"], path
+        assert eng.requests == []
+        assert send(proxy.port, method, "/v1/models", b"", [])[0] in (200, 404) and len(eng.requests) == 1
+
+
 def test_queries_that_decode_alike_are_not_one_answer(proxy, engine):
     replies = [proxy.post(f"{CHAT}?x={q}", ASK) for q in ("%ff", "%fe", "%EF%BF%BD")]
     assert [r.headers["x-kcache-cache"] for r in replies] == ["miss"] * 3

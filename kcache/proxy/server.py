@@ -2,7 +2,7 @@
 
     the client port:
     POST /v1/completions, /v1/chat/completions   cache lookup (kcache.proxy.key), else forwarded
-    /metrics                                     404, neither the proxy's nor the engine's (see below)
+    /metrics, /metrics/...                       404, neither the proxy's nor the engine's (see below)
     anything else                                forwarded untouched, streamed both ways
     the metrics port:
     GET  /metrics                                the proxy's own counters (kcache.proxy.stats)
@@ -39,10 +39,12 @@ import logging
 import secrets
 import socket
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from functools import partial
 
 import aiohttp
+import yarl
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -122,7 +124,6 @@ class Proxy:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
         )  # fmt: skip
         app = web.Application(client_max_size=cfg.max_request_bytes)
-        app.router.add_route("*", "/metrics", _metrics_elsewhere)
         app.router.add_route("*", "/{tail:.*}", self._any)
         # auto_decompress off: a Content-Encoding body is forwarded as sent, never inflated (a bomb stays small).
         # handler_cancellation: a client that hangs up cancels its handler, which closes the engine's connection:
@@ -177,6 +178,8 @@ class Proxy:
         return web.Response(body=self.stats.render().encode(), headers={"Content-Type": metrics.CONTENT_TYPE})
 
     async def _any(self, request: web.Request) -> web.StreamResponse:
+        if _engine_metrics(request):
+            return await _metrics_elsewhere(request)
         started = time.perf_counter()
         if request.method == "POST" and request.path in key.CACHED_PATHS:
             return await self._completion(request, started)
@@ -385,6 +388,16 @@ def _answer(headers: tuple[tuple[str, str], ...], outcome: str) -> CIMultiDict:
     out = CIMultiDict(headers)
     out[CACHE_HEADER] = outcome
     return out
+
+
+def _engine_metrics(request: web.Request) -> bool:
+    """Whether the engine may read this path as its /metrics. vLLM and SGLang mount their Prometheus app at
+    ^/metrics(.*)$, so /metrics/, /metricsX and /metrics/x are its counters too, and the path is matched
+    as the engine reads it: percent-decoded (uvicorn), after the proxy's client has resolved its dot
+    segments (/v1/../metrics/); leading slashes are ignored (some servers collapse them)."""
+    forwarded = yarl.URL("http://engine" + request.rel_url.raw_path).raw_path  # what self.session sends
+    forms = (request.path, urllib.parse.unquote(request.rel_url.raw_path), urllib.parse.unquote(forwarded))
+    return any(form.lstrip("/").startswith("metrics") for form in forms)
 
 
 async def _metrics_elsewhere(_request: web.Request) -> web.Response:
