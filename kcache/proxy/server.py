@@ -222,6 +222,10 @@ class Proxy:
             seen = await asyncio.to_thread(measure) if len(raw) > _INLINE_BYTES else measure()
             self.stats.prompt_bytes += seen.total
             self.stats.prompt_seen_bytes += seen.seen
+            del measure
+        # The parsed body can be ~30 times the raw one, and the engine may take minutes: forwarding needs the
+        # raw bytes only, so the parsed ones go now, not when the answer is done.
+        del decision
         slot = _Slot(cache_key, mac_key) if cache_key is not None else None
         return await self._forward(request, raw, started, outcome, slot)
 
