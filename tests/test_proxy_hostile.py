@@ -4,6 +4,7 @@ Real Redis on 127.0.0.1:6379, real HTTP: tests/engine_server.py as the engine, o
 (tests/hostile_http.py) where the engine must do what no server library would.
 """
 
+import asyncio
 import gc
 import gzip
 import hashlib
@@ -554,7 +555,17 @@ def test_a_fault_while_storing_still_ends_the_clients_answer(proxy, monkeypatch)
     assert proxy.metric("kcache_proxy_not_stored_total", reason="error") == 1
 
 
-MARKER = "kcache_test_parsed_body_marker"
+def _parsed_bodies(marker: str) -> int:
+    """How many dicts in this process hold `marker`, garbage aside: parsed request bodies that are still held."""
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, dict) and marker in o)
+
+
+def _marked(content: int) -> tuple[str, bytes]:
+    """A marker of its own and a chat body that carries it, built as bytes: no parsed copy in this process."""
+    marker = f"kcache-test-marker-{uuid.uuid4().hex}"
+    return marker, (b'{"%s": 1, "model": "m", "temperature": 0, "messages": [{"role": "user", "content": "%s"}]}'
+                    % (marker.encode(), b"x" * content))  # fmt: skip
 
 
 def _held_at_the_engine(arrived: threading.Semaphore, gate: threading.Event):
@@ -572,16 +583,43 @@ def test_a_parsed_request_body_is_not_held_while_the_engine_answers(prefix, cont
     # clients waiting on the engine with 4 MiB bodies held 1066 MiB in the proxy, past the example sidecar's
     # 1Gi limit, where docs/proxy.md promises one parse at a time. Only the raw bytes are needed to forward.
     arrived, gate = threading.Semaphore(0), threading.Event()
-    raw = (b'{"%s": 1, "model": "m", "temperature": 0, "messages": [{"role": "user", "content": "%s"}]}'
-           % (MARKER.encode(), b"x" * content))  # fmt: skip (built as bytes: no parsed copy in this process)
+    marker, raw = _marked(content)
     with HostileServer({f"POST {CHAT}": _held_at_the_engine(arrived, gate)}) as eng, \
             RunningProxy(config(eng.url, prefix)) as proxy:  # fmt: skip
         asker = threading.Thread(target=send, args=(proxy.port, "POST", CHAT, raw, []), daemon=True)
         asker.start()
         try:
             assert arrived.acquire(timeout=30)  # the request waits on the engine now
-            held = [o for o in gc.get_objects() if isinstance(o, dict) and MARKER in o]
+            held = _parsed_bodies(marker)
         finally:
             gate.set()
             asker.join(60)
-        assert len(held) == 0, "the parsed body is held while the engine answers"
+        assert held == 0, "the parsed body is held while the engine answers"
+
+
+@pytest.mark.parametrize("content", [1, 300 * 1024], ids=["inline", "on-a-worker-thread"])
+def test_a_parsed_request_body_is_gone_before_the_cache_is_asked(engine, prefix, content):
+    # Bodies over 256 KiB are parsed one at a time, but the parsed body outlived its turn: it was kept through
+    # the Redis lookup and the prefix measurement after it, while the next body was parsed: ten clients with
+    # 4 MiB bodies peaked the proxy at 362 MiB, 220 MiB with only the prompt's chain of hashes kept.
+    entered, release = threading.Event(), threading.Event()
+    marker, raw = _marked(content)
+    with RunningProxy(config(engine.url, prefix)) as proxy:
+        lookup = proxy.proxy.cache.get
+
+        async def held(*args):
+            entered.set()
+            await asyncio.to_thread(release.wait, 60)
+            return await lookup(*args)
+
+        proxy.proxy.cache.get = held
+        asker = threading.Thread(target=send, args=(proxy.port, "POST", CHAT, raw, []), daemon=True)
+        asker.start()
+        try:
+            assert entered.wait(30)
+            held = _parsed_bodies(marker)
+        finally:
+            release.set()
+            asker.join(60)
+        assert held == 0, "the parsed body is held while the cache is asked"
+        assert proxy.metric("kcache_proxy_prompt_bytes_total") > content  # measured all the same

@@ -53,6 +53,20 @@ def segments(path: str, body: Mapping[str, Any]) -> list[bytes]:
     return []  # a batch of prompts: each would need its own chain; not measured
 
 
+def chain(fingerprint: str, path: str, body: Mapping[str, Any]) -> tuple[tuple[int, bytes], ...]:
+    """Each measured segment's size and chained hash: all PrefixMemory needs of a prompt, so that the parsed
+    body (up to ~30 times its raw size) need not be kept until the prompt is measured."""
+    root = {"fingerprint": fingerprint, "model": body.get("model"), "path": path}
+    if path.endswith("/chat/completions"):
+        root["tools"] = body.get("tools")
+    digest = hashlib.sha256(canonical.dumps(root)).digest()
+    links = []
+    for part in segments(path, body):
+        digest = hashlib.sha256(digest + part).digest()
+        links.append((len(part), digest))
+    return tuple(links)
+
+
 class PrefixMemory:
     """Chained prefix hashes of the prompts forwarded to the engine, the `capacity` most recent kept."""
 
@@ -63,22 +77,17 @@ class PrefixMemory:
 
     def observe(self, fingerprint: str, path: str, body: Mapping[str, Any]) -> Seen:
         """Measure this prompt against what was seen, then remember it."""
-        parts = segments(path, body)
-        root = {"fingerprint": fingerprint, "model": body.get("model"), "path": path}
-        if path.endswith("/chat/completions"):
-            root["tools"] = body.get("tools")
-        chain = hashlib.sha256(canonical.dumps(root)).digest()
-        chains = []
-        for part in parts:
-            chain = hashlib.sha256(chain + part).digest()
-            chains.append(chain)
+        return self.see(chain(fingerprint, path, body))
+
+    def see(self, links: tuple[tuple[int, bytes], ...]) -> Seen:
+        """observe() of the prompt whose chain() this is."""
         total = seen = 0
         with self._lock:
-            for part, chain in zip(parts, chains):
-                total += len(part)
-                if chain in self._hashes:
+            for size, digest in links:
+                total += size
+                if digest in self._hashes:
                     seen = total
-                self._remember(chain)
+                self._remember(digest)
         return Seen(total, seen)
 
     def _remember(self, digest: bytes) -> None:

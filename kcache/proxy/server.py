@@ -40,7 +40,7 @@ import secrets
 import socket
 import time
 import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import aiohttp
@@ -52,7 +52,7 @@ from kcache import metrics
 from kcache.config import redact_text, redact_url
 from kcache.errors import ConfigError
 from kcache.proxy import entry as entries
-from kcache.proxy import key, sse
+from kcache.proxy import key, prefix, sse
 from kcache.proxy.cache import CacheUnavailable, ResultCache
 from kcache.proxy.prefix import PrefixMemory
 from kcache.proxy.stats import Stats
@@ -196,13 +196,12 @@ class Proxy:
         # Parsing and keying up to max_request_bytes is a fraction of a second of CPU: a large body goes
         # to a worker thread, so the loop can go on with the Python parts of other requests in between.
         # A small one, nearly every request, is judged here: a thread hop costs more.
-        judge = partial(key.decide, request.path, query, request.headers, raw, cfg.fingerprint or "", off=self.off,
-                        cache_sampled=cfg.cache_sampled, tenant_headers=self.tenant_headers)  # fmt: skip
+        judge = partial(self._judge, request.path, query, request.headers, raw)
         if len(raw) > _INLINE_BYTES:
             async with self._judging:
-                decision = await asyncio.to_thread(judge)
+                decision, links = await asyncio.to_thread(judge)
         else:
-            decision = judge()
+            decision, links = judge()
         cache_key, reason = decision.key, decision.reason
         mac_key = entries.tenant_key(self._secret, decision.credentials) if cache_key is not None else b""
         if cache_key is not None:
@@ -217,17 +216,24 @@ class Proxy:
             self.stats.bypasses[reason] += 1
         outcome = "bypass" if cache_key is None else "miss"
         self.stats.requests[outcome] += 1
-        if decision.body is not None:
-            measure = partial(self.prefixes.observe, cfg.fingerprint or "", request.path, decision.body)
-            seen = await asyncio.to_thread(measure) if len(raw) > _INLINE_BYTES else measure()
+        if links is not None:
+            see = partial(self.prefixes.see, links)
+            seen = await asyncio.to_thread(see) if len(raw) > _INLINE_BYTES else see()
             self.stats.prompt_bytes += seen.total
             self.stats.prompt_seen_bytes += seen.seen
-            del measure
-        # The parsed body can be ~30 times the raw one, and the engine may take minutes: forwarding needs the
-        # raw bytes only, so the parsed ones go now, not when the answer is done.
-        del decision
         slot = _Slot(cache_key, mac_key) if cache_key is not None else None
         return await self._forward(request, raw, started, outcome, slot)
+
+    def _judge(self, path: str, query, headers, raw: bytes) -> tuple[key.Decision, tuple | None]:
+        """The request's Decision, without its parsed body, and the chain of its prompt (prefix.chain; None when
+        it has none). The parsed body, up to ~30 times the raw one, ends here: within the turn of the one large
+        body parsed at a time, not after the Redis lookup, the measurement or the engine's answer."""
+        cfg = self.config
+        decision = key.decide(path, query, headers, raw, cfg.fingerprint or "", off=self.off,
+                              cache_sampled=cfg.cache_sampled, tenant_headers=self.tenant_headers)  # fmt: skip
+        if decision.body is None:
+            return decision, None
+        return replace(decision, body=None), prefix.chain(cfg.fingerprint or "", path, decision.body)
 
     async def _too_large(self, request: web.Request, head: bytes, started: float) -> web.StreamResponse:
         """A body over max_request_bytes: forwarded as it arrives (what was read, then the rest), never parsed."""
