@@ -623,3 +623,37 @@ def test_a_parsed_request_body_is_gone_before_the_cache_is_asked(engine, prefix,
             asker.join(60)
         assert held == 0, "the parsed body is held while the cache is asked"
         assert proxy.metric("kcache_proxy_prompt_bytes_total") > content  # measured all the same
+
+
+def test_a_client_that_leaves_mid_parse_keeps_the_next_large_body_waiting_its_turn(proxy, monkeypatch):
+    # Large bodies are parsed one at a time, but a client that hung up ended its turn while its parse ran on in
+    # the worker thread: the next body was parsed beside it. Clients that sent 4 MiB bodies and left one after
+    # another peaked the proxy at 383 MiB on 2 cores, 178 MiB once the turn lasts as long as the parse (the
+    # executor has 20 threads on a 16-core node: up to 20 parses of ~100 MiB at once).
+    first_in, release, second_in = threading.Event(), threading.Event(), threading.Event()
+    judge = key.decide
+
+    def held(*args, **kwargs):
+        if not first_in.is_set():
+            first_in.set()
+            release.wait(60)
+        else:
+            second_in.set()
+        return judge(*args, **kwargs)
+
+    monkeypatch.setattr(key, "decide", held)
+    large = json.dumps({**ASK, "messages": [{"role": "user", "content": "x" * (300 * 1024)}]}).encode()
+    leaving = socket.create_connection(("127.0.0.1", proxy.port))
+    leaving.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                    % (CHAT.encode(), len(large)) + large)  # fmt: skip
+    try:
+        assert first_in.wait(30)
+        leaving.close()  # its parse is still running
+        asker = threading.Thread(target=send, args=(proxy.port, "POST", CHAT, large, []), daemon=True)
+        asker.start()
+        parsed_beside = second_in.wait(3)  # must not happen: the first parse has not ended
+    finally:
+        release.set()
+    asker.join(60)
+    assert not parsed_beside, "a second large body was parsed while the first one's parse ran on"
+    assert second_in.is_set()  # and it had its turn once the first was done

@@ -198,8 +198,7 @@ class Proxy:
         # A small one, nearly every request, is judged here: a thread hop costs more.
         judge = partial(self._judge, request.path, query, request.headers, raw)
         if len(raw) > _INLINE_BYTES:
-            async with self._judging:
-                decision, links = await asyncio.to_thread(judge)
+            decision, links = await self._judged(judge)
         else:
             decision, links = judge()
         cache_key, reason = decision.key, decision.reason
@@ -223,6 +222,19 @@ class Proxy:
             self.stats.prompt_seen_bytes += seen.seen
         slot = _Slot(cache_key, mac_key) if cache_key is not None else None
         return await self._forward(request, raw, started, outcome, slot)
+
+    async def _judged(self, judge):
+        """judge() on a worker thread, one at a time. The turn ends when the thread is done, not when the
+        client leaves: a client that hung up mid-parse had let the next body be parsed beside its own."""
+        await self._judging.acquire()
+        job = asyncio.ensure_future(asyncio.to_thread(judge))
+        job.add_done_callback(self._judged_done)
+        return await asyncio.shield(job)  # cancelled (the client left): the thread and its turn run on
+
+    def _judged_done(self, job: asyncio.Future) -> None:
+        self._judging.release()
+        if not job.cancelled():
+            job.exception()  # retrieved: the handler that awaits it raises it, and one that was cancelled is gone
 
     def _judge(self, path: str, query, headers, raw: bytes) -> tuple[key.Decision, tuple | None]:
         """The request's Decision, without its parsed body, and the chain of its prompt (prefix.chain; None when
