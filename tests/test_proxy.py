@@ -399,6 +399,31 @@ def test_after_a_failure_redis_is_skipped_for_a_while(engine, prefix, tmp_path):
         private.close()
 
 
+def test_a_full_redis_still_answers_what_it_holds(engine, prefix, tmp_path):
+    """Redis at maxmemory under noeviction (its default policy; or volatile-* with a writer's keys that never
+    expire) refuses writes, and refused the lookup too: Redis queues no command inside MULTI when it is over
+    maxmemory. Every lookup counted as Redis failing, and after three the cache was skipped: not one of the
+    answers it held was served. The refused writes alone tripped the same back-off."""
+    private = PrivateRedis(tmp_path)
+    try:
+        with RunningProxy(config(engine.url, prefix, redis_url=private.url, retry_after=3600)) as proxy:
+            assert [proxy.post(CHAT, ASK).headers["x-kcache-cache"] for _ in range(2)] == ["miss", "hit"]
+            client = redis.Redis(port=private.port)
+            client.config_set("maxmemory-policy", "noeviction")
+            client.config_set("maxmemory", 1)  # full
+            with pytest.raises(redis.exceptions.OutOfMemoryError):
+                client.set(prefix + "probe", b"x")
+            answers = []
+            for i in range(FAILURES_TO_SKIP + 1):
+                answers.append(proxy.post(CHAT, {**ASK, "max_tokens": 10 + i}).headers["x-kcache-cache"])
+                answers.append(proxy.post(CHAT, ASK).headers["x-kcache-cache"])
+            assert answers == ["miss", "hit"] * (FAILURES_TO_SKIP + 1)
+            assert proxy.metric("kcache_proxy_not_stored_total", reason="redis") == FAILURES_TO_SKIP + 1
+            assert proxy.metric("kcache_proxy_redis_up") == 1
+    finally:
+        private.close()
+
+
 def test_the_cli_serves_with_the_fingerprint_of_the_restore_root(engine, prefix, tmp_path):
     write_marker(tmp_path, RESTORE_MARKER, {"status": "miss", "bundle_key": FP})
     args = ["proxy", "--root", str(tmp_path), "--upstream", engine.url, "--redis", REDIS_URL, "--port", "0",

@@ -9,16 +9,21 @@ hit; a pipelined STRLEN + GET would still carry the whole value.) GETRANGE answe
 absent key, and no entry is empty, so "" is a plain miss. A value of another type (a list, a hash)
 answers WRONGTYPE: Redis is up and the key holds no entry, so it is a bad entry like any other,
 and the next answer's SET replaces it, not a failure that would switch the cache off for everyone.
-The value's PTTL comes in the same MULTI: one without an expiry (-1) or with a longer one than
+The value's PTTL comes in the same pipeline: one without an expiry (-1) or with a longer one than
 this proxy gives (--ttl) was not written as this proxy writes, and would outlive what the operator
 chose, so it is a bad entry too (the tag, kcache.proxy.entry, cannot cover what Redis keeps apart).
+Not a MULTI: Redis over maxmemory queues no command in one, so a full Redis (noeviction) refused
+every lookup; the two need not be atomic, as a PTTL that belongs to a newer value can only pass a
+value whose tagged expiry (what bounds its life) still holds.
 
 Every call is bounded by `timeout` (asyncio's, on top of the socket timeouts), and redis-py's own
 retries are off, so a dead or stopped Redis costs a request at most one timeout. After
 FAILURES_TO_SKIP failures in a row the cache is skipped for `retry_after` seconds: a black-holed
 Redis would otherwise add the timeout to every request, while one slow reply in a burst (a busy
-event loop counts against the timeout too) should not turn the cache off. Failures never raise
-past this module except as CacheUnavailable, which the server turns into a pass-through.
+event loop counts against the timeout too) should not turn the cache off. An error reply (OOM when
+Redis is full, READONLY from a replica) is no such failure: Redis answered, in one round trip, and
+the next lookup may well be served, so it never starts the skipping. Failures never raise past this
+module except as CacheUnavailable, which the server turns into a pass-through.
 """
 
 from __future__ import annotations
@@ -72,14 +77,14 @@ class ResultCache:
         """The entry for `key`, tagged under `mac_key` (entry.tenant_key); None when absent or not one
         of ours (a miss, overwritten by the next answer). Raises CacheUnavailable."""
         try:
-            pipe = self._redis.pipeline(transaction=True)
+            pipe = self._redis.pipeline(transaction=False)  # one round trip; not MULTI (see the module docstring)
             pipe.getrange(self.name(key), 0, self.max_bytes)  # end inclusive
             pipe.pttl(self.name(key))
             raw, pttl = await self._call(pipe.execute(raise_on_error=False))
             if isinstance(raw, ResponseError) and str(raw).startswith("WRONGTYPE"):
                 raise entries.BadEntry("the key holds a value of another type")
             if isinstance(raw, Exception) or isinstance(pttl, Exception):
-                self._fail("error")
+                self._refused(raw if isinstance(raw, Exception) else pttl)
             if not raw:
                 return None
             if not 0 < pttl <= self._ttl_ms:  # -1: no expiry; -2: gone since, and then raw was ""
@@ -111,6 +116,8 @@ class ResultCache:
             result = await asyncio.wait_for(command, self.timeout)
         except (asyncio.TimeoutError, TimeoutError, RedisTimeout):
             self._fail("timeout")
+        except ResponseError as exc:
+            self._refused(exc)
         except (RedisError, OSError) as exc:
             log.debug("redis: %s", exc)
             self._fail("error")
@@ -127,6 +134,13 @@ class ResultCache:
             log.warning("Redis %s, %d times in a row; answering from upstream only for %g s", kind,
                         FAILURES_TO_SKIP, self.retry_after)  # fmt: skip
         raise CacheUnavailable(kind)
+
+    def _refused(self, exc: Exception):
+        """Redis answered with an error: up, so the failures in a row end, and nothing is skipped."""
+        log.debug("redis refused: %s", exc)
+        self.stats.redis_errors["error"] += 1
+        self._failures = 0
+        raise CacheUnavailable("refused")
 
     async def close(self) -> None:
         await self._redis.aclose()
