@@ -45,7 +45,7 @@ from kcache.errors import ConfigError, KcacheError
 from kcache.fingerprint import Fingerprint
 from kcache.profiles import Profile
 from kcache.publish import PublishConfig, PublishResult, publish
-from kcache.restore import RestoreResult, restore
+from kcache.restore import RestoreResult, restore, sigterm_interrupts
 from kcache.store import Store
 
 if TYPE_CHECKING:
@@ -102,8 +102,10 @@ class ChildWarmup:
         # The child's exit is what is waited for, not its stdout's end: a helper the user's code
         # forked (a worker pool, a daemon) inherits the pipe and would hold it open; what is left
         # of the child's session once it exits is killed, which ends the pipe.
-        with subprocess.Popen(self.command(root), env=env, stdout=subprocess.PIPE,
-                              start_new_session=True) as child:  # fmt: skip
+        # SIGTERM (`timeout`, a cancelled CI job) raises Terminated here: the signal never reaches
+        # the child's session, and dying on the spot left the warmup running for good.
+        with sigterm_interrupts(), subprocess.Popen(self.command(root), env=env, stdout=subprocess.PIPE,
+                                                    start_new_session=True) as child:  # fmt: skip
             chunks: list[bytes] = []
             # On a descriptor of its own: closing child.stdout (leaving this block) takes the
             # buffered reader's lock, which a read blocked on a helper that left the session holds.

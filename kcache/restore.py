@@ -184,7 +184,7 @@ def restore_opening(
     deadline = None if timeout is None else time.monotonic() + timeout
     root = Path(root).absolute()
     rootdir.prepare(root)
-    with rootdir.locked(root, timeout, deadline), _room_for_outcome(root), _sigterm_interrupts():
+    with rootdir.locked(root, timeout, deadline), _room_for_outcome(root), sigterm_interrupts():
         _forget_last_start(root)
         rootdir.remove_staging(root, deadline)  # what does not go in time waits for the next restore
         opened: list[Opened] = []  # filled by the worker, read here: what the error path may use
@@ -250,7 +250,7 @@ def _fail(root: Path, opened: list[Opened], computed: Callable[[], Fingerprint |
 
 
 @contextmanager
-def _sigterm_interrupts():
+def sigterm_interrupts():
     """SIGTERM raises Terminated in the main thread while the restore runs, so its error path still
     writes kcache.env and the marker (Python's default for SIGTERM ends the process on the spot).
     Only where nobody installed a handler of their own, and only from the main thread."""

@@ -42,6 +42,13 @@ def hang(batch_size, input_tokens, output_tokens):
     threading.Event().wait()  # a deadlocked model load: never returns
 
 
+def hang_after_saying_so(batch_size, input_tokens, output_tokens):
+    """Writes its pid into the FIFO the test reads (which waits for it), then hangs."""
+    with open(os.environ["KCACHE_TEST_FIFO"], "w") as fifo:
+        fifo.write(str(os.getpid()))
+    threading.Event().wait()
+
+
 # ---- helpers ------------------------------------------------------------------------------------
 
 
@@ -129,3 +136,43 @@ def test_a_daemonized_helper_holding_stdout_does_not_hold_prebake(tmp_path, chil
     finally:  # the child went on only once the helper had written its pid
         if pid_file.exists() and pid_file.read_text().strip():
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_sigterm_to_prebake_kills_its_warmup_child_too(tmp_path, child_path, monkeypatch):
+    """The child runs in a session of its own, so the signal that stops prebake (`timeout`, a CI job
+    cancelled, a Job past its deadline) never reaches it: SIGTERM ended prebake on the spot and left
+    the warmup running, on the GPU, for ever. Now the child's group is killed and --json says why."""
+    import signal
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "pid.fifo"
+    os.mkfifo(fifo)
+    monkeypatch.setenv("KCACHE_TEST_FIFO", str(fifo))
+    prebake = subprocess.Popen([sys.executable, "-m", "kcache", "prebake", "--root", str(tmp_path / "A"),
+                                "--entrypoint", "test_prebake:hang_after_saying_so", "--profiles", str(child_path),
+                                "--model", "m", "--json"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    child = None
+    try:
+        said: list[str] = []
+        reader = threading.Thread(target=lambda: said.append(fifo.read_text()), daemon=True)
+        reader.start()  # its open() returns once the child opened the FIFO to write
+        reader.join(120)
+        if not said:  # the child never came: unblock the reader and fail
+            fifo.write_text("")
+        assert said and said[0], "the warmup child never started"
+        child = int(said[0])
+        prebake.send_signal(signal.SIGTERM)
+        out, _ = prebake.communicate(timeout=60)
+        assert prebake.returncode == ExitCode.TERMINATED
+        assert json.loads(out)["exit_code"] == ExitCode.TERMINATED
+        with pytest.raises(ProcessLookupError):  # reaped by prebake: no such process any more
+            os.kill(child, 0)
+    finally:
+        prebake.kill()
+        prebake.wait()
+        if child is not None:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
