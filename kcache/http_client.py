@@ -92,10 +92,14 @@ def _ip_literal(host: str) -> bool:
     return True
 
 
-def request(method: str, url: str, *, timeout: float, max_body: int, body: bytes | None = None,
+def request(method: str, url: str, *, timeout: float, max_body: int, body: bytes | tuple[bytes, ...] | None = None,
             headers: Mapping[str, str] | None = None) -> Response:  # fmt: skip
-    """Send one request; the answer's status may be anything (the caller judges it)."""
+    """Send one request; the answer's status may be anything (the caller judges it). A `body` in
+    pieces is sent one after the other, with its whole length (callers share a large piece)."""
     parts = parse(url)
+    headers = dict(headers or {})
+    if isinstance(body, tuple):  # http.client would send pieces chunked, which not every server takes
+        headers.setdefault("Content-Length", str(sum(len(piece) for piece in body)))
     deadline = time.monotonic() + timeout
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     conn = kind(parts.hostname, parts.port, timeout=timeout)
@@ -110,7 +114,7 @@ def request(method: str, url: str, *, timeout: float, max_body: int, body: bytes
     watchdog.start()
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     try:
-        conn.request(method, target, body=body, headers=dict(headers or {}))
+        conn.request(method, target, body=body, headers=headers)
         answer = conn.getresponse()
         data = _read_capped(answer, max_body, url, deadline)
         return Response(
