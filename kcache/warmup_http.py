@@ -20,7 +20,9 @@ import math
 import random
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 from kcache import http_client
@@ -72,7 +74,8 @@ MAX_MODELS_ANSWER = 1024 * 1024
 MAX_COMPLETION_ANSWER = 8 * 1024 * 1024  # one answer, however many tokens it has
 # A batch of B holds B answers at once, and the sidecar has 1 GiB: each answer may hold the JSON
 # around its text and ANSWER_PER_TOKEN bytes per token asked for (a token is a few bytes of text,
-# JSON escapes a character to at most six), and a batch's answers together MAX_BATCH_ANSWERS.
+# JSON escapes a character to at most six), and a batch's answers together MAX_BATCH_ANSWERS, which
+# is also what the batches and singles that --parallel runs at once may hold in all (_room_for).
 ANSWER_BASE = 64 * 1024
 ANSWER_PER_TOKEN = 256
 MAX_BATCH_ANSWERS = 256 * 1024 * 1024
@@ -102,6 +105,8 @@ class HttpTarget:
         self._deadline: float | None = None
         self._nonce = 0
         self._lock = threading.Lock()
+        self._room = threading.Condition()
+        self._held = 0  # bytes of answers the runs under way may hold: MAX_BATCH_ANSWERS in all
 
     def prepare(self) -> None:
         now = time.monotonic()
@@ -149,6 +154,10 @@ class HttpTarget:
     def __call__(self, profile: Profile) -> None:
         with self._lock:
             first, self._nonce = self._nonce, self._nonce + profile.batch_size
+        with self._room_for(min(MAX_BATCH_ANSWERS, answer_limit(profile) * profile.batch_size)):
+            self._run(profile, first)
+
+    def _run(self, profile: Profile, first: int) -> None:
         shared = filler(profile.input_tokens)
         if profile.batch_size == 1:
             self._complete(profile, first, shared)
@@ -179,6 +188,24 @@ class HttpTarget:
                     raise WarmupRequestError(f"{why}{tries}; no warmup budget left to retry (--budget)") from None
                 log.info("warmup request to %s failed (%s); retrying in %.1f s", self.url, why, pause)
                 time.sleep(pause)  # backoff between retries, not synchronisation
+
+    @contextmanager
+    def _room_for(self, size: int) -> Iterator[None]:
+        """Wait until the answers of the runs under way leave `size` bytes of MAX_BATCH_ANSWERS: with
+        --parallel, several batches run at once, and each may hold that much."""
+        with self._room:
+            while self._held + size > MAX_BATCH_ANSWERS:
+                left = None if self._deadline is None else self._deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise WarmupRequestError(f"the warmup budget of {self.budget:g} s is spent (--budget)")
+                self._room.wait(left)  # until a run under way ends (each ends within its deadlines)
+            self._held += size
+        try:
+            yield
+        finally:
+            with self._room:
+                self._held -= size
+                self._room.notify_all()
 
     def _time_left(self, limit: float) -> tuple[float, str]:
         """(this request's deadline in seconds, the flag that set it); raises when the budget is spent."""

@@ -113,3 +113,38 @@ def test_a_batch_of_long_prompts_holds_the_prompt_once_not_once_per_request():
     one = server.prompt_bytes[0]
     assert len(server.prompt_bytes) == batch.batch_size and one > 5 << 20
     assert peak < 3 * one, f"{peak >> 20} MiB traced for a batch of {batch.batch_size} prompts of {one >> 20} MiB"
+
+
+def test_parallel_batches_hold_at_most_the_batch_limit_of_answers_together(monkeypatch):
+    """Each batch's answers were capped at MAX_BATCH_ANSWERS, but --parallel runs several batches at
+    once: --parallel 4 let a server that holds its padded answers back to the last byte take warmup
+    to 1.9 GiB (one batch: 0.4 GiB), and --parallel goes to 64. A batch now waits for room."""
+    import threading
+
+    monkeypatch.setattr(warmup_http, "MAX_BATCH_ANSWERS", 8 << 20)  # the test's scale; the rule is the same
+    batches = [Profile(f"b{i}", 16, 8, 2048) for i in range(4)]  # each may hold the whole limit
+    per_answer = warmup_http.answer_limit(batches[0])
+    fits = warmup_http.MAX_BATCH_ANSWERS // per_answer
+    assert fits == 16
+    # A request past what fits in the limit trips the barrier; with room for one batch at a time
+    # none ever does, and the barrier's wait ends at its timeout instead.
+    past_the_limit = threading.Barrier(fits + 1, timeout=5)
+    in_flight, most, lock = [0], [0], threading.Lock()
+
+    def batcher(server, conn, request):
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        try:
+            past_the_limit.wait()
+        except threading.BrokenBarrierError:
+            pass
+        with lock:
+            in_flight[0] -= 1
+        server.send(conn, answer("200 OK", COMPLETION))
+
+    with HostileServer({"POST /v1/completions": batcher}) as server:
+        target = warmup.HttpTarget(server.url, wait_timeout=10, retries=0)
+        report = warmup.run(target, batches, parallel=len(batches))
+    assert report.status == "ok", [r.error for r in report.results]
+    assert most[0] * per_answer <= warmup_http.MAX_BATCH_ANSWERS, f"{most[0]} answers of {per_answer} B at once"
