@@ -195,6 +195,8 @@ def load_entrypoint(spec: str) -> CallableTarget:
         module = importlib.import_module(module_name)
     except (ImportError, ValueError) as exc:  # ValueError: an empty part ("a..b")
         raise ConfigError("--entrypoint", spec, f"cannot import {module_name}: {exc}") from None
+    except Exception as exc:  # the user's module failed while importing (no GPU, a syntax error): not a kcache bug
+        raise ConfigError("--entrypoint", spec, f"cannot import {module_name}: {describe(exc)}") from None
     fn: Any = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)

@@ -4,6 +4,7 @@ process, and a real HTTP server on 127.0.0.1 (tests/openai_server.py)."""
 import json
 import os
 import statistics
+import sys
 import threading
 from pathlib import Path
 
@@ -131,6 +132,23 @@ def test_bad_entrypoints_are_config_errors():
     assert "cannot import" in cli("warmup", "--entrypoint", "no_such_module_x:f", code=2).output
     assert "has no callable" in cli("warmup", "--entrypoint", "test_warmup:nothing", code=2).output
     assert "exactly one of" in cli("warmup", code=2).output
+
+
+@pytest.mark.parametrize("source, says", [
+    ("raise RuntimeError('no CUDA driver found')\n", "RuntimeError: no CUDA driver found"),
+    ("def run(:\n", "SyntaxError"),
+], ids=["raises", "syntax-error"])  # fmt: skip
+def test_an_entrypoint_module_that_fails_to_import_is_the_users_error_not_a_kcache_bug(tmp_path, monkeypatch,
+                                                                                       source, says):  # fmt: skip
+    """Only ImportError and ValueError were caught: a module that raised anything else while being
+    imported (no GPU, a syntax error) left kcache as a bug in kcache, exit 70, "please report it"."""
+    name = f"broken_entry_{tmp_path.name}"
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_entrypoint puts the current directory first
+    out = cli("warmup", "--entrypoint", f"{name}:run", "--json", code=ExitCode.USAGE)
+    doc = json.loads(out.stdout)
+    assert says in doc["error"] and f"cannot import {name}" in doc["error"] and "bug in kcache" not in doc["hint"]
 
 
 # ---- HTTP target ---------------------------------------------------------------------------------
