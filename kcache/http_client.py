@@ -113,6 +113,7 @@ def request(method: str, url: str, *, timeout: float, max_body: int, body: bytes
     watchdog.daemon = True
     watchdog.start()
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    answer: http.client.HTTPResponse | None = None
     try:
         conn.request(method, target, body=body, headers=headers)
         answer = conn.getresponse()
@@ -131,6 +132,10 @@ def request(method: str, url: str, *, timeout: float, max_body: int, body: bytes
         raise RequestFailed(url, printable(f"{type(exc).__name__}: {exc}"), transient=False) from None
     finally:
         watchdog.cancel()
+        # The answer too: one that closes the connection (no Content-Length, Connection: close) owns the
+        # socket, and a refused one would keep it open as long as anything holds the failure's traceback.
+        if answer is not None:
+            answer.close()
         conn.close()
 
 

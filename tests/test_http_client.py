@@ -2,6 +2,7 @@
 deadline that covers name resolution too. Real servers on 127.0.0.1 (and 'localhost' from /etc/hosts)."""
 
 import datetime
+import gc
 import socket
 import ssl
 import threading
@@ -189,3 +190,36 @@ def test_a_content_length_int_cannot_read_is_no_crash(declared):
     finally:
         worker.join(10)
         listener.close()
+
+
+@pytest.mark.parametrize("head", ["Content-Length: 5242880\r\n", "", "Connection: close\r\n"],
+                         ids=["declared-too-long", "grows-too-long", "connection-close"])  # fmt: skip
+def test_a_refused_answer_closes_its_connection_while_the_failure_is_still_held(head):
+    """An answer over the cap is refused; its socket must close then, not when the last reference to
+    the failure goes. A failed warmup batch holds its failures in a reference cycle (future, exception,
+    traceback, the frames' locals), and with them every refused answer's connection, and the engine's
+    handler writing into it, until the next garbage collection."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    closed = threading.Event()
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            try:  # 5 MiB is past what the socket buffers take: it ends only when the client closes
+                conn.sendall(f"HTTP/1.1 200 OK\r\n{head}\r\n".encode() + b"x" * (5 * 1024 * 1024))
+            except OSError:
+                closed.set()
+
+    worker = threading.Thread(target=answer, daemon=True)
+    worker.start()
+    gc.disable()  # a collection would free what the failure holds, and hide a connection left open
+    try:
+        with pytest.raises(http_client.RequestFailed, match="1024-byte limit") as failure:
+            http_client.request("GET", f"http://127.0.0.1:{listener.getsockname()[1]}/", timeout=30, max_body=1024)
+        assert closed.wait(10), "the refused answer's connection stayed open while its failure was held"
+        assert failure.value.__traceback__ is not None  # (held until here)
+    finally:
+        gc.enable()
+        listener.close()
+        worker.join(30)
