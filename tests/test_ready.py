@@ -155,7 +155,10 @@ def test_a_running_marker_past_its_expiry_is_a_failed_warmup(tmp_path, expires, 
     assert result.exit_code == (NOT_READY if code else 0) and says in result.output, result.output
 
 
-def test_warmup_with_a_budget_writes_running_markers_that_expire(tmp_path, monkeypatch):
+@pytest.mark.parametrize("target", ["--url", "--entrypoint"])
+def test_warmup_with_a_budget_writes_running_markers_that_expire(tmp_path, monkeypatch, target):
+    """--entrypoint too: a hung in-process entrypoint cannot be stopped, but its "running" marker must
+    not keep the pod unready for good (without an expiry it did, whatever --budget said)."""
     from datetime import datetime, timezone
 
     from kcache import warmup
@@ -164,7 +167,8 @@ def test_warmup_with_a_budget_writes_running_markers_that_expire(tmp_path, monke
     real = warmup.write_marker
     monkeypatch.setattr(warmup, "write_marker", lambda *a, **kw: seen.append(kw.get("expires_at")) or real(*a, **kw))
     with OpenAIServer() as server:
-        CliRunner().invoke(main, ["warmup", "--url", server.url, "--root", str(tmp_path), "--budget", "600"],
+        aim = [target, server.url if target == "--url" else "test_warmup:record"]
+        CliRunner().invoke(main, ["warmup", *aim, "--root", str(tmp_path), "--budget", "600"],
                            catch_exceptions=False)  # fmt: skip
     running, final = seen[:-1], seen[-1]
     assert running and all(at > datetime.now(timezone.utc) for at in running) and final is None

@@ -73,7 +73,8 @@ def target_options(fn):
                           "502-504), with backoff (--url)."),
         click.option("--budget", type=Wait(), default=0, show_default=True, metavar="DURATION",
                      help="How long the whole warmup may take, the wait included; requests and retries stop "
-                          "when it is spent (--url), or prebake kills its --entrypoint warmup process "
+                          "when it is spent (--url), or prebake kills its --entrypoint warmup process; warmup "
+                          "--entrypoint is not stopped, but readiness counts it failed from then on "
                           "(0: no limit)."),
     )  # fmt: skip
     for option in reversed(options):
@@ -127,8 +128,10 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
     """
     _check_target(entrypoint, url)
     chosen = _profiles(profiles_file)
-    # A running marker outlives a killed warmup: with a budget it expires (see readiness._lapsed).
-    expires = datetime.now(timezone.utc) + timedelta(seconds=budget) + _RUNNING_GRACE if url and budget else None
+    # A running marker outlives a killed warmup: with a budget it expires (see readiness._lapsed). An
+    # --entrypoint runs in this process and is not stopped when the budget is spent, but a hung one no
+    # longer keeps the pod unready for good: past the budget its marker counts as a failed warmup.
+    expires = datetime.now(timezone.utc) + timedelta(seconds=budget) + _RUNNING_GRACE if budget else None
     after = readiness.restore_stamp(root) if root else None  # the restore this warmup follows
     checkpoint = (lambda partial: warmup.write_marker(root, partial, on_failure, expires_at=expires,
                                                       after_restore=after)) if root else None  # fmt: skip
