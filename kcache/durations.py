@@ -10,7 +10,7 @@ from kcache.errors import ConfigError
 
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _PART = re.compile(r"(\d+(?:\.\d+)?)(ms|[smhdw])")  # ms before m: `5ms` is not 5 minutes and an `s`
-_BARE = re.compile(r"\d+(?:\.\d+)?")
+_BARE = re.compile(r"(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?")  # what float() reads: `.25`, `2.`, `1e-1` (lowercased)
 # The longest duration kcache takes. Every use adds one to or subtracts one from now (a --since window, a
 # ref's expiry, gc's cutoff) or sleeps on it: a century keeps all of them inside datetime's years 1..9999
 # and under threading's TIMEOUT_MAX, and is longer than anyone means (a longer one is a typo).

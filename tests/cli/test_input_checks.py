@@ -726,6 +726,9 @@ def test_proxy_redis_times_take_durations_like_every_other_time_option():
     assert parsed("--redis-timeout", "250ms", "--redis-retry-after", "2m") == (0.25, 120.0)
     assert parsed("--redis-timeout", "1s", "--redis-retry-after", "1m30s") == (1.0, 90.0)
     assert parsed("--redis-timeout", "0.5", "--redis-retry-after", "0") == (0.5, 0.0)  # seconds, as before
+    # and every number form they took as floats: a sidecar's `--redis-timeout .25` must not crash-loop
+    assert parsed("--redis-timeout", ".25", "--redis-retry-after", "2.") == (0.25, 2.0)
+    assert parsed("--redis-timeout", "1e-1", "--redis-retry-after", "1E1") == (0.1, 10.0)
     for flag, value in (("--redis-timeout", "0"), ("--redis-timeout", "0.5ms"), ("--redis-retry-after", "soon")):
         result = run("proxy", *base, "--model", "m", flag, value, code=ExitCode.USAGE)
         assert flag in result.stderr
