@@ -111,3 +111,5 @@ def test_a_subset_without_read_data_is_refused_not_ignored(isolated_home):
     error = json.loads(alone.stdout)
     assert "--subset" in error["error"] and "--read-data" in error["error"], error
     assert runner.invoke(main, ["verify", "--subset", "1/1", "--read-data", "--json"]).exit_code == 0
+    blank = runner.invoke(main, ["verify", "--subset", "", "--read-data", "--json"])  # a variable expanded to nothing
+    assert blank.exit_code == ExitCode.USAGE and "--subset" in json.loads(blank.stdout)["error"], blank.output

@@ -105,7 +105,7 @@ def verify_cmd(read_data, subset, jobs, trusted_keys, store_url, index_url, s3_e
 
     if subset is not None and not read_data:  # a nightly slice that reads nothing would report "ok" every night
         raise ConfigError("--subset", subset, "slices the packs --read-data reads; pass --read-data too")
-    part = parse_subset(subset or "1/1")
+    part = parse_subset("1/1" if subset is None else subset)
     trusted = load_trusted_keys(trusted_keys)
     reuse_freed_memory()  # --read-data streams every pack: see kcache.allocator
     with opened(settings(store_url, index_url, s3_endpoint_url), jobs=jobs, write=False) as (store, index):
