@@ -195,7 +195,8 @@ class BadEntry(ValueError):
 
 
 class CacheUnavailable(Exception):
-    """Redis did not answer (in time); `kind` is timeout | error | skipped (after a recent failure)."""
+    """Redis did not answer (in time), or refused; `kind` is timeout | error | skipped (after a recent
+    failure) | refused (an error reply: a full Redis, a read-only replica; no back-off follows)."""
 
     def __init__(self, kind: str):
         self.kind = kind

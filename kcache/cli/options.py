@@ -196,8 +196,9 @@ def open_configured_store(cfg: config.Settings, *, jobs: int = 16, publisher: bo
     an operator's command (verify, reindex, gc, ...) gets a StoreError, so that a typo in --store
     does not read as an empty store. It reads as empty, and stays uncreated, for the pod-side
     readers that run `before_publish` (restore, prefetch: a miss then, not an error). The default
-    store under KCACHE_HOME, kcache's own, reads as empty too, and any command that writes creates
-    it (the store id a writer binds its index to: yank, refresh, reindex and gc as well as publish)."""
+    store under KCACHE_HOME, kcache's own, reads as empty too, and the commands that write create it
+    (the store id a writer binds its index to: yank, refresh and reindex as well as publish; gc first
+    needs the default index, which only a publish makes)."""
     from kcache.store import open_store
 
     config.check_endpoint(cfg)
