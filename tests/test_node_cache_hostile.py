@@ -200,15 +200,21 @@ PLANTS = ["directory", "directory-with-files", "directory-nested-past-the-recurs
           "link-to-a-file-outside"]
 
 
+def outside_the_cache(tmp_path: Path) -> Path:
+    """A directory beside the node cache holding one file, "precious", that no cleanup may reach."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"not the node cache's")
+    return outside
+
+
 @pytest.mark.parametrize("what", PLANTS)
 @pytest.mark.parametrize("where", ["evict-lock", "pack-lock", "lock-of-the-victim"])
 def test_a_lock_path_that_is_no_lock_file_is_replaced_and_the_node_still_fills(tmp_path, backing, what, where):
     """One link or directory at DIR/.evict.lock kept every fill on the node off it, for good (every
     fill makes room first); one at a pack's lock kept that pack off it, and once that pack was the
     least recently used, every fill that had to evict it."""
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "precious").write_bytes(b"not the node cache's")
+    outside = outside_the_cache(tmp_path)
     node = tmp_path / "node"
     old = put_pack(backing, os.urandom(100 * KiB))
     NodeCacheStore(backing, node).warm(old)
@@ -309,9 +315,7 @@ def test_what_a_killed_removal_set_aside_is_removed_by_the_next_trim(tmp_path, b
     killed in between (a restore whose budget ran out, an OOM kill) left it for good: 200 MB aside from a
     planted .evict.lock stayed through every later trim, counted nowhere. Prefetch's trim removes it now,
     without following a link out of it; packs and a fill's temp file are no junk."""
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "precious").write_bytes(b"not the node cache's")
+    outside = outside_the_cache(tmp_path)
     node = tmp_path / "node"
     pack_id = put_pack(backing, os.urandom(10 * KiB))
     NodeCacheStore(backing, node).warm(pack_id)
