@@ -177,7 +177,7 @@ def read_manifest(store: Store, choice: Choice, fp: Fingerprint, policy: Policy,
     size = store.size(key)
     limit = policy.max_manifest_bytes if cap is None else min(cap, policy.max_manifest_bytes)
     if size > limit:
-        raise ManifestTooLarge(key, size, limit)
+        raise ManifestTooLarge("manifest", key, size, limit)
     signer = policy.check(store, choice.bundle_key, choice.manifest_id, size)
     manifest = manifests.parse(limits.read_exactly(store, key, size), choice.manifest_id)
     if choice.partial and manifest.toolchain_key != fp.toolchain_key:

@@ -174,9 +174,6 @@ class ManifestTooLarge(ObjectTooLarge):
     """A manifest over KCACHE_MAX_MANIFEST_BYTES: the one cap an operator sets (refs and signatures have
     fixed ones, which no object kcache writes comes near)."""
 
-    def __init__(self, key: str, size: int, limit: int):
-        super().__init__("manifest", key, size, limit)
-
 
 # The result-cache proxy's own failures: both stay inside `kcache proxy`, which answers from the
 # engine instead (pass-through); they have rows in the CLI table like every other error.

@@ -43,15 +43,21 @@ def max_manifest_bytes(env: Mapping[str, str] | None = None) -> int:
     return int(text)
 
 
-def read_capped(store: Store, key: str, limit: int, what: str) -> bytes | None:
-    """The object under `key`, or None when absent; ObjectTooLarge when it is over `limit` bytes."""
+def read_capped(store: Store, key: str, limit: int, what: str, *,
+                refusal: type[ObjectTooLarge] = ObjectTooLarge) -> bytes | None:  # fmt: skip
+    """The object under `key`, or None when absent; `refusal` when it is over `limit` bytes."""
     try:
         size = store.size(key)
     except ObjectMissing:
         return None
     if size > limit:
-        raise ManifestTooLarge(key, size, limit) if what == "manifest" else ObjectTooLarge(what, key, size, limit)
+        raise refusal(what, key, size, limit)
     return read_exactly(store, key, size)
+
+
+def read_manifest(store: Store, key: str) -> bytes | None:
+    """The manifest under `key`, or None when absent; ManifestTooLarge over KCACHE_MAX_MANIFEST_BYTES."""
+    return read_capped(store, key, max_manifest_bytes(), "manifest", refusal=ManifestTooLarge)
 
 
 def put_exactly(store: Store, key: str, data: bytes, what: str) -> bool:

@@ -240,7 +240,7 @@ def bundle_key_hint(store: Store, manifest_id: str) -> str | None:
 def fetch(store: Store, manifest_id: str) -> Manifest:
     """Read and verify the manifest `manifest_id`; one over KCACHE_MAX_MANIFEST_BYTES is refused unread."""
     key = manifest_key(manifest_id)
-    data = limits.read_capped(store, key, limits.max_manifest_bytes(), "manifest")
+    data = limits.read_manifest(store, key)
     if data is None:
         raise ObjectMissing(store.url, key)
     return parse(data, manifest_id)

@@ -262,7 +262,7 @@ def _restorable(store: Store, info: ObjectInfo, manifest_id: str, trusted: tuple
     None when it is gone. Raises what reading and parsing it raise."""
     if info.key != manifest_key(manifest_id):  # restore reads manifests/<hh>/<id>, and only there
         return f"is not at {manifest_key(manifest_id)}, where restore reads it"
-    data = limits.read_capped(store, info.key, limits.max_manifest_bytes(), "manifest")
+    data = limits.read_manifest(store, info.key)
     if data is None:
         return None
     manifest = manifests.parse(data, manifest_id)

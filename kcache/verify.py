@@ -182,7 +182,7 @@ def _layer_keys(manifest: manifests.Manifest) -> dict[str, str]:
 def _fetch_manifest(store: Store, manifest_id: str) -> tuple[manifests.Manifest, int]:
     """The manifest, as manifests.fetch reads it, and its size in the store (what a signature covers)."""
     key = manifest_key(manifest_id)
-    data = limits.read_capped(store, key, limits.max_manifest_bytes(), "manifest")
+    data = limits.read_manifest(store, key)
     if data is None:
         raise ObjectMissing(store.url, key)
     return manifests.parse(data, manifest_id), len(data)
