@@ -50,13 +50,9 @@ def answer_limit(profile: Profile) -> int:
     return max(ANSWER_BASE, min(own, MAX_BATCH_ANSWERS // profile.batch_size))
 
 
-def prompt(tokens: int, nonce: int) -> str:
-    """About `tokens` tokens; the leading number makes each prompt's prefix unique."""
-    return str(nonce) + filler(tokens).decode("ascii")
-
-
 def filler(tokens: int) -> bytes:
-    """What follows a prompt's number: the same for every request of a shape, so a batch shares it."""
+    """A prompt of about `tokens` tokens after its leading number (which makes each prompt's prefix
+    unique): the same for every request of a shape, so a batch shares it."""
     rounds, rest = divmod(max(0, tokens - 2), len(_WORDS))  # the words in turn, each after a space
     return (" " + " ".join(_WORDS)).encode("ascii") * rounds + "".join(f" {w}" for w in _WORDS[:rest]).encode("ascii")
 
