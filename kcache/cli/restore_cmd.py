@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -103,18 +104,21 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
         for bad in (bad_timeout, bad_flag, bad_bundle):
             if bad is not None:
                 raise bad
-        with ctx.scope(cleanup=False):  # the fingerprint options live on click's context
-            fp = compute_fingerprint(model, model_config, facts, extras)
-        computed.append(fp)
-        trusted = load_trusted_keys(trusted_keys)
-        cfg = settings(store_url, index_url, s3_endpoint_url)
-        config.check_endpoint(cfg)
-        # A pod may restore before the first publish made the store: a miss, not an error (restore
-        # writes nothing to the store, so it never creates one; cli.options.open_configured_store).
-        store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs, create=True)
-        if node_cache is not None:
-            store = _through_node_cache(store, node_cache, timeout)
-        opened.append(Opened(store, open_for_restore(cfg, store), fp, trusted))
+        # The store and the index open while the fingerprint is computed: botocore's import and
+        # client (0.2-0.3 s) overlap NVML's start on a GPU node (~0.1 s). A fingerprint that fails
+        # still fails first, and keeps its place in the error marker.
+        opening = _Opening(lambda: _open_store_and_index(store_url, index_url, s3_endpoint_url, jobs, node_cache,
+                                                         timeout))  # fmt: skip
+        try:
+            with ctx.scope(cleanup=False):  # the fingerprint options live on click's context
+                fp = compute_fingerprint(model, model_config, facts, extras)
+            computed.append(fp)
+            trusted = load_trusted_keys(trusted_keys)
+        except BaseException:
+            opening.abandon()
+            raise
+        store, index = opening.result()
+        opened.append(Opened(store, index, fp, trusted))
         return opened[-1]
 
     try:
@@ -155,6 +159,57 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
     if strict and result.status == "miss":
         raise click.exceptions.Exit(ExitCode.FACTS_DISAGREE if opened and opened[0].fingerprint.mismatches
                                     else ExitCode.MISS)  # fmt: skip
+
+
+def _open_store_and_index(store_url, index_url, s3_endpoint_url, jobs: int, node_cache: Path | None,
+                          timeout: float):  # fmt: skip
+    cfg = settings(store_url, index_url, s3_endpoint_url)
+    config.check_endpoint(cfg)
+    # A pod may restore before the first publish made the store: a miss, not an error (restore
+    # writes nothing to the store, so it never creates one; cli.options.open_configured_store).
+    store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs, create=True)
+    if node_cache is not None:
+        store = _through_node_cache(store, node_cache, timeout)
+    return store, open_for_restore(cfg, store)
+
+
+class _Opening:
+    """`open_both()` run on a thread of its own; `result()` waits for its (store, index) or raises its
+    error. After `abandon()` (the fingerprint failed), an index it opens is closed as it arrives."""
+
+    def __init__(self, open_both):
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._abandoned = False
+        self._value = self._error = None
+        self._open_both = open_both
+        threading.Thread(target=self._run, name="kcache-open", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            value = self._open_both()
+        except BaseException as exc:  # noqa: BLE001 - handed to result()'s caller
+            self._error = exc
+            value = None
+        with self._lock:
+            self._value = value
+            self._done.set()
+            close = value is not None and self._abandoned
+        if close:
+            _close_quietly(value[1])
+
+    def result(self):
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+            close = self._done.is_set() and self._value is not None
+        if close:
+            _close_quietly(self._value[1])
 
 
 def _through_node_cache(store, directory: Path, timeout: float):

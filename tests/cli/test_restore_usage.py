@@ -128,3 +128,20 @@ def test_the_failure_path_waits_for_roots_lock_no_longer_than_the_budget(tmp_pat
     monkeypatch.setattr(restore_usage, "restore_opening", lambda *a, **kw: seen.append(kw["timeout"]) or real(*a, **kw))
     result = invoke(["--into", str(tmp_path / "root"), "--jobs", "abc", *given], env)
     assert result.exit_code == 0 and seen == [budget]
+
+
+def test_a_failing_fingerprint_is_reported_before_a_failing_store(tmp_path):
+    """The store opens while the fingerprint is computed; the fingerprint's error still comes first."""
+    root = tmp_path / "root"
+    result = invoke(["--json", "--into", str(root), "--facts-file", str(tmp_path), "--store", "ftp://x"])
+    doc = json.loads(result.stdout)
+    assert doc["status"] == "error" and str(tmp_path) in doc["reason"] and "ftp" not in doc["reason"], doc
+    assert doc["reason"] == assert_cold_but_ready_to_start(root)["reason"]
+
+
+def test_a_failing_store_keeps_the_computed_bundle_key(tmp_path):
+    root = tmp_path / "root"
+    result = invoke(["--json", "--into", str(root), "--model", "m", "--store", "ftp://x"])
+    doc = json.loads(result.stdout)
+    assert doc["status"] == "error" and "ftp" in doc["reason"] and doc["bundle_key"], doc
+    assert assert_cold_but_ready_to_start(root)["bundle_key"] == doc["bundle_key"]
