@@ -23,7 +23,8 @@ download of it) pays for the server's copies; S3 and file:// read only the range
 
 Each repeat uses a fresh bucket, fresh SQLite indexes and fresh target directories, against one
 moto S3 server that runs as a separate process on 127.0.0.1. Every operation is timed as a whole
-child process (wall clock), because that is what a pod's init container pays:
+child process (wall clock), because that is what a pod's init container pays (for restores the
+report also gives the restore's own `seconds` from its JSON: the rest is start-up and exit):
 
     publish / republish   kcache publish to s3:// into an empty store, then again unchanged
     restore               kcache restore from s3:// into a fresh dir, through refs/ as the example
