@@ -30,6 +30,7 @@ from functools import partial
 from pathlib import Path
 from typing import BinaryIO
 
+import botocore.loaders
 import botocore.session
 from botocore.awsrequest import AWSResponse
 from botocore.config import Config
@@ -65,6 +66,28 @@ _MISSING = {"NoSuchKey", "404", "NotFound"}
 _EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
 
 
+class _S3Models(botocore.loaders.Loader):
+    """botocore's data loader for clients of S3 alone.
+
+    Before it loads a model, the stock loader makes sure the service exists by listing every service
+    botocore knows: ~440 directories, some 900 listdir and 2,700 stat calls, twice per client (the
+    model and its endpoint rules): 10-20% of making a client (0.10 s -> 0.09 s on a 16-core host,
+    0.095 s -> 0.078 s on 2 cores), paid by every restore before its first request. S3 is the one
+    service kcache asks for, so that is the list; the model files themselves load as before."""
+
+    def list_available_services(self, type_name):
+        return ["s3"]
+
+
+def _session() -> botocore.session.Session:
+    session = botocore.session.get_session()
+    # As botocore's own loader does: data_path (AWS_DATA_PATH) adds places to look for models.
+    extra = session.get_config_variable("data_path")
+    paths = [os.path.expanduser(os.path.expandvars(p)) for p in extra.split(os.pathsep)] if extra else []
+    session.register_component("data_loader", _S3Models(extra_search_paths=paths))
+    return session
+
+
 class S3Store:
     def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None, jobs: int = 16):
         self.bucket = bucket
@@ -88,7 +111,7 @@ class S3Store:
             s3={"payload_signing_enabled": False, **({"addressing_style": "path"} if endpoint_url else {})},
         )
         try:
-            self.client = botocore.session.get_session().create_client("s3", endpoint_url=endpoint_url, config=config)
+            self.client = _session().create_client("s3", endpoint_url=endpoint_url, config=config)
         except (BotoCoreError, ValueError) as exc:
             raise StoreError(self.url, f"cannot create an S3 client: {exc}") from None
         _bound_error_bodies(self.client)
