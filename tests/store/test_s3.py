@@ -307,3 +307,22 @@ def test_credentials_a_signature_cannot_encode_are_a_config_error(fake_credentia
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s\udcff")
     with pytest.raises(ConfigError, match="AWS_SECRET_ACCESS_KEY"):
         open_store("s3://bucket", endpoint_url="http://127.0.0.1:1")
+
+
+def test_models_from_aws_data_path_still_come_first(s3_bucket, tmp_path, monkeypatch):
+    """kcache's loader skips botocore's listing of every service, not the places AWS_DATA_PATH adds."""
+    import json
+
+    import botocore.loaders
+
+    model = botocore.loaders.Loader().load_service_model("s3", "service-2")
+    del model["operations"]["DeleteBucket"]
+    (tmp_path / "models/s3/2006-03-01").mkdir(parents=True)
+    (tmp_path / "models/s3/2006-03-01/service-2.json").write_text(json.dumps(model))
+    url, endpoint = s3_bucket
+    assert hasattr(open_store(url, endpoint_url=endpoint).client, "delete_bucket")
+    monkeypatch.setenv("AWS_DATA_PATH", str(tmp_path / "models"))
+    store = open_store(url, endpoint_url=endpoint)
+    assert not hasattr(store.client, "delete_bucket")
+    store.put_bytes("packs/aa/x", b"x")  # the rest of the model, and its endpoint rules, still work
+    assert store.get_bytes("packs/aa/x") == b"x"
