@@ -9,10 +9,15 @@
 
 Selection is pure so that tests feed it device lists: no GPU, NVML or driver needed.
 
-CUDA_VISIBLE_DEVICES, as the CUDA runtime reads it: unset means every device; an empty string
+CUDA_VISIBLE_DEVICES, as the CUDA driver reads it: unset means every device; an empty string
 means none; otherwise a comma-separated list of indices, `GPU-<uuid>` (a unique prefix is
 enough) or `MIG-<uuid>` (or the older `MIG-<GPU uuid>/<gi>/<ci>`) entries, and the list ends at
-the first entry that names no device (or one already named): "0,2,-1,1" is devices 0 and 2.
+the first entry that names no device: "0,2,-1,1" is devices 0 and 2. Measured with the driver
+(cuInit, cuDeviceGetCount) on an H200: an index is read as C's strtoul reads it, so "0abc",
+"+0", "-0", "0x1" and "0 1" are device 0 and "-1" none; an index list ends at a uuid entry and a
+uuid list at an index; a `GPU-` entry must start so ("gpu-…" and " GPU-…" name nothing), its hex
+digits match in either case with dashes skipped, and anything after the whole uuid is ignored; a
+GPU named twice ("0,0", "0,0abc") leaves the process no device at all (CUDA_ERROR_INVALID_DEVICE).
 
 MIG: a GPU in MIG mode is no CUDA device; its instances are, and a process uses only the first
 MIG instance it is given (a MIG pod in Kubernetes, CUDA_VISIBLE_DEVICES unset, sees the parent and
@@ -84,10 +89,17 @@ def visible(devices: Sequence[Device], env: Mapping[str, str]) -> tuple[Device, 
         return tuple(ordered if ordered is not None else sorted(cuda, key=lambda d: (d.name, d.sm, d.uuid)))
     ordered = _cuda_order(whole, env)
     chosen: list[Device] = []
-    for entry in (e.strip() for e in spec.split(",")) if spec.strip() else ():
+    entries = spec.split(",")
+    for entry in entries:
+        if _names_by_uuid(entry) != _names_by_uuid(entries[0]):
+            break  # a list of indices ends at a uuid, and one of uuids at an index
         device = _lookup(entry, whole, devices, ordered, env)
-        if device is None or device in chosen:
+        if device is None:
             break  # CUDA stops at the first entry it cannot use
+        if device in chosen:
+            if device.parent is None:
+                return ()  # a GPU named twice: CUDA fails to start (CUDA_ERROR_INVALID_DEVICE), no device
+            break
         if device.uuid in in_mig:
             why = (f"names GPU {device.uuid}, which is in MIG mode and so no CUDA device; "
                    "name its MIG instance by its MIG- uuid (nvidia-smi -L) or leave the variable unset")  # fmt: skip
@@ -111,17 +123,50 @@ def _cuda_order(cuda: list[Device], env: Mapping[str, str]) -> list[Device] | No
 
 
 def _lookup(entry: str, whole, devices, ordered, env) -> Device | None:
-    if entry.isascii() and entry.isdigit():  # "²".isdigit() is true: a name that selects nothing, below
-        if ordered is None:
-            why = ("names GPUs by index on a node with mixed GPUs, where CUDA's default FASTEST_FIRST numbering "
-                   "is unknown; name them by UUID or set CUDA_DEVICE_ORDER=PCI_BUS_ID")  # fmt: skip
-            raise ConfigError("CUDA_VISIBLE_DEVICES", env["CUDA_VISIBLE_DEVICES"], why)
-        index = int(entry) if len(entry) <= 9 else len(ordered)  # int() refuses more than 4300 digits
-        return ordered[index] if index < len(ordered) else None
-    pool = whole if entry.upper().startswith("GPU-") else devices if entry.upper().startswith("MIG-") else ()
-    exact = [d for d in pool if entry in (d.uuid, d.legacy_id)]
-    matches = exact or [d for d in pool if d.uuid.lower().startswith(entry.lower())]
-    return matches[0] if len(matches) == 1 else None
+    if entry.startswith("GPU-"):
+        exact = [d for d in whole if d.uuid == entry]
+        return _unique(exact or [d for d in whole if _names_gpu(entry, d.uuid)])
+    if _names_by_uuid(entry):  # MIG-, read as before: no driver with MIG has been measured here
+        mig = entry.strip()
+        exact = [d for d in devices if mig in (d.uuid, d.legacy_id)]
+        return _unique(exact or [d for d in devices if d.uuid.lower().startswith(mig.lower())])
+    index = _index(entry)
+    if index is None:
+        return None
+    if ordered is None:
+        why = ("names GPUs by index on a node with mixed GPUs, where CUDA's default FASTEST_FIRST numbering "
+               "is unknown; name them by UUID or set CUDA_DEVICE_ORDER=PCI_BUS_ID")  # fmt: skip
+        raise ConfigError("CUDA_VISIBLE_DEVICES", env["CUDA_VISIBLE_DEVICES"], why)
+    return ordered[index] if index < len(ordered) else None
+
+
+def _unique(matches: list[Device]) -> Device | None:
+    return matches[0] if len(matches) == 1 else None  # an ambiguous prefix names no device
+
+
+def _names_by_uuid(entry: str) -> bool:
+    return entry.startswith("GPU-") or entry.strip().upper().startswith("MIG-")
+
+
+def _index(entry: str) -> int | None:
+    """The index C's strtoul reads at the start of `entry`, as CUDA reads one; None when it reads no
+    digits or a negative number (strtoul wraps -1 round to a count no node has)."""
+    text = entry.lstrip(" \t\n\v\f\r")  # what C's isspace skips
+    sign = text[:1] if text[:1] in ("+", "-") else ""
+    rest = text[len(sign) :]
+    digits = rest[: len(rest) - len(rest.lstrip("0123456789"))]  # ASCII only: "²".isdigit() is true
+    if not digits or (sign == "-" and digits.strip("0")):
+        return None
+    digits = digits.lstrip("0") or "0"
+    return int(digits) if len(digits) <= 9 else 10**9  # int() refuses more than 4300 digits
+
+
+def _names_gpu(entry: str, uuid: str) -> bool:
+    """Whether a `GPU-` entry names the GPU with `uuid` as CUDA reads it: the entry's digits, dashes
+    skipped and in either case, begin the uuid's; what follows the whole uuid is ignored."""
+    ours = uuid[4:].replace("-", "").lower()
+    given = entry[4:].replace("-", "").lower()[: len(ours)]
+    return bool(given) and ours.startswith(given)
 
 
 def facts(reading: Reading | None, env: Mapping[str, str]) -> dict[str, str]:
@@ -154,8 +199,8 @@ def hides_every_device(env: Mapping[str, str]) -> bool:
     spec = env.get("CUDA_VISIBLE_DEVICES")
     if spec is None:
         return False
-    first = spec.split(",")[0].strip()
-    return not (first.isascii() and first.isdigit()) and not first.upper().startswith(("GPU-", "MIG-"))
+    first = spec.split(",")[0]
+    return _index(first) is None and not _names_by_uuid(first)
 
 
 def devices_present(dev: Path = Path("/dev")) -> bool:

@@ -60,10 +60,41 @@ def test_the_list_ends_at_the_first_unusable_entry():
     assert gpus.visible(H100, {"CUDA_VISIBLE_DEVICES": "1,7,2"}) == (H100[1],)
     assert gpus.visible(H100, {"CUDA_VISIBLE_DEVICES": "0,2,-1,1"}) == (H100[0], H100[2])  # CUDA's own example
     assert gpus.visible(H100, {"CUDA_VISIBLE_DEVICES": "2,x,0"}) == (H100[2],)
-    assert gpus.visible(H100, {"CUDA_VISIBLE_DEVICES": "0,0,1"}) == (H100[0],)
     assert gpus.visible(H100, {"CUDA_VISIBLE_DEVICES": " 3 , 1 "}) == (H100[3], H100[1])
     assert gpus.visible(H100, {"CUDA_VISIBLE_DEVICES": "0,\u00b2"}) == (H100[0],)  # "²".isdigit(), no index
     assert gpus.visible(H100, {"CUDA_VISIBLE_DEVICES": "1," + "9" * 4400}) == (H100[1],)  # past int()'s digits
+
+
+# Measured with the CUDA driver (cuInit, cuDeviceGetCount) on one H200 whose uuid had this shape.
+H200 = gpus.Device("GPU-5a1d0c3e-7b2f-4e8a-9c61-0d2e4f6a8b90", "NVIDIA H200", "sm_90")
+
+
+def test_entries_are_read_as_the_cuda_driver_reads_them():
+    """An index is read as C's strtoul reads it ("0abc", "+0", "0x1", "1 2" name a device), a device
+    named twice leaves no device at all, and a uuid entry must start with "GPU-" as written."""
+    for spec, index in (("0abc", 0), ("+1", 1), (" +2", 2), ("-0", 0), ("0x1", 0), ("1 2", 1), ("00", 0)):
+        assert gpus.visible(H100, {"CUDA_VISIBLE_DEVICES": spec}) == (H100[index],), spec
+    assert gpus.visible(H100, {"CUDA_VISIBLE_DEVICES": "3gpu,1"}) == (H100[3], H100[1])
+    for spec in ("0,0", "0, 0", "1,0,1abc", f"{H200.uuid},{H200.uuid}"):  # CUDA_ERROR_INVALID_DEVICE
+        assert gpus.visible([H200, *H100[1:]], {**PCI, "CUDA_VISIBLE_DEVICES": spec}) == (), spec
+    assert gpus.visible(H100, {"CUDA_VISIBLE_DEVICES": "0,,0"}) == (H100[0],)  # the list ended first
+    assert gpus.visible([H200], {"CUDA_VISIBLE_DEVICES": f"0,{H200.uuid}"}) == (H200,)
+    assert gpus.visible([H200], {"CUDA_VISIBLE_DEVICES": f"{H200.uuid},0abc"}) == (H200,)
+    # uuids: hex digits in either case, dashes skipped, anything after the whole uuid ignored
+    for spec in ("GPU-5A1D0C3E", "GPU--5a1d0c3e", H200.uuid + "x", H200.uuid + " ", "GPU-5"):
+        assert gpus.visible([H200, A10], {"CUDA_VISIBLE_DEVICES": spec}) == (H200,), spec
+    for spec in ("gpu-5a1d0c3e", " GPU-5a1d0c3e", "GPU-5a1d0c3ezz", "GPU-"):
+        assert gpus.visible([H200], {"CUDA_VISIBLE_DEVICES": spec}) == (), spec
+    # MIG entries are read as before (no MIG node measured): spaces around them are dropped
+    assert gpus.visible([A100_MIG, A100_1G], {"CUDA_VISIBLE_DEVICES": f" {A100_1G.uuid} "}) == (A100_1G,)
+
+
+def test_an_index_cuda_reads_is_never_keyed_as_no_gpu():
+    """A pod on an A100 and one on an H100, both with CUDA_VISIBLE_DEVICES=+0, compile for their own GPU."""
+    on_a100, on_h100 = (facts([gpu], {"CUDA_VISIBLE_DEVICES": "+0"}) for gpu in (A100, H100[0]))
+    assert (on_a100["gpu.sm"], on_h100["gpu.sm"]) == ("sm_80", "sm_90")
+    assert not gpus.hides_every_device({"CUDA_VISIBLE_DEVICES": "0abc"})
+    assert gpus.hides_every_device({"CUDA_VISIBLE_DEVICES": "gpu-5a1d0c3e"})
 
 
 def test_mig_instances_are_named_by_uuid():
