@@ -13,8 +13,10 @@ root is read from its build folders for this Python (merged: extension names are
 ninja decides "up to date" from .ninja_log (the command's hash and the output's recorded mtime)
 against the inputs' mtimes, so restore keeps every file's published mtime. build.ninja names the
 sources and torch's include directories by absolute path but no path inside the build directory:
-a build restored under another ROOT is current as long as torch and the sources sit where they did
-(both are toolchain facts); if they moved, torch rewrites build.ninja and ninja rebuilds, rightly.
+a build restored under another ROOT is current as long as torch and the sources sit where they did;
+if they moved, torch rewrites build.ninja and ninja rebuilds, rightly. torch's path is a toolchain
+fact, the sources are in no fact: sources changed but older than the build are not rebuilt
+(docs/design.md, Known limits).
 """
 
 from __future__ import annotations
