@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import select
 import signal
@@ -328,4 +329,24 @@ def test_a_fifo_at_a_packs_lock_path_costs_a_reader_that_may_not_write_it_no_wai
     assert gets.by_pack == (Counter({packs[0]: 1}) if mount == "read-only" else Counter())
     if mount == "writable":
         assert planted.is_file(), "the FIFO is replaced by a lock file"
+    assert_restored(tmp_path / "root", files)
+
+
+def test_a_corrupt_node_cache_file_is_warned_about_once_per_restore(tmp_path, bundle, caplog):
+    """The reader's look and the fill's second look under the exclusive lock both find the damaged
+    copy: an operator is told about it once."""
+    url, endpoint, packs, files = bundle
+    node = tmp_path / "node"
+    cli(*prefetch_args(url, endpoint, node, "--once"))
+    victim = node / "packs" / packs[0][:2] / packs[0]
+    damaged = bytearray(victim.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x40
+    victim.write_bytes(bytes(damaged))
+    with caplog.at_level(logging.WARNING, logger="kcache"), CuttingProxy(endpoint, after=0, cuts=0) as proxy:
+        result = cli(*restore_args(url, proxy, tmp_path / "root", node))
+    assert json.loads(result.stdout)["status"] == "hit"
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno >= logging.WARNING and "hash to its id" in r.getMessage()]  # fmt: skip
+    assert len(warnings) == 1, warnings
+    assert str(victim) in warnings[0]
     assert_restored(tmp_path / "root", files)

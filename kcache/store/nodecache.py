@@ -143,6 +143,7 @@ class NodeCacheStore:
         self._dropped: set[str] = set()  # packs whose copy went bad: read from `inner` from now on
         self._doomed: dict[str, set[tuple[int, int, int]]] = {}  # dropped copies still to remove
         self._warned = False
+        self._bad: set[tuple] = set()  # (pack id, dev, inode, size, mtime) of copies found bad and warned about
         self._kept: set[str] | frozenset[str] = frozenset()  # packs eviction by this wrapper leaves alone
 
     # ---- the Store protocol: packs from the node cache, everything else from the store -----------
@@ -415,12 +416,13 @@ class NodeCacheStore:
         except OSError as exc:
             if exc.errno != errno.ELOOP:
                 raise
-            log.warning("node cache: %s is a link; fetching the pack again", path)
-            return nodedir.lstat(path)
+            st = nodedir.lstat(path)
+            self._warn_bad(pack_id, st, "node cache: %s is a link; fetching the pack again", path)
+            return st
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                log.warning("node cache: %s is not a regular file; fetching the pack again", path)
+                self._warn_bad(pack_id, st, "node cache: %s is not a regular file; fetching the pack again", path)
                 return st
             if st.st_size > fill_limit(need):
                 log.info("node cache: %s is larger than the pack can be; reading the store", path)
@@ -436,11 +438,12 @@ class NodeCacheStore:
                 digest = nodedir.sha256(f, st.st_size)
             except OSError as exc:  # EIO from a failing disk: a copy that cannot be read is a bad one
                 f.close()
-                log.warning("node cache: cannot read %s (%s); fetching it again", path, exc.strerror or exc)
+                self._warn_bad(pack_id, st, "node cache: cannot read %s (%s); fetching it again", path,
+                               exc.strerror or exc)  # fmt: skip
                 return st
             if digest != pack_id:
                 f.close()
-                log.warning("node cache: %s does not hash to its id; fetching it again", path)
+                self._warn_bad(pack_id, st, "node cache: %s does not hash to its id; fetching it again", path)
                 return st
             self._verified.add(identity)
         nodedir.touch(f.fileno(), path)
@@ -627,6 +630,16 @@ class NodeCacheStore:
                 temp.unlink(missing_ok=True)
         except OSError as exc:  # junk we cannot remove costs disk, not the node cache
             log.debug("node cache: cannot remove %s: %s", temp, exc)
+
+    def _warn_bad(self, pack_id: str, st: os.stat_result | None, message: str, *args) -> None:
+        """Warn that the copy at a pack's path is bad, once per copy: a reader's look and the fill's
+        second look under the exclusive lock (and every later read while the store cannot replace
+        it) find the same file. A copy put there since (another inode, size or mtime) is news."""
+        seen = (pack_id,) if st is None else (pack_id, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        with self._guard:
+            first = seen not in self._bad
+            self._bad.add(seen)
+        log.log(logging.WARNING if first else logging.DEBUG, message, *args)
 
     def _warn_once(self, pack_id: str, exc: BaseException) -> None:
         level = logging.DEBUG if self._warned else logging.WARNING
