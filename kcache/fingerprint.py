@@ -255,6 +255,10 @@ def load_facts_file(path: Path) -> dict[str, str]:
     if missing:
         raise ConfigError("--facts-file", str(path), f"lacks the core facts {', '.join(missing)}; write it with "
                           "`kcache fingerprint --json` in the model container, with this kcache version")  # fmt: skip
+    for name in _IDENTITY_FACTS:  # refused as --fact model.id= is: a kcache that took that flag wrote these
+        if name in facts and not facts[name].strip():
+            raise ConfigError("--facts-file", str(path), f"has a blank {name}; write it again with `kcache "
+                              "fingerprint --json` and the model's identity, or leave the fact out")  # fmt: skip
     return {str(k): v for k, v in facts.items()}
 
 
@@ -264,10 +268,15 @@ def load_facts_file(path: Path) -> dict[str, str]:
 def workload_facts(model: str | None, config_path: Path | None, extra: Mapping[str, str]) -> dict[str, str]:
     """The workload facts the flags give; a flag not given gives no fact (it never resets one).
 
-    A blank --model is refused: it would key a bundle no pod naming its model ever restores.
+    A blank --model is refused: it would key a bundle no pod naming its model ever restores. So is
+    a blank --extra (a variable expanded to nothing): no pod that sets the fact restores its bundle.
     """
     if model is not None and not model.strip():
         raise ConfigError("--model", model, "is blank; give the model identity, e.g. --model meta-llama/Llama-3.1-8B")
+    for name, value in extra.items():
+        if not value.strip():
+            raise ConfigError(f"--extra {name}", value, f"is blank; give it a value (e.g. --extra {name}=2), "
+                              "or leave it out")  # fmt: skip
     facts = {"model.id": model} if model else {}
     if config_path is not None:
         facts.update(_model_config_facts(Path(config_path)))

@@ -712,6 +712,51 @@ def test_restore_with_a_blank_model_fact_still_starts_cold_without_strict(tmp_pa
     assert doc["status"] == "error" and "blank" in doc["error"] and (tmp_path / "root" / "kcache.env").is_file()
 
 
+def with_model(args: list[str]) -> list[str]:
+    return args if "--model" in args else [*args, "--model", "m"]
+
+
+@pytest.mark.parametrize("extra", ["tp=", "tp= "])
+@pytest.mark.parametrize("case", list(BLANK_MODEL_FACT))
+def test_a_blank_extra_is_a_usage_error_as_a_blank_model_is(tmp_path, case, extra):
+    """`--extra tp=` (a variable expanded to nothing) was taken, and keyed a bundle on an `extra.tp`
+    no pod that sets it ever restores, while `--model ""` and `--fact model.id=` were refused."""
+    write_tree(tmp_path, {"src/inductor/a": b"kernel", "short.key": b"x"})
+    args = with_model([a.format(tmp=tmp_path) for a in BLANK_MODEL_FACT[case]])
+    result = run(*args, "--extra", extra, code=ExitCode.USAGE)
+    assert "--extra tp" in result.stderr and "blank" in result.stderr, result.stderr
+    assert run("ls", "--json").stdout.strip() == "[]"  # nothing published
+
+
+@pytest.fixture(scope="module")
+def machine_facts(tmp_path_factory) -> dict:
+    return strict_json(run("fingerprint", "--json").stdout)
+
+
+@pytest.mark.parametrize("fact", ["model.id", "model.config"])
+@pytest.mark.parametrize("case", list(BLANK_MODEL_FACT))
+def test_a_facts_file_with_a_blank_model_is_a_usage_error_as_a_blank_model_is(tmp_path, case, fact, machine_facts):
+    """A facts file whose model.id was blank (written by hand, or by a kcache that took
+    `--fact model.id=`) keyed a bundle on it, where `--fact model.id=` itself was refused."""
+    write_tree(tmp_path, {"src/inductor/a": b"kernel", "short.key": b"x"})
+    doc = {**machine_facts, "facts": {**machine_facts["facts"], fact: ""}}
+    (tmp_path / "facts.json").write_text(json.dumps(doc))
+    args = [a.format(tmp=tmp_path) for a in BLANK_MODEL_FACT[case]]
+    result = run(*args, "--facts-file", tmp_path / "facts.json", code=ExitCode.USAGE)
+    assert "--facts-file" in result.stderr and fact in result.stderr and "blank" in result.stderr, result.stderr
+    assert run("ls", "--json").stdout.strip() == "[]"  # nothing published
+
+
+@pytest.mark.parametrize("given", [["--extra", "tp="], ["--facts-file", "{tmp}/facts.json"]])
+def test_restore_with_a_blank_extra_or_facts_model_still_starts_cold_without_strict(tmp_path, given, machine_facts):
+    doc = {**machine_facts, "facts": {**machine_facts["facts"], "model.id": ""}}
+    (tmp_path / "facts.json").write_text(json.dumps(doc))
+    args = [a.format(tmp=tmp_path) for a in given]
+    result = run("restore", "--into", tmp_path / "root", "--model", "m", *args, "--json")
+    doc = strict_json(result.stdout)
+    assert doc["status"] == "error" and "blank" in doc["error"] and (tmp_path / "root" / "kcache.env").is_file()
+
+
 def test_proxy_redis_times_take_durations_like_every_other_time_option():
     """--redis-timeout and --redis-retry-after took bare seconds only: `--redis-timeout 250ms` (its
     default, as docs/proxy.md writes it) and `1s` were "not a valid float"."""
