@@ -336,6 +336,23 @@ def test_an_unreachable_upstream_is_a_502_in_openai_shape(prefix):
         assert reply.status == 502 and reply.json()["error"]["type"] == "upstream_unreachable"
 
 
+@pytest.mark.parametrize(("method", "path", "headers", "outcome"), [
+    ("GET", "/v1/models", {}, "pass"),
+    ("GET", "/health", {}, "pass"),
+    ("POST", CHAT, {}, "miss"),
+    ("POST", CHAT, {key.BYPASS_HEADER: "1"}, "bypass"),
+])  # fmt: skip
+def test_an_unreachable_upstreams_502_names_what_the_cache_did(prefix, method, path, headers, outcome):
+    """Every 502 said `X-Kcache-Cache: bypass`, for /v1/models and /health as well, which the cache never
+    answers (counted as pass), and for a cacheable request that missed (counted as miss)."""
+    with RunningProxy(config(f"http://127.0.0.1:{free_port()}", prefix)) as proxy:
+        body = json.dumps(ASK).encode() if method == "POST" else None
+        reply = request(proxy.port, method, path, body, headers)
+        assert reply.status == 502 and reply.json()["error"]["type"] == "upstream_unreachable"
+        assert reply.headers["x-kcache-cache"] == outcome
+        assert proxy.metric("kcache_proxy_requests_total", outcome=outcome) == 1
+
+
 def test_an_unreachable_upstreams_password_reaches_no_client(prefix):
     with RunningProxy(config(f"http://admin:Zq9Secret@127.0.0.1:{free_port()}", prefix)) as proxy:
         reply = proxy.post(CHAT, ASK)

@@ -291,7 +291,7 @@ class Proxy:
             ))  # fmt: skip
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             self.stats.added[outcome].observe(time.perf_counter() - started - clock.waited)
-            return _unreachable(self.upstream, exc)
+            return _unreachable(self.upstream, exc, outcome)
         async with upstream:
             response = await self._relay(request, upstream, outcome, slot, clock)
         self.stats.added[outcome].observe(time.perf_counter() - started - clock.waited)
@@ -428,12 +428,14 @@ async def _metrics_elsewhere(_request: web.Request) -> web.Response:
     return web.json_response(doc, status=404, headers={CACHE_HEADER: "pass"})
 
 
-def _unreachable(upstream: str, exc: BaseException) -> web.Response:
+def _unreachable(upstream: str, exc: BaseException, outcome: str) -> web.Response:
+    """The 502 for an engine that did not answer. X-Kcache-Cache says what the cache did, as on any
+    other answer and as the request was counted: pass on a path it never answers, miss, or bypass."""
     upstream = redact_url(upstream)  # the answer goes to any client, the log to anyone who reads it
     log.warning("upstream %s: %s", upstream, redact_text(str(exc)))
     doc = {"error": {"message": f"kcache proxy: upstream {upstream} did not answer ({type(exc).__name__})",
                      "type": "upstream_unreachable", "code": 502}}  # fmt: skip
-    return web.json_response(doc, status=502, headers={CACHE_HEADER: "bypass"})
+    return web.json_response(doc, status=502, headers={CACHE_HEADER: outcome})
 
 
 async def serve(config: ProxyConfig, host: str, port: int, metrics_port: int, on_ready, stop: asyncio.Event) -> None:
