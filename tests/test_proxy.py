@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.parse
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -397,6 +398,77 @@ def test_redis_stopped_or_killed_mid_run_means_pass_through(engine, prefix, tmp_
             assert proxy.metric("kcache_proxy_redis_errors_total", kind="timeout") == 1
             assert proxy.metric("kcache_proxy_redis_errors_total", kind="error") == 2
             assert proxy.metric("kcache_proxy_bypasses_total", reason="redis") == 3
+    finally:
+        private.close()
+
+
+def accept_queue(port: int) -> int:
+    """Connections made to the listener on 127.0.0.1:`port` that its process has not accepted yet: while
+    that process is stopped (SIGSTOP), every connection opened to it since, closed ones too."""
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            local, state, queues = line.split()[1], line.split()[3], line.split()[4]
+            if local == f"0100007F:{port:04X}" and state == "0A":  # 0A: LISTEN; rx_queue is the accept queue
+                return int(queues.split(":")[1], 16)
+    raise AssertionError(f"nothing listens on 127.0.0.1:{port}")
+
+
+def wait_for(condition, timeout: float = 60) -> None:
+    """Return once `condition()` holds; fail the test after `timeout` seconds (a hang, not slowness)."""
+    done, deadline = threading.Event(), time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        done.wait(0.01)
+
+
+def test_a_slow_redis_gets_no_more_connections_than_the_cap(engine, prefix, tmp_path):
+    """The connection pool was unbounded: with Redis slow, every lookup in flight opened a connection of its
+    own, as many as there were clients. At most --redis-connections are open now; a lookup waits for one
+    (within --redis-timeout), and those that waited reuse the connections once Redis answers."""
+    private = PrivateRedis(tmp_path)
+    try:
+        observer = redis.Redis(port=private.port)
+        before = observer.info("stats")["total_connections_received"]
+        cfg = config(engine.url, prefix, redis_url=private.url, redis_timeout=60, redis_connections=2)
+        asks = [{**ASK, "max_tokens": tokens} for tokens in range(1, 9)]  # eight different requests, at once
+        with RunningProxy(cfg) as proxy, ThreadPoolExecutor(len(asks)) as clients:
+            private.pause()
+            try:
+                replies = [clients.submit(proxy.post, CHAT, ask) for ask in asks]
+                wait_for(lambda: accept_queue(private.port) + proxy.metric("kcache_proxy_redis_waiting") >= len(asks))
+                opened = accept_queue(private.port)
+            finally:
+                private.resume()
+            assert opened == 2, "one connection a lookup in flight, past the cap"
+            assert [r.result(timeout=60).headers["x-kcache-cache"] for r in replies] == ["miss"] * len(asks)
+            assert proxy.metric("kcache_proxy_bypasses_total", reason="redis") == 0
+            wait_for(lambda: proxy.metric("kcache_proxy_redis_waiting") == 0)  # the last writes, after the answers
+        assert observer.info("stats")["total_connections_received"] - before == 2  # the waiters reused them
+    finally:
+        private.close()
+
+
+def test_lookups_that_wait_for_a_connection_to_a_stopped_redis_are_served_by_the_engine(engine, prefix, tmp_path):
+    """One connection, Redis stopped, six clients at once: each is answered by the engine within its
+    --redis-timeout, none fails or hangs, and once Redis is skipped the lookups still waiting open no
+    connection of their own (each did: one per client). Whether a lookup runs out of time waiting
+    (busy) or on its connection (a timeout) depends on the order they arrive in."""
+    private = PrivateRedis(tmp_path)
+    try:
+        cfg = config(engine.url, prefix, redis_url=private.url, redis_timeout=1, retry_after=3600,
+                     redis_connections=1)  # fmt: skip
+        asks = [{**ASK, "max_tokens": tokens} for tokens in range(1, 7)]
+        with RunningProxy(cfg) as proxy, ThreadPoolExecutor(len(asks)) as clients:
+            private.pause()
+            try:
+                replies = [r.result(timeout=60) for r in [clients.submit(proxy.post, CHAT, ask) for ask in asks]]
+                opened = accept_queue(private.port)
+            finally:
+                private.resume()
+            assert [(r.status, r.headers["x-kcache-cache"]) for r in replies] == [(200, "bypass")] * len(asks)
+            assert sorted(r.body for r in replies) == sorted(engine.sent)
+            assert proxy.metric("kcache_proxy_bypasses_total", reason="redis") == len(asks)
+            assert 1 <= opened <= FAILURES_TO_SKIP  # each a timeout; then Redis is skipped, even by those waiting
     finally:
         private.close()
 

@@ -120,6 +120,14 @@ METRICS_PORT = 9401  # next to the kcache watch/serve sidecar's 9400 in the same
     metavar="DURATION",
     help="After a Redis failure, skip Redis this long (a dead Redis then costs one timeout, not one each).",
 )
+@click.option(
+    "--redis-connections",
+    type=click.IntRange(1, 10_000),
+    default=64,
+    show_default=True,
+    help="The most connections to Redis at once; a request that finds none free within --redis-timeout is "
+    "forwarded uncached (counted as Redis error kind 'busy').",
+)
 @click.option("--key-prefix", default="kcache:proxy:", show_default=True, help="Prefix of every Redis key.")
 @click.option("--no-cache", is_flag=True, help="Forward every request uncached (counted as bypass reason 'disabled').")
 @click.option(
@@ -147,8 +155,8 @@ METRICS_PORT = 9401  # next to the kcache watch/serve sidecar's 9400 in the same
 @json_option
 def proxy_cmd(upstream, redis_url, entry_key_file, root, model, model_config, facts, extras, host, port,
               metrics_port, shutdown_timeout, ttl, max_entry_bytes, max_request_bytes, redis_timeout,
-              redis_retry_after, key_prefix, no_cache, cache_sampled, prefix_entries, tenant_headers,
-              as_json):  # fmt: skip
+              redis_retry_after, redis_connections, key_prefix, no_cache, cache_sampled, prefix_entries,
+              tenant_headers, as_json):  # fmt: skip
     """Answer repeated OpenAI-compatible requests from Redis, keyed by what the pod runs.
 
     POST /v1/completions and /v1/chat/completions are looked up by (fingerprint, tenant = hash of
@@ -188,6 +196,7 @@ def proxy_cmd(upstream, redis_url, entry_key_file, root, model, model_config, fa
     config = ProxyConfig(upstream=upstream, redis_url=redis_url, fingerprint=fingerprint, ttl=ttl,
                          max_entry_bytes=max_entry_bytes, max_request_bytes=max_request_bytes,
                          redis_timeout=redis_timeout, retry_after=redis_retry_after, key_prefix=key_prefix,
+                         redis_connections=redis_connections,
                          enabled=not no_cache, cache_sampled=cache_sampled, prefix_entries=prefix_entries,
                          tenant_headers=tenant_headers, entry_secret=secret,
                          shutdown_timeout=shutdown_timeout)  # fmt: skip

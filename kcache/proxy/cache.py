@@ -24,6 +24,12 @@ event loop counts against the timeout too) should not turn the cache off. An err
 Redis is full, READONLY from a replica) is no such failure: Redis answered, in one round trip, and
 the next lookup may well be served, so it never starts the skipping. Failures never raise past this
 module except as CacheUnavailable, which the server turns into a pass-through.
+
+At most `connections` calls run at once, each on a connection of its own, so the pool never holds
+more (a pool's own bound, a max_connections in the URL, lowers it): a slow Redis with many clients
+would otherwise get one connection per request in flight. A call waits for its turn within the same
+`timeout` as the rest of it; when none comes in time (kind "busy", no Redis failure: the turns are
+this proxy's own limit) or Redis was skipped meanwhile, the request goes to the engine uncached.
 """
 
 from __future__ import annotations
@@ -49,14 +55,15 @@ FAILURES_TO_SKIP = 3
 
 class ResultCache:
     def __init__(self, url: str, stats: Stats, *, prefix: str, ttl: float, timeout: float, retry_after: float,
-                 max_bytes: int):  # fmt: skip
+                 max_bytes: int, connections: int = 64):  # fmt: skip
         try:
             self._redis = redis.Redis.from_url(
                 url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0),
-                retry_on_timeout=False, health_check_interval=0,
+                retry_on_timeout=False, health_check_interval=0, max_connections=connections,
             )  # fmt: skip
         except ValueError as exc:
             raise ConfigError("--redis", url, str(exc)) from None  # ConfigError redacts what it shows
+        self._turns = asyncio.Semaphore(min(connections, self._redis.connection_pool.max_connections))
         self.prefix, self.ttl, self.timeout, self.retry_after = prefix, ttl, timeout, retry_after
         self.max_bytes = max_bytes  # the largest entry this proxy writes (--max-entry-bytes)
         self.stats = stats
@@ -109,11 +116,15 @@ class ResultCache:
         return max(1, int(self.ttl * 1000))
 
     async def _call(self, command):
-        if not self.up:
-            command.close()  # the coroutine never ran; close it so Python does not warn
-            raise CacheUnavailable("skipped")
+        """`command` (a coroutine not yet started) in its turn, within `timeout` from now in all."""
+        deadline = time.monotonic() + self.timeout
         try:
-            result = await asyncio.wait_for(command, self.timeout)
+            await self._turn(deadline)
+        except CacheUnavailable:
+            command.close()  # the coroutine never ran; close it so Python does not warn
+            raise
+        try:
+            result = await asyncio.wait_for(command, max(0.0, deadline - time.monotonic()))
         except (asyncio.TimeoutError, TimeoutError, RedisTimeout):
             self._fail("timeout")
         except ResponseError as exc:
@@ -121,8 +132,27 @@ class ResultCache:
         except (RedisError, OSError) as exc:
             log.debug("redis: %s", exc)
             self._fail("error")
+        finally:
+            self._turns.release()
         self._failures = 0
         return result
+
+    async def _turn(self, deadline: float) -> None:
+        """One of the `connections` turns, waited for until `deadline`. Raises CacheUnavailable."""
+        if not self.up:
+            raise CacheUnavailable("skipped")
+        self.stats.redis_waiting += 1
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                await self._turns.acquire()
+        except TimeoutError:
+            self.stats.redis_errors["busy"] += 1
+            raise CacheUnavailable("busy") from None
+        finally:
+            self.stats.redis_waiting -= 1
+        if not self.up:  # skipped while it waited: what Redis cost the calls before it is spent once
+            self._turns.release()
+            raise CacheUnavailable("skipped")
 
     def _fail(self, kind: str):
         self.stats.redis_errors[kind] += 1

@@ -79,6 +79,7 @@ class ProxyConfig:
     ttl: float = 3600.0  # seconds an answer lives in Redis
     max_entry_bytes: int = 1 << 20
     redis_timeout: float = 0.25  # seconds: the most a request waits on Redis (see docs/proxy.md)
+    redis_connections: int = 64  # the most connections to Redis at once (kcache.proxy.cache)
     retry_after: float = 2.0  # seconds Redis is skipped after a failure
     key_prefix: str = "kcache:proxy:"
     enabled: bool = True  # False: forward everything, count it, cache nothing
@@ -117,7 +118,7 @@ class Proxy:
         cfg = self.config
         self.cache = ResultCache(cfg.redis_url, self.stats, prefix=cfg.key_prefix, ttl=cfg.ttl,
                                  timeout=cfg.redis_timeout, retry_after=cfg.retry_after,
-                                 max_bytes=cfg.max_entry_bytes)  # fmt: skip
+                                 max_bytes=cfg.max_entry_bytes, connections=cfg.redis_connections)  # fmt: skip
         # No total timeout: a long generation is not a failure. Raw bytes both ways (no decompression).
         self.session = aiohttp.ClientSession(
             auto_decompress=False, connector=aiohttp.TCPConnector(limit=0),

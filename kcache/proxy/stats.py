@@ -5,8 +5,9 @@
     kcache_proxy_bypasses_total{reason}           bypass_header | disabled | no_fingerprint | not_json |
                                                   ambiguous_auth | too_large | sampling | n | redis
     kcache_proxy_not_stored_total{reason}         upstream_error | headers | too_large | redis | client_gone | error
-    kcache_proxy_redis_errors_total{kind}         timeout | error | bad_entry
+    kcache_proxy_redis_errors_total{kind}         timeout | error | bad_entry | busy (no connection free in time)
     kcache_proxy_redis_up                         0 while Redis is skipped after a failure
+    kcache_proxy_redis_waiting                    Redis calls waiting for a connection (--redis-connections)
     kcache_proxy_hit_bytes_total                  bytes answered from the cache
     kcache_proxy_stored_bytes_total               bytes written to Redis
     kcache_proxy_added_seconds{outcome}           histogram: time the proxy adds (a hit: all of it;
@@ -58,6 +59,7 @@ class Stats:
     not_stored: Counter = field(default_factory=Counter)
     redis_errors: Counter = field(default_factory=Counter)
     redis_up: bool = True
+    redis_waiting: int = 0
     hit_bytes: int = 0
     stored_bytes: int = 0
     prompt_bytes: int = 0
@@ -78,6 +80,9 @@ class Stats:
                       self.redis_errors),
             metrics.family("kcache_proxy_redis_up", "gauge", "0 while Redis is skipped after a failure.",
                            ({}, 1 if self.redis_up else 0)),
+            metrics.family("kcache_proxy_redis_waiting", "gauge",
+                           "Redis calls waiting for a connection (--redis-connections are in use).",
+                           ({}, self.redis_waiting)),
             metrics.family("kcache_proxy_hit_bytes_total", "counter", "Bytes answered from the cache.",
                            ({}, self.hit_bytes)),
             metrics.family("kcache_proxy_stored_bytes_total", "counter", "Bytes written to Redis.",
