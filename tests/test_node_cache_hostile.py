@@ -409,6 +409,24 @@ def test_a_lock_file_the_filler_may_not_write_keeps_no_fill_off_the_node(tmp_pat
     assert {p for p in packs if cached_path(node, p).exists()} == set(packs)
 
 
+def test_an_evict_lock_the_filler_cannot_open_is_warned_about_once(tmp_path, published):
+    """Eviction goes on without an .evict.lock it cannot open, and said so twice a fill (before the
+    download and after it): a prefetch of four packs printed the same warning eight times."""
+    if os.geteuid() != 0:
+        pytest.skip("drops root's powers over file modes: needs root")
+    store, packs = published
+    node = tmp_path / "node"
+    node.mkdir()
+    (node / ".evict.lock").touch(mode=0o000)
+    (node / ".evict.lock").chmod(0o000)
+    proc = run_kcache(["prefetch", "--node-cache", node, "--model", "m", "--store", store, "--index", "none",
+                       "--once", "--json"])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert json.loads(proc.stdout)["targets"][0]["fetched"] == len(packs)
+    warnings = [line for line in proc.stderr.decode().splitlines() if ".evict.lock" in line]
+    assert len(warnings) == 1, warnings
+
+
 def test_a_held_evict_lock_costs_a_fill_no_wait(tmp_path, backing):
     """Eviction is best-effort, yet every fill waited for .evict.lock up to its whole deadline: one
     frozen or hostile pod holding it cost every restore on the node half its --timeout."""

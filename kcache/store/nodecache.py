@@ -143,7 +143,7 @@ class NodeCacheStore:
         self._dropped: set[str] = set()  # packs whose copy went bad: read from `inner` from now on
         self._doomed: dict[str, set[tuple[int, int, int]]] = {}  # dropped copies still to remove
         self._warned = False
-        self._bad: set[tuple] = set()  # (pack id, dev, inode, size, mtime) of copies found bad and warned about
+        self._said: set[tuple] = set()  # what was warned about (_warn_first): said once, then at debug level
         self._kept: set[str] | frozenset[str] = frozenset()  # packs eviction by this wrapper leaves alone
 
     # ---- the Store protocol: packs from the node cache, everything else from the store -----------
@@ -560,8 +560,8 @@ class NodeCacheStore:
         try:
             evicting = nodedir.lock(self.directory / ".evict.lock", filelock.EXCLUSIVE, deadline)
         except OSError as exc:  # a file we may not even read: it only keeps evictions apart, each victim has its lock
-            log.warning("node cache: cannot lock %s (%s); evicting without it", self.directory / ".evict.lock",
-                        exc.strerror or exc)  # fmt: skip
+            self._warn_first(("evict-lock",), "node cache: cannot lock %s (%s); evicting without it",
+                             self.directory / ".evict.lock", exc.strerror or exc)  # fmt: skip
             evicting = contextlib.nullcontext()
         if evicting is None:
             return  # someone else is evicting; our fill may overshoot the cap by one pack
@@ -576,7 +576,8 @@ class NodeCacheStore:
                 try:
                     removed = self._remove(f.pack, 0.0)
                 except OSError as exc:  # one pack we cannot remove must not keep every fill off the node
-                    log.warning("node cache: cannot evict pack %s: %s", f.pack[:12], exc.strerror or exc)
+                    self._warn_first(("evict", f.pack), "node cache: cannot evict pack %s: %s", f.pack[:12],
+                                     exc.strerror or exc)  # fmt: skip
                     continue
                 if removed:
                     log.info("node cache: evicted pack %s (%d bytes, least recently used)", f.pack[:12], f.size)
@@ -635,10 +636,16 @@ class NodeCacheStore:
         """Warn that the copy at a pack's path is bad, once per copy: a reader's look and the fill's
         second look under the exclusive lock (and every later read while the store cannot replace
         it) find the same file. A copy put there since (another inode, size or mtime) is news."""
-        seen = (pack_id,) if st is None else (pack_id, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        copy = (pack_id,) if st is None else (pack_id, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        self._warn_first(("bad", *copy), message, *args)
+
+    def _warn_first(self, what: tuple, message: str, *args) -> None:
+        """Warn about `what` the first time; after that at debug level. Every fill makes room twice and
+        a restore fills many packs: a lock or a pack eviction cannot use is one thing to tell, not one
+        per fill."""
         with self._guard:
-            first = seen not in self._bad
-            self._bad.add(seen)
+            first = what not in self._said
+            self._said.add(what)
         log.log(logging.WARNING if first else logging.DEBUG, message, *args)
 
     def _warn_once(self, pack_id: str, exc: BaseException) -> None:
