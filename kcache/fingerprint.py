@@ -202,6 +202,14 @@ def collect(
     return replace(fp, mismatches=find_mismatches(facts, env, _default(checks, "CHECKS")))
 
 
+def with_model(fp: Fingerprint, model: str) -> Fingerprint:
+    """`fp` as `collect` gives it for another --model: the same machine (not probed again), facts file
+    and flags; a blank `model` is refused as in `collect`. Not for a --fact model.id, which wins over
+    every --model."""
+    facts = {**fp.facts, **workload_facts(model, None, {})}
+    return replace(compute(facts), mismatches=fp.mismatches)
+
+
 # The facts that say which model a bundle is for (publish.names_a_model). Other facts may be blank on
 # a real machine (env.TORCHINDUCTOR_X set to ""; model.arch of an empty architectures list); these never.
 _IDENTITY_FACTS = ("model.id", "model.config")

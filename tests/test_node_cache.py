@@ -183,6 +183,27 @@ def test_prefetch_refuses_targets_it_cannot_fingerprint(tmp_path, args, why):
     assert result.exit_code == 2 and why in result.stderr
 
 
+@pytest.mark.parametrize("flags", [["--extra", "tp=2"], ["--fact", "model.id=pinned"]])
+def test_prefetch_of_several_models_warns_about_a_misspelt_fact_once_and_keys_each_as_fingerprint(tmp_path, flags,
+                                                                                                   caplog):
+    """Each --model was fingerprinted from scratch: the machine probed again, and a --fact naming no
+    fact warned once a model, the same line three times for three models."""
+    models = ["a", "b", "c"]
+    common = ["--fact", "gpu.smm=sm_90", *flags]
+    with caplog.at_level(logging.WARNING, logger="kcache"):
+        result = cli("prefetch", "--node-cache", tmp_path / "node", *[f for m in models for f in ("--model", m)],
+                     *common, "--store", tmp_path / "store", "--index", "none", "--once", "--json")  # fmt: skip
+    warned = [r for r in caplog.records if "--fact gpu.smm names no fact" in r.getMessage()]
+    assert len(warned) == 1, caplog.text
+    keys = [json.loads(cli("fingerprint", "--model", m, *common, "--json").stdout)["bundle_key"] for m in models]
+    assert [t["bundle_key"] for t in json.loads(result.stdout)["targets"]] == keys
+
+
+def test_prefetch_refuses_a_blank_model_among_several(tmp_path):
+    result = cli("prefetch", "--node-cache", tmp_path / "node", "--model", "a", "--model", " ", "--once", ok=False)
+    assert result.exit_code == 2 and "--model" in result.stderr and "blank" in result.stderr
+
+
 def test_prefetch_loops_every_interval_follows_new_bundles_and_stops_on_sigterm(tmp_path, bundle, monkeypatch):
     url, endpoint, packs, files = bundle
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

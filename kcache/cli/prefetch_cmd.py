@@ -130,8 +130,12 @@ def _targets(models, model_config, facts, extras, bundle_keys) -> tuple[Target, 
         if not fingerprint.is_bundle_key(key):
             raise ConfigError("--bundle-key", key, "is not a bundle key: 32 hex digits, as `kcache fingerprint` prints")
     names = list(models) or ([None] if model_config is not None else [])
-    targets = [Target(name or str(model_config), compute_fingerprint(name, model_config, facts, extras))
-               for name in names]  # fmt: skip
+    targets = []
+    if names:  # the machine probed once (its warnings said once), every other model keyed from the first's facts
+        first = compute_fingerprint(names[0], model_config, facts, extras)
+        pinned = "model.id" in fingerprint.parse_assignments(facts, "--fact")  # one model.id for all, as given
+        targets = [Target(names[0] or str(model_config), first)]
+        targets += [Target(name, first if pinned else fingerprint.with_model(first, name)) for name in names[1:]]
     return tuple(targets) + tuple(bundle_key_target(key) for key in bundle_keys)
 
 
