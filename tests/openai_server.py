@@ -19,7 +19,7 @@ class OpenAIServer:
     MODEL = "tiny-test-model"
 
     def __init__(self, *, fail_status: int | None = None, hold: bool = False, unhealthy: int = 0,
-                 no_health: bool = False, compile_into: Path | None = None):  # fmt: skip
+                 no_health: bool = False, compile_into: Path | None = None, port: int = 0):  # fmt: skip
         self.fail_status, self.hold, self.unhealthy, self.no_health = fail_status, hold, unhealthy, no_health
         self.compile_into = compile_into
         self.release = threading.Event()
@@ -27,7 +27,7 @@ class OpenAIServer:
         self.completions: list[dict] = []  # request bodies, in arrival order
         self.health_checks = 0
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())  # port: 0 for a free one
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property

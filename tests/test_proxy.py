@@ -4,6 +4,7 @@ import hashlib
 import hmac
 import http.client
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -352,6 +353,21 @@ def test_an_unreachable_upstreams_502_names_what_the_cache_did(prefix, method, p
         assert reply.status == 502 and reply.json()["error"]["type"] == "upstream_unreachable"
         assert reply.headers["x-kcache-cache"] == outcome
         assert proxy.metric("kcache_proxy_requests_total", outcome=outcome) == 1
+
+
+def test_an_unreachable_upstream_is_warned_about_once_until_it_answers_again(prefix, caplog):
+    """Every request to an engine that did not answer logged the same warning: an engine restarting
+    under load filled the proxy's log with one line per request."""
+    port = free_port()
+    upstream = f"http://127.0.0.1:{port}"
+    with caplog.at_level(logging.DEBUG, logger="kcache"), RunningProxy(config(upstream, prefix)) as proxy:
+        assert [proxy.get("/health").status for _ in range(3)] == [502] * 3
+        with EngineServer(port=port) as engine:
+            assert proxy.get("/health").status == 200 and engine.health_checks == 1
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "kcache.proxy.server"]
+    assert [level for level, _ in said] == [logging.WARNING, logging.DEBUG, logging.DEBUG, logging.INFO], said
+    assert all(upstream in message for _, message in said), said
+    assert "answers again" in said[-1][1]
 
 
 def test_an_unreachable_upstreams_password_reaches_no_client(prefix):

@@ -111,6 +111,7 @@ class Proxy:
         self.metrics_port = 0  # bound by start()
         self._storing: set[asyncio.Task] = set()  # shielded writes whose client left: the loop holds tasks weakly
         self._judging = asyncio.Semaphore(1)  # large bodies parsed at once (see the module docstring)
+        self._upstream_down = False  # the last request found the upstream not answering (warned about once)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, metrics_port: int = 0) -> int:
         """Listen for clients on `port` and for metrics on `metrics_port` (0: a free one, then
@@ -292,11 +293,27 @@ class Proxy:
             ))  # fmt: skip
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             self.stats.added[outcome].observe(time.perf_counter() - started - clock.waited)
-            return _unreachable(self.upstream, exc, outcome)
+            return self._unreachable(exc, outcome)
+        if self._upstream_down:
+            self._upstream_down = False
+            log.info("upstream %s answers again", redact_url(self.upstream))
         async with upstream:
             response = await self._relay(request, upstream, outcome, slot, clock)
         self.stats.added[outcome].observe(time.perf_counter() - started - clock.waited)
         return response
+
+    def _unreachable(self, exc: BaseException, outcome: str) -> web.Response:
+        """The 502 for an engine that did not answer. X-Kcache-Cache says what the cache did, as on any
+        other answer and as the request was counted: pass on a path it never answers, miss, or bypass.
+        Warned about once until the engine answers again: one that restarts under load is one event,
+        not a line per request."""
+        upstream = redact_url(self.upstream)  # the answer goes to any client, the log to anyone who reads it
+        level = logging.DEBUG if self._upstream_down else logging.WARNING
+        self._upstream_down = True
+        log.log(level, "upstream %s: %s", upstream, redact_text(str(exc)))
+        doc = {"error": {"message": f"kcache proxy: upstream {upstream} did not answer ({type(exc).__name__})",
+                         "type": "upstream_unreachable", "code": 502}}  # fmt: skip
+        return web.json_response(doc, status=502, headers={CACHE_HEADER: outcome})
 
     async def _relay(self, request, upstream, outcome, slot, clock) -> web.StreamResponse:
         """Copy the upstream answer chunk by chunk, recording it when it may be cached."""
@@ -427,16 +444,6 @@ async def _metrics_elsewhere(_request: web.Request) -> web.Response:
     doc = {"error": {"message": "kcache proxy: /metrics is on the proxy's metrics port (--metrics-port), "
                                 "not on this one", "type": "not_found", "code": 404}}  # fmt: skip
     return web.json_response(doc, status=404, headers={CACHE_HEADER: "pass"})
-
-
-def _unreachable(upstream: str, exc: BaseException, outcome: str) -> web.Response:
-    """The 502 for an engine that did not answer. X-Kcache-Cache says what the cache did, as on any
-    other answer and as the request was counted: pass on a path it never answers, miss, or bypass."""
-    upstream = redact_url(upstream)  # the answer goes to any client, the log to anyone who reads it
-    log.warning("upstream %s: %s", upstream, redact_text(str(exc)))
-    doc = {"error": {"message": f"kcache proxy: upstream {upstream} did not answer ({type(exc).__name__})",
-                     "type": "upstream_unreachable", "code": 502}}  # fmt: skip
-    return web.json_response(doc, status=502, headers={CACHE_HEADER: outcome})
 
 
 async def serve(config: ProxyConfig, host: str, port: int, metrics_port: int, on_ready, stop: asyncio.Event) -> None:
