@@ -25,7 +25,7 @@ from kcache import prefetch as prefetching
 from kcache.cli import main
 from kcache.store import pack_key
 from kcache.store.local import LocalStore
-from kcache.store.nodecache import NodeCacheStore
+from kcache.store.nodecache import NodeCacheStore, fill_limit
 
 KiB = 1024
 
@@ -425,6 +425,24 @@ def test_an_evict_lock_the_filler_cannot_open_is_warned_about_once(tmp_path, pub
     assert json.loads(proc.stdout)["targets"][0]["fetched"] == len(packs)
     warnings = [line for line in proc.stderr.decode().splitlines() if ".evict.lock" in line]
     assert len(warnings) == 1, warnings
+
+
+def test_a_file_too_large_to_be_the_pack_is_named_as_the_reason_prefetch_could_not_cache_it(tmp_path, published):
+    """A file at a pack's path larger than the pack can be is left alone (it may be another bundle's
+    larger pack), and prefetch reported the target as failed because the pack "is larger than the cap
+    or stayed locked": neither was true, and the operator was sent after the cap or a frozen pod."""
+    store, packs = published
+    node = tmp_path / "node"
+    planted = cached_path(node, packs[0])
+    planted.parent.mkdir(parents=True)
+    with open(planted, "wb") as f:
+        f.truncate(fill_limit(0) + 1)  # sparse: larger than any pack this bundle names can be
+    result = run_prefetch(store, node)
+    (target,) = json.loads(result.stdout)["targets"]
+    assert target["status"] == "error" and result.exit_code != 0
+    assert str(planted) in target["reason"] and "larger than the pack can be" in target["reason"], target
+    assert "cap" not in target["reason"] and "locked" not in target["reason"]
+    assert {p for p in packs if cached_path(node, p).exists()} == set(packs)  # the others are cached
 
 
 def test_a_held_evict_lock_costs_a_fill_no_wait(tmp_path, backing):

@@ -249,10 +249,20 @@ class NodeCacheStore:
         except OSError as exc:
             raise self._root_error(exc) from None
         if held is None:
-            raise RootError(str(self.directory), f"pack {pack_id[:12]} is larger than the cap or stayed locked")
+            raise RootError(str(self.directory), self._not_cached(pack_id, need))
         with held:
             size = os.fstat(held.fileno()).st_size
         return Warmed(pack_id, pack_id in self._fetched, size)
+
+    def _not_cached(self, pack_id: str, need: int) -> str:
+        """Why `warm` left a pack to the store: the file at its path, when it is larger than the pack can
+        be (left alone: it may be another bundle's larger pack), else the cap or a lock held too long."""
+        path = self._path(pack_id)
+        st = nodedir.lstat(path)
+        if st is not None and stat.S_ISREG(st.st_mode) and st.st_size > fill_limit(need):
+            return (f"{path} ({st.st_size} bytes) is larger than the pack can be; it is left alone, "
+                    "as another bundle's larger pack may be")  # fmt: skip
+        return f"pack {pack_id[:12]} is larger than the cap or stayed locked"
 
     @contextlib.contextmanager
     def keeping(self, packs: set[str]) -> Iterator[None]:
