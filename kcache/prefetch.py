@@ -175,8 +175,11 @@ def _warm(cache: NodeCacheStore, item: _Chosen, jobs: int, stop: threading.Event
         meter.add(files=1, bytes=needs[pack_id])
         return warmed
 
+    # Every pack is tried before a failure is the target's outcome: pool.map would cancel those not yet
+    # started at the first that raised, and one bad copy in the node cache kept the rest out of it.
     with meter, ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="kcache-prefetch") as pool:
-        warmed = list(pool.map(warm, packs))
+        futures = [pool.submit(warm, pack) for pack in packs]
+    warmed = [future.result() for future in futures]
     done = [w for w in warmed if w is not None]
     fetched = [w for w in done if w.fetched]
     log.info("prefetch of %s: %d packs (%d fetched) in %.2fs", target.name, len(packs), len(fetched),

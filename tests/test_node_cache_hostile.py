@@ -351,9 +351,9 @@ def published(tmp_path, monkeypatch):
     return store, packs
 
 
-def run_prefetch(store: Path, node: Path):
+def run_prefetch(store: Path, node: Path, *extra: str):
     args = ["prefetch", "--node-cache", str(node), "--model", "m", "--store", str(store), "--index", "none",
-            "--once", "--json"]  # fmt: skip
+            "--once", "--json", *extra]  # fmt: skip
     return in_thread(lambda: CliRunner().invoke(main, args, catch_exceptions=False))
 
 
@@ -443,6 +443,20 @@ def test_a_file_too_large_to_be_the_pack_is_named_as_the_reason_prefetch_could_n
     assert str(planted) in target["reason"] and "larger than the pack can be" in target["reason"], target
     assert "cap" not in target["reason"] and "locked" not in target["reason"]
     assert {p for p in packs if cached_path(node, p).exists()} == set(packs)  # the others are cached
+
+
+def test_one_pack_that_cannot_be_cached_keeps_none_of_the_others_out(tmp_path, published):
+    """prefetch warmed a target's packs with pool.map, which cancels the packs not yet started once one
+    fails: with one job, a bad file at the first pack's path kept every other pack out of the cache."""
+    store, packs = published
+    node = tmp_path / "node"
+    planted = cached_path(node, packs[0])  # packs are warmed in this (sorted) order
+    planted.parent.mkdir(parents=True)
+    with open(planted, "wb") as f:
+        f.truncate(fill_limit(0) + 1)
+    (target,) = json.loads(run_prefetch(store, node, "--jobs", "1").stdout)["targets"]
+    assert target["status"] == "error" and str(planted) in target["reason"], target
+    assert {p for p in packs[1:] if cached_path(node, p).exists()} == set(packs[1:])
 
 
 def test_a_held_evict_lock_costs_a_fill_no_wait(tmp_path, backing):
