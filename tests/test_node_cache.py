@@ -302,6 +302,25 @@ def test_a_read_only_node_cache_serves_its_packs_and_the_store_the_rest(tmp_path
     assert_restored(tmp_path / "root", files)
 
 
+@pytest.mark.parametrize("mode, from_node", [(0o700, False), (0o311, True)], ids=["private", "search-only"])
+def test_a_node_cache_the_pod_may_not_read_restores_from_the_store(tmp_path, bundle, mode, from_node):
+    """The prefetch DaemonSet made DIR as root, 0700 (or one the pod may search but not list); a pod
+    running as another user is given --node-cache DIR. The node cache can only cost time: the pod is
+    restored from the store (or the packs it may still open), not started cold by a usage error."""
+    url, endpoint, packs, files = bundle
+    node = tmp_path / "node"
+    cli(*prefetch_args(url, endpoint, node, "--once"))
+    os.chmod(node, mode)
+    os.chown(node, 4242, 4242)
+    os.chmod(tmp_path, 0o777)  # the unprivileged restore creates ROOT here
+    gets = PackGets()
+    with CuttingProxy(endpoint, after=0, cuts=0, cut_if=gets) as proxy:
+        result, err = restore_in_child(restore_args(url, proxy, tmp_path / "root", node))
+    assert result["status"] == "hit", err
+    assert sorted(gets.by_pack) == ([] if from_node else packs)
+    assert_restored(tmp_path / "root", files)
+
+
 def test_a_node_cache_on_a_read_only_mount_serves_its_packs(tmp_path, bundle):
     """`readOnly: true` on the pod's hostPath mount: EROFS, not EACCES, whoever the pod runs as."""
     url, endpoint, packs, files = bundle

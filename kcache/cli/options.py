@@ -328,13 +328,14 @@ def stderr_is_terminal() -> bool:
 def node_cache_option(fn=None, *, required: bool = False):
     """--node-cache DIR (KCACHE_NODE_CACHE): the node-local pack cache restore reads and prefetch fills.
 
-    Only prefetch, which needs it, refuses a file at DIR as a usage error; restore checks it itself
-    and reads from the store without the node cache (kcache.cli.restore_cmd)."""
+    Only prefetch, which needs it, refuses a file or an unreadable directory at DIR as a usage error;
+    restore checks it itself and reads from the store without the node cache (kcache.cli.restore_cmd):
+    a pod's user that may not read the DaemonSet's directory is restored, only without its packs."""
     if fn is None:
         return lambda f: node_cache_option(f, required=required)
     return click.option(
-        "--node-cache", type=NonEmptyPath(file_okay=not required, path_type=Path), envvar="KCACHE_NODE_CACHE",
-        required=required, metavar="DIR",
+        "--node-cache", type=NonEmptyPath(file_okay=not required, readable=required, path_type=Path),
+        envvar="KCACHE_NODE_CACHE", required=required, metavar="DIR",
         help="Node-local pack cache (a hostPath shared by the pods of a node): packs are read from it "
              "first, verified, and fetched into it on a miss (see `kcache prefetch`).",
     )(fn)  # fmt: skip
