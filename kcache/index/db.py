@@ -183,13 +183,22 @@ def _create_fresh(engine: Engine) -> bool:
     """An empty SQLite database gets the schema at HEAD straight from the models, stamped HEAD:
     0.01 s instead of alembic's 0.12 s of replaying every migration, and the same schema (the
     migrations test checks that models and migrations agree). False when it holds any table, or
-    another process created them first (then the caller looks again)."""
+    another process created them first (then the caller looks again).
+
+    All of it is one SQLite transaction: pysqlite commits each CREATE TABLE on its own, and a
+    process killed part-way (an OOM-killed pod, the node's first restore) left tables without a
+    revision, which every later command failed on ("table ... already exists"). What such a kill
+    left (some of kcache's tables, every one empty, no revision) is dropped and created again."""
     from kcache.index.models import Base
 
     try:
-        with engine.begin() as conn:
-            if inspect(conn).get_table_names():
+        with engine.connect() as conn, _ddl_transaction(conn):
+            found = inspect(conn).get_table_names()
+            if found and not _left_by_a_killed_create(conn, found, set(Base.metadata.tables)):
                 return False
+            for name in found:
+                log.warning("index %s: table %s without a schema revision, empty: created again", engine.url, name)
+                conn.exec_driver_sql(f'DROP TABLE "{name}"')
             Base.metadata.create_all(conn)
             conn.execute(text("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL, "
                               "CONSTRAINT alembic_version_pkc PRIMARY KEY (version_num))"))  # fmt: skip
@@ -199,6 +208,35 @@ def _create_fresh(engine: Engine) -> bool:
         if current_revision(engine) != HEAD:
             raise
         return True
+
+
+def _left_by_a_killed_create(conn, found: list[str], ours: set[str]) -> bool:
+    """Whether the tables `found` (no alembic_version among them) are what a creation killed before
+    it committed left: only kcache's own, and empty (nothing could write a row without a revision)."""
+    if not set(found) <= ours:
+        return False
+    return not any(conn.exec_driver_sql(f'SELECT 1 FROM "{name}" LIMIT 1').first() for name in found)
+
+
+@contextmanager
+def _ddl_transaction(conn) -> Iterator[None]:
+    """A SQLite transaction that DDL is part of, begun at once with the write lock (BEGIN IMMEDIATE:
+    what it looks at cannot change before it commits); rolled back on any failure."""
+    dbapi = conn.connection.driver_connection
+    isolation = dbapi.isolation_level
+    dbapi.isolation_level = None  # pysqlite then neither begins nor commits behind our back
+    try:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            if dbapi.in_transaction:  # SQLite ends some failed ones itself (SQLITE_FULL)
+                conn.exec_driver_sql("ROLLBACK")
+            raise
+        conn.exec_driver_sql("COMMIT")
+    finally:
+        conn.rollback()  # SQLAlchemy's own (autobegun) transaction: nothing is left in it
+        dbapi.isolation_level = isolation
 
 
 def describe_error(exc: Exception) -> str:

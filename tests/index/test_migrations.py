@@ -109,3 +109,63 @@ def test_processes_opening_an_old_sqlite_index_at_once_all_get_it_upgraded(tmp_p
     engine = make_engine(url)
     assert current_revision(engine) == HEAD
     engine.dispose()
+
+
+def test_a_process_killed_while_it_creates_a_fresh_sqlite_index_leaves_it_openable(tmp_path):
+    """The first publish or restore of a node creates the index; the pod is killed (SIGKILL, OOM) after
+    some of the tables were made. pysqlite commits each CREATE TABLE on its own, so the file held tables
+    without a schema revision, and every later command failed with "table ... already exists". The child
+    parks on a FIFO right after its first table is created; only then is it killed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    url = f"sqlite:///{tmp_path / 'i.db'}"
+    fifo = tmp_path / "after-first-table"
+    os.mkfifo(fifo)
+    first = next(iter(Base.metadata.sorted_tables)).name
+    code = ("import sys\nfrom sqlalchemy import event\nfrom kcache.index import Index\n"
+            "from kcache.index.models import Base\n"
+            f"event.listen(Base.metadata.tables[{first!r}], 'after_create', lambda *a, **k: open(sys.argv[2]).read())\n"
+            "Index.open(sys.argv[1])\n")  # fmt: skip
+    child = subprocess.Popen([sys.executable, "-c", code, url, str(fifo)], stderr=subprocess.PIPE, text=True)
+    with open(fifo, "w"):  # opens once the child has made its first table and waits on the FIFO
+        child.send_signal(signal.SIGKILL)
+        child.communicate(timeout=60)
+    index = Index.open(url)
+    assert current_revision(index.engine) == HEAD
+    with index.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    index.close()
+
+
+def test_an_index_a_killed_creation_left_without_a_revision_is_created_again(tmp_path):
+    """What such a kill left before creation was one transaction: some of kcache's tables, empty (no
+    command could write a row into them), and no revision. It is made whole, not refused for ever."""
+    url = f"sqlite:///{tmp_path / 'i.db'}"
+    engine = make_engine(url)
+    for table in list(Base.metadata.sorted_tables)[:2]:
+        table.create(engine)
+    engine.dispose()
+    index = Index.open(url)
+    assert current_revision(index.engine) == HEAD
+    with index.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    index.close()
+
+
+@pytest.mark.parametrize("what", ["a row", "a table of someone else's"])
+def test_a_database_without_a_revision_that_holds_data_is_never_dropped(tmp_path, what):
+    url = f"sqlite:///{tmp_path / 'i.db'}"
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE bundles (x INTEGER)")
+        conn.exec_driver_sql("INSERT INTO bundles VALUES (1)" if what == "a row" else "CREATE TABLE theirs (x INTEGER)")
+    engine.dispose()
+    with pytest.raises(IndexDbError):
+        Index.open(url)
+    engine = make_engine(url)
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM bundles").scalar() == (what == "a row")
+    engine.dispose()
