@@ -95,14 +95,19 @@ def current_revision(engine: Engine) -> str | None:
 
 
 def upgrade(engine: Engine, target: str = "head") -> tuple[str | None, str]:
-    """Apply pending migrations up to `target`. Returns (revision before, revision after)."""
+    """Apply pending migrations up to `target`. Returns (revision before, revision after).
+
+    On SQLite all of them are one transaction: alembic runs SQLite's DDL without one, so a process
+    killed part-way (the node's first command after a kcache upgrade, OOM-killed) left a table copy
+    or an index that every later upgrade failed on ("table _alembic_tmp_bundles already exists")."""
     from alembic import command
     from alembic.config import Config
 
     before = current_revision(engine)
     cfg = Config()
     cfg.set_main_option("script_location", str(resources.files("kcache._migrations")))
-    with engine.begin() as conn:
+    sqlite = engine.dialect.name == "sqlite"
+    with engine.connect() as conn, _ddl_transaction(conn) if sqlite else conn.begin():
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, target)
     return before, current_revision(engine) or ""

@@ -169,3 +169,36 @@ def test_a_database_without_a_revision_that_holds_data_is_never_dropped(tmp_path
     with engine.connect() as conn:
         assert conn.exec_driver_sql("SELECT count(*) FROM bundles").scalar() == (what == "a row")
     engine.dispose()
+
+
+@pytest.mark.parametrize("start, statement", [("0003", "_alembic_tmp_"), ("0004", "CREATE TABLE")],
+                         ids=["table-copied-by-batch", "new-table"])  # fmt: skip
+def test_a_process_killed_while_it_upgrades_a_sqlite_index_leaves_it_upgradable(tmp_path, start, statement):
+    """A node's index from an older kcache is upgraded in place by the first command of the new one; the
+    pod is killed part-way. Alembic runs SQLite's DDL without a transaction, so each statement stayed:
+    a table copy half made, an index already there, and every later command failed on it. The child
+    parks on a FIFO right after the first statement that names `statement`; only then is it killed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = make_engine(url)
+    upgrade(engine, start)
+    engine.dispose()
+    fifo = tmp_path / "mid-upgrade"
+    os.mkfifo(fifo)
+    code = ("import sys\nfrom sqlalchemy import Engine, event\nfrom kcache.index import Index\n"
+            "def park(conn, cursor, sql, *args):\n"
+            f"    if {statement!r} in sql:\n        open(sys.argv[2]).read()\n"
+            "event.listen(Engine, 'after_cursor_execute', park)\nIndex.open(sys.argv[1])\n")  # fmt: skip
+    child = subprocess.Popen([sys.executable, "-c", code, url, str(fifo)], stderr=subprocess.PIPE, text=True)
+    with open(fifo, "w"):  # opens once the child has run that statement and waits on the FIFO
+        child.send_signal(signal.SIGKILL)
+        child.communicate(timeout=60)
+    index = Index.open(url)
+    assert current_revision(index.engine) == HEAD
+    with index.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    index.close()
