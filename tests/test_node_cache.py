@@ -321,6 +321,26 @@ def test_a_node_cache_the_pod_may_not_read_restores_from_the_store(tmp_path, bun
     assert_restored(tmp_path / "root", files)
 
 
+@pytest.mark.parametrize("given", ["node", "node/packs"])
+def test_a_node_cache_below_a_directory_the_pod_may_not_search_restores_from_the_store(tmp_path, bundle, given):
+    """--node-cache names a path below a directory private to another user (a hostPath the DaemonSet
+    keeps 0700): even whether DIR exists cannot be known. The restore is a hit from the store, not a
+    cold start blamed on ROOT ("cannot write")."""
+    url, endpoint, packs, files = bundle
+    private = tmp_path / "private"
+    cli(*prefetch_args(url, endpoint, private / "node", "--once"))
+    os.chmod(private, 0o700)
+    os.chown(private, 4242, 4242)
+    os.chmod(tmp_path, 0o777)  # the unprivileged restore creates ROOT here
+    gets = PackGets()
+    with CuttingProxy(endpoint, after=0, cuts=0, cut_if=gets) as proxy:
+        result, err = restore_in_child(restore_args(url, proxy, tmp_path / "root", private / given))
+    assert result["status"] == "hit", err
+    assert sorted(gets.by_pack) == packs
+    assert "node cache" in err
+    assert_restored(tmp_path / "root", files)
+
+
 def test_a_node_cache_on_a_read_only_mount_serves_its_packs(tmp_path, bundle):
     """`readOnly: true` on the pod's hostPath mount: EROFS, not EACCES, whoever the pod runs as."""
     url, endpoint, packs, files = bundle

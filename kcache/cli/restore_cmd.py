@@ -214,9 +214,14 @@ class _Opening:
 
 def _through_node_cache(store, directory: Path, timeout: float):
     """`store` behind the node cache at `directory`, or alone when the node cache is misconfigured (a
-    typo in its cap, a file at its path): it can only save fetches, so it must not cost the warm start."""
+    typo in its cap, a file at its path, a path the pod may not reach): it can only save fetches, so it
+    must not cost the warm start."""
     try:
-        if directory.exists() and not directory.is_dir():
+        try:
+            usable = not directory.exists() or directory.is_dir()
+        except OSError as exc:  # EACCES: below another user's private directory (a 0700 hostPath)
+            raise ConfigError("--node-cache", str(directory), f"cannot be reached: {exc.strerror or exc}") from None
+        if not usable:
             raise ConfigError("--node-cache", str(directory), "is not a directory")
         from kcache.store.nodecache import NodeCacheStore  # only with --node-cache: ~4 ms of every other start
 
