@@ -143,9 +143,11 @@ class ResultCache:
             raise CacheUnavailable("skipped")
         self.stats.redis_waiting += 1
         try:
-            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+            if self._turns.locked():  # wait_for, not asyncio.timeout: that is Python 3.11's (kcache runs on 3.10)
+                await asyncio.wait_for(self._turns.acquire(), max(0.0, deadline - time.monotonic()))
+            else:  # a free turn is taken at once, without a task to wait on
                 await self._turns.acquire()
-        except TimeoutError:
+        except (asyncio.TimeoutError, TimeoutError):  # two classes before Python 3.11
             self.stats.redis_errors["busy"] += 1
             raise CacheUnavailable("busy") from None
         finally:

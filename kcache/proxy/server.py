@@ -162,14 +162,18 @@ class Proxy:
 
     async def close(self) -> None:
         """Stop serving within config.shutdown_timeout: requests in flight get half of it to finish."""
+
+        async def stop() -> None:
+            for runner in (self._runner, self._metrics_runner):
+                if runner is not None:
+                    await runner.cleanup()
+            await asyncio.gather(*self._storing, return_exceptions=True)  # each bounded by the Redis timeout
+
         try:
-            # A hard bound as well: aiohttp rounds each of its waits up to a whole second.
-            async with asyncio.timeout(self.config.shutdown_timeout):
-                for runner in (self._runner, self._metrics_runner):
-                    if runner is not None:
-                        await runner.cleanup()
-                await asyncio.gather(*self._storing, return_exceptions=True)  # each bounded by the Redis timeout
-        except TimeoutError:
+            # A hard bound as well: aiohttp rounds each of its waits up to a whole second. (wait_for, not
+            # asyncio.timeout: that is Python 3.11's, and kcache runs on 3.10.)
+            await asyncio.wait_for(stop(), self.config.shutdown_timeout)
+        except (asyncio.TimeoutError, TimeoutError):  # two classes before Python 3.11
             log.warning("requests still in flight after the shutdown timeout (%g s) are cut off",
                         self.config.shutdown_timeout)  # fmt: skip
         await self.session.close()
