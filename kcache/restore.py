@@ -71,7 +71,7 @@ from kcache.records import Event
 from kcache.relocate import relocate_staged
 from kcache.rootdir import STAGING_PREFIX
 from kcache.sources.base import torch_user
-from kcache.sources.inductor import RUN_AS_VAR
+from kcache.sources.inductor import RUN_AS_VAR, torch_user_name
 from kcache.store import Store
 from kcache.untrusted import one_line
 
@@ -216,11 +216,44 @@ def _open_and_restore(open_inputs, opened: list, root: Path, jobs: int, budget: 
         raise ConfigError("--fallback", str(fallback), "a fallback is 'toolchain' or 'layers'")
     inputs = open_inputs()
     opened.append(inputs)
+    _retire_other_keys_layers(root, inputs.fingerprint.bundle_key, budget.deadline)
     if require_signature and not inputs.trusted:
         raise ConfigError("--require-signature", "on", "needs at least one --trusted-key (or KCACHE_TRUSTED_KEYS)")
     policy = choice.Policy(inputs.trusted, require_signature)
     return _restore(inputs.store, inputs.index, inputs.fingerprint, root, jobs, budget, pinned, policy, fallback,
                     run_as, report)
+
+
+def _retire_other_keys_layers(root: Path, bundle_key: str, deadline: float | None) -> None:
+    """Empty layers when the last restore into ROOT (its marker says) was under another bundle key.
+
+    A kept ROOT (a hostPath, a volume that moves with the pod) holds what was restored or compiled
+    under the last start's key: on another kind of node, or with another image, its kernels are for
+    that one (torch's own keys do not see -march=native), and a miss left them in place, exported by
+    kcache.env and published by `publish --from ROOT` under the new key. They are moved into a
+    staging directory (deleted within the budget, or by the next restore). A ROOT without a marker
+    names no key, and is left as it is."""
+    previous = read_state(root) or {}
+    made_under = _layers_key(previous)
+    if made_under is None or made_under == bundle_key:
+        return
+    made_under = one_line(made_under[:80])  # from a file every container of the pod may write
+    users: set[str | None] = {None}
+    try:  # the last restore's model user, whose header directory that restore laid out
+        users.add(torch_user_name(previous["run_as"]) if isinstance(previous.get("run_as"), str) else None)
+    except ConfigError:  # ROOT is written by every container of the pod: a name that is none is skipped
+        pass
+    places = sorted({source.restore_dir(root) for user in users for source in layers.builtin(user)} | {root / "extra"})
+    retired = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=root))
+    for i, place in enumerate(places):
+        try:
+            if os.path.lexists(_inside(root, place)):
+                os.rename(place, retired / str(i))  # a link is moved, never followed
+        except (UnsafePath, OSError) as exc:
+            log.warning("cannot set aside %s, made under bundle key %s: %s", place, made_under, one_line(exc))
+    log.info("the layers in %s were made under bundle key %s, not %s: starting from empty layers",
+             root, made_under, bundle_key)  # fmt: skip
+    rootdir.delete_until(retired, deadline)
 
 
 def _fail(root: Path, opened: list[Opened], computed: Callable[[], Fingerprint | None], exc: Exception,
@@ -729,14 +762,24 @@ def _write_env(root: Path, layer_names, comment: str, run_as: str | None = None,
 def _write_state(result: RestoreResult, fp: Fingerprint | None, deadline: float | None = None) -> None:
     """The restore marker: restore has finished, with what outcome (readiness and /metrics read it),
     and the workload it computed ("inputs": what `publish --from ROOT` publishes under)."""
+    # The key ROOT's layers were made under: this restore's, or, when it never knew its own (the
+    # fingerprint failed and left the layers alone), the last one's, carried over.
+    layers_key = fp.bundle_key if fp is not None else _layers_key(read_state(result.root) or {})
     rootdir.clear(result.root / RESTORE_MARKER, stat.S_ISDIR, deadline)
     write_marker(result.root, RESTORE_MARKER, {
+        "layers_key": layers_key,
         "status": result.status, "bundle_key": result.bundle_key, "bundle_id": result.bundle_id,
         "files": result.files, "bytes": result.bytes, "seconds": round(result.seconds, 4),
         "reason": result.reason, "layers": list(result.layers), "donors": dict(result.donors),
         "inputs": {k: v for k, v in fp.facts.items() if is_workload_fact(k)} if fp else {},
         "run_as": result.user,  # whose header directory it laid out: `publish --from ROOT` reads it there
     })  # fmt: skip
+
+
+def _layers_key(state: dict) -> str | None:
+    """The bundle key a marker says ROOT's layers were made under (a marker from before layers_key: its bundle_key)."""
+    key = state.get("layers_key", state.get("bundle_key"))
+    return key if isinstance(key, str) else None
 
 
 def read_state(root: Path) -> dict | None:

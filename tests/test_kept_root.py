@@ -1,0 +1,70 @@
+"""A ROOT kept from one start to the next (a hostPath, a PersistentVolume) that the next start keys
+differently: another kind of node under a volume that moved with the pod, another image.
+
+The layers in ROOT were restored or compiled under the last key. A miss left them in place and
+kcache.env pointed torch at them: kernels built for another CPU (-march=native, which torch's own
+keys do not see) ran there, and `publish --from ROOT` or the watch sidecar filed them under the new
+key for every pod of that key. A restore under another key starts from empty layers.
+"""
+
+from pathlib import Path
+
+import pytest
+from trees import read_tree, write_tree
+
+from kcache import envfile, fingerprint, sources
+from kcache.errors import ConfigError
+from kcache.publish import PublishConfig, publish
+from kcache.restore import read_state, restore, restore_opening
+
+
+def publish_tree(store, index, fp, root: Path):
+    return publish(store, index, fp, sources.select(), root=root, env={}, config=PublishConfig(allow_empty=True))
+
+
+def test_a_miss_under_another_key_starts_from_empty_layers(store, sqlite_index, fp, tmp_path):
+    write_tree(tmp_path / "src", {"inductor/fx/a": b"avx512 kernel", "triton/k/k.cubin": b"sm_90"})
+    publish_tree(store, sqlite_index, fp, tmp_path / "src")
+    root = tmp_path / "root"
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    write_tree(root, {"inductor/fx/own": b"compiled after the restore", "extra/x/y": b"an extra layer"})
+    avx2 = fingerprint.compute({**fp.facts, "cpu.isa": "avx2"})
+    result = restore(store, sqlite_index, avx2, root)
+    assert result.status == "miss" and read_state(root)["bundle_key"] == avx2.bundle_key
+    assert read_tree(root / "inductor") == {} and read_tree(root / "triton") == {}
+    assert not (root / "extra/x").exists()
+    assert envfile.read(root / envfile.NAME)["TORCHINDUCTOR_CACHE_DIR"] == str(root / "inductor")
+
+
+def test_the_same_key_keeps_what_the_pod_compiled(store, sqlite_index, fp, tmp_path):
+    root = tmp_path / "root"
+    assert restore(store, sqlite_index, fp, root).status == "miss"
+    write_tree(root, {"inductor/fx/own": b"compiled on the cold start"})
+    assert restore(store, sqlite_index, fp, root).status == "miss"
+    assert set(read_tree(root / "inductor")) == {"fx/own"}
+
+
+def test_a_root_without_a_marker_is_left_as_it_is(store, sqlite_index, fp, tmp_path):
+    """No marker says under which key its layers were made: nothing to compare, nothing removed."""
+    root = tmp_path / "root"
+    write_tree(root, {"inductor/fx/own": b"from before kcache"})
+    assert restore(store, sqlite_index, fp, root).status == "miss"
+    assert set(read_tree(root / "inductor")) == {"fx/own"}
+
+
+def test_a_restore_that_never_knew_its_key_keeps_the_last_one(store, sqlite_index, fp, tmp_path):
+    """A fingerprint that fails leaves the layers alone, and its error marker still names the key they
+    were made under: the next start under another key empties them."""
+    root = tmp_path / "root"
+    restore(store, sqlite_index, fp, root)
+    write_tree(root, {"inductor/fx/own": b"compiled under the first key"})
+
+    def no_fingerprint():
+        raise ConfigError("--facts-file", "facts.json", "does not exist")
+
+    with pytest.raises(ConfigError):
+        restore_opening(no_fingerprint, root)
+    assert read_state(root)["status"] == "error" and read_state(root)["layers_key"] == fp.bundle_key
+    assert set(read_tree(root / "inductor")) == {"fx/own"}
+    restore(store, sqlite_index, fingerprint.compute({**fp.facts, "gpu.sm": "sm_90"}), root)
+    assert read_tree(root / "inductor") == {}
