@@ -7,7 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import tomllib
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: kcache depends on tomli there
+    import tomli as tomllib
 from click.testing import CliRunner
 from packaging.requirements import Requirement
 

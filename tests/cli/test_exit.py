@@ -6,7 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import tomllib
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: kcache depends on tomli there
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 # Runs the CLI as the script does; an exit hook registered first runs last, after the command.
