@@ -142,11 +142,7 @@ def test_after_a_prefetch_restores_get_no_pack_from_the_store(tmp_path, bundle):
 def test_a_corrupt_node_cache_file_is_detected_refetched_and_replaced(tmp_path, bundle):
     url, endpoint, packs, files = bundle
     node = tmp_path / "node"
-    cli(*prefetch_args(url, endpoint, node, "--once"))
-    victim = node / "packs" / packs[0][:2] / packs[0]
-    damaged = bytearray(victim.read_bytes())
-    damaged[len(damaged) // 2] ^= 0x40
-    victim.write_bytes(bytes(damaged))
+    victim = prefetch_and_damage(url, endpoint, node, packs[0])
     gets = PackGets()
     with CuttingProxy(endpoint, after=0, cuts=0, cut_if=gets) as proxy:
         result = cli(*restore_args(url, proxy, tmp_path / "root", node))
@@ -397,11 +393,7 @@ def test_a_corrupt_node_cache_file_is_warned_about_once_per_restore(tmp_path, bu
     copy: an operator is told about it once."""
     url, endpoint, packs, files = bundle
     node = tmp_path / "node"
-    cli(*prefetch_args(url, endpoint, node, "--once"))
-    victim = node / "packs" / packs[0][:2] / packs[0]
-    damaged = bytearray(victim.read_bytes())
-    damaged[len(damaged) // 2] ^= 0x40
-    victim.write_bytes(bytes(damaged))
+    victim = prefetch_and_damage(url, endpoint, node, packs[0])
     with caplog.at_level(logging.WARNING, logger="kcache"), CuttingProxy(endpoint, after=0, cuts=0) as proxy:
         result = cli(*restore_args(url, proxy, tmp_path / "root", node))
     assert json.loads(result.stdout)["status"] == "hit"
@@ -410,3 +402,13 @@ def test_a_corrupt_node_cache_file_is_warned_about_once_per_restore(tmp_path, bu
     assert len(warnings) == 1, warnings
     assert str(victim) in warnings[0]
     assert_restored(tmp_path / "root", files)
+
+
+def prefetch_and_damage(url: str, endpoint: str, node, pack: str):
+    """Prefetch the bundle into `node`, then flip one bit in the middle of `pack`'s copy there."""
+    cli(*prefetch_args(url, endpoint, node, "--once"))
+    victim = node / "packs" / pack[:2] / pack
+    damaged = bytearray(victim.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x40
+    victim.write_bytes(bytes(damaged))
+    return victim

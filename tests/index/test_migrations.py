@@ -117,9 +117,6 @@ def test_a_process_killed_while_it_creates_a_fresh_sqlite_index_leaves_it_openab
     without a schema revision, and every later command failed with "table ... already exists". The child
     parks on a FIFO right after its first table is created; only then is it killed."""
     import os
-    import signal
-    import subprocess
-    import sys
 
     url = f"sqlite:///{tmp_path / 'i.db'}"
     fifo = tmp_path / "after-first-table"
@@ -129,15 +126,8 @@ def test_a_process_killed_while_it_creates_a_fresh_sqlite_index_leaves_it_openab
             "from kcache.index.models import Base\n"
             f"event.listen(Base.metadata.tables[{first!r}], 'after_create', lambda *a, **k: open(sys.argv[2]).read())\n"
             "Index.open(sys.argv[1])\n")  # fmt: skip
-    child = subprocess.Popen([sys.executable, "-c", code, url, str(fifo)], stderr=subprocess.PIPE, text=True)
-    with open(fifo, "w"):  # opens once the child has made its first table and waits on the FIFO
-        child.send_signal(signal.SIGKILL)
-        child.communicate(timeout=60)
-    index = Index.open(url)
-    assert current_revision(index.engine) == HEAD
-    with index.engine.connect() as conn:
-        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
-    index.close()
+    kill_when_parked(code, url, fifo)  # once the child has made its first table
+    assert_whole_at_head(url)
 
 
 def test_an_index_a_killed_creation_left_without_a_revision_is_created_again(tmp_path):
@@ -179,9 +169,6 @@ def test_a_process_killed_while_it_upgrades_a_sqlite_index_leaves_it_upgradable(
     a table copy half made, an index already there, and every later command failed on it. The child
     parks on a FIFO right after the first statement that names `statement`; only then is it killed."""
     import os
-    import signal
-    import subprocess
-    import sys
 
     url = f"sqlite:///{tmp_path / 'old.db'}"
     engine = make_engine(url)
@@ -193,10 +180,24 @@ def test_a_process_killed_while_it_upgrades_a_sqlite_index_leaves_it_upgradable(
             "def park(conn, cursor, sql, *args):\n"
             f"    if {statement!r} in sql:\n        open(sys.argv[2]).read()\n"
             "event.listen(Engine, 'after_cursor_execute', park)\nIndex.open(sys.argv[1])\n")  # fmt: skip
+    kill_when_parked(code, url, fifo)  # once the child has run that statement
+    assert_whole_at_head(url)
+
+
+def kill_when_parked(code: str, url: str, fifo) -> None:
+    """Run `code` in a child (argv: url, fifo) and SIGKILL it once it opens the FIFO to wait on it."""
+    import signal
+    import subprocess
+    import sys
+
     child = subprocess.Popen([sys.executable, "-c", code, url, str(fifo)], stderr=subprocess.PIPE, text=True)
-    with open(fifo, "w"):  # opens once the child has run that statement and waits on the FIFO
+    with open(fifo, "w"):  # returns once the child opened the FIFO: it is parked there
         child.send_signal(signal.SIGKILL)
         child.communicate(timeout=60)
+
+
+def assert_whole_at_head(url: str) -> None:
+    """The next open finds (or makes) the index at HEAD with exactly the models' schema."""
     index = Index.open(url)
     assert current_revision(index.engine) == HEAD
     with index.engine.connect() as conn:
