@@ -8,6 +8,7 @@ import io
 import json
 import os
 import stat
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -168,6 +169,35 @@ def test_manifest_path_colliding_with_restore_internals_is_refused(store, sqlite
     with pytest.raises(KcacheError):
         restore(store, sqlite_index, fp, root, bundle_id=evil)
     assert_nothing_happened(root, outside)
+
+
+def deep_paths(layer: str, count: int, depth: int = 200) -> list[str]:
+    """`count` paths of `depth` directories each, apart from the second component down: every one
+    a directory of its own, each path ~3 KB (under PATH_MAX with the staging prefix)."""
+    return [f"{layer}/{n:04d}/" + "/".join(["d" * 14] * depth) + "/f" for n in range(count)]
+
+
+def traced_peak(run) -> int:
+    tracemalloc.start()
+    try:
+        run()
+        _now, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return peak
+
+
+def test_deep_paths_cost_restore_their_bytes_not_depth_squared(store, sqlite_index, fp, hello_pack, tmp_path):
+    """Each directory of each path is made once, and nothing keeps a string per directory: restore
+    had held every directory's full path (~320 KB for one path of 200 levels; a manifest at the cap,
+    ~10,000 such paths, ~3 GB), where the manifest itself is ~3 KB a path."""
+    paths = deep_paths("inductor", 64)
+    evil = put_manifest(store, fp, [row(path, hello_pack) for path in paths])
+    root = tmp_path / "root"
+    results = []
+    peak = traced_peak(lambda: results.append(restore(store, sqlite_index, fp, root, bundle_id=evil)))
+    assert results[0].status == "hit" and (root / paths[-1]).read_bytes() == HELLO
+    assert peak < 8 * 1024 * 1024  # measured ~20 MiB when a string of every directory was kept
 
 
 # ---- hostile restore roots -------------------------------------------------------------------------
