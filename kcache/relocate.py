@@ -22,6 +22,7 @@ under ROOT.
 from __future__ import annotations
 
 import ast
+import bisect
 import io
 import json
 import logging
@@ -57,7 +58,7 @@ class Layer:
 
     staged: Path  # staging/files/<subdir>
     target: Path  # where the swap will move it
-    known: frozenset[str]  # POSIX paths relative to the layer: every file and every parent directory
+    known: Tree  # POSIX paths relative to the layer: every file and every parent directory
     files: frozenset[str] = frozenset()  # the files alone
 
     def mapped(self, path: str, *, file: bool = False) -> str | None:
@@ -152,13 +153,30 @@ REWRITERS: dict[str, Rewriter] = {
 }
 
 
-def known_paths(rels: Iterable[str]) -> frozenset[str]:
-    """Every path and every parent directory of `rels` (the standalone adaptor's artifact may be a dir)."""
-    known: set[str] = set()
-    for rel in rels:
-        parts = rel.split("/")
-        known.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
-    return frozenset(known)
+class Tree:
+    """Paths and every directory above them, for `in`: the standalone adaptor's artifact may be a dir.
+
+    Holds the paths alone, sorted; a directory is known when a path starts with it and "/". A set of
+    every parent directory held each one's full path, quadratic in a path's depth (~320 KB for one
+    path of 200 levels, ~3 GB for a manifest at the cap of such paths, all from the store)."""
+
+    def __init__(self, rels: Iterable[str]):
+        self._paths = sorted(set(rels))
+
+    def __contains__(self, path: object) -> bool:
+        if not isinstance(path, str):
+            return False
+        at = bisect.bisect_left(self._paths, path)
+        if at < len(self._paths) and self._paths[at] == path:
+            return True
+        under = path + _SEP  # the paths below `path` sort together, where `path/` would
+        at = bisect.bisect_left(self._paths, under, at)
+        return at < len(self._paths) and self._paths[at].startswith(under)
+
+
+def known_paths(rels: Iterable[str]) -> Tree:
+    """Every path and every parent directory of `rels`."""
+    return Tree(rels)
 
 
 def relocate_staged(files: Path, root: Path, paths: Iterable[str], sources: Iterable) -> list[str]:

@@ -200,6 +200,24 @@ def test_deep_paths_cost_restore_their_bytes_not_depth_squared(store, sqlite_ind
     assert peak < 8 * 1024 * 1024  # measured ~20 MiB when a string of every directory was kept
 
 
+def test_deep_paths_beside_an_index_file_cost_relocation_their_bytes(store, sqlite_index, fp, tmp_path):
+    """Relocating a Triton group file looks its children up among the layer's files and directories
+    without a string for every directory: it had held all of them (as make_tree did, ~320 KB for one
+    200-level path), for any layer holding one index file."""
+    group = canonical.dumps({"child_paths": {}})
+    pack, _size, spots = put_pack(store, [(sha(HELLO), compress(HELLO), len(HELLO)),
+                                          (sha(group), compress(group), len(group))])  # fmt: skip
+    paths = deep_paths("triton", 64)
+    rows = [[p, 0o644, len(HELLO), sha(HELLO), pack, *spots[0]] for p in paths]
+    rows.append(["triton/k/__grp__add.json", 0o644, len(group), sha(group), pack, *spots[1]])
+    evil = put_manifest(store, fp, sorted(rows), layers=("triton",))
+    root = tmp_path / "root"
+    results = []
+    peak = traced_peak(lambda: results.append(restore(store, sqlite_index, fp, root, bundle_id=evil)))
+    assert results[0].status == "hit" and (root / "triton/k/__grp__add.json").read_bytes() == group
+    assert peak < 8 * 1024 * 1024  # measured ~20 MiB when every directory's path was kept
+
+
 # ---- hostile restore roots -------------------------------------------------------------------------
 
 
