@@ -567,7 +567,7 @@ def _fetch_all(store: Store, entries: tuple[manifests.Entry, ...], staging: Path
     # A time past any clock's skew (a day ahead) says nothing: that file gets the restore's time,
     # and no other moves for it.
     now = time.time_ns()
-    believable = [e.mtime_ns for e in entries if e.mtime_ns and e.mtime_ns <= now + _FUTURE_SKEW_NS]
+    believable = (e.mtime_ns for e in entries if e.mtime_ns and e.mtime_ns <= now + _FUTURE_SKEW_NS)
     shift = max(0, max(believable, default=0) - now)
     done: set[str] = set()  # blobs verified and staged: a retry leaves them be
     failed: set[str] = set()  # packs whose read or content failed (fetch_blobs says)
