@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import bisect
+import errno
 import io
 import json
 import logging
@@ -218,12 +219,24 @@ def _apply(rewriter: Rewriter, layer: Layer, rel: str) -> bool:
             raise Unmappable(f"is {st.st_size} bytes, too large for an index file")
         text = path.read_text(encoding="utf-8")
         new = rewriter.rewrite(text, layer)
+        if new is not None:
+            _write_back(path, new, st)
     except (Unmappable, ValueError, SyntaxError, MemoryError, RecursionError) as exc:
         log.warning("not restoring %s (%s): %s; the engine will rebuild it", rel, rewriter.name,
                     one_line(str(exc), _LOGGED_CHARS))  # a path from the store, clipped
         path.unlink()
         return False
-    if new is not None:
-        atomic.write_text(path, new, mode=st.st_mode & 0o777)
-        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # the published mtime, as for every file
     return True
+
+
+def _write_back(path: Path, text: str, st: os.stat_result) -> None:
+    """`text` over the staged file at `path`, with its mode and mtime. A name with no room left for
+    the temp sibling (`.tmp-<name>-XXXXXXXX` past NAME_MAX) is Unmappable: that index is dropped, as
+    one it cannot rewrite is, where ENAMETOOLONG had failed the whole restore."""
+    try:
+        atomic.write_text(path, text, mode=st.st_mode & 0o777)
+    except OSError as exc:
+        if exc.errno != errno.ENAMETOOLONG:
+            raise  # the disk's (ENOSPC, EACCES): the restore reports it
+        raise Unmappable(f"has a name too long for the temp file a rewrite needs: {exc.strerror}") from None
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # the published mtime, as for every file

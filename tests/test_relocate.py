@@ -240,3 +240,18 @@ def test_a_path_of_many_components_is_judged_by_its_last_ones_and_logged_clipped
     with caplog.at_level(logging.WARNING, logger="kcache.relocate"):
         assert relocate(layer, ["k/__grp__add.json"], ["triton-groups"]) == ["k/__grp__add.json"]
     assert max(len(r.getMessage()) for r in caplog.records) < 1000
+
+
+def test_a_group_file_whose_temp_name_is_too_long_is_dropped_not_the_restore(tmp_path, store, sqlite_index, fp):
+    """A group file named near NAME_MAX (255 bytes) has no room for the rewrite's temp sibling
+    (`.tmp-<name>-XXXXXXXX`): that one index file is dropped, as any it cannot rewrite is, and the
+    rest of the bundle is restored (ENAMETOOLONG had failed the whole restore: a cold start)."""
+    name = "__grp__" + "k" * 240 + ".json"
+    write_tree(tmp_path / "src", {
+        f"triton/{KEY}/add.cubin": b"\x7fELF",
+        f"triton/{KEY}/{name}": grp({"add.cubin": f"/pub/{KEY}/add.cubin"}),
+    })  # fmt: skip
+    publish(store, sqlite_index, fp, sources.select(["triton"]), root=tmp_path / "src", env={})
+    assert restore(store, sqlite_index, fp, tmp_path / "dst").status == "hit"
+    assert (tmp_path / f"dst/triton/{KEY}/add.cubin").read_bytes() == b"\x7fELF"
+    assert not (tmp_path / f"dst/triton/{KEY}/{name}").exists()  # Triton misses and recompiles the kernel
