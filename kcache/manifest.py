@@ -48,6 +48,10 @@ MODE_MASK = 0o777
 # million components in a manifest well under its size cap, which every restore, reindex and gc parses.
 MAX_PATH_BYTES = 4096
 MAX_PATH_COMPONENTS = 256
+# Layers a manifest may list: the ~15 built-in ones and the extra directories a publisher names. Each
+# becomes a Source, a prefix every path is checked against and, for an extra layer, an export in
+# kcache.env: two million names in a manifest under its cap had taken restore to 1.4 GiB.
+MAX_LAYERS = 256
 
 
 # Memory (scripts/bench_manifest_memory.py: tracemalloc, CPython 3.11, 100k entries of ~200
@@ -175,6 +179,10 @@ def parse(data: bytes, expected_id: str) -> Manifest:
         schema = doc.get("schema")
         if isinstance(schema, bool) or schema not in _ROW_LENGTH:
             raise ValueError(f"schema {schema!r} is not one of {sorted(_ROW_LENGTH)}")
+        if type(doc["layers"]) is not list:  # a string would have been a layer a character
+            raise ValueError("layers is not a list")
+        if len(doc["layers"]) > MAX_LAYERS:
+            raise ValueError(f"lists {len(doc['layers'])} layers, over the {MAX_LAYERS} a manifest may have")
         entries = tuple(_entry_from_row(n, row, _ROW_LENGTH[schema]) for n, row in enumerate(doc["entries"]))
         manifest = Manifest(
             str(doc["bundle_key"]),

@@ -218,6 +218,20 @@ def test_deep_paths_beside_an_index_file_cost_relocation_their_bytes(store, sqli
     assert peak < 8 * 1024 * 1024  # measured ~20 MiB when every directory's path was kept
 
 
+def test_a_manifest_listing_thousands_of_layers_is_refused(store, sqlite_index, fp, hello_pack, dirs):
+    """Each layer a manifest lists becomes a Source, a prefix to check every path against and, for
+    an extra layer, an export in kcache.env: 2 million names (32 MiB) took restore to 1.4 GiB and
+    would have written an export each into the file the model's shell sources. A real bundle lists
+    the built-in layers and a few extra directories."""
+    root, outside = dirs
+    names = [f"extra:x{n:05d}" for n in range(manifests.MAX_LAYERS + 1)]
+    evil = put_manifest(store, fp, [row("inductor/a", hello_pack)], layers=["inductor", *names])
+    with pytest.raises(IntegrityError, match=f"lists {manifests.MAX_LAYERS + 2} layers"):
+        restore(store, sqlite_index, fp, root, bundle_id=evil)
+    assert_nothing_happened(root, outside)
+    assert "KCACHE_EXTRA_" not in (root / "kcache.env").read_text()
+
+
 # ---- hostile restore roots -------------------------------------------------------------------------
 
 
