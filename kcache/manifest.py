@@ -172,6 +172,12 @@ def parse(data: bytes, expected_id: str) -> Manifest:
     actual = canonical.sha256(data)
     if actual != expected_id:
         raise IntegrityError("manifest", expected_id, f"content hashes to {actual}")
+    if (values := _values_in(data)) > len(data) // _BYTES_PER_VALUE + _VALUE_SLACK:
+        raise IntegrityError("manifest", expected_id, f"holds more JSON values than its {len(data)} bytes can in a "
+                             f"manifest ({values}; {_BYTES_PER_VALUE} bytes a value at least)")  # fmt: skip
+    if (pairs := data.count(b":")) > len(data) // _BYTES_PER_PAIR + _VALUE_SLACK:
+        raise IntegrityError("manifest", expected_id, f"holds more JSON values than its {len(data)} bytes can in a "
+                             f"manifest ({pairs} object members; {_BYTES_PER_PAIR} bytes one at least)")  # fmt: skip
     try:
         doc = json.loads(data)
         if type(doc) is not dict:
@@ -215,6 +221,25 @@ def parse(data: bytes, expected_id: str) -> Manifest:
     # The id is known to be right, and the bytes are not kept: what restore holds is the entries.
     manifest.__dict__["id"] = expected_id  # where functools.cached_property keeps it
     return manifest
+
+
+# json.loads makes up to ~64 bytes of Python of `[],` (3 bytes), ~59 of a two-character string, ~40 of
+# a number `1000,` and ~150 of a fact `"f00000001":"",` before a row is checked: 8-26 times the bytes,
+# where real rows take ~4.8 (720 MiB from 32 MiB of empty lists or layer_info, 410 MiB of facts). So
+# the values the bytes can make are counted first (strings by their quotes, the rest by the commas
+# and brackets around them; escaped quotes, commas in text count too: only more). A real row is 13
+# bytes a value at its smallest (a six-character path, one-digit sizes and times), ~17 typically.
+_BYTES_PER_VALUE = 10
+# A member of an object (a fact, a layer's info, a blob's chunk digests) costs more: a dict slot, and a
+# dict for each layer's info, then a copy for the canonical check (1 GB-ish per 32 MiB of them at 32
+# bytes each, ~150 MiB at this bound). Real ones are a few hundred, and a chunks member holds at
+# least two digests (~200 bytes); a colon inside text counts too (a path with one is still ~150).
+_BYTES_PER_PAIR = 128
+_VALUE_SLACK = 4096  # facts, layers and their info: a few hundred values, some of them short
+
+
+def _values_in(data: bytes) -> int:
+    return data.count(b",") + data.count(b"[") + data.count(b"{") + data.count(b'"') // 2
 
 
 def _same_bytes(pieces: Iterable[bytes], data: bytes) -> bool:

@@ -4,6 +4,7 @@ and a manifest's signature is checked before its bytes are fetched."""
 from __future__ import annotations
 
 import json
+import tracemalloc
 from datetime import datetime, timezone
 
 import pytest
@@ -11,9 +12,10 @@ from click.testing import CliRunner
 from faulty import CountingStore
 from trees import write_tree
 
-from kcache import fingerprint, limits, refs, signing, sources
+from kcache import canonical, fingerprint, limits, refs, signing, sources
+from kcache import manifest as manifests
 from kcache.cli import main
-from kcache.errors import ConfigError, ObjectTooLarge, SignatureError
+from kcache.errors import ConfigError, IntegrityError, ObjectTooLarge, SignatureError
 from kcache.publish import PublishConfig, publish
 from kcache.restore import restore
 from kcache.store import manifest_key, ref_key
@@ -134,3 +136,45 @@ def test_a_planted_ref_or_signature_over_its_cap_is_not_blamed_on_the_manifest_c
     assert out.exit_code == 6, out.output
     answer = json.loads(out.stdout)
     assert "refused unread" in answer["error"] and "KCACHE_MAX_MANIFEST_BYTES" not in answer["hint"], answer
+
+
+def _manifest_bytes(**fields) -> bytes:
+    doc = {"schema": 3, "bundle_key": "a" * 32, "toolchain_key": "t", "workload_key": "w", "facts": {},
+           "layers": ["cuda"], "layer_info": {}, "chunks": {}, "entries": []}  # fmt: skip
+    return canonical.dumps({**doc, **fields})
+
+
+MiB = 1024 * 1024
+# What json.loads makes of a few bytes, at its most: ~64 bytes of Python for `[],` or `{}`, ~59 for a
+# two-character string, ~40 for a four-digit number, ~150 for a fact.
+TINY_VALUES = {
+    "empty-lists": lambda n: _manifest_bytes(entries=[[]] * (n // 3)),
+    "tiny-strings": lambda n: _manifest_bytes(entries=[["ab"] * (n // 5)]),
+    "small-numbers": lambda n: _manifest_bytes(entries=[[1000] * (n // 5)]),
+    "facts": lambda n: _manifest_bytes(facts={f"f{i:08d}": "" for i in range(n // 15)}),
+    "layer-info": lambda n: _manifest_bytes(layer_info={f"l{i:07d}": {} for i in range(n // 14)}),
+}
+
+
+@pytest.mark.parametrize("shape", TINY_VALUES)
+def test_a_manifest_of_tiny_json_values_is_refused_before_it_is_parsed(shape):
+    """json.loads makes 8-26 times a manifest's bytes of such values (at the 32 MiB cap: 720 MiB of
+    empty lists, 720 MiB of layer_info, 410 MiB of facts), before any row is checked. Their number
+    is counted in the bytes first, as a pack trailer's entries are."""
+    data = TINY_VALUES[shape](4 * MiB)
+    manifest_id = canonical.sha256(data)
+    tracemalloc.start()
+    try:
+        with pytest.raises(IntegrityError, match="more JSON values than"):
+            manifests.parse(data, manifest_id)
+        _now, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < MiB  # refused before json.loads made anything of it
+
+
+def test_a_manifest_of_the_smallest_rows_still_parses():
+    """The rows with the fewest bytes a value (a six-character path, sizes and times of one digit)."""
+    rows = [[f"cuda/{i:05x}", 420, 1, "0" * 64, "1" * 64, 0, 1, 0] for i in range(20_000)]
+    data = _manifest_bytes(entries=rows)
+    assert len(manifests.parse(data, canonical.sha256(data)).entries) == 20_000
