@@ -48,6 +48,7 @@ MODE_MASK = 0o777
 # million components in a manifest well under its size cap, which every restore, reindex and gc parses.
 MAX_PATH_BYTES = 4096
 MAX_PATH_COMPONENTS = 256
+MAX_NAME_BYTES = 255  # NAME_MAX: one component of a path
 # Layers a manifest may list: the ~15 built-in ones and the extra directories a publisher names. Each
 # becomes a Source, a prefix every path is checked against and, for an extra layer, an export in
 # kcache.env: two million names in a manifest under its cap had taken restore to 1.4 GiB.
@@ -381,6 +382,10 @@ def check_path(path: str) -> str:
     for part in path.split("/"):
         if part in ("", ".", ".."):
             raise UnsafePath(path, "empty, '.' or '..' components are not allowed")
+        # No file system takes a longer name: restore's ENAMETOOLONG had blamed ROOT for the bundle.
+        if len(part) > MAX_NAME_BYTES // 4 and (size := len(part.encode("utf-8", "surrogatepass"))) > MAX_NAME_BYTES:
+            raise UnsafePath(_shown(path, quoted=False), f"has a name of {size} bytes, over the {MAX_NAME_BYTES} "
+                                                         "a file system takes")  # fmt: skip
     return path
 
 

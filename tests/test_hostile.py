@@ -97,6 +97,8 @@ HOSTILE = {
     "absolute-path": (_absolute, UnsafePath, "absolute paths"),
     "dot-dot": (lambda p, o: [row("inductor/../../outside/x", p)], UnsafePath, r"'\.\.'"),
     "empty-component": (lambda p, o: [row("inductor//x", p)], UnsafePath, "empty"),
+    # No file system takes a name past 255 bytes: the bundle's fault, not ROOT's (it was a RootError).
+    "name-past-name-max": (lambda p, o: [row("inductor/" + "é" * 128, p)], UnsafePath, "name of 256 bytes"),
     "backslash": (lambda p, o: [row("inductor\\..\\..\\outside\\x", p)], UnsafePath, "backslash"),
     "duplicate-path": (lambda p, o: [row("inductor/a", p), row("inductor/a", p)], UnsafePath, "appears twice"),
     "file-and-directory": (lambda p, o: [row("inductor/a", p), row("inductor/a/b", p)], UnsafePath,

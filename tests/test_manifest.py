@@ -161,8 +161,16 @@ def _stored(*paths: str) -> tuple[bytes, str]:
 
 
 def _longest(size: int, char: str = "k") -> str:
-    """The longest path under inductor/ of `char`s that is at most `size` UTF-8 bytes."""
-    return "inductor/" + char * ((size - len("inductor/")) // len(char.encode()))
+    """The longest path under inductor/ of `char`s, in names of about 100 (a name is 255 bytes at
+    most), that is at most `size` UTF-8 bytes."""
+    path = "inductor/"
+    while True:
+        name = path.rsplit("/", 1)[-1]
+        steps = ("/" + char, char) if len(name) >= 100 else (char,)
+        step = next((s for s in steps if len((path + s).encode()) <= size), None)
+        if step is None:
+            return path
+        path += step
 
 
 @pytest.mark.parametrize("char", ["k", "é"])
