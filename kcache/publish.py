@@ -54,6 +54,7 @@ from kcache.errors import (
     ObjectMissing,
     SignatureError,
     SourceDirError,
+    UnsafePath,
 )
 from kcache.fingerprint import NONE, Fingerprint
 from kcache.hashcache import HashCache, key_for
@@ -711,6 +712,7 @@ def _commit(store: Store, index: Index, fingerprint: Fingerprint, config: Publis
         manifest = _manifest(fingerprint, contents.layers, contents.entries, contents.info, contents.chunks)
         data = manifest.to_bytes()
         limits.check_manifest_size(len(data), len(manifest.entries))  # exact now: the first check was a lower bound
+        _check_readable(manifest, data)
         wrote = _write_manifest(store, manifest, data, config.signing_key)  # before the commit point
         yanked = _yanked_before(store, manifest) or index.was_yanked(manifest.id)
         if yanked:
@@ -918,6 +920,18 @@ def _yanked_before(store: Store, manifest: manifests.Manifest) -> bool:
         log.warning("cannot read the ref of %s for its yank list: %s", manifest.bundle_key, exc)
         return False
     return ref is not None and manifest.id in ref.yanked
+
+
+def _check_readable(manifest: manifests.Manifest, data: bytes) -> None:
+    """Every check a restore makes of a manifest's bytes (manifest.parse: more layers than it takes, more
+    JSON values than its bytes may make, a name no file system holds), made before the manifest is
+    written (packs already up are orphans to gc): one every pod refuses would make each restore of the
+    key a miss after this publish."""
+    try:
+        manifests.parse(data, manifest.id)
+    except (IntegrityError, UnsafePath) as exc:
+        raise IntegrityError("manifest", manifest.id, f"every restore would refuse it, so it is not published: "
+                             f"{exc}") from None  # fmt: skip
 
 
 def _upload_until_revived(collected: list[Collected], store: Store, index: Index, jobs: int, note,

@@ -248,3 +248,17 @@ def test_a_publish_from_root_that_leaves_out_a_restored_layer_is_refused(tmp_pat
     assert _bundles() == before
     assert _cli("publish", "--from", root, *WORKLOAD, *args, "--drop-layers").exit_code == 0
     assert len(_bundles()) == len(before) + 1
+
+
+def test_a_manifest_every_restore_would_refuse_is_not_published(tmp_path):
+    """Restore refuses a manifest of more than MAX_LAYERS layers (a store writer's 2M of them took a
+    restore to 1.4 GiB); publish wrote one from 257 --extra-dir, and every pod of the key missed."""
+    from kcache.manifest import MAX_LAYERS
+
+    extras = []
+    for i in range(MAX_LAYERS + 1):
+        write_tree(tmp_path / "x" / str(i), {"f": str(i).encode()})
+        extras += ["--extra-dir", f"x{i}={tmp_path / 'x' / str(i)}"]
+    result = _cli("publish", "--from", tmp_path / "x", "--model", "m", *extras, "--allow-empty")
+    assert result.exit_code != 0 and "every restore would refuse" in result.stderr, result.stderr
+    assert _bundles() == []
