@@ -117,6 +117,16 @@ class _Budget:
     deadline: float | None = None  # time.monotonic(): when the pod's budget ends
 
 
+@dataclass
+class _KeptLayers:
+    """Under which bundle key ROOT's layers are made, once this restore has compared them with its own
+    key: by the worker after opening, or by the error path when the worker never got that far."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    compared: bool = False
+    key: str | None = None
+
+
 class Catalog(Protocol):
     """Where restore finds the newest bundle: the SQL index, or refs in the store (kcache.refs)."""
 
@@ -188,20 +198,21 @@ def restore_opening(
         _forget_last_start(root)
         rootdir.remove_staging(root, deadline)  # what does not go in time waits for the next restore
         opened: list[Opened] = []  # filled by the worker, read here: what the error path may use
+        kept = _KeptLayers()
 
         def work(budget: _Budget) -> RestoreResult:
-            return _open_and_restore(open_inputs, opened, root, jobs, budget, bundle_id, require_signature, fallback,
-                                     run_as, report)
+            return _open_and_restore(open_inputs, opened, kept, root, jobs, budget, bundle_id, require_signature,
+                                     fallback, run_as, report)  # fmt: skip
 
         try:
             try:
                 result = _within(timeout, deadline, work)
-                _finish(root, result, opened[0].fingerprint)
+                _finish(root, result, opened[0].fingerprint, kept.key)
             except OSError as exc:  # the disk, not the bundle: ENOSPC, EACCES, a read-only volume
                 raise _root_error(root, exc) from exc
         except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - any failure, a kcache bug or a signal
             # included, must leave a pod that starts
-            _fail(root, opened, computed, exc, time.perf_counter() - started, deadline)
+            _fail(root, opened, kept, computed, exc, time.perf_counter() - started, deadline)
             raise
         _record(opened[0].index, Event("restore", result.status, result.bundle_key, result.bundle_id,
                                        result.files, result.bytes, result.seconds, result.reason or None),
@@ -209,14 +220,14 @@ def restore_opening(
         return result
 
 
-def _open_and_restore(open_inputs, opened: list, root: Path, jobs: int, budget: _Budget, pinned: str | None,
-                      require_signature: bool, fallback: str | None, run_as: str | None,
+def _open_and_restore(open_inputs, opened: list, kept: _KeptLayers, root: Path, jobs: int, budget: _Budget,
+                      pinned: str | None, require_signature: bool, fallback: str | None, run_as: str | None,
                       report: progress.Report | None) -> RestoreResult:  # fmt: skip
     if fallback not in (None, "toolchain", "layers"):
         raise ConfigError("--fallback", str(fallback), "a fallback is 'toolchain' or 'layers'")
     inputs = open_inputs()
     opened.append(inputs)
-    _retire_other_keys_layers(root, inputs.fingerprint.bundle_key, budget.deadline)
+    _compare_layers(root, inputs.fingerprint.bundle_key, kept, budget.deadline)
     if require_signature and not inputs.trusted:
         raise ConfigError("--require-signature", "on", "needs at least one --trusted-key (or KCACHE_TRUSTED_KEYS)")
     policy = choice.Policy(inputs.trusted, require_signature)
@@ -224,19 +235,36 @@ def _open_and_restore(open_inputs, opened: list, root: Path, jobs: int, budget: 
                     run_as, report)
 
 
-def _retire_other_keys_layers(root: Path, bundle_key: str, deadline: float | None) -> None:
+def _compare_layers(root: Path, bundle_key: str, kept: _KeptLayers, deadline: float | None, *,
+                    wait: bool = True) -> None:  # fmt: skip
+    """Empty layers made under another bundle key (`_set_aside_other_keys_layers`), once per restore:
+    `kept` then says they are `bundle_key`'s. Without `wait`, nothing is done while the worker compares."""
+    if not kept.lock.acquire(blocking=wait):
+        return
+    try:
+        if kept.compared:
+            return
+        retired = _set_aside_other_keys_layers(root, bundle_key)
+        kept.compared, kept.key = True, bundle_key
+    finally:
+        kept.lock.release()
+    if retired is not None:
+        rootdir.delete_until(retired, deadline)
+
+
+def _set_aside_other_keys_layers(root: Path, bundle_key: str) -> Path | None:
     """Empty layers when the last restore into ROOT (its marker says) was under another bundle key.
 
     A kept ROOT (a hostPath, a volume that moves with the pod) holds what was restored or compiled
     under the last start's key: on another kind of node, or with another image, its kernels are for
     that one (torch's own keys do not see -march=native), and a miss left them in place, exported by
     kcache.env and published by `publish --from ROOT` under the new key. They are moved into a
-    staging directory (deleted within the budget, or by the next restore). A ROOT without a marker
-    names no key, and is left as it is."""
+    staging directory, returned to be deleted (within the budget, or by the next restore). A ROOT
+    without a marker names no key, and is left as it is."""
     previous = read_state(root) or {}
     made_under = _layers_key(previous)
     if made_under is None or made_under == bundle_key:
-        return
+        return None
     made_under = one_line(made_under[:80])  # from a file every container of the pod may write
     users: set[str | None] = {None}
     try:  # the last restore's model user, whose header directory that restore laid out
@@ -253,11 +281,11 @@ def _retire_other_keys_layers(root: Path, bundle_key: str, deadline: float | Non
             log.warning("cannot set aside %s, made under bundle key %s: %s", place, made_under, one_line(exc))
     log.info("the layers in %s were made under bundle key %s, not %s: starting from empty layers",
              root, made_under, bundle_key)  # fmt: skip
-    rootdir.delete_until(retired, deadline)
+    return retired
 
 
-def _fail(root: Path, opened: list[Opened], computed: Callable[[], Fingerprint | None], exc: Exception,
-          seconds: float, deadline: float | None) -> None:  # fmt: skip
+def _fail(root: Path, opened: list[Opened], kept: _KeptLayers, computed: Callable[[], Fingerprint | None],
+          exc: Exception, seconds: float, deadline: float | None) -> None:  # fmt: skip
     """The pod starts cold, but with the right env and a marker that says why."""
     # Redacted: a driver's or a bug's message may quote a URL with its password, and every
     # container of the pod reads ROOT.
@@ -267,13 +295,21 @@ def _fail(root: Path, opened: list[Opened], computed: Callable[[], Fingerprint |
         reason = one_line(redact_text(str(exc) if isinstance(exc, KcacheError) else f"{type(exc).__name__}: {exc}"))
     fp = opened[0].fingerprint if opened else computed()
     bundle_key = fp.bundle_key if fp is not None else None
+    if fp is not None:  # opening the store or the index failed after the fingerprint: the layers were never compared
+        try:  # not while a worker that outlived the budget compares them: then they are the last key's
+            _compare_layers(root, fp.bundle_key, kept, deadline, wait=False)
+        except OSError as set_aside_error:
+            log.warning("cannot set aside the layers in %s: %s", root, set_aside_error.strerror or set_aside_error)
+    # The key ROOT's layers were made under: this restore's once it compared them, else (the fingerprint
+    # failed, or the layers could not be set aside) the last one's, carried over for the next start.
+    layers_key = kept.key if kept.compared else _layers_key(read_state(root) or {})
     failed = RestoreResult("error", bundle_key, None, root, root / envfile.NAME, seconds=seconds, reason=reason)
     # Each on its own (the marker still goes where the env file cannot); a layer whose place a link
     # carries out of ROOT, or that a file blocks (ROOT/tmp), is left out of the env file, not the whole
     # file. A directory planted at either name is moved aside, and deleted only while the budget lasts.
     for what, write in (("kcache.env", lambda: _write_env(root, (), _env_comment(failed), _safe_user(failed.user),
                                                           deadline, leave_out_unsafe=True)),
-                        ("the restore marker", lambda: _write_state(failed, fp, deadline))):  # fmt: skip
+                        ("the restore marker", lambda: _write_state(failed, fp, layers_key, deadline))):  # fmt: skip
         try:
             write()
         except (OSError, KcacheError) as write_error:
@@ -713,10 +749,10 @@ def _inside(root: Path, path: Path) -> Path:
     return path
 
 
-def _finish(root: Path, result: RestoreResult, fp: Fingerprint) -> None:
+def _finish(root: Path, result: RestoreResult, fp: Fingerprint, layers_key: str | None) -> None:
     """kcache.env, then the marker: once the marker is there, the env file matches it."""
     _write_env(root, result.layers, _env_comment(result), result.user)
-    _write_state(result, fp)
+    _write_state(result, fp, layers_key)
 
 
 def _env_comment(result: RestoreResult) -> str:
@@ -759,12 +795,11 @@ def _write_env(root: Path, layer_names, comment: str, run_as: str | None = None,
     return envfile.write(root, exports, comment)
 
 
-def _write_state(result: RestoreResult, fp: Fingerprint | None, deadline: float | None = None) -> None:
+def _write_state(result: RestoreResult, fp: Fingerprint | None, layers_key: str | None,
+                 deadline: float | None = None) -> None:  # fmt: skip
     """The restore marker: restore has finished, with what outcome (readiness and /metrics read it),
-    and the workload it computed ("inputs": what `publish --from ROOT` publishes under)."""
-    # The key ROOT's layers were made under: this restore's, or, when it never knew its own (the
-    # fingerprint failed and left the layers alone), the last one's, carried over.
-    layers_key = fp.bundle_key if fp is not None else _layers_key(read_state(result.root) or {})
+    the workload it computed ("inputs": what `publish --from ROOT` publishes under), and the bundle
+    key ROOT's layers were made under (`_compare_layers`)."""
     rootdir.clear(result.root / RESTORE_MARKER, stat.S_ISDIR, deadline)
     write_marker(result.root, RESTORE_MARKER, {
         "layers_key": layers_key,

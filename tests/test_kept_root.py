@@ -7,15 +7,16 @@ keys do not see) ran there, and `publish --from ROOT` or the watch sidecar filed
 key for every pod of that key. A restore under another key starts from empty layers.
 """
 
+import threading
 from pathlib import Path
 
 import pytest
 from trees import read_tree, write_tree
 
 from kcache import envfile, fingerprint, sources
-from kcache.errors import ConfigError
+from kcache.errors import ConfigError, RestoreTimeout, StoreError
 from kcache.publish import PublishConfig, publish
-from kcache.restore import read_state, restore, restore_opening
+from kcache.restore import Opened, read_state, restore, restore_opening
 
 
 def publish_tree(store, index, fp, root: Path):
@@ -68,3 +69,48 @@ def test_a_restore_that_never_knew_its_key_keeps_the_last_one(store, sqlite_inde
     assert set(read_tree(root / "inductor")) == {"fx/own"}
     restore(store, sqlite_index, fingerprint.compute({**fp.facts, "gpu.sm": "sm_90"}), root)
     assert read_tree(root / "inductor") == {}
+
+
+def test_a_restore_that_fails_after_its_fingerprint_leaves_no_other_keys_layers(store, sqlite_index, fp, tmp_path):
+    """The fingerprint came, the store or the index did not (a bucket out of reach, an index that hung
+    past the budget): the error marker names this start's key, so the layers must be this key's too, or
+    kcache.env points torch at another node's kernels and the next start under this key keeps them."""
+    root = tmp_path / "root"
+    restore(store, sqlite_index, fp, root)
+    write_tree(root, {"inductor/fx/own": b"compiled under the first key"})
+    avx2 = fingerprint.compute({**fp.facts, "cpu.isa": "avx2"})
+    computed = []
+
+    def store_out_of_reach():
+        computed.append(avx2)
+        raise StoreError("s3://bucket", "connection refused")
+
+    with pytest.raises(StoreError):
+        restore_opening(store_out_of_reach, root, computed=lambda: computed[0] if computed else None)
+    state = read_state(root)
+    assert state["status"] == "error" and state["bundle_key"] == avx2.bundle_key
+    assert read_tree(root / "inductor") == {} and state["layers_key"] == avx2.bundle_key
+
+
+def test_a_restore_whose_index_hangs_past_the_budget_leaves_no_other_keys_layers(store, sqlite_index, fp, tmp_path):
+    """The budget runs out while the index opens: the error path, not the worker still waiting on it,
+    empties the layers, and the worker that returns after that leaves them as they are."""
+    root = tmp_path / "root"
+    restore(store, sqlite_index, fp, root)
+    write_tree(root, {"inductor/fx/own": b"compiled under the first key"})
+    avx2 = fingerprint.compute({**fp.facts, "cpu.isa": "avx2"})
+    computed, answer = [], threading.Event()
+
+    def index_that_hangs():
+        computed.append(avx2)
+        answer.wait()
+        return Opened(store, sqlite_index, avx2)
+
+    try:
+        with pytest.raises(RestoreTimeout):
+            restore_opening(index_that_hangs, root, timeout=0.5, computed=lambda: computed[0] if computed else None)
+        state = read_state(root)
+        assert state["status"] == "error" and state["layers_key"] == avx2.bundle_key
+        assert read_tree(root / "inductor") == {}
+    finally:
+        answer.set()
