@@ -8,7 +8,7 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -232,9 +232,16 @@ def opened(cfg: config.Settings, *, store: bool = True, index: bool = True, jobs
 SETTING_PARAMS = {"store": "store_url", "index": "index_url", "endpoint": "s3_endpoint_url"}
 
 
-def settings(store_url, index_url, s3_endpoint_url) -> config.Settings:
-    origins = {name: where for name, param in SETTING_PARAMS.items() if (where := origin(param))}
+def settings(store_url, index_url, s3_endpoint_url, origins: Mapping[str, str] | None = None) -> config.Settings:
+    """The settings the command's flags and the environment give. Off click's thread (where no command
+    is current), pass the `setting_origins()` read on it, or messages name a flag the user never gave."""
+    origins = setting_origins() if origins is None else origins
     return config.resolve(store_url, index_url, s3_endpoint_url, origins=origins)
+
+
+def setting_origins() -> dict[str, str]:
+    """Where the running command's store, index and endpoint came from (`origin`), by setting."""
+    return {name: where for name, param in SETTING_PARAMS.items() if (where := origin(param))}
 
 
 def origin(param_name: str) -> str | None:

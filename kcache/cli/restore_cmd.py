@@ -27,6 +27,7 @@ from kcache.cli.options import (
     node_cache_option,
     read_jobs_option,
     require_signature_option,
+    setting_origins,
     settings,
     store_options,
 )
@@ -95,6 +96,7 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
     required, bad_flag = env_flag(REQUIRE_SIGNATURE_ENV)
     bundle_id, bad_bundle = _parse_bundle_id(bundle_id)
     ctx = click.get_current_context()
+    origins = setting_origins()  # read here: the store opens on a thread where no click command is current
     opened: list[Opened] = []
     computed: list[Fingerprint] = []  # once open_inputs has it: an error's marker and JSON name its key
 
@@ -107,8 +109,8 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
         # The store and the index open while the fingerprint is computed: botocore's import and
         # client (0.2-0.3 s) overlap NVML's start on a GPU node (~0.1 s). A fingerprint that fails
         # still fails first, and keeps its place in the error marker.
-        opening = _Opening(lambda: _open_store_and_index(store_url, index_url, s3_endpoint_url, jobs, node_cache,
-                                                         timeout))  # fmt: skip
+        opening = _Opening(lambda: _open_store_and_index(settings(store_url, index_url, s3_endpoint_url, origins),
+                                                         jobs, node_cache, timeout))  # fmt: skip
         try:
             with ctx.scope(cleanup=False):  # the fingerprint options live on click's context
                 fp = compute_fingerprint(model, model_config, facts, extras)
@@ -161,9 +163,7 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
                                     else ExitCode.MISS)  # fmt: skip
 
 
-def _open_store_and_index(store_url, index_url, s3_endpoint_url, jobs: int, node_cache: Path | None,
-                          timeout: float):  # fmt: skip
-    cfg = settings(store_url, index_url, s3_endpoint_url)
+def _open_store_and_index(cfg: config.Settings, jobs: int, node_cache: Path | None, timeout: float):
     config.check_endpoint(cfg)
     # A pod may restore before the first publish made the store: a miss, not an error (restore
     # writes nothing to the store, so it never creates one; cli.options.open_configured_store).

@@ -472,6 +472,10 @@ def test_an_s3_endpoint_that_is_no_http_url_is_a_usage_error(tmp_path, endpoint)
     assert "--s3-endpoint-url" in strict.stderr
     env = run("verify", "--store", "s3://bucket/prefix", code=ExitCode.USAGE, env={"AWS_ENDPOINT_URL": endpoint})
     assert "AWS_ENDPOINT_URL" in env.stderr
+    # restore opens the store off click's thread: it still names the variable the value came from
+    env = run("restore", "--into", tmp_path / "r", "--model", "m", "--store", "s3://bucket/prefix", "--strict",
+              code=ExitCode.USAGE, env={"AWS_ENDPOINT_URL": endpoint})  # fmt: skip
+    assert "AWS_ENDPOINT_URL" in env.stderr and "--s3-endpoint-url" not in env.stderr
 
 
 def test_an_s3_endpoint_is_not_checked_for_a_file_store(monkeypatch):
