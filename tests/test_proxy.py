@@ -1,5 +1,7 @@
 """kcache proxy against real Redis and a real OpenAI-compatible server (tests/engine_server.py)."""
 
+import asyncio
+import gc
 import hashlib
 import hmac
 import http.client
@@ -12,6 +14,7 @@ import threading
 import time
 import urllib.parse
 import uuid
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -25,8 +28,9 @@ from served import kcache_server
 from kcache import fingerprint
 from kcache.cli import main
 from kcache.proxy import entry, key, sse
-from kcache.proxy.cache import FAILURES_TO_SKIP
+from kcache.proxy.cache import FAILURES_TO_SKIP, ResultCache
 from kcache.proxy.server import ProxyConfig
+from kcache.proxy.stats import Stats
 from kcache.readiness import RESTORE_MARKER, write_marker
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -737,3 +741,37 @@ def test_a_stream_the_engine_cuts_short_is_cut_short_for_the_client_and_not_cach
                 conn.close()
         assert len(dying.completions) == 2
         assert proxy.metric("kcache_proxy_not_stored_total", reason="upstream_error") == 2
+
+
+def test_a_lookup_cancelled_while_it_waits_for_a_connection_leaves_no_coroutine_unawaited():
+    """A request cancelled while its Redis call waits for a turn (the proxy stopping under load) closes the
+    call it will never make: Python otherwise warns, at shutdown, of a coroutine never awaited."""
+    async def cancel_a_waiter() -> None:
+        stats = Stats()
+        cache = ResultCache(REDIS_URL, stats, prefix=f"kcache:test:{uuid.uuid4().hex}:", ttl=60, timeout=60,
+                            retry_after=1, max_bytes=1 << 20, connections=1)  # fmt: skip
+        held, release = asyncio.Event(), asyncio.Event()
+
+        async def hold_the_turn():
+            await cache._turn(time.monotonic() + 60)
+            held.set()
+            await release.wait()
+            cache._turns.release()
+
+        holder = asyncio.create_task(hold_the_turn())
+        await held.wait()
+        waiter = asyncio.create_task(cache.put("k", b"v"))
+        while stats.redis_waiting == 0:
+            await asyncio.sleep(0)  # a turn of the loop, not a wait for time
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        release.set()
+        await holder
+        await cache.close()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        asyncio.run(cancel_a_waiter())
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)], [str(w.message) for w in caught]

@@ -120,7 +120,7 @@ class ResultCache:
         deadline = time.monotonic() + self.timeout
         try:
             await self._turn(deadline)
-        except CacheUnavailable:
+        except BaseException:  # CacheUnavailable, or the request cancelled while it waited (the proxy stopping)
             command.close()  # the coroutine never ran; close it so Python does not warn
             raise
         try:
