@@ -125,6 +125,7 @@ class _KeptLayers:
     lock: threading.Lock = field(default_factory=threading.Lock)
     compared: bool = False
     key: str | None = None
+    retired: Path | None = None  # where another key's layers went: deleted once the restore is done
 
 
 class Catalog(Protocol):
@@ -217,6 +218,7 @@ def restore_opening(
         _record(opened[0].index, Event("restore", result.status, result.bundle_key, result.bundle_id,
                                        result.files, result.bytes, result.seconds, result.reason or None),
                 deadline)  # fmt: skip
+        _delete_retired(kept, deadline)
         return result
 
 
@@ -227,7 +229,7 @@ def _open_and_restore(open_inputs, opened: list, kept: _KeptLayers, root: Path, 
         raise ConfigError("--fallback", str(fallback), "a fallback is 'toolchain' or 'layers'")
     inputs = open_inputs()
     opened.append(inputs)
-    _compare_layers(root, inputs.fingerprint.bundle_key, kept, budget.deadline)
+    _compare_layers(root, inputs.fingerprint.bundle_key, kept)
     if require_signature and not inputs.trusted:
         raise ConfigError("--require-signature", "on", "needs at least one --trusted-key (or KCACHE_TRUSTED_KEYS)")
     policy = choice.Policy(inputs.trusted, require_signature)
@@ -235,17 +237,28 @@ def _open_and_restore(open_inputs, opened: list, kept: _KeptLayers, root: Path, 
                     run_as, report)
 
 
-def _compare_layers(root: Path, bundle_key: str, kept: _KeptLayers, deadline: float | None, *,
-                    wait: bool = True) -> None:  # fmt: skip
+def _compare_layers(root: Path, bundle_key: str, kept: _KeptLayers, *, wait: bool = True) -> None:
     """Empty layers made under another bundle key (`_set_aside_other_keys_layers`), once per restore:
-    `kept` then says they are `bundle_key`'s. Without `wait`, nothing is done while the worker compares."""
+    `kept` then says they are `bundle_key`'s. Without `wait`, nothing is done while the worker compares.
+    What was set aside is deleted by `_delete_retired` once the restore is done: a hundred thousand
+    files on a slow volume must not take the budget the bundle's fetch needs."""
     if not kept.lock.acquire(blocking=wait):
         return
     try:
-        if kept.compared:
-            return
-        retired = _set_aside_other_keys_layers(root, bundle_key)
-        kept.compared, kept.key = True, bundle_key
+        if not kept.compared:
+            kept.retired = _set_aside_other_keys_layers(root, bundle_key)
+            kept.compared, kept.key = True, bundle_key
+    finally:
+        kept.lock.release()
+
+
+def _delete_retired(kept: _KeptLayers, deadline: float | None) -> None:
+    """What `_compare_layers` set aside, as much of it as the budget allows (the next restore deletes the
+    rest, and all of it while a worker that outlived the budget still holds `kept`)."""
+    if not kept.lock.acquire(blocking=False):
+        return
+    try:
+        retired, kept.retired = kept.retired, None
     finally:
         kept.lock.release()
     if retired is not None:
@@ -297,7 +310,7 @@ def _fail(root: Path, opened: list[Opened], kept: _KeptLayers, computed: Callabl
     bundle_key = fp.bundle_key if fp is not None else None
     if fp is not None:  # opening the store or the index failed after the fingerprint: the layers were never compared
         try:  # not while a worker that outlived the budget compares them: then they are the last key's
-            _compare_layers(root, fp.bundle_key, kept, deadline, wait=False)
+            _compare_layers(root, fp.bundle_key, kept, wait=False)
         except OSError as set_aside_error:
             log.warning("cannot set aside the layers in %s: %s", root, set_aside_error.strerror or set_aside_error)
     # The key ROOT's layers were made under: this restore's once it compared them, else (the fingerprint
@@ -316,6 +329,7 @@ def _fail(root: Path, opened: list[Opened], kept: _KeptLayers, computed: Callabl
             log.warning("cannot write %s in %s: %s", what, root, one_line(write_error))
     if opened:
         _record(opened[0].index, Event("restore", "error", bundle_key, None, 0, 0, seconds, reason), deadline)
+    _delete_retired(kept, deadline)
 
 
 @contextmanager

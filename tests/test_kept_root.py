@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from trees import read_tree, write_tree
 
-from kcache import envfile, fingerprint, sources
+from kcache import envfile, fingerprint, removal, sources
 from kcache.errors import ConfigError, RestoreTimeout, StoreError
 from kcache.publish import PublishConfig, publish
 from kcache.restore import Opened, read_state, restore, restore_opening
@@ -114,3 +114,29 @@ def test_a_restore_whose_index_hangs_past_the_budget_leaves_no_other_keys_layers
         assert read_tree(root / "inductor") == {}
     finally:
         answer.set()
+
+
+def test_deleting_another_keys_layers_costs_the_hit_no_budget(store, sqlite_index, fp, tmp_path, monkeypatch):
+    """What was set aside (a hundred thousand files, a slow volume) was deleted before anything was
+    chosen, waiting up to the whole budget for it: the restore then ran out of time and started cold
+    though a bundle matched. It is deleted once the bundle is in place, as the layers a swap replaces."""
+    avx2 = fingerprint.compute({**fp.facts, "cpu.isa": "avx2"})
+    write_tree(tmp_path / "src", {"inductor/fx/a": b"avx2 kernel"})
+    publish_tree(store, sqlite_index, avx2, tmp_path / "src")
+    root = tmp_path / "root"
+    restore(store, sqlite_index, fp, root)
+    write_tree(root, {"inductor/fx/own": b"compiled under the first key"})
+    volume_answers = threading.Event()
+    real_remove_tree = removal.remove_tree
+
+    def slow_volume(path):  # a deletion that takes longer than the budget
+        volume_answers.wait()
+        real_remove_tree(path)
+
+    monkeypatch.setattr(removal, "remove_tree", slow_volume)
+    try:
+        result = restore(store, sqlite_index, avx2, root, timeout=3)
+        assert result.status == "hit", result.reason
+        assert set(read_tree(root / "inductor")) == {"fx/a"} and read_state(root)["layers_key"] == avx2.bundle_key
+    finally:
+        volume_answers.set()
