@@ -12,12 +12,10 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import redis
 
 from kcache.proxy.server import Proxy, ProxyConfig
 
@@ -104,25 +102,24 @@ class PrivateRedis:
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(workdir),
              "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )  # fmt: skip
-        self._wait_until_answering()
+        self._wait_until_ready()
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def _wait_until_answering(self, deadline_s: float = 20) -> None:
-        client = redis.Redis(port=self.port, socket_timeout=1)
-        give_up = time.monotonic() + deadline_s
-        while True:
-            try:
-                client.ping()
+    def _wait_until_ready(self) -> None:
+        """Until redis-server logs that it accepts connections (it ends its output if it cannot start);
+        the rest of its log is drained on a thread, so a full pipe never stops it."""
+        seen = []
+        for line in self.proc.stdout:
+            if b"Ready to accept connections" in line:
+                threading.Thread(target=self.proc.stdout.read, daemon=True).start()
                 return
-            except redis.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > give_up:
-                    raise RuntimeError(f"redis-server on port {self.port} did not start") from None
-                time.sleep(0.05)
+            seen.append(line.decode(errors="replace"))
+        raise RuntimeError(f"redis-server on port {self.port} did not start: {''.join(seen[-5:])}")
 
     def pause(self) -> None:
         self.proc.send_signal(signal.SIGSTOP)  # alive but silent: a slow or black-holed Redis
