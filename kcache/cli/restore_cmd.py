@@ -6,6 +6,7 @@ import os
 import re
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import click
@@ -109,7 +110,7 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
         # The store and the index open while the fingerprint is computed: botocore's import and
         # client (0.2-0.3 s) overlap NVML's start on a GPU node (~0.1 s). A fingerprint that fails
         # still fails first, and keeps its place in the error marker.
-        opening = _Opening(lambda: _open_store_and_index(settings(store_url, index_url, s3_endpoint_url, origins),
+        opening = _opening(lambda: _open_store_and_index(settings(store_url, index_url, s3_endpoint_url, origins),
                                                          jobs, node_cache, timeout))  # fmt: skip
         try:
             with ctx.scope(cleanup=False):  # the fingerprint options live on click's context
@@ -117,7 +118,7 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
             computed.append(fp)
             trusted = load_trusted_keys(trusted_keys)
         except BaseException:
-            opening.abandon()
+            _abandon(opening)
             raise
         store, index = opening.result()
         opened.append(Opened(store, index, fp, trusted))
@@ -173,43 +174,24 @@ def _open_store_and_index(cfg: config.Settings, jobs: int, node_cache: Path | No
     return store, open_for_restore(cfg, store)
 
 
-class _Opening:
-    """`open_both()` run on a thread of its own; `result()` waits for its (store, index) or raises its
-    error. After `abandon()` (the fingerprint failed), an index it opens is closed as it arrives."""
+def _opening(open_both) -> Future:
+    """`open_both()` on a daemon thread of its own (a hung index must not hold the process at exit);
+    its (store, index), or its error, in the Future."""
+    future: Future = Future()
 
-    def __init__(self, open_both):
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._abandoned = False
-        self._value = self._error = None
-        self._open_both = open_both
-        threading.Thread(target=self._run, name="kcache-open", daemon=True).start()
-
-    def _run(self) -> None:
+    def run() -> None:
         try:
-            value = self._open_both()
+            future.set_result(open_both())
         except BaseException as exc:  # noqa: BLE001 - handed to result()'s caller
-            self._error = exc
-            value = None
-        with self._lock:
-            self._value = value
-            self._done.set()
-            close = value is not None and self._abandoned
-        if close:
-            _close_quietly(value[1])
+            future.set_exception(exc)
 
-    def result(self):
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-        return self._value
+    threading.Thread(target=run, name="kcache-open", daemon=True).start()
+    return future
 
-    def abandon(self) -> None:
-        with self._lock:
-            self._abandoned = True
-            close = self._done.is_set() and self._value is not None
-        if close:
-            _close_quietly(self._value[1])
+
+def _abandon(opening: Future) -> None:
+    """The fingerprint failed: the index `opening` gives, now or later, is closed as it arrives."""
+    opening.add_done_callback(lambda done: done.exception() is None and _close_quietly(done.result()[1]))
 
 
 def _through_node_cache(store, directory: Path, timeout: float):
