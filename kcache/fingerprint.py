@@ -215,13 +215,16 @@ def with_model(fp: Fingerprint, model: str) -> Fingerprint:
 _IDENTITY_FACTS = ("model.id", "model.config")
 
 
+def _blank_identity(facts: Mapping[str, str]) -> str | None:
+    """The model-identity fact `facts` give blank, if any: it would key a bundle no pod naming its
+    model ever restores (a variable expanded to nothing), so it is refused as a blank --model is."""
+    return next((name for name in _IDENTITY_FACTS if name in facts and not facts[name].strip()), None)
+
+
 def _refuse_blank_identity(overrides: Mapping[str, str]) -> None:
-    """A blank --fact model.id= (a variable expanded to nothing) is refused as a blank --model is: it
-    would key a bundle no pod naming its model ever restores."""
-    for name in _IDENTITY_FACTS:
-        if name in overrides and not overrides[name].strip():
-            raise ConfigError(f"--fact {name}", overrides[name], "is blank; give the model identity "
-                              "(e.g. --model meta-llama/Llama-3.1-8B), or leave the fact out")  # fmt: skip
+    if name := _blank_identity(overrides):
+        raise ConfigError(f"--fact {name}", overrides[name], "is blank; give the model identity "
+                          "(e.g. --model meta-llama/Llama-3.1-8B), or leave the fact out")  # fmt: skip
 
 
 def _warn_unknown(overrides: Mapping[str, str], facts: Mapping[str, str]) -> None:
@@ -263,10 +266,9 @@ def load_facts_file(path: Path) -> dict[str, str]:
     if missing:
         raise ConfigError("--facts-file", str(path), f"lacks the core facts {', '.join(missing)}; write it with "
                           "`kcache fingerprint --json` in the model container, with this kcache version")  # fmt: skip
-    for name in _IDENTITY_FACTS:  # refused as --fact model.id= is: a kcache that took that flag wrote these
-        if name in facts and not facts[name].strip():
-            raise ConfigError("--facts-file", str(path), f"has a blank {name}; write it again with `kcache "
-                              "fingerprint --json` and the model's identity, or leave the fact out")  # fmt: skip
+    if name := _blank_identity(facts):  # refused as --fact model.id= is: a kcache that took that flag wrote it
+        raise ConfigError("--facts-file", str(path), f"has a blank {name}; write it again with `kcache "
+                          "fingerprint --json` and the model's identity, or leave the fact out")  # fmt: skip
     return {str(k): v for k, v in facts.items()}
 
 
