@@ -72,6 +72,7 @@ from kcache.records import BlobLocation, Bundle, Event
 from kcache.sources import ExtraSource, FileInfo, Source
 from kcache.sources import for_manifest as sources_for_manifest
 from kcache.store import Store, manifest_key, pack_key
+from kcache.untrusted import one_line
 from kcache.workdir import staging, workdir
 
 if TYPE_CHECKING:  # the SQL layer loads only when a caller opens an index
@@ -541,6 +542,8 @@ def publish(
         raise SourceDirError("--from", str(root), "does not exist" if not Path(root).exists() else "is not a directory")
     note = progress or (lambda _msg: None)
 
+    if root is not None:
+        sources = _made_here(Path(root), fingerprint, sources, env)
     found = collect(sources, root=root, env=env)
     if not found and not config.allow_empty:
         where = str(root) if root is not None else "the live cache directories"
@@ -576,6 +579,37 @@ def _check_vouched(facts: Mapping[str, str], sources: list[Source]) -> None:
         why = (f"the facts name no torch, but {', '.join(built)} kernels are built against it; publish where "
                "the model's torch is importable, or with --facts-file from the model container")
         raise ConfigError("publish", f"torch.version={facts.get('torch.version', NONE)}", why)
+
+
+def _made_here(root: Path, fingerprint: Fingerprint, sources: list[Source],
+               env: Mapping[str, str]) -> list[Source]:  # fmt: skip
+    """`sources` without the layers the restore marker says are another key's, left in place by a
+    restore that could not set them aside; ConfigError when it says all of ROOT's layers were made on
+    another toolchain (a kept ROOT whose last restore failed before comparing them, or ran elsewhere).
+    Filed under this key, another machine's kernels (-march=native, another GPU) would reach every
+    pod of it. Only the toolchain is compared: workload flags may rightly override the record's."""
+    state = readiness.read_marker(root, readiness.RESTORE_MARKER) or {}
+    made_under, toolchain = state.get("layers_key"), state.get("toolchain_key")
+    if isinstance(made_under, str) and (made_under != state.get("bundle_key") or (
+            isinstance(toolchain, str) and toolchain != fingerprint.toolchain_key)):  # fmt: skip
+        why = (f"its layers were made under bundle key {one_line(made_under, 80)} on another toolchain than this "
+               "publish's (the restore marker says so): kernels for another machine or image; restore into ROOT "
+               "on this machine first, or publish from where they were compiled")
+        raise ConfigError("--from", str(root), why)
+    kept_back = state.get("kept_back")
+    if not isinstance(kept_back, dict) or not kept_back:
+        return sources
+    places = [root / place for place in kept_back if isinstance(place, str)]
+    made_here = []
+    for source in sources:
+        place = source.restore_dir(root)
+        named = isinstance(source, ExtraSource) and source.live_dirs(env)  # read from that path, not ROOT
+        if not named and any(place == other or other in place.parents for other in places):
+            log.warning("leaving out layer %s: the restore into %s could not set aside the files another bundle "
+                        "key made there", source.name, root)  # fmt: skip
+            continue
+        made_here.append(source)
+    return made_here
 
 
 def _check_keeps_restored(root: Path, bundle_key: str, layers: list[str]) -> None:

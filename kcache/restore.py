@@ -126,6 +126,9 @@ class _KeptLayers:
     compared: bool = False
     key: str | None = None
     retired: Path | None = None  # where another key's layers went: deleted once the restore is done
+    # Layers of another key that could not be set aside (a volume mounted at one: EBUSY), by place
+    # under ROOT: left out of kcache.env, named in the marker so `publish --from ROOT` refuses them.
+    kept_back: dict[str, str] = field(default_factory=dict)
 
 
 class Catalog(Protocol):
@@ -208,7 +211,7 @@ def restore_opening(
         try:
             try:
                 result = _within(timeout, deadline, work)
-                _finish(root, result, opened[0].fingerprint, kept.key)
+                _finish(root, result, opened[0].fingerprint, kept)
             except OSError as exc:  # the disk, not the bundle: ENOSPC, EACCES, a read-only volume
                 raise _root_error(root, exc) from exc
         except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - any failure, a kcache bug or a signal
@@ -246,7 +249,7 @@ def _compare_layers(root: Path, bundle_key: str, kept: _KeptLayers, *, wait: boo
         return
     try:
         if not kept.compared:
-            kept.retired = _set_aside_other_keys_layers(root, bundle_key)
+            kept.retired, kept.kept_back = _set_aside_other_keys_layers(root, bundle_key)
             kept.compared, kept.key = True, bundle_key
     finally:
         kept.lock.release()
@@ -265,20 +268,21 @@ def _delete_retired(kept: _KeptLayers, deadline: float | None) -> None:
         rootdir.delete_until(retired, deadline)
 
 
-def _set_aside_other_keys_layers(root: Path, bundle_key: str) -> Path | None:
+def _set_aside_other_keys_layers(root: Path, bundle_key: str) -> tuple[Path | None, dict[str, str]]:
     """Empty layers when the last restore into ROOT (its marker says) was under another bundle key.
 
     A kept ROOT (a hostPath, a volume that moves with the pod) holds what was restored or compiled
     under the last start's key: on another kind of node, or with another image, its kernels are for
     that one (torch's own keys do not see -march=native), and a miss left them in place, exported by
     kcache.env and published by `publish --from ROOT` under the new key. They are moved into a
-    staging directory, returned to be deleted (within the budget, or by the next restore). A ROOT
-    without a marker names no key, and is left as it is."""
+    staging directory, returned to be deleted (within the budget, or by the next restore), with the
+    layers that could not be moved and the key each was made under. A ROOT without a marker names no
+    key, and is left as it is."""
     previous = read_state(root) or {}
     made_under = _layers_key(previous)
-    if made_under is None or made_under == bundle_key:
-        return None
-    made_under = one_line(made_under[:80])  # from a file every container of the pod may write
+    kept_back = _kept_back(previous)
+    if made_under is None or (made_under == bundle_key and set(kept_back.values()) <= {bundle_key}):
+        return None, {}
     users: set[str | None] = {None}
     try:  # the last restore's model user, whose header directory that restore laid out
         users.add(torch_user_name(previous["run_as"]) if isinstance(previous.get("run_as"), str) else None)
@@ -286,15 +290,21 @@ def _set_aside_other_keys_layers(root: Path, bundle_key: str) -> Path | None:
         pass
     places = sorted({source.restore_dir(root) for user in users for source in layers.builtin(user)} | {root / "extra"})
     retired = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=root))
+    stuck: dict[str, str] = {}
     for i, place in enumerate(places):
+        key = kept_back.get(place.relative_to(root).as_posix(), made_under)
+        if key == bundle_key:
+            continue
         try:
             if os.path.lexists(_inside(root, place)):
                 os.rename(place, retired / str(i))  # a link is moved, never followed
         except (UnsafePath, OSError) as exc:
-            log.warning("cannot set aside %s, made under bundle key %s: %s", place, made_under, one_line(exc))
+            stuck[place.relative_to(root).as_posix()] = key
+            log.warning("cannot set aside %s, made under bundle key %s: %s; kcache.env leaves it out",
+                        place, one_line(key[:80]), one_line(exc))  # from a file every container may write
     log.info("the layers in %s were made under bundle key %s, not %s: starting from empty layers",
-             root, made_under, bundle_key)  # fmt: skip
-    return retired
+             root, one_line(made_under[:80]), bundle_key)  # fmt: skip
+    return retired, stuck
 
 
 def _fail(root: Path, opened: list[Opened], kept: _KeptLayers, computed: Callable[[], Fingerprint | None],
@@ -315,14 +325,19 @@ def _fail(root: Path, opened: list[Opened], kept: _KeptLayers, computed: Callabl
             log.warning("cannot set aside the layers in %s: %s", root, set_aside_error.strerror or set_aside_error)
     # The key ROOT's layers were made under: this restore's once it compared them, else (the fingerprint
     # failed, or the layers could not be set aside) the last one's, carried over for the next start.
-    layers_key = kept.key if kept.compared else _layers_key(read_state(root) or {})
+    if kept.compared:
+        layers_key, kept_back = kept.key, kept.kept_back
+    else:
+        last = read_state(root) or {}
+        layers_key, kept_back = _layers_key(last), _kept_back(last)
     failed = RestoreResult("error", bundle_key, None, root, root / envfile.NAME, seconds=seconds, reason=reason)
     # Each on its own (the marker still goes where the env file cannot); a layer whose place a link
     # carries out of ROOT, or that a file blocks (ROOT/tmp), is left out of the env file, not the whole
     # file. A directory planted at either name is moved aside, and deleted only while the budget lasts.
     for what, write in (("kcache.env", lambda: _write_env(root, (), _env_comment(failed), _safe_user(failed.user),
-                                                          deadline, leave_out_unsafe=True)),
-                        ("the restore marker", lambda: _write_state(failed, fp, layers_key, deadline))):  # fmt: skip
+                                                          deadline, leave_out_unsafe=True, kept_back=kept_back)),
+                        ("the restore marker", lambda: _write_state(failed, fp, layers_key, kept_back,
+                                                                    deadline))):  # fmt: skip
         try:
             write()
         except (OSError, KcacheError) as write_error:
@@ -763,10 +778,13 @@ def _inside(root: Path, path: Path) -> Path:
     return path
 
 
-def _finish(root: Path, result: RestoreResult, fp: Fingerprint, layers_key: str | None) -> None:
+def _finish(root: Path, result: RestoreResult, fp: Fingerprint, kept: _KeptLayers) -> None:
     """kcache.env, then the marker: once the marker is there, the env file matches it."""
-    _write_env(root, result.layers, _env_comment(result), result.user)
-    _write_state(result, fp, layers_key)
+    laid = {source.restore_dir(root).relative_to(root).as_posix() for source in layers.for_manifest(result.layers,
+                                                                                                  result.user)}
+    kept_back = {place: key for place, key in kept.kept_back.items() if place not in laid}  # the swap replaced those
+    _write_env(root, result.layers, _env_comment(result), result.user, kept_back=kept_back)
+    _write_state(result, fp, kept.key, kept_back)
 
 
 def _env_comment(result: RestoreResult) -> str:
@@ -775,9 +793,10 @@ def _env_comment(result: RestoreResult) -> str:
     return f"kcache restore: {what}{', ' + result.reason if result.reason else ''}"
 
 
-def _write_env(root: Path, layer_names, comment: str, run_as: str | None = None,
-               deadline: float | None = None, *, leave_out_unsafe: bool = False) -> Path:  # fmt: skip
-    """Create every layer directory and write kcache.env.
+def _write_env(root: Path, layer_names, comment: str, run_as: str | None = None, deadline: float | None = None, *,
+               leave_out_unsafe: bool = False, kept_back: Mapping[str, str] = {}) -> Path:  # fmt: skip
+    """Create every layer directory and write kcache.env, without the variables of a layer `kept_back`
+    holds (another key's files that could not be set aside: torch must not load them).
 
     A layer whose place a link in ROOT carries outside (ROOT/tmp -> /dev/shm) is UnsafePath, one whose
     directory cannot be made (a file or a FIFO at ROOT/tmp) an OSError; with `leave_out_unsafe` (the
@@ -793,6 +812,10 @@ def _write_env(root: Path, layer_names, comment: str, run_as: str | None = None,
     exports = layers.all_exports(root, layer_names)
     shared = rootdir.group_shared(root)
     for source in layers.builtin(run_as):
+        if source.restore_dir(root).relative_to(root).as_posix() in kept_back:
+            for name in source.exports(root):
+                exports.pop(name, None)
+            continue
         try:
             place = _inside(root, source.restore_dir(root))
             if place.is_symlink() and not place.exists():
@@ -810,13 +833,14 @@ def _write_env(root: Path, layer_names, comment: str, run_as: str | None = None,
 
 
 def _write_state(result: RestoreResult, fp: Fingerprint | None, layers_key: str | None,
-                 deadline: float | None = None) -> None:  # fmt: skip
+                 kept_back: Mapping[str, str], deadline: float | None = None) -> None:  # fmt: skip
     """The restore marker: restore has finished, with what outcome (readiness and /metrics read it),
     the workload it computed ("inputs": what `publish --from ROOT` publishes under), and the bundle
-    key ROOT's layers were made under (`_compare_layers`)."""
+    key ROOT's layers were made under (`_compare_layers`), but for those kept back under another."""
     rootdir.clear(result.root / RESTORE_MARKER, stat.S_ISDIR, deadline)
     write_marker(result.root, RESTORE_MARKER, {
-        "layers_key": layers_key,
+        "layers_key": layers_key, "kept_back": dict(kept_back),
+        "toolchain_key": fp.toolchain_key if fp else None,  # what `publish --from ROOT` compares with its own
         "status": result.status, "bundle_key": result.bundle_key, "bundle_id": result.bundle_id,
         "files": result.files, "bytes": result.bytes, "seconds": round(result.seconds, 4),
         "reason": result.reason, "layers": list(result.layers), "donors": dict(result.donors),
@@ -829,6 +853,14 @@ def _layers_key(state: dict) -> str | None:
     """The bundle key a marker says ROOT's layers were made under (a marker from before layers_key: its bundle_key)."""
     key = state.get("layers_key", state.get("bundle_key"))
     return key if isinstance(key, str) else None
+
+
+def _kept_back(state: dict) -> dict[str, str]:
+    """The layers a marker says were left in place under another key, by place under ROOT."""
+    kept = state.get("kept_back")
+    if not isinstance(kept, dict):
+        return {}
+    return {place: key for place, key in kept.items() if isinstance(place, str) and isinstance(key, str)}
 
 
 def read_state(root: Path) -> dict | None:

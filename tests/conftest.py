@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import uuid
 
 import pytest
@@ -116,6 +117,29 @@ def index(request):
     return request.getfixturevalue("sqlite_index" if request.param == "sqlite" else "pg_index")
 
 
+
+
+@pytest.fixture
+def tmpfs():
+    """Mounts a small tmpfs at a directory (made if missing), unmounted after the test; skips where this
+    process may not mount one. A real mount point: renaming it fails with EBUSY, as in a pod whose
+    volume is mounted at that directory."""
+    mounted: list[str] = []
+
+    def mount(at, size: str = "2m"):
+        at.mkdir(parents=True, exist_ok=True)
+        try:
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(at)], capture_output=True)
+        except FileNotFoundError:
+            pytest.skip("no mount(8) here")
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs: {done.stderr.decode().strip()}")
+        mounted.append(str(at))
+        return at
+
+    yield mount
+    for at in reversed(mounted):
+        subprocess.run(["umount", at], check=True)
 
 
 @pytest.fixture

@@ -389,18 +389,9 @@ def test_sigkill_mid_publish_leaves_no_bundle_without_blobs(tmp_path, isolated_h
 
 
 @pytest.fixture
-def small_disk(tmp_path):
+def small_disk(tmp_path, tmpfs):
     """A 2 MiB tmpfs; skipped where this process may not mount one."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
-    except FileNotFoundError:
-        pytest.skip("no mount(8) here")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {done.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+    return tmpfs(tmp_path / "small")
 
 
 @pytest.fixture

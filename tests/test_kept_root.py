@@ -140,3 +140,68 @@ def test_deleting_another_keys_layers_costs_the_hit_no_budget(store, sqlite_inde
         assert set(read_tree(root / "inductor")) == {"fx/a"} and read_state(root)["layers_key"] == avx2.bundle_key
     finally:
         volume_answers.set()
+
+
+def test_a_layer_that_cannot_be_set_aside_is_left_out_of_kcache_env(store, sqlite_index, fp, tmp_path, tmpfs):
+    """A volume mounted at ROOT/inductor (EBUSY on rename) keeps the last key's kernels after a miss
+    under another key. kcache.env must not point torch at them (another CPU's -march=native code), the
+    marker must say they are the last key's, and `publish --from ROOT` must leave them out rather than
+    file them under this key for every pod of it."""
+    root = tmp_path / "root"
+    tmpfs(root / "inductor")
+    assert restore(store, sqlite_index, fp, root).status == "miss"
+    write_tree(root, {"inductor/fx/own": b"avx512 kernel", "triton/k/k.cubin": b"sm_90"})
+    avx2 = fingerprint.compute({**fp.facts, "cpu.isa": "avx2"})
+    result = restore(store, sqlite_index, avx2, root)
+    assert result.status == "miss"
+    assert set(read_tree(root / "inductor")) == {"fx/own"} and read_tree(root / "triton") == {}
+    env = envfile.read(root / envfile.NAME)
+    assert "TORCHINDUCTOR_CACHE_DIR" not in env and env["TRITON_CACHE_DIR"] == str(root / "triton")
+    state = read_state(root)
+    assert state["layers_key"] == avx2.bundle_key and state["kept_back"] == {"inductor": fp.bundle_key}
+    write_tree(root, {"triton/k2/k.cubin": b"compiled under avx2"})
+    published = publish_tree(store, sqlite_index, avx2, root)
+    assert published.files == 1 and published.layers == ("triton",)
+    assert restore(store, sqlite_index, fp, root).status == "miss"  # back on a node of the first key
+    assert set(read_tree(root / "inductor")) == {"fx/own"}
+    assert envfile.read(root / envfile.NAME)["TORCHINDUCTOR_CACHE_DIR"] == str(root / "inductor")
+    assert read_state(root)["layers_key"] == fp.bundle_key and read_state(root)["kept_back"] == {}
+
+
+def test_publish_from_a_root_whose_layers_another_key_made_refuses(store, sqlite_index, fp, tmp_path):
+    """The marker says the layers are another key's (a restore that failed before comparing them):
+    publishing them under this key would hand every pod of it the other machine's kernels."""
+    root = tmp_path / "root"
+    assert restore(store, sqlite_index, fp, root).status == "miss"
+    write_tree(root, {"inductor/fx/own": b"avx512 kernel"})
+    avx2 = fingerprint.compute({**fp.facts, "cpu.isa": "avx2"})
+    with pytest.raises(ConfigError, match="on another toolchain"):
+        publish_tree(store, sqlite_index, avx2, root)
+    assert publish_tree(store, sqlite_index, fp, root).files == 1
+
+
+def test_a_failed_restore_leaves_a_layer_kept_back_out_of_kcache_env(store, sqlite_index, fp, tmp_path, tmpfs):
+    """The error path writes kcache.env too: a layer of another key that stayed in place is left out there."""
+    root = tmp_path / "root"
+    tmpfs(root / "inductor")
+    restore(store, sqlite_index, fp, root)
+    write_tree(root, {"inductor/fx/own": b"avx512 kernel"})
+    avx2 = fingerprint.compute({**fp.facts, "cpu.isa": "avx2"})
+    computed = []
+
+    def store_out_of_reach():
+        computed.append(avx2)
+        raise StoreError("s3://bucket", "connection refused")
+
+    with pytest.raises(StoreError):
+        restore_opening(store_out_of_reach, root, computed=lambda: computed[0] if computed else None)
+    assert "TORCHINDUCTOR_CACHE_DIR" not in envfile.read(root / envfile.NAME)
+    assert read_state(root)["kept_back"] == {"inductor": fp.bundle_key}
+
+    def no_fingerprint():
+        raise ConfigError("--facts-file", "facts.json", "does not exist")
+
+    with pytest.raises(ConfigError):  # no key known: what was kept back stays so
+        restore_opening(no_fingerprint, root)
+    assert "TORCHINDUCTOR_CACHE_DIR" not in envfile.read(root / envfile.NAME)
+    assert read_state(root)["kept_back"] == {"inductor": fp.bundle_key}
