@@ -1,6 +1,8 @@
 """Each heavy dependency is imported by one part of kcache only (see STYLE.md)."""
 
 import ast
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +86,46 @@ def test_library_never_prints():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 assert node.func.id not in ("print", "exit"), f"{rel}:{node.lineno} calls {node.func.id}"
+
+
+# Writes to $KCACHE_TEST_IMPORT_LOG, as the process exits, the torch and triton modules it loaded (a
+# find_spec that only locates a package loads nothing, and is not counted).
+IMPORT_LOGGER = """
+import atexit, os, sys
+
+def _loaded():
+    names = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "triton"))
+    with open(os.environ["KCACHE_TEST_IMPORT_LOG"], "a") as log:
+        log.write("exit " + " ".join(names) + "\\n")
+
+if os.environ.get("KCACHE_TEST_IMPORT_LOG"):
+    atexit.register(_loaded)
+"""
+
+
+@pytest.mark.torch
+def test_a_restore_with_every_torch_layer_never_imports_torch(tmp_path):
+    """The init container's image need not ship torch, and importing it costs a second of the pod's
+    start: `kcache restore` lays out Inductor, its headers and Triton by their names and paths alone,
+    also with --fallback layers and --run-as (whose header directory is torch's naming)."""
+    pytest.importorskip("torch")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(IMPORT_LOGGER)
+    log = tmp_path / "imports.log"
+    env = {**os.environ, "PYTHONPATH": str(site), "KCACHE_HOME": str(tmp_path / "home"),
+           "KCACHE_TEST_IMPORT_LOG": str(log)}  # fmt: skip
+    src = tmp_path / "src"
+    for rel in ("inductor/fx/k.py", "triton/abc/k.cubin", "tmp/torchinductor_root/precompiled_headers/x.h.gch"):
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(b"kernel")
+    kcache = [sys.executable, "-m", "kcache"]
+    publish_env = {k: v for k, v in env.items() if k != "KCACHE_TEST_IMPORT_LOG"}
+    subprocess.run([*kcache, "publish", "--from", str(src), "--model", "m"], env=publish_env, check=True,
+                   capture_output=True)  # fmt: skip
+    for extra in ((), ("--fallback", "layers"), ("--run-as", "1000")):
+        done = subprocess.run([*kcache, "restore", "--into", str(tmp_path / f"root{len(extra)}{extra[:1]}"),
+                               "--model", "m", "--json", *extra], env=env, capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["status"] == "hit"
+    assert log.read_text().splitlines() == ["exit "] * 3
