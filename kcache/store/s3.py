@@ -98,20 +98,23 @@ class S3Store:
         for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
             if not os.environ.get(name, "").isascii():  # signing encodes them: a bug exit on the first request
                 raise ConfigError(name, "(not shown)", "holds characters a credential cannot have (non-ASCII)")
-        config = Config(
-            max_pool_connections=self.jobs + 4,
-            retries={"max_attempts": _attempts("KCACHE_S3_MAX_ATTEMPTS", "6"), "mode": "adaptive"},
-            connect_timeout=_seconds("KCACHE_S3_CONNECT_TIMEOUT", "5"),
-            read_timeout=_seconds("KCACHE_S3_READ_TIMEOUT", "60"),
-            # Path-style works with every S3-compatible server (MinIO, Ceph, moto) behind an IP.
-            # No SHA-256 of every body for the signature (botocore signs bodies over plain http):
-            # packs and manifests are named by their SHA-256 and checked on every read, refs are
-            # signed by kcache when they must be trusted, and the CRC32 checksum botocore sends
-            # still guards each transfer. It was 0.4 s of CPU per GiB published.
-            s3={"payload_signing_enabled": False, **({"addressing_style": "path"} if endpoint_url else {})},
-        )
+        max_attempts = _attempts("KCACHE_S3_MAX_ATTEMPTS", "6")
+        connect_timeout = _seconds("KCACHE_S3_CONNECT_TIMEOUT", "5")
+        read_timeout = _seconds("KCACHE_S3_READ_TIMEOUT", "60")
         try:
-            self.client = _session().create_client("s3", endpoint_url=endpoint_url, config=config)
+            session = _session()
+            config = Config(
+                max_pool_connections=self.jobs + 4,
+                retries={"max_attempts": max_attempts, "mode": "adaptive"},
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+                # No SHA-256 of every body for the signature (botocore signs bodies over plain http):
+                # packs and manifests are named by their SHA-256 and checked on every read, refs are
+                # signed by kcache when they must be trusted, and the CRC32 checksum botocore sends
+                # still guards each transfer. It was 0.4 s of CPU per GiB published.
+                s3={"payload_signing_enabled": False, **_addressing(session, endpoint_url)},
+            )
+            self.client = session.create_client("s3", endpoint_url=endpoint_url, config=config)
         except (BotoCoreError, ValueError) as exc:
             raise StoreError(self.url, f"cannot create an S3 client: {exc}") from None
         _bound_error_bodies(self.client)
@@ -383,6 +386,14 @@ class S3Store:
 
 class AnswerTooLarge(BotoCoreError):
     fmt = "the answer to {operation} is over {limit} bytes"
+
+
+def _addressing(session: botocore.session.Session, endpoint_url: str | None) -> dict[str, str]:
+    """Path-style for an endpoint: it works with every S3-compatible server (MinIO, Ceph, moto) behind
+    an IP. Unless the AWS config chose a style (`s3 = addressing_style = virtual`): some services answer
+    only virtual-hosted requests, and a style set in the client's config wins over the file's."""
+    chosen = (session.get_config_variable("s3") or {}).get("addressing_style")
+    return {"addressing_style": "path"} if endpoint_url and not chosen else {}
 
 
 def _bound_error_bodies(client) -> None:

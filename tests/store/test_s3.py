@@ -326,3 +326,29 @@ def test_models_from_aws_data_path_still_come_first(s3_bucket, tmp_path, monkeyp
     assert not hasattr(store.client, "delete_bucket")
     store.put_bytes("packs/aa/x", b"x")  # the rest of the model, and its endpoint rules, still work
     assert store.get_bytes("packs/aa/x") == b"x"
+
+
+def test_a_virtual_hosted_endpoint_chosen_in_the_aws_config_is_used(s3_bucket, sqlite_index, fp, tmp_path,
+                                                                     monkeypatch):  # fmt: skip
+    """Some S3-compatible services answer virtual-hosted requests only (`<bucket>.<endpoint>`), and the
+    AWS config file (`s3 = addressing_style = virtual`) is botocore's place to say so; with an endpoint
+    given, kcache had forced path-style over it, and every request of such a pod was refused."""
+    from urllib.parse import urlsplit
+
+    from forward_proxy import ForwardProxy
+
+    url, endpoint = s3_bucket
+    bucket, port = url.removeprefix("s3://").split("/")[0], urlsplit(endpoint).port
+    write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"graph"})
+    published = publish(open_store(url, endpoint_url=endpoint), sqlite_index, fp, sources.select(),
+                        root=tmp_path / "src", env={})  # fmt: skip
+    (tmp_path / "aws-config").write_text("[default]\ns3 =\n    addressing_style = virtual\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config"))
+    for var in ("NO_PROXY", "no_proxy", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    with ForwardProxy(("127.0.0.1", port)) as proxy:  # <bucket>.localhost resolves nowhere here
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        store = open_store(url, endpoint_url=f"http://localhost:{port}")
+        result = restore(store, RefCatalog(store), fp, tmp_path / "dst")
+    assert result.status == "hit" and result.bundle_id == published.bundle_id
+    assert proxy.hosts and set(proxy.hosts) == {f"{bucket}.localhost:{port}"}
