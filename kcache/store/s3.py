@@ -133,12 +133,18 @@ class S3Store:
                 return self._missing(key)
             if code == "NoSuchBucket":
                 return StoreError(self.url, f"bucket {self.bucket!r} does not exist")
+            # Before the 403s: S3 answers each of these with a 403 too, and "check the policy" sent an
+            # operator whose node clock had drifted to IAM.
+            if code == "RequestTimeTooSkewed":
+                return StoreError(self.url, f"the server refused the request's time ({code}): this "
+                                            "machine's clock is off by more than S3 allows (15 minutes); "
+                                            "check its time sync")  # fmt: skip
+            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"):
+                return StoreError(self.url, f"credentials rejected ({code})")
             if code in ("AccessDenied", "AllAccessDisabled", "403") or status == 403:
                 return StoreError(
                     self.url, f"access denied while trying to {action} {key}: check credentials and policy"
                 )
-            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"):
-                return StoreError(self.url, f"credentials rejected ({code})")
             return StoreError(self.url, f"cannot {action} {key}: {code or status} {exc}")
         if isinstance(exc, NoCredentialsError):
             return StoreError(self.url, "no AWS credentials found (env, ~/.aws, or instance role)")

@@ -352,3 +352,41 @@ def test_a_virtual_hosted_endpoint_chosen_in_the_aws_config_is_used(s3_bucket, s
         result = restore(store, RefCatalog(store), fp, tmp_path / "dst")
     assert result.status == "hit" and result.bundle_id == published.bundle_id
     assert proxy.hosts and set(proxy.hosts) == {f"{bucket}.localhost:{port}"}
+
+
+def _s3_error(code: str, message: str):
+    """Every request answered as S3 refuses it: 403 with the error's XML (a HEAD's has no body)."""
+
+    def route(server, conn, request):
+        body = b"" if request.method == "HEAD" else (
+            f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><Message>{message}</Message>"
+            "<RequestId>r</RequestId></Error>").encode()  # fmt: skip
+        server.send(conn, b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: %d\r\n"
+                          b"Connection: close\r\n\r\n%s" % (len(body), body))  # fmt: skip
+
+    return route
+
+
+class _Everything(dict):
+    def get(self, key, default=None):
+        return self["*"]
+
+
+@pytest.mark.parametrize("code, message, said", [
+    ("RequestTimeTooSkewed", "The difference between the request time and the current time is too large.", "clock"),
+    ("InvalidAccessKeyId", "The AWS Access Key Id you provided does not exist in our records.", "credentials rejected"),
+    ("SignatureDoesNotMatch", "The request signature we calculated does not match the signature you provided.",
+     "credentials rejected"),
+])  # fmt: skip
+def test_a_refusal_that_is_not_about_the_policy_says_what_it_is_about(fake_credentials, code, message, said):
+    """S3 answers a pod whose clock is more than 15 minutes off, and credentials it does not know, with a
+    403 as it answers a policy that denies: every one of them read "access denied ... check credentials
+    and policy", so an operator whose node clock had drifted went looking at IAM."""
+    from hostile_http import HostileServer
+
+    with HostileServer({}) as server:
+        server.routes = _Everything({"*": _s3_error(code, message)})
+        store = open_store("s3://bucket", endpoint_url=server.url)
+        with pytest.raises(StoreError) as refused:
+            store.get_bytes("refs/" + "ab" * 16)
+    assert said in str(refused.value) and "access denied" not in str(refused.value)
