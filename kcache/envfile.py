@@ -46,11 +46,13 @@ def write(root: Path, exports: Mapping[str, str], comment: str = "") -> Path:
 
 
 def read(path: Path) -> dict[str, str]:
-    """Parse a file written by `write` back into a mapping."""
+    """Parse a file written by `write` back into a mapping, as a shell reads it: the whole text at
+    once, since a quoted value (a ROOT whose name holds a line break) may span lines."""
     exports: dict[str, str] = {}
-    for line in Path(path).read_text(encoding="utf-8", errors="surrogateescape").splitlines():
-        words = shlex.split(line, comments=True)
-        if len(words) == 2 and words[0] == "export" and "=" in words[1]:
-            name, _, value = words[1].partition("=")
+    text = Path(path).read_bytes().decode("utf-8", errors="surrogateescape")  # no newline translation: \r is a byte
+    words = shlex.split(text, comments=True)
+    for verb, assignment in zip(words, words[1:]):
+        if verb == "export" and "=" in assignment:
+            name, _, value = assignment.partition("=")
             exports[name] = value
     return exports

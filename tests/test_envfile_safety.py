@@ -211,6 +211,16 @@ def test_hit_comment_and_values_are_inert(tmp_path, store, sqlite_index, fp):
     assert_inert(root, tmp_path / "canary", result.layers)
 
 
+@pytest.mark.parametrize("name", ["new\nline", "carriage\rreturn", "line\u2028separator", "we'ird $x `y` \\"])
+def test_the_env_file_reads_back_as_a_shell_reads_it(tmp_path, store, sqlite_index, fp, name):
+    """prebake runs its warmup child with ROOT/kcache.env read back by envfile.read. A ROOT whose name
+    held a line break, or any character str.splitlines breaks at, was cut inside a quoted value, and
+    prebake died with a traceback (exit 70) where a shell sources the same file fine."""
+    root = tmp_path / name
+    restore(store, sqlite_index, fp, root)
+    assert envfile.read(root / envfile.NAME) == sourced(root)
+
+
 # ---- an S3 endpoint that answers with hostile error documents ---------------------------------
 
 
