@@ -114,7 +114,8 @@ class S3Store:
                 # still guards each transfer. It was 0.4 s of CPU per GiB published.
                 s3={"payload_signing_enabled": False, **_addressing(session, endpoint_url)},
             )
-            self.client = session.create_client("s3", endpoint_url=endpoint_url, config=config)
+            self.client = session.create_client("s3", region_name=_region(session), endpoint_url=endpoint_url,
+                                                config=config)  # fmt: skip
         except (BotoCoreError, ValueError) as exc:
             raise StoreError(self.url, f"cannot create an S3 client: {exc}") from None
         _bound_error_bodies(self.client)
@@ -392,6 +393,13 @@ class S3Store:
 
 class AnswerTooLarge(BotoCoreError):
     fmt = "the answer to {operation} is over {limit} bytes"
+
+
+def _region(session: botocore.session.Session) -> str | None:
+    """botocore's region (AWS_DEFAULT_REGION, the profile), else AWS_REGION: the variable the AWS CLI v2
+    and every other AWS SDK read, and the one many manifests set alone. Without it requests were signed
+    for us-east-1 and, on AWS, sent to the global endpoint."""
+    return None if session.get_config_variable("region") else (os.environ.get("AWS_REGION", "").strip() or None)
 
 
 def _addressing(session: botocore.session.Session, endpoint_url: str | None) -> dict[str, str]:

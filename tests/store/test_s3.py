@@ -390,3 +390,27 @@ def test_a_refusal_that_is_not_about_the_policy_says_what_it_is_about(fake_crede
         with pytest.raises(StoreError) as refused:
             store.get_bytes("refs/" + "ab" * 16)
     assert said in str(refused.value) and "access denied" not in str(refused.value)
+
+
+@pytest.mark.parametrize("default_region, region, signed_for", [
+    (None, "eu-west-3", "eu-west-3"),  # AWS_REGION alone: what the AWS CLI v2 and the other SDKs read
+    ("ap-south-1", "eu-west-3", "ap-south-1"),  # botocore's own variable still wins where it is set
+])  # fmt: skip
+def test_requests_are_signed_for_the_region_the_pod_names(s3_bucket, monkeypatch, default_region, region,
+                                                          signed_for):  # fmt: skip
+    """A pod given AWS_REGION alone (many manifests set only it; botocore reads AWS_DEFAULT_REGION) had
+    its requests signed for us-east-1: an endpoint that checks the region (MinIO or Ceph with one set)
+    refused every one, and on AWS they went to the global endpoint, out of reach from a VPC whose
+    only way to S3 is its region's endpoint."""
+    url, endpoint = s3_bucket
+    monkeypatch.delenv("AWS_DEFAULT_REGION")
+    if default_region:
+        monkeypatch.setenv("AWS_DEFAULT_REGION", default_region)
+    monkeypatch.setenv("AWS_REGION", region)
+    store = open_store(url, endpoint_url=endpoint)
+    scopes = []
+    store.client.meta.events.register(
+        "before-send.s3.*", lambda request, **_kw: scopes.append(str(request.headers["Authorization"])))
+    store.put_bytes("packs/aa/x", b"x")
+    assert store.get_bytes("packs/aa/x") == b"x"
+    assert scopes and all(f"/{signed_for}/s3/aws4_request" in scope for scope in scopes)
