@@ -1,6 +1,7 @@
 """`kcache watch` publishing while things go wrong: a store that hangs when the pod is told to stop,
 and a cache directory removed from under it."""
 
+import json
 import os
 import shutil
 import signal
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import threading
 
+import pytest
 from hanging_server import SilentServer
 from test_watch import RESTORED, Clock, make_ready
 from trees import write_tree
@@ -110,7 +112,10 @@ def test_the_layer_back_the_publish_goes_on(tmp_path, store, sqlite_index, fp):
     assert result is not None and result.new_blobs == 1
 
 
-def test_sigterm_while_a_publish_hangs_on_the_store_exits_within_the_stop_timeout(tmp_path):
+@pytest.mark.parametrize("as_json", [False, True])
+def test_sigterm_while_a_publish_hangs_on_the_store_exits_within_the_stop_timeout(tmp_path, as_json):
+    """Under --json the abandoned publish ends in the error object every other failure prints: it had
+    printed only its stderr line, so a script reading stdout saw "watching" and then an exit 14."""
     root = tmp_path / "root"
     make_ready(root)
     compiled_after_ready(root)
@@ -119,19 +124,23 @@ def test_sigterm_while_a_publish_hangs_on_the_store_exits_within_the_stop_timeou
                "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3.url}  # fmt: skip
         index = f"sqlite:///{tmp_path / 'index.db'}"
         args = ["watch", "--root", str(root), "--interval", "1s", "--publish-every", "1s", "--stop-timeout", "1s",
-                "--store", "s3://bucket/cache", "--index", index, "--model", "m"]  # fmt: skip
+                "--store", "s3://bucket/cache", "--index", index, "--model", "m"] + ["--json"] * as_json  # fmt: skip
         proc = subprocess.Popen([sys.executable, "-m", "kcache", *args], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
         try:
             assert s3.accepted.wait(60)  # the publish is under way, waiting on the store
             proc.send_signal(signal.SIGTERM)
-            _, stderr = proc.communicate(timeout=60)
+            stdout, stderr = proc.communicate(timeout=60)
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
     assert proc.returncode == 14, stderr
     assert "did not finish within 1.00 s (--stop-timeout); abandoned" in stderr
+    if as_json:
+        docs = [json.loads(line) for line in stdout.splitlines()]
+        assert docs[0]["status"] == "watching"
+        assert docs[-1]["status"] == "error" and docs[-1]["exit_code"] == 14 and "abandoned" in docs[-1]["error"]
 
 
 def test_replicas_stopped_together_each_get_their_last_publish_in(tmp_path, index, fp):

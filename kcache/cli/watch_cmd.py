@@ -115,14 +115,21 @@ def watch_cmd(root, interval, publish_every, once, stop_timeout, host, port, hea
     if server is not None:
         server.raise_if_failed()
     if not finished:
-        click.echo(f"kcache: the last publish did not finish within {fmt.seconds(stop_timeout)} (--stop-timeout); "
-                   "abandoned (a publish cut short leaves no partial bundle)", err=True)  # fmt: skip
+        message = (f"the last publish did not finish within {fmt.seconds(stop_timeout)} (--stop-timeout); "
+                   "abandoned (a publish cut short leaves no partial bundle)")  # fmt: skip
+        if as_json:  # the error object every other failure prints
+            click.echo(fmt.to_json({"status": "error", "error": message, "hint": _ABANDONED_HINT,
+                                    "exit_code": int(ExitCode.PUBLISH)}))  # fmt: skip
+        click.echo(f"kcache: {message}", err=True)
         # A publish still waiting on the store holds worker threads that Python's exit would join.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(ExitCode.PUBLISH)
     if watcher.final_error:  # what the pod compiled after ready is lost for the pool: say so in the exit code
         raise _publish_failed(watcher.final_error, as_json)
+
+
+_ABANDONED_HINT = "check that the store answers, or raise --stop-timeout (under the pod's grace period)"
 
 
 def _publish_failed(error: str, as_json: bool, doc: dict | None = None) -> click.exceptions.Exit:
