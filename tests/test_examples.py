@@ -251,6 +251,21 @@ def test_the_model_container_has_no_cache_credentials():
     assert not [n for n in env if n.startswith("AWS_") or n == "KCACHE_INDEX"]
 
 
+def test_the_eks_webhook_gives_the_model_container_no_role_either():
+    """The ServiceAccount's eks.amazonaws.com/role-arn makes the EKS pod identity webhook add that role
+    (AWS_ROLE_ARN and a token) to every container of the pod, except those the pod names under
+    eks.amazonaws.com/skip-containers: the model container, which the example promises no cache
+    credentials, ran with the reader role."""
+    (doc,) = [doc for _, doc in documents() if doc["kind"] == "Deployment"]
+    accounts = {d["metadata"]["name"]: d for _, d in documents() if d["kind"] == "ServiceAccount"}
+    spec, _, _, model = deployment()
+    if "eks.amazonaws.com/role-arn" not in accounts[spec["serviceAccountName"]]["metadata"].get("annotations", {}):
+        return  # no webhook mutation
+    annotations = doc["spec"]["template"]["metadata"].get("annotations", {})
+    skipped = [name.strip() for name in annotations.get("eks.amazonaws.com/skip-containers", "").split(",")]
+    assert model["name"] in skipped
+
+
 def test_every_container_is_locked_down():
     for name, _, spec in pod_specs():
         pod = spec.get("securityContext", {})
