@@ -251,19 +251,27 @@ def test_the_model_container_has_no_cache_credentials():
     assert not [n for n in env if n.startswith("AWS_") or n == "KCACHE_INDEX"]
 
 
-def test_the_eks_webhook_gives_the_model_container_no_role_either():
-    """The ServiceAccount's eks.amazonaws.com/role-arn makes the EKS pod identity webhook add that role
-    (AWS_ROLE_ARN and a token) to every container of the pod, except those the pod names under
-    eks.amazonaws.com/skip-containers: the model container, which the example promises no cache
-    credentials, ran with the reader role."""
-    (doc,) = [doc for _, doc in documents() if doc["kind"] == "Deployment"]
+def test_the_eks_webhook_gives_no_role_to_a_container_that_names_none():
+    """A ServiceAccount's eks.amazonaws.com/role-arn makes the EKS pod identity webhook add that role
+    (AWS_ROLE_ARN and a token) to every container of the pod that names none, except those the pod lists
+    under eks.amazonaws.com/skip-containers: the model container, which the example promises no cache
+    credentials, ran with the reader role, and so did the DaemonSet's root chown step."""
     accounts = {d["metadata"]["name"]: d for _, d in documents() if d["kind"] == "ServiceAccount"}
-    spec, _, _, model = deployment()
-    if "eks.amazonaws.com/role-arn" not in accounts[spec["serviceAccountName"]]["metadata"].get("annotations", {}):
-        return  # no webhook mutation
-    annotations = doc["spec"]["template"]["metadata"].get("annotations", {})
-    skipped = [name.strip() for name in annotations.get("eks.amazonaws.com/skip-containers", "").split(",")]
-    assert model["name"] in skipped
+    checked = 0
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            template = (doc or {}).get("spec", {}).get("template", {})
+            spec = template.get("spec")
+            account = accounts.get((spec or {}).get("serviceAccountName"))
+            if account is None or "eks.amazonaws.com/role-arn" not in account["metadata"].get("annotations", {}):
+                continue  # no webhook mutation
+            listed = template.get("metadata", {}).get("annotations", {}).get("eks.amazonaws.com/skip-containers", "")
+            skipped = {name.strip() for name in listed.split(",")}
+            for container in containers(spec):
+                if "AWS_ROLE_ARN" not in env_of(container):
+                    checked += 1
+                    assert container["name"] in skipped, f"{path.name}:{container['name']} gets the webhook's role"
+    assert checked >= 2  # the model container and the DaemonSet's chown step
 
 
 def test_every_container_is_locked_down():
