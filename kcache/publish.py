@@ -538,8 +538,8 @@ def publish(
     started = time.perf_counter()
     env = os.environ if env is None else env
     sources = list(sources)
-    if root is not None and not Path(root).is_dir():
-        raise SourceDirError("--from", str(root), "does not exist" if not Path(root).exists() else "is not a directory")
+    if root is not None:
+        _check_from(Path(root))
     note = progress or (lambda _msg: None)
 
     if root is not None:
@@ -1094,6 +1094,12 @@ def restore_inputs(root: Path) -> dict[str, str] | None:
     return {str(k): v for k, v in inputs.items()}
 
 
+def _check_from(root: Path) -> None:
+    """SourceDirError for a --from ROOT that is not a directory."""
+    if not root.is_dir():
+        raise SourceDirError("--from", str(root), "does not exist" if not root.exists() else "is not a directory")
+
+
 def names_a_model(fp: Fingerprint) -> bool:
     return fp.facts.get("model.id", fingerprints.NONE) != fingerprints.NONE or "model.config" in fp.facts
 
@@ -1107,6 +1113,8 @@ def workload_of(fp: Fingerprint, root: Path | None, given: Mapping[str, str] | N
     """
     if names_a_model(fp):
         return fp
+    if root is not None:  # the record would be read there: a ROOT that is not there is the error to name
+        _check_from(Path(root))
     recorded = restore_inputs(root) if root is not None else None
     if recorded is None:
         where = f"and {root} records no restore with one" if root is not None else "(or --from a restored ROOT)"

@@ -28,8 +28,11 @@ def _bundles():
     return json.loads(_cli("ls", "--json").output)
 
 
-def test_missing_from_dir_is_an_error_not_an_empty_bundle(tmp_path):
-    result = _cli("publish", "--from", tmp_path / "no" / "such" / "dir", "--model", "m")
+@pytest.mark.parametrize("model", [("--model", "m"), ()], ids=["model", "model-from-root"])
+def test_missing_from_dir_is_an_error_not_an_empty_bundle(tmp_path, model):
+    """Without --model the workload comes from ROOT's restore record: a ROOT that is not there is
+    the error to name, not the model it would have recorded."""
+    result = _cli("publish", "--from", tmp_path / "no" / "such" / "dir", *model)
     assert result.exit_code == 7 and "does not exist" in result.stderr
     assert _bundles() == []
 
