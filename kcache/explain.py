@@ -23,7 +23,7 @@ from kcache import fingerprint, layerkeys
 from kcache.records import Bundle
 
 TOOLCHAIN, WORKLOAD = "toolchain", "workload"
-NO_LAYER_REUSED = "not reused: the facts file does not describe this machine"
+NO_LAYER_REUSED = "not reused: {} does not describe this machine"  # the facts file, or --fact
 _VALUE_IN_VERDICT = 40  # characters of a fact value quoted in a verdict (cxx.version is long)
 
 # Why a differing fact causes a miss, most decisive first: the verdict names the first that applies.
@@ -181,10 +181,11 @@ def explain(
 def layer_verdicts(fp: fingerprint.Fingerprint, bundles: Iterable[Bundle]) -> tuple[layerkeys.Verdict, ...]:
     """Per reusable layer, what `restore --fallback layers` would take, as restore decides it.
 
-    Under a facts file this machine contradicts, restore takes no layer at all: a donor's layer key
-    would be derived from the same false facts, so its kernels are as wrong here as a whole bundle's.
+    Under a facts file (or a --fact) this machine contradicts, restore takes no layer at all: a donor's
+    layer key would be derived from the same false facts, so its kernels are as wrong here as a whole bundle's.
     """
     if not fp.mismatches:
         return layerkeys.verdicts(fp.facts, bundles)
-    return tuple(layerkeys.Verdict(layer, layerkeys.layer_key(layer, fp.facts), None, (), NO_LAYER_REUSED)
+    why = NO_LAYER_REUSED.format(fp.contradicted)
+    return tuple(layerkeys.Verdict(layer, layerkeys.layer_key(layer, fp.facts), None, (), why)
                  for layer in layerkeys.FACTS)  # fmt: skip

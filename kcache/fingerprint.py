@@ -14,8 +14,8 @@ cache directories themselves) are never here, or no replica would ever hit.
 
 Where facts come from, weakest first (each later source wins fact by fact, none drops one):
 this machine's probes (kcache.probes) or a facts file; --model, --model-config, --extra; --fact.
-A facts file is checked against what this machine can see itself (probes.CHECKS): a fingerprint
-carries the disagreements, and restore treats any as a miss.
+A facts file, and a --fact naming a fact this machine can see itself (probes.CHECKS), are checked
+against it: a fingerprint carries the disagreements, restore treats any as a miss and publish refuses.
 """
 
 from __future__ import annotations
@@ -54,13 +54,18 @@ _SET_FACTS = {"cpu.features", "cxx.native"}
 _CONFIG_VOLATILE = {"_name_or_path", "transformers_version", "_commit_hash"}
 
 
+FACTS_FILE, FACT_FLAG = "the facts file", "--fact"  # what claimed a mismatched fact
+
+
 @dataclass(frozen=True)
 class Mismatch:
-    """A fact on which the facts file (or a --fact over it) and this machine's own probe disagree."""
+    """A fact on which the facts file (or a --fact over it), or a --fact over this machine's own
+    probes, and this machine's own probe disagree."""
 
     fact: str
     claimed: str | None  # None: the facts file lacks a fact this machine can see
     probed: str
+    source: str = FACTS_FILE  # FACTS_FILE or FACT_FLAG
 
 
 @dataclass(frozen=True)
@@ -80,9 +85,14 @@ class Fingerprint:
             "mismatches": [{"fact": m.fact, "facts_file": m.claimed, "here": m.probed} for m in self.mismatches],
         }
 
+    @property
+    def contradicted(self) -> str:
+        """What this machine contradicts: FACTS_FILE or FACT_FLAG (only with mismatches)."""
+        return FACTS_FILE if any(m.source == FACTS_FILE for m in self.mismatches) else FACT_FLAG
+
     def mismatch_reason(self) -> str:
         """One line naming every disagreement, for a miss's reason."""
-        return "the facts file does not describe this machine: " + "; ".join(map(_describe, self.mismatches))
+        return f"{self.contradicted} does not describe this machine: " + "; ".join(map(_describe, self.mismatches))
 
 
 # What --facts-file and --model-config may hold: `kcache fingerprint --json` prints a few KiB and a
@@ -92,8 +102,9 @@ MAX_MODEL_CONFIG_BYTES = 4 << 20
 
 
 def _describe(m: Mismatch) -> str:
-    return describe_set_difference(m.fact, m.probed, m.claimed, "in the facts file") or (
-        f"{m.fact} ({_short(m.claimed)} in the facts file, {_short(m.probed)} here)"
+    where = "in the facts file" if m.source == FACTS_FILE else f"by {m.source}"
+    return describe_set_difference(m.fact, m.probed, m.claimed, where) or (
+        f"{m.fact} ({_short(m.claimed)} {where}, {_short(m.probed)} here)"
     )
 
 
@@ -179,7 +190,9 @@ def collect(
     A facts file is what `kcache fingerprint --json` printed on the machine that runs the model:
     an init container without torch, g++ or a GPU then computes the model container's
     fingerprint. It is checked against `checks` (default probing.CHECKS), what this machine can
-    see itself; disagreements land in `mismatches`.
+    see itself; disagreements land in `mismatches`. So is each override without a facts file: a
+    --fact describing another CPU (or GPU, arch) would file this machine's kernels under that
+    machine's key on publish, and run that machine's kernels here on restore.
     """
     env = os.environ if env is None else env
     if facts_file is not None:
@@ -198,8 +211,18 @@ def collect(
     facts.update(overrides or {})
     fp = compute(facts)
     if facts_file is None:
-        return fp
+        return replace(fp, mismatches=_overrides_contradicted(overrides or {}, facts, env, checks))
     return replace(fp, mismatches=find_mismatches(facts, env, _default(checks, "CHECKS")))
+
+
+def _overrides_contradicted(overrides: Mapping[str, str], facts: Mapping[str, str], env: Mapping[str, str],
+                            checks: Iterable[probing.Probe] | None) -> tuple[Mismatch, ...]:  # fmt: skip
+    """The overridden facts a check reads here otherwise. A fact no check reads (GPU facts where no GPU
+    is visible: a CPU-only builder naming production's GPU) stays a plain override."""
+    if not any(not is_workload_fact(name) for name in overrides):
+        return ()  # nothing to probe again (--fact model.id=...)
+    found = find_mismatches(facts, env, _default(checks, "CHECKS"))
+    return tuple(replace(m, source=FACT_FLAG) for m in found if m.fact in overrides)
 
 
 def with_model(fp: Fingerprint, model: str) -> Fingerprint:

@@ -23,7 +23,9 @@ start the server after `. ROOT/kcache.env`) and does not restore again, which wo
 directories under the running server.
 
 The fingerprint comes from this process, with --fact overrides describing the production machine,
-so a CPU-only builder can publish under the key that production will compute for itself.
+so a CPU-only builder can publish under the key that production will compute for itself; an
+override of a node fact the builder can see (its CPU features, arch) must agree with it
+(kcache.fingerprint.collect), or publish refuses.
 Publish runs only when every profile succeeded.
 """
 

@@ -533,7 +533,11 @@ def publish(
     """
     if fingerprint.mismatches:  # kernels built here, filed under another machine's keys: a wrong hit for its pods
         names = ", ".join(m.fact for m in fingerprint.mismatches)
-        raise ConfigError("--facts-file", names, fingerprint.mismatch_reason() + "; publish where the facts were taken")
+        if fingerprint.contradicted == fingerprints.FACTS_FILE:
+            flag, where = "--facts-file", "where the facts were taken"
+        else:
+            flag, where = fingerprints.FACT_FLAG, "on the machine it describes"
+        raise ConfigError(flag, names, f"{fingerprint.mismatch_reason()}; publish {where}")
     refs.default_ttl()  # a bad KCACHE_REF_TTL must fail now: the ref is written after the commit point
     started = time.perf_counter()
     env = os.environ if env is None else env

@@ -477,7 +477,7 @@ def _restore(
     report: progress.Report | None = None,
 ) -> RestoreResult:
     started = time.perf_counter()
-    if fp.mismatches:  # the facts file describes another machine: its bundle would be a wrong hit
+    if fp.mismatches:  # the facts file (or a --fact) describes another machine: its bundle would be a wrong hit
         chosen = fp.mismatch_reason()
     else:
         chosen = choice.pick(store, index, fp, pinned, fallback, policy)

@@ -237,7 +237,7 @@ def test_cli_explain_json_names_the_features_only_one_side_has(tmp_path):
     store_url, index_url = f"file://{tmp_path / 'store'}", f"sqlite:///{tmp_path / 'index.db'}"
     write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"graph"})
     here = fingerprint.collect(model="m")
-    richer = fingerprint.collect(model="m", overrides={"cpu.features": here.facts["cpu.features"] + " zz_gfni"})
+    richer = fingerprint.compute({**here.facts, "cpu.features": here.facts["cpu.features"] + " zz_gfni"})
     index = Index.open(index_url)
     try:
         publish(LocalStore(tmp_path / "store"), index, richer, sources.select(), root=tmp_path / "src", env={})

@@ -136,3 +136,56 @@ def test_watch_without_model_refuses_to_publish_under_a_contradicted_facts_file(
     doc = json.loads(result.stdout)
     assert doc["published"] is None and "cpu.features" in doc["publish_error"]
     assert _bundles(where) == []
+
+
+# ---- --fact overrides of node facts: checked as a facts file is --------------------------------------
+
+
+def test_publish_refuses_a_fact_that_describes_another_cpu(tmp_path):
+    """`publish --fact cpu.features=<another CPU's>` filed this machine's -march=native kernels under the
+    other CPU's key, and every pod of that CPU restored them: the override is checked as a facts file is."""
+    write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"kernels built with this machine's -march=native"})
+    where = ["--store", f"file://{tmp_path / 'store'}", "--index", f"sqlite:///{tmp_path / 'i.db'}"]
+    args = ["publish", "--from", str(tmp_path / "src"), "--model", "m", "--fact",
+            f"cpu.features={AVX2_FACTS['cpu.features']}", *where]  # fmt: skip
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == ExitCode.USAGE and "cpu.features" in result.stderr, result.output
+    assert "--fact" in result.stderr
+    assert _bundles(where) == []
+
+
+def test_restore_with_a_fact_that_describes_another_cpu_is_a_miss(tmp_path, store, sqlite_index):
+    """A bundle honestly published on the AVX2 machine: a pod here claiming its features must not run it."""
+    write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"graph built for avx2"})
+    claimed = {"cpu.features": AVX2_FACTS["cpu.features"]}
+    there = fingerprint.compute({**fingerprint.collect(model="m").facts, **claimed})
+    publish(store, sqlite_index, there, sources.select(), root=tmp_path / "src", env={})
+    fp = fingerprint.collect(model="m", overrides=claimed)
+    assert fp.bundle_key == there.bundle_key and [m.fact for m in fp.mismatches] == ["cpu.features"]
+    result = restore(store, sqlite_index, fp, tmp_path / "dst")
+    assert result.status == "miss" and "cpu.features" in result.reason and "--fact" in result.reason
+    assert not (tmp_path / "dst/inductor/fxgraph/g").exists()
+
+
+def test_a_fact_this_machine_cannot_see_is_not_checked():
+    """A CPU-only builder may still give the production GPU's facts (prebake), and any fact no check
+    reads (cpu.isa, model facts) stays a plain override."""
+    fp = fingerprint.collect(model="m", overrides={"gpu.sm": "sm_90", "gpu.name": "NVIDIA H100 80GB HBM3",
+                                                   "cpu.isa": "avx2"}, env={"CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
+    assert fp.facts["gpu.sm"] == "sm_90" and fp.mismatches == ()
+    here = fingerprint.collect(model="m", env={})
+    same = fingerprint.collect(model="m", overrides={"cpu.features": here.facts["cpu.features"]}, env={})
+    assert same.mismatches == () and same.bundle_key == here.bundle_key
+
+
+def test_a_fact_naming_another_gpu_than_the_visible_one_is_checked():
+    """An A10 node's pod claiming the H100's facts would publish sm_86 kernels under sm_90's key."""
+    from functools import partial
+
+    from kcache import gpus
+
+    a10 = gpus.Reading((gpus.Device("GPU-bbbb0-0000", "NVIDIA A10", "sm_86"),), "570.124.06")
+    checks = (partial(probes.check_gpu, read=lambda: a10, present=lambda: True),)
+    fp = fingerprint.collect(model="m", overrides={"gpu.sm": "sm_90", "gpu.count": "1"}, env={}, checks=checks)
+    assert [(m.fact, m.claimed, m.probed) for m in fp.mismatches] == [("gpu.sm", "sm_90", "sm_86")]
+    assert fp.mismatch_reason() == "--fact does not describe this machine: gpu.sm (sm_90 by --fact, sm_86 here)"

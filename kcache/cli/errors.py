@@ -32,7 +32,7 @@ class ExitCode(IntEnum):
     PROBLEMS = 12
     WARMUP = 13
     PUBLISH = 14
-    FACTS_DISAGREE = 15  # restore --strict: the facts file contradicts what the init container sees
+    FACTS_DISAGREE = 15  # restore --strict: the facts file (or a --fact) contradicts what the init container sees
     CHANGED = 16  # publish: a cache file changed while it was read; nothing stored is wrong
     BUG = 70
     INTERRUPTED = 130
@@ -224,7 +224,7 @@ EXIT_MEANINGS = {
     ExitCode.PROBLEMS: "verify or reindex found problems",
     ExitCode.WARMUP: "warmup failed (prebake then publishes nothing)",
     ExitCode.PUBLISH: "watch could not publish the new cache files",
-    ExitCode.FACTS_DISAGREE: "restore --strict: the facts file contradicts what this machine shows",
+    ExitCode.FACTS_DISAGREE: "restore --strict: the facts file (or a --fact) contradicts what this machine shows",
     ExitCode.CHANGED: "publish: a cache file changed while it was read (publish again)",
     ExitCode.BUG: "an unexpected error: a bug in kcache, please report it",
     ExitCode.INTERRUPTED: "interrupted (Ctrl-C), as shells report SIGINT",

@@ -114,7 +114,7 @@ def _echo(fp, result: explain.Explanation, per_layer) -> None:
     click.echo()
     if result.mismatches:
         click.echo("per layer: `kcache restore --fallback layers` reuses no layer: "
-                   "the facts file does not describe this machine")  # fmt: skip
+                   f"{fp.contradicted} does not describe this machine")  # fmt: skip
         return
     click.echo("per layer (what `kcache restore --fallback layers` would reuse):")
     for v in per_layer:

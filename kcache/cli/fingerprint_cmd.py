@@ -38,6 +38,6 @@ def echo_fingerprint(fp) -> None:
     click.echo(fmt.table(["fact", "value"], sorted(fp.facts.items())))
     if fp.mismatches:
         click.echo()
-        click.echo("the facts file disagrees with this machine (restore will miss, publish refuses):")
+        click.echo(f"{fp.contradicted} disagrees with this machine (restore will miss, publish refuses):")
         rows = [(m.fact, "(absent)" if m.claimed is None else m.claimed, m.probed) for m in fp.mismatches]
-        click.echo(fmt.table(["fact", "facts file", "this machine"], rows))
+        click.echo(fmt.table(["fact", fp.contradicted.removeprefix("the "), "this machine"], rows))
