@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from kcache import canonical, engines, gpus
+from kcache.errors import ConfigError
 
 NONE = gpus.NONE  # one spelling for an absent fact
 log = logging.getLogger(__name__)
@@ -100,6 +101,19 @@ _KEYED_ENV = (
     "AMDGCN_USE_BUFFER_ATOMICS",
     "AMDGCN_ANALYZE_SMALL_TENSOR_RANGE",
     "AMDGCN_SCALARIZE_PACKED_FOPS",
+)
+# Triton switches that an empty value does not leave at their default: its knobs read "" as false,
+# and unset as true (FP fusion, buffer ops) or as the backend's choice (the HIP ones). Measured in
+# triton 3.9 (tests/test_probes.py); older releases read TRITON_DEFAULT_FP_FUSION="" as off too.
+_EMPTY_IS_FALSE = (
+    "TRITON_DEFAULT_FP_FUSION",
+    "AMDGCN_USE_BUFFER_OPS",
+    "AMDGCN_USE_BUFFER_ATOMICS",
+    "TRITON_HIP_USE_ASYNC_COPY",
+    "TRITON_HIP_USE_BLOCK_PINGPONG",
+    "TRITON_HIP_USE_COEXEC_SCHEDULER",
+    "TRITON_HIP_USE_EXPERT_SCHEDULING",
+    "TRITON_HIP_USE_IN_THREAD_TRANSPOSE",
 )
 
 # x86 /proc/cpuinfo flags that name an instruction-set extension: the features `-march=native`
@@ -263,7 +277,13 @@ def probe_settings(env: Mapping[str, str]) -> dict[str, str]:
         for name, value in env.items()
         if name.startswith(_KEYED_ENV_PREFIXES) and name not in _NOT_KEYED_ENV
     }
-    # Only when non-empty: torch tests these for truth, and Triton reads an empty value as unset.
+    # Only when non-empty: torch tests these for truth, and Triton reads an empty value as unset,
+    # except its switches in _EMPTY_IS_FALSE. Keyed as unset, TRITON_DEFAULT_FP_FUSION="" (fusion off)
+    # shared a key with fusion on, and the cubins Inductor bundles run without Triton's own key check.
+    for name in _EMPTY_IS_FALSE:
+        if env.get(name) == "":
+            raise ConfigError(name, "", "is set but empty, which Triton reads as false (0), not as unset (its "
+                              "default); set it to 0 or 1, or unset it")  # fmt: skip
     facts.update({f"env.{name}": env[name] for name in _KEYED_ENV if env.get(name)})
     return facts
 

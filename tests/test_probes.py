@@ -380,6 +380,36 @@ print(json.dumps([sorted(names), json.loads(done.stdout)]))
     assert set(invalidating) - diagnostic <= keyed
 
 
+def test_an_empty_triton_setting_that_triton_reads_as_false_is_refused():
+    """Measured against the installed triton: TRITON_DEFAULT_FP_FUSION set to "" turns FP fusion off
+    (`--fmad=false`), unset leaves it on. kcache read both as unset, one bundle key, and Inductor launches
+    the cubins bundled in its graph entries without asking Triton: a pod without FMA contraction ran
+    kernels built with it. They cannot be keyed apart without a new fact, so "" is refused, as a blank
+    --model is; so is every other keyed switch whose knob reads "" otherwise than unset."""
+    from kcache.errors import ConfigError
+
+    read = """
+import json, sys, warnings
+warnings.simplefilter("ignore")
+from triton import knobs
+switches = {d.key: d.get() for c in vars(knobs).values() if isinstance(c, type) and issubclass(c, knobs.base_knobs)
+            for d in c.__dict__.values() if isinstance(d, (knobs.env_bool, knobs.env_opt_bool))}
+print(json.dumps([knobs.language.fp_fusion_enabled(None), switches]))
+"""
+    base = {k: v for k, v in os.environ.items() if k not in p._KEYED_ENV}
+    (unset_fusion, unset), (empty_fusion, empty) = [
+        json.loads(subprocess.run([sys.executable, "-c", read], env=env, capture_output=True, text=True,
+                                  check=True).stdout)
+        for env in (base, {**base, **dict.fromkeys(p._KEYED_ENV, "")})]  # fmt: skip
+    assert (unset_fusion, empty_fusion) == (True, False), "the installed triton reads an empty value as unset now"
+    differ = {name for name in set(unset) & set(p._KEYED_ENV) if unset[name] != empty[name]}
+    assert "TRITON_DEFAULT_FP_FUSION" in differ
+    for name in differ:
+        with pytest.raises(ConfigError, match=name):
+            p.probe_settings({name: ""})
+    assert p.probe_settings({"TRITON_DEFAULT_FP_FUSION": "0"}) == {"env.TRITON_DEFAULT_FP_FUSION": "0"}
+
+
 def test_triton_named_settings_that_build_nothing_differently_are_not_facts():
     """The TRITON_ prefix is not Triton's alone: Kubernetes service links of a Service named `triton`,
     the Triton Inference Server image's own variables, profiler settings; and an empty value is
