@@ -198,9 +198,9 @@ def restore_opening(
     deadline = None if timeout is None else time.monotonic() + timeout
     root = Path(root).absolute()
     rootdir.prepare(root)
-    with rootdir.locked(root, timeout, deadline), _room_for_outcome(root), sigterm_interrupts():
+    with rootdir.locked(root, timeout, deadline), _room_for_outcome(root), sigterm_interrupts(), \
+            rootdir.staging_removed(root, deadline):  # a killed restore's leftovers: beside this one, not before
         _forget_last_start(root)
-        rootdir.remove_staging(root, deadline)  # what does not go in time waits for the next restore
         opened: list[Opened] = []  # filled by the worker, read here: what the error path may use
         kept = _KeptLayers()
 

@@ -71,6 +71,26 @@ def remove_staging(root: Path, deadline: float | None = None) -> bool:
     return all(delete_until(stale, deadline) for stale in sorted(root.glob(STAGING_PREFIX + "*")))
 
 
+@contextmanager
+def staging_removed(root: Path, deadline: float | None) -> Iterator[None]:
+    """`remove_staging` of the leftovers there now, on a daemon thread while the block runs, waited for
+    when it ends until `deadline` (what is left then waits for the next restore). A leftover can be the
+    last start's compiles (a hundred thousand files on a slow volume): deleted before the restore, it
+    took the budget the bundle's fetch needed, and the pod started cold though a bundle matched."""
+    stale = sorted(root.glob(STAGING_PREFIX + "*"))
+
+    def remove() -> None:
+        for path in stale:
+            removal.remove_tree(path)
+
+    worker = threading.Thread(target=remove, daemon=True, name="kcache-delete")
+    worker.start()
+    try:
+        yield
+    finally:
+        join_until(worker, deadline)
+
+
 _now = time.monotonic  # the clock deadlines are read on
 
 
@@ -88,11 +108,18 @@ def delete_until(path: Path, deadline: float | None) -> bool:
     if deadline is None:
         removal.remove_tree(path)
         return not os.path.lexists(path)
-    left = deadline - _now()
-    if left <= 0:
+    if deadline - _now() <= 0:
         return False
-    delete_in_background(path).join(left)
+    join_until(delete_in_background(path), deadline)
     return not os.path.lexists(path)
+
+
+def join_until(worker: threading.Thread, deadline: float | None) -> None:
+    """Wait for `worker` until `deadline` (time.monotonic) at most; None: as long as it takes."""
+    if deadline is None:
+        worker.join()
+    elif (left := deadline - _now()) > 0:
+        worker.join(left)
 
 
 def delete_in_background(path: Path) -> threading.Thread:

@@ -205,3 +205,33 @@ def test_a_failed_restore_leaves_a_layer_kept_back_out_of_kcache_env(store, sqli
         restore_opening(no_fingerprint, root)
     assert "TORCHINDUCTOR_CACHE_DIR" not in envfile.read(root / envfile.NAME)
     assert read_state(root)["kept_back"] == {"inductor": fp.bundle_key}
+
+
+def test_a_killed_restores_leftovers_cost_the_next_hit_no_budget(store, sqlite_index, fp, tmp_path, monkeypatch):
+    """A restore killed, or cut off by its budget while it deleted the layers its swap replaced, leaves
+    its staging directory (the last start's compiles: a hundred thousand files) for the next one. That
+    one deleted it before anything was chosen, waiting up to the whole budget: on a slow volume it ran
+    out of time and started cold though a bundle matched, and so did every start after it."""
+    write_tree(tmp_path / "src", {"inductor/fx/a": b"kernel"})
+    publish_tree(store, sqlite_index, fp, tmp_path / "src")
+    root = tmp_path / "root"
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    leftover = root / ".kcache-staging-1-killed"
+    write_tree(leftover, {"retired/0/fx/own": b"compiled by the last start"})
+    volume_answers = threading.Event()
+    real_remove_tree = removal.remove_tree
+
+    def slow_volume(path):  # deleting the leftover takes longer than the budget
+        if Path(path) == leftover:
+            volume_answers.wait()
+        real_remove_tree(path)
+
+    monkeypatch.setattr(removal, "remove_tree", slow_volume)
+    try:
+        result = restore(store, sqlite_index, fp, root, timeout=3)
+        assert result.status == "hit", result.reason
+        assert set(read_tree(root / "inductor")) == {"fx/a"} and read_state(root)["status"] == "hit"
+    finally:
+        volume_answers.set()
+    assert restore(store, sqlite_index, fp, root).status == "hit"  # without a budget: deleted to the end
+    assert not leftover.exists()
