@@ -41,14 +41,14 @@ from typing import TYPE_CHECKING
 
 from kcache import fetch, fingerprint, limits, packs, refs, signing
 from kcache import manifest as manifests
-from kcache.errors import ConfigError, IntegrityError, KcacheError, ObjectMissing, ObjectTooLarge, SignatureError
+from kcache.errors import ConfigError, IntegrityError, KcacheError, ObjectTooLarge, SignatureError
 from kcache.records import BlobLocation, Bundle
 from kcache.store import Store, manifest_key, pack_key
 from kcache.streams import Discard
 
 if TYPE_CHECKING:  # the SQL layer loads only when a caller opens an index
     from kcache.index import Index
-from kcache.store.base import ObjectInfo
+from kcache.store.base import ObjectInfo, listed_size
 
 _TAIL = 256 * 1024  # most trailers fit; longer ones get a second read
 _MAX_TRAILER = 64 * 1024 * 1024  # ~700k blobs: more than a 32 MiB pack of real files holds
@@ -257,7 +257,7 @@ def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool 
 
 
 def _restorable(store: Store, info: ObjectInfo, manifest_id: str, trusted: tuple,
-                pack_sizes: dict[str, int]) -> manifests.Manifest | str | None:  # fmt: skip
+                pack_sizes: dict[str, int | None]) -> manifests.Manifest | str | None:  # fmt: skip
     """The manifest at `info` if restore could lay it out (see the module docstring), else why not;
     None when it is gone. Raises what reading and parsing it raise."""
     if info.key != manifest_key(manifest_id):  # restore reads manifests/<hh>/<id>, and only there
@@ -275,17 +275,14 @@ def _restorable(store: Store, info: ObjectInfo, manifest_id: str, trusted: tuple
     return _packs_missing(store, manifest, pack_sizes) or manifest
 
 
-def _packs_missing(store: Store, manifest: manifests.Manifest, pack_sizes: dict[str, int]) -> str | None:
+def _packs_missing(store: Store, manifest: manifests.Manifest, pack_sizes: dict[str, int | None]) -> str | None:
     """Why restore could not read every entry of `manifest` from the pack it names, or None.
     A pack not in the listing is asked for by its key: a publish may have written it since."""
     for entry in manifest.entries:
-        key = pack_key(entry.pack)
-        if key not in pack_sizes:
-            try:
-                pack_sizes[key] = store.size(key)
-            except ObjectMissing:
-                return f"pack {entry.pack[:12]} is missing (for {entry.path[:200]!r}); `kcache refresh` re-points a ref"
-        if entry.offset + entry.length > pack_sizes[key]:
+        size = listed_size(store, pack_sizes, pack_key(entry.pack))
+        if size is None:
+            return f"pack {entry.pack[:12]} is missing (for {entry.path[:200]!r}); `kcache refresh` re-points a ref"
+        if entry.offset + entry.length > size:
             return f"pack {entry.pack[:12]} is too short for {entry.path[:200]!r}"
     return None
 

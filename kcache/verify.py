@@ -3,6 +3,9 @@ it names is there.
 
 Without --read-data, each pack a manifest names must exist under the key restore reads it from,
 packs/<hh>/<id>, and be long enough for every blob range in it (one listing of packs/, no data read).
+An object a listing lacks is asked for by its key before it is called missing, as is the signatures
+listing of a bundle it lacks under trusted keys: a publish may have written it since, and committed
+its bundle or moved its ref before verify got there (a sound store was reported damaged).
 Every signature object of a bundle (one listing of signatures/, each read capped as restore reads
 it) must be an Ed25519 signature; one by a trusted key (--trusted-key) must verify, and with trusted
 keys a bundle none of them signed is a problem too (restore --require-signature refuses it).
@@ -55,7 +58,7 @@ from kcache.errors import (
 )
 from kcache.packs import unpack_frame
 from kcache.store import Store, manifest_key, pack_key
-from kcache.store.base import ObjectInfo
+from kcache.store.base import ObjectInfo, listed_size
 from kcache.streams import Discard
 from kcache.untrusted import one_line
 
@@ -119,7 +122,7 @@ def verify(
     problems: list[str] = []
     unchecked: list[str] = []
     # By the whole key: a pack restore cannot find at packs/<hh>/<id> is missing, whatever lies elsewhere.
-    sizes = {info.key: info.size for info in store.list("packs/")}
+    sizes: dict[str, int | None] = {info.key: info.size for info in store.list("packs/")}
     signatures = _signatures(store)
     bundles = lifecycle.bundle_heads(index)
     # Every stored copy, not every blob: restore of a bundle reads the copy in the pack its manifest
@@ -142,11 +145,17 @@ def verify(
         for blob, digests in manifest.chunks.items():
             claims.setdefault(blob, {}).setdefault(digests, bundle.id)
         signed = signing.message(manifest.bundle_key, bundle.id, manifest_size)
+        if trusted and bundle.id not in signatures:  # unsigned, or signed since the listing by its publish
+            signatures[bundle.id] = _signatures(store, f"signatures/{bundle.id}/").get(bundle.id, {})
         for problem in _signature_problems(store, signatures.get(bundle.id, {}), signed, trusted, unchecked,
                                            f"bundle {bundle.id[:12]}: "):  # fmt: skip
             problems.append(f"bundle {bundle.id[:12]}: {problem}")
         for entry in manifest.entries:
-            size = sizes.get(pack_key(entry.pack))
+            try:  # a pack the listing lacks is asked for: the bundle may have been published since
+                size = listed_size(store, sizes, pack_key(entry.pack))
+            except StoreError as exc:
+                unchecked.append(f"bundle {bundle.id[:12]}: {entry.path}: {exc}")
+                continue
             if size is None:
                 problems.append(f"bundle {bundle.id[:12]}: {entry.path}: pack {entry.pack[:12]} is missing")
             elif entry.offset + entry.length > size:
@@ -158,7 +167,7 @@ def verify(
                  layer_keys, index.now() - REF_CATCH_UP)  # fmt: skip
     ref_count, layer_ref_count = _check_refs(store, index, seen, trusted, problems, unchecked)
     read = _read_all(store, list(to_read.values()), jobs, problems, report, unchecked, claims) if read_data else (0, 0)
-    packs = len({e.pack for e in to_read.values()}) if read_data else len(sizes)
+    packs = len({e.pack for e in to_read.values()}) if read_data else sum(size is not None for size in sizes.values())
     return VerifyResult(len(bundles), ref_count, packs, read[0], read[1], tuple(dict.fromkeys(problems)),
                         layer_ref_count, tuple(dict.fromkeys(unchecked)))  # fmt: skip
 
@@ -188,10 +197,10 @@ def _fetch_manifest(store: Store, manifest_id: str) -> tuple[manifests.Manifest,
     return manifests.parse(data, manifest_id), len(data)
 
 
-def _signatures(store: Store) -> dict[str, dict[str, ObjectInfo]]:
-    """{manifest id: {key name: object}} from one listing of signatures/<manifest-id>/<key name>."""
+def _signatures(store: Store, prefix: str = "signatures/") -> dict[str, dict[str, ObjectInfo]]:
+    """{manifest id: {key name: object}} from one listing of signatures/<manifest-id>/<key name> (under `prefix`)."""
     found: dict[str, dict[str, ObjectInfo]] = {}
-    for info in store.list("signatures/"):
+    for info in store.list(prefix):
         parts = info.key.split("/")
         if len(parts) == 3:
             found.setdefault(parts[1], {})[parts[2]] = info
@@ -251,7 +260,7 @@ def _check_refs(store: Store, index: Index, seen: _Seen, trusted: tuple[signing.
                 problems: list[str], unchecked: list[str]) -> tuple[int, int]:  # fmt: skip
     """Check every refs/<bundle-key> and refs/layers/<layer>/<layer key> (see the module docstring);
     returns how many of each there were."""
-    manifest_sizes = {info.key: info.size for info in store.list("manifests/")}
+    manifest_sizes: dict[str, int | None] = {info.key: info.size for info in store.list("manifests/")}
     marked = {info.key for info in store.list("yanks/")}
     counts = {"ref": 0, "layer ref": 0}
     for info in store.list("refs/"):
@@ -287,7 +296,7 @@ def _layer_of(name: str) -> str | None:
 
 
 def _layer_ref_problems(store: Store, index: Index, ref: refs.Ref, layer: str, seen: _Seen,
-                        manifest_sizes: Mapping[str, int], marked: set[str],
+                        manifest_sizes: dict[str, int | None], marked: set[str],
                         unchecked: list[str]) -> list[str]:  # fmt: skip
     """Why `restore --fallback layers` reuses no layer through this ref: the bundle it names says only
     which bundle key holds the layer, and that key's newest active bundle (the donor) must give it."""
@@ -295,7 +304,7 @@ def _layer_ref_problems(store: Store, index: Index, ref: refs.Ref, layer: str, s
     lost = f"no pod reuses its {layer} layer through it"
     holder = seen.keys_named.get(ref.manifest)
     try:
-        if manifest_key(ref.manifest) not in manifest_sizes:
+        if listed_size(store, manifest_sizes, manifest_key(ref.manifest)) is None:  # a publish's since the listing
             raise ObjectMissing(store.url, manifest_key(ref.manifest))
         holder = holder or manifests.bundle_key_hint(store, ref.manifest)
     except ObjectMissing:
@@ -329,7 +338,7 @@ def _layer_ref_problems(store: Store, index: Index, ref: refs.Ref, layer: str, s
     return []
 
 
-def _ref_problems(store: Store, index: Index, ref: refs.Ref, seen: _Seen, manifest_sizes: Mapping[str, int],
+def _ref_problems(store: Store, index: Index, ref: refs.Ref, seen: _Seen, manifest_sizes: dict[str, int | None],
                   marked: set[str], trusted: tuple[signing.TrustedKey, ...],
                   unchecked: list[str]) -> list[str]:  # fmt: skip
     """What stops a pod restoring through this ref, or makes it take another bundle than the index's."""
@@ -340,7 +349,11 @@ def _ref_problems(store: Store, index: Index, ref: refs.Ref, seen: _Seen, manife
     if refs.yank_key(ref.manifest) in marked:
         problems.append(f"{where}: {named}, yanked by {refs.yank_key(ref.manifest)} (pods restoring through it "
                         "start cold); `kcache yank` it so the ref moves to the bundle before it")  # fmt: skip
-    size, cap = manifest_sizes.get(manifest_key(ref.manifest)), seen.manifest_cap
+    try:  # a manifest the listing lacks is asked for: a publish may have moved the ref to it since
+        size, cap = listed_size(store, manifest_sizes, manifest_key(ref.manifest)), seen.manifest_cap
+    except StoreError as exc:
+        unchecked.append(f"{where}: {exc}")
+        return problems
     if size is None:
         problems.append(f"{where}: {named}, whose manifest is missing")
     elif size > cap:

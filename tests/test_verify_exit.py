@@ -8,11 +8,11 @@ import pytest
 from click.testing import CliRunner
 from trees import write_tree
 
-from kcache import sources
+from kcache import signing, sources
 from kcache.cli import main
 from kcache.cli.errors import ExitCode
 from kcache.errors import StoreError
-from kcache.publish import publish
+from kcache.publish import PublishConfig, publish
 from kcache.store import manifest_key, pack_key
 from kcache.store.local import LocalStore
 from kcache.verify import verify
@@ -113,3 +113,42 @@ def test_a_subset_without_read_data_is_refused_not_ignored(isolated_home):
     assert runner.invoke(main, ["verify", "--subset", "1/1", "--read-data", "--json"]).exit_code == 0
     blank = runner.invoke(main, ["verify", "--subset", "", "--read-data", "--json"])  # a variable expanded to nothing
     assert blank.exit_code == ExitCode.USAGE and "--subset" in json.loads(blank.stdout)["error"], blank.output
+
+
+class PublishedAfterListing:
+    """Wraps a store: `publish()` runs once verify has listed `prefix`, before it reads anything
+    else (a pod's publish committing while verify works through a large store)."""
+
+    def __init__(self, inner, prefix: str, publish):
+        self.inner, self.url, self.prefix, self._publish = inner, inner.url, prefix, publish
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def list(self, prefix):
+        yield from self.inner.list(prefix)
+        if prefix == self.prefix and self._publish is not None:
+            run, self._publish = self._publish, None
+            run()
+
+
+@pytest.mark.parametrize("listed", ["packs/", "signatures/", "manifests/"])
+def test_a_publish_committed_while_verify_runs_is_no_damage(tmp_path, store, sqlite_index, fp, listed):
+    """verify lists packs/ and signatures/ (and manifests/, for the refs) before it reads the bundles
+    (and the refs): a bundle a publish committed in between named packs, a signature and its ref a
+    manifest that the listing lacked, and a sound store was reported damaged (exit 12) to whoever
+    runs verify beside a fleet."""
+    private, public = signing.generate("k1", tmp_path / "keys")
+    config = PublishConfig(signing_key=signing.load_signing_key(private))
+
+    def publish_tree(name: str):
+        write_tree(tmp_path / name, {"inductor/a": name.encode() * 100, "triton/k/k.cubin": b"kernel"})
+        return publish(store, sqlite_index, fp, LAYERS, root=tmp_path / name, env={}, config=config)
+
+    publish_tree("src")
+    late = PublishedAfterListing(store, listed, lambda: publish_tree("late"))
+    trusted = tuple(signing.load_trusted_keys([public]))
+    result = verify(late, sqlite_index, trusted=trusted)
+    assert late._publish is None  # the publish did run in between
+    assert result.problems == () and result.status == "ok"
+    assert verify(store, sqlite_index, trusted=trusted).bundles == 2

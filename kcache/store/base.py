@@ -19,6 +19,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from kcache.errors import ObjectMissing
+
 _KEY = re.compile(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*\Z")
 
 
@@ -106,6 +108,19 @@ class Store(Protocol):
         so the one gc ages objects by. This default, this host's clock, is right only where this
         host stamps them; a backend whose server stamps them asks the server."""
         return datetime.now(timezone.utc)
+
+
+def listed_size(store: Store, listed: dict[str, int | None], key: str) -> int | None:
+    """The size of `key` in `listed` (sizes by key from one listing), else the store's answer now,
+    remembered there; None when there is no such object (StoreError when the store cannot say).
+    A listing is a moment: a publish may write a pack or manifest after it, and commit a bundle or
+    move a ref naming that object before a reader of the listing gets to it."""
+    if key not in listed:
+        try:
+            listed[key] = store.size(key)
+        except ObjectMissing:
+            listed[key] = None
+    return listed[key]
 
 
 def store_now(store: Store) -> datetime:
