@@ -5,7 +5,8 @@ Without --read-data, each pack a manifest names must exist under the key restore
 packs/<hh>/<id>, and be long enough for every blob range in it (one listing of packs/, no data read).
 An object a listing lacks is asked for by its key before it is called missing, as is the signatures
 listing of a bundle it lacks under trusted keys: a publish may have written it since, and committed
-its bundle or moved its ref before verify got there (a sound store was reported damaged).
+its bundle or moved its ref before verify got there (a sound store was reported damaged). A bundle
+whose manifest is gone with its row was deleted by gc after the rows were read: no damage either.
 Every signature object of a bundle (one listing of signatures/, each read capped as restore reads
 it) must be an Ed25519 signature; one by a trusted key (--trusted-key) must verify, and with trusted
 keys a bundle none of them signed is a problem too (restore --require-signature refuses it).
@@ -135,6 +136,8 @@ def verify(
         try:
             manifest, manifest_size = _fetch_manifest(store, bundle.id)
         except KcacheError as exc:
+            if isinstance(exc, ObjectMissing) and not lifecycle.has_bundle(index, bundle.id):
+                continue  # gc deleted it (row, then manifest) since the rows were read: no pod takes it
             _failed(exc, f"bundle {bundle.id[:12]}: {exc}", problems, unchecked)
             continue
         keys_named[bundle.id] = manifest.bundle_key

@@ -152,3 +152,37 @@ def test_a_publish_committed_while_verify_runs_is_no_damage(tmp_path, store, sql
     assert late._publish is None  # the publish did run in between
     assert result.problems == () and result.status == "ok"
     assert verify(store, sqlite_index, trusted=trusted).bundles == 2
+
+
+class CollectedBeforeFirstManifest:
+    """Wraps a store: `collect()` runs before verify first asks for a manifest, once it has read the
+    index's bundles (a gc CronJob deleting an expired bundle while verify works)."""
+
+    def __init__(self, inner, collect):
+        self.inner, self.url, self._collect = inner, inner.url, collect
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def size(self, key):
+        if key.startswith("manifests/") and self._collect is not None:
+            run, self._collect = self._collect, None
+            run()
+        return self.inner.size(key)
+
+
+def test_a_bundle_gc_deleted_while_verify_runs_is_no_damage(tmp_path, store, sqlite_index, fp):
+    """verify reads the index's bundles, then each one's manifest: a bundle gc deleted in between
+    (row, then manifest) was reported as a bundle whose manifest is missing, exit 12."""
+    from datetime import timedelta
+
+    from kcache import gc
+
+    _publish(tmp_path, store, sqlite_index, fp, name="v1")
+    _publish(tmp_path, store, sqlite_index, fp, name="v2")
+    policy = gc.Policy(keep_last=1, older_than=timedelta(0), grace=timedelta(hours=6))
+    collecting = CollectedBeforeFirstManifest(store, lambda: gc.execute(store, sqlite_index,
+                                                                        gc.plan(store, sqlite_index, policy)))
+    result = verify(collecting, sqlite_index)
+    assert collecting._collect is None and sqlite_index.count_bundles() == 1  # gc did delete one in between
+    assert result.problems == () and result.status == "ok"
