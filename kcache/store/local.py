@@ -8,21 +8,25 @@ between processes.
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import os
 import stat
+import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import BinaryIO
 
-from kcache import atomic
+from kcache import atomic, filelock
 from kcache.errors import ObjectMissing, ObjectTooLarge, StoreError
+from kcache.store import nodedir
 from kcache.store.base import Leftover, ObjectInfo, is_valid_key
 from kcache.streams import Window
 
 _TEMP = ".tmp-"  # kcache.atomic's temp siblings
+# Seconds a compare-and-swap waits for another writer's lock on the same key: each holds it for a
+# read and an atomic write, milliseconds.
+REF_LOCK_WAIT = 60.0
 
 
 class LocalStore:
@@ -175,9 +179,15 @@ class LocalStore:
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
             # A lock beside the object serializes compare-and-swap between processes on this host
-            # (and on NFS v4, which supports fcntl locks).
-            with open(final.parent / f".lock-{final.name}", "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
+            # (and on NFS v4, which supports fcntl locks). Whoever writes the directory may plant a
+            # FIFO there (opened to lock, it waited for a reader), a directory or a link: nodedir.lock
+            # replaces it. A writer frozen while it holds the lock fails the others after REF_LOCK_WAIT.
+            name = f".lock-{final.name}"
+            lock = nodedir.lock(final.parent / name, filelock.EXCLUSIVE, time.monotonic() + REF_LOCK_WAIT)
+            if lock is None:
+                raise StoreError(self.url, f"cannot write {key}: another writer has held {name} for "
+                                           f"{REF_LOCK_WAIT:g} s")  # fmt: skip
+            with lock:
                 if not self._at_version(key, version):
                     return False
                 atomic.write_bytes(final, data)

@@ -77,7 +77,7 @@ def lock(path: Path, mode: int, deadline: float | None) -> filelock.FileLock | N
             st = lstat(path)
             if cleared == 2 or st is None or stat.S_ISREG(st.st_mode):  # twice: peers may race us
                 raise
-        log.warning("node cache: %s is no lock file; replacing it", path)
+        log.warning("%s is no lock file; replacing it", path)
         clear(path)
         cleared += 1
 

@@ -129,3 +129,68 @@ def test_a_time_no_datetime_holds_lists_as_the_latest(tmp_path):
         import shutil
 
         shutil.rmtree(store.root.parent)
+
+
+def _within_a_minute(call):
+    """`call()`'s outcome (its result or its exception); a call still running after a minute hung (for good)."""
+    import threading
+
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(60)  # generous: a hang lasts for ever
+    assert not worker.is_alive(), "hung"
+    return outcome[0]
+
+
+@pytest.mark.parametrize("planted", ["fifo", "directory", "dangling-link"])
+def test_what_is_not_a_lock_file_beside_a_ref_does_not_stop_its_writers(tmp_path, planted):
+    """Whoever writes the store's directory can put a FIFO where a ref's compare-and-swap lock goes:
+    opening it to lock waited for a reader, and every publish, yank and gc of that key hung there for
+    good (a directory failed each of them)."""
+    import os
+
+    store = LocalStore(tmp_path / "s")
+    store.put_bytes("refs/k", b"one")
+    lock = store.root / "refs" / ".lock-k"
+    if planted == "fifo":
+        os.mkfifo(lock)
+    elif planted == "directory":
+        lock.mkdir()
+    else:
+        lock.symlink_to(tmp_path / "elsewhere")
+    version = store.get_versioned("refs/k")[1]
+    assert _within_a_minute(lambda: store.put_if("refs/k", b"two", version)) is True
+    assert store.get_bytes("refs/k") == b"two" and not (tmp_path / "elsewhere").exists()
+
+
+def test_a_ref_lock_held_for_good_fails_its_writer_instead_of_hanging(tmp_path, monkeypatch):
+    """A writer frozen while it held a ref's lock (a stopped container, a hung mount) kept every other
+    writer of that ref waiting for ever; past the lock's wait the write is a StoreError."""
+    import subprocess
+    import sys
+
+    from kcache.store import local
+
+    store = LocalStore(tmp_path / "s")
+    store.put_bytes("refs/k", b"one")
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys\n"
+                               f"f = open({str(store.root / 'refs/.lock-k')!r}, 'a')\n"
+                               "fcntl.flock(f, fcntl.LOCK_EX)\nprint('locked', flush=True)\nsys.stdin.read()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        monkeypatch.setattr(local, "REF_LOCK_WAIT", 0.5)
+        failed = _within_a_minute(lambda: store.put_if("refs/k", b"two", store.get_versioned("refs/k")[1]))
+        assert isinstance(failed, StoreError) and "refs/k" in str(failed)
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    assert store.get_bytes("refs/k") == b"one"
