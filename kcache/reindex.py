@@ -210,8 +210,10 @@ def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool 
                 return 0
             if not trust_trailers:
                 blobs = tuple(_verified(store, pack_id, blobs, skipped))
-            index.add_pack(pack_id, info.size,
-                           [BlobLocation(b.id, pack_id, b.offset, b.length, b.size) for b in blobs])  # fmt: skip
+            # Not revived: gc condemned it unnamed, and each reindex undid that (nothing swept, ever, with
+            # reindex before each gc). The packs of a bundle it brings back are revived below.
+            index.add_pack(pack_id, info.size, [BlobLocation(b.id, pack_id, b.offset, b.length, b.size) for b in blobs],
+                           revive=False)  # fmt: skip
             return len(blobs)
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -249,6 +251,8 @@ def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool 
             skipped.append(f"{info.key}: {unfit}")
             continue
         bundles += 1
+        if not lifecycle.has_bundle(index, manifest_id):  # as a publish does before its commit: no gc sweeps them now
+            lifecycle.revive(index, {entry.pack for entry in manifest.entries})
         added = index.add_bundle(bundle, keep_time=True)
         new += added
         if not added and status == "yanked":  # a row that outlived its yank: the store's word wins

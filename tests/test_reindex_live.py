@@ -104,3 +104,23 @@ def test_cut_off_and_run_again_gives_what_one_run_gives(tmp_path, store, index, 
     reindex(store, one_run)
     assert _rows(index) == _rows(one_run) and sum(r[1] == "yanked" for r in _rows(index)) == 1
     one_run.close()
+
+
+def test_into_an_index_with_rows_packs_gc_condemned_stay_condemned(tmp_path, store, index, fp):
+    """reindex recorded every pack it found as a publish does, and a publish revives the condemned packs
+    it names: so each run un-condemned every pack gc had condemned, and with reindex run before each gc
+    (as gc's refusal of an index behind the publishers' asks) no pack was ever swept."""
+    from datetime import timedelta
+
+    from kcache import gc
+    from kcache.index import lifecycle
+
+    _publish(tmp_path, store, index, fp, b"old", "v1")
+    _publish(tmp_path, store, index, fp, b"new", "v2")
+    policy = gc.Policy(keep_last=1, older_than=timedelta(0), grace=timedelta(hours=6))
+    assert gc.execute(store, index, gc.plan(store, index, policy)).packs_condemned
+    condemned = {p.id: p.condemned_at for p in lifecycle.packs(index) if p.condemned_at}
+    assert reindex(store, index).skipped == ()
+    assert {p.id: p.condemned_at for p in lifecycle.packs(index) if p.condemned_at} == condemned
+    later = gc.plan(store, index, policy, now=index.now() + timedelta(hours=7))
+    assert {p.id for p in later.sweep} == set(condemned)

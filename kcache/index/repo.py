@@ -240,17 +240,19 @@ class Index:
                 present.update(s.scalars(select(BlobRow.id).where(self.one_of(BlobRow.id, chunk))))
         return set(wanted) - present
 
-    def add_pack(self, pack_id: str, size: int, blobs: Sequence[BlobLocation]) -> None:
-        """Record a pack already written to the store, and the blobs it holds (first writer wins)."""
+    def add_pack(self, pack_id: str, size: int, blobs: Sequence[BlobLocation], *, revive: bool = True) -> None:
+        """Record a pack already written to the store, and the blobs it holds (first writer wins).
+        `revive`: un-condemn its row (a publish that will name it); reindex, which records every pack it
+        finds, leaves gc's condemnations be."""
         # By blob id, not pack order (which follows paths): the canonical lock order.
         rows = sorted(({"id": b.id, "pack_id": pack_id, "offset": b.offset, "length": b.length, "size": b.size}
                        for b in blobs), key=lambda row: row["id"])  # fmt: skip
 
         def work(s: Session) -> None:
             s.execute(self.insert_ignore(PackRow, [{"id": pack_id, "size": size, "created_at": _now()}]))
-            # A publish that reuses a condemned pack saves it from GC's second phase (a live row is left as is).
-            condemned = (PackRow.id == pack_id, PackRow.condemned_at.is_not(None))
-            s.query(PackRow).filter(*condemned).update({"condemned_at": None})
+            if revive:  # a publish that reuses a condemned pack saves it from GC's second phase (a live row is left)
+                condemned = (PackRow.id == pack_id, PackRow.condemned_at.is_not(None))
+                s.query(PackRow).filter(*condemned).update({"condemned_at": None})
             self.insert_many(s, BlobRow, rows)
 
         self.transaction(work)
