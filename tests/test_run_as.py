@@ -92,3 +92,21 @@ def test_the_model_process_finds_the_header_where_torch_looks(tmp_path, publishe
     code = "from torch._inductor.runtime.cache_dir_utils import default_cache_dir; print(default_cache_dir())"
     looked = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert os.path.isfile(os.path.join(looked.stdout.strip(), HEADER))
+
+
+def test_a_live_publish_for_the_run_as_user_reads_that_users_inductor_cache(tmp_path, monkeypatch, store,
+                                                                           sqlite_index, fp):  # fmt: skip
+    """A publisher running as another user than the model (a sidecar sharing the model's /tmp, with
+    KCACHE_RUN_AS as the example sets it on every kcache container) read the model's header but its
+    own, empty torchinductor_<user>: the bundle held no graph or kernel, and every pod compiled them."""
+    as_user(monkeypatch, "sidecar")
+    monkeypatch.setenv("KCACHE_RUN_AS", "modeluser")
+    kernels = {"fxgraph/ab/graph": b"graph", "ab/kernel.so": b"\x7fELF", "triton/0/" + "c" * 32 + "/k.cubin": b"cubin"}
+    write_tree(tmp_path / "tmp/torchinductor_modeluser", {**kernels, HEADER: b"header"})
+    published = publish(store, sqlite_index, fp, sources.select(["inductor", "inductor-pch", "triton"]),
+                        env={"TMPDIR": str(tmp_path / "tmp"), "HOME": str(tmp_path / "home")})  # fmt: skip
+    assert set(published.layers) == {"inductor", "inductor-pch", "triton"}
+    root = tmp_path / "root"
+    restore(store, sqlite_index, fp, root)
+    assert (root / "inductor/fxgraph/ab/graph").read_bytes() == b"graph"
+    assert (root / "triton" / ("c" * 32) / "k.cubin").read_bytes() == b"cubin"

@@ -14,6 +14,7 @@ runtime/cache_dir_utils.py: getpass.getuser(), else uid_<uid>, then [\\/:*?"<>|]
 container often runs as another user than the model (uid 65532 without a passwd entry vs root), so
 the header is laid out for the model's user: `restore --run-as` / KCACHE_RUN_AS, else the user
 publish recorded in the manifest (layer_info["inductor-pch"]["user"]), else the restoring user.
+A live publish reads both default directories for one user: KCACHE_RUN_AS, else the current one.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ RUN_AS_VAR = "KCACHE_RUN_AS"
 
 
 def inductor_dir(env: Mapping[str, str]) -> Path:
-    """Where Inductor keeps its cache for a process started with `env`."""
+    """Where Inductor keeps its cache for the model's user (as the precompiled header's layer reads
+    it: KCACHE_RUN_AS, else ours) in a process started with `env`."""
     configured = env.get("TORCHINDUCTOR_CACHE_DIR")
-    return Path(configured) if configured else temp_dir(env) / f"torchinductor_{torch_user()}"
+    return Path(configured) if configured else temp_dir(env) / f"torchinductor_{run_as_user(None, {})}"
 
 
 class InductorSource(Source):
