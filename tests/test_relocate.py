@@ -255,3 +255,22 @@ def test_a_group_file_whose_temp_name_is_too_long_is_dropped_not_the_restore(tmp
     assert restore(store, sqlite_index, fp, tmp_path / "dst").status == "hit"
     assert (tmp_path / f"dst/triton/{KEY}/add.cubin").read_bytes() == b"\x7fELF"
     assert not (tmp_path / f"dst/triton/{KEY}/{name}").exists()  # Triton misses and recompiles the kernel
+
+
+def test_triton_cache_under_triton_home_is_published_and_found_after_restore(tmp_path, store, sqlite_index, fp):
+    """Triton puts its cache under $TRITON_HOME/.triton/cache when TRITON_CACHE_DIR is unset (knobs.cache
+    in 3.9); publish looked under $HOME only, and the bundle left out every kernel the pod compiled."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRITON_", "TORCHINDUCTOR_"))}
+    env.update(HOME=str(tmp_path / "home"), TRITON_HOME=str(tmp_path / "triton-home"),
+               TMPDIR=str(tmp_path / "tmp"))  # fmt: skip
+    code = PUT.format(key=KEY) + "print(m.cache_dir)"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(tmp_path / "triton-home/.triton/cache" / KEY)  # where Triton itself put it
+    publish(store, sqlite_index, fp, sources.select(["triton"]), env=env)
+    shutil.rmtree(tmp_path / "triton-home")
+    root = tmp_path / "pod"
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    group = json.loads(triton(GET, root / "triton"))
+    assert group is not None and sorted(group) == ["add.cubin", "add.json", "add.ptx"]

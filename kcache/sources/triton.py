@@ -2,7 +2,7 @@
 
     $TRITON_CACHE_DIR                      -> ROOT/triton
     else <inductor cache>/triton/<device>  (where torch points Triton when the variable is unset)
-    else ~/.triton/cache                   (Triton's own default)
+    else $TRITON_HOME|~/.triton/cache      (Triton's own default, knobs.cache in 3.9)
 
 Kernel directories are named by Triton's own hash, so the per-device copies torch keeps are the
 same kernels; they are merged into one directory and TRITON_CACHE_DIR points every device at it.
@@ -42,4 +42,5 @@ class TritonSource(Source):
                         exc.strerror or exc)  # fmt: skip
             devices = []
         # torch makes these per-device directories itself; one that is a link is not torch's.
-        return [d for d in devices if d.is_dir() and not d.is_symlink()] + [home_dir(env) / ".triton" / "cache"]
+        home = Path(env["TRITON_HOME"]) if env.get("TRITON_HOME") else home_dir(env)
+        return [d for d in devices if d.is_dir() and not d.is_symlink()] + [home / ".triton" / "cache"]
