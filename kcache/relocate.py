@@ -6,6 +6,7 @@ path they had on the publishing machine. Restored under ROOT, those paths point 
     triton    <kernel hash>/__grp__<name>.json     {"child_paths": {"<name>.cubin": "/pub/<hash>/<name>.cubin"}}
               FileCacheManager.get_group keeps only children that exist (read in 3.0, 3.2, 3.4,
               3.6) or gives up when one is missing (3.8, 3.9): either way the kernel compiles again.
+              Under a relative TRITON_CACHE_DIR the paths are relative (to the publisher's cwd).
     vllm      .../rank_<i>_<j>/[<prefix>/]vllm_compile_cache.py   a Python literal whose handles
               hold "/pub/.../torch_compile_cache/.../artifact_..." (the standalone adaptor loads it)
 
@@ -64,10 +65,10 @@ class Layer:
 
     def mapped(self, path: str, *, file: bool = False) -> str | None:
         """`path` moved into the restored layer, or None if no suffix of it is something we restore
-        (with `file`, a file we restore)."""
-        if not path.startswith("/"):
-            return None
-        parts = PurePosixPath(path).parts[1:]
+        (with `file`, a file we restore). A relative path is the publisher's too: Triton names a group's
+        children under a relative TRITON_CACHE_DIR by that relative path."""
+        parts = PurePosixPath(path).parts
+        parts = parts[1:] if path.startswith("/") else parts
         if any(p in ("", ".", "..") for p in parts):
             return None
         within = self.files if file else self.known

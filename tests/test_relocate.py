@@ -274,3 +274,24 @@ def test_triton_cache_under_triton_home_is_published_and_found_after_restore(tmp
     assert restore(store, sqlite_index, fp, root).status == "hit"
     group = json.loads(triton(GET, root / "triton"))
     assert group is not None and sorted(group) == ["add.cubin", "add.json", "add.ptx"]
+
+
+def test_triton_group_written_under_a_relative_cache_dir_is_found_after_restore(tmp_path, store, sqlite_index, fp):
+    """TRITON_CACHE_DIR=triton-cache (relative, as a compose file or a shell may set it): Triton names a
+    group's children by that relative path (FileCacheManager.put returns os.path.join(dir, key, name)).
+    Restore dropped every such group as naming nothing of the bundle, and the pod compiled every kernel."""
+    pytest.importorskip("triton")
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "TRITON_CACHE_DIR": "triton-cache"}
+    done = subprocess.run([sys.executable, "-c", PUT.format(key=KEY)], env=env, cwd=work, capture_output=True,
+                          text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    group = json.loads((work / "triton-cache" / KEY / "__grp__add.json").read_text())
+    assert group["child_paths"]["add.cubin"] == f"triton-cache/{KEY}/add.cubin"  # Triton's own, relative
+    publish(store, sqlite_index, fp, sources.select(["triton"]), env={"TRITON_CACHE_DIR": str(work / "triton-cache")})
+    root = tmp_path / "pod"
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    restored = json.loads(triton(GET, root / "triton"))
+    assert restored is not None and sorted(restored) == ["add.cubin", "add.json", "add.ptx"]
+    assert all(Path(p).parent == root / "triton" / KEY for p in restored.values())
