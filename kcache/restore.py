@@ -484,7 +484,20 @@ def _restore(
     if isinstance(chosen, str) and fallback == "layers" and not pinned and not fp.mismatches:
         donors = _donors(store, index, fp, policy)
         if donors:
-            return _from_layers(store, fp, root, jobs, budget, donors, run_as, started, report)
+            pch = next((d.manifest.layer_info for d in donors if d.layer == "inductor-pch"), {})
+            own = _compiled_here(root, fp.bundle_key, [d.layer for d in donors], layers.run_as_user(run_as, pch))
+            donors = [d for d in donors if d.layer not in own]
+            if donors:
+                return _from_layers(store, fp, root, jobs, budget, donors, run_as, started, report)
+            chosen = f"{one_line(chosen)}; ROOT keeps the layers it compiled under this key"
+    if not isinstance(chosen, str) and chosen.partial:
+        manifest, signer, _size = choice.read_manifest(store, chosen, fp, policy)
+        user = layers.run_as_user(run_as, manifest.layer_info)
+        own = _compiled_here(root, fp.bundle_key, PARTIAL_LAYERS, user)
+        if own and set(PARTIAL_LAYERS) & set(manifest.layers) <= own:
+            chosen = "no bundle for this key; ROOT keeps the layers it compiled under it"
+    else:
+        own = set()
     if isinstance(chosen, str):
         # The user named (--run-as, KCACHE_RUN_AS) for whom TMPDIR is laid out; else nobody: the
         # restoring user of an init container says nothing of the model's (the marker's run_as).
@@ -493,10 +506,12 @@ def _restore(
                              seconds=time.perf_counter() - started, reason=one_line(chosen),
                              user=layers.run_as_user(run_as, {}) if named else None)  # fmt: skip
     partial = chosen.partial
-    manifest, signer, _size = choice.read_manifest(store, chosen, fp, policy)
+    if not partial:
+        manifest, signer, _size = choice.read_manifest(store, chosen, fp, policy)
     _check_layers(manifest)
-    layer_names = tuple(n for n in manifest.layers if n in PARTIAL_LAYERS) if partial else manifest.layers
-    entries = tuple(e for e in manifest.entries if not partial or e.path.split("/", 1)[0] in PARTIAL_LAYERS)
+    taken = tuple(n for n in PARTIAL_LAYERS if n not in own)
+    layer_names = tuple(n for n in manifest.layers if n in taken) if partial else manifest.layers
+    entries = tuple(e for e in manifest.entries if not partial or e.path.split("/", 1)[0] in taken)
     user = layers.run_as_user(run_as, manifest.layer_info)
     _lay_out(store, root, entries, layers.for_manifest(layer_names, user), jobs, budget, report, manifest.chunks)
     reason = (
@@ -505,6 +520,31 @@ def _restore(
     return RestoreResult("partial" if partial else "hit", fp.bundle_key, manifest.id, root, root / envfile.NAME,
                          layer_names, len(entries), sum(e.size for e in entries), time.perf_counter() - started,
                          reason, signer, user=user)  # fmt: skip
+
+
+def _compiled_here(root: Path, bundle_key: str, names: Iterable[str], user: str) -> set[str]:
+    """The layers among `names` whose place in ROOT holds files compiled there under `bundle_key` (the
+    last restore into ROOT says its layers are this key's, did not lay that layer down from a bundle,
+    which may be yanked since, and did not keep its place back): a kept ROOT's own compiles for this
+    very workload. A partial restore leaves them be: another workload's layer swapped in over them
+    made the pod compile again what it had compiled on its last start."""
+    state = read_state(root) or {}
+    if _layers_key(state) != bundle_key:
+        return set()
+    kept_back = _kept_back(state)
+    laid = state.get("layers") if state.get("status") in ("hit", "partial") else None
+    laid = {name for name in laid if isinstance(name, str)} if isinstance(laid, list) else set()
+    own = set()
+    for source in layers.for_manifest(names, user):
+        place = source.restore_dir(root)
+        if source.name in laid or place.relative_to(root).as_posix() in kept_back or place.is_symlink():
+            continue
+        if next(source.walk(place), None) is not None:
+            own.add(source.name)
+    if own:
+        log.info("ROOT keeps layer %s, compiled under this bundle key: not taken from another bundle",
+                 ", ".join(sorted(own)))  # fmt: skip
+    return own
 
 
 def _donors(store: Store, index: Catalog, fp: Fingerprint, policy: choice.Policy) -> list[layerkeys.Donor]:

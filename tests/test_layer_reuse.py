@@ -19,6 +19,7 @@ from kcache.publish import PublishConfig, publish
 from kcache.restore import restore
 from kcache.sources.base import torch_user
 from kcache.store import manifest_key, ref_key
+from kcache.yank import yank
 
 GPU = {**FACTS, "gpu.name": "NVIDIA H200", "gpu.sm": "sm_90", "gpu.count": "1", "gpu.driver": "550.54",
        "triton.version": "3.9.0", "libc": "glibc 2.36",
@@ -259,3 +260,37 @@ def test_donor_manifests_together_stay_within_the_manifest_cap(tmp_path, store, 
     result, reused = restored_layers(store, sqlite_index, victim, tmp_path / "r")
     donors = {bundle for _, bundle in result.donors}
     assert len(donors) == 1 and reused
+
+
+@pytest.mark.parametrize("fallback", ["layers", "toolchain"])
+def test_a_kept_root_keeps_what_it_compiled_under_this_key_over_a_donors_layer(tmp_path, store, sqlite_index,
+                                                                               fallback):  # fmt: skip
+    """A kept ROOT (a hostPath) whose last start missed and compiled under this very key starts warm
+    from its own compiles when this start misses again. With --fallback, the partial restore swapped a
+    donor's layer (another model's graphs) in over those compiles, and the pod compiled everything again."""
+    published(tmp_path, store, sqlite_index, GPU)  # another model on this toolchain: the donor
+    mine = {**GPU, "model.id": "my-model"}
+    root = tmp_path / "kept"
+    assert restore(store, sqlite_index, fingerprint.compute(mine), root).status == "miss"
+    own = {"inductor/fxgraph/mine": b"my graph", "triton/k2/mul.cubin": b"my triton kernel",
+           f"tmp/torchinductor_{torch_user()}/precompiled_headers/mine.h.gch": b"my header"}  # fmt: skip
+    write_tree(root, own)  # what the model compiled there before the pod went away unpublished
+    result = restore(store, sqlite_index, fingerprint.compute(mine), root, fallback=fallback)
+    assert result.status == "partial"
+    for rel, data in own.items():
+        assert (root / rel).read_bytes() == data, rel
+
+
+def test_a_kept_root_still_takes_a_donor_over_what_a_bundle_of_its_key_laid_down(tmp_path, store, sqlite_index):
+    """Files the last restore laid down from this key's bundle are not the pod's own compiles: that bundle
+    may be yanked since (which is why this start missed), and the donor's layer replaces them as before."""
+    published(tmp_path, store, sqlite_index, GPU)
+    mine = {**GPU, "model.id": "my-model"}
+    pub = published(tmp_path, store, sqlite_index, mine, tree={"inductor/fxgraph/bad": b"yanked graph"}, name="m")
+    root = tmp_path / "kept"
+    assert restore(store, sqlite_index, fingerprint.compute(mine), root).status == "hit"
+    yank(store, sqlite_index, pub.bundle_id, "bad kernels")
+    result = restore(store, sqlite_index, fingerprint.compute(mine), root, fallback="layers")
+    assert result.status == "partial" and "inductor" in dict(result.donors)
+    assert not (root / "inductor/fxgraph/bad").exists()
+    assert (root / "inductor/fxgraph/g").read_bytes() == b"graph"
