@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import shutil
 import signal
 import stat
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from kcache import atomic, choice, envfile, fetch, layerkeys, progress, rootdir, signing
+from kcache import atomic, choice, envfile, fetch, layerkeys, progress, refs, rootdir, signing
 from kcache import manifest as manifests
 from kcache import sources as layers
 from kcache.config import redact_text
@@ -233,6 +234,7 @@ def _open_and_restore(open_inputs, opened: list, kept: _KeptLayers, root: Path, 
     inputs = open_inputs()
     opened.append(inputs)
     _compare_layers(root, inputs.fingerprint.bundle_key, kept)
+    _set_aside_yanked(root, inputs.store, inputs.fingerprint.bundle_key, kept)
     if require_signature and not inputs.trusted:
         raise ConfigError("--require-signature", "on", "needs at least one --trusted-key (or KCACHE_TRUSTED_KEYS)")
     policy = choice.Policy(inputs.trusted, require_signature)
@@ -253,6 +255,49 @@ def _compare_layers(root: Path, bundle_key: str, kept: _KeptLayers, *, wait: boo
             kept.compared, kept.key = True, bundle_key
     finally:
         kept.lock.release()
+
+
+def _set_aside_yanked(root: Path, store: Store, bundle_key: str, kept: _KeptLayers) -> None:
+    """Empty the layers the last restore into ROOT laid down, under this same key, from a bundle that
+    is yanked since (its marker in the store): the same key keeps ROOT's layers, and the yanked kernels
+    were exported to every later start on that node. What the pod compiled into other layers stays.
+    The marker comes from ROOT, which every container writes: only bundle ids are looked up, each once."""
+    state = read_state(root) or {}
+    laid = state.get("layers")
+    if _layers_key(state) != bundle_key or state.get("status") not in ("hit", "partial") or not isinstance(laid, list):
+        return
+    donors = state.get("donors") if isinstance(state.get("donors"), dict) else {}
+    known = {source.name for source in layers.BUILTIN}
+    origin = {name: donors.get(name, state.get("bundle_id")) for name in laid if isinstance(name, str)
+              and (name in known or (name.startswith("extra:") and layers.is_extra_name(name[6:])))}  # fmt: skip
+    ids = {i for i in origin.values() if isinstance(i, str) and _BUNDLE_ID.fullmatch(i)}
+    try:
+        yanked = {i for i in sorted(ids)[: len(layerkeys.FACTS) + 1] if store.exists(refs.yank_key(i))}
+    except KcacheError as exc:  # the choice that follows asks the store again and fails the restore open
+        log.warning("cannot tell whether the bundle the last restore laid down is yanked: %s", one_line(exc))
+        return
+    if not yanked:
+        return
+    try:
+        user = torch_user_name(state["run_as"]) if isinstance(state.get("run_as"), str) else None
+    except ConfigError:
+        user = None
+    names = [name for name, i in origin.items() if i in yanked]
+    with kept.lock:
+        if kept.retired is None:
+            kept.retired = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=root))
+        for i, source in enumerate(layers.for_manifest(names, user)):
+            place = source.restore_dir(root)
+            try:
+                if os.path.lexists(_inside(root, place)):
+                    os.rename(place, kept.retired / f"yanked-{i}")  # a link is moved, never followed
+            except (UnsafePath, OSError) as exc:
+                log.warning("cannot set aside %s, laid down from a yanked bundle: %s", place, one_line(exc))
+    log.warning("the last restore into %s laid down layer %s from bundle %s, yanked since: starting from empty "
+                "layers", root, ", ".join(names), ", ".join(y[:12] for y in sorted(yanked)))  # fmt: skip
+
+
+_BUNDLE_ID = re.compile(r"[0-9a-f]{64}")
 
 
 def _delete_retired(kept: _KeptLayers, deadline: float | None) -> None:

@@ -7,6 +7,7 @@ keys do not see) ran there, and `publish --from ROOT` or the watch sidecar filed
 key for every pod of that key. A restore under another key starts from empty layers.
 """
 
+import json
 import threading
 from pathlib import Path
 
@@ -16,7 +17,9 @@ from trees import read_tree, write_tree
 from kcache import envfile, fingerprint, removal, sources
 from kcache.errors import ConfigError, RestoreTimeout, StoreError
 from kcache.publish import PublishConfig, publish
+from kcache.refs import RefCatalog
 from kcache.restore import Opened, read_state, restore, restore_opening
+from kcache.yank import yank
 
 
 def publish_tree(store, index, fp, root: Path):
@@ -235,3 +238,40 @@ def test_a_killed_restores_leftovers_cost_the_next_hit_no_budget(store, sqlite_i
         volume_answers.set()
     assert restore(store, sqlite_index, fp, root).status == "hit"  # without a budget: deleted to the end
     assert not leftover.exists()
+
+
+@pytest.mark.parametrize("catalog", ["index", "refs"])
+def test_the_same_key_sets_aside_what_a_yanked_bundle_laid_down(store, sqlite_index, fp, tmp_path, catalog):
+    """The last start restored a bundle of this key that has been yanked since (bad kernels, NaNs): this
+    start misses, and the same key kept the layers that bundle laid down, so kcache.env pointed the
+    model at the yanked kernels on that node start after start. What the pod compiled itself stays."""
+    write_tree(tmp_path / "src", {"inductor/fx/bad": b"kernel that returns NaN", "triton/k/k.cubin": b"bad"})
+    bad = publish_tree(store, sqlite_index, fp, tmp_path / "src")
+    root = tmp_path / "root"
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    write_tree(root, {"vllm/own/graph": b"compiled by the pod after its restore"})
+    yank(store, sqlite_index, bad.bundle_id, "NaNs")
+    result = restore(store, sqlite_index if catalog == "index" else RefCatalog(store), fp, root)
+    assert result.status == "miss"
+    assert read_tree(root / "inductor") == {} and read_tree(root / "triton") == {}
+    assert read_tree(root / "vllm") == {"own/graph": (b"compiled by the pod after its restore", 0o644)}
+
+
+
+def test_a_hostile_marker_costs_no_restore_and_moves_nothing_outside_the_layers(store, sqlite_index, fp, tmp_path):
+    """The marker lies in ROOT, which every container of the pod writes: layer names and bundle ids
+    from it only ever name layers of ROOT to set aside, and a name no layer has is passed over."""
+    write_tree(tmp_path / "src", {"inductor/fx/bad": b"kernel that returns NaN"})
+    bad = publish_tree(store, sqlite_index, fp, tmp_path / "src")
+    root = tmp_path / "root"
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    yank(store, sqlite_index, bad.bundle_id, "NaNs")
+    marker = root / ".kcache-state.json"
+    state = json.loads(marker.read_text())
+    state["layers"] = ["inductor", "extra:..", "extra:../../x", "../x", 7]
+    state["donors"] = {"inductor": "../../etc", "triton": bad.bundle_id}
+    marker.write_text(json.dumps(state))
+    write_tree(tmp_path, {"x/kept": b"outside ROOT"})
+    assert restore(store, sqlite_index, fp, root).status == "miss"
+    assert (root / "inductor/fx/bad").is_file()  # its donor id names no bundle: nothing yanked set it aside
+    assert (tmp_path / "x/kept").is_file() and read_state(root)["status"] == "miss"
