@@ -119,3 +119,12 @@ def test_every_layer_has_its_own_restore_dir(tmp_path):
     for i, a in enumerate(places):
         for b in places[i + 1 :]:
             assert not a.is_relative_to(b) and not b.is_relative_to(a), (a, b)
+
+
+def test_cute_dsl_is_read_for_the_run_as_user(tmp_path, monkeypatch):
+    """A live publish by another user than the model's (a sidecar sharing /tmp, KCACHE_RUN_AS naming the
+    model's user as for the Inductor layers) read its own <user>/cutlass_python_cache, not the model's."""
+    monkeypatch.setenv("KCACHE_RUN_AS", "model")
+    monkeypatch.setenv("USER", "sidecar")
+    (source,) = sources.select(["cute_dsl"])
+    assert source.live_dirs({"TMPDIR": str(tmp_path), "USER": "sidecar"}) == [tmp_path / "model/cutlass_python_cache"]
