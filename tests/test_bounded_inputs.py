@@ -9,10 +9,10 @@ skipped, not waited on.
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 import pytest
+from outcome import outcome_within
 
 from kcache import fingerprint, signing
 from kcache.errors import ConfigError
@@ -30,23 +30,8 @@ CAPS = {"facts-file": fingerprint.MAX_FACTS_FILE_BYTES, "model-config": fingerpr
 
 def outcome_of(call, fifo: Path | None = None) -> list:
     """Run `call` in a thread; a reader stuck on a FIFO is freed by opening its other end."""
-    box: list = []
-
-    def run() -> None:
-        try:
-            box.append(call())
-        except Exception as exc:  # noqa: BLE001 - handed to the test
-            box.append(exc)
-
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    worker.join(30)  # generous: a bounded read answers at once, a blocked one never
-    stuck = worker.is_alive()
-    if stuck and fifo is not None:
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        worker.join(30)
-    assert not stuck, "the read blocked on a FIFO"
-    return box
+    unstick = (lambda: os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))) if fifo is not None else None
+    return [outcome_within(call, 30, unstick, "the read blocked on a FIFO")]
 
 
 @pytest.mark.parametrize("what", list(READERS))

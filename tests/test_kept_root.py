@@ -9,6 +9,7 @@ key for every pod of that key. A restore under another key starts from empty lay
 
 import json
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,40 @@ from kcache.yank import yank
 
 def publish_tree(store, index, fp, root: Path):
     return publish(store, index, fp, sources.select(), root=root, env={}, config=PublishConfig(allow_empty=True))
+
+
+@contextmanager
+def a_slow_volume(monkeypatch, only: Path | None = None):
+    """Every deletion (or only that of `only`) takes longer than any budget, until the block ends."""
+    volume_answers = threading.Event()
+    real_remove_tree = removal.remove_tree
+
+    def slow_volume(path):
+        if only is None or Path(path) == only:
+            volume_answers.wait()
+        real_remove_tree(path)
+
+    monkeypatch.setattr(removal, "remove_tree", slow_volume)
+    try:
+        yield
+    finally:
+        volume_answers.set()
+
+
+def no_fingerprint():
+    raise ConfigError("--facts-file", "facts.json", "does not exist")
+
+
+def restore_whose_store_is_out_of_reach(root: Path, fp):
+    """A restore whose fingerprint `fp` is computed, and whose store then refuses the connection."""
+    computed = []
+
+    def store_out_of_reach():
+        computed.append(fp)
+        raise StoreError("s3://bucket", "connection refused")
+
+    with pytest.raises(StoreError):
+        restore_opening(store_out_of_reach, root, computed=lambda: computed[0] if computed else None)
 
 
 def test_a_miss_under_another_key_starts_from_empty_layers(store, sqlite_index, fp, tmp_path):
@@ -63,9 +98,6 @@ def test_a_restore_that_never_knew_its_key_keeps_the_last_one(store, sqlite_inde
     restore(store, sqlite_index, fp, root)
     write_tree(root, {"inductor/fx/own": b"compiled under the first key"})
 
-    def no_fingerprint():
-        raise ConfigError("--facts-file", "facts.json", "does not exist")
-
     with pytest.raises(ConfigError):
         restore_opening(no_fingerprint, root)
     assert read_state(root)["status"] == "error" and read_state(root)["layers_key"] == fp.bundle_key
@@ -82,14 +114,7 @@ def test_a_restore_that_fails_after_its_fingerprint_leaves_no_other_keys_layers(
     restore(store, sqlite_index, fp, root)
     write_tree(root, {"inductor/fx/own": b"compiled under the first key"})
     avx2 = fingerprint.compute({**fp.facts, "cpu.isa": "avx2"})
-    computed = []
-
-    def store_out_of_reach():
-        computed.append(avx2)
-        raise StoreError("s3://bucket", "connection refused")
-
-    with pytest.raises(StoreError):
-        restore_opening(store_out_of_reach, root, computed=lambda: computed[0] if computed else None)
+    restore_whose_store_is_out_of_reach(root, avx2)
     state = read_state(root)
     assert state["status"] == "error" and state["bundle_key"] == avx2.bundle_key
     assert read_tree(root / "inductor") == {} and state["layers_key"] == avx2.bundle_key
@@ -129,20 +154,10 @@ def test_deleting_another_keys_layers_costs_the_hit_no_budget(store, sqlite_inde
     root = tmp_path / "root"
     restore(store, sqlite_index, fp, root)
     write_tree(root, {"inductor/fx/own": b"compiled under the first key"})
-    volume_answers = threading.Event()
-    real_remove_tree = removal.remove_tree
-
-    def slow_volume(path):  # a deletion that takes longer than the budget
-        volume_answers.wait()
-        real_remove_tree(path)
-
-    monkeypatch.setattr(removal, "remove_tree", slow_volume)
-    try:
+    with a_slow_volume(monkeypatch):
         result = restore(store, sqlite_index, avx2, root, timeout=3)
         assert result.status == "hit", result.reason
         assert set(read_tree(root / "inductor")) == {"fx/a"} and read_state(root)["layers_key"] == avx2.bundle_key
-    finally:
-        volume_answers.set()
 
 
 def test_a_layer_that_cannot_be_set_aside_is_left_out_of_kcache_env(store, sqlite_index, fp, tmp_path, tmpfs):
@@ -190,19 +205,9 @@ def test_a_failed_restore_leaves_a_layer_kept_back_out_of_kcache_env(store, sqli
     restore(store, sqlite_index, fp, root)
     write_tree(root, {"inductor/fx/own": b"avx512 kernel"})
     avx2 = fingerprint.compute({**fp.facts, "cpu.isa": "avx2"})
-    computed = []
-
-    def store_out_of_reach():
-        computed.append(avx2)
-        raise StoreError("s3://bucket", "connection refused")
-
-    with pytest.raises(StoreError):
-        restore_opening(store_out_of_reach, root, computed=lambda: computed[0] if computed else None)
+    restore_whose_store_is_out_of_reach(root, avx2)
     assert "TORCHINDUCTOR_CACHE_DIR" not in envfile.read(root / envfile.NAME)
     assert read_state(root)["kept_back"] == {"inductor": fp.bundle_key}
-
-    def no_fingerprint():
-        raise ConfigError("--facts-file", "facts.json", "does not exist")
 
     with pytest.raises(ConfigError):  # no key known: what was kept back stays so
         restore_opening(no_fingerprint, root)
@@ -221,21 +226,10 @@ def test_a_killed_restores_leftovers_cost_the_next_hit_no_budget(store, sqlite_i
     assert restore(store, sqlite_index, fp, root).status == "hit"
     leftover = root / ".kcache-staging-1-killed"
     write_tree(leftover, {"retired/0/fx/own": b"compiled by the last start"})
-    volume_answers = threading.Event()
-    real_remove_tree = removal.remove_tree
-
-    def slow_volume(path):  # deleting the leftover takes longer than the budget
-        if Path(path) == leftover:
-            volume_answers.wait()
-        real_remove_tree(path)
-
-    monkeypatch.setattr(removal, "remove_tree", slow_volume)
-    try:
+    with a_slow_volume(monkeypatch, only=leftover):  # deleting the leftover takes longer than the budget
         result = restore(store, sqlite_index, fp, root, timeout=3)
         assert result.status == "hit", result.reason
         assert set(read_tree(root / "inductor")) == {"fx/a"} and read_state(root)["status"] == "hit"
-    finally:
-        volume_answers.set()
     assert restore(store, sqlite_index, fp, root).status == "hit"  # without a budget: deleted to the end
     assert not leftover.exists()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from outcome import outcome_within
 
 from kcache.errors import StoreError
 from kcache.store.local import LocalStore
@@ -131,25 +132,6 @@ def test_a_time_no_datetime_holds_lists_as_the_latest(tmp_path):
         shutil.rmtree(store.root.parent)
 
 
-def _within_a_minute(call):
-    """`call()`'s outcome (its result or its exception); a call still running after a minute hung (for good)."""
-    import threading
-
-    outcome: list = []
-
-    def run() -> None:
-        try:
-            outcome.append(call())
-        except Exception as exc:  # noqa: BLE001 - handed to the test
-            outcome.append(exc)
-
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    worker.join(60)  # generous: a hang lasts for ever
-    assert not worker.is_alive(), "hung"
-    return outcome[0]
-
-
 @pytest.mark.parametrize("planted", ["fifo", "directory", "dangling-link"])
 def test_what_is_not_a_lock_file_beside_a_ref_does_not_stop_its_writers(tmp_path, planted):
     """Whoever writes the store's directory can put a FIFO where a ref's compare-and-swap lock goes:
@@ -167,7 +149,7 @@ def test_what_is_not_a_lock_file_beside_a_ref_does_not_stop_its_writers(tmp_path
     else:
         lock.symlink_to(tmp_path / "elsewhere")
     version = store.get_versioned("refs/k")[1]
-    assert _within_a_minute(lambda: store.put_if("refs/k", b"two", version)) is True
+    assert outcome_within(lambda: store.put_if("refs/k", b"two", version)) is True
     assert store.get_bytes("refs/k") == b"two" and not (tmp_path / "elsewhere").exists()
 
 
@@ -188,7 +170,7 @@ def test_a_ref_lock_held_for_good_fails_its_writer_instead_of_hanging(tmp_path, 
     try:
         assert holder.stdout.readline() == "locked\n"
         monkeypatch.setattr(local, "REF_LOCK_WAIT", 0.5)
-        failed = _within_a_minute(lambda: store.put_if("refs/k", b"two", store.get_versioned("refs/k")[1]))
+        failed = outcome_within(lambda: store.put_if("refs/k", b"two", store.get_versioned("refs/k")[1]))
         assert isinstance(failed, StoreError) and "refs/k" in str(failed)
     finally:
         holder.stdin.close()
