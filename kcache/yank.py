@@ -45,9 +45,13 @@ def yank(store: Store, index: Index, bundle_id: str, reason: str = "", *, signer
     except UnicodeEncodeError:  # an argument holding bytes no encoding names (a lone surrogate)
         raise ConfigError("--reason", reason, "is not UTF-8 text") from None
     refs.default_ttl()  # and a bad KCACHE_REF_TTL, which the ref below is written with
-    bundle = lifecycle.set_status(index, bundle_id, "yanked")
+    bundle = index.get_bundle(bundle_id)
+    # The marker first: it alone stops the bundle for every pod (index or refs/). Written after the
+    # row, a yank cut off between the two left the index saying yanked while pods restoring through
+    # refs/ still took the bundle the ref names; now a yank cut off anywhere stops it or changed nothing.
     store.delete(refs.yank_key(bundle.id))  # a fresh reason replaces an old one
     store.put_bytes(refs.yank_key(bundle.id), text)
+    bundle = lifecycle.set_status(index, bundle.id, "yanked")
     refs.refresh(store, index, bundle.bundle_key, signer=signer)
     layerkeys.move_off(store, index, bundle, signer=signer)
     return bundle

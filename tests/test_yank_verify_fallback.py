@@ -11,7 +11,7 @@ from trees import read_tree, write_tree
 from kcache import fingerprint, refs, signing, sources
 from kcache.cli import main
 from kcache.cli.errors import ExitCode
-from kcache.errors import IntegrityError, ObjectMissing, SignatureError
+from kcache.errors import IntegrityError, KcacheError, ObjectMissing, SignatureError
 from kcache.publish import PublishConfig, publish
 from kcache.restore import restore
 from kcache.store import pack_key
@@ -258,3 +258,20 @@ def test_cli_yank_verify_and_partial(tmp_path):
     miss = runner.invoke(main, ["restore", "--into", str(tmp_path / "e"), "--model", "m1", "--json"])
     assert json.loads(miss.output)["status"] == "miss"
     assert runner.invoke(main, ["yank", bundle_id[:10], "--undo"]).exit_code == 0
+
+
+def test_a_yank_cut_short_changes_nothing_or_stops_every_pod(tmp_path, store, sqlite_index, fp):
+    """A yank that fails part-way (its marker refused by the store; a yank killed at that step) must not
+    leave the index saying yanked while pods restoring through refs/ still take the bundle, which the
+    ref names and no marker stops: the marker goes first, and it alone stops the bundle everywhere."""
+    old = _publish(tmp_path, store, sqlite_index, fp, {"inductor/a": b"good"}, "v1")
+    bad = _publish(tmp_path, store, sqlite_index, fp, {"inductor/a": b"broken"}, "v2")
+    (store.root / "yanks").write_bytes(b"")  # a file where the markers' directory goes: every marker fails
+    with pytest.raises(KcacheError):
+        yank(store, sqlite_index, bad.bundle_id, "NaNs")
+    through_refs = restore(store, refs.RefCatalog(store), fp, tmp_path / "r1").bundle_id
+    assert (sqlite_index.get_bundle(bad.bundle_id).status, through_refs) == ("active", bad.bundle_id)
+    (store.root / "yanks").unlink()
+    yank(store, sqlite_index, bad.bundle_id, "NaNs")  # run again, it completes
+    assert restore(store, refs.RefCatalog(store), fp, tmp_path / "r2").bundle_id == old.bundle_id
+    assert restore(store, sqlite_index, fp, tmp_path / "r3").bundle_id == old.bundle_id
