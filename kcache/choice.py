@@ -163,6 +163,34 @@ def _pinned_yanked(store: Store, index: Catalog, bundle_key: str, pinned: str, p
     return f"bundle {pinned[:12]} is yanked" if pinned in yanked else None
 
 
+def yanked_among(store: Store, index: Catalog, bundle_key: str, ids: set[str], policy: Policy) -> set[str]:
+    """Which of `ids` (bundles whose files a kept ROOT holds) are yanked: by a marker, the index's word
+    (its row, or gc's record once the row is gone), or this key's ref's yank list, signed or not (a yank
+    honoured from anybody only costs the layers' own compiles, as a marker costs a cold start). Requiring
+    signatures, all of them without a valid signed ref to vouch for them, as for a pinned bundle: a store
+    writer who deleted the ref and the markers would otherwise have the yanked kernels kept."""
+    try:
+        answer = index.newest_bundle(bundle_key)
+    except IntegrityError:  # a ref that does not parse vouches for nothing
+        if policy.required:
+            return set(ids)
+        answer = None
+    if isinstance(index, refs.RefCatalog) or isinstance(answer, refs.Ref):  # answered from the store's refs
+        if policy.required and (answer is None or policy.ref_problem(answer)):
+            return set(ids)
+        listed = set(answer.yanked) if answer is not None else set()
+    else:
+        listed = set()
+        for bundle_id in ids:
+            try:
+                if index.get_bundle(bundle_id).status == "yanked":
+                    listed.add(bundle_id)
+            except NotFound:
+                if index.was_yanked(bundle_id):
+                    listed.add(bundle_id)
+    return {i for i in ids if i in listed or store.exists(refs.yank_key(i))}
+
+
 def read_manifest(store: Store, choice: Choice, fp: Fingerprint, policy: Policy, cap: int | None = None):
     """The chosen manifest, its signer and its size in the store. Size and signature are checked
     before a byte is read.

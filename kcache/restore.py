@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from kcache import atomic, choice, envfile, fetch, layerkeys, progress, refs, rootdir, signing
+from kcache import atomic, choice, envfile, fetch, layerkeys, progress, rootdir, signing
 from kcache import manifest as manifests
 from kcache import sources as layers
 from kcache.config import redact_text
@@ -130,6 +130,9 @@ class _KeptLayers:
     # Layers of another key that could not be set aside (a volume mounted at one: EBUSY), by place
     # under ROOT: left out of kcache.env, named in the marker so `publish --from ROOT` refuses them.
     kept_back: dict[str, str] = field(default_factory=dict)
+    # The bundle whose files each layer that stays holds, by place under ROOT (the marker's `layers_from`):
+    # a kept ROOT's next start sets aside the layers of a bundle yanked since.
+    came_from: dict[str, str] = field(default_factory=dict)
 
 
 class Catalog(Protocol):
@@ -233,71 +236,30 @@ def _open_and_restore(open_inputs, opened: list, kept: _KeptLayers, root: Path, 
         raise ConfigError("--fallback", str(fallback), "a fallback is 'toolchain' or 'layers'")
     inputs = open_inputs()
     opened.append(inputs)
-    _compare_layers(root, inputs.fingerprint.bundle_key, kept)
-    _set_aside_yanked(root, inputs.store, inputs.fingerprint.bundle_key, kept)
+    policy = choice.Policy(inputs.trusted, require_signature)
+    _compare_layers(root, inputs.fingerprint.bundle_key, kept,
+                    yanked=lambda ids: _yanked(inputs.store, inputs.index, inputs.fingerprint.bundle_key, ids, policy))
     if require_signature and not inputs.trusted:
         raise ConfigError("--require-signature", "on", "needs at least one --trusted-key (or KCACHE_TRUSTED_KEYS)")
-    policy = choice.Policy(inputs.trusted, require_signature)
     return _restore(inputs.store, inputs.index, inputs.fingerprint, root, jobs, budget, pinned, policy, fallback,
                     run_as, report)
 
 
-def _compare_layers(root: Path, bundle_key: str, kept: _KeptLayers, *, wait: bool = True) -> None:
-    """Empty layers made under another bundle key (`_set_aside_other_keys_layers`), once per restore:
-    `kept` then says they are `bundle_key`'s. Without `wait`, nothing is done while the worker compares.
+def _compare_layers(root: Path, bundle_key: str, kept: _KeptLayers, *, wait: bool = True,
+                    yanked: Callable[[set[str]], set[str]] | None = None) -> None:  # fmt: skip
+    """Empty layers made under another bundle key, or holding a bundle that `yanked` names
+    (`_set_aside_other_keys_layers`), once per restore: `kept` then says they are `bundle_key`'s.
+    Without `wait`, nothing is done while the worker compares.
     What was set aside is deleted by `_delete_retired` once the restore is done: a hundred thousand
     files on a slow volume must not take the budget the bundle's fetch needs."""
     if not kept.lock.acquire(blocking=wait):
         return
     try:
         if not kept.compared:
-            kept.retired, kept.kept_back = _set_aside_other_keys_layers(root, bundle_key)
+            kept.retired, kept.kept_back, kept.came_from = _set_aside_other_keys_layers(root, bundle_key, yanked)
             kept.compared, kept.key = True, bundle_key
     finally:
         kept.lock.release()
-
-
-def _set_aside_yanked(root: Path, store: Store, bundle_key: str, kept: _KeptLayers) -> None:
-    """Empty the layers the last restore into ROOT laid down, under this same key, from a bundle that
-    is yanked since (its marker in the store): the same key keeps ROOT's layers, and the yanked kernels
-    were exported to every later start on that node. What the pod compiled into other layers stays.
-    The marker comes from ROOT, which every container writes: only bundle ids are looked up, each once."""
-    state = read_state(root) or {}
-    laid = state.get("layers")
-    if _layers_key(state) != bundle_key or state.get("status") not in ("hit", "partial") or not isinstance(laid, list):
-        return
-    donors = state.get("donors") if isinstance(state.get("donors"), dict) else {}
-    known = {source.name for source in layers.BUILTIN}
-    origin = {name: donors.get(name, state.get("bundle_id")) for name in laid if isinstance(name, str)
-              and (name in known or (name.startswith("extra:") and layers.is_extra_name(name[6:])))}  # fmt: skip
-    ids = {i for i in origin.values() if isinstance(i, str) and _BUNDLE_ID.fullmatch(i)}
-    try:
-        yanked = {i for i in sorted(ids)[: len(layerkeys.FACTS) + 1] if store.exists(refs.yank_key(i))}
-    except KcacheError as exc:  # the choice that follows asks the store again and fails the restore open
-        log.warning("cannot tell whether the bundle the last restore laid down is yanked: %s", one_line(exc))
-        return
-    if not yanked:
-        return
-    try:
-        user = torch_user_name(state["run_as"]) if isinstance(state.get("run_as"), str) else None
-    except ConfigError:
-        user = None
-    names = [name for name, i in origin.items() if i in yanked]
-    with kept.lock:
-        if kept.retired is None:
-            kept.retired = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=root))
-        for i, source in enumerate(layers.for_manifest(names, user)):
-            place = source.restore_dir(root)
-            try:
-                if os.path.lexists(_inside(root, place)):
-                    os.rename(place, kept.retired / f"yanked-{i}")  # a link is moved, never followed
-            except (UnsafePath, OSError) as exc:
-                log.warning("cannot set aside %s, laid down from a yanked bundle: %s", place, one_line(exc))
-    log.warning("the last restore into %s laid down layer %s from bundle %s, yanked since: starting from empty "
-                "layers", root, ", ".join(names), ", ".join(y[:12] for y in sorted(yanked)))  # fmt: skip
-
-
-_BUNDLE_ID = re.compile(r"[0-9a-f]{64}")
 
 
 def _delete_retired(kept: _KeptLayers, deadline: float | None) -> None:
@@ -313,21 +275,41 @@ def _delete_retired(kept: _KeptLayers, deadline: float | None) -> None:
         rootdir.delete_until(retired, deadline)
 
 
-def _set_aside_other_keys_layers(root: Path, bundle_key: str) -> tuple[Path | None, dict[str, str]]:
-    """Empty layers when the last restore into ROOT (its marker says) was under another bundle key.
+def _yanked(store: Store, index: Catalog, bundle_key: str, ids: set[str], policy: choice.Policy) -> set[str]:
+    """`choice.yanked_among`, or none when the store or the index cannot say (the restore meets that again)."""
+    try:
+        return choice.yanked_among(store, index, bundle_key, ids, policy)
+    except KcacheError as exc:
+        log.warning("cannot tell whether the bundles in the kept layers were yanked: %s", one_line(exc))
+        return set()
+
+
+def _set_aside_other_keys_layers(root: Path, bundle_key: str, yanked: Callable[[set[str]], set[str]] | None = None
+                                 ) -> tuple[Path | None, dict[str, str], dict[str, str]]:  # fmt: skip
+    """Empty layers when the last restore into ROOT (its marker says) was under another bundle key, and
+    layers that hold a bundle yanked since (`yanked` says which of the ids it is given are).
 
     A kept ROOT (a hostPath, a volume that moves with the pod) holds what was restored or compiled
     under the last start's key: on another kind of node, or with another image, its kernels are for
     that one (torch's own keys do not see -march=native), and a miss left them in place, exported by
     kcache.env and published by `publish --from ROOT` under the new key. They are moved into a
     staging directory, returned to be deleted (within the budget, or by the next restore), with the
-    layers that could not be moved and the key each was made under. A ROOT without a marker names no
-    key, and is left as it is."""
+    layers that could not be moved and the key each was made under, and the bundle each layer left in
+    place holds. A ROOT without a marker names no key, and is left as it is.
+
+    A yanked bundle's layers go too: a miss keeps the key's layers (the pod's own compiles), and a kept
+    ROOT whose last start restored the bundle had its kernels loaded again on every restart after the
+    yank. The pod's compiles beside them go with them: they were made on top of the yanked kernels."""
     previous = read_state(root) or {}
     made_under = _layers_key(previous)
     kept_back = _kept_back(previous)
-    if made_under is None or (made_under == bundle_key and set(kept_back.values()) <= {bundle_key}):
-        return None, {}
+    came_from = _came_from(previous)
+    if made_under is None:
+        return None, {}, {}
+    other_key = made_under != bundle_key or not set(kept_back.values()) <= {bundle_key}
+    bad = yanked(set(came_from.values())) if yanked is not None and came_from and not other_key else set()
+    if not other_key and not bad:
+        return None, {}, came_from
     users: set[str | None] = {None}
     try:  # the last restore's model user, whose header directory that restore laid out
         users.add(torch_user_name(previous["run_as"]) if isinstance(previous.get("run_as"), str) else None)
@@ -336,20 +318,29 @@ def _set_aside_other_keys_layers(root: Path, bundle_key: str) -> tuple[Path | No
     places = sorted({source.restore_dir(root) for user in users for source in layers.builtin(user)} | {root / "extra"})
     retired = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=root))
     stuck: dict[str, str] = {}
+    spoilt = {place for place, bundle in came_from.items() if bundle in bad}
     for i, place in enumerate(places):
-        key = kept_back.get(place.relative_to(root).as_posix(), made_under)
-        if key == bundle_key:
+        rel = place.relative_to(root).as_posix()
+        key = kept_back.get(rel, made_under)
+        under = {p for p in came_from if p == rel or p.startswith(rel + "/")}  # extra/<name> lie under extra
+        if key == bundle_key and not under & spoilt:
             continue
         try:
             if os.path.lexists(_inside(root, place)):
                 os.rename(place, retired / str(i))  # a link is moved, never followed
+            for gone in under:
+                del came_from[gone]
         except (UnsafePath, OSError) as exc:
-            stuck[place.relative_to(root).as_posix()] = key
+            stuck[rel] = key
             log.warning("cannot set aside %s, made under bundle key %s: %s; kcache.env leaves it out",
                         place, one_line(key[:80]), one_line(exc))  # from a file every container may write
-    log.info("the layers in %s were made under bundle key %s, not %s: starting from empty layers",
-             root, one_line(made_under[:80]), bundle_key)  # fmt: skip
-    return retired, stuck
+    if bad:
+        log.warning("the layers in %s hold bundle %s, yanked since: starting from empty layers", root,
+                    ", ".join(sorted(i[:12] for i in bad)))  # fmt: skip
+    else:
+        log.info("the layers in %s were made under bundle key %s, not %s: starting from empty layers",
+                 root, one_line(made_under[:80]), bundle_key)  # fmt: skip
+    return retired, stuck, came_from if not other_key else {}
 
 
 def _fail(root: Path, opened: list[Opened], kept: _KeptLayers, computed: Callable[[], Fingerprint | None],
@@ -371,17 +362,17 @@ def _fail(root: Path, opened: list[Opened], kept: _KeptLayers, computed: Callabl
     # The key ROOT's layers were made under: this restore's once it compared them, else (the fingerprint
     # failed, or the layers could not be set aside) the last one's, carried over for the next start.
     if kept.compared:
-        layers_key, kept_back = kept.key, kept.kept_back
+        layers_key, kept_back, came_from = kept.key, kept.kept_back, kept.came_from
     else:
         last = read_state(root) or {}
-        layers_key, kept_back = _layers_key(last), _kept_back(last)
+        layers_key, kept_back, came_from = _layers_key(last), _kept_back(last), _came_from(last)
     failed = RestoreResult("error", bundle_key, None, root, root / envfile.NAME, seconds=seconds, reason=reason)
     # Each on its own (the marker still goes where the env file cannot); a layer whose place a link
     # carries out of ROOT, or that a file blocks (ROOT/tmp), is left out of the env file, not the whole
     # file. A directory planted at either name is moved aside, and deleted only while the budget lasts.
     for what, write in (("kcache.env", lambda: _write_env(root, (), _env_comment(failed), _safe_user(failed.user),
                                                           deadline, leave_out_unsafe=True, kept_back=kept_back)),
-                        ("the restore marker", lambda: _write_state(failed, fp, layers_key, kept_back,
+                        ("the restore marker", lambda: _write_state(failed, fp, layers_key, kept_back, came_from,
                                                                     deadline))):  # fmt: skip
         try:
             write()
@@ -698,6 +689,7 @@ def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jo
         rootdir.delete_until(staging, budget.deadline)
 
 
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 _FUTURE_SKEW_NS = 24 * 3600 * 10**9  # a publisher's clock further ahead than this is no clock
 
 
@@ -865,11 +857,13 @@ def _inside(root: Path, path: Path) -> Path:
 
 def _finish(root: Path, result: RestoreResult, fp: Fingerprint, kept: _KeptLayers) -> None:
     """kcache.env, then the marker: once the marker is there, the env file matches it."""
-    laid = {source.restore_dir(root).relative_to(root).as_posix() for source in layers.for_manifest(result.layers,
-                                                                                                  result.user)}
+    donors = dict(result.donors)
+    laid = {source.restore_dir(root).relative_to(root).as_posix(): donors.get(source.name, result.bundle_id)
+            for source in layers.for_manifest(result.layers, result.user)}  # fmt: skip
     kept_back = {place: key for place, key in kept.kept_back.items() if place not in laid}  # the swap replaced those
+    came_from = {**kept.came_from, **{place: bundle for place, bundle in laid.items() if bundle}}
     _write_env(root, result.layers, _env_comment(result), result.user, kept_back=kept_back)
-    _write_state(result, fp, kept.key, kept_back)
+    _write_state(result, fp, kept.key, kept_back, came_from)
 
 
 def _env_comment(result: RestoreResult) -> str:
@@ -918,13 +912,15 @@ def _write_env(root: Path, layer_names, comment: str, run_as: str | None = None,
 
 
 def _write_state(result: RestoreResult, fp: Fingerprint | None, layers_key: str | None,
-                 kept_back: Mapping[str, str], deadline: float | None = None) -> None:  # fmt: skip
+                 kept_back: Mapping[str, str], came_from: Mapping[str, str],
+                 deadline: float | None = None) -> None:  # fmt: skip
     """The restore marker: restore has finished, with what outcome (readiness and /metrics read it),
-    the workload it computed ("inputs": what `publish --from ROOT` publishes under), and the bundle
-    key ROOT's layers were made under (`_compare_layers`), but for those kept back under another."""
+    the workload it computed ("inputs": what `publish --from ROOT` publishes under), the bundle
+    key ROOT's layers were made under (`_compare_layers`), but for those kept back under another,
+    and the bundle each layer holds ("layers_from": the next start checks them for yanks)."""
     rootdir.clear(result.root / RESTORE_MARKER, stat.S_ISDIR, deadline)
     write_marker(result.root, RESTORE_MARKER, {
-        "layers_key": layers_key, "kept_back": dict(kept_back),
+        "layers_key": layers_key, "kept_back": dict(kept_back), "layers_from": dict(came_from),
         "toolchain_key": fp.toolchain_key if fp else None,  # what `publish --from ROOT` compares with its own
         "status": result.status, "bundle_key": result.bundle_key, "bundle_id": result.bundle_id,
         "files": result.files, "bytes": result.bytes, "seconds": round(result.seconds, 4),
@@ -946,6 +942,16 @@ def _kept_back(state: dict) -> dict[str, str]:
     if not isinstance(kept, dict):
         return {}
     return {place: key for place, key in kept.items() if isinstance(place, str) and isinstance(key, str)}
+
+
+def _came_from(state: dict) -> dict[str, str]:
+    """The bundle a marker says each layer holds, by place under ROOT (ids of 64 hex digits only: every
+    container of the pod may write the marker)."""
+    found = state.get("layers_from")
+    if not isinstance(found, dict):
+        return {}
+    return {place: bundle for place, bundle in found.items()
+            if isinstance(place, str) and isinstance(bundle, str) and _HEX64.match(bundle)}  # fmt: skip
 
 
 def read_state(root: Path) -> dict | None:

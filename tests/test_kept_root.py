@@ -253,19 +253,72 @@ def test_the_same_key_sets_aside_what_a_yanked_bundle_laid_down(store, sqlite_in
 
 
 def test_a_hostile_marker_costs_no_restore_and_moves_nothing_outside_the_layers(store, sqlite_index, fp, tmp_path):
-    """The marker lies in ROOT, which every container of the pod writes: layer names and bundle ids
-    from it only ever name layers of ROOT to set aside, and a name no layer has is passed over."""
+    """The marker lies in ROOT, which every container of the pod writes: places and bundle ids from it
+    only ever name layers of ROOT to set aside; a place no layer has, or an id that is none, is passed over."""
     write_tree(tmp_path / "src", {"inductor/fx/bad": b"kernel that returns NaN"})
     bad = publish_tree(store, sqlite_index, fp, tmp_path / "src")
     root = tmp_path / "root"
     assert restore(store, sqlite_index, fp, root).status == "hit"
+    write_tree(root, {"triton/k/own": b"compiled by the pod"})
     yank(store, sqlite_index, bad.bundle_id, "NaNs")
     marker = root / ".kcache-state.json"
     state = json.loads(marker.read_text())
-    state["layers"] = ["inductor", "extra:..", "extra:../../x", "../x", 7]
-    state["donors"] = {"inductor": "../../etc", "triton": bad.bundle_id}
+    state["layers_from"] = {"inductor": bad.bundle_id, "..": bad.bundle_id, "../x": bad.bundle_id,
+                            "extra/../../x": bad.bundle_id, "triton": "../../etc", "7": 7}  # fmt: skip
     marker.write_text(json.dumps(state))
     write_tree(tmp_path, {"x/kept": b"outside ROOT"})
     assert restore(store, sqlite_index, fp, root).status == "miss"
-    assert (root / "inductor/fx/bad").is_file()  # its donor id names no bundle: nothing yanked set it aside
+    assert not (root / "inductor/fx/bad").exists()  # the yanked bundle's layer, as restore recorded it
+    assert (root / "triton/k/own").is_file()  # "../../etc" names no bundle: nothing yanked set it aside
     assert (tmp_path / "x/kept").is_file() and read_state(root)["status"] == "miss"
+
+
+def test_a_yanked_bundle_in_a_kept_root_is_not_used_again(store, sqlite_index, fp, tmp_path):
+    """A ROOT that the last start restored a bundle into, under this start's own key: the bundle has been
+    yanked since (kernels that give NaNs, say). The restore misses on it, but a miss keeps the key's
+    layers, so kcache.env still pointed torch at the yanked kernels, on every restart on that node."""
+    from kcache.yank import yank
+
+    write_tree(tmp_path / "src", {"inductor/fx/a": b"kernel that gives NaNs"})
+    bad = publish_tree(store, sqlite_index, fp, tmp_path / "src")
+    root = tmp_path / "root"
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    write_tree(root, {"inductor/fx/own": b"compiled beside the yanked kernels"})
+    yank(store, sqlite_index, bad.bundle_id, "NaNs")
+    result = restore(store, sqlite_index, fp, root)
+    assert result.status == "miss"
+    assert read_tree(root / "inductor") == {}
+
+
+def test_a_bundle_yanked_with_its_ref_and_marker_gone_is_not_kept_for_a_pod_requiring_signatures(
+        store, sqlite_index, fp, tmp_path):  # fmt: skip
+    """Through refs, requiring signatures: the key's only bundle is yanked with the key (its ref goes: no
+    active bundle), and a store writer deletes the marker. Nothing signed vouches for the kept bundle."""
+    from kcache import refs, signing
+    from kcache.yank import yank
+
+    private, public = signing.generate("prod", tmp_path / "keys")
+    key, trusted = signing.load_signing_key(private), signing.load_trusted_keys([public])
+    write_tree(tmp_path / "src", {"inductor/fx/a": b"kernel that gives NaNs"})
+    bad = publish(store, sqlite_index, fp, sources.select(), root=tmp_path / "src", env={},
+                  config=PublishConfig(signing_key=key))  # fmt: skip
+    root = tmp_path / "root"
+
+    def pod():
+        return restore(store, refs.RefCatalog(store), fp, root, trusted=trusted, require_signature=True)
+
+    assert pod().status == "hit"
+    yank(store, sqlite_index, bad.bundle_id, "NaNs", signer=key)
+    store.delete(refs.yank_key(bad.bundle_id))
+    assert pod().status == "miss"
+    assert read_tree(root / "inductor") == {}
+
+
+def test_a_miss_keeps_the_layers_of_a_bundle_that_was_not_yanked(store, sqlite_index, fp, tmp_path):
+    write_tree(tmp_path / "src", {"inductor/fx/a": b"good kernel"})
+    publish_tree(store, sqlite_index, fp, tmp_path / "src")
+    root = tmp_path / "root"
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    write_tree(root, {"inductor/fx/own": b"compiled after the restore"})
+    assert restore(store, sqlite_index, fp, root, bundle_id="f" * 64).status == "miss"  # pinned to nothing
+    assert set(read_tree(root / "inductor")) == {"fx/a", "fx/own"}
