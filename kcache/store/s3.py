@@ -43,6 +43,7 @@ from botocore.exceptions import (
     NoCredentialsError,
     ReadTimeoutError,
 )
+from botocore.parsers import ResponseParserError
 from urllib3 import exceptions as urllib3_errors
 
 from kcache import durations
@@ -62,6 +63,11 @@ ERROR_BODY_BYTES = 64 * 1024
 # a page of 1000 keys is about 300 KB. Past it the answer is refused, not retried.
 WHOLE_BODY_BYTES = 16 * 1024 * 1024
 PART_SIZE = 16 * 1024 * 1024
+# An answer botocore cannot parse: a header that is no number or date where S3 sends one (ValueError), a
+# body that is no XML (ResponseParserError). A hostile endpoint's (plain http on the path) or a broken
+# server's: a store failure like any other, where it had been a bug exit (70) and a crashed DaemonSet.
+_UNPARSED = (ResponseParserError, ValueError)
+_FAILED = (ClientError, BotoCoreError, *_UNPARSED)
 _MISSING = {"NoSuchKey", "404", "NotFound"}
 _EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
 
@@ -147,6 +153,9 @@ class S3Store:
                     self.url, f"access denied while trying to {action} {key}: check credentials and policy"
                 )
             return StoreError(self.url, f"cannot {action} {key}: {code or status} {exc}")
+        if isinstance(exc, _UNPARSED):
+            return StoreError(self.url, f"cannot {action} {key}: the server's answer does not parse "
+                                        f"({one_line(exc, 200)})")  # fmt: skip
         if isinstance(exc, NoCredentialsError):
             return StoreError(self.url, "no AWS credentials found (env, ~/.aws, or instance role)")
         if isinstance(exc, EndpointConnectionError):
@@ -164,7 +173,7 @@ class S3Store:
             except ClientError as exc:
                 if str(exc.response.get("Error", {}).get("Code", "")) in ("NoSuchBucket", "404"):
                     return StoreError(self.url, f"bucket {self.bucket!r} does not exist")
-            except BotoCoreError:  # cannot tell: the object's 404 stands
+            except (BotoCoreError, *_UNPARSED):  # cannot tell: the object's 404 stands
                 return ObjectMissing(self.url, key)
             self._bucket_known = True  # or not ours to list (403): either way the object is missing
         return ObjectMissing(self.url, key)
@@ -189,14 +198,14 @@ class S3Store:
             if _code(exc) in _EXISTS:
                 return False
             raise self._error(exc, key, "write") from None
-        except BotoCoreError as exc:
+        except (BotoCoreError, *_UNPARSED) as exc:
             raise self._error(exc, key, "write") from None
 
     def _put_multipart(self, key: str, path: Path, size: int) -> bool:
         full = self._key(key)
         try:
             upload = self.client.create_multipart_upload(Bucket=self.bucket, Key=full)["UploadId"]
-        except (ClientError, BotoCoreError) as exc:
+        except _FAILED as exc:
             raise self._error(exc, key, "write") from None
 
         def send(number: int) -> dict:
@@ -219,7 +228,7 @@ class S3Store:
             if _code(exc) in _EXISTS:
                 return False
             raise self._error(exc, key, "write") from None
-        except BotoCoreError as exc:
+        except (BotoCoreError, *_UNPARSED) as exc:
             self._abort(full, upload)
             raise self._error(exc, key, "write") from None
         except BaseException:  # the source unreadable, Ctrl-C, SIGTERM (Terminated): S3 bills the parts
@@ -243,13 +252,18 @@ class S3Store:
         Over `limit` bytes: ObjectTooLarge, and the body is not read (its connection is closed)."""
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
-        except (ClientError, BotoCoreError) as exc:
+        except _FAILED as exc:
             raise self._error(exc, key, "read") from None
-        size = int(response["ContentLength"])
-        if limit is not None and size > limit:
+        etag = response.get("ETag")
+        try:
+            size = self._length(response, key, "read")
+            if limit is not None and size > limit:
+                raise ObjectTooLarge("object", key, size, limit)
+            if not isinstance(etag, str):  # the version a resume reads and a compare-and-swap writes at
+                raise StoreError(self.url, f"cannot read {key}: the server's answer has no ETag")
+        except (StoreError, ObjectTooLarge):  # the body is not read: its connection is closed
             response["Body"].close()
-            raise ObjectTooLarge("object", key, size, limit)
-        etag = response["ETag"]
+            raise
         first = Window(_BodyReader(response["Body"], self, key), size)
         # If-Match: a ref replaced between the cut and the resume must not be read half old, half new.
         with Resumable(first, lambda at, n: self._ranged(key, at, n, etag), 0, size, name=key) as body:
@@ -267,15 +281,24 @@ class S3Store:
             body = self.client.get_object(
                 Bucket=self.bucket, Key=self._key(key), Range=f"bytes={offset}-{offset + length - 1}", **condition
             )["Body"]
-        except (ClientError, BotoCoreError) as exc:
+        except _FAILED as exc:
             raise self._error(exc, key, "read") from None
         return Window(_BodyReader(body, self, key), length)
 
     def size(self, key: str) -> int:
         try:
-            return int(self.client.head_object(Bucket=self.bucket, Key=self._key(key))["ContentLength"])
-        except (ClientError, BotoCoreError) as exc:
+            answer = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except _FAILED as exc:
             raise self._error(exc, key, "stat") from None
+        return self._length(answer, key, "stat")
+
+    def _length(self, answer: dict, key: str, action: str) -> int:
+        """The object's size from an answer's Content-Length, which S3 always sends; without one, or
+        with one that is negative, the answer is no object's."""
+        length = answer.get("ContentLength")
+        if type(length) is not int or length < 0:
+            raise StoreError(self.url, f"cannot {action} {key}: the server's answer has no valid Content-Length")
+        return length
 
     def exists(self, key: str) -> bool:
         try:
@@ -297,7 +320,7 @@ class S3Store:
                                          f"{one_line(str(obj), 120)}") from None  # fmt: skip
                     if is_valid_key(key):  # what no key can name, no command reads or deletes
                         yield ObjectInfo(key, size, modified)
-        except (ClientError, BotoCoreError) as exc:
+        except _FAILED as exc:
             raise self._error(exc, prefix, "list") from None
 
     def leftovers(self) -> Iterator[Leftover]:
@@ -318,7 +341,7 @@ class S3Store:
                                          f"{one_line(str(upload), 120)}") from None  # fmt: skip
                     if found is not None:
                         yield found
-        except (ClientError, BotoCoreError) as exc:
+        except _FAILED as exc:
             raise self._error(exc, "", "list uploads under") from None
 
     def _leftover(self, full: str, upload: str, initiated, strip: int) -> Leftover | None:
@@ -343,7 +366,7 @@ class S3Store:
         except ClientError as exc:
             if _code(exc) != "NoSuchUpload":  # completed or aborted meanwhile
                 raise self._error(exc, leftover.key, "abort the upload of") from None
-        except BotoCoreError as exc:
+        except (BotoCoreError, *_UNPARSED) as exc:
             raise self._error(exc, leftover.key, "abort the upload of") from None
 
     def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str] | None:
@@ -361,7 +384,7 @@ class S3Store:
             if _code(exc) in _EXISTS or _code(exc) in _MISSING:  # someone else moved (or removed) it
                 return False
             raise self._error(exc, key, "write") from None
-        except BotoCoreError as exc:
+        except (BotoCoreError, *_UNPARSED) as exc:
             raise self._error(exc, key, "write") from None
 
     def now(self) -> datetime:
@@ -371,7 +394,7 @@ class S3Store:
         full = self.prefix + "/" if self.prefix else ""
         try:
             answer = self.client.list_objects_v2(Bucket=self.bucket, Prefix=full, MaxKeys=1)
-        except (ClientError, BotoCoreError) as exc:
+        except _FAILED as exc:
             raise self._error(exc, full, "list") from None
         date = answer.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
         try:
@@ -385,7 +408,7 @@ class S3Store:
     def delete(self, key: str) -> None:
         try:
             self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
-        except (ClientError, BotoCoreError) as exc:
+        except _FAILED as exc:
             error = self._error(exc, key, "delete")
             if not isinstance(error, ObjectMissing):
                 raise error from None

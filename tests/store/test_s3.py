@@ -414,3 +414,61 @@ def test_requests_are_signed_for_the_region_the_pod_names(s3_bucket, monkeypatch
     store.put_bytes("packs/aa/x", b"x")
     assert store.get_bytes("packs/aa/x") == b"x"
     assert scopes and all(f"/{signed_for}/s3/aws4_request" in scope for scope in scopes)
+
+
+_PACK = "packs/ab/" + "ab" * 32
+_REF = "refs/" + "ab" * 16
+
+
+def _raw(head: bytes, body: bytes = b""):
+    """Every request answered with `head` (status line and headers, without the blank line) and `body`."""
+    return lambda server, conn, request: server.send(conn, head + b"\r\nConnection: close\r\n\r\n" + body)
+
+
+@pytest.mark.parametrize("answer, call", [
+    (_raw(b"HTTP/1.1 200 OK\r\nContent-Length: many\r\nETag: \"e\""), lambda store: store.size(_PACK)),
+    (_raw(b"HTTP/1.1 200 OK\r\nETag: \"e\""), lambda store: store.size(_PACK)),  # no Content-Length
+    (_raw(b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\nETag: \"e\""), lambda store: store.size(_PACK)),
+    (_raw(b"HTTP/1.1 200 OK\r\nContent-Length: 2", b"{}"), lambda store: store.get_versioned(_REF, 1024)),  # no ETag
+    (_raw(b"HTTP/1.1 200 OK\r\nETag: \"e\"\r\nTransfer-Encoding: chunked", b"2\r\n{}\r\n0\r\n\r\n"),
+     lambda store: store.get_versioned(_REF, 1024)),  # no Content-Length
+    (_raw(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 5\r\nLast-Modified: yesterday\r\nETag: \"e\"", b"hello"),
+     lambda store: store.open_range(_PACK, 0, 5)),
+    (_raw(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 5", b"hello"), lambda store: list(store.list("packs"))),
+], ids=["length-not-a-number", "no-length", "negative-length", "ref-without-etag", "ref-without-length",
+        "date-not-a-date", "list-page-not-xml"])  # fmt: skip
+def test_an_answer_that_does_not_parse_is_a_store_error(fake_credentials, monkeypatch, answer, call):
+    """A hostile endpoint (plain http on the path) or a broken S3-compatible server answers with a header
+    botocore cannot parse, or without the Content-Length or ETag S3 always sends: botocore's ValueError,
+    its ResponseParserError and a KeyError came out of the store, and every caller that handles a store's
+    failure (the prefetch DaemonSet's round, a --fallback layers donor, gc, verify) took them for a bug
+    in kcache: exit 70, and a DaemonSet that crash-looped instead of trying the next round."""
+    from hostile_http import HostileServer
+
+    monkeypatch.setenv("KCACHE_S3_MAX_ATTEMPTS", "1")
+    with HostileServer({}) as server:
+        server.routes = _Everything({"*": answer})
+        store = open_store("s3://bucket", endpoint_url=server.url)
+        with pytest.raises(StoreError):
+            call(store)
+
+
+def test_a_prefetch_round_whose_ref_answer_has_no_etag_is_a_store_error(fake_credentials, isolated_home, tmp_path,
+                                                                         monkeypatch):  # fmt: skip
+    """The prefetch DaemonSet keeps going after a round that failed with a store error; a KeyError out of
+    the store ended the process as a bug in kcache (exit 70), so the node's pods lost their node cache
+    for as long as the endpoint (or whoever is on its plain-http path) answered so."""
+    from click.testing import CliRunner
+    from hostile_http import HostileServer
+
+    from kcache.cli import main
+    from kcache.cli.errors import ExitCode
+
+    monkeypatch.setenv("KCACHE_S3_MAX_ATTEMPTS", "1")
+    with HostileServer({}) as server:
+        server.routes = _Everything({"*": _raw(b"HTTP/1.1 200 OK\r\nContent-Length: 2", b"{}")})
+        out = CliRunner().invoke(main, ["prefetch", "--once", "--bundle-key", "ab" * 16, "--store", "s3://bucket",
+                                        "--s3-endpoint-url", server.url, "--index", "none",
+                                        "--node-cache", str(tmp_path / "node")])  # fmt: skip
+    assert out.exit_code == ExitCode.STORE, out.output
+    assert "has no ETag" in out.output
