@@ -93,15 +93,16 @@ def free_port() -> int:
 
 
 class PrivateRedis:
-    """redis-server on a free port with its files in `workdir`, for tests that stop or kill it."""
+    """redis-server on a free port with its files in `workdir`, for tests that stop or kill it; `args`
+    are more of redis-server's options (`--rename-command A B`: a Redis that answers A as B would)."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, *args: str):
         if shutil.which("redis-server") is None:
             pytest.skip("redis-server is not installed")
         self.port = free_port()
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(workdir),
-             "--save", "", "--appendonly", "no"],
+             "--save", "", "--appendonly", "no", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )  # fmt: skip
         self._wait_until_ready()

@@ -533,6 +533,28 @@ def test_a_full_redis_still_answers_what_it_holds(engine, prefix, tmp_path):
         private.close()
 
 
+@pytest.mark.parametrize("asked, answered_as", [
+    ("HELLO", "PING"),  # the handshake answered with a string, where a map was due
+    ("PTTL", "GET"),  # an entry's expiry answered with its value, where an integer was due
+], ids=["handshake", "expiry"])  # fmt: skip
+def test_a_redis_that_answers_garbage_means_pass_through(engine, prefix, tmp_path, asked, answered_as):
+    """A server on --redis that answers a command with a reply of the wrong kind (here a real redis-server
+    told to answer one command as another) made redis-py raise AttributeError, or the lookup compare bytes
+    with an int: neither was a Redis failure, and the client got a 500 with the engine never asked."""
+    private = PrivateRedis(tmp_path, "--rename-command", asked, f"kcache-test-{asked}",
+                           "--rename-command", answered_as, asked)  # fmt: skip
+    try:
+        with RunningProxy(config(engine.url, prefix, redis_url=private.url, retry_after=3600)) as proxy:
+            replies = [proxy.post(CHAT, ASK) for _ in range(FAILURES_TO_SKIP + 2)]
+            assert [r.status for r in replies] == [200] * len(replies)
+            assert [r.body for r in replies] == engine.sent and len(engine.completions) == len(replies)
+            assert replies[-1].headers["x-kcache-cache"] == "bypass"
+            assert proxy.metric("kcache_proxy_redis_errors_total", kind="error") >= 1
+            assert proxy.metric("kcache_proxy_bypasses_total", reason="redis") >= 1
+    finally:
+        private.close()
+
+
 def test_the_cli_serves_with_the_fingerprint_of_the_restore_root(engine, prefix, tmp_path):
     write_marker(tmp_path, RESTORE_MARKER, {"status": "miss", "bundle_key": FP})
     args = ["proxy", "--root", str(tmp_path), "--upstream", engine.url, "--redis", REDIS_URL, "--port", "0",

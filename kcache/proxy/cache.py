@@ -23,7 +23,9 @@ Redis would otherwise add the timeout to every request, while one slow reply in 
 event loop counts against the timeout too) should not turn the cache off. An error reply (OOM when
 Redis is full, READONLY from a replica) is no such failure: Redis answered, in one round trip, and
 the next lookup may well be served, so it never starts the skipping. Failures never raise past this
-module except as CacheUnavailable, which the server turns into a pass-through.
+module except as CacheUnavailable, which the server turns into a pass-through; nor does a server that
+answers a command with a reply of another kind than Redis gives (a string for HELLO's map, for PTTL's
+integer): redis-py raised AttributeError on it, the lookup a TypeError, and the client got a 500.
 
 At most `connections` calls run at once, each on a connection of its own, so the pool never holds
 more (a pool's own bound, a max_connections in the URL, lowers it): a slow Redis with many clients
@@ -41,7 +43,7 @@ import time
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeout
 
 from kcache.errors import CacheUnavailable, ConfigError
@@ -92,6 +94,10 @@ class ResultCache:
                 raise entries.BadEntry("the key holds a value of another type")
             if isinstance(raw, Exception) or isinstance(pttl, Exception):
                 self._refused(raw if isinstance(raw, Exception) else pttl)
+            if not isinstance(raw, bytes) or not isinstance(pttl, int) or isinstance(pttl, bool):
+                log.debug("redis answered GETRANGE with a %s, PTTL with a %s", type(raw).__name__,
+                          type(pttl).__name__)  # fmt: skip
+                self._fail("error")  # not Redis as this proxy knows it: a failing one
             if not raw:
                 return None
             if not 0 < pttl <= self._ttl_ms:  # -1: no expiry; -2: gone since, and then raw was ""
@@ -129,7 +135,7 @@ class ResultCache:
             self._fail("timeout")
         except ResponseError as exc:
             self._refused(exc)
-        except (RedisError, OSError) as exc:
+        except Exception as exc:  # RedisError, OSError, or redis-py choking on a reply of the wrong kind
             log.debug("redis: %s", exc)
             self._fail("error")
         finally:
