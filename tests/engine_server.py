@@ -4,7 +4,9 @@ Adds POST /v1/chat/completions, `stream: true` (server-sent events over chunked 
 per event, ending with `data: [DONE]`), a fresh `id` and `created` in every answer (so a replayed
 answer is told from a regenerated one), and `error_mid_stream`: a 200 stream that reports an error
 as an event, as vLLM does when generation fails after the headers went out, and `gate`, which holds a stream
-after its first event until the test sets it; `cut_mid_stream` drops the connection there. `sent` holds the exact
+after its first event until the test sets it; `cut_mid_stream` drops the connection there; `abort` ends every answer
+with finish_reason "abort", as SGLang ends one aborted gracefully (its /abort_request): a 200, its tokens so far, and
+for a stream `data: [DONE]`. `sent` holds the exact
 body bytes of every answer, `headers` the request headers of every POST (`header_lists` with repeated names kept).
 """
 
@@ -19,8 +21,9 @@ SSE_TYPE = "text/event-stream; charset=utf-8"
 
 
 class EngineServer(OpenAIServer):
-    def __init__(self, *, error_mid_stream: bool = False, cut_mid_stream: bool = False, gate=None, **kwargs):
-        self.error_mid_stream, self.cut_mid_stream = error_mid_stream, cut_mid_stream
+    def __init__(self, *, error_mid_stream: bool = False, cut_mid_stream: bool = False, abort: bool = False,
+                 gate=None, **kwargs):  # fmt: skip
+        self.error_mid_stream, self.cut_mid_stream, self.abort = error_mid_stream, cut_mid_stream, abort
         self.gate = gate  # a threading.Event: a stream waits on it after its first event
         self.sent: list[bytes] = []
         self.headers: list[dict[str, str]] = []
@@ -48,7 +51,10 @@ class EngineServer(OpenAIServer):
                 chat = self.path.startswith("/v1/chat/")
                 tokens = [f" t{i}" for i in range(int(body.get("max_tokens") or 4))]
                 if body.get("stream"):
-                    self._stream([owner.chunk(n, body, chat, t) for t in tokens])
+                    events = [owner.chunk(n, body, chat, t) for t in tokens]
+                    if owner.abort:
+                        events[-1]["choices"][0]["finish_reason"] = "abort"
+                    self._stream(events)
                 else:
                     doc = owner.whole(n, body, chat, "".join(tokens))
                     with owner._lock:
@@ -86,7 +92,7 @@ class EngineServer(OpenAIServer):
                 "choices": [choice]}  # fmt: skip
 
     def whole(self, n: int, body: dict, chat: bool, text: str) -> dict:
-        choice = {"index": 0, "finish_reason": "length"}
+        choice = {"index": 0, "finish_reason": "abort" if self.abort else "length"}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         kind = "chat.completion" if chat else "text_completion"
         return {"id": f"cmpl-{n}", "object": kind, "created": 1_700_000_000 + n, "model": body.get("model"),

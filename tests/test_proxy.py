@@ -212,6 +212,18 @@ def test_a_stream_that_reports_an_error_is_not_cached(prefix):
         assert proxy.metric("kcache_proxy_not_stored_total", reason="upstream_error") == 2
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_the_engine_aborted_is_passed_on_and_never_cached(prefix, stream):
+    """SGLang ends an answer aborted gracefully (/abort_request, a session closed) as a 200 with the tokens it
+    had so far and finish_reason "abort", a stream with `data: [DONE]` after it: cached, every client got the
+    cut-off answer until --ttl ran out."""
+    with EngineServer(abort=True) as aborting, RunningProxy(config(aborting.url, prefix)) as proxy:
+        replies = [proxy.post(CHAT, {**ASK, "stream": stream}) for _ in range(2)]
+        assert [(r.status, r.headers["x-kcache-cache"]) for r in replies] == [(200, "miss")] * 2
+        assert [r.body for r in replies] == aborting.sent and len(aborting.completions) == 2
+        assert proxy.metric("kcache_proxy_not_stored_total", reason="upstream_error") == 2
+
+
 def test_an_upstream_500_is_passed_on_and_never_cached(prefix):
     with EngineServer(fail_status=500) as failing, RunningProxy(config(failing.url, prefix)) as proxy:
         replies = [proxy.post(CHAT, ASK) for _ in range(2)]

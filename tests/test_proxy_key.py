@@ -417,6 +417,12 @@ def test_an_entry_secret_is_the_files_bytes_without_the_whitespace_around_them(t
     (200, (("Content-Type", "application/json"),), b"not json", "upstream_error"),
     (200, (("Content-Type", "text/event-stream"),), b"data: [DONE]\n\n", ""),
     (200, (("Content-Type", "text/event-stream"),), b'data: {"a": 1}\n\n', "upstream_error"),
+    # SGLang's graceful abort: a 200, the tokens so far, and for a stream [DONE]
+    (200, (("Content-Type", "application/json"),), b'{"choices": [{"finish_reason": "abort"}]}', "upstream_error"),
+    (200, (("Content-Type", "text/event-stream"),),
+     b'data: {"choices": [{"finish_reason": "abort"}]}\n\ndata: [DONE]\n\n', "upstream_error"),
+    (200, (("Content-Type", "application/json"),), b'{"choices": [{"finish_reason": "error"}]}', "upstream_error"),
+    (200, (("Content-Type", "application/json"),), b'{"choices": [{"finish_reason": {"type": "x"}}]}', ""),
 ])  # fmt: skip
 def test_only_complete_successful_answers_are_storable(status, headers, body, reason):
     assert entry.storable(status, headers, body) == reason

@@ -21,11 +21,13 @@ Only complete, successful answers are stored: status 200, headers that decode re
 (at most MAX_HEADERS, tokens for names, values without controls that have a UTF-8 form), and for
 JSON a body that parses to an object with `choices` and no `error`; for server-sent events a stream
 that ends with `data: [DONE]` and carries no error event (vLLM reports a failure mid-stream as an
-event, after a 200) and holds at most MAX_EVENTS events. A value is hostile until it decodes: it
-must be no larger than the proxy would have written (--max-entry-bytes), carry the tag of its name
-under this tenant's key, and its header line must parse (a RecursionError counts as not parsing) to
-headers that are plain tokens and values that encode as UTF-8, or the value counts as absent. (kcp1
-and kcp2 entries carried no tag; they read as bad entries and are overwritten.)
+event, after a 200) and holds at most MAX_EVENTS events; and in neither a choice whose finish_reason
+says the engine stopped it short (sse.CUT_SHORT: SGLang's aborted answers are 200s). A value is
+hostile until it decodes: it must be no larger than the proxy would have written
+(--max-entry-bytes), carry the tag of its name under this tenant's key, and its header line must
+parse (a RecursionError counts as not parsing) to headers that are plain tokens and values that
+encode as UTF-8, or the value counts as absent. (kcp1 and kcp2 entries carried no tag; they read as
+bad entries and are overwritten.)
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ def storable(status: int, headers: tuple[tuple[str, str], ...], body: bytes) -> 
         doc = json.loads(body)
     except (ValueError, RecursionError):  # RecursionError: an answer nested past the parser's limit
         return "upstream_error"
-    if not isinstance(doc, dict) or "error" in doc or "choices" not in doc:
+    if not isinstance(doc, dict) or "error" in doc or "choices" not in doc or sse.cut_short(doc):
         return "upstream_error"
     return ""
 
