@@ -147,6 +147,16 @@ def test_a_fixed_seed_makes_sampling_cacheable(proxy, engine):
     assert [proxy.post(CHAT, body).headers["x-kcache-cache"] for _ in range(2)] == ["miss", "hit"]
 
 
+def test_a_seed_of_minus_one_is_no_seed(proxy, engine):
+    """vLLM reads `seed: -1` as no seed (SamplingParams sets it to None): such a request samples afresh each
+    time, yet it was cached, and every client got the first sample."""
+    body = {**ASK, "temperature": 0.8, "seed": -1}
+    replies = [proxy.post(CHAT, body) for _ in range(2)]
+    assert [r.headers["x-kcache-cache"] for r in replies] == ["bypass", "bypass"]
+    assert [r.body for r in replies] == engine.sent and len(engine.completions) == 2
+    assert proxy.metric("kcache_proxy_bypasses_total", reason="sampling") == 2
+
+
 def test_the_bypass_header_skips_the_cache_and_stays_with_the_proxy(proxy, engine):
     proxy.post(CHAT, ASK)
     reply = proxy.post(CHAT, ASK, {"X-Kcache-Bypass": "1"})

@@ -184,6 +184,8 @@ def test_zero_point_zero_is_zero():
     ({**BODY, "temperature": 0.7}, "sampling"),
     ({k: v for k, v in BODY.items() if k != "temperature"}, "sampling"),  # engines default to sampling
     ({**BODY, "temperature": 1, "seed": True}, "sampling"),  # a bool is not a seed
+    ({**BODY, "temperature": 0.9, "seed": -1}, "sampling"),  # vLLM reads -1 as no seed at all
+    ({**BODY, "temperature": 0.9, "seed": -2}, ""),
     ({**BODY, "n": 2}, "n"),
     ({**BODY, "temperature": 0.9, "seed": 7}, ""),
     ({**BODY, "n": 1}, ""),

@@ -162,7 +162,7 @@ def proxy_cmd(upstream, redis_url, entry_key_file, root, model, model_config, fa
     POST /v1/completions and /v1/chat/completions are looked up by (fingerprint, tenant = hash of
     the credential headers: Authorization, X-Api-Key, Api-Key, Cookie and each --tenant-header, path,
     request body without non-semantic fields); by default only
-    deterministic requests are cached: n = 1 and temperature 0 or an integer seed. Everything else
+    deterministic requests are cached: n = 1 and temperature 0 or an integer seed (not -1). Everything else
     is forwarded untouched. `stream: true` answers are recorded while they stream and replayed as
     the same events. Redis down or slow: requests go to the engine, counted on /metrics. A request
     with `X-Kcache-Bypass: 1` or `Cache-Control: no-cache` skips the cache. GET /metrics on

@@ -21,10 +21,11 @@ A key is SHA-256 over canonical JSON of named parts (pip's cache key, in spirit)
                  any depth is not cached (Python keeps the last, other parsers the first: the engine may
                  read another request than the key)
 
-Deterministic by default means: `n` is absent or 1, and `temperature` is 0 or `seed` is an
-integer. A missing temperature is not 0: OpenAI defaults to 1 and vLLM to the model's generation
-config, so such a request samples. `--cache-sampled` caches sampling requests too (every client
-then gets the first sample). Nothing here imports aiohttp or redis: the rules are pure and tested alone.
+Deterministic by default means: `n` is absent or 1, and `temperature` is 0 or `seed` is an integer
+other than -1 (vLLM's "no seed"). A missing temperature is not 0: OpenAI defaults to 1 and vLLM to
+the model's generation config, so such a request samples. `--cache-sampled` caches sampling requests
+too (every client then gets the first sample). Nothing here imports aiohttp or redis: the rules are
+pure and tested alone.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from kcache.errors import ConfigError
 KEY_SCHEMA = 4
 CACHED_PATHS = ("/v1/completions", "/v1/chat/completions")
 BYPASS_HEADER = "X-Kcache-Bypass"
+NO_SEED = -1  # vLLM reads this seed as none at all (SamplingParams): the request samples afresh each time
 # Headers that say who asks. An engine reads Authorization (vLLM's --api-key); a gateway in front of it may
 # authenticate with another, and then every client would be one tenant. Cookie too: gateways that log users
 # in (oauth2-proxy, Cloudflare Access, IAP) pass a session cookie, and shared caches treat it as a credential
@@ -188,7 +190,7 @@ def nondeterminism(body: Mapping[str, Any]) -> str:
     if _is_number(body.get("temperature"), 0):
         return ""
     seed = body.get("seed")
-    if isinstance(seed, int) and not isinstance(seed, bool):
+    if isinstance(seed, int) and not isinstance(seed, bool) and seed != NO_SEED:
         return ""
     return "sampling"
 
