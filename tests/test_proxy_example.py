@@ -94,6 +94,30 @@ def test_clients_reach_the_proxy_port_and_prometheus_the_metrics_port():
     assert proxy["readinessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
 
 
+def test_clients_reach_no_port_of_the_pod_but_the_proxys():
+    """vLLM binds 0.0.0.0: any client in the cluster reached the engine on its own port, uncached and with its
+    /metrics, whose prefix-cache hit counters tell whether another tenant sent a prompt (why the proxy keeps
+    /metrics off its clients' port), and the proxy's own counters on the metrics port too. The example said the
+    engine's port stayed inside the pod, and left the policy that would keep it there to the reader."""
+    spec, _, model, proxy = merged_pod()
+    labels = next(doc for _, doc in _deployments())["spec"]["template"]["metadata"]["labels"]
+    policies = [doc for name, doc in sidecar_docs().items() if name.startswith("NetworkPolicy/")]
+    (policy,) = [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()]
+    assert "Ingress" in policy["spec"]["policyTypes"]
+    named = {p["name"]: p["containerPort"] for c in [*spec["containers"], proxy] for p in c.get("ports", [])}
+    rules = policy["spec"]["ingress"]
+    assert all(rule.get("ports") for rule in rules), "a rule without ports admits every port"
+
+    def admitted(rule) -> set[int]:
+        return {named.get(p["port"], p["port"]) for p in rule["ports"]}
+
+    assert set().union(*(admitted(r) for r in rules if not r.get("from"))) == {named["proxy"]}
+    engine = next(p["containerPort"] for p in model["ports"] if p["name"] == "http")
+    assert not any(engine in admitted(rule) for rule in rules)
+    scraped = {named["metrics"], named["kcache"]}  # the proxy's and the kcache sidecar's (the pod's annotations)
+    assert any(scraped <= admitted(rule) and rule.get("from") for rule in rules), "Prometheus still scrapes both"
+
+
 def test_the_secret_holds_what_the_proxy_reads():
     _, _, _, proxy = merged_pod()
     ref = next(e for e in proxy["env"] if e["name"] == "KCACHE_PROXY_REDIS")["valueFrom"]["secretKeyRef"]
