@@ -1,6 +1,7 @@
 """examples/k8s/proxy-sidecar.yaml fits the pod in deployment.yaml, the real `kcache proxy` accepts its
 arguments, and the container runs locked down."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,17 @@ def test_the_sidecar_runs_locked_down_with_a_pinned_image():
     assert {"cpu", "memory"} <= proxy["resources"]["requests"].keys() and "memory" in proxy["resources"]["limits"]
     dockerfile = (Path(__file__).resolve().parents[1] / "Dockerfile").read_text()
     assert "AS proxy" in dockerfile and '"aiohttp' in dockerfile, "the proxy image is built with the proxy extra"
+
+
+def test_the_docs_build_the_sidecar_image_the_dockerfile_builds():
+    """docs/proxy.md said to build the sidecar's image with --build-arg KCACHE_EXTRAS=postgres,gpu,proxy, an
+    argument the Dockerfile never had: that image was the init image, without aiohttp and redis, and the
+    sidecar crash-looped (keeping the pod unready)."""
+    root = Path(__file__).resolve().parents[1]
+    dockerfile = (root / "Dockerfile").read_text()
+    build_args = set(re.findall(r"^ARG (\w+)", dockerfile, re.MULTILINE))
+    stages = set(re.findall(r"^FROM \S+ AS (\S+)", dockerfile, re.MULTILINE))
+    for text in ((root / "docs" / "proxy.md").read_text(), SIDECAR.read_text()):
+        assert set(re.findall(r"--build-arg (\w+)=", text)) <= build_args
+        assert set(re.findall(r"--target (\S+)", text)) <= stages
+        assert "--target proxy" in text and "proxy" in stages
