@@ -30,6 +30,18 @@ class FileLock:
     def __init__(self, fd: int, path: Path):
         self.fd, self.path = fd, path
 
+    def downgrade(self) -> bool:
+        """Exclusive to shared, in place: no moment without a lock in which a peer's exclusive try (an
+        eviction) gets in; the kernel converts the lock of this open file under its own lock. False if
+        the lock was lost instead (a conversion that is not atomic, on some file systems): then none is held."""
+        try:
+            fcntl.flock(self.fd, SHARED | fcntl.LOCK_NB)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            return False
+
     def release(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)  # closing the last descriptor of the description drops the flock

@@ -392,8 +392,8 @@ class NodeCacheStore:
             self.directory.mkdir(parents=True, exist_ok=True)
             for directory in (self.directory / "packs", self._lock_path(pack_id).parent):
                 nodedir.real_directory(directory)
+            lock = nodedir.lock(self._lock_path(pack_id), filelock.SHARED, deadline)
             for _attempt in range(3):  # missing -> filled -> read; or bad -> replaced -> read
-                lock = nodedir.lock(self._lock_path(pack_id), filelock.SHARED, deadline)
                 if lock is None:
                     return None
                 try:
@@ -404,8 +404,7 @@ class NodeCacheStore:
                 if isinstance(found, _Opened):
                     return _Held(found.file, lock, found.identity)
                 lock.release()
-                if found is _TOO_LARGE or not self._fill(pack_id, key, need, deadline):
-                    return None
+                lock = None if found is _TOO_LARGE else self._fill(pack_id, key, need, deadline)
             return None
         finally:
             mutex.release()
@@ -459,9 +458,14 @@ class NodeCacheStore:
         nodedir.touch(f.fileno(), path)
         return _Opened(f, identity)
 
-    def _fill(self, pack_id: str, key: str, need: int, deadline: float | None) -> bool:
-        """Fetch the pack into the cache under its exclusive lock. False: leave it to the store.
-        IntegrityError: the store's object is larger than the pack can be (see `fill_limit`).
+    def _fill(self, pack_id: str, key: str, need: int, deadline: float | None) -> filelock.FileLock | None:
+        """Fetch the pack into the cache under its exclusive lock; returns that lock, turned shared, for
+        the reader to open the pack under. None: leave it to the store. IntegrityError: the store's
+        object is larger than the pack can be (see `fill_limit`).
+
+        The lock is turned shared, not let go and taken again: in between, a peer's fill that made room
+        evicted the pack just written (the newest, where every older one was in use or the cap holds
+        one pack), and the reader fetched it again, twice, then read the store as well.
 
         Under the exclusive lock, whatever is at the path is judged again by its hash, not by
         comparing it with what the reader found: a peer that replaced a damaged copy while we
@@ -469,40 +473,51 @@ class NodeCacheStore:
         or repaired it in place, and deleting that would fetch the pack a second time for nothing.
         A damaged file is hashed twice that way; a good one once (it is then known to this process)."""
         if not self._time_to_fill(need):
-            return False
+            return None
         lock = nodedir.lock(self._lock_path(pack_id), filelock.EXCLUSIVE, deadline)
         if lock is None:
             log.info("node cache: waited too long for pack %s; reading it from the store", pack_id[:12])
+            return None
+        try:
+            filled = self._fill_locked(pack_id, key, need)
+            if filled and lock.downgrade():
+                return lock
+        except BaseException:
+            lock.release()
+            raise
+        lock.release()
+        return nodedir.lock(self._lock_path(pack_id), filelock.SHARED, deadline) if filled else None
+
+    def _fill_locked(self, pack_id: str, key: str, need: int) -> bool:
+        """`_fill`'s work, with the pack's exclusive lock held. False: leave it to the store."""
+        path = self._path(pack_id)
+        found = self._open_verified(pack_id, need)
+        if isinstance(found, _Opened):
+            found.file.close()
+            return True  # another reader filled or replaced it while we waited
+        if found is _TOO_LARGE:
             return False
-        with lock:
-            path = self._path(pack_id)
-            found = self._open_verified(pack_id, need)
-            if isinstance(found, _Opened):
-                found.file.close()
-                return True  # another reader filled or replaced it while we waited
-            if found is _TOO_LARGE:
-                return False
-            nodedir.clear(path)  # what is at the path (a damaged file, a link, a directory), not what a link names
-            size = self.inner.size(key)
-            if size > fill_limit(need):  # before any eviction: padding must not cost the node its packs
-                raise IntegrityError("pack", pack_id, f"is {size} bytes in {self.inner.url}, more than the "
-                                     f"{fill_limit(need)} a pack its readers need {need} bytes of can be")  # fmt: skip
-            if size > self.max_bytes:
-                log.info("node cache: pack %s (%d bytes) is larger than the cap; not cached", pack_id[:12], size)
-                return False
-            if not self._time_to_fill(size):
-                return False
-            # Eviction is best-effort: one try at .evict.lock, never a wait. A frozen pod holding it cost
-            # every restore on the node half its --timeout, and prefetch LOCK_WAIT a pack.
-            self._make_room(size, 0.0)
-            written = self._download_in_time(path, key, pack_id, size)
-            self._verified.add(written)  # the inode we wrote: the path may name a peer's file by now
-            self._fetched.add(pack_id)
-            # Room was made before the download, counting the packs in place then: fills that ran at
-            # once each found room for themselves. Evict again now that this one is in (it is locked,
-            # so it stays; so does any pack a reader holds).
-            self._make_room(0, 0.0)
-            return True
+        nodedir.clear(path)  # what is at the path (a damaged file, a link, a directory), not what a link names
+        size = self.inner.size(key)
+        if size > fill_limit(need):  # before any eviction: padding must not cost the node its packs
+            raise IntegrityError("pack", pack_id, f"is {size} bytes in {self.inner.url}, more than the "
+                                 f"{fill_limit(need)} a pack its readers need {need} bytes of can be")  # fmt: skip
+        if size > self.max_bytes:
+            log.info("node cache: pack %s (%d bytes) is larger than the cap; not cached", pack_id[:12], size)
+            return False
+        if not self._time_to_fill(size):
+            return False
+        # Eviction is best-effort: one try at .evict.lock, never a wait. A frozen pod holding it cost
+        # every restore on the node half its --timeout, and prefetch LOCK_WAIT a pack.
+        self._make_room(size, 0.0)
+        written = self._download_in_time(path, key, pack_id, size)
+        self._verified.add(written)  # the inode we wrote: the path may name a peer's file by now
+        self._fetched.add(pack_id)
+        # Room was made before the download, counting the packs in place then: fills that ran at
+        # once each found room for themselves. Evict again now that this one is in (it is locked,
+        # so it stays; so does any pack a reader holds).
+        self._make_room(0, 0.0)
+        return True
 
     def _time_to_fill(self, size: int) -> bool:
         """Whether this wrapper's deadline leaves a fill of `size` bytes the time it takes at MIN_FILL_RATE.

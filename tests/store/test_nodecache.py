@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kcache import filelock, sizes
 from kcache.errors import ConfigError, IntegrityError, StoreError
-from kcache.store import pack_key
+from kcache.store import nodedir, pack_key
 from kcache.store.local import LocalStore
 from kcache.store.nodecache import NodeCacheStore, max_bytes_from_env
 
@@ -176,6 +176,35 @@ def test_a_pack_being_read_is_never_evicted(tmp_path, backing):
         stream.close()
     NodeCacheStore(backing, node, max_bytes=150 * KiB).trim()
     assert not cached_path(node, packs[0]).exists() and cached_path(node, packs[1]).exists()
+
+
+def test_a_pack_just_filled_is_not_evicted_before_its_reader_reads_it(tmp_path, backing, monkeypatch):
+    """A peer's fill that makes room as soon as the filler lets go of the pack's exclusive lock must not
+    take the pack just written (the newest, under a cap that holds one pack): the filler let go and took
+    the lock again shared to read it, the peer evicted it in between, and the reader fetched it from the
+    store again (twice, then read the store as well)."""
+    packs = [put_pack(backing, os.urandom(100 * KiB)) for _ in range(2)]
+    node = tmp_path / "node"
+    reader, peer = (NodeCacheStore(backing, node, max_bytes=150 * KiB) for _ in range(2))
+    lock, peer_started, peer_read = nodedir.lock, [], []
+
+    class PeerFillsOnRelease(filelock.FileLock):
+        def release(self) -> None:
+            super().release()
+            if cached_path(node, packs[0]).exists() and not peer_started:
+                peer_started.append(True)
+                peer_read.append(read(peer, packs[1]))  # another pod's fill makes room for its own pack
+
+    def lock_watched(path, mode, deadline):
+        held = lock(path, mode, deadline)
+        if held is None or mode != filelock.EXCLUSIVE or path.name != f".lock-{packs[0]}":
+            return held
+        return PeerFillsOnRelease(held.fd, held.path)
+
+    monkeypatch.setattr(nodedir, "lock", lock_watched)
+    data = read(reader, packs[0])
+    assert peer_read and hashlib.sha256(data).hexdigest() == packs[0]
+    assert backing.read["packs"] == 200 * KiB  # each pack from the store once
 
 
 def test_a_pack_over_the_cap_is_read_from_the_store(tmp_path, backing):
