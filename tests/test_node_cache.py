@@ -412,3 +412,20 @@ def prefetch_and_damage(url: str, endpoint: str, node, pack: str):
     damaged[len(damaged) // 2] ^= 0x40
     victim.write_bytes(bytes(damaged))
     return victim
+
+
+def test_a_node_cache_on_a_full_disk_costs_no_pack_a_second_get(tmp_path, bundle, tmpfs):
+    """A full node disk (the hostPath's volume filled by something else): every fill downloaded its pack,
+    failed writing it (ENOSPC) and the restore read the pack from the store again, so each pod on the
+    node fetched every pack twice, and a restore that fit its budget without the node cache could not."""
+    url, endpoint, packs, files = bundle
+    node = tmpfs(tmp_path / "node", "64k")  # smaller than any pack
+    gets = PackGets()
+    with CuttingProxy(endpoint, after=0, cuts=0, cut_if=gets) as proxy:
+        result = json.loads(cli(*restore_args(url, proxy, tmp_path / "root", node)).stdout)
+    prefetched = cli(*prefetch_args(url, endpoint, node, "--once"), ok=False)
+    assert result["status"] == "hit"
+    assert gets.by_pack == Counter(packs)  # each pack from the store once
+    assert prefetched.exit_code == ExitCode.ROOT, prefetched.output
+    assert "bytes free, too few for pack" in json.loads(prefetched.stdout)["targets"][0]["reason"]
+    assert_restored(tmp_path / "root", files)

@@ -30,6 +30,8 @@ Rules, because many pods on a node restore at once and DIR outlives every one of
   `expect_reads`, prefetch passes it to `warm`; else the range asked for). A store object larger
   than that is not the pack the (signed) manifest names, only padding that would fail its hash:
   it is refused before anything is evicted or written, and read from the store range by range.
+- A fill starts only where DIR's disk has the pack's size free (statvfs): on a full disk each fill
+  had downloaded its pack, failed to write it, and the reader read it from the store again.
 - Size cap `max_bytes` (KCACHE_NODE_CACHE_MAX_BYTES): before a fill, the least recently used packs
   go first, if .evict.lock is free at once (a fill never waits for it: `trim`, or the next fill,
   evicts what a fill made while someone held it). Use is the file's mtime, set on every read,
@@ -145,6 +147,7 @@ class NodeCacheStore:
         self._warned = False
         self._said: set[tuple] = set()  # what was warned about (_warn_first): said once, then at debug level
         self._kept: set[str] | frozenset[str] = frozenset()  # packs eviction by this wrapper leaves alone
+        self._no_room: dict[str, int] = {}  # pack id -> the free bytes its disk had, too few to fill it
 
     # ---- the Store protocol: packs from the node cache, everything else from the store -----------
 
@@ -243,6 +246,8 @@ class NodeCacheStore:
         if _pack_id(key) is None:
             raise IntegrityError("pack", pack_id, "is not a SHA-256 hex digest")
         self._fetched.discard(pack_id)
+        with self._guard:
+            self._no_room.pop(pack_id, None)  # this call's reason, not an earlier round's
         self._forget(pack_id)  # hashed again: a long-lived prefetch must see a copy damaged since its last round
         try:
             held = self._open_cached(pack_id, key, need, self._deadline(wait))
@@ -262,6 +267,8 @@ class NodeCacheStore:
         if st is not None and stat.S_ISREG(st.st_mode) and st.st_size > fill_limit(need):
             return (f"{path} ({st.st_size} bytes) is larger than the pack can be; it is left alone, "
                     "as another bundle's larger pack may be")  # fmt: skip
+        if (free := self._no_room.get(pack_id)) is not None:
+            return f"its disk had {free} bytes free, too few for pack {pack_id[:12]}"
         return f"pack {pack_id[:12]} is larger than the cap or stayed locked"
 
     @contextlib.contextmanager
@@ -510,6 +517,8 @@ class NodeCacheStore:
         # Eviction is best-effort: one try at .evict.lock, never a wait. A frozen pod holding it cost
         # every restore on the node half its --timeout, and prefetch LOCK_WAIT a pack.
         self._make_room(size, 0.0)
+        if not self._room_for(pack_id, size):  # judged once killed fills' temp files and evicted packs are gone
+            return False
         written = self._download_in_time(path, key, pack_id, size)
         self._verified.add(written)  # the inode we wrote: the path may name a peer's file by now
         self._fetched.add(pack_id)
@@ -518,6 +527,25 @@ class NodeCacheStore:
         # so it stays; so does any pack a reader holds).
         self._make_room(0, 0.0)
         return True
+
+    def _room_for(self, pack_id: str, size: int) -> bool:
+        """Whether DIR's disk has `size` bytes free for the pack, before it is downloaded. On a full disk
+        (the volume filled by something else, or a cap above its size) a fill fetched the whole pack,
+        failed to write it (ENOSPC), and its reader read the pack from the store again: each pod on
+        the node fetched every pack twice. Such a pack is left to the store; the cap evicts nothing more
+        for it than it would for a fill."""
+        try:
+            st = os.statvfs(self._path(pack_id).parent)
+        except OSError:
+            return True  # the fill's own write says what is wrong
+        free = st.f_bavail * st.f_frsize
+        if free >= size or st.f_blocks == 0:  # a file system that reports no sizes at all: its write says
+            return True
+        with self._guard:
+            self._no_room[pack_id] = free
+        self._warn_first(("no-room",), "node cache: %s has %d bytes free, too few for pack %s (%d bytes); reading "
+                         "packs that do not fit from the store", self.directory, free, pack_id[:12], size)  # fmt: skip
+        return False
 
     def _time_to_fill(self, size: int) -> bool:
         """Whether this wrapper's deadline leaves a fill of `size` bytes the time it takes at MIN_FILL_RATE.

@@ -307,6 +307,21 @@ def test_temp_files_of_killed_fills_are_removed(tmp_path, backing):
     assert not stale.exists()
 
 
+def test_a_disk_filled_by_killed_fills_is_cleared_by_the_next_fill(tmp_path, backing, tmpfs):
+    """Temp files of fills killed part-way (restores out of budget, OOM kills) can fill the node's disk:
+    the next fill removes them before it judges the room left, or no fill would ever run there again."""
+    data = os.urandom(200 * KiB)
+    pack_id = put_pack(backing, data)
+    node = tmpfs(tmp_path / "node", "512k")
+    other = "ab" + "0" * 62
+    stale = node / "packs" / other[:2] / f".tmp-{other}-killed"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(os.urandom(400 * KiB))
+    assert read(NodeCacheStore(backing, node), pack_id) == data
+    assert not stale.exists() and cached_path(node, pack_id).read_bytes() == data
+    assert backing.read["packs"] == 200 * KiB
+
+
 def test_an_unusable_node_cache_only_costs_time(tmp_path, backing):
     data = os.urandom(10 * KiB)
     pack_id = put_pack(backing, data)
