@@ -348,7 +348,8 @@ class Index:
         # One statement names the newest bundle and says whether its row may be loaded; asked again in a
         # second statement, PostgreSQL (READ COMMITTED) would see a bundle a publisher committed meanwhile,
         # and a fresh small row was taken for an oversized one. Loaded by its primary key next, the row
-        # may be gone (gc deleted it): then the newest is asked for again.
+        # may be gone (gc deleted it) or yanked (a yank committed in between: it was given back as the
+        # newest active bundle): then the newest is asked for again.
         for _ in range(_LOOKUP_TRIES):
             with self._guard(), self._session() as s:
                 newest = s.execute(select(_short_id(), small).where(BundleRow.id == newest_id)).first()
@@ -357,7 +358,7 @@ class Index:
                 if not newest[1]:
                     raise _oversized(newest[0])
                 row = s.get(BundleRow, newest[0])
-                if row is not None:
+                if row is not None and row.status == "active":
                     return bundle_of(row)
         return None
 

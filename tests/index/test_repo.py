@@ -238,6 +238,28 @@ def test_a_newest_bundle_deleted_while_it_is_loaded_gives_the_next_newest(index)
     assert found is not None and found.id in ("1" * 64, "2" * 64)  # never "no bundle" while one is left
 
 
+def test_a_newest_bundle_yanked_while_it_is_loaded_is_not_the_answer(index):
+    """A yank may commit between naming the newest active bundle and loading its row (PostgreSQL, READ
+    COMMITTED): the lookup gave back the bundle it then read as yanked, as the newest active one, and a
+    publisher's ref refresh racing the yank wrote a ref naming it. It asks again, for the bundle the yank
+    falls back to."""
+    from sqlalchemy import update
+
+    from kcache.index.models import BundleRow
+
+    now = datetime.now(timezone.utc)
+    index.add_bundle(bundle("1" * 64, at=now - timedelta(hours=1)))
+    index.add_bundle(bundle("2" * 64, at=now))
+    yank = update(BundleRow).where(BundleRow.id == "2" * 64).values(status="yanked")
+    statements, done = before_second_statement(index, lambda w: w.execute(yank))
+    try:
+        found = index.newest_bundle("k1")
+    finally:
+        done()
+    assert len(statements) >= 2, "the yank never ran between the lookup's statements"
+    assert found is not None and (found.id, found.status) == ("1" * 64, "active")
+
+
 # SQLite keeps whatever a writer stores in any column (PostgreSQL refuses it): text where a count is.
 @pytest.mark.parametrize("column, value", [("files", "'many'"), ("bytes", "'x'"), ("bytes", "-1"), ("files", "1.5"),
                                            ("compile_seconds", "'x'"), ("compile_seconds", "x'00'"),
