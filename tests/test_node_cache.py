@@ -200,6 +200,18 @@ def test_prefetch_refuses_a_blank_model_among_several(tmp_path):
     assert result.exit_code == 2 and "--model" in result.stderr and "blank" in result.stderr
 
 
+def test_prefetch_once_that_fails_a_target_prints_the_error_object_json_promises(tmp_path, bundle):
+    """--json promises one object, for an error too, with status, error, hint and exit_code (as every
+    other command prints it): prefetch --once that exits 7 for a target over the cap printed its round
+    report with no error, hint or exit_code, and a script reading them failed on a KeyError."""
+    url, endpoint, _packs, _files = bundle
+    result = cli(*prefetch_args(url, endpoint, tmp_path / "node", "--once", "--max-bytes", "1Ki"), ok=False)
+    doc = json.loads(result.stdout)
+    assert result.exit_code == doc["exit_code"] == ExitCode.ROOT, result.output
+    assert doc["status"] == "error" and doc["targets"][0]["status"] == "over_cap"
+    assert MODEL in doc["error"] and "cap" in doc["error"] and "--max-bytes" in doc["hint"]
+
+
 def test_prefetch_loops_every_interval_follows_new_bundles_and_stops_on_sigterm(tmp_path, bundle, monkeypatch):
     url, endpoint, packs, files = bundle
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

@@ -97,10 +97,10 @@ def prefetch_cmd(node_cache, bundle_keys, max_bytes, once, every, jobs, trusted_
                 raise
             _report_failed_round(exc, as_json)  # a DaemonSet keeps going: the index may be back next round
         else:
-            _report(results, cache, time.perf_counter() - started, as_json)
-            failed = next((r.error for r in results if r.error is not None), None)
+            failed = next((r for r in results if r.error is not None), None)
+            _report(results, cache, time.perf_counter() - started, as_json, failed, once)
             if once and failed is not None:
-                raise click.exceptions.Exit(describe(failed)[2])
+                raise click.exceptions.Exit(describe(failed.error)[2])
         if once or stop.wait(every):
             return
 
@@ -139,11 +139,19 @@ def _targets(models, model_config, facts, extras, bundle_keys) -> tuple[Target, 
     return tuple(targets) + tuple(bundle_key_target(key) for key in bundle_keys)
 
 
-def _report(results: tuple[Prefetched, ...], cache: NodeCacheStore, seconds: float, as_json: bool) -> None:
+def _report(results: tuple[Prefetched, ...], cache: NodeCacheStore, seconds: float, as_json: bool,
+            failed: Prefetched | None = None, once: bool = False) -> None:  # fmt: skip
+    """The round's report. With --json, a round with a failed target is also the error object every
+    command prints (error, hint; exit_code with --once, which exits with it), named by its first failure."""
     usage = cache.usage()
     if as_json:
+        error = {}
+        if failed is not None:
+            message, hint, code = describe(failed.error)
+            error = {"error": f"{failed.target}: {message}", "hint": hint, **({"exit_code": int(code)} if once else {})}
         click.echo(fmt.to_json({
-            "status": "error" if any(r.error is not None for r in results) else "ok",
+            "status": "error" if failed is not None else "ok",
+            **error,
             "seconds": round(seconds, 4),
             "targets": [{"target": r.target, "bundle_key": r.bundle_key, "status": r.status,
                          "bundle_id": r.bundle_id, "packs": r.packs, "fetched": r.fetched, "bytes": r.bytes,
