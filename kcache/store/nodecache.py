@@ -516,7 +516,7 @@ class NodeCacheStore:
             return False
         # Eviction is best-effort: one try at .evict.lock, never a wait. A frozen pod holding it cost
         # every restore on the node half its --timeout, and prefetch LOCK_WAIT a pack.
-        self._make_room(size, 0.0)
+        self._make_room(size, 0.0, own=pack_id)
         if not self._room_for(pack_id, size):  # judged once killed fills' temp files and evicted packs are gone
             return False
         written = self._download_in_time(path, key, pack_id, size)
@@ -607,9 +607,10 @@ class NodeCacheStore:
 
     # ---- the size cap ----------------------------------------------------------------------------
 
-    def _make_room(self, need: int, deadline: float | None) -> None:
+    def _make_room(self, need: int, deadline: float | None, *, own: str | None = None) -> None:
         """Evict least recently used packs until `need` more bytes fit under the cap; skipped when
-        another process holds .evict.lock past `deadline` (0.0: one try, as a fill makes it)."""
+        another process holds .evict.lock past `deadline` (0.0: one try, as a fill makes it). `own`:
+        the pack whose exclusive lock the caller holds (a fill): its stale temp files go too."""
         try:
             evicting = nodedir.lock(self.directory / ".evict.lock", filelock.EXCLUSIVE, deadline)
         except OSError as exc:  # a file we may not even read: it only keeps evictions apart, each victim has its lock
@@ -619,7 +620,7 @@ class NodeCacheStore:
         if evicting is None:
             return  # someone else is evicting; our fill may overshoot the cap by one pack
         with evicting:
-            files = self._cached_files(clean=True)
+            files = self._cached_files(clean=True, own=own)
             total = sum(f.size for f in files)
             for f in sorted(files, key=lambda f: f.used):
                 if total + need <= self.max_bytes:
@@ -651,11 +652,11 @@ class NodeCacheStore:
             nodedir.clear(lock_path)  # the lock file last, while we still hold it
         return True
 
-    def _cached_files(self, *, clean: bool = False) -> list[_Cached]:
+    def _cached_files(self, *, clean: bool = False, own: str | None = None) -> list[_Cached]:
         """Every cached pack: a regular file packs/<hh>/<id>, where eviction looks for it. Nothing
         deeper is counted (no eviction would ever remove it), nothing through a link, and what
         cannot be listed or stat-ed is skipped. With `clean`, temp files of fills no process is
-        running are removed."""
+        running are removed; those of `own`, whose lock the caller holds, whatever process left them."""
         found = []
         if not nodedir.is_directory(self.directory / "packs"):
             return found  # absent, or a link to a directory that is not ours to count or empty
@@ -664,7 +665,7 @@ class NodeCacheStore:
                 continue
             for entry in nodedir.entries(Path(shard.path)):
                 if clean and (temp := _TEMP.match(entry.name)) and temp.group(1).startswith(shard.name):
-                    self._remove_stale_temp(Path(entry.path), temp.group(1))
+                    self._remove_stale_temp(Path(entry.path), temp.group(1), held=temp.group(1) == own)
                 if _pack_id(f"packs/{shard.name}/{entry.name}") is None:
                     continue
                 try:
@@ -675,8 +676,14 @@ class NodeCacheStore:
                     found.append(_Cached(entry.name, st.st_size, st.st_mtime_ns))
         return found
 
-    def _remove_stale_temp(self, temp: Path, pack_id: str) -> None:
+    def _remove_stale_temp(self, temp: Path, pack_id: str, *, held: bool = False) -> None:
+        """Remove a fill's temp file if no fill of its pack runs. `held`: the caller holds the pack's lock
+        (its own fill): a try at the lock would fail, and a pod killed while it filled the one pack had
+        left that pack's temp files to fill the disk for every later fill of it."""
         try:
+            if held:
+                temp.unlink(missing_ok=True)
+                return
             lock = nodedir.lock(self._lock_path(pack_id), filelock.EXCLUSIVE, 0.0)
             if lock is None:
                 return  # a fill is writing it

@@ -307,13 +307,16 @@ def test_temp_files_of_killed_fills_are_removed(tmp_path, backing):
     assert not stale.exists()
 
 
-def test_a_disk_filled_by_killed_fills_is_cleared_by_the_next_fill(tmp_path, backing, tmpfs):
+@pytest.mark.parametrize("whose", ["another pack's", "its own"])
+def test_a_disk_filled_by_killed_fills_is_cleared_by_the_next_fill(tmp_path, backing, tmpfs, whose):
     """Temp files of fills killed part-way (restores out of budget, OOM kills) can fill the node's disk:
-    the next fill removes them before it judges the room left, or no fill would ever run there again."""
+    the next fill removes them before it judges the room left, or no fill would ever run there again.
+    Its own pack's too, though it holds that pack's lock (which kept them from being removed): a pod
+    killed while it filled the one pack left room for nothing, and every later pod read it from the store."""
     data = os.urandom(200 * KiB)
     pack_id = put_pack(backing, data)
     node = tmpfs(tmp_path / "node", "512k")
-    other = "ab" + "0" * 62
+    other = pack_id if whose == "its own" else "ab" + "0" * 62
     stale = node / "packs" / other[:2] / f".tmp-{other}-killed"
     stale.parent.mkdir(parents=True)
     stale.write_bytes(os.urandom(400 * KiB))
