@@ -26,6 +26,7 @@ holds ROOT's lock leaves kcache.env and an "error" marker behind, so the pod sta
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import re
@@ -307,7 +308,9 @@ def _set_aside_other_keys_layers(root: Path, bundle_key: str, yanked: Callable[[
     if made_under is None:
         return None, {}, {}
     other_key = made_under != bundle_key or not set(kept_back.values()) <= {bundle_key}
-    bad = yanked(set(came_from.values())) if yanked is not None and came_from and not other_key else set()
+    # Under another key too: a layer of a yanked bundle that could not be set aside is kept back under
+    # this key, and must not come back when a start under this key follows one under another.
+    bad = yanked(set(came_from.values())) if yanked is not None and came_from else set()
     if not other_key and not bad:
         return None, {}, came_from
     users: set[str | None] = {None}
@@ -340,7 +343,10 @@ def _set_aside_other_keys_layers(root: Path, bundle_key: str, yanked: Callable[[
     else:
         log.info("the layers in %s were made under bundle key %s, not %s: starting from empty layers",
                  root, one_line(made_under[:80]), bundle_key)  # fmt: skip
-    return retired, stuck, came_from if not other_key else {}
+    if other_key:  # what stays is this key's from now on, but for the layers kept back
+        came_from = {place: bundle for place, bundle in came_from.items()
+                     if any(place == rel or place.startswith(rel + "/") for rel in stuck)}  # fmt: skip
+    return retired, stuck, came_from
 
 
 def _fail(root: Path, opened: list[Opened], kept: _KeptLayers, computed: Callable[[], Fingerprint | None],
@@ -950,8 +956,10 @@ def _came_from(state: dict) -> dict[str, str]:
     found = state.get("layers_from")
     if not isinstance(found, dict):
         return {}
-    return {place: bundle for place, bundle in found.items()
-            if isinstance(place, str) and isinstance(bundle, str) and _HEX64.match(bundle)}  # fmt: skip
+    valid = ((place, bundle) for place, bundle in found.items()
+             if isinstance(place, str) and len(place) <= 4096 and isinstance(bundle, str) and _HEX64.match(bundle))
+    # No more than a bundle lays down: each start writes it back, and the marker has a reserve to fit in.
+    return dict(itertools.islice(valid, manifests.MAX_LAYERS + len(layers.BUILTIN)))
 
 
 def read_state(root: Path) -> dict | None:

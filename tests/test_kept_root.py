@@ -17,6 +17,7 @@ from trees import read_tree, write_tree
 
 from kcache import envfile, fingerprint, removal, sources
 from kcache.errors import ConfigError, RestoreTimeout, StoreError
+from kcache.manifest import MAX_LAYERS
 from kcache.publish import PublishConfig, publish
 from kcache.refs import RefCatalog
 from kcache.restore import Opened, read_state, restore, restore_opening
@@ -322,3 +323,60 @@ def test_a_miss_keeps_the_layers_of_a_bundle_that_was_not_yanked(store, sqlite_i
     write_tree(root, {"inductor/fx/own": b"compiled after the restore"})
     assert restore(store, sqlite_index, fp, root, bundle_id="f" * 64).status == "miss"  # pinned to nothing
     assert set(read_tree(root / "inductor")) == {"fx/a", "fx/own"}
+
+
+def test_a_hostile_marker_does_not_grow_the_next_ones(store, sqlite_index, fp, tmp_path):
+    """Each start under the same key writes back what the marker says each layer holds: no more of it
+    than a bundle could lay down, whatever a container of the pod wrote there."""
+    write_tree(tmp_path / "src", {"inductor/fx/a": b"kernel"})
+    published = publish_tree(store, sqlite_index, fp, tmp_path / "src")
+    root = tmp_path / "root"
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    marker = root / ".kcache-state.json"
+    state = json.loads(marker.read_text())
+    state["layers_from"] = {f"extra/x{i}": published.bundle_id for i in range(5000)}
+    marker.write_text(json.dumps(state))
+    restore_whose_store_is_out_of_reach(root, fp)  # a failed start carries what the marker says over
+    assert len(read_state(root)["layers_from"]) <= MAX_LAYERS + len(sources.BUILTIN)
+
+
+def test_a_failed_start_between_does_not_make_a_yanked_bundles_layers_stay(store, sqlite_index, fp, tmp_path):
+    """One start in between failed (the bucket out of reach) and kept the layers, as the same key does:
+    its error marker must still say which bundle laid them down, or once that bundle is yanked no later
+    start looks it up, and kcache.env points the model at the yanked kernels on that node for good."""
+    write_tree(tmp_path / "src", {"inductor/fx/bad": b"kernel that returns NaN"})
+    bad = publish_tree(store, sqlite_index, fp, tmp_path / "src")
+    root = tmp_path / "root"
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    restore_whose_store_is_out_of_reach(root, fp)
+    assert (root / "inductor/fx/bad").is_file()  # the same key keeps its layers
+    yank(store, sqlite_index, bad.bundle_id, "NaNs")
+    assert restore(store, sqlite_index, fp, root).status == "miss"
+    assert read_tree(root / "inductor") == {}
+
+
+def test_a_yanked_layer_that_cannot_be_set_aside_is_left_out_of_kcache_env(store, sqlite_index, fp, tmp_path, tmpfs):
+    """A volume mounted at ROOT/inductor (EBUSY on rename) keeps what a since-yanked bundle laid down
+    there: kcache.env must not point the model at it, `publish --from ROOT` must leave it out, and no
+    later start takes it back, a start under this key after one under another included."""
+    write_tree(tmp_path / "src", {"inductor/fx/bad": b"kernel that returns NaN", "triton/k/k.cubin": b"bad"})
+    bad = publish_tree(store, sqlite_index, fp, tmp_path / "src")
+    root = tmp_path / "root"
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    tmpfs(root / "inductor")
+    write_tree(root, {"inductor/fx/bad": b"kernel that returns NaN"})
+    yank(store, sqlite_index, bad.bundle_id, "NaNs")
+    assert restore(store, sqlite_index, fp, root).status == "miss"
+    assert read_tree(root / "triton") == {} and (root / "inductor/fx/bad").is_file()
+    env = envfile.read(root / envfile.NAME)
+    assert "TORCHINDUCTOR_CACHE_DIR" not in env and env["TRITON_CACHE_DIR"] == str(root / "triton")
+    assert read_state(root)["kept_back"] == {"inductor": fp.bundle_key}
+    write_tree(root, {"triton/k2/k.cubin": b"compiled by the pod"})
+    assert publish_tree(store, sqlite_index, fp, root).layers == ("triton",)
+    assert restore(store, sqlite_index, fp, root).status == "hit"  # the pod's own bundle; inductor still held
+    assert "TORCHINDUCTOR_CACHE_DIR" not in envfile.read(root / envfile.NAME)
+    avx2 = fingerprint.compute({**fp.facts, "cpu.isa": "avx2"})
+    assert restore(store, sqlite_index, avx2, root).status == "miss"  # another key, then this one again:
+    assert restore(store, sqlite_index, fp, root).status == "hit"  # no start takes the yanked layer back
+    assert "TORCHINDUCTOR_CACHE_DIR" not in envfile.read(root / envfile.NAME)
+    assert (root / "inductor/fx/bad").is_file() and read_state(root)["kept_back"] == {"inductor": fp.bundle_key}
