@@ -50,7 +50,7 @@ class HostileServer:
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
-            request = _read_request(conn)
+            request = read_request(conn)
             if request is None:
                 return
             with self._lock:
@@ -81,7 +81,7 @@ class HostileServer:
         self.close()
 
 
-def _read_request(conn: socket.socket) -> Request | None:
+def read_request(conn: socket.socket) -> Request | None:
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = conn.recv(65536)

@@ -18,7 +18,7 @@ import uuid
 import pytest
 import redis
 from engine_server import EngineServer
-from hostile_http import COMPLETION, HostileServer, answer
+from hostile_http import COMPLETION, HostileServer, answer, read_request
 from proxied import RunningProxy, request
 from served import kcache_server
 from test_proxy import ASK, CHAT, FP, REDIS_URL, SECRET, config, opened, sealed
@@ -658,3 +658,52 @@ def test_a_client_that_leaves_mid_parse_keeps_the_next_large_body_waiting_its_tu
     asker.join(60)
     assert not parsed_beside, "a second large body was parsed while the first one's parse ran on"
     assert second_in.is_set()  # and it had its turn once the first was done
+
+
+class ClosesIdleConnections:
+    """An engine that answers the first request on each connection with keep-alive, and closes the
+    connection, unanswered, when a second request comes on it: what uvicorn's keep-alive (5 s, vLLM's and
+    SGLang's) does to a request sent just as it runs out."""
+
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.connections = 0
+        self.answered = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            if read_request(conn) is None:
+                return
+            body = json.dumps(COMPLETION).encode()
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: keep-alive\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)  # fmt: skip
+            self.answered += 1
+            read_request(conn)  # the next request on this connection: closed, never answered
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_kept_alive_connection_the_engine_closed_as_the_request_went_out_is_retried(prefix):
+    """The engine read the request and closed its idle connection unanswered: the client got a 502 for a
+    request the engine never served. Sent again on a new connection, it is answered."""
+    engine = ClosesIdleConnections()
+    try:
+        with RunningProxy(config(engine.url, prefix)) as proxy:
+            sampled = {**ASK, "temperature": 0.7}  # not cached: both go to the engine
+            first, second = proxy.post(CHAT, sampled), proxy.post(CHAT, sampled)
+        assert (first.status, second.status) == (200, 200), second.body
+        assert engine.answered == 2 and engine.connections == 2
+    finally:
+        engine.close()

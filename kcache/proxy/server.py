@@ -290,11 +290,21 @@ class Proxy:
             headers.popall("Accept-Encoding", None)
             headers["Accept-Encoding"] = "identity"  # what is recorded must be replayable to any client
         clock = _Clock()
+
+        def send():
+            return clock.wait(self.session.request(request.method, self.upstream + request.rel_url.raw_path_qs,
+                                                   headers=headers, data=body, allow_redirects=False))  # fmt: skip
+
         try:
-            upstream = await clock.wait(self.session.request(
-                request.method, self.upstream + request.rel_url.raw_path_qs, headers=headers, data=body,
-                allow_redirects=False,
-            ))  # fmt: skip
+            try:
+                upstream = await send()
+            except aiohttp.ServerDisconnectedError:
+                if not isinstance(body, (bytes, type(None))):
+                    raise  # a body streamed from the client cannot be sent twice
+                # The engine closed a kept-alive connection, unanswered, as the request went out on it
+                # (uvicorn's keep-alive, vLLM's and SGLang's, is 5 s; the pool keeps connections 15 s):
+                # it served nothing, and a new connection gets the answer instead of a 502.
+                upstream = await send()
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             self.stats.added[outcome].observe(time.perf_counter() - started - clock.waited)
             return self._unreachable(exc, outcome)
