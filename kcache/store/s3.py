@@ -204,9 +204,11 @@ class S3Store:
     def _put_multipart(self, key: str, path: Path, size: int) -> bool:
         full = self._key(key)
         try:
-            upload = self.client.create_multipart_upload(Bucket=self.bucket, Key=full)["UploadId"]
+            upload = self.client.create_multipart_upload(Bucket=self.bucket, Key=full).get("UploadId")
         except _FAILED as exc:
             raise self._error(exc, key, "write") from None
+        if not isinstance(upload, str):  # S3 always sends one: no upload to send parts to, or to abort
+            raise StoreError(self.url, f"cannot write {key}: the server's answer has no UploadId")
 
         def send(number: int) -> dict:
             offset = (number - 1) * PART_SIZE
@@ -214,7 +216,9 @@ class S3Store:
                 f.seek(offset)
                 body = f.read(min(PART_SIZE, size - offset))
             etag = self.client.upload_part(Bucket=self.bucket, Key=full, UploadId=upload,
-                                           PartNumber=number, Body=body)["ETag"]  # fmt: skip
+                                           PartNumber=number, Body=body).get("ETag")  # fmt: skip
+            if not isinstance(etag, str):  # the completion names each part by it
+                raise StoreError(self.url, f"cannot write {key}: the server's answer to part {number} has no ETag")
             return {"PartNumber": number, "ETag": etag}
 
         try:

@@ -472,3 +472,36 @@ def test_a_prefetch_round_whose_ref_answer_has_no_etag_is_a_store_error(fake_cre
                                         "--node-cache", str(tmp_path / "node")])  # fmt: skip
     assert out.exit_code == ExitCode.STORE, out.output
     assert "has no ETag" in out.output
+
+
+def _multipart(upload_id: bytes | None):
+    """A server that starts an upload (naming `upload_id`, or none) and answers each part without an ETag."""
+
+    def route(server, conn, request):
+        if request.method == "POST" and request.path.endswith("?uploads"):
+            named = b"<UploadId>" + upload_id + b"</UploadId>" if upload_id else b""
+            body = b"<InitiateMultipartUploadResult><Key>k</Key>%s</InitiateMultipartUploadResult>" % named
+            return server.send(conn, b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                               % (len(body), body))  # fmt: skip
+        return server.send(conn, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+    return route
+
+
+@pytest.mark.parametrize("upload_id", [None, b"u1"], ids=["start-without-upload-id", "part-without-etag"])
+def test_a_multipart_answer_without_upload_id_or_etag_is_a_store_error(fake_credentials, monkeypatch, tmp_path,
+                                                                       upload_id):  # fmt: skip
+    """A pack over the multipart threshold went up with the server's UploadId and each part's ETag read as
+    S3 always sends them: a server that left one out raised a KeyError out of the store, and publish exited
+    70 with a bug hint where every other answer without the ETag S3 sends is a store error."""
+    from hostile_http import HostileServer
+
+    monkeypatch.setenv("KCACHE_S3_MAX_ATTEMPTS", "1")
+    monkeypatch.setattr(s3, "MULTIPART_THRESHOLD", 4)
+    pack = tmp_path / "pack"
+    pack.write_bytes(b"0123456789")
+    with HostileServer({}) as server:
+        server.routes = _Everything({"*": _multipart(upload_id)})
+        store = open_store("s3://bucket", endpoint_url=server.url)
+        with pytest.raises(StoreError):
+            store.put_file(_PACK, pack)
