@@ -308,26 +308,30 @@ def _set_aside_other_keys_layers(root: Path, bundle_key: str, yanked: Callable[[
     if made_under is None:
         return None, {}, {}
     other_key = made_under != bundle_key or not set(kept_back.values()) <= {bundle_key}
-    # Under another key too: a layer of a yanked bundle that could not be set aside is kept back under
-    # this key, and must not come back when a start under this key follows one under another.
-    bad = yanked(set(came_from.values())) if yanked is not None and came_from else set()
-    if not other_key and not bad:
-        return None, {}, came_from
     users: set[str | None] = {None}
     try:  # the last restore's model user, whose header directory that restore laid out
         users.add(torch_user_name(previous["run_as"]) if isinstance(previous.get("run_as"), str) else None)
     except ConfigError:  # ROOT is written by every container of the pod: a name that is none is skipped
         pass
-    places = sorted({source.restore_dir(root) for user in users for source in layers.builtin(user)} | {root / "extra"})
+    places = []
+    for place in sorted({source.restore_dir(root) for user in users for source in layers.builtin(user)}
+                        | {root / "extra"}):  # fmt: skip
+        rel = place.relative_to(root).as_posix()
+        under = {p for p in came_from if p == rel or p.startswith(rel + "/")}  # extra/<name> lie under extra
+        places.append((place, rel, kept_back.get(rel, made_under), under))
+    # Only what would stay is looked up for yanks (under another key too: a layer of a yanked bundle that
+    # could not be set aside is kept back under this key, and must not come back when a start under this
+    # key follows one under another); another key's layers go first, whatever bundle they hold: a store
+    # or an index that hangs on the look-up must not keep them past the budget.
+    staying = {came_from[p] for _place, _rel, key, under in places if key == bundle_key for p in under}
+    if not other_key:
+        bad = yanked(staying) if yanked is not None and staying else set()
+        if not bad:
+            return None, {}, came_from
     retired = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=root))
     stuck: dict[str, str] = {}
-    spoilt = {place for place, bundle in came_from.items() if bundle in bad}
-    for i, place in enumerate(places):
-        rel = place.relative_to(root).as_posix()
-        key = kept_back.get(rel, made_under)
-        under = {p for p in came_from if p == rel or p.startswith(rel + "/")}  # extra/<name> lie under extra
-        if key == bundle_key and not under & spoilt:
-            continue
+
+    def set_aside(i: int, place: Path, rel: str, key: str, under: set[str]) -> None:
         try:
             if os.path.lexists(_inside(root, place)):
                 os.rename(place, retired / str(i))  # a link is moved, never followed
@@ -337,6 +341,16 @@ def _set_aside_other_keys_layers(root: Path, bundle_key: str, yanked: Callable[[
             stuck[rel] = key
             log.warning("cannot set aside %s, made under bundle key %s: %s; kcache.env leaves it out",
                         place, one_line(key[:80]), one_line(exc))  # from a file every container may write
+
+    for i, (place, rel, key, under) in enumerate(places):
+        if key != bundle_key:
+            set_aside(i, place, rel, key, under)
+    if other_key:
+        bad = yanked(staying) if yanked is not None and staying else set()
+    spoilt = {place for place, bundle in came_from.items() if bundle in bad}
+    for i, (place, rel, key, under) in enumerate(places):
+        if key == bundle_key and under & spoilt:
+            set_aside(i, place, rel, key, under)
     if bad:
         log.warning("the layers in %s hold bundle %s, yanked since: starting from empty layers", root,
                     ", ".join(sorted(i[:12] for i in bad)))  # fmt: skip

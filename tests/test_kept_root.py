@@ -380,3 +380,34 @@ def test_a_yanked_layer_that_cannot_be_set_aside_is_left_out_of_kcache_env(store
     assert restore(store, sqlite_index, fp, root).status == "hit"  # no start takes the yanked layer back
     assert "TORCHINDUCTOR_CACHE_DIR" not in envfile.read(root / envfile.NAME)
     assert (root / "inductor/fx/bad").is_file() and read_state(root)["kept_back"] == {"inductor": fp.bundle_key}
+
+
+def test_a_store_that_hangs_on_the_yank_look_up_leaves_no_other_keys_layers(store, sqlite_index, fp, tmp_path):
+    """Layers made under another key go whatever any bundle in them is: a store that hung while the
+    kept layers' bundles were looked up for yanks held them all past the budget, and the pod on a node
+    of another kind started with the last one's kernels (kcache.env pointing torch at them)."""
+    write_tree(tmp_path / "src", {"inductor/fx/a": b"avx512 kernel"})
+    publish_tree(store, sqlite_index, fp, tmp_path / "src")
+    root = tmp_path / "root"
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    avx2 = fingerprint.compute({**fp.facts, "cpu.isa": "avx2"})
+    answer = threading.Event()
+
+    class HangingStore:
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def exists(self, key):
+            if key.startswith("yanks/"):
+                answer.wait()
+            return store.exists(key)
+
+    try:
+        try:  # a miss, or the budget spent elsewhere: either way the other key's layers are gone
+            restore_opening(lambda: Opened(HangingStore(), sqlite_index, avx2), root, timeout=2)
+        except RestoreTimeout:
+            pass
+        assert read_state(root)["layers_key"] == avx2.bundle_key
+        assert read_tree(root / "inductor") == {}
+    finally:
+        answer.set()
