@@ -357,9 +357,9 @@ def _set_aside_other_keys_layers(root: Path, bundle_key: str, yanked: Callable[[
     else:
         log.info("the layers in %s were made under bundle key %s, not %s: starting from empty layers",
                  root, one_line(made_under[:80]), bundle_key)  # fmt: skip
-    if other_key:  # what stays is this key's from now on, but for the layers kept back
+    if other_key:  # what stays is this key's from now on: the layers kept back, and this key's left in place
         came_from = {place: bundle for place, bundle in came_from.items()
-                     if any(place == rel or place.startswith(rel + "/") for rel in stuck)}  # fmt: skip
+                     if any(place in under for _place, _rel, _key, under in places)}  # fmt: skip
     return retired, stuck, came_from
 
 

@@ -411,3 +411,23 @@ def test_a_store_that_hangs_on_the_yank_look_up_leaves_no_other_keys_layers(stor
         assert read_tree(root / "inductor") == {}
     finally:
         answer.set()
+
+
+def test_a_kept_back_layer_that_stays_under_its_key_is_still_checked_for_yanks(store, sqlite_index, fp, tmp_path,
+                                                                                  tmpfs):  # fmt: skip
+    """A layer kept back under this key (a volume at ROOT/inductor: EBUSY) stays when a start under this key
+    follows one under another; what it holds must stay named in the marker, or once its bundle is yanked no
+    start looks it up and kcache.env points the model at the yanked kernels on that node for good."""
+    write_tree(tmp_path / "src", {"inductor/fx/bad": b"kernel that returns NaN"})
+    bad = publish_tree(store, sqlite_index, fp, tmp_path / "src")
+    root = tmp_path / "root"
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    tmpfs(root / "inductor")
+    write_tree(root, {"inductor/fx/bad": b"kernel that returns NaN"})
+    avx2 = fingerprint.compute({**fp.facts, "cpu.isa": "avx2"})
+    assert restore(store, sqlite_index, avx2, root).status == "miss"
+    assert read_state(root)["kept_back"] == {"inductor": fp.bundle_key}
+    restore_whose_store_is_out_of_reach(root, fp)  # this key again: the layer is its own, and stays
+    yank(store, sqlite_index, bad.bundle_id, "NaNs")
+    assert restore(store, sqlite_index, fp, root).status == "miss"
+    assert "TORCHINDUCTOR_CACHE_DIR" not in envfile.read(root / envfile.NAME)
