@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from faulty import CountingStore
+from outcome import outcome_within
 from trees import nest, write_tree
 from unprivileged import run_kcache
 
@@ -73,21 +74,10 @@ def wait_for(condition, timeout: float = 60) -> None:
 
 def in_thread(fn, timeout: float = 60):
     """`fn()`'s result, failing the test if it is still running after `timeout` seconds (a hang)."""
-    out: dict = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as exc:  # handed to the test below
-            out["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    assert not thread.is_alive(), "hung"
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
+    out = outcome_within(fn, timeout)
+    if isinstance(out, Exception):
+        raise out
+    return out
 
 
 # ---- one fetch per pack per node, also when a corrupt pack is replaced ------------------------------

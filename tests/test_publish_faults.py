@@ -8,11 +8,11 @@ import multiprocessing
 import os
 import signal
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import pytest
+from outcome import outcome_within
 from trees import read_tree, write_tree
 
 from kcache import packs, sources, workdir
@@ -26,28 +26,6 @@ from kcache.sources import TritonSource
 from kcache.store import open_store
 
 SMALL_CHUNK = 16 * 1024
-
-
-def _outcome(run, fifo: Path | None = None):
-    """What `run()` returned or raised, on a worker thread; a run that blocks on the FIFO is
-    released (by opening its other end) and fails the test."""
-    box: list = []
-
-    def work():
-        try:
-            box.append(run())
-        except BaseException as exc:  # handed to the test
-            box.append(exc)
-
-    worker = threading.Thread(target=work, daemon=True)
-    worker.start()
-    worker.join(30)  # generous: a publish of two files answers at once, a blocked one never
-    stuck = worker.is_alive()
-    if stuck and fifo is not None:
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        worker.join(30)
-    assert not stuck, "publish blocked on a FIFO"
-    return box[0]
 
 
 class SwappedAfterTheWalk(TritonSource):
@@ -84,8 +62,10 @@ def test_a_file_the_hash_cache_knows_swapped_before_it_is_packed_fails_cleanly(t
     other.close()
     victim = root / "triton/k1/a.cubin"
 
-    outcome = _outcome(lambda: publish(store, sqlite_index, fp, [SwappedAfterTheWalk(victim, SWAPS[swap])],
-                                       root=root, config=config), victim if swap == "fifo" else None)  # fmt: skip
+    unblock = (lambda: os.close(os.open(victim, os.O_WRONLY | os.O_NONBLOCK))) if swap == "fifo" else None
+    outcome = outcome_within(lambda: publish(store, sqlite_index, fp, [SwappedAfterTheWalk(victim, SWAPS[swap])],
+                                             root=root, config=config), unstick=unblock,
+                             hung="publish blocked on a FIFO")  # fmt: skip
     cache.close()
     assert isinstance(outcome, FileChanged) and "a.cubin" in str(outcome), repr(outcome)
     assert sqlite_index.newest_bundle(fp.bundle_key) is None
