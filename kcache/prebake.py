@@ -32,11 +32,13 @@ Publish runs only when every profile succeeded.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +55,8 @@ from kcache.store import Store
 if TYPE_CHECKING:
     from kcache.index import Index
 
+log = logging.getLogger(__name__)
+
 
 class WarmupChildFailed(KcacheError):
     """The warmup child process ended without a report (it printed its error on stderr)."""
@@ -64,6 +68,9 @@ class WarmupChildFailed(KcacheError):
 
 _PIECE = 64 * 1024
 _DRAIN_SECONDS = 5.0  # for the rest of the child's stdout once its session is killed
+# How long the child may take to exit once its report came (atexit hooks): a thread the user's code
+# left running, not a daemon, holds Python's exit for ever, and the warmup is over by then.
+EXIT_GRACE = 10.0
 
 
 class WarmupChildTimedOut(KcacheError):
@@ -90,6 +97,7 @@ class ChildWarmup:
     env: Mapping[str, str] | None = None  # the child's base environment (default: this process's)
     needs_restore: bool = True
     timeout: float | None = None  # seconds the child may run (--budget); None: no limit
+    exit_grace: float = EXIT_GRACE  # seconds the child may take to exit after its report
 
     def command(self, root: Path) -> list[str]:
         cmd = [sys.executable, "-m", "kcache", "warmup", "--entrypoint", self.entrypoint, "--root", str(root),
@@ -106,18 +114,21 @@ class ChildWarmup:
         # of the child's session once it exits is killed, which ends the pipe.
         # SIGTERM (`timeout`, a cancelled CI job) raises Terminated here: the signal never reaches
         # the child's session, and dying on the spot left the warmup running for good.
+        # Once the report came, the child has `exit_grace` to exit: a thread the user's code left
+        # running would otherwise hold it past --budget (the report lost) or for ever.
         with sigterm_interrupts(), subprocess.Popen(self.command(root), env=env, stdout=subprocess.PIPE,
                                                     start_new_session=True) as child:  # fmt: skip
             chunks: list[bytes] = []
+            settled = threading.Event()  # the child exited, or printed its report
             # On a descriptor of its own: closing child.stdout (leaving this block) takes the
             # buffered reader's lock, which a read blocked on a helper that left the session holds.
-            reader = threading.Thread(target=_drain, args=(os.dup(child.stdout.fileno()), chunks),
+            reader = threading.Thread(target=_drain, args=(os.dup(child.stdout.fileno()), chunks, settled),
                                       name="kcache-child-out", daemon=True)  # fmt: skip
             reader.start()
+            threading.Thread(target=lambda: (child.wait(), settled.set()), name="kcache-child-exit",
+                             daemon=True).start()  # fmt: skip
             try:
-                child.wait(timeout=self.timeout)
-            except subprocess.TimeoutExpired:
-                raise WarmupChildTimedOut(self.timeout or 0) from None
+                self._wait(child, settled)
             finally:
                 _kill_group(child)
             reader.join(_DRAIN_SECONDS)  # a helper that left the session may hold the pipe still
@@ -125,6 +136,19 @@ class ChildWarmup:
         if report is None:
             raise WarmupChildFailed(child.returncode)
         return report
+
+    def _wait(self, child: subprocess.Popen, settled: threading.Event) -> None:
+        """Until the child exits, or at most `exit_grace` after its report; WarmupChildTimedOut when
+        the budget is spent before either."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        if not settled.wait(self.timeout):
+            raise WarmupChildTimedOut(self.timeout or 0)
+        left = self.exit_grace if deadline is None else min(self.exit_grace, deadline - time.monotonic())
+        try:
+            child.wait(timeout=max(0.0, left))
+        except subprocess.TimeoutExpired:  # the report is in: the warmup is over, whatever holds the exit
+            log.warning("the warmup process did not exit within %g s of its report (a thread the entrypoint "
+                        "left running?); killed", max(0.0, left))  # fmt: skip
 
 
 def _last_report(stdout: str) -> warmup.WarmupReport | None:
@@ -148,12 +172,16 @@ def _kill_group(child: subprocess.Popen) -> None:
     child.wait()
 
 
-def _drain(fd: int, chunks: list[bytes]) -> None:
+def _drain(fd: int, chunks: list[bytes], reported: threading.Event) -> None:
     """Read `fd` into `chunks` until its end, a piece at a time (what came is kept if it never
-    ends), then close it."""
+    ends), then close it. `reported` is set once a whole line of it is a report."""
     try:
         while piece := os.read(fd, _PIECE):
             chunks.append(piece)
+            if b"\n" in piece and not reported.is_set():
+                complete = b"".join(chunks).rpartition(b"\n")[0]
+                if _last_report(complete.decode(errors="replace")) is not None:
+                    reported.set()
     except OSError:  # the pipe's end is all this reader needs to know
         pass
     finally:

@@ -34,6 +34,13 @@ def leaves_a_helper(batch_size, input_tokens, output_tokens):
         os._exit(0)
 
 
+def leaves_a_thread(batch_size, input_tokens, output_tokens):
+    """Compiles, and starts a thread (not a daemon) that outlives the warmup: a server loop, a
+    prefetcher. Python's exit waits for it, so the child never exits after its report."""
+    (Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / f"kernel-{batch_size}x{input_tokens}.so").write_bytes(b"\x7fELF")
+    threading.Thread(target=threading.Event().wait, name="user-loop").start()
+
+
 def fails(batch_size, input_tokens, output_tokens):
     raise RuntimeError("CUDA out of memory")
 
@@ -94,6 +101,17 @@ def test_a_helper_the_entrypoint_leaves_running_does_not_hold_prebake(tmp_path, 
     out = prebake(tmp_path, child_path, "test_prebake:leaves_a_helper", "--budget", "60", "--json")
     doc = json.loads(out.stdout)
     assert doc["warmup"]["status"] == "ok" and doc["publish"] is not None
+
+
+def test_a_thread_the_entrypoint_leaves_running_does_not_lose_the_report(tmp_path, child_path):
+    """The child prints its report, then Python's exit waits for the user's thread for ever: prebake
+    waited for the child's exit, so under --budget it called the finished warmup timed out and
+    published nothing (without a budget it hung). The report is the child's last word: once it
+    came, the child gets a grace to exit, then is killed and the report kept."""
+    out = prebake(tmp_path, child_path, "test_prebake:leaves_a_thread", "--budget", "60", "--json")
+    doc = json.loads(out.stdout)
+    assert doc["warmup"]["status"] == "ok" and doc["publish"] is not None
+    assert doc["publish"]["files"] >= 1
 
 
 @pytest.mark.parametrize("child_waits", [False, True], ids=["child-exits", "child-past-budget"])
