@@ -67,6 +67,7 @@ def payload(nonce: int, shared: bytes, fields: dict[str, Any]) -> tuple[bytes, .
 
 MAX_HEALTH_ANSWER = 64 * 1024
 MAX_MODELS_ANSWER = 1024 * 1024
+MAX_MODEL_ID = 4096  # characters: a model's path or name; each request of a batch carries it
 MAX_COMPLETION_ANSWER = 8 * 1024 * 1024  # one answer, however many tokens it has
 # A batch of B holds B answers at once, and the sidecar has 1 GiB: each answer may hold the JSON
 # around its text and ANSWER_PER_TOKEN bytes per token asked for (a token is a few bytes of text,
@@ -138,13 +139,20 @@ class HttpTarget:
         return answer.status == 200, f"GET {path}: {_status_text(answer)}"
 
     def _first_model(self) -> str | None:
-        """The first served model's id; None lets the server use its default."""
+        """The first served model's id; None lets the server use its default.
+
+        Sent back as it came (JSON escapes it in the request): the server serves only that name, and
+        a long path is a common one. Every request carries it, so one over MAX_MODEL_ID is not used."""
         try:
             answer = self._get("/v1/models", self._time_left(self.request_timeout)[0], MAX_MODELS_ANSWER)
             data = (json.loads(answer.body).get("data") or []) if answer.status == 200 else []
-            return http_client.printable(str(data[0]["id"])) if data else None
+            model = data[0]["id"] if data else None
+            if model is not None and (not isinstance(model, str) or not model or len(model) > MAX_MODEL_ID):
+                raise ValueError(f"the first model's id is no string of 1 to {MAX_MODEL_ID} characters")
+            return model
         except (KcacheError, ValueError, RecursionError, KeyError, TypeError, AttributeError, IndexError) as exc:
-            log.info("no model list at %s/v1/models (%s); requests name no model", self.url, exc)
+            log.info("no model list at %s/v1/models (%s); requests name no model", self.url,
+                     http_client.printable(str(exc)))  # fmt: skip
             return None
 
     def __call__(self, profile: Profile) -> None:

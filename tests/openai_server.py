@@ -4,7 +4,8 @@ Speaks just enough of vLLM's API: GET /health, GET /v1/models, POST /v1/completi
 set per instance: `fail_status` answers completions with that status, `hold` makes completions
 wait on a threading.Event (released by `close`), `unhealthy` answers /health 503 that many times
 before 200 (-1: forever), `no_health` answers /health 404 like a server without it, and
-`compile_into` writes one file per new request shape there, as a compiling server would.
+`compile_into` writes one file per new request shape there, as a compiling server would. A request
+naming another model than MODEL is answered 404, as vLLM does.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ class OpenAIServer:
                     owner.release.wait()
                 if owner.fail_status:
                     self._send(owner.fail_status, {"error": {"message": "engine exploded"}})
+                    return
+                if body.get("model", owner.MODEL) != owner.MODEL:  # as vLLM answers a model it does not serve
+                    self._send(404, {"error": {"message": f"The model `{body['model']}` does not exist."}})
                     return
                 text = " x" * int(body["max_tokens"])
                 self._send(200, {"object": "text_completion", "model": body.get("model"),

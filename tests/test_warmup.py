@@ -170,6 +170,20 @@ def test_http_warmup_sends_every_shape_and_writes_marker(profiles_file, tmp_path
     assert marker["status"] == "ok" and marker["target"] == server.url and "finished_at" in marker
 
 
+def test_a_served_model_id_longer_than_a_log_line_is_sent_back_whole():
+    """The id from /v1/models went through the log-line cleaner, which cuts at 200 characters: a
+    server serving a model by a long path got requests naming a model it does not serve, and every
+    profile failed with its 404."""
+
+    class LongNamed(OpenAIServer):
+        MODEL = "/mnt/models/" + "org/" * 60 + "snapshots/0e9e39f249a16976918f6564b8830bc894c89659"
+
+    with LongNamed() as server:
+        report = warmup.run(warmup.HttpTarget(server.url), [Profile("one", 1, 4, 1)])
+    assert report.status == "ok", [r.error for r in report.failed]
+    assert [c["model"] for c in server.completions] == [LongNamed.MODEL]
+
+
 def test_http_500_fails_the_profile_with_the_error(tmp_path):
     with OpenAIServer(fail_status=500) as server:
         out = cli("warmup", "--url", server.url, "--root", str(tmp_path), code=ExitCode.WARMUP)
