@@ -130,12 +130,13 @@ class HttpTarget:
         return http_client.request("GET", self._base + path, timeout=timeout, max_body=max_body)
 
     def _healthy(self, timeout: float) -> tuple[bool, str]:
-        """(healthy, why not): /health, or /v1/models on a server without /health."""
+        """(healthy, why not): /health, or /v1/models on a server without /health (under a model
+        list's cap: a server with many adapters lists more than a health answer holds)."""
         path = "/health"
         answer = self._get(path, timeout)
         if answer.status in (404, 405):
             path = "/v1/models"
-            answer = self._get(path, timeout)
+            answer = self._get(path, timeout, MAX_MODELS_ANSWER)
         return answer.status == 200, f"GET {path}: {_status_text(answer)}"
 
     def _first_model(self) -> str | None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 class OpenAIServer:
     MODEL = "tiny-test-model"
+    ADAPTERS: tuple[str, ...] = ()  # listed after MODEL by /v1/models, as vLLM lists its LoRA adapters
 
     def __init__(self, *, fail_status: int | None = None, hold: bool = False, unhealthy: int = 0,
                  no_health: bool = False, compile_into: Path | None = None, port: int = 0):  # fmt: skip
@@ -77,7 +78,8 @@ class OpenAIServer:
                     else:
                         self._send(503 if sick else 200, {})
                 elif self.path == "/v1/models":
-                    self._send(200, {"object": "list", "data": [{"id": owner.MODEL, "object": "model"}]})
+                    listed = [{"id": name, "object": "model"} for name in (owner.MODEL, *owner.ADAPTERS)]
+                    self._send(200, {"object": "list", "data": listed})
                 else:
                     self._send(404, {"error": "not found"})
 

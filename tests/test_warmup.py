@@ -184,6 +184,21 @@ def test_a_served_model_id_longer_than_a_log_line_is_sent_back_whole():
     assert [c["model"] for c in server.completions] == [LongNamed.MODEL]
 
 
+def test_a_server_without_health_whose_model_list_is_long_is_healthy():
+    """Without /health, the model list answers the health check: it was read under the 64 KiB cap of
+    a health answer, not the 1 MiB of a model list, so a server listing many adapters was refused
+    as over the limit until --wait-timeout, and warmup failed against a server that was up."""
+
+    class ManyAdapters(OpenAIServer):
+        ADAPTERS = tuple(f"lora-adapter-{i:05d}" for i in range(3000))  # ~130 KB of model list
+
+    with ManyAdapters(no_health=True) as server:
+        report = warmup.run(warmup.HttpTarget(server.url, wait_timeout=3, poll_interval=0.05),
+                            [Profile("one", 1, 4, 1)])  # fmt: skip
+    assert report.status == "ok", report.error or [r.error for r in report.failed]
+    assert [c["model"] for c in server.completions] == [OpenAIServer.MODEL]
+
+
 def test_http_500_fails_the_profile_with_the_error(tmp_path):
     with OpenAIServer(fail_status=500) as server:
         out = cli("warmup", "--url", server.url, "--root", str(tmp_path), code=ExitCode.WARMUP)
