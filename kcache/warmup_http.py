@@ -1,7 +1,7 @@
 """The warmup target that is an OpenAI-compatible HTTP server (vLLM, SGLang, TGI).
 
-It waits for GET /health (a 404 there falls back to GET /v1/models), then sends a batch of B as B
-concurrent POSTs to /v1/completions, each with one prompt of about `input_tokens` tokens and
+It waits for GET /health to answer 2xx (a 404 there falls back to GET /v1/models), then sends a
+batch of B as B concurrent POSTs to /v1/completions, each with one prompt of about `input_tokens` tokens and
 max_tokens = `output_tokens`. Concurrent single-prompt requests rather than one request with a
 list of prompts: every server accepts them, and they reach the server's batcher the way real
 traffic does. Each prompt starts with a unique number so that prefix caching cannot shorten it.
@@ -137,7 +137,7 @@ class HttpTarget:
         if answer.status in (404, 405):
             path = "/v1/models"
             answer = self._get(path, timeout, MAX_MODELS_ANSWER)
-        return answer.status == 200, f"GET {path}: {_status_text(answer)}"
+        return 200 <= answer.status < 300, f"GET {path}: {_status_text(answer)}"  # as readiness.EngineHealth
 
     def _first_model(self) -> str | None:
         """The first served model's id; None lets the server use its default.

@@ -19,6 +19,7 @@ from pathlib import Path
 class OpenAIServer:
     MODEL = "tiny-test-model"
     ADAPTERS: tuple[str, ...] = ()  # listed after MODEL by /v1/models, as vLLM lists its LoRA adapters
+    HEALTHY = 200  # the status of a healthy /health (204: no body, as some servers answer)
 
     def __init__(self, *, fail_status: int | None = None, hold: bool = False, unhealthy: int = 0,
                  no_health: bool = False, compile_into: Path | None = None, port: int = 0):  # fmt: skip
@@ -75,8 +76,11 @@ class OpenAIServer:
                         sick = owner.unhealthy < 0 or owner.health_checks <= owner.unhealthy
                     if owner.no_health:
                         self._send(404, {"error": "not found"})
+                    elif not sick and owner.HEALTHY == 204:
+                        self.send_response(204)
+                        self.end_headers()
                     else:
-                        self._send(503 if sick else 200, {})
+                        self._send(503 if sick else owner.HEALTHY, {})
                 elif self.path == "/v1/models":
                     listed = [{"id": name, "object": "model"} for name in (owner.MODEL, *owner.ADAPTERS)]
                     self._send(200, {"object": "list", "data": listed})

@@ -199,6 +199,19 @@ def test_a_server_without_health_whose_model_list_is_long_is_healthy():
     assert [c["model"] for c in server.completions] == [OpenAIServer.MODEL]
 
 
+def test_a_health_check_answered_204_is_healthy():
+    """Warmup took only 200 from /health, where `kcache ready --health-url` takes any 2xx: against
+    a server answering 204 No Content it waited out --wait-timeout and failed, the pod unready."""
+
+    class NoContent(OpenAIServer):
+        HEALTHY = 204
+
+    with NoContent() as server:
+        report = warmup.run(warmup.HttpTarget(server.url, wait_timeout=3, poll_interval=0.05),
+                            [Profile("one", 1, 4, 1)])  # fmt: skip
+    assert report.status == "ok", report.error or [r.error for r in report.failed]
+
+
 def test_http_500_fails_the_profile_with_the_error(tmp_path):
     with OpenAIServer(fail_status=500) as server:
         out = cli("warmup", "--url", server.url, "--root", str(tmp_path), code=ExitCode.WARMUP)

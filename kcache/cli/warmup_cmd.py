@@ -65,7 +65,7 @@ def target_options(fn):
                      help="How long one HTTP request may take in all: connect, headers and body (--url); "
                           "seconds (300) or a duration (5m)."),
         click.option("--wait-timeout", type=Wait(), default=600.0, show_default=True, metavar="DURATION",
-                     help="How long to wait for the server's /health (or /v1/models) to answer 200 (--url)."),
+                     help="How long to wait for the server's /health (or /v1/models) to answer 2xx (--url)."),
         click.option("--served-model", metavar="NAME",
                      help="The `model` field of requests (--url; default: the first of /v1/models)."),
         click.option("--retries", type=click.IntRange(0, 100), default=3, show_default=True,
