@@ -385,3 +385,18 @@ def test_entrypoint_signals_weights_once_a_run_returned(tmp_path, profiles_file)
 def test_a_url_port_that_is_not_a_port_says_why(url, why):
     result = cli("warmup", "--url", url, code=2)
     assert f"--url {url!r}: {why}" in result.stderr
+
+
+@pytest.mark.parametrize("what", ["profiles", "entrypoint", "url"])
+def test_a_warmup_that_cannot_start_still_writes_a_failed_marker(tmp_path, what):
+    """A profiles file that does not load, an entrypoint that does not import, a URL that is none: the
+    warmup ended before any marker, and readiness waited for one for good, whatever --on-failure said."""
+    args = {"profiles": ["--url", "http://127.0.0.1:9", "--profiles", str(tmp_path / "missing.yaml")],
+            "entrypoint": ["--entrypoint", "no_such_module_here:run"],
+            "url": ["--url", "not a url"]}[what]  # fmt: skip
+    result = CliRunner().invoke(main, ["warmup", *args, "--root", str(tmp_path / "root"), "--on-failure",
+                                       "ready-cold", "--json"])  # fmt: skip
+    assert result.exit_code != 0
+    marker = readiness.read_marker(tmp_path / "root", readiness.WARMUP_MARKER)
+    assert marker is not None and marker["status"] == "failed" and marker["on_failure"] == "ready-cold"
+    assert marker["error"] and json.loads(result.stdout)["exit_code"] == result.exit_code

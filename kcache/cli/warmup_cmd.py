@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -31,8 +32,11 @@ from kcache.cli.options import (
 )
 from kcache.cli.publish_cmd import allow_empty_option, publish_config
 from kcache.config import redact_doc, redact_text
-from kcache.errors import ConfigError
+from kcache.errors import ConfigError, KcacheError
 from kcache.prebake import ChildWarmup, ServerWarmup, prebake
+from kcache.untrusted import one_line
+
+log = logging.getLogger(__name__)
 
 # How long past --budget a running marker stays valid (the report and the last marker are written then).
 _RUNNING_GRACE = timedelta(seconds=60)
@@ -126,8 +130,6 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
       kcache warmup --url http://127.0.0.1:8000 --root /cache
       kcache warmup --entrypoint myservice.warm:run --profiles profiles.yaml --json
     """
-    _check_target(entrypoint, url)
-    chosen = _profiles(profiles_file)
     # A running marker outlives a killed warmup: with a budget it expires (see readiness._lapsed). An
     # --entrypoint runs in this process and is not stopped when the budget is spent, but a hung one no
     # longer keeps the pod unready for good: past the budget its marker counts as a failed warmup.
@@ -135,15 +137,22 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
     after = readiness.restore_stamp(root) if root else None  # the restore this warmup follows
     checkpoint = (lambda partial: warmup.write_marker(root, partial, on_failure, expires_at=expires,
                                                       after_restore=after)) if root else None  # fmt: skip
-    if entrypoint:
-        with stdout_to_stderr():  # the entrypoint is the user's code: only kcache's report is stdout
-            target = warmup.load_entrypoint(entrypoint)
-            report = warmup.run(target, chosen, parallel=parallel, progress=_note(), probe=warmup.torch_counters,
-                                checkpoint=checkpoint)  # fmt: skip
-            report = warmup.save_megacache(report)
-    else:
-        report = warmup.run(_http(url, request_timeout, wait_timeout, served_model, retries, budget), chosen,
-                            parallel=parallel, progress=_note(), checkpoint=checkpoint)  # fmt: skip
+    try:
+        _check_target(entrypoint, url)
+        chosen = _profiles(profiles_file)
+        if entrypoint:
+            with stdout_to_stderr():  # the entrypoint is the user's code: only kcache's report is stdout
+                target = warmup.load_entrypoint(entrypoint)
+                report = warmup.run(target, chosen, parallel=parallel, progress=_note(), probe=warmup.torch_counters,
+                                    checkpoint=checkpoint)  # fmt: skip
+                report = warmup.save_megacache(report)
+        else:
+            report = warmup.run(_http(url, request_timeout, wait_timeout, served_model, retries, budget), chosen,
+                                parallel=parallel, progress=_note(), checkpoint=checkpoint)  # fmt: skip
+    except Exception as exc:
+        if root:  # readiness waits for a marker: one that never comes kept the pod unready whatever --on-failure
+            _mark_not_started(root, entrypoint or url or "", exc, on_failure, after)
+        raise
     marker = warmup.write_marker(root, report, on_failure, after_restore=after) if root else None
     if as_json:
         failure = _failure(report) if report.status != "ok" else {}
@@ -153,6 +162,16 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
         click.echo(f"kcache: marker {marker}" if marker else "kcache: no readiness marker (no --root)")
     if report.status != "ok":
         raise click.exceptions.Exit(ExitCode.WARMUP)
+
+
+def _mark_not_started(root: Path, target: str, exc: Exception, on_failure: str, after) -> None:
+    """A failed marker for a warmup that ended before its report (a profiles file that does not load, an
+    entrypoint that does not import, a URL that is none); a marker that cannot be written is left out."""
+    failed = warmup.WarmupReport("failed", target, 0.0, (), error=one_line(str(exc)) or type(exc).__name__)
+    try:
+        warmup.write_marker(root, failed, on_failure, after_restore=after)
+    except KcacheError as write_error:
+        log.warning("cannot write the warmup marker: %s", write_error)
 
 
 @contextmanager
