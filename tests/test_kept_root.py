@@ -252,7 +252,6 @@ def test_the_same_key_sets_aside_what_a_yanked_bundle_laid_down(store, sqlite_in
     assert read_tree(root / "vllm") == {"own/graph": (b"compiled by the pod after its restore", 0o644)}
 
 
-
 def test_a_hostile_marker_costs_no_restore_and_moves_nothing_outside_the_layers(store, sqlite_index, fp, tmp_path):
     """The marker lies in ROOT, which every container of the pod writes: places and bundle ids from it
     only ever name layers of ROOT to set aside; a place no layer has, or an id that is none, is passed over."""
@@ -274,29 +273,11 @@ def test_a_hostile_marker_costs_no_restore_and_moves_nothing_outside_the_layers(
     assert (tmp_path / "x/kept").is_file() and read_state(root)["status"] == "miss"
 
 
-def test_a_yanked_bundle_in_a_kept_root_is_not_used_again(store, sqlite_index, fp, tmp_path):
-    """A ROOT that the last start restored a bundle into, under this start's own key: the bundle has been
-    yanked since (kernels that give NaNs, say). The restore misses on it, but a miss keeps the key's
-    layers, so kcache.env still pointed torch at the yanked kernels, on every restart on that node."""
-    from kcache.yank import yank
-
-    write_tree(tmp_path / "src", {"inductor/fx/a": b"kernel that gives NaNs"})
-    bad = publish_tree(store, sqlite_index, fp, tmp_path / "src")
-    root = tmp_path / "root"
-    assert restore(store, sqlite_index, fp, root).status == "hit"
-    write_tree(root, {"inductor/fx/own": b"compiled beside the yanked kernels"})
-    yank(store, sqlite_index, bad.bundle_id, "NaNs")
-    result = restore(store, sqlite_index, fp, root)
-    assert result.status == "miss"
-    assert read_tree(root / "inductor") == {}
-
-
 def test_a_bundle_yanked_with_its_ref_and_marker_gone_is_not_kept_for_a_pod_requiring_signatures(
         store, sqlite_index, fp, tmp_path):  # fmt: skip
     """Through refs, requiring signatures: the key's only bundle is yanked with the key (its ref goes: no
     active bundle), and a store writer deletes the marker. Nothing signed vouches for the kept bundle."""
     from kcache import refs, signing
-    from kcache.yank import yank
 
     private, public = signing.generate("prod", tmp_path / "keys")
     key, trusted = signing.load_signing_key(private), signing.load_trusted_keys([public])
