@@ -224,10 +224,12 @@ def test_a_malformed_health_url_is_a_usage_error(tmp_path, bad):
 
 @pytest.mark.parametrize("bad", ["http://[::1:8000", "http://a..b:8000"])
 def test_a_malformed_warmup_url_is_a_usage_error(tmp_path, bad):
-    """As for any other bad --url (`localhost:8000`): exit 2 before warmup starts, no marker."""
+    """As for any other bad --url (`localhost:8000`): exit 2 before warmup starts; the marker says the
+    warmup failed and why (readiness had waited for good for a marker that never came)."""
     result = CliRunner().invoke(main, ["warmup", "--url", bad, "--root", str(tmp_path), "--wait-timeout", "1"])
     assert result.exit_code == ExitCode.USAGE, result.output
-    assert "--url" in result.output and not (tmp_path / WARMUP_MARKER).exists()
+    marker = readiness.read_marker(tmp_path, WARMUP_MARKER)
+    assert "--url" in result.output and marker["status"] == "failed" and "--url" in marker["error"]
 
 
 def test_ready_cold_counts_a_healthy_engine_as_loaded_weights(tmp_path):
