@@ -580,20 +580,19 @@ def _restore(
 
 def _compiled_here(root: Path, bundle_key: str, names: Iterable[str], user: str) -> set[str]:
     """The layers among `names` whose place in ROOT holds files compiled there under `bundle_key` (the
-    last restore into ROOT says its layers are this key's, did not lay that layer down from a bundle,
-    which may be yanked since, and did not keep its place back): a kept ROOT's own compiles for this
-    very workload. A partial restore leaves them be: another workload's layer swapped in over them
-    made the pod compile again what it had compiled on its last start."""
+    last restore into ROOT says its layers are this key's, names no bundle that laid that place down
+    (`layers_from`, kept through misses and errors: that bundle may be yanked since), and did not keep
+    its place back): a kept ROOT's own compiles for this very workload. A partial restore leaves them
+    be: another workload's layer swapped in over them made the pod compile again what it had compiled
+    on its last start."""
     state = read_state(root) or {}
     if _layers_key(state) != bundle_key:
         return set()
-    kept_back = _kept_back(state)
-    laid = state.get("layers") if state.get("status") in ("hit", "partial") else None
-    laid = {name for name in laid if isinstance(name, str)} if isinstance(laid, list) else set()
+    not_ours = _kept_back(state).keys() | _came_from(state).keys()
     own = set()
     for source in layers.for_manifest(names, user):
         place = source.restore_dir(root)
-        if source.name in laid or place.relative_to(root).as_posix() in kept_back or place.is_symlink():
+        if place.relative_to(root).as_posix() in not_ours or place.is_symlink():
             continue
         if next(source.walk(place), None) is not None:
             own.add(source.name)
