@@ -67,7 +67,8 @@ PART_SIZE = 16 * 1024 * 1024
 # body that is no XML (ResponseParserError). A hostile endpoint's (plain http on the path) or a broken
 # server's: a store failure like any other, where it had been a bug exit (70) and a crashed DaemonSet.
 _UNPARSED = (ResponseParserError, ValueError)
-_FAILED = (ClientError, BotoCoreError, *_UNPARSED)
+_BROKEN = (BotoCoreError, *_UNPARSED)  # no S3 error code: the transport or the answer failed
+_FAILED = (ClientError, *_BROKEN)
 _MISSING = {"NoSuchKey", "404", "NotFound"}
 _EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
 
@@ -173,7 +174,7 @@ class S3Store:
             except ClientError as exc:
                 if str(exc.response.get("Error", {}).get("Code", "")) in ("NoSuchBucket", "404"):
                     return StoreError(self.url, f"bucket {self.bucket!r} does not exist")
-            except (BotoCoreError, *_UNPARSED):  # cannot tell: the object's 404 stands
+            except _BROKEN:  # cannot tell: the object's 404 stands
                 return ObjectMissing(self.url, key)
             self._bucket_known = True  # or not ours to list (403): either way the object is missing
         return ObjectMissing(self.url, key)
@@ -198,7 +199,7 @@ class S3Store:
             if _code(exc) in _EXISTS:
                 return False
             raise self._error(exc, key, "write") from None
-        except (BotoCoreError, *_UNPARSED) as exc:
+        except _BROKEN as exc:
             raise self._error(exc, key, "write") from None
 
     def _put_multipart(self, key: str, path: Path, size: int) -> bool:
@@ -232,7 +233,7 @@ class S3Store:
             if _code(exc) in _EXISTS:
                 return False
             raise self._error(exc, key, "write") from None
-        except (BotoCoreError, *_UNPARSED) as exc:
+        except _BROKEN as exc:
             self._abort(full, upload)
             raise self._error(exc, key, "write") from None
         except BaseException:  # the source unreadable, Ctrl-C, SIGTERM (Terminated): S3 bills the parts
@@ -370,7 +371,7 @@ class S3Store:
         except ClientError as exc:
             if _code(exc) != "NoSuchUpload":  # completed or aborted meanwhile
                 raise self._error(exc, leftover.key, "abort the upload of") from None
-        except (BotoCoreError, *_UNPARSED) as exc:
+        except _BROKEN as exc:
             raise self._error(exc, leftover.key, "abort the upload of") from None
 
     def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str] | None:
@@ -388,7 +389,7 @@ class S3Store:
             if _code(exc) in _EXISTS or _code(exc) in _MISSING:  # someone else moved (or removed) it
                 return False
             raise self._error(exc, key, "write") from None
-        except (BotoCoreError, *_UNPARSED) as exc:
+        except _BROKEN as exc:
             raise self._error(exc, key, "write") from None
 
     def now(self) -> datetime:
