@@ -64,20 +64,15 @@ def _make_dirs(path: Path) -> None:
                 raise
 
 
-def remove_staging(root: Path, deadline: float | None = None) -> bool:
-    """Under ROOT's lock every staging directory is a leftover: of a restore that was killed, or of
-    one whose budget ran out while it deleted (the previous layers go into its staging directory).
-    Deleted until `deadline` (see delete_until); True when none is left."""
-    return all(delete_until(stale, deadline) for stale in sorted(root.glob(STAGING_PREFIX + "*")))
-
-
 @contextmanager
 def staging_removed(root: Path, deadline: float | None) -> Iterator[None]:
-    """`remove_staging` of the leftovers there now, on a daemon thread while the block runs, waited for
-    when it ends until `deadline` (what is left then waits for the next restore). A leftover can be the
-    last start's compiles (a hundred thousand files on a slow volume): deleted before the restore, it
-    took the budget the bundle's fetch needed, and the pod started cold though a bundle matched."""
-    stale = sorted(root.glob(STAGING_PREFIX + "*"))
+    """Under ROOT's lock every staging directory there now is a leftover: of a restore that was killed,
+    or of one whose budget ran out while it deleted (the previous layers go into its staging directory).
+    They are deleted on a daemon thread while the block runs, waited for when it ends until `deadline`
+    (what is left then waits for the next restore). A leftover can be the last start's compiles (a
+    hundred thousand files on a slow volume): deleted before the restore, it took the budget the
+    bundle's fetch needed, and the pod started cold though a bundle matched."""
+    stale = sorted(root.glob(STAGING_PREFIX + "*"))  # listed now: the restore's own come after
 
     def remove() -> None:
         for path in stale:
@@ -99,7 +94,7 @@ def delete_until(path: Path, deadline: float | None) -> bool:
 
     A layer being replaced can be a hundred thousand files, and the budget is the pod's: past the
     deadline the deletion goes on in a daemon thread for as long as the process lives, and the
-    next restore's remove_staging deletes what is left. A link is removed, never followed.
+    next restore deletes what is left (`staging_removed`). A link is removed, never followed.
     """
     if os.path.islink(path) or not os.path.isdir(path):
         with contextlib.suppress(FileNotFoundError):
