@@ -369,6 +369,11 @@ def _check_entries(entries: tuple[Entry, ...]) -> None:
             raise UnsafePath(paths[at], "a parent of this path is itself a file in the manifest")
 
 
+def is_sha256(value: object) -> bool:
+    """Whether `value` is a SHA-256 in lowercase hex: a blob, pack or manifest (bundle) id."""
+    return isinstance(value, str) and _HEX64.match(value) is not None
+
+
 def check_path(path: str) -> str:
     """Return `path` if it is a safe relative POSIX path, else raise UnsafePath."""
     if too_big := over_caps(path):

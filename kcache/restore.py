@@ -29,7 +29,6 @@ import errno
 import itertools
 import logging
 import os
-import re
 import shutil
 import signal
 import stat
@@ -708,7 +707,6 @@ def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jo
         rootdir.delete_until(staging, budget.deadline)
 
 
-_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 _FUTURE_SKEW_NS = 24 * 3600 * 10**9  # a publisher's clock further ahead than this is no clock
 
 
@@ -970,7 +968,7 @@ def _came_from(state: dict) -> dict[str, str]:
     if not isinstance(found, dict):
         return {}
     valid = ((place, bundle) for place, bundle in found.items()
-             if isinstance(place, str) and len(place) <= 4096 and isinstance(bundle, str) and _HEX64.match(bundle))
+             if isinstance(place, str) and len(place) <= 4096 and manifests.is_sha256(bundle))
     # No more than a bundle lays down: each start writes it back, and the marker has a reserve to fit in.
     return dict(itertools.islice(valid, manifests.MAX_LAYERS + len(layers.BUILTIN)))
 
