@@ -73,6 +73,9 @@ def staging_removed(root: Path, deadline: float | None) -> Iterator[None]:
     hundred thousand files on a slow volume): deleted before the restore, it took the budget the
     bundle's fetch needed, and the pod started cold though a bundle matched."""
     stale = sorted(root.glob(STAGING_PREFIX + "*"))  # listed now: the restore's own come after
+    if not stale:  # every fresh pod: no thread for nothing
+        yield
+        return
 
     def remove() -> None:
         for path in stale:
