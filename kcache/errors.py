@@ -146,6 +146,14 @@ class RestoreTimeout(KcacheError):
         super().__init__(f"restore did not finish within {seconds:g} s")
 
 
+class LookupTimeout(KcacheError):
+    """Prefetch could not choose a target's bundle (index, ref, manifest) within its time."""
+
+    def __init__(self, target: str, seconds: float, why: str):
+        self.target, self.seconds, self.why = target, seconds, why
+        super().__init__(f"choosing the bundle of {target} {why}")
+
+
 class RootBusy(KcacheError):
     """Another restore held the restore root for the whole time budget."""
 

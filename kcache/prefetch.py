@@ -16,6 +16,13 @@ A DaemonSet lives for months beside pods that come and go: no lock one of them h
 pod, or a hostile one that can write the node directory) may stop it. Each pack's warm and the
 round's trim wait at most LOCK_WAIT for their locks; a pack still locked then is this round's
 error for its target, and the next round tries again.
+
+Nor may a store or an index that answers too slowly: choosing a target's bundle (the catalog's
+answer, a ref, the manifest) runs on a thread of its own and is waited for at most `lookup_timeout`
+(LOOKUP_TIMEOUT); past it the target is this round's LookupTimeout. A store that trickles bytes,
+which no socket read timeout catches, had held a round for ever. The look-up runs on until the store
+lets go, and `Lookups` (one for the DaemonSet's life) starts no second one for that target while it
+does: the next rounds report it still running, where each had left one more thread behind.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from kcache import choice, fetch
-from kcache.errors import KcacheError, NodeCacheFull, RootError
+from kcache.errors import KcacheError, LookupTimeout, NodeCacheFull, RootError
 from kcache.fingerprint import Fingerprint
 from kcache.progress import Meter, Report
 from kcache.store import Store
@@ -38,6 +45,9 @@ log = logging.getLogger(__name__)
 
 # As long as restore's default --timeout: a pod's fill that holds a pack's lock longer is stuck.
 LOCK_WAIT = 300.0
+# As long as restore's default --timeout too: a look-up slower than that fails every pod's restore on
+# the node, so there is nothing to warm for them (`--lookup-timeout`).
+LOOKUP_TIMEOUT = 300.0
 
 
 @dataclass(frozen=True)
@@ -67,15 +77,61 @@ def bundle_key_target(bundle_key: str) -> Target:
     return Target(bundle_key, Fingerprint(facts={}, toolchain_key="", workload_key="", bundle_key=bundle_key))
 
 
+class Lookups:
+    """The look-ups of a long-lived prefetch that outlived their round's wait, by target: at most one
+    runs per target (pass the same Lookups to every round)."""
+
+    def __init__(self):
+        self._guard = threading.Lock()
+        self._running: dict[tuple[str, str], float] = {}  # (name, bundle key) -> when its look-up started
+
+    def run(self, target: Target, fn, timeout: float | None):
+        """`fn()`'s result, waited for at most `timeout` seconds; LookupTimeout past it, or at once while
+        an earlier look-up of the target still runs."""
+        if timeout is None:
+            return fn()
+        key = (target.name, target.fingerprint.bundle_key)
+        with self._guard:
+            since = self._running.get(key)
+            if since is None:
+                self._running[key] = time.monotonic()
+        if since is not None:
+            raise LookupTimeout(target.name, timeout, f"is still running, {time.monotonic() - since:.0f} s after "
+                                                      "an earlier round started it; not started again")  # fmt: skip
+        box: dict = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["result"] = fn()
+            except BaseException as exc:  # handed to the waiter, if it still waits
+                box["error"] = exc
+            finally:
+                with self._guard:
+                    self._running.pop(key, None)
+                done.set()
+
+        threading.Thread(target=run, name="kcache-prefetch-lookup", daemon=True).start()
+        if not done.wait(timeout):
+            raise LookupTimeout(target.name, timeout, f"took more than {timeout:g} s (--lookup-timeout)")
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+
 def prefetch(store: Store, index, cache: NodeCacheStore, targets: tuple[Target, ...], policy: choice.Policy, *,
-             jobs: int = 4, stop: threading.Event | None = None,
-             report: Report | None = None) -> tuple[Prefetched, ...]:  # fmt: skip
+             jobs: int = 4, stop: threading.Event | None = None, report: Report | None = None,
+             lookup_timeout: float | None = LOOKUP_TIMEOUT, lookups: Lookups | None = None,
+             ) -> tuple[Prefetched, ...]:  # fmt: skip
     """Warm each target's packs in `cache`; one outcome per target (errors are outcomes, not raised).
     `report` hears each target's progress (kcache.progress), a pack at a time. Targets are fitted
     under the cap in their order before anything is fetched (`_fit`); what this round warmed, its
-    own later fills and trim do not evict."""
+    own later fills and trim do not evict. Choosing each target's bundle takes at most
+    `lookup_timeout` seconds (None: no limit); `lookups` carries the look-ups still running from one
+    round to the next."""
     stop = stop or threading.Event()
-    planned = _fit([_choose(store, index, target, policy) for target in targets], cache)
+    lookups = lookups or Lookups()
+    planned = _fit([_choose(store, index, target, policy, lookups, lookup_timeout) for target in targets], cache)
     outcomes: list[tuple[Prefetched, dict[str, int]]] = []
     kept: set[str] = set()
     with cache.keeping(kept):
@@ -109,7 +165,7 @@ def _guarded(target: Target, fn):
         return Prefetched(target.name, target.fingerprint.bundle_key, "error", reason=str(exc), error=exc)
 
 
-def _choose(store, index, target: Target, policy) -> _Chosen | Prefetched:
+def _choose(store, index, target: Target, policy, lookups: Lookups, timeout: float | None) -> _Chosen | Prefetched:
     def pick() -> _Chosen | Prefetched:
         fp = target.fingerprint
         if fp.mismatches:  # as restore: the facts file describes another kind of node
@@ -120,7 +176,7 @@ def _choose(store, index, target: Target, policy) -> _Chosen | Prefetched:
         manifest, _signer, _size = choice.read_manifest(store, chosen, fp, policy)
         return _Chosen(target, manifest.id, fetch.pack_extents(manifest.entries))
 
-    return _guarded(target, pick)
+    return _guarded(target, partial(lookups.run, target, pick, timeout))
 
 
 def _fit(chosen: list[_Chosen | Prefetched], cache: NodeCacheStore) -> list[_Chosen | Prefetched]:

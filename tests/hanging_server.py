@@ -1,7 +1,7 @@
 """Network endpoints that misbehave, on 127.0.0.1, each running in threads and closed at teardown.
 
 SilentServer     accepts TCP connections and never answers (a wedged load balancer)
-S3FaultProxy     forwards to a real S3 endpoint, but pack reads stall or are cut mid-body
+S3FaultProxy     forwards to a real S3 endpoint, but pack reads (or others) stall, trickle or are cut mid-body
 """
 
 from __future__ import annotations
@@ -56,15 +56,17 @@ class S3FaultProxy:
     mode "stall-headers": the pack request is never answered.
     mode "stall-body":    headers and half the body are sent, then nothing more.
     mode "cut":           headers and half the body are sent, then the connection is closed.
-    Stalled handlers wait on `release`, which close() sets.
+    mode "trickle":       headers, then the body a byte every `interval` s: no read ever times out.
+    `damaged`: the part of a GET's path that picks it (a manifest's "/manifests/", say).
+    Stalled handlers wait on `release`, which close() sets; a trickle then sends the rest at once.
     """
 
-    def __init__(self, upstream: str, mode: str):
+    def __init__(self, upstream: str, mode: str, damaged: str = "/packs/", interval: float = 0.2):
         self.mode = mode
         self.release = threading.Event()
         self.pack_requests = threading.Event()
         host, port = upstream.removeprefix("http://").split(":")
-        proxy = self
+        proxy, damaged_part = self, damaged
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -85,7 +87,7 @@ class S3FaultProxy:
                 response = upstream_conn.getresponse()
                 body = response.read()
                 upstream_conn.close()
-                damaged = send_body and "/packs/" in self.path and response.status < 300
+                damaged = send_body and damaged_part in self.path and response.status < 300
                 if damaged:
                     proxy.pack_requests.set()
                     if proxy.mode == "stall-headers":
@@ -103,6 +105,14 @@ class S3FaultProxy:
                     return
                 if not damaged:
                     self.wfile.write(body)
+                    return
+                if proxy.mode == "trickle":
+                    for at in range(len(body)):
+                        proxy.release.wait(interval)
+                        self.wfile.write(body[at : at + 1] if not proxy.release.is_set() else body[at:])
+                        self.wfile.flush()
+                        if proxy.release.is_set():
+                            break
                     return
                 self.wfile.write(body[: len(body) // 2])
                 self.wfile.flush()

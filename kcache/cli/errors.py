@@ -109,6 +109,8 @@ ROWS: tuple[tuple[str, str, ExitCode, str], ...] = (
      "pass --into, --root or --node-cache a directory kcache may create and own"),  # fmt: skip
     (_E, "RootBusy", ExitCode.TIMEOUT, "run one restore per root at a time; the one that holds it writes kcache.env"),
     (_E, "RestoreTimeout", ExitCode.TIMEOUT, "raise --timeout, or check the store's bandwidth"),
+    (_E, "LookupTimeout", ExitCode.TIMEOUT,
+     "check that the store and the index answer at their usual speed, or raise --lookup-timeout"),  # fmt: skip
     ("kcache.boundedread", "NotRegularFile", ExitCode.USAGE, "give a regular file (not a FIFO, device or directory)"),
     (
         "kcache.boundedread",

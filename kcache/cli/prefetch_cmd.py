@@ -31,7 +31,7 @@ from kcache.cli.options import (
 )
 from kcache.cli.serve_cmd import stop_on_signals
 from kcache.errors import ConfigError, KcacheError
-from kcache.prefetch import Prefetched, Target, bundle_key_target, prefetch
+from kcache.prefetch import Lookups, Prefetched, Target, bundle_key_target, prefetch
 from kcache.store.nodecache import MAX_BYTES_ENV, NodeCacheStore
 
 
@@ -48,6 +48,9 @@ from kcache.store.nodecache import MAX_BYTES_ENV, NodeCacheStore
 @click.option("--every", type=Duration(), default="10m", show_default=True, metavar="DURATION",
               help="Without --once: time between rounds, to follow new bundles.")  # fmt: skip
 @click.option("--jobs", type=click.IntRange(1, 64), default=4, show_default=True, help="Packs fetched at once.")
+@click.option("--lookup-timeout", type=Duration(), default="5m", show_default=True, metavar="DURATION",
+              help="Longest a round waits to choose a target's bundle (index, ref, manifest); past it the target "
+                   "fails this round, and its look-up is not started again while it still runs.")  # fmt: skip
 @click.option("--trusted-key", "trusted_keys", multiple=True, type=NonEmptyPath(dir_okay=False, path_type=Path),
               envvar="KCACHE_TRUSTED_KEYS", help="A .pub from `kcache keygen`; repeatable (env: ':'-separated).",
               )  # fmt: skip
@@ -55,8 +58,9 @@ from kcache.store.nodecache import MAX_BYTES_ENV, NodeCacheStore
 @fingerprint_options(many_models=True)
 @store_options(index_none=True)
 @json_option
-def prefetch_cmd(node_cache, bundle_keys, max_bytes, once, every, jobs, trusted_keys, require_signature,
-                 model, model_config, facts, extras, store_url, index_url, s3_endpoint_url, as_json):  # fmt: skip
+def prefetch_cmd(node_cache, bundle_keys, max_bytes, once, every, jobs, lookup_timeout, trusted_keys,
+                 require_signature, model, model_config, facts, extras, store_url, index_url, s3_endpoint_url,
+                 as_json):  # fmt: skip
     """Keep the packs of the newest bundle of each --model (or --bundle-key) in the node cache DIR.
 
     Run it as a DaemonSet on the GPU nodes with a hostPath DIR, and give `kcache restore` the same
@@ -87,11 +91,12 @@ def prefetch_cmd(node_cache, bundle_keys, max_bytes, once, every, jobs, trusted_
     store = open_configured_store(cfg, jobs=jobs, before_publish=True)  # a DaemonSet may start before any publish
     cache = NodeCacheStore(store, node_cache, max_bytes=max_bytes)
     stop = None if once else stop_on_signals()
+    lookups = Lookups()  # for the process's life: a look-up that outlives its round is not started again
     while True:
         started = time.perf_counter()
         try:
             with progress_bars.bars(progress_bars.wanted(as_json)) as report:  # drawn on a terminal only
-                results = _round(cfg, store, cache, targets, policy, jobs, stop, report)
+                results = _round(cfg, store, cache, targets, policy, jobs, stop, report, lookup_timeout, lookups)
         except KcacheError as exc:
             if once:
                 raise
@@ -105,10 +110,12 @@ def prefetch_cmd(node_cache, bundle_keys, max_bytes, once, every, jobs, trusted_
             return
 
 
-def _round(cfg, store, cache, targets, policy, jobs, stop, report=None) -> tuple[Prefetched, ...]:
+def _round(cfg, store, cache, targets, policy, jobs, stop, report=None, lookup_timeout=None,
+           lookups=None) -> tuple[Prefetched, ...]:  # fmt: skip
     index = open_for_restore(cfg, store)  # per round: a long-lived DaemonSet must outlive an index restart
     try:
-        return prefetch(store, index, cache, targets, policy, jobs=jobs, stop=stop, report=report)
+        return prefetch(store, index, cache, targets, policy, jobs=jobs, stop=stop, report=report,
+                        lookup_timeout=lookup_timeout, lookups=lookups)  # fmt: skip
     finally:
         index.close()
 

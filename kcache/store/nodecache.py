@@ -91,7 +91,8 @@ _CHUNK = 1024 * 1024
 # A fill holds its pack's lock: past FILL_GRACE seconds plus one for each MIN_FILL_RATE bytes it is
 # stuck (a store trickling bytes, which no per-read socket timeout catches), and the pack is left
 # to the store. The download goes on in its thread until the store lets go; its bytes still only
-# land once they hash to the pack's id.
+# land once they hash to the pack's id. While it goes on, no second download of that pack starts in this
+# process: prefetch's next round had started one beside it, one more thread (and connection) a round.
 FILL_GRACE = 60.0
 MIN_FILL_RATE = 1024 * 1024
 # How far a pack may reach past the last byte its bundle names. A pack shared by small files holds
@@ -148,6 +149,7 @@ class NodeCacheStore:
         self._said: set[tuple] = set()  # what was warned about (_warn_first): said once, then at debug level
         self._kept: set[str] | frozenset[str] = frozenset()  # packs eviction by this wrapper leaves alone
         self._no_room: dict[str, int] = {}  # pack id -> the free bytes its disk had, too few to fill it
+        self._downloading: dict[str, float] = {}  # pack id -> when its download, given up on, started
 
     # ---- the Store protocol: packs from the node cache, everything else from the store -----------
 
@@ -504,6 +506,7 @@ class NodeCacheStore:
             return True  # another reader filled or replaced it while we waited
         if found is _TOO_LARGE:
             return False
+        self._not_downloading(pack_id)  # before the copy there goes: a slow download is no reason to lose it
         nodedir.clear(path)  # what is at the path (a damaged file, a link, a directory), not what a link names
         size = self.inner.size(key)
         if size > fill_limit(need):  # before any eviction: padding must not cost the node its packs
@@ -560,15 +563,27 @@ class NodeCacheStore:
         log.debug("node cache: %.1f s left, too little to fill %d bytes; reading the store", left, size)
         return False
 
+    def _not_downloading(self, pack_id: str) -> None:
+        """StoreError while a download of the pack that a fill gave up on still runs here: the store is
+        still sending it too slowly, and a second download would only be a second thread stuck beside it."""
+        with self._guard:
+            since = self._downloading.get(pack_id)
+        if since is not None:
+            raise StoreError(self.inner.url, f"pack {pack_id[:12]} is still downloading, "
+                                             f"{time.monotonic() - since:.0f} s after a fill gave up on it; "
+                                             "reading it from the store")  # fmt: skip
+
     def _download_in_time(self, path: Path, key: str, pack_id: str, size: int) -> tuple[int, int, int]:
         """`_download` into `path` (atomically) on a thread of its own, waited for as long as a fill
-        may hold the lock (FILL_GRACE, MIN_FILL_RATE), and no longer than this wrapper's deadline."""
+        may hold the lock (FILL_GRACE, MIN_FILL_RATE), and no longer than this wrapper's deadline.
+        A download given up on stays in `_downloading` until it ends."""
         limit = FILL_GRACE + size / MIN_FILL_RATE
         wrapper = self._deadline()
         if wrapper is not None:
             limit = min(limit, max(0.0, wrapper - time.monotonic()))
         box: dict = {}
         done = threading.Event()
+        started = time.monotonic()
 
         def run() -> None:
             try:
@@ -576,10 +591,16 @@ class NodeCacheStore:
             except BaseException as exc:  # handed to the caller below
                 box["error"] = exc
             finally:
-                done.set()
+                with self._guard:
+                    done.set()
+                    self._downloading.pop(pack_id, None)
 
         threading.Thread(target=run, name="kcache-node-fill", daemon=True).start()
         if not done.wait(limit):
+            with self._guard:
+                if not done.is_set():
+                    self._downloading[pack_id] = started
+        if not done.is_set():
             raise StoreError(self.inner.url, f"pack {pack_id[:12]} ({size} bytes) came too slowly to fill the node "
                                              f"cache within {limit:.0f} s; reading it from the store")  # fmt: skip
         if "error" in box:

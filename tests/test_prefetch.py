@@ -1,0 +1,112 @@
+"""`kcache prefetch` as a DaemonSet runs it: round after round for months, against stores that stall
+and a node directory that peers change under it. No round may hang, pile up threads, or end the loop.
+
+    prefetch ──► NodeCacheStore(DIR) ──► S3FaultProxy (trickles or stalls) ──► moto's S3
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+from click.testing import CliRunner
+from hanging_server import S3FaultProxy
+from outcome import outcome_within
+from trees import write_tree
+
+from kcache import choice, publish
+from kcache import prefetch as prefetching
+from kcache.cli import main
+from kcache.cli.errors import ExitCode
+from kcache.errors import LookupTimeout, StoreError
+from kcache.refs import RefCatalog
+from kcache.store import nodecache, open_store
+from kcache.store.nodecache import NodeCacheStore
+
+KiB = 1024
+MODEL = "prefetch-model"
+
+
+def cli(*args, ok=True):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    if ok:
+        assert result.exit_code == 0, result.output + result.stderr
+    return result
+
+
+@pytest.fixture
+def bundle(tmp_path, s3_bucket, monkeypatch):
+    """A bundle of a few small packs in S3; returns (store URL, endpoint, bundle key, pack ids)."""
+    url, endpoint = s3_bucket
+    monkeypatch.setattr(publish, "TARGET_PACK_BYTES", 64 * KiB)
+    write_tree(tmp_path / "src", {f"inductor/fx/{i:02d}": os.urandom(50 * KiB) for i in range(3)})
+    cli("publish", "--from", tmp_path / "src", "--model", MODEL, "--store", url, "--s3-endpoint-url", endpoint,
+        "--index", f"sqlite:///{tmp_path / 'pub.db'}")  # fmt: skip
+    store = open_store(url, endpoint_url=endpoint)
+    (key,) = {info.key.rsplit("/", 1)[-1] for info in store.list("refs/") if info.key.count("/") == 1}
+    packs = sorted(info.key.rsplit("/", 1)[-1] for info in store.list("packs/"))
+    return url, endpoint, key, packs
+
+
+def threads_named(prefix: str) -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith(prefix) and t.is_alive())
+
+
+# ---- a store that trickles bytes: every read answers, the whole never ends ----------------------------
+
+
+def test_a_round_whose_manifest_trickles_ends_with_that_target_timed_out(tmp_path, bundle):
+    """Choosing a target's bundle (ref, manifest) had no deadline: a manifest sent a byte at a time,
+    which no socket read timeout catches, kept `prefetch --once` (and a DaemonSet's round) going for ever."""
+    url, _endpoint, _key, _packs = bundle
+    with S3FaultProxy(bundle[1], "trickle", damaged="/manifests/") as proxy:
+        args = ["prefetch", "--node-cache", tmp_path / "node", "--model", MODEL, "--store", url,
+                "--s3-endpoint-url", proxy.url, "--index", "none", "--once", "--json", "--lookup-timeout", "1s"]
+        result = outcome_within(lambda: cli(*args, ok=False), 60, unstick=proxy.release.set,
+                                hung="prefetch waited for a trickling manifest")  # fmt: skip
+    doc = json.loads(result.stdout)
+    assert result.exit_code == doc["exit_code"] == ExitCode.TIMEOUT, result.output
+    (target,) = doc["targets"]
+    assert target["status"] == "error" and "1 s" in target["reason"] and "--lookup-timeout" in doc["hint"]
+
+
+def test_rounds_against_a_trickling_store_keep_one_lookup_thread_per_target(tmp_path, bundle):
+    """A look-up that outlived its round ran on; the next round started another beside it, and a
+    DaemonSet on a store that trickles gathered one thread (and one connection) a target a round."""
+    url, _endpoint, key, _packs = bundle
+    with S3FaultProxy(bundle[1], "trickle", damaged="/manifests/") as proxy:
+        store = open_store(url, endpoint_url=proxy.url)
+        cache = NodeCacheStore(store, tmp_path / "node")
+        lookups = prefetching.Lookups()
+        before = threads_named("kcache-prefetch-lookup")
+
+        def round_():
+            return prefetching.prefetch(store, RefCatalog(store), cache, (prefetching.bundle_key_target(key),),
+                                        choice.Policy((), False), lookup_timeout=0.5, lookups=lookups)  # fmt: skip
+
+        outcomes = [outcome_within(round_, 60, unstick=proxy.release.set) for _ in range(3)]
+        running = threads_named("kcache-prefetch-lookup") - before
+        proxy.release.set()
+    assert [o.status for (o,) in outcomes] == ["error"] * 3
+    assert all(isinstance(o.error, LookupTimeout) for (o,) in outcomes)
+    assert "still running" in outcomes[2][0].reason
+    assert running == 1
+
+
+def test_fills_that_stall_keep_one_download_thread_per_pack(tmp_path, bundle, monkeypatch):
+    """A fill past its grace is given up, its download left running until the store lets go; the next
+    round's warm of the pack started a second download beside it, and so on every round."""
+    url, _endpoint, _key, packs = bundle
+    monkeypatch.setattr(nodecache, "FILL_GRACE", 0.5)
+    with S3FaultProxy(bundle[1], "stall-body") as proxy:
+        cache = NodeCacheStore(open_store(url, endpoint_url=proxy.url), tmp_path / "node")
+        before = threads_named("kcache-node-fill")
+        errors = [outcome_within(lambda: cache.warm(packs[0], wait=60), 60, unstick=proxy.release.set)
+                  for _ in range(3)]  # fmt: skip
+        running = threads_named("kcache-node-fill") - before
+        proxy.release.set()
+    assert all(isinstance(e, StoreError) for e in errors), errors
+    assert "still" in str(errors[2])
+    assert running == 1
