@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -23,6 +24,7 @@ from kcache.cli.errors import ExitCode
 from kcache.errors import LookupTimeout, StoreError
 from kcache.refs import RefCatalog
 from kcache.store import nodecache, open_store
+from kcache.store.local import LocalStore
 from kcache.store.nodecache import NodeCacheStore
 
 KiB = 1024
@@ -110,3 +112,44 @@ def test_fills_that_stall_keep_one_download_thread_per_pack(tmp_path, bundle, mo
     assert all(isinstance(e, StoreError) for e in errors), errors
     assert "still" in str(errors[2])
     assert running == 1
+
+
+# ---- a node directory that peers change under a round --------------------------------------------------
+
+
+@pytest.fixture
+def local_bundle(tmp_path, monkeypatch):
+    """A bundle of a few small packs in a local store; returns (store, bundle key, pack ids)."""
+    monkeypatch.setattr(publish, "TARGET_PACK_BYTES", 64 * KiB)
+    write_tree(tmp_path / "src", {f"inductor/fx/{i:02d}": os.urandom(50 * KiB) for i in range(3)})
+    cli("publish", "--from", tmp_path / "src", "--model", MODEL, "--store", tmp_path / "store",
+        "--index", f"sqlite:///{tmp_path / 'pub.db'}")  # fmt: skip
+    store = LocalStore(tmp_path / "store")
+    (key,) = {info.key.rsplit("/", 1)[-1] for info in store.list("refs/") if info.key.count("/") == 1}
+    packs = sorted(info.key.rsplit("/", 1)[-1] for info in store.list("packs/"))
+    return store, key, packs
+
+
+def replace_with_file(path: Path) -> None:
+    """What a peer leaves at `path`: its directory set aside, a file in its place."""
+    path.rename(path.with_name(f"aside-{path.name}"))
+    path.write_bytes(b"x")
+
+
+def test_a_shard_replaced_under_a_round_is_that_targets_error_not_the_rounds_end(tmp_path, local_bundle):
+    """A peer that replaced a shard directory (packs/<hh>) while a round ran made the round's last
+    look at the node raise NotADirectoryError: no outcome at all, and the DaemonSet's loop ended."""
+    store, key, packs = local_bundle
+    node = tmp_path / "node"
+    cache = NodeCacheStore(store, node)
+    shard = node / "packs" / packs[0][:2]
+
+    def peer(update) -> None:  # the moment the target's packs are all warmed
+        if update.done and shard.is_dir():
+            replace_with_file(shard)
+
+    (outcome,) = outcome_within(lambda: prefetching.prefetch(
+        store, RefCatalog(store), cache, (prefetching.bundle_key_target(key),), choice.Policy((), False),
+        report=peer))  # fmt: skip
+    assert shard.is_file()
+    assert outcome.status == "error" and "left the node cache" in outcome.reason

@@ -284,8 +284,12 @@ class NodeCacheStore:
             self._kept = frozenset()
 
     def holds(self, pack_id: str) -> bool:
-        """Whether a pack-like file is at the pack's path now (not hashed: `warm` does that)."""
-        st = nodedir.lstat(self._path(pack_id))
+        """Whether a pack-like file is at the pack's path now (not hashed: `warm` does that); False where
+        its shard cannot be looked into (a peer made it unsearchable)."""
+        try:
+            st = nodedir.lstat(self._path(pack_id))
+        except OSError:
+            return False
         return st is not None and stat.S_ISREG(st.st_mode)
 
     def _forget(self, pack_id: str) -> None:

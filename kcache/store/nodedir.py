@@ -47,10 +47,11 @@ def sha256(f: BinaryIO, size: int) -> str:
 
 
 def lstat(path: Path) -> os.stat_result | None:
-    """os.lstat, or None when nothing is at `path`."""
+    """os.lstat, or None when nothing is at `path`: also where a directory above it is one no more (a
+    peer replaced a shard with a file), which had raised out of a prefetch round and ended its loop."""
     try:
         return os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
 
 
