@@ -36,7 +36,9 @@ Rules, because many pods on a node restore at once and DIR outlives every one of
   go first, if .evict.lock is free at once (a fill never waits for it: `trim`, or the next fill,
   evicts what a fill made while someone held it). Use is the file's mtime, set on every read,
   because atime is off on most node disks (noatime). A pack someone holds a lock on (a reader or a
-  filler) is never evicted, so the cap can be exceeded while every pack is in use.
+  filler) is never evicted, so the cap can be exceeded while every pack is in use. A reader holds a
+  pack only while a range is open: one evicted between two of its ranges is not fetched again by that
+  wrapper, its later ranges come from the store (else a pack read in k ranges came k times whole).
 - Whoever can write DIR may plant anything in it. The rules for links, directories and other plants
   at its directory, lock and pack paths are kcache.store.nodedir's: every lock, removal and listing
   here goes through it. A pack's path is opened without following links or waiting, and
@@ -161,8 +163,9 @@ class NodeCacheStore:
         elif pack_id is not None:
             with self._guard:
                 need = max(self._needs.get(pack_id, 0), offset + length)
+                refill = pack_id not in self._served
             try:
-                held = self._open_cached(pack_id, key, need, self._deadline())
+                held = self._open_cached(pack_id, key, need, self._deadline(), refill=refill)
             except StoreError:
                 pass  # the store's own failure: the read below meets it again and reports it
             except (OSError, KcacheError) as exc:
@@ -390,8 +393,12 @@ class NodeCacheStore:
         with self._guard:
             self._doomed.pop(pack_id, None)
 
-    def _open_cached(self, pack_id: str, key: str, need: int, deadline: float | None) -> _Held | None:
+    def _open_cached(self, pack_id: str, key: str, need: int, deadline: float | None, *,
+                     refill: bool = True) -> _Held | None:  # fmt: skip
         """The cached pack, open and verified, holding its shared lock; None: read the store instead.
+        Without `refill`, a pack that is not there is not fetched: it was served before and evicted
+        since, between two of its reader's ranges (under cap pressure, by a fill of ours or a peer's);
+        fetched again whole for each range, a pack read in k ranges came from the store k times.
 
         Threads of this process take the pack's mutex before any file lock: a thread must never
         wait for the mutex while it holds a lock another thread of ours is waiting to upgrade past.
@@ -417,7 +424,9 @@ class NodeCacheStore:
                 if isinstance(found, _Opened):
                     return _Held(found.file, lock, found.identity)
                 lock.release()
-                lock = None if found is _TOO_LARGE else self._fill(pack_id, key, need, deadline)
+                if found is _TOO_LARGE or (found is None and not refill):
+                    return None
+                lock = self._fill(pack_id, key, need, deadline)
             return None
         finally:
             mutex.release()

@@ -164,6 +164,21 @@ def test_packs_kept_by_the_caller_are_not_evicted_by_its_fills(tmp_path, backing
     assert [cached_path(node, p).exists() for p in (warmed, other, later)] == [True, False, True]
 
 
+def test_a_pack_evicted_between_its_reads_is_not_fetched_whole_again(tmp_path, backing):
+    """A reader lets go of a pack between the ranges it reads of it: under cap pressure a fill (its own
+    or a peer's) evicted it in between, and the next range fetched the whole pack again, evicting the
+    other, whose next range did the same: a pack read in k ranges came from the store k times whole,
+    more than reading its ranges from the store with no node cache at all."""
+    one, two = (os.urandom(100 * KiB) for _ in range(2))
+    a, b = put_pack(backing, one), put_pack(backing, two)
+    cache = NodeCacheStore(backing, tmp_path / "node", max_bytes=150 * KiB)
+    got = []
+    for at in range(0, 100 * KiB, 25 * KiB):  # both packs read a quarter at a time, taking turns
+        got += [read(cache, a, at, 25 * KiB), read(cache, b, at, 25 * KiB)]
+    assert b"".join(got[0::2]) == one and b"".join(got[1::2]) == two
+    assert backing.read["packs"] <= 2 * 200 * KiB  # at most each pack once whole and once by ranges
+
+
 def test_a_pack_being_read_is_never_evicted(tmp_path, backing):
     packs = [put_pack(backing, os.urandom(100 * KiB)) for _ in range(2)]
     node = tmp_path / "node"
