@@ -23,6 +23,7 @@ from kcache.errors import IntegrityError, KcacheError, UnsafePath
 from kcache.publish import publish
 from kcache.restore import STAGING_PREFIX, read_state, restore
 from kcache.store import manifest_key, pack_key
+from kcache.store.nodecache import NodeCacheStore
 
 OLD = {"inductor/old": b"previous"}
 HELLO = b"hello, kernel\n" * 10
@@ -125,6 +126,25 @@ def test_hostile_manifest_is_refused(store, sqlite_index, fp, hello_pack, dirs, 
     with pytest.raises(error, match=reason):
         restore(store, sqlite_index, fp, root, bundle_id=evil)
     assert_nothing_happened(root, outside)
+
+
+@pytest.mark.parametrize("case", ["wrong-blob-id", "declared-size-too-large"])
+def test_a_hostile_manifest_drops_no_good_pack_from_the_node_cache(store, sqlite_index, fp, hello_pack, dirs,
+                                                                  tmp_path, case):  # fmt: skip
+    """A blob that fails its check through the node cache made restore drop the pack and remove its
+    copy, as if a peer had changed it in place: a store writer could then empty the node of any pack
+    (another bundle's, a signed one) by naming it in a manifest an unsigned pod takes."""
+    rows_for, error, _reason = HOSTILE[case]
+    root, outside = dirs
+    node = tmp_path / "node"
+    pack = hello_pack[0]
+    NodeCacheStore(store, node).warm(pack)  # the DaemonSet's good copy
+    copy = node / "packs" / pack[:2] / pack
+    before = copy.read_bytes()
+    evil = put_manifest(store, fp, rows_for(hello_pack, outside))
+    with pytest.raises(error):
+        restore(NodeCacheStore(store, node), sqlite_index, fp, root, bundle_id=evil)
+    assert copy.read_bytes() == before
 
 
 def test_zstd_bomb_in_a_real_pack_is_stopped_at_the_declared_size(store, sqlite_index, fp, dirs):

@@ -51,7 +51,8 @@ Rules, because many pods on a node restore at once and DIR outlives every one of
   changed in place only the reader's per-blob check sees: restore then `drop`s the packs whose
   blobs failed and reads what is left from `inner` itself. A dropped pack is read from the store
   for the rest of the wrapper's life, its verified identities are forgotten, and its copy is
-  removed if it is still the file that failed and nobody holds it (else the next reader hashes it).
+  removed if it is still the file that failed, nobody holds it (else the next reader hashes it) and
+  it no longer hashes to its id (a good copy's blob fails only by a hostile manifest's rows).
   A copy that cannot be read while it is hashed (EIO) is replaced like one that does not match.
 - The node cache can only cost time: when DIR cannot be used, reads go to `inner`. A long-lived
   caller (prefetch) bounds each `warm` and `trim` with its own `wait`: a peer that holds a lock
@@ -147,6 +148,7 @@ class NodeCacheStore:
         self._served: dict[str, set[tuple[int, int, int]]] = {}  # pack id -> the copies it was served from
         self._dropped: set[str] = set()  # packs whose copy went bad: read from `inner` from now on
         self._doomed: dict[str, set[tuple[int, int, int]]] = {}  # dropped copies still to remove
+        self._unreadable: set[str] = set()  # dropped because a copy failed to read, not by a blob's check
         self._warned = False
         self._said: set[tuple] = set()  # what was warned about (_warn_first): said once, then at debug level
         self._kept: set[str] | frozenset[str] = frozenset()  # packs eviction by this wrapper leaves alone
@@ -355,6 +357,7 @@ class NodeCacheStore:
         with self._guard:
             first = pack_id not in self._dropped
             self._condemn(pack_id)
+            self._unreadable.add(pack_id)
         if first:
             log.warning("node cache %s: %s; reading pack %s from the store", self.directory, why, pack_id[:12])
         return StoreError(str(self.directory), why)
@@ -375,6 +378,7 @@ class NodeCacheStore:
         for a later read to remove, and meanwhile whoever opens it hashes it first."""
         with self._guard:
             doomed = self._doomed.get(pack_id)
+            unreadable = pack_id in self._unreadable
         if not doomed:
             return
         path, lock_path = self._path(pack_id), self._lock_path(pack_id)
@@ -385,13 +389,37 @@ class NodeCacheStore:
                     return  # held: try again at the next read of it
                 with lock:
                     st = nodedir.lstat(path)
-                    if st is not None and (st.st_dev, st.st_ino) in {(dev, ino) for dev, ino, _size in doomed}:
+                    if (st is not None and (st.st_dev, st.st_ino) in {(dev, ino) for dev, ino, _size in doomed}
+                            and (unreadable or not self._hashes_right(pack_id, path))):  # fmt: skip
                         nodedir.clear(path)
                         log.info("node cache: removed the bad copy of pack %s", pack_id[:12])
         except OSError as exc:  # not ours to remove (a read-only mount): the next reader hashes it
             log.debug("node cache: cannot remove the bad copy of pack %s: %s", pack_id[:12], exc.strerror or exc)
         with self._guard:
             self._doomed.pop(pack_id, None)
+
+    def _hashes_right(self, pack_id: str, path: Path) -> bool:
+        """Whether the regular file at `path` (its lock held) still hashes to the pack's id. A blob that
+        failed its check in a good copy is the manifest's fault, not the copy's: a hostile manifest an
+        unsigned pod took (a wrong blob id, a wrong size) had its drop remove any pack it named from
+        the node, another bundle's too."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return False
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                return False
+            os.set_blocking(fd, True)
+            try:
+                good = nodedir.sha256(f, st.st_size) == pack_id
+            except OSError:
+                return False
+        if good:
+            log.info("node cache: pack %s hashes to its id: its blob failed by its manifest, not by its copy; "
+                     "kept", pack_id[:12])  # fmt: skip
+        return good
 
     def _open_cached(self, pack_id: str, key: str, need: int, deadline: float | None, *,
                      refill: bool = True) -> _Held | None:  # fmt: skip
