@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -16,6 +20,7 @@ from click.testing import CliRunner
 from hanging_server import S3FaultProxy
 from outcome import outcome_within
 from trees import write_tree
+from unprivileged import without_root_powers
 
 from kcache import choice, publish
 from kcache import prefetch as prefetching
@@ -153,3 +158,44 @@ def test_a_shard_replaced_under_a_round_is_that_targets_error_not_the_rounds_end
         report=peer))  # fmt: skip
     assert shard.is_file()
     assert outcome.status == "error" and "left the node cache" in outcome.reason
+
+
+# ---- the DaemonSet's loop outlives what a round meets ---------------------------------------------------
+
+
+def read_line(proc: subprocess.Popen, timeout: float) -> str:
+    """The next line the process prints, failing the test if none comes within `timeout`."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, "no output from kcache prefetch"
+    line = proc.stdout.readline()
+    assert line, f"kcache prefetch exited {proc.wait()}: {proc.stderr.read().decode()[-1500:]}"
+    return line.decode()
+
+
+def prefetch_loop(store: Path, node: Path) -> subprocess.Popen:
+    """`kcache prefetch --every 1s` as a DaemonSet's non-root user runs it (file modes bind it)."""
+    args = ["prefetch", "--node-cache", node, "--model", MODEL, "--store", store, "--index", "none", "--json",
+            "--every", "1s"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.Popen([sys.executable, "-m", "kcache", *map(str, args)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            preexec_fn=without_root_powers if os.geteuid() == 0 else None)  # fmt: skip
+
+
+def test_a_node_cache_a_peer_made_unsearchable_fails_each_round_not_the_loop(tmp_path, local_bundle):
+    """A peer that chmods DIR 000 made the round's report (the node cache's usage) raise: the loop,
+    which goes on past a failed round but not past its report, ended, and with it the DaemonSet."""
+    node = tmp_path / "node"
+    proc = prefetch_loop(tmp_path / "store", node)
+    try:
+        assert json.loads(read_line(proc, 120))["status"] == "ok"
+        node.chmod(0)  # the peer, between two rounds
+        rounds = [json.loads(read_line(proc, 120)) for _ in range(2)]
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=60)
+        node.chmod(0o755)
+    assert proc.returncode == 0, err.decode()[-1500:]
+    assert [r["status"] for r in rounds] == ["error", "error"]
+    assert all(r["targets"][0]["status"] == "error" for r in rounds)

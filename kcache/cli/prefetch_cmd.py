@@ -149,8 +149,15 @@ def _targets(models, model_config, facts, extras, bundle_keys) -> tuple[Target, 
 def _report(results: tuple[Prefetched, ...], cache: NodeCacheStore, seconds: float, as_json: bool,
             failed: Prefetched | None = None, once: bool = False) -> None:  # fmt: skip
     """The round's report. With --json, a round with a failed target is also the error object every
-    command prints (error, hint; exit_code with --once, which exits with it), named by its first failure."""
-    usage = cache.usage()
+    command prints (error, hint; exit_code with --once, which exits with it), named by its first failure.
+    A node cache that cannot be counted (a peer made DIR unsearchable) is said in the report: raised,
+    it had ended the DaemonSet's loop, which goes on past a failed round."""
+    try:
+        usage, unusable = cache.usage(), None
+    except KcacheError as exc:
+        usage, unusable = None, describe(exc)[0]
+    counted = {"packs": usage.packs, "bytes": usage.bytes} if usage else {"packs": None, "bytes": None,
+                                                                            "error": unusable}  # fmt: skip
     if as_json:
         error = {}
         if failed is not None:
@@ -163,8 +170,7 @@ def _report(results: tuple[Prefetched, ...], cache: NodeCacheStore, seconds: flo
             "targets": [{"target": r.target, "bundle_key": r.bundle_key, "status": r.status,
                          "bundle_id": r.bundle_id, "packs": r.packs, "fetched": r.fetched, "bytes": r.bytes,
                          "fetched_bytes": r.fetched_bytes, "reason": r.reason} for r in results],
-            "node_cache": {"dir": str(cache.directory), "packs": usage.packs, "bytes": usage.bytes,
-                           "max_bytes": usage.max_bytes},
+            "node_cache": {"dir": str(cache.directory), **counted, "max_bytes": cache.max_bytes},
         }))  # fmt: skip
         return
     for r in results:
@@ -178,5 +184,8 @@ def _report(results: tuple[Prefetched, ...], cache: NodeCacheStore, seconds: flo
             click.echo(f"kcache: {r.target}: over the node cache's cap (--max-bytes): {r.reason}", err=True)
         else:
             click.echo(f"kcache: {r.target}: prefetch failed: {r.reason}", err=True)
+    if usage is None:
+        click.echo(f"kcache: node cache {cache.directory}: cannot be counted: {unusable}", err=True)
+        return
     click.echo(f"kcache: node cache {cache.directory}: {usage.packs} packs, {fmt.size(usage.bytes)} of "
                f"{fmt.size(usage.max_bytes)} in {fmt.seconds(seconds)}")  # fmt: skip
