@@ -13,9 +13,9 @@ cap too small, a round had evicted what it had just warmed, reported every targe
 fetched it all again each round.
 
 A DaemonSet lives for months beside pods that come and go: no lock one of them holds (a frozen
-pod, or a hostile one that can write the node directory) may stop it. Each pack's warm and the
-round's trim wait at most LOCK_WAIT for their locks; a pack still locked then is this round's
-error for its target, and the next round tries again.
+pod, or a hostile one that can write the node directory) may stop it. A target's warm (all its
+packs' locks together) and the round's trim wait at most LOCK_WAIT for their locks; a pack still
+locked then is this round's error for its target, and the next round tries again.
 
 Nor may a store or an index that answers too slowly: choosing a target's bundle (the catalog's
 answer, a ref, the manifest) runs on a thread of its own and is waited for at most `lookup_timeout`
@@ -224,10 +224,14 @@ def _warm(cache: NodeCacheStore, item: _Chosen, jobs: int, stop: threading.Event
     meter = Meter(f"prefetching {target.name}", files=len(packs), bytes=sum(needs.values()), report=report,
                   unit="packs")  # fmt: skip
 
+    # One wait for the target's locks, not one a pack: a frozen pod holding every lock of a target's
+    # packs held the round (and the targets after it) LOCK_WAIT a pack, 25 waits for 100 packs and 4 jobs.
+    until = time.monotonic() + LOCK_WAIT
+
     def warm(pack_id: str):
         if stop.is_set():
             return None
-        warmed = cache.warm(pack_id, needs[pack_id], wait=LOCK_WAIT)
+        warmed = cache.warm(pack_id, needs[pack_id], wait=max(0.0, until - time.monotonic()))
         meter.add(files=1, bytes=needs[pack_id])
         return warmed
 

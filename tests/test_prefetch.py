@@ -6,6 +6,7 @@ and a node directory that peers change under it. No round may hang, pile up thre
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ from outcome import outcome_within
 from trees import write_tree
 from unprivileged import without_root_powers
 
-from kcache import choice, publish
+from kcache import choice, filelock, publish
 from kcache import prefetch as prefetching
 from kcache.cli import main
 from kcache.cli.errors import ExitCode
@@ -199,3 +201,35 @@ def test_a_node_cache_a_peer_made_unsearchable_fails_each_round_not_the_loop(tmp
     assert proc.returncode == 0, err.decode()[-1500:]
     assert [r["status"] for r in rounds] == ["error", "error"]
     assert all(r["targets"][0]["status"] == "error" for r in rounds)
+
+
+def publish_model(tmp_path: Path, store: Path, model: str, files: int) -> list[str]:
+    """Publish `files` files of 50 KiB (a pack each, under the fixture's pack size) as `model`; its packs."""
+    src = tmp_path / f"src-{model}"
+    write_tree(src, {f"inductor/fx/{i:02d}": os.urandom(50 * KiB) for i in range(files)})
+    before = set(LocalStore(store).list("packs/")) if store.exists() else set()
+    cli("publish", "--from", src, "--model", model, "--store", store, "--index", f"sqlite:///{tmp_path / 'pub.db'}")
+    return sorted(info.key.rsplit("/", 1)[-1] for info in set(LocalStore(store).list("packs/")) - before)
+
+
+def test_a_target_whose_packs_a_peer_holds_costs_the_round_one_wait_not_one_a_pack(tmp_path, monkeypatch):
+    """Each pack's warm waited LOCK_WAIT for its lock: a frozen (or hostile) pod holding every lock of one
+    target's packs held the round, and every target after it, a wait per pack (100 packs, 4 jobs: 25 waits
+    of 300 s, two hours). A target's lock waits now end together, LOCK_WAIT after its warm began."""
+    monkeypatch.setattr(publish, "TARGET_PACK_BYTES", 64 * KiB)
+    monkeypatch.setattr(prefetching, "LOCK_WAIT", 1.0)
+    store, node = tmp_path / "store", tmp_path / "node"
+    held_packs, free_packs = publish_model(tmp_path, store, "a", 6), publish_model(tmp_path, store, "b", 2)
+    args = ["prefetch", "--node-cache", node, "--model", "a", "--model", "b", "--store", store, "--index", "none",
+            "--once", "--json", "--jobs", "1"]  # fmt: skip
+    with contextlib.ExitStack() as peer:
+        for pack in held_packs:
+            lock = node / "packs" / pack[:2] / f".lock-{pack}"
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            peer.enter_context(filelock.acquire(lock, filelock.EXCLUSIVE, None))
+        started = time.monotonic()
+        result = outcome_within(lambda: cli(*args, ok=False))
+        seconds = time.monotonic() - started
+    a, b = json.loads(result.stdout)["targets"]
+    assert (a["status"], b["status"], b["fetched"]) == ("error", "cached", len(free_packs)), result.output
+    assert seconds < 3 * prefetching.LOCK_WAIT, f"{seconds:.1f} s: a wait a pack"
