@@ -48,6 +48,7 @@ LOCK_WAIT = 300.0
 # As long as restore's default --timeout too: a look-up slower than that fails every pod's restore on
 # the node, so there is nothing to warm for them (`--lookup-timeout`).
 LOOKUP_TIMEOUT = 300.0
+_STOP_SLICE = 0.1  # how often a wait for a look-up looks at the stop event
 
 
 @dataclass(frozen=True)
@@ -85,9 +86,10 @@ class Lookups:
         self._guard = threading.Lock()
         self._running: dict[tuple[str, str], float] = {}  # (name, bundle key) -> when its look-up started
 
-    def run(self, target: Target, fn, timeout: float | None):
+    def run(self, target: Target, fn, timeout: float | None, stop: threading.Event | None = None):
         """`fn()`'s result, waited for at most `timeout` seconds; LookupTimeout past it, or at once while
-        an earlier look-up of the target still runs."""
+        an earlier look-up of the target still runs. None once `stop` is set (SIGTERM): the kubelet's
+        grace period is no time to wait out a look-up in."""
         if timeout is None:
             return fn()
         key = (target.name, target.fingerprint.bundle_key)
@@ -112,7 +114,14 @@ class Lookups:
                 done.set()
 
         threading.Thread(target=run, name="kcache-prefetch-lookup", daemon=True).start()
-        if not done.wait(timeout):
+        until = time.monotonic() + timeout
+        # In slices, to hear `stop`: one Event cannot be waited for together with another.
+        while not done.wait(max(0.0, min(_STOP_SLICE, until - time.monotonic()))):
+            if stop is not None and stop.is_set():
+                return None
+            if time.monotonic() >= until:
+                break
+        if not done.is_set():
             raise LookupTimeout(target.name, timeout, f"took more than {timeout:g} s (--lookup-timeout)")
         if "error" in box:
             raise box["error"]
@@ -131,7 +140,8 @@ def prefetch(store: Store, index, cache: NodeCacheStore, targets: tuple[Target, 
     round to the next."""
     stop = stop or threading.Event()
     lookups = lookups or Lookups()
-    planned = _fit([_choose(store, index, target, policy, lookups, lookup_timeout) for target in targets], cache)
+    chosen = [_choose(store, index, target, policy, lookups, lookup_timeout, stop) for target in targets]
+    planned = _fit(chosen, cache)
     outcomes: list[tuple[Prefetched, dict[str, int]]] = []
     kept: set[str] = set()
     with cache.keeping(kept):
@@ -165,7 +175,8 @@ def _guarded(target: Target, fn):
         return Prefetched(target.name, target.fingerprint.bundle_key, "error", reason=str(exc), error=exc)
 
 
-def _choose(store, index, target: Target, policy, lookups: Lookups, timeout: float | None) -> _Chosen | Prefetched:
+def _choose(store, index, target: Target, policy, lookups: Lookups, timeout: float | None,
+            stop: threading.Event) -> _Chosen | Prefetched:  # fmt: skip
     def pick() -> _Chosen | Prefetched:
         fp = target.fingerprint
         if fp.mismatches:  # as restore: the facts file describes another kind of node
@@ -176,7 +187,12 @@ def _choose(store, index, target: Target, policy, lookups: Lookups, timeout: flo
         manifest, _signer, _size = choice.read_manifest(store, chosen, fp, policy)
         return _Chosen(target, manifest.id, fetch.pack_extents(manifest.entries))
 
-    return _guarded(target, partial(lookups.run, target, pick, timeout))
+    if not stop.is_set():
+        chosen = _guarded(target, partial(lookups.run, target, pick, timeout, stop))
+        if chosen is not None:
+            return chosen
+    return Prefetched(target.name, target.fingerprint.bundle_key, "stopped", reason="stopped before its bundle "
+                      "was chosen")  # fmt: skip
 
 
 def _fit(chosen: list[_Chosen | Prefetched], cache: NodeCacheStore) -> list[_Chosen | Prefetched]:

@@ -233,3 +233,26 @@ def test_a_target_whose_packs_a_peer_holds_costs_the_round_one_wait_not_one_a_pa
     a, b = json.loads(result.stdout)["targets"]
     assert (a["status"], b["status"], b["fetched"]) == ("error", "cached", len(free_packs)), result.output
     assert seconds < 3 * prefetching.LOCK_WAIT, f"{seconds:.1f} s: a wait a pack"
+
+
+def test_sigterm_while_a_bundle_look_up_trickles_stops_the_loop_at_once(tmp_path, bundle):
+    """The kubelet's SIGTERM set the loop's stop, but a round waited out its look-ups first (--lookup-timeout,
+    5 min by default; before it, for ever) and the pod was killed at the end of its grace period."""
+    url, endpoint, _key, _packs = bundle
+    with S3FaultProxy(endpoint, "trickle", damaged="/manifests/") as proxy:
+        args = ["prefetch", "--node-cache", tmp_path / "node", "--model", MODEL, "--store", url,
+                "--s3-endpoint-url", proxy.url, "--index", "none", "--json", "--every", "1s"]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        proc = subprocess.Popen([sys.executable, "-m", "kcache", *map(str, args)], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)  # fmt: skip
+        try:
+            assert proxy.pack_requests.wait(120), "no manifest was asked for"
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 0, err.decode()[-1500:]
+    (target,) = json.loads(out)["targets"]
+    assert target["status"] == "stopped"

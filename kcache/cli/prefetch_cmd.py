@@ -174,7 +174,9 @@ def _report(results: tuple[Prefetched, ...], cache: NodeCacheStore, seconds: flo
         }))  # fmt: skip
         return
     for r in results:
-        if r.status in ("cached", "stopped"):
+        if r.status == "stopped" and r.bundle_id is None:
+            click.echo(f"kcache: {r.target}: {r.reason}")
+        elif r.status in ("cached", "stopped"):
             click.echo(f"kcache: {r.target}: bundle {r.bundle_id[:12]}, {r.packs} packs ({fmt.size(r.bytes)}) "
                        f"cached, {r.fetched} fetched ({fmt.size(r.fetched_bytes)})"
                        + ("; stopped early" if r.status == "stopped" else ""))  # fmt: skip
