@@ -184,20 +184,23 @@ def prefetch_loop(store: Path, node: Path) -> subprocess.Popen:
                             preexec_fn=without_root_powers if os.geteuid() == 0 else None)  # fmt: skip
 
 
-def test_a_node_cache_a_peer_made_unsearchable_fails_each_round_not_the_loop(tmp_path, local_bundle):
+@pytest.mark.parametrize("where", ["DIR", "its-parent"])
+def test_a_node_cache_a_peer_made_unsearchable_fails_each_round_not_the_loop(tmp_path, local_bundle, where):
     """A peer that chmods DIR 000 made the round's report (the node cache's usage) raise: the loop,
-    which goes on past a failed round but not past its report, ended, and with it the DaemonSet."""
-    node = tmp_path / "node"
+    which goes on past a failed round but not past its report, ended, and with it the DaemonSet. Above
+    DIR, the round's trim raised PermissionError itself, out of the round (exit 70)."""
+    node = tmp_path / "host" / "node"
+    unsearchable = node if where == "DIR" else node.parent
     proc = prefetch_loop(tmp_path / "store", node)
     try:
         assert json.loads(read_line(proc, 120))["status"] == "ok"
-        node.chmod(0)  # the peer, between two rounds
+        unsearchable.chmod(0)  # the peer, between two rounds
         rounds = [json.loads(read_line(proc, 120)) for _ in range(2)]
         assert proc.poll() is None
     finally:
         proc.send_signal(signal.SIGTERM)
         _out, err = proc.communicate(timeout=60)
-        node.chmod(0o755)
+        unsearchable.chmod(0o755)
     assert proc.returncode == 0, err.decode()[-1500:]
     assert [r["status"] for r in rounds] == ["error", "error"]
     assert all(r["targets"][0]["status"] == "error" for r in rounds)

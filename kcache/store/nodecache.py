@@ -315,9 +315,9 @@ class NodeCacheStore:
     def trim(self, *, wait: float | None = None) -> None:
         """Evict down to the cap and remove what killed fills and removals left behind; eviction is
         skipped when another process is evicting for longer than `wait` seconds."""
-        if not self.directory.is_dir():
-            return
         try:
+            if not self.directory.is_dir():  # EACCES where a directory above it cannot be searched
+                return
             self._remove_junk()
             self._make_room(0, self._deadline(wait))
         except OSError as exc:
