@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import asdict
-from pathlib import Path
 
 import click
 
@@ -23,6 +22,7 @@ from kcache.cli.options import (
     read_jobs_option,
     settings,
     store_options,
+    trusted_key_option,
 )
 from kcache.errors import ConfigError
 
@@ -72,9 +72,7 @@ def yank_cmd(bundle, undo, reason, signing_key, store_url, index_url, s3_endpoin
 @click.option("--read-data", is_flag=True, help="Also fetch every blob and re-hash it.")
 @click.option("--subset", metavar="N/T", help="With --read-data, only the N-th of T slices of packs [default: 1/1].")
 @read_jobs_option
-@click.option("--trusted-key", "trusted_keys", multiple=True, type=NonEmptyPath(dir_okay=False, path_type=Path),
-              envvar="KCACHE_TRUSTED_KEYS",
-              help="A .pub from `kcache keygen`: its signatures must verify, and every bundle needs one by a "
+@trusted_key_option("A .pub from `kcache keygen`: its signatures must verify, and every bundle needs one by a "
                    "trusted key; repeatable (env: ':'-separated, as restore reads it).")  # fmt: skip
 @store_options
 @json_option

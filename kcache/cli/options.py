@@ -89,8 +89,18 @@ def load_signing_key(path):
     return load(path)
 
 
+TRUSTED_KEYS_ENV = "KCACHE_TRUSTED_KEYS"
+
+
+def trusted_key_option(help: str):  # noqa: A002 - click's name
+    """--trusted-key (repeatable; KCACHE_TRUSTED_KEYS, ':'-separated), the same for every command that checks
+    signatures, so that restore, prefetch, verify and reindex read the variable alike."""
+    return click.option("--trusted-key", "trusted_keys", multiple=True, envvar=TRUSTED_KEYS_ENV,
+                        type=TrustedKeyPath(dir_okay=False, path_type=Path), help=help)  # fmt: skip
+
+
 def load_trusted_keys(paths) -> tuple:
-    """Public keys from --trusted-key flags (or KCACHE_TRUSTED_KEYS, which click splits at ':')."""
+    """Public keys from --trusted-key flags (or KCACHE_TRUSTED_KEYS, which TrustedKeyPath splits at ':')."""
     if not paths:
         return ()
     from kcache.signing import load_trusted_keys as load
@@ -406,6 +416,23 @@ class NonEmptyPath(click.Path):
     def convert(self, value, param, ctx):
         if isinstance(value, (str, bytes)) and not value:
             self.fail("'' is an empty path; name the directory or file ('.' for the current one)", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class TrustedKeyPath(NonEmptyPath):
+    """A .pub path; KCACHE_TRUSTED_KEYS is split at ':' and its empty elements are dropped: a list joined
+    from variables (`$OLD:$NEW`, one of them unset) or with a trailing ':' names the keys it names. A value
+    of nothing but separators names no key at all, and stays an error: read as "no trusted keys", it would
+    turn signature checks off (restore then starts cold, as on any bad value)."""
+
+    def split_envvar_value(self, rv: str):
+        named = [part for part in rv.split(os.pathsep) if part.strip()]
+        return named or [rv]
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and value and not any(part.strip() for part in value.split(os.pathsep)):
+            self.fail(f"{value!r} names no key file; give ':'-separated .pub paths, or leave it unset to "
+                      "check no signatures", param, ctx)  # fmt: skip
         return super().convert(value, param, ctx)
 
 

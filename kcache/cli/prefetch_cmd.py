@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import click
 
@@ -16,7 +15,6 @@ from kcache.cli.errors import describe
 from kcache.cli.options import (
     REQUIRE_SIGNATURE_ENV,
     Duration,
-    NonEmptyPath,
     Size,
     compute_fingerprint,
     env_flag,
@@ -28,6 +26,7 @@ from kcache.cli.options import (
     require_signature_option,
     settings,
     store_options,
+    trusted_key_option,
 )
 from kcache.cli.serve_cmd import stop_on_signals
 from kcache.errors import ConfigError, KcacheError
@@ -51,9 +50,7 @@ from kcache.store.nodecache import MAX_BYTES_ENV, NodeCacheStore
 @click.option("--lookup-timeout", type=Duration(), default="5m", show_default=True, metavar="DURATION",
               help="Longest a round waits to choose a target's bundle (index, ref, manifest); past it the target "
                    "fails this round, and its look-up is not started again while it still runs.")  # fmt: skip
-@click.option("--trusted-key", "trusted_keys", multiple=True, type=NonEmptyPath(dir_okay=False, path_type=Path),
-              envvar="KCACHE_TRUSTED_KEYS", help="A .pub from `kcache keygen`; repeatable (env: ':'-separated).",
-              )  # fmt: skip
+@trusted_key_option("A .pub from `kcache keygen`; repeatable (env: ':'-separated).")  # fmt: skip
 @require_signature_option("Prefetch only bundles signed by a trusted key (as restore takes them).")
 @fingerprint_options(many_models=True)
 @store_options(index_none=True)

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import asdict
-from pathlib import Path
 
 import click
 
 from kcache.cli import format as fmt
 from kcache.cli.errors import ExitCode
 from kcache.cli.options import (
-    NonEmptyPath,
     json_option,
     load_trusted_keys,
     opened,
     read_jobs_option,
     settings,
     store_options,
+    trusted_key_option,
 )
 from kcache.reindex import reindex
 
@@ -26,9 +25,7 @@ from kcache.reindex import reindex
 @click.option("--trust-trailers", is_flag=True,
               help="Index the blobs each pack's trailer lists without reading and hashing them (fast, "
                    "for a store only trusted publishers can write).")  # fmt: skip
-@click.option("--trusted-key", "trusted_keys", multiple=True, type=NonEmptyPath(dir_okay=False, path_type=Path),
-              envvar="KCACHE_TRUSTED_KEYS",
-              help="A .pub from `kcache keygen`; repeatable (env: ':'-separated). Only bundles one of them signed "
+@trusted_key_option("A .pub from `kcache keygen`; repeatable (env: ':'-separated). Only bundles one of them signed "
                    "are indexed, and only refs one of them signed date them.")  # fmt: skip
 @store_options
 @json_option

@@ -31,6 +31,7 @@ from kcache.cli.options import (
     setting_origins,
     settings,
     store_options,
+    trusted_key_option,
 )
 from kcache.cli.restore_usage import RestoreCommand
 from kcache.errors import ConfigError
@@ -54,9 +55,7 @@ MAX_TIMEOUT = 86400.0
                    "then start cold.")  # fmt: skip
 @click.option("--bundle", "bundle_id", metavar="ID",
               help="Pin this bundle (full id) instead of the newest; it must still match the fingerprint.")  # fmt: skip
-@click.option("--trusted-key", "trusted_keys", multiple=True, type=NonEmptyPath(dir_okay=False, path_type=Path),
-              envvar="KCACHE_TRUSTED_KEYS", help="A .pub from `kcache keygen`; repeatable (env: ':'-separated).",
-              )  # fmt: skip
+@trusted_key_option("A .pub from `kcache keygen`; repeatable (env: ':'-separated).")  # fmt: skip
 @require_signature_option("Refuse bundles not signed by a trusted key.")  # env read in the budget: no crash-loop
 @click.option("--fallback", type=click.Choice(["toolchain", "layers"]),
               help="On a miss, restore the kernel layers (inductor, triton, cuda) of the newest bundle built "

@@ -256,6 +256,34 @@ def test_trusted_keys_from_the_environment_split_at_colons(tmp_path, monkeypatch
     assert doc["status"] == "hit" and doc["signed_by"] == "new"
 
 
+def test_empty_elements_of_trusted_keys_are_ignored(tmp_path, monkeypatch):
+    # A trailing ':' or '::' (a list joined from variables, one of them empty) names no key: restore
+    # must still restore warm with the keys that are named, and verify must not refuse the value.
+    run("keygen", "old", "--dir", str(tmp_path / "k"))
+    run("keygen", "new", "--dir", str(tmp_path / "k"))
+    write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"graph"})
+    run("publish", "--from", str(tmp_path / "src"), "--model", "m", "--signing-key", str(tmp_path / "k/new.key"))
+    monkeypatch.setenv("KCACHE_TRUSTED_KEYS", f":{tmp_path}/k/old.pub:: :{tmp_path}/k/new.pub:")
+    doc = json.loads(
+        run("restore", "--into", str(tmp_path / "r"), "--model", "m", "--require-signature", "--json").stdout
+    )
+    assert doc["status"] == "hit" and doc["signed_by"] == "new"
+    assert json.loads(run("verify", "--json").stdout)["status"] == "ok"
+
+
+@pytest.mark.parametrize("value", [":", "::", " : "])
+def test_trusted_keys_that_name_no_key_do_not_turn_signature_checks_off(tmp_path, monkeypatch, value):
+    # Every element empty (the variables it was joined from all expanded to nothing): reading it as
+    # "no trusted keys" would restore an unsigned bundle, so it stays an error; restore starts cold.
+    write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"graph"})
+    run("publish", "--from", str(tmp_path / "src"), "--model", "m")
+    monkeypatch.setenv("KCACHE_TRUSTED_KEYS", value)
+    doc = json.loads(run("restore", "--into", str(tmp_path / "r"), "--model", "m", "--json").stdout)
+    assert doc["status"] == "error" and "KCACHE_TRUSTED_KEYS" in doc["error"] and "no key" in doc["error"]
+    refused = run("verify", "--json", ok=False)
+    assert refused.exit_code == ExitCode.USAGE and "no key" in json.loads(refused.stdout)["error"]
+
+
 # ---- a store that does not exist: only publish creates one ---------------------------------------
 
 
