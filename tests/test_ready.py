@@ -101,6 +101,9 @@ def test_root_from_environment_and_json(tmp_path):
                                    "weights": {"ok": False, "detail": "warmup failed"},
                                    "graphs": {"ok": False, "detail": "warmup failed"},
                                    "warmup": {"ok": False, "detail": "failed"}},
+        # exit 11 is the error object every command prints: a script reads status and exit_code
+        "status": "not_ready", "error": "warmup failed", "exit_code": NOT_READY,
+        "hint": "each signal says what is missing; the markers under --root are written by restore and warmup",
     }  # fmt: skip
 
 

@@ -110,8 +110,8 @@ def verify_cmd(read_data, subset, jobs, trusted_keys, store_url, index_url, s3_e
         with progress_bars.bars(progress_bars.wanted(as_json) and read_data) as report:
             result = verify(store, index, read_data=read_data, subset=part, jobs=jobs, report=report,
                             trusted=trusted)  # fmt: skip
-    if as_json:
-        click.echo(fmt.to_json({"status": result.status, **asdict(result)}))
+    if as_json:  # a failing exit prints the error object every command prints, with the report
+        click.echo(fmt.to_json({"status": result.status, **asdict(result), **_verify_failure(result)}))
     else:
         read = f", read {result.blobs_read} blobs ({fmt.size(result.bytes_read)})" if read_data else ""
         unread = f"; could not check {len(result.unchecked)}" if result.unchecked else ""
@@ -206,3 +206,15 @@ def gc_cmd(keep_last, older_than, grace, allow_short_grace, dry_run, signing_key
     if result and result.bundles_kept:
         click.echo(f"kcache gc: kept {result.bundles_kept} planned bundles (yanks or publishes since the plan); "
                    "packs are condemned and deleted on the next run")  # fmt: skip
+
+
+def _verify_failure(result) -> dict:
+    """error, hint and exit_code for a verify that exits non-zero (damage wins over reads that failed)."""
+    if result.problems:
+        return {"error": f"{len(result.problems)} problems found (listed in problems)",
+                "hint": "re-publish or yank the bundles named; `kcache reindex` rebuilds rows the index lost",
+                "exit_code": int(ExitCode.PROBLEMS)}  # fmt: skip
+    if result.unchecked:
+        return {"error": f"the store failed {len(result.unchecked)} reads (listed in unchecked)",
+                "hint": "run it again once the store answers", "exit_code": int(ExitCode.STORE)}  # fmt: skip
+    return {}

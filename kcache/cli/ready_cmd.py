@@ -35,7 +35,10 @@ def ready_cmd(root, health_url, as_json):
     restore = fmt.text((state.restore or {}).get("status"))  # a marker anyone in the pod may write
     signals = ", ".join(f"{s.name} {'yes' if s.ok else 'no'}" for s in state.signals)
     if as_json:
-        click.echo(fmt.to_json({**readiness.to_dict(state), "root": str(root)}))
+        failed = {} if state.ready else {"error": state.reason, "hint": _NOT_READY_HINT,
+                                         "exit_code": int(ExitCode.NOT_READY)}  # fmt: skip
+        click.echo(fmt.to_json({"status": "ready" if state.ready else "not_ready", **readiness.to_dict(state),
+                                "root": str(root), **failed}))  # fmt: skip
     elif state.cold:
         click.echo(f"kcache: ready (cold): restore {restore}, warmup failed; serving without warmup ({signals})")
     elif state.ready:
@@ -46,3 +49,6 @@ def ready_cmd(root, health_url, as_json):
         click.echo(f"kcache: not ready: {fmt.text(state.reason)} (root {root}; {signals})")
     if not state.ready:
         raise click.exceptions.Exit(ExitCode.NOT_READY)
+
+
+_NOT_READY_HINT = "each signal says what is missing; the markers under --root are written by restore and warmup"

@@ -53,12 +53,20 @@ def reindex_cmd(jobs, trust_trailers, trusted_keys, store_url, index_url, s3_end
         result = reindex(
             store, index, jobs=jobs, trust_trailers=trust_trailers, trusted=load_trusted_keys(trusted_keys)
         )
-    if as_json:
-        click.echo(fmt.to_json(asdict(result)))
+    if as_json:  # exit 12 prints the error object every command prints, with the report
+        failed = {"error": f"{len(result.skipped)} objects could not be indexed (listed in skipped)",
+                  "hint": _SKIPPED_HINT, "exit_code": int(ExitCode.PROBLEMS)} if result.skipped else {}  # fmt: skip
+        click.echo(fmt.to_json({"status": "damaged" if result.skipped else "ok", **asdict(result), **failed}))
     else:
         click.echo(f"kcache: indexed {result.packs} packs ({result.blobs} blobs) and {result.bundles} bundles "
                    f"({result.new_bundles} new)")  # fmt: skip
         for problem in result.skipped:
             click.echo(f"  skipped {fmt.text(problem)}", err=True)
+        if result.skipped:
+            click.echo(f"  hint: {_SKIPPED_HINT}", err=True)
     if result.skipped:
         raise click.exceptions.Exit(ExitCode.PROBLEMS)
+
+
+_SKIPPED_HINT = ("each skipped object is listed: re-publish the bundles it names (`kcache verify` checks the "
+                 "store), then reindex again")

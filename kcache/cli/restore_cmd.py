@@ -145,7 +145,11 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
         "layers": list(result.layers),
         "signed_by": result.signed_by, "donors": dict(result.donors),
     }  # fmt: skip
+    failing = _strict_exit(opened) if strict and result.status == "miss" else None
     if as_json:
+        if failing is not None:  # the error object every command prints, in the shape of a miss
+            payload |= {"error": f"miss: {one_line(result.reason)}", "hint": _STRICT_MISS_HINT,
+                        "exit_code": int(failing)}  # fmt: skip
         click.echo(fmt.to_json(payload))
     elif result.donors:
         click.echo(f"kcache: partial hit: {result.reason} ({result.files} files) into {result.root}; "
@@ -158,9 +162,17 @@ def restore_cmd(root, timeout_text, bundle_id, trusted_keys, require_signature, 
     else:
         click.echo(f"kcache: miss: {one_line(result.reason)} (key {result.bundle_key}); starting cold. "
                    f"Source {result.env_file}, then `kcache publish --from {result.root}` after warmup.")  # fmt: skip
-    if strict and result.status == "miss":
-        raise click.exceptions.Exit(ExitCode.FACTS_DISAGREE if opened and opened[0].fingerprint.mismatches
-                                    else ExitCode.MISS)  # fmt: skip
+    if failing is not None:
+        raise click.exceptions.Exit(failing)
+
+
+_STRICT_MISS_HINT = ("no bundle matches this machine (`kcache explain` says which fact differs); without --strict "
+                     "the pod starts cold and publishes one")
+
+
+def _strict_exit(opened: list[Opened]) -> ExitCode:
+    """A --strict miss's exit: 15 when the facts file (or a --fact) contradicts this machine, else 10."""
+    return ExitCode.FACTS_DISAGREE if opened and opened[0].fingerprint.mismatches else ExitCode.MISS
 
 
 def _open_store_and_index(cfg: config.Settings, jobs: int, node_cache: Path | None, timeout: float):

@@ -368,3 +368,57 @@ def test_publish_peer_wait_zero_uploads_at_once_past_another_publishs_lease(tmp_
         assert refused.exit_code == 2 and "--peer-wait" in refused.output
     finally:
         index.close()
+
+
+# ---- --json on a failing exit: the error object every command prints --------------------------------
+
+
+def _store_that_lost_its_pack(tmp_path, home):
+    write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"graph"})
+    run("publish", "--from", str(tmp_path / "src"), "--model", "m")
+    for pack in (home / "store" / "packs").rglob("*"):
+        if pack.is_file():
+            pack.unlink()
+
+
+def _assert_error_object(doc: dict, code: int) -> None:
+    assert doc["exit_code"] == code and doc["status"] not in ("ok", None), doc
+    assert doc["error"] and doc["hint"], doc
+
+
+def test_reindex_json_that_exits_12_is_an_error_object(tmp_path, isolated_home):
+    _store_that_lost_its_pack(tmp_path, isolated_home)
+    result = run("reindex", "--index", f"sqlite:///{tmp_path / 'new.db'}", "--json", ok=False)
+    assert result.exit_code == ExitCode.PROBLEMS, result.output
+    doc = json.loads(result.stdout)
+    _assert_error_object(doc, ExitCode.PROBLEMS)
+    assert doc["status"] == "damaged" and doc["skipped"]
+
+
+def test_reindex_json_that_succeeds_says_ok(tmp_path):
+    write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"graph"})
+    run("publish", "--from", str(tmp_path / "src"), "--model", "m")
+    doc = json.loads(run("reindex", "--index", f"sqlite:///{tmp_path / 'new.db'}", "--json").stdout)
+    assert doc["status"] == "ok" and doc["bundles"] == 1 and "error" not in doc
+
+
+def test_verify_json_that_exits_12_is_an_error_object(tmp_path, isolated_home):
+    _store_that_lost_its_pack(tmp_path, isolated_home)
+    result = run("verify", "--json", ok=False)
+    assert result.exit_code == ExitCode.PROBLEMS, result.output
+    _assert_error_object(json.loads(result.stdout), ExitCode.PROBLEMS)
+
+
+def test_restore_strict_miss_json_carries_its_exit_code(tmp_path):
+    result = run("restore", "--into", str(tmp_path / "r"), "--model", "m", "--strict", "--json", ok=False)
+    assert result.exit_code == ExitCode.MISS
+    doc = json.loads(result.stdout)
+    assert doc["status"] == "miss" and doc["exit_code"] == ExitCode.MISS and doc["hint"], doc
+
+
+def test_ready_json_that_exits_11_is_an_error_object(tmp_path):
+    result = run("ready", "--root", str(tmp_path), "--json", ok=False)
+    assert result.exit_code == ExitCode.NOT_READY
+    doc = json.loads(result.stdout)
+    _assert_error_object(doc, ExitCode.NOT_READY)
+    assert doc["ready"] is False and doc["status"] == "not_ready"
