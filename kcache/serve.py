@@ -34,6 +34,7 @@ import ipaddress
 import itertools
 import json
 import logging
+import os
 import queue
 import selectors
 import socket
@@ -367,14 +368,39 @@ def make_server(root: Path, host: str = "127.0.0.1", port: int = 0,
     except (UnicodeError, TypeError):  # a name IDNA cannot encode (a label past 63, bytes no encoding names)
         raise ConfigError("--host", host, "is not a host name or address") from None
     except OSError as exc:
-        # socket.create_server re-raises the resolver's gaierror as a plain OSError with its
-        # errno: the EAI_* codes are the negative ones (EAI_NONAME, EAI_AGAIN, ...).
-        if isinstance(exc, socket.gaierror) or (exc.errno is not None and exc.errno < 0):
-            why = (exc.strerror or str(exc)).split(" (while attempting", 1)[0]
-            raise ConfigError("--host", host, f"cannot be resolved: {why}") from None
-        if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
-            raise ConfigError("--host/--port", f"{host}:{port}", exc.strerror or str(exc)) from None
-        raise
+        raise bind_error(exc, host, port) from None
+
+
+# What the kernel answers a bind with for an address it will not listen on, the host's fault: taken,
+# not this machine's, a privileged port, an address no socket can bind (an IPv6 link-local one without
+# its %interface, a multicast one: EINVAL), a family the node has turned off (IPv6 disabled).
+_ADDRESS_ERRORS = (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES, errno.EINVAL, errno.EAFNOSUPPORT)
+
+
+def bind_error(exc: OSError, host: str, port: int, flag: str = "--port") -> OSError | ConfigError:
+    """The usage error for a bind to host:port that failed with `exc` (`exc` itself when it is none of
+    those: a process out of file descriptors is no flag's fault). For `kcache serve`, `watch --port` and
+    the proxy alike."""
+    # socket.create_server re-raises the resolver's gaierror as a plain OSError with its errno: the
+    # EAI_* codes are the negative ones (EAI_NONAME, EAI_AGAIN, ...).
+    if isinstance(exc, socket.gaierror) or (exc.errno is not None and exc.errno < 0):
+        why = (exc.strerror or str(exc)).split(" (while attempting", 1)[0]
+        return ConfigError("--host", host, f"cannot be resolved: {why}")
+    if exc.errno not in _ADDRESS_ERRORS:
+        return exc
+    why = os.strerror(exc.errno)
+    if exc.errno == errno.EINVAL and _link_local(host):
+        why += " (a link-local IPv6 address needs its interface, e.g. fe80::1%eth0)"
+    elif exc.errno == errno.EAFNOSUPPORT:
+        why += " (IPv6 is off on this node? 0.0.0.0 listens on IPv4)"
+    return ConfigError(f"--host/{flag}", f"[{host}]:{port}" if ":" in host else f"{host}:{port}", why)
+
+
+def _link_local(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_link_local
+    except ValueError:  # a name, or an address with its %scope already
+        return False
 
 
 def serve_until(server: ProbeServer, stop: threading.Event) -> None:

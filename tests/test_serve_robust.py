@@ -12,8 +12,10 @@ import threading
 import time
 
 import pytest
+from click.testing import CliRunner
 
 from kcache import readiness, serve
+from kcache.cli import main
 from kcache.readiness import RESTORE_MARKER, WARMUP_MARKER, WATCH_MARKER, write_marker
 from kcache.serve import make_server, start_in_thread
 
@@ -325,6 +327,30 @@ def test_an_ipv6_host_is_bracketed_in_the_announced_url(tmp_path, command, as_js
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_bracketed_ipv6_host_is_taken_as_it_is_written_in_a_url(tmp_path):
+    # [::1] is how an IPv6 address is written in a URL; it names the same address as ::1.
+    args = [sys.executable, "-m", "kcache", "serve", "--root", str(tmp_path), "--port", "0", "--host", "[::1]",
+            "--json"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        doc = json.loads(proc.stdout.readline() or proc.stderr.read())
+        assert doc["url"] == f"http://[::1]:{doc['port']}", doc
+        assert status_of(read_all(send(doc["port"], HEALTHZ, "::1"))) == 200
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@needs_dualstack
+def test_an_ipv6_address_in_use_is_named_with_brackets(tmp_path):
+    with socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True) as taken:
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(main, ["serve", "--root", str(tmp_path), "--host", "::", "--port", str(port),
+                                           "--json"])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert f"'[::]:{port}'" in json.loads(result.stdout)["error"]
 
 
 # ---- 4. a client that never reads its answer holds no worker --------------------------------------

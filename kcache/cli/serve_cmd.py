@@ -16,11 +16,20 @@ from kcache.serve import make_server, serve_until
 def host_port_options(*, port_help: str, port_required: bool):
     def apply(fn):
         fn = click.option("--host", default="127.0.0.1", show_default=True, type=NonEmptyText(),
+                          callback=_unbracketed,
                           help="Address to bind; 0.0.0.0, or :: for IPv4 and IPv6, lets the kubelet "
-                               "reach it.")(fn)  # fmt: skip
+                               "reach it. An IPv6 address as a URL writes it ([::1]) is taken too.")(fn)  # fmt: skip
         return click.option("--port", type=click.IntRange(0, 65535), required=port_required, help=port_help)(fn)
 
     return apply
+
+
+def _unbracketed(_ctx, _param, host: str) -> str:
+    """[::1] as ::1: brackets only set an IPv6 address apart from a URL's port, and the resolver knows no
+    name "[::1]"."""
+    if host.startswith("[") and host.endswith("]") and ":" in host:
+        return host[1:-1]
+    return host
 
 
 def stop_on_signals() -> threading.Event:

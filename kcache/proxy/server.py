@@ -34,10 +34,8 @@ connection.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import secrets
-import socket
 import time
 import urllib.parse
 from dataclasses import dataclass, field, replace
@@ -56,6 +54,7 @@ from kcache.proxy import key, prefix, sse
 from kcache.proxy.cache import CacheUnavailable, ResultCache
 from kcache.proxy.prefix import PrefixMemory
 from kcache.proxy.stats import Stats
+from kcache.serve import bind_error
 
 log = logging.getLogger(__name__)
 
@@ -153,11 +152,10 @@ class Proxy:
             raise ConfigError("--host", host, "is not a host name or address") from None
         except OSError as exc:
             await self.close()
-            if isinstance(exc, socket.gaierror) or (exc.errno is not None and exc.errno < 0):  # EAI_* codes
-                raise ConfigError("--host", host, f"cannot be resolved: {exc.strerror or exc}") from None
-            if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
-                raise ConfigError(f"--host/{flag}", f"{host}:{port}", exc.strerror or str(exc)) from None
-            raise
+            error = bind_error(exc, host, port, flag)
+            if error is exc:
+                raise
+            raise error from None
         return runner.addresses[0][1]
 
     async def close(self) -> None:

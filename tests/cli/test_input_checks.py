@@ -610,9 +610,16 @@ def test_a_yank_reason_that_is_not_utf8_changes_nothing(tmp_path, monkeypatch):
      "--json", "--host", "nosuch.invalid"],
     ["proxy", "--model", "m", "--upstream", "http://127.0.0.1:1", "--redis", "redis://127.0.0.1:1/0", "--port", "0",
      "--json", "--host", "x" * 300],
-], ids=["serve-not-utf8", "serve-label-too-long", "proxy-unresolvable", "proxy-label-too-long"])  # fmt: skip
+    ["serve", "--root", "{t}/r", "--port", "0", "--json", "--host", "fe80::1"],
+    ["serve", "--root", "{t}/r", "--port", "0", "--json", "--host", "ff02::1"],
+    ["proxy", "--model", "m", "--upstream", "http://127.0.0.1:1", "--redis", "redis://127.0.0.1:1/0", "--port", "0",
+     "--json", "--host", "fe80::1"],
+], ids=["serve-not-utf8", "serve-label-too-long", "proxy-unresolvable", "proxy-label-too-long",
+        "serve-link-local-without-interface", "serve-multicast", "proxy-link-local-without-interface"])  # fmt: skip
 def test_a_host_that_cannot_be_bound_is_a_usage_error(tmp_path, monkeypatch, args):
-    """UnicodeError from IDNA, TypeError from a lone surrogate, and (proxy) the resolver's gaierror were bug exits."""
+    """UnicodeError from IDNA, TypeError from a lone surrogate, and (proxy) the resolver's gaierror were bug exits;
+    so was a bind the kernel refuses with an errno kcache did not list (EINVAL: an IPv6 link-local address
+    without its %interface, a multicast one)."""
     monkeypatch.setenv("KCACHE_HOME", str(tmp_path / "home"))
     (tmp_path / "r").mkdir()
     out = CliRunner().invoke(main, [a.replace("{t}", str(tmp_path)) for a in args], catch_exceptions=False)
