@@ -735,6 +735,29 @@ def test_the_json_start_line_gives_urls_that_parse_for_an_ipv6_host(engine, pref
         proc.wait(timeout=30)
 
 
+@pytest.mark.skipif(not socket.has_dualstack_ipv6(), reason="needs a dual-stack IPv6 socket")
+def test_host_double_colon_takes_ipv4_and_ipv6_clients(engine, prefix, tmp_path):
+    # --help promises ":: for IPv4 and IPv6" (as `kcache serve` does): asyncio's own "::" socket is
+    # IPv6 only, and the kubelet and the pod's clients reach it over IPv4 in a dual-stack cluster.
+    write_marker(tmp_path, RESTORE_MARKER, {"status": "miss", "bundle_key": FP})
+    args = [sys.executable, "-m", "kcache", "proxy", "--root", str(tmp_path), "--upstream", engine.url, "--redis",
+            REDIS_URL, "--host", "::", "--port", "0", "--metrics-port", "0", "--key-prefix", prefix,
+            "--json"]  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = json.loads(proc.stdout.readline())
+        assert urllib.parse.urlsplit(line["url"]).hostname == "::"
+        metrics_port = urllib.parse.urlsplit(line["metrics_url"]).port
+        for address in ("127.0.0.1", "::1"):
+            for port in (line["port"], metrics_port):
+                with socket.create_connection((address, port), timeout=30) as conn:
+                    conn.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    assert b"".join(iter(lambda c=conn: c.recv(1 << 16), b"")).startswith(b"HTTP/1.1 ")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_redis_killed_while_a_miss_streams_still_delivers_the_whole_stream(prefix, tmp_path):
     private, gate = PrivateRedis(tmp_path), threading.Event()
     try:

@@ -34,8 +34,10 @@ connection.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import secrets
+import socket
 import time
 import urllib.parse
 from dataclasses import dataclass, field, replace
@@ -146,7 +148,7 @@ class Proxy:
         """Serve `runner` on host:port; the bound port. ConfigError (after closing everything) when it cannot."""
         await runner.setup()
         try:
-            await web.TCPSite(runner, host, port).start()
+            await _site(runner, host, port).start()
         except (UnicodeError, TypeError):  # a name IDNA cannot encode
             await self.close()
             raise ConfigError("--host", host, "is not a host name or address") from None
@@ -456,6 +458,23 @@ async def _metrics_elsewhere(_request: web.Request) -> web.Response:
     doc = {"error": {"message": "kcache proxy: /metrics is on the proxy's metrics port (--metrics-port), "
                                 "not on this one", "type": "not_found", "code": 404}}  # fmt: skip
     return web.json_response(doc, status=404, headers={CACHE_HEADER: "pass"})
+
+
+def _site(runner: web.AppRunner, host: str, port: int) -> web.BaseSite:
+    """Where `runner` listens. "::" takes IPv4 too, as `kcache serve`'s does: asyncio's own socket for it is
+    IPv6 only, and in a dual-stack cluster the kubelet and the pod's clients come over IPv4."""
+    if _unspecified_ipv6(host) and socket.has_dualstack_ipv6():
+        listener = socket.create_server((host, port), family=socket.AF_INET6, backlog=128, dualstack_ipv6=True)
+        return web.SockSite(runner, listener)
+    return web.TCPSite(runner, host, port)
+
+
+def _unspecified_ipv6(host: str) -> bool:
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return address.version == 6 and address.is_unspecified
 
 
 async def serve(config: ProxyConfig, host: str, port: int, metrics_port: int, on_ready, stop: asyncio.Event) -> None:
