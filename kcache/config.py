@@ -33,6 +33,10 @@ ENV = {
     "endpoint": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
 }
 DEFAULT = "default"
+# The AWS SDKs' switch that leaves every configured endpoint unused (AWS_ENDPOINT_URL*, the config
+# file's endpoint_url) while one named explicitly (--s3-endpoint-url) still counts. botocore applies it
+# only to endpoints it reads itself, and kcache reads the variables itself, so kcache applies it too.
+IGNORE_ENDPOINTS_ENV = "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS"
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,8 @@ def resolve(
     found: dict[str, str] = {}
     for name in ("home", *given):
         values[name], found[name] = _lookup(name, given.get(name), env, origins or {})
+    if found["endpoint"].startswith("env ") and ignores_configured_endpoints(env):
+        values["endpoint"], found["endpoint"] = None, f"{DEFAULT} ({found['endpoint']} ignored: {IGNORE_ENDPOINTS_ENV})"
     try:
         home = Path(values["home"] or _default_home()).expanduser().absolute()
         if home.exists() and not home.is_dir():
@@ -90,6 +96,11 @@ def resolve(
         store_explicit=bool(values["store"]),
         origins=tuple(found.items()),
     )
+
+
+def ignores_configured_endpoints(env: Mapping[str, str]) -> bool:
+    """AWS_IGNORE_CONFIGURED_ENDPOINT_URLS as botocore reads it: "true" in any case; anything else is off."""
+    return env.get(IGNORE_ENDPOINTS_ENV, "").lower() == "true"
 
 
 def check_endpoint(settings: Settings) -> None:

@@ -68,7 +68,8 @@ def store_options(fn=None, *, index_none: bool = False):
         click.option("--index", "index_url", metavar="URL", envvar=config.ENV["index"], type=NonEmptyText(),
                    help=f"SQLAlchemy URL of the index{none} (default sqlite:///$KCACHE_HOME/index.db)."),
         click.option("--s3-endpoint-url", metavar="URL", envvar=list(config.ENV["endpoint"]), type=NonEmptyText(),
-                   help="S3-compatible endpoint; AWS_ENDPOINT_URL_S3 wins over AWS_ENDPOINT_URL, as in boto3."),
+                   help="S3-compatible endpoint; AWS_ENDPOINT_URL_S3 wins over AWS_ENDPOINT_URL, and "
+                        "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=true leaves both unused, as in boto3."),
     )  # fmt: skip
     return _apply(fn, options)
 

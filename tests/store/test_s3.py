@@ -505,3 +505,50 @@ def test_a_multipart_answer_without_upload_id_or_etag_is_a_store_error(fake_cred
         store = open_store("s3://bucket", endpoint_url=server.url)
         with pytest.raises(StoreError):
             store.put_file(_PACK, pack)
+
+
+# ---- AWS_IGNORE_CONFIGURED_ENDPOINT_URLS, as every AWS SDK reads it -----------------------------------
+
+
+def _restore_through_env_endpoint(tmp_path, monkeypatch, url, endpoint, ignore):
+    import json
+
+    from click.testing import CliRunner
+
+    from kcache.cli import main
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:1")  # AWS's own endpoint (https) is refused at once
+    monkeypatch.setenv("KCACHE_S3_MAX_ATTEMPTS", "1")
+    if ignore is not None:
+        monkeypatch.setenv("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", ignore)
+    args = ["restore", "--into", str(tmp_path / f"r-{ignore}"), "--store", url, "--index", "none", "--model", "m",
+            "--timeout", "30", "--json"]  # fmt: skip
+    return json.loads(CliRunner().invoke(main, args, catch_exceptions=False).stdout)
+
+
+@pytest.mark.parametrize("ignore", ["true", "TRUE"])
+def test_ignoring_configured_endpoints_leaves_aws_endpoint_url_unused(tmp_path, s3_bucket, monkeypatch, ignore):
+    # The SDKs' setting: endpoints from the environment and the config file are not used (only one the
+    # command line names explicitly). kcache read AWS_ENDPOINT_URL itself and handed it to boto3 as
+    # an explicit endpoint, so the setting never applied.
+    url, endpoint = s3_bucket
+    _publish_cli(tmp_path, url, endpoint)
+    assert _restore_through_env_endpoint(tmp_path, monkeypatch, url, endpoint, None)["status"] == "hit"
+    doc = _restore_through_env_endpoint(tmp_path, monkeypatch, url, endpoint, ignore)
+    assert doc["status"] == "error" and endpoint not in doc["error"], doc
+
+
+@pytest.mark.parametrize("ignore", ["false", "", "1"])
+def test_endpoints_are_used_unless_ignoring_them_is_true(tmp_path, s3_bucket, monkeypatch, ignore):
+    url, endpoint = s3_bucket
+    _publish_cli(tmp_path, url, endpoint)
+    assert _restore_through_env_endpoint(tmp_path, monkeypatch, url, endpoint, ignore)["status"] == "hit"
+
+
+def test_an_explicit_s3_endpoint_url_is_used_though_configured_ones_are_ignored(tmp_path, s3_bucket, monkeypatch):
+    url, endpoint = s3_bucket
+    monkeypatch.setenv("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "true")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:1")
+    published, _args = _publish_cli(tmp_path, url, endpoint)  # --s3-endpoint-url on the command line
+    assert published["files"] == 20
