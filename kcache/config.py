@@ -53,6 +53,12 @@ class Settings:
     def default_index_path(self) -> Path:
         return self.home / "index.db"
 
+    @property
+    def endpoint_configured(self) -> bool:
+        """The endpoint came from AWS_ENDPOINT_URL*, not --s3-endpoint-url: the AWS config file's
+        ignore_configured_endpoint_urls leaves it unused (kcache.store.s3)."""
+        return self.origin("endpoint").startswith("env ")
+
     def origin(self, name: str) -> str:
         return dict(self.origins).get(name, DEFAULT)
 

@@ -213,8 +213,8 @@ def open_configured_store(cfg: config.Settings, *, jobs: int = 16, publisher: bo
     from kcache.store import open_store
 
     config.check_endpoint(cfg)
-    return open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs,
-                      create=publisher or before_publish or not cfg.store_explicit)  # fmt: skip
+    return open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, endpoint_configured=cfg.endpoint_configured,
+                      jobs=jobs, create=publisher or before_publish or not cfg.store_explicit)  # fmt: skip
 
 
 @contextmanager

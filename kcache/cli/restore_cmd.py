@@ -179,7 +179,8 @@ def _open_store_and_index(cfg: config.Settings, jobs: int, node_cache: Path | No
     config.check_endpoint(cfg)
     # A pod may restore before the first publish made the store: a miss, not an error (restore
     # writes nothing to the store, so it never creates one; cli.options.open_configured_store).
-    store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, jobs=jobs, create=True)
+    store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url, endpoint_configured=cfg.endpoint_configured,
+                       jobs=jobs, create=True)
     if node_cache is not None:
         store = _through_node_cache(store, node_cache, timeout)
     return store, open_for_restore(cfg, store)

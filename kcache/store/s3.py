@@ -96,7 +96,8 @@ def _session() -> botocore.session.Session:
 
 
 class S3Store:
-    def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None, jobs: int = 16):
+    def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None, jobs: int = 16,
+                 endpoint_configured: bool = False):  # fmt: skip
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
@@ -110,6 +111,10 @@ class S3Store:
         read_timeout = _seconds("KCACHE_S3_READ_TIMEOUT", "60")
         try:
             session = _session()
+            if endpoint_configured and session.get_config_variable("ignore_configured_endpoint_urls"):
+                # The switch read as botocore reads it (the environment, then the profile); kcache
+                # handing the variable's endpoint over made it an explicit one botocore never ignores.
+                endpoint_url = None
             config = Config(
                 max_pool_connections=self.jobs + 4,
                 retries={"max_attempts": max_attempts, "mode": "adaptive"},

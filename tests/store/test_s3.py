@@ -552,3 +552,14 @@ def test_an_explicit_s3_endpoint_url_is_used_though_configured_ones_are_ignored(
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:1")
     published, _args = _publish_cli(tmp_path, url, endpoint)  # --s3-endpoint-url on the command line
     assert published["files"] == 20
+
+
+def test_the_config_files_ignore_setting_leaves_aws_endpoint_url_unused(tmp_path, s3_bucket, monkeypatch):
+    # The switch may come from the profile too (ignore_configured_endpoint_urls = true), and then
+    # covers the environment's endpoints as well.
+    url, endpoint = s3_bucket
+    _publish_cli(tmp_path, url, endpoint)
+    (tmp_path / "aws-config").write_text("[default]\nignore_configured_endpoint_urls = true\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config"))
+    doc = _restore_through_env_endpoint(tmp_path, monkeypatch, url, endpoint, None)
+    assert doc["status"] == "error" and endpoint not in doc["error"], doc
