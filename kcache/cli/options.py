@@ -434,6 +434,8 @@ class TrustedKeyPath(NonEmptyPath):
         if isinstance(value, str) and value and not any(part.strip() for part in value.split(os.pathsep)):
             self.fail(f"{value!r} names no key file; give ':'-separated .pub paths, or leave it unset to "
                       "check no signatures", param, ctx)  # fmt: skip
+        if isinstance(value, str) and "," in value and not os.path.lexists(value):
+            self.fail(f"{value!r}: no such file; several key files are separated by ':', not ','", param, ctx)
         return super().convert(value, param, ctx)
 
 

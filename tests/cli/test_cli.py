@@ -284,6 +284,18 @@ def test_trusted_keys_that_name_no_key_do_not_turn_signature_checks_off(tmp_path
     assert refused.exit_code == ExitCode.USAGE and "no key" in json.loads(refused.stdout)["error"]
 
 
+def test_trusted_keys_joined_with_commas_are_refused_with_the_separator_named(tmp_path, monkeypatch):
+    # A comma-separated list (what many tools take) names one file that does not exist; the error says
+    # how to write the list instead of only that no such file exists.
+    run("keygen", "old", "--dir", str(tmp_path / "k"))
+    run("keygen", "new", "--dir", str(tmp_path / "k"))
+    monkeypatch.setenv("KCACHE_TRUSTED_KEYS", f"{tmp_path}/k/old.pub,{tmp_path}/k/new.pub")
+    refused = run("verify", "--json", ok=False)
+    assert refused.exit_code == ExitCode.USAGE
+    assert "separated by ':'" in json.loads(refused.stdout)["error"]
+    doc = json.loads(run("restore", "--into", str(tmp_path / "r"), "--model", "m", "--json").stdout)
+    assert doc["status"] == "error" and "separated by ':'" in doc["error"]
+
 # ---- a store that does not exist: only publish creates one ---------------------------------------
 
 
