@@ -128,9 +128,29 @@ class S3Store:
             )
             self.client = session.create_client("s3", region_name=_region(session), endpoint_url=endpoint_url,
                                                 config=config)  # fmt: skip
+            self._check_web_identity(session)
         except (BotoCoreError, ValueError) as exc:
             raise StoreError(self.url, f"cannot create an S3 client: {exc}") from None
         _bound_error_bodies(self.client)
+
+    def _check_web_identity(self, session: botocore.session.Session) -> None:
+        """With web identity credentials (EKS IRSA: AWS_ROLE_ARN and AWS_WEB_IDENTITY_TOKEN_FILE), that the
+        token file can be opened. botocore reads it at the first request and lets open()'s OSError out,
+        which said nothing of credentials (a bug exit); a pod without the token's mount, or whose user may
+        not read it, gets a store error naming the setting. The credentials are the ones the client took
+        (botocore keeps them on the session), so nothing is resolved twice."""
+        credentials = session.get_credentials()
+        if getattr(credentials, "method", None) != "assume-role-with-web-identity":
+            return
+        path = session.get_config_variable("web_identity_token_file")
+        try:
+            with open(path, "rb"):
+                pass
+        except (OSError, TypeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise StoreError(self.url, f"the web identity token file (AWS_WEB_IDENTITY_TOKEN_FILE) {path!r} "
+                                       f"cannot be read: {why}; is the service account token mounted, and "
+                                       "readable by this user?") from None  # fmt: skip
 
     def _key(self, key: str) -> str:
         if not is_valid_key(key):

@@ -563,3 +563,20 @@ def test_the_config_files_ignore_setting_leaves_aws_endpoint_url_unused(tmp_path
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config"))
     doc = _restore_through_env_endpoint(tmp_path, monkeypatch, url, endpoint, None)
     assert doc["status"] == "error" and endpoint not in doc["error"], doc
+
+
+@pytest.mark.parametrize("token", ["missing", "directory"])
+def test_a_web_identity_token_file_that_cannot_be_read_is_a_store_error(tmp_path, s3_bucket, monkeypatch, token):
+    # EKS IRSA: botocore reads the projected token on the first request and let open()'s OSError out,
+    # a bug exit (70) naming a path and nothing else; a pod without the mount, or whose user may not
+    # read it, gets a store error that names the variable.
+    url, endpoint = s3_bucket
+    path = tmp_path / "token"
+    if token == "directory":
+        path.mkdir()
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ROLE_ARN", "arn:aws:iam::123456789012:role/kcache")
+    monkeypatch.setenv("AWS_WEB_IDENTITY_TOKEN_FILE", str(path))
+    with pytest.raises(StoreError, match="AWS_WEB_IDENTITY_TOKEN_FILE"):
+        open_store(url, endpoint_url=endpoint).get_bytes("kcache-store.json")
