@@ -186,9 +186,10 @@ class ManifestTooLarge(ObjectTooLarge):
 # The result-cache proxy's own failures: both stay inside `kcache proxy`, which answers from the
 # engine instead (pass-through); they have rows in the CLI table like every other error.
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread by the restore or prebake that installed its handler: the
-    kubelet stopping an init container must leave kcache.env and a marker like any other failure,
-    and a stopped prebake must kill its warmup child."""
+    """SIGTERM, raised in the main thread by the restore, warmup or prebake that installed its handler:
+    the kubelet stopping an init container must leave kcache.env and a marker like any other failure,
+    a stopped warmup a failed marker (not a "running" one nobody rewrites), and a stopped prebake must
+    kill its warmup child. As the container's PID 1, kcache gets no SIGTERM at all without a handler."""
 
     def __init__(self, signum: int):
         self.signum = signum

@@ -24,6 +24,7 @@ import importlib
 import json
 import logging
 import os
+import signal
 import statistics
 import sys
 import time
@@ -41,6 +42,7 @@ from kcache.profiles import Profile
 from kcache.warmup_http import HttpTarget as HttpTarget  # re-exported: callers name warmup.HttpTarget
 from kcache.warmup_http import ServerUnavailable as ServerUnavailable
 from kcache.warmup_http import WarmupRequestError as WarmupRequestError
+from kcache.warmup_http import unwaited_on_interrupt
 
 log = logging.getLogger(__name__)
 
@@ -138,10 +140,21 @@ def run(
         if parallel <= 1:
             results += [_run_profile(target, p, note, probe) for p in phase]
         else:
-            with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="kcache-warmup") as pool:
+            pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="kcache-warmup")
+            with unwaited_on_interrupt(pool):
                 results += list(pool.map(lambda p: _run_profile(target, p, note, None), phase))
         mark(report("running"))
     return report("ok" if all(r.ok for r in results) else "failed", probe() if probe else None)
+
+
+def interrupted(target: str, last: WarmupReport | None, exc: KeyboardInterrupt) -> WarmupReport:
+    """The failed report of a warmup a signal stopped: what `last` (its last "running" report, None
+    before the target answered) said held then, and which signal it was."""
+    signum = getattr(exc, "signum", signal.SIGINT)  # Python's own SIGINT handler raises a plain one
+    error = f"warmup stopped by signal {signum} ({signal.Signals(signum).name}) before it finished"
+    if last is None:
+        return WarmupReport("failed", target, 0.0, (), error=error)
+    return replace(last, status="failed", error=error)
 
 
 def _run_profile(target: Target, profile: Profile, note, probe) -> ProfileResult:

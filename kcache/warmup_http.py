@@ -167,7 +167,8 @@ class HttpTarget:
         if profile.batch_size == 1:
             self._complete(profile, first, shared)
             return
-        with ThreadPoolExecutor(max_workers=profile.batch_size, thread_name_prefix="kcache-http") as pool:
+        pool = ThreadPoolExecutor(max_workers=profile.batch_size, thread_name_prefix="kcache-http")
+        with unwaited_on_interrupt(pool):
             # No name for the list: the failure raised here would hold it, each future's exception and
             # so every answer's socket and bytes, in a reference cycle until the next garbage collection.
             for future in [pool.submit(self._complete, profile, first + i, shared)
@@ -238,6 +239,21 @@ class HttpTarget:
         if not isinstance(doc, dict) or not doc.get("choices"):
             text = http_client.printable(answer.body.decode("utf-8", "replace"))
             raise http_client.RequestFailed(url, f"answer has no choices: {text}", transient=False)
+
+
+@contextmanager
+def unwaited_on_interrupt(pool: ThreadPoolExecutor) -> Iterator[None]:
+    """`with pool:`, except that a signal (KeyboardInterrupt, kcache.errors.Terminated) leaves at once:
+    the runs under way are not waited for (a request may have minutes left of its deadline, past the
+    kubelet's grace period) and those queued never start."""
+    wait = True
+    try:
+        yield
+    except KeyboardInterrupt:
+        wait = False
+        raise
+    finally:
+        pool.shutdown(wait=wait, cancel_futures=not wait)
 
 
 class WarmupRequestError(KcacheError):

@@ -29,6 +29,7 @@ class OpenAIServer:
         self.arrived = threading.Event()  # set when the first completion request has arrived
         self.completions: list[dict] = []  # request bodies, in arrival order
         self.health_checks = 0
+        self.checked = threading.Event()  # set when the first health check has arrived
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())  # port: 0 for a free one
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -73,6 +74,7 @@ class OpenAIServer:
                 if self.path == "/health":
                     with owner._lock:
                         owner.health_checks += 1
+                        owner.checked.set()
                         sick = owner.unhealthy < 0 or owner.health_checks <= owner.unhealthy
                     if owner.no_health:
                         self._send(404, {"error": "not found"})

@@ -11,6 +11,7 @@ from collections.abc import Iterator, MutableMapping
 import click
 
 from kcache import buildinfo
+from kcache.cli import lingering
 from kcache.cli.errors import epilog
 from kcache.cli.options import KcacheGroup
 from kcache.config import redact_text
@@ -137,9 +138,13 @@ def run() -> None:
     modules, a manifest's entries): 0.05-0.06 s of a 1.2 s restore and of each short command. Frozen
     objects are skipped by those collections, and a process that is ending has nothing left to collect.
     Only the process's own entry freezes: a caller of `main` (tests, an embedding program) keeps its
-    collector as it was.
+    collector as it was. A command that runs threads it may leave behind bounds the wait for them here
+    (kcache.cli.lingering).
     """
     try:
         main(prog_name="kcache")
+    except SystemExit as exc:  # click ends every command with it
+        lingering.settle(exc.code)
+        raise
     finally:
         gc.freeze()

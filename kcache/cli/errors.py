@@ -37,7 +37,7 @@ class ExitCode(IntEnum):
     BUG = 70
     INTERRUPTED = 130
     BROKEN_PIPE = 141  # stdout closed before the output was written (`kcache ls | head`), as shells report SIGPIPE
-    TERMINATED = 143  # SIGTERM during restore or prebake, after kcache.env and the marker are written
+    TERMINATED = 143  # SIGTERM during restore, warmup or prebake, after kcache.env and the markers are written
 
 
 BUG_HINT = "this is a bug in kcache; run with KCACHE_DEBUG=1 for a traceback and report it"
@@ -231,6 +231,6 @@ EXIT_MEANINGS = {
     ExitCode.BUG: "an unexpected error: a bug in kcache, please report it",
     ExitCode.INTERRUPTED: "interrupted (Ctrl-C), as shells report SIGINT",
     ExitCode.BROKEN_PIPE: "the reader of the output closed it first (as head does), as shells report SIGPIPE",
-    ExitCode.TERMINATED: "restore or prebake stopped by SIGTERM (kcache.env and the marker are written, "
+    ExitCode.TERMINATED: "restore, warmup or prebake stopped by SIGTERM (kcache.env and the markers are written, "
                          "the warmup process killed, first)",
 }

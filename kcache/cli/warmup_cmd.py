@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stdout
 from dataclasses import asdict
@@ -17,6 +18,7 @@ import click
 from kcache import binding, readiness, warmup
 from kcache import profiles as profile_files
 from kcache.cli import format as fmt
+from kcache.cli import lingering
 from kcache.cli.errors import ExitCode
 from kcache.cli.options import (
     Duration,
@@ -34,6 +36,7 @@ from kcache.cli.publish_cmd import allow_empty_option, publish_config
 from kcache.config import redact_doc, redact_text
 from kcache.errors import ConfigError, KcacheError
 from kcache.prebake import ChildWarmup, ServerWarmup, prebake
+from kcache.restore import sigterm_interrupts
 from kcache.untrusted import one_line
 
 log = logging.getLogger(__name__)
@@ -135,23 +138,41 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
     # longer keeps the pod unready for good: past the budget its marker counts as a failed warmup.
     expires = datetime.now(timezone.utc) + timedelta(seconds=budget) + _RUNNING_GRACE if budget else None
     after = readiness.restore_stamp(root) if root else None  # the restore this warmup follows
-    checkpoint = (lambda partial: warmup.write_marker(root, partial, on_failure, expires_at=expires,
-                                                      after_restore=after)) if root else None  # fmt: skip
+    before = frozenset(threading.enumerate())
+    last: list[warmup.WarmupReport] = []  # the last "running" report: what held when a signal came
+
+    def checkpoint(partial: warmup.WarmupReport) -> None:
+        last[:] = [partial]
+        if root:
+            warmup.write_marker(root, partial, on_failure, expires_at=expires, after_restore=after)
+
     try:
-        _check_target(entrypoint, url)
-        chosen = _profiles(profiles_file)
-        if entrypoint:
-            with stdout_to_stderr():  # the entrypoint is the user's code: only kcache's report is stdout
-                target = warmup.load_entrypoint(entrypoint)
-                report = warmup.run(target, chosen, parallel=parallel, progress=_note(), probe=warmup.torch_counters,
-                                    checkpoint=checkpoint)  # fmt: skip
-                report = warmup.save_megacache(report)
-        else:
-            report = warmup.run(_http(url, request_timeout, wait_timeout, served_model, retries, budget), chosen,
-                                parallel=parallel, progress=_note(), checkpoint=checkpoint)  # fmt: skip
+        # kcache may be the container's PID 1, which the kernel sends no signal it has no handler for:
+        # without one, the kubelet's SIGTERM was ignored and the pod held for its whole grace period.
+        with sigterm_interrupts():
+            _check_target(entrypoint, url)
+            chosen = _profiles(profiles_file)
+            if entrypoint:
+                with stdout_to_stderr():  # the entrypoint is the user's code: only kcache's report is stdout
+                    target = warmup.load_entrypoint(entrypoint)
+                    report = warmup.run(target, chosen, parallel=parallel, progress=_note(),
+                                        probe=warmup.torch_counters, checkpoint=checkpoint)  # fmt: skip
+                    report = warmup.save_megacache(report)
+            else:
+                report = warmup.run(_http(url, request_timeout, wait_timeout, served_model, retries, budget), chosen,
+                                    parallel=parallel, progress=_note(), checkpoint=checkpoint)  # fmt: skip
+    except KeyboardInterrupt as exc:  # SIGTERM (Terminated) or SIGINT: exits 143 or 130 (KcacheGroup)
+        # Runs still under way (a request with minutes of deadline left) are not waited for.
+        lingering.bound(before, 0.0)
+        if root:  # a "running" marker nobody rewrites kept readiness waiting (for ever without --budget)
+            _mark_failed(root, warmup.interrupted(entrypoint or url or "", last[-1] if last else None, exc),
+                         on_failure, after)  # fmt: skip
+        raise
     except Exception as exc:
         if root:  # readiness waits for a marker: one that never comes kept the pod unready whatever --on-failure
-            _mark_not_started(root, entrypoint or url or "", exc, on_failure, after)
+            failed = warmup.WarmupReport("failed", entrypoint or url or "", 0.0, (),
+                                         error=one_line(str(exc)) or type(exc).__name__)  # fmt: skip
+            _mark_failed(root, failed, on_failure, after)
         raise
     marker = warmup.write_marker(root, report, on_failure, after_restore=after) if root else None
     if as_json:
@@ -164,10 +185,9 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
         raise click.exceptions.Exit(ExitCode.WARMUP)
 
 
-def _mark_not_started(root: Path, target: str, exc: Exception, on_failure: str, after) -> None:
+def _mark_failed(root: Path, failed: warmup.WarmupReport, on_failure: str, after) -> None:
     """A failed marker for a warmup that ended before its report (a profiles file that does not load, an
-    entrypoint that does not import, a URL that is none); a marker that cannot be written is left out."""
-    failed = warmup.WarmupReport("failed", target, 0.0, (), error=one_line(str(exc)) or type(exc).__name__)
+    entrypoint that does not import, a URL that is none, a signal); one that cannot be written is left out."""
     try:
         warmup.write_marker(root, failed, on_failure, after_restore=after)
     except KcacheError as write_error:

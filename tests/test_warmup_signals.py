@@ -1,0 +1,122 @@
+"""`kcache warmup` and `kcache prebake` stopped by a signal, in a real process.
+
+In a container without an init, kcache is PID 1, and the kernel delivers no signal to PID 1 that it
+has no handler for: a warmup with Python's default SIGTERM disposition ignored the kubelet's SIGTERM,
+kept the pod for its whole grace period and was SIGKILLed. Here the process is an ordinary child, which
+SIGTERM's default disposition kills on the spot (exit -15, no marker): only a handler the command
+installs itself ends it with 143 and a marker that says so, which is what PID 1 needs too.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from openai_server import OpenAIServer
+
+from kcache import readiness
+from kcache.cli.errors import ExitCode
+
+TESTS = Path(__file__).resolve().parent
+
+
+def profiles(tmp_path: Path, batch_size: int) -> Path:
+    path = tmp_path / "profiles.yaml"
+    path.write_text(f"profiles:\n  - {{name: p, batch_size: {batch_size}, input_tokens: 4, output_tokens: 1}}\n")
+    return path
+
+
+def start(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-m", "kcache", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def stop(process: subprocess.Popen, signum: int = signal.SIGTERM) -> tuple[int, str, str]:
+    """Send `signum`, then wait for the exit: far less than the held request's 300 s deadline."""
+    process.send_signal(signum)
+    try:
+        out, err = process.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        pytest.fail(f"still running 30 s after signal {signum}: {err[-2000:]}")
+    return process.returncode, out, err
+
+
+def laid_out(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    readiness.write_marker(root, readiness.RESTORE_MARKER, {"status": "miss"})
+    return root
+
+
+@pytest.mark.parametrize("batch_size", [1, 4], ids=["single", "batch"])
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, ExitCode.TERMINATED), (signal.SIGINT, ExitCode.INTERRUPTED)],
+                         ids=["SIGTERM", "SIGINT"])  # fmt: skip
+def test_a_signal_during_url_warmup_ends_it_with_a_failed_marker(tmp_path, batch_size, signum, code):
+    """The server holds the first completion; the signal comes while warmup waits for it. Warmup must
+    exit at once (a batch's requests run on threads, which the exit must not wait for either) and
+    leave a failed marker: under ready-cold, with the weights loaded, readiness lets the pod serve
+    rather than wait for a warmup that will never finish."""
+    root = laid_out(tmp_path / "root")
+    with OpenAIServer(hold=True) as server:
+        warmup = start("warmup", "--url", server.url, "--root", str(root), "--profiles",
+                       str(profiles(tmp_path, batch_size)), "--on-failure", "ready-cold", "--json")  # fmt: skip
+        try:
+            assert server.arrived.wait(60), "warmup never sent a request"
+            rc, out, _ = stop(warmup, signum)
+        finally:
+            warmup.kill()
+            warmup.wait()
+    assert rc == code
+    assert json.loads(out)["exit_code"] == code
+    marker = readiness.read_marker(root, readiness.WARMUP_MARKER)
+    assert marker["status"] == "failed" and f"signal {int(signum)}" in marker["error"]
+    assert marker["signals"]["weights"] is True  # what held when the signal came is kept
+    state = readiness.check(root)
+    assert state.ready and state.cold
+
+
+def test_sigterm_while_waiting_for_the_server_leaves_a_failed_marker(tmp_path):
+    """A server that never becomes healthy: the signal comes during the wait (--wait-timeout 600)."""
+    root = laid_out(tmp_path / "root")
+    with OpenAIServer(unhealthy=-1) as server:
+        warmup = start("warmup", "--url", server.url, "--root", str(root))
+        try:
+            assert server.checked.wait(60), "warmup never asked the server's health"
+            rc, _, _ = stop(warmup)
+        finally:
+            warmup.kill()
+            warmup.wait()
+    assert rc == ExitCode.TERMINATED
+    marker = readiness.read_marker(root, readiness.WARMUP_MARKER)
+    assert marker["status"] == "failed" and marker["signals"]["weights"] is False
+    assert not readiness.check(root).ready  # unready: the server never answered
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare(1)")
+def test_as_pid_1_of_its_own_namespace_warmup_still_stops_on_sigterm(tmp_path):
+    """The container's case itself: warmup is PID 1 of a new PID namespace, which the kernel sends no
+    signal it has no handler for (a SIGTERM from the parent namespace too). It was ignored."""
+    root = laid_out(tmp_path / "root")
+    with OpenAIServer(hold=True) as server:
+        unshare = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-m", "kcache",
+                                    "warmup", "--url", server.url, "--root", str(root), "--json"],
+                                   stdout=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert server.arrived.wait(60), "warmup never sent a request"
+            (pid,) = (int(p) for p in Path(f"/proc/{unshare.pid}/task/{unshare.pid}/children").read_text().split())
+            status = Path(f"/proc/{pid}/status").read_text().splitlines()
+            nspid = next(line for line in status if line.startswith("NSpid:"))
+            assert nspid.split()[-1] == "1"  # its pid in its own namespace
+            os.kill(pid, signal.SIGTERM)
+            out, _ = unshare.communicate(timeout=30)
+        finally:
+            unshare.kill()
+            unshare.wait()
+    assert json.loads(out)["exit_code"] == ExitCode.TERMINATED
+    assert readiness.read_marker(root, readiness.WARMUP_MARKER)["status"] == "failed"
