@@ -199,7 +199,17 @@ class ServerWarmup:
 
     def warm(self, root: Path, progress: Callable[[str], None]) -> warmup.WarmupReport:
         after = readiness.restore_stamp(root)
-        report = warmup.run(self.target, self.profiles, parallel=self.parallel, progress=progress)
+        last: list[warmup.WarmupReport] = []  # the last "running" report: what held when a signal came
+        try:
+            report = warmup.run(self.target, self.profiles, parallel=self.parallel, progress=progress,
+                                checkpoint=last.append)  # fmt: skip
+        except KeyboardInterrupt as exc:  # SIGTERM (prebake's handler) or SIGINT: the marker says so
+            try:
+                warmup.write_marker(root, warmup.interrupted(self.target.name, last[-1] if last else None, exc),
+                                    after_restore=after)  # fmt: skip
+            except KcacheError as write_error:  # the signal is what to report
+                log.warning("cannot write the warmup marker: %s", write_error)
+            raise
         warmup.write_marker(root, report, after_restore=after)
         return report
 
@@ -221,7 +231,15 @@ def prebake(
     config: PublishConfig = PublishConfig(),
     progress: Callable[[str], None] | None = None,
 ) -> PrebakeResult:
-    root = Path(root).absolute()
+    """Restore (or check ROOT is laid out), warm up, then publish if every profile succeeded. SIGTERM
+    raises kcache.errors.Terminated in any of them: as a container's PID 1 without a handler, prebake
+    got no SIGTERM at all, and a warmup stopped by it must not be published."""
+    with sigterm_interrupts():
+        return _prebake(store, index, fingerprint, Path(root).absolute(), warmer, config, progress)
+
+
+def _prebake(store: Store, index: Index, fingerprint: Fingerprint, root: Path, warmer: Warmer, config: PublishConfig,
+             progress: Callable[[str], None] | None) -> PrebakeResult:  # fmt: skip
     note = progress or (lambda _msg: None)
     restored = None
     if warmer.needs_restore:

@@ -120,3 +120,30 @@ def test_as_pid_1_of_its_own_namespace_warmup_still_stops_on_sigterm(tmp_path):
             unshare.wait()
     assert json.loads(out)["exit_code"] == ExitCode.TERMINATED
     assert readiness.read_marker(root, readiness.WARMUP_MARKER)["status"] == "failed"
+
+
+@pytest.mark.parametrize("batch_size", [1, 4], ids=["single", "batch"])
+def test_sigterm_during_prebake_url_warmup_publishes_nothing(tmp_path, batch_size):
+    """prebake --url had no handler either: ignored as PID 1. Stopped mid-warmup, it must not go on
+    to publish what the warmup compiled so far, and its marker says the warmup failed."""
+    from click.testing import CliRunner
+
+    from kcache.cli import main
+
+    root = tmp_path / "root"
+    laid = CliRunner().invoke(main, ["restore", "--into", str(root), "--model", "m"], catch_exceptions=False)
+    assert laid.exit_code == 0, laid.output
+    with OpenAIServer(hold=True) as server:
+        prebake = start("prebake", "--url", server.url, "--root", str(root), "--profiles",
+                        str(profiles(tmp_path, batch_size)), "--model", "m", "--allow-empty", "--json")  # fmt: skip
+        try:
+            assert server.arrived.wait(60), "prebake never sent a request"
+            rc, out, _ = stop(prebake)
+        finally:
+            prebake.kill()
+            prebake.wait()
+    assert rc == ExitCode.TERMINATED
+    assert json.loads(out)["exit_code"] == ExitCode.TERMINATED
+    listed = CliRunner().invoke(main, ["ls", "--model", "m", "--json"], catch_exceptions=False)
+    assert listed.exit_code == 0 and json.loads(listed.output) == [], listed.output
+    assert readiness.read_marker(root, readiness.WARMUP_MARKER)["status"] == "failed"

@@ -299,8 +299,12 @@ def prebake_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_
     store = open_configured_store(cfg, jobs=jobs, publisher=True)
     config = publish_config(cfg, jobs=jobs, signing_key=signing_key, allow_empty=allow_empty)
     index = binding.open_index(cfg, store, write=True)
+    before = frozenset(threading.enumerate())
     try:
         result = prebake(store, index, fp, root, warmer, config=config, progress=None if as_json else _note())
+    except KeyboardInterrupt:  # SIGTERM or SIGINT: requests still under way on a batch's threads are not waited for
+        lingering.bound(before, 0.0)
+        raise
     finally:
         index.close()
     if as_json:
