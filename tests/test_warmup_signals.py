@@ -7,12 +7,14 @@ SIGTERM's default disposition kills on the spot (exit -15, no marker): only a ha
 installs itself ends it with 143 and a marker that says so, which is what PID 1 needs too.
 """
 
+import atexit
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from openai_server import OpenAIServer
 
 from kcache import readiness
 from kcache.cli.errors import ExitCode
+from kcache.prebake import EXIT_GRACE
 
 TESTS = Path(__file__).resolve().parent
 
@@ -147,3 +150,49 @@ def test_sigterm_during_prebake_url_warmup_publishes_nothing(tmp_path, batch_siz
     listed = CliRunner().invoke(main, ["ls", "--model", "m", "--json"], catch_exceptions=False)
     assert listed.exit_code == 0 and json.loads(listed.output) == [], listed.output
     assert readiness.read_marker(root, readiness.WARMUP_MARKER)["status"] == "failed"
+
+
+# ---- an entrypoint that leaves a thread running ------------------------------------------------------
+
+
+def leaves_a_thread(batch_size, input_tokens, output_tokens):
+    """Starts a thread (not a daemon) that never ends, a server loop or a prefetcher, and registers an
+    atexit hook, as libraries do. Python's exit joins the thread before it runs the hooks."""
+    atexit.register(Path(os.environ["KCACHE_TEST_ATEXIT"]).write_text, "ran")
+    threading.Thread(target=threading.Event().wait, name="user-loop").start()
+
+
+@pytest.mark.parametrize("entrypoint, code", [("test_warmup_signals:leaves_a_thread", 0),
+                                              ("thread_then_error:run", ExitCode.USAGE)],
+                         ids=["after-the-report", "import-fails"])  # fmt: skip
+def test_a_thread_the_entrypoint_leaves_running_does_not_hold_warmup_for_ever(tmp_path, monkeypatch, entrypoint,
+                                                                               code):  # fmt: skip
+    """The report and the marker were written, then the process never exited: `warmup; exec watch`
+    never reached watch, a Job never completed. The thread gets prebake's grace (EXIT_GRACE), then
+    the process exits with the warmup's code, after the atexit hooks (the user's too)."""
+    ran = tmp_path / "atexit-ran"
+    monkeypatch.setenv("KCACHE_TEST_ATEXIT", str(ran))
+    (tmp_path / "thread_then_error.py").write_text(
+        "import atexit, os, pathlib, threading\n"
+        "atexit.register(pathlib.Path(os.environ['KCACHE_TEST_ATEXIT']).write_text, 'ran')\n"
+        "threading.Thread(target=threading.Event().wait, name='user-loop').start()\n"
+        "raise RuntimeError('no GPU')\n"
+    )  # fmt: skip
+    monkeypatch.chdir(tmp_path)  # an entrypoint's module is looked up in the current directory first
+    root = laid_out(tmp_path / "root")
+    warmup = start("warmup", "--entrypoint", entrypoint, "--root", str(root), "--profiles",
+                   str(profiles(tmp_path, 1)), "--json")  # fmt: skip
+    try:
+        out, err = warmup.communicate(timeout=EXIT_GRACE + 50)
+    except subprocess.TimeoutExpired:
+        pytest.fail("warmup never exited: Python's exit waits for the entrypoint's thread")
+    finally:
+        warmup.kill()
+        warmup.wait()
+    assert warmup.returncode == code, err
+    marker = readiness.read_marker(root, readiness.WARMUP_MARKER)
+    assert marker["status"] == ("ok" if code == 0 else "failed")
+    if code == 0:
+        assert json.loads(out)["status"] == "ok"
+    assert ran.read_text() == "ran"
+    assert "user-loop" in err  # the warning names what it did not wait for

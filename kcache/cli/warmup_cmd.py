@@ -35,7 +35,7 @@ from kcache.cli.options import (
 from kcache.cli.publish_cmd import allow_empty_option, publish_config
 from kcache.config import redact_doc, redact_text
 from kcache.errors import ConfigError, KcacheError
-from kcache.prebake import ChildWarmup, ServerWarmup, prebake
+from kcache.prebake import EXIT_GRACE, ChildWarmup, ServerWarmup, prebake
 from kcache.restore import sigterm_interrupts
 from kcache.untrusted import one_line
 
@@ -139,6 +139,9 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
     expires = datetime.now(timezone.utc) + timedelta(seconds=budget) + _RUNNING_GRACE if budget else None
     after = readiness.restore_stamp(root) if root else None  # the restore this warmup follows
     before = frozenset(threading.enumerate())
+    # A thread the entrypoint leaves running (not a daemon) held Python's exit for ever, after the report
+    # and the marker: `warmup; exec watch` never reached watch. It gets what prebake gives its child.
+    lingering.bound(before, EXIT_GRACE)
     last: list[warmup.WarmupReport] = []  # the last "running" report: what held when a signal came
 
     def checkpoint(partial: warmup.WarmupReport) -> None:
