@@ -196,3 +196,29 @@ def test_a_thread_the_entrypoint_leaves_running_does_not_hold_warmup_for_ever(tm
         assert json.loads(out)["status"] == "ok"
     assert ran.read_text() == "ran"
     assert "user-loop" in err  # the warning names what it did not wait for
+
+
+def test_sigterm_while_the_entrypoint_imports_leaves_a_failed_marker(tmp_path, monkeypatch):
+    """A model load at import time (the module builds its model when imported) is where a pod deleted
+    early finds warmup: the handler must already be in place then."""
+    (tmp_path / "slow_import.py").write_text(
+        "import sys, threading\nsys.stderr.write('importing\\n')\nsys.stderr.flush()\nthreading.Event().wait()\n"
+        "def run(batch_size, input_tokens, output_tokens):\n    pass\n"
+    )  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    root = laid_out(tmp_path / "root")
+    warmup = start("warmup", "--entrypoint", "slow_import:run", "--root", str(root), "--on-failure", "ready-cold")
+    try:
+        for line in warmup.stderr:  # the module's own line: the import is under way
+            if line.strip() == "importing":
+                break
+        else:
+            pytest.fail("the entrypoint's module never started importing")
+        rc, _, _ = stop(warmup)
+    finally:
+        warmup.kill()
+        warmup.wait()
+    assert rc == ExitCode.TERMINATED
+    marker = readiness.read_marker(root, readiness.WARMUP_MARKER)
+    assert marker["status"] == "failed" and "signal 15" in marker["error"]
+    assert not readiness.check(root).ready  # nothing ran: the weights never loaded, even under ready-cold
