@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -107,6 +107,15 @@ class ChildWarmup:
     def warm(self, root: Path, progress: Callable[[str], None]) -> warmup.WarmupReport:
         env = {**(os.environ if self.env is None else self.env), **envfile.read(root / envfile.NAME)}
         progress(f"warming up {self.entrypoint} in a child process with {root / envfile.NAME}")
+        after = readiness.restore_stamp(root)  # what the child reads at its start: no restore comes between
+        try:
+            return self._warm(root, env)
+        except (KeyboardInterrupt, WarmupChildTimedOut) as exc:
+            # The child was killed (SIGKILL): its last marker says "running", with no expiry, for ever.
+            _mark_killed(root, self.entrypoint, exc, after)
+            raise
+
+    def _warm(self, root: Path, env: Mapping[str, str]) -> warmup.WarmupReport:
         # stderr is inherited: the child's progress and errors reach the user directly. Its own
         # session: a hung entrypoint's helpers (compile workers) are killed with it.
         # The child's exit is what is waited for, not its stdout's end: a helper the user's code
@@ -149,6 +158,25 @@ class ChildWarmup:
         except subprocess.TimeoutExpired:  # the report is in: the warmup is over, whatever holds the exit
             log.warning("the warmup process did not exit within %g s of its report (a thread the entrypoint "
                         "left running?); killed", max(0.0, left))  # fmt: skip
+
+
+def _mark_killed(root: Path, target: str, exc: BaseException, after: str | None) -> None:
+    """A failed marker in place of the killed child's "running" one, keeping the signals it held."""
+    doc = readiness.read_marker(root, readiness.WARMUP_MARKER) or {}
+    last = None
+    if doc.get("status") == "running" and doc.get(readiness.AFTER_RESTORE) == after:
+        try:
+            last = warmup.from_dict(doc)
+        except (ValueError, KeyError, TypeError, AttributeError):  # ROOT is the build's, but checked all the same
+            last = None
+    if isinstance(exc, KeyboardInterrupt):
+        failed = warmup.interrupted(target, last, exc)
+    else:
+        failed = replace(last or warmup.WarmupReport("failed", target, 0.0, ()), status="failed", error=str(exc))
+    try:
+        warmup.write_marker(root, failed, after_restore=after)
+    except KcacheError as write_error:  # what stopped the warmup is what to report
+        log.warning("cannot write the warmup marker: %s", write_error)
 
 
 def _last_report(stdout: str) -> warmup.WarmupReport | None:

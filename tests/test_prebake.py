@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from kcache import readiness
 from kcache.cli import main
 from kcache.cli.errors import ExitCode
 
@@ -85,6 +86,9 @@ def test_a_hanging_entrypoint_is_stopped_at_the_budget_with_a_clear_error(tmp_pa
     out = prebake(tmp_path, child_path, "test_prebake:hang", "--budget", "2", code=ExitCode.WARMUP)
     assert "did not finish within 2 s (--budget)" in out.stderr
     assert "raise --budget" in out.stderr
+    # The killed child's last marker said "running", with no expiry: readiness on ROOT waited for ever.
+    marker = readiness.read_marker(tmp_path / "A", readiness.WARMUP_MARKER)
+    assert marker["status"] == "failed" and "--budget" in marker["error"]
 
 
 def test_a_failed_warmup_is_the_error_object_beside_the_report(tmp_path, child_path):
@@ -186,6 +190,8 @@ def test_sigterm_to_prebake_kills_its_warmup_child_too(tmp_path, child_path, mon
         assert json.loads(out)["exit_code"] == ExitCode.TERMINATED
         with pytest.raises(ProcessLookupError):  # reaped by prebake: no such process any more
             os.kill(child, 0)
+        marker = readiness.read_marker(tmp_path / "A", readiness.WARMUP_MARKER)
+        assert marker["status"] == "failed" and "signal 15" in marker["error"]
     finally:
         prebake.kill()
         prebake.wait()
