@@ -84,6 +84,25 @@ def test_a_signal_during_url_warmup_ends_it_with_a_failed_marker(tmp_path, batch
     assert state.ready and state.cold
 
 
+def test_sigterm_during_a_parallel_warmup_does_not_wait_for_the_profiles_under_way(tmp_path):
+    """--parallel runs profiles on a pool of its own: leaving it waited for the held request."""
+    root = laid_out(tmp_path / "root")
+    chosen = tmp_path / "two.yaml"
+    chosen.write_text("profiles:\n  - {name: a, batch_size: 1, input_tokens: 4, output_tokens: 1}\n"
+                      "  - {name: b, batch_size: 1, input_tokens: 8, output_tokens: 1}\n")  # fmt: skip
+    with OpenAIServer(hold=True) as server:
+        warmup = start("warmup", "--url", server.url, "--root", str(root), "--profiles", str(chosen),
+                       "--parallel", "2")  # fmt: skip
+        try:
+            assert server.arrived.wait(60), "warmup never sent a request"
+            rc, _, _ = stop(warmup)
+        finally:
+            warmup.kill()
+            warmup.wait()
+    assert rc == ExitCode.TERMINATED
+    assert readiness.read_marker(root, readiness.WARMUP_MARKER)["status"] == "failed"
+
+
 def test_sigterm_while_waiting_for_the_server_leaves_a_failed_marker(tmp_path):
     """A server that never becomes healthy: the signal comes during the wait (--wait-timeout 600)."""
     root = laid_out(tmp_path / "root")
