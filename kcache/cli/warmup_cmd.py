@@ -124,7 +124,8 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
     Reports each profile's first latency (the compile) and steady-state median. Exits 13 if any
     profile failed or the server never became healthy; the marker then says "failed", and the pod
     stays unready unless --on-failure ready-cold. While warmup runs, the marker says "running" and
-    which readiness signals (weights loaded, graphs compiled) hold already. With
+    which readiness signals (weights loaded, graphs compiled) hold already. SIGTERM or SIGINT stops
+    it at once (exit 143 or 130, also as a container's PID 1) with a failed marker. With
     --entrypoint, a process that imported torch also saves torch's Mega-Cache to
     $KCACHE_MEGACACHE when that is set (ROOT/kcache.env sets it).
 
