@@ -227,21 +227,38 @@ def probe_compiler(env: Mapping[str, str], arch: str | None = None) -> dict[str,
     # As torch runs it for its keys (cpp_builder.get_compiler_version_info): by name, under LC_ALL=C.
     # gcc names itself as it was called (COLLECT_GCC=...): the absolute path here kept one bundle key
     # where torch's keys told a wrapper script from the compiler, and a hit rebuilt every ISA probe.
-    text = _stderr([name, "-v"], env={**os.environ, **env, "LC_ALL": "C"})
+    run_env = {**os.environ, **env, "LC_ALL": "C"}
+    text = _stderr([name, "-v"], path, env=run_env)
     lines = [line for line in text.splitlines() if " version " in line]
     facts = {"cxx.name": name, "cxx.version": lines[-1].strip() if lines else NONE, "cxx.v_hash": canonical.xxh3(text)}
     if (platform.machine() if arch is None else arch) in X86:
         # gcc on x86 asks CPUID, not /proc/cpuinfo, which hides some of what it turns on: only the
         # compiler can say what -march=native (every Inductor CPU kernel's flag) means here.
-        facts["cxx.native"] = native_isa(_stderr([path, "-###", "-march=native", "-x", "c++", "-E", os.devnull]))
+        # By name too, as Inductor compiles: exec passes over a g++ on PATH that cannot run to the next one.
+        facts["cxx.native"] = native_isa(_stderr([name, "-###", "-march=native", "-x", "c++", "-E", os.devnull], path,
+                                                 env=run_env))  # fmt: skip
     return facts
 
 
-def _stderr(command: list[str], env: Mapping[str, str] | None = None) -> str:
+# How long one compiler probe may take (torch waits for `g++ -v` as long as it takes; a restore has a budget).
+COMPILER_PROBE_TIMEOUT_S = 10.0
+
+
+def _stderr(command: list[str], path: str, env: Mapping[str, str] | None = None) -> str:
+    """What the compiler at `path` wrote to stderr. ConfigError when it could not be run or did not finish:
+    "" and `none` would be every failed compiler's facts (gcc 12's and gcc 14's, an AVX10.2 node's and an
+    AVX10.1 one's), so kernels one built would be filed under a key the other restores."""
     try:
-        return subprocess.run(command, capture_output=True, text=True, timeout=10, env=env).stderr
-    except (OSError, subprocess.SubprocessError):
-        return ""
+        return subprocess.run(command, capture_output=True, text=True, timeout=COMPILER_PROBE_TIMEOUT_S,
+                              env=env).stderr  # fmt: skip
+    except subprocess.TimeoutExpired:
+        why = f"did not finish within {COMPILER_PROBE_TIMEOUT_S:g} s"
+    except OSError as exc:
+        why = f"could not be run ({exc.strerror or type(exc).__name__})"
+    except subprocess.SubprocessError as exc:
+        why = f"could not be run ({type(exc).__name__})"
+    raise ConfigError("CXX", command[0], f"`{' '.join(command[1:3])}` {why}, so the compiler's "
+                      f"facts cannot be keyed; fix {path} or set CXX to a working compiler")  # fmt: skip
 
 
 def native_isa(driver_text: str) -> str:

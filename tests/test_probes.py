@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kcache import probes as p
+from kcache.errors import ConfigError
 
 ALL_AVX512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
 
@@ -296,6 +297,31 @@ def test_what_the_compilers_march_native_turns_on_is_keyed(tmp_path, monkeypatch
     assert not {"no-fma4", "march=graniterapids", "tune=graniterapids"} & native  # neither off nor tuning
     assert set(seen[rich]["cxx.native"].split()) - set(seen[poor]["cxx.native"].split()) == {
         "avx10.2", "apxf", "avxneconvert"}  # fmt: skip
+
+
+def compiler_that_cannot_answer(directory, how: str):
+    """A `g++` on PATH that is found but gives no answer: one whose interpreter is missing (exec fails),
+    or one that is still starting when the probe gives up (a lazily pulled image's first exec)."""
+    directory.mkdir()
+    tool = directory / "g++"
+    tool.write_text("#!/nonexistent/sh\n" if how == "unrunnable" else "#!/bin/sh\nexec /bin/sleep 30\n")
+    tool.chmod(0o755)
+    return directory
+
+
+@pytest.mark.parametrize("how", ["unrunnable", "too slow"])
+def test_a_compiler_that_gives_no_answer_is_refused_not_keyed_as_any_other(tmp_path, monkeypatch, how):
+    """The probe kept "" as the `-v` text and `none` as -march=native's ISA when the compiler could not be
+    run or timed out: any two compilers that failed so (gcc 12 and gcc 14 images, an AVX10.2 node and an
+    AVX10.1 one with the same cpuinfo flags) shared cxx.version, cxx.v_hash and cxx.native, so one's
+    kernels were published under a key the other restores."""
+    monkeypatch.setattr(p, "COMPILER_PROBE_TIMEOUT_S", 0.5)
+    monkeypatch.setenv("PATH", str(compiler_that_cannot_answer(tmp_path / "cc", how)))  # the only g++
+    with pytest.raises(ConfigError) as caught:
+        p.probe_compiler({}, arch="x86_64")
+    assert "g++" in str(caught.value) and "-v" in str(caught.value)
+    with pytest.raises(ConfigError):
+        p.probe_compiler({"CXX": "g++"}, arch="aarch64")  # -v alone is keyed off x86
 
 
 def test_clang_names_what_march_native_turns_on_as_target_features():
