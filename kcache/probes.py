@@ -308,11 +308,21 @@ def probe_settings(env: Mapping[str, str]) -> dict[str, str]:
 # ---- CPU -------------------------------------------------------------------------------------------
 
 
+CPUINFO = Path("/proc/cpuinfo")
+
+
 def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields. ConfigError on Linux when they cannot be read: no features and
+    no ISA would be every such machine's facts, while torch reads CPUID itself and still builds for
+    what it finds (AVX-512 kernels filed under a key an AVX2 machine restores)."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {}
+        text = CPUINFO.read_text()
+    except OSError as exc:
+        if platform.system() != "Linux":
+            return {}
+        raise ConfigError("CPU facts", str(CPUINFO), f"cannot be read ({exc.strerror or type(exc).__name__}), so "
+                          "this machine's CPU features cannot be keyed; run where /proc is mounted and readable, "
+                          "or pass --facts-file from the model container") from None  # fmt: skip
     first = text.split("\n\n", 1)[0]
     fields = {}
     for line in first.splitlines():
@@ -548,7 +558,11 @@ def check_platform(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def check_cpu(env: Mapping[str, str], info: Mapping[str, str] | None = None, arch: str | None = None) -> dict[str, str]:
-    return _pick(probe_cpu(env, info, arch), "cpu.features", "cpu.model")
+    try:
+        return _pick(probe_cpu(env, info, arch), "cpu.features", "cpu.model")
+    except ConfigError as exc:  # nothing to check the facts file against, as where no GPU can be read
+        log.warning("the facts file's CPU facts are not checked: %s", exc)
+        return {}
 
 
 def check_gpu(env: Mapping[str, str], read: Callable[[], gpus.Reading | None] = gpus.read,

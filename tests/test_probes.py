@@ -299,6 +299,18 @@ def test_what_the_compilers_march_native_turns_on_is_keyed(tmp_path, monkeypatch
         "avx10.2", "apxf", "avxneconvert"}  # fmt: skip
 
 
+@pytest.mark.skipif(platform.system() != "Linux", reason="/proc/cpuinfo is Linux's")
+def test_a_cpuinfo_that_cannot_be_read_is_refused_not_keyed_as_a_cpu_without_features(tmp_path, monkeypatch):
+    """An unreadable /proc/cpuinfo gave cpu.features and cpu.isa `none`, facts every such machine shares
+    (torch reads CPUID itself and still builds AVX-512 kernels there), so an AVX-512 node's kernels were
+    filed under a key an AVX2 node restores. The node check of a facts file still takes nothing from it."""
+    monkeypatch.setattr(p, "CPUINFO", tmp_path / "cpuinfo")  # a path that is not there
+    with pytest.raises(ConfigError) as caught:
+        p.probe_cpu({})
+    assert "cpuinfo" in str(caught.value)
+    assert p.check_cpu({}) == {}
+
+
 def compiler_that_cannot_answer(directory, how: str):
     """A `g++` on PATH that is found but gives no answer: one whose interpreter is missing (exec fails),
     or one that is still starting when the probe gives up (a lazily pulled image's first exec)."""
