@@ -19,6 +19,7 @@ ENVIRONMENT_ONLY = (
     ("s3-max-attempts", "KCACHE_S3_MAX_ATTEMPTS", "6"),
     ("s3-connect-timeout", "KCACHE_S3_CONNECT_TIMEOUT", "5"),
     ("s3-read-timeout", "KCACHE_S3_READ_TIMEOUT", "60"),
+    ("index-read-timeout", "KCACHE_INDEX_READ_TIMEOUT", "150"),
     ("facts-file", "KCACHE_FACTS_FILE", None),
     ("run-as", "KCACHE_RUN_AS", None),
     ("restore-timeout", "KCACHE_RESTORE_TIMEOUT", "300"),

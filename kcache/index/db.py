@@ -3,14 +3,21 @@
 SQLite (the embedded default) upgrades itself on first use; any other database must be upgraded
 on purpose with `kcache db upgrade`, so a fleet of pods never races to migrate production.
 
-PostgreSQL connections get a connect timeout and a statement timeout, so an index that accepts
-TCP but never answers (a wedged proxy) fails instead of holding a command forever. A URL that
-sets `connect_timeout` or `options` itself keeps its own values.
+PostgreSQL connections get a connect timeout, a statement timeout and TCP keepalives, and (with
+psycopg 3) a bound on every round trip, so an index that accepts TCP but never answers fails
+instead of holding a command forever. The statement timeout is the server's and keepalives end
+only a wait on a peer that is gone: a proxy that stops forwarding once the client has logged in
+(pgbouncer, a cloud SQL proxy) keeps its socket open and ACKs every byte and every probe, and the
+client waited on it until the kernel gave up (hours). KCACHE_INDEX_READ_TIMEOUT is that bound:
+longer than the statement timeout, since a statement may rightly run (or wait for a lock) that
+long with nothing on the wire. A URL that sets `connect_timeout`, `options` or a keepalive
+parameter itself keeps its own values.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -21,6 +28,7 @@ from pathlib import Path
 from sqlalchemy import Engine, create_engine, event, inspect, make_url, text
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError, SQLAlchemyError
 
+from kcache import durations
 from kcache.errors import ConfigError, IndexDbError
 
 log = logging.getLogger(__name__)
@@ -34,6 +42,13 @@ PG_CONNECT_TIMEOUT = 10  # seconds, for connecting and logging in
 SQLITE_MAX_VALUE = 8 * 1024 * 1024
 UPGRADE_LOCK_WAIT = 60.0  # seconds another process may take upgrading a SQLite index before we give up
 PG_STATEMENT_TIMEOUT_MS = 120_000  # no single kcache statement should run longer, GC's included
+# The longest a PostgreSQL round trip may go without its answer: the statement timeout, and time for
+# the server's error to come back. KCACHE_INDEX_READ_TIMEOUT overrides it.
+PG_READ_TIMEOUT = "150"
+# libpq's TCP settings: a peer that vanished (a node gone, a NAT that dropped the flow) is noticed in
+# about a minute, not the kernel's two hours; tcp_user_timeout (ms) bounds data left unacknowledged.
+PG_KEEPALIVES = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10, "keepalives_count": 3,
+                 "tcp_user_timeout": 60_000}  # fmt: skip
 
 
 def make_engine(url: str) -> Engine:
@@ -47,7 +62,10 @@ def make_engine(url: str) -> Engine:
             engine = create_engine(url, connect_args={"timeout": 30})
             event.listen(engine, "connect", _sqlite_pragmas)
             return engine
-        return create_engine(url, pool_pre_ping=True, connect_args=_pg_connect_args(url))
+        engine = create_engine(url, pool_pre_ping=True, connect_args=_pg_connect_args(url))
+        if engine.dialect.driver == "psycopg":
+            event.listen(engine, "do_connect", _bounded_connect(engine.dialect.loaded_dbapi, _pg_read_timeout()))
+        return engine
     except (ArgumentError, NoSuchModuleError, ValueError, TypeError) as exc:  # ValueError: ?timeout=abc, a bad port
         raise ConfigError("index URL", url, f"not a usable SQLAlchemy URL ({exc})") from None
     except ModuleNotFoundError as exc:
@@ -74,7 +92,33 @@ def _pg_connect_args(url: str) -> dict:
         args["connect_timeout"] = PG_CONNECT_TIMEOUT
     if "options" not in parsed.query:
         args["options"] = f"-c statement_timeout={PG_STATEMENT_TIMEOUT_MS}"
+    args.update({name: value for name, value in PG_KEEPALIVES.items() if name not in parsed.query})
     return args
+
+
+def _pg_read_timeout() -> float:
+    text = os.environ.get("KCACHE_INDEX_READ_TIMEOUT") or PG_READ_TIMEOUT
+    return durations.parse(text, "KCACHE_INDEX_READ_TIMEOUT", bare_seconds=True, positive=True).total_seconds()
+
+
+def _bounded_connect(psycopg, read_timeout: float):
+    """A `do_connect` hook: psycopg 3 connections whose every round trip (a statement, a commit, a
+    rollback) ends within `read_timeout` s. One that does not is closed (what it was in the middle
+    of is unknown) and fails as OperationalError, which SQLAlchemy takes for a lost connection."""
+    wait_timeout = getattr(psycopg.errors, "_WaitTimeout", None)
+    if wait_timeout is None:  # an older psycopg than pyproject asks for: keepalives only
+        return lambda _dialect, _record, cargs, cparams: psycopg.connect(*cargs, **cparams)
+
+    class BoundedConnection(psycopg.Connection):
+        def wait(self, gen, interval=0.1, timeout=None):
+            try:
+                return super().wait(gen, interval, read_timeout if timeout is None else timeout)
+            except wait_timeout:
+                self.pgconn.finish()
+                raise psycopg.OperationalError(f"no answer within {read_timeout:g} s (KCACHE_INDEX_READ_TIMEOUT): "
+                                               "the server or a proxy in front of it is stuck") from None  # fmt: skip
+
+    return lambda _dialect, _record, cargs, cparams: BoundedConnection.connect(*cargs, **cparams)
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:

@@ -1,0 +1,78 @@
+"""A PostgreSQL index behind a proxy that stops answering once the client has logged in.
+
+The proxy's kernel keeps ACKing (the socket is open), so neither TCP keepalives nor the server's
+statement_timeout ends the client's wait: only kcache's own bound on each round trip does. Every
+command must then end with the index's error exit (restore: cold, inside its budget), not hang.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from click.testing import CliRunner
+from trees import write_tree
+from wedging_forwarder import WedgingForwarder
+
+from kcache.cli import main
+from kcache.cli.errors import ExitCode
+
+BOUND = 120  # seconds: generous; without a client-side bound the wait lasts until TCP gives up (hours)
+
+
+def run_bounded(args: list[str]):
+    """The real CLI in a thread; None if it is still waiting after BOUND s."""
+    done: list = []
+    worker = threading.Thread(target=lambda: done.append(CliRunner().invoke(main, args, catch_exceptions=False)),
+                              daemon=True)  # fmt: skip
+    worker.start()
+    worker.join(BOUND)
+    return done[0] if done else None
+
+
+@pytest.fixture
+def wedge_at(pg_index, monkeypatch):
+    """A forwarder to the test run's PostgreSQL (at head, empty) that wedges on the given cue."""
+    monkeypatch.setenv("KCACHE_INDEX_READ_TIMEOUT", "2")
+    host, port = pg_index.engine.url.host, pg_index.engine.url.port or 5432
+    opened: list[WedgingForwarder] = []
+
+    def make(cue: bytes) -> tuple[WedgingForwarder, str]:
+        opened.append(WedgingForwarder((host, port), cue))
+        return opened[-1], opened[-1].url(pg_index.url)
+
+    yield make
+    for forwarder in opened:
+        forwarder.close()
+
+
+def test_gc_on_an_index_that_stops_answering_after_login_ends_with_the_index_error(tmp_path, wedge_at):
+    (tmp_path / "store").mkdir()  # gc opens only a store that exists
+    forwarder, url = wedge_at(b"alembic_version")  # the first statement after login
+    result = run_bounded(["gc", "--store", f"file://{tmp_path / 'store'}", "--index", url, "--keep-last", "1"])
+    assert forwarder.wedged.is_set(), result and result.output
+    assert result is not None, f"gc still waiting on a wedged index after {BOUND} s"
+    assert result.exit_code == ExitCode.INDEX, result.output
+
+
+def test_publish_whose_commit_meets_a_wedged_index_ends_with_the_index_error(tmp_path, wedge_at):
+    write_tree(tmp_path / "src", {"inductor/fxgraph/g": b"graph", "triton/k/kernel.cubin": b"\x7fELF"})
+    forwarder, url = wedge_at(b"pg_advisory_xact_lock")  # the commit point
+    result = run_bounded(["publish", "--from", str(tmp_path / "src"), "--model", "m", "--store",
+                          f"file://{tmp_path / 'store'}", "--index", url])  # fmt: skip
+    assert forwarder.wedged.is_set(), result and result.output
+    assert result is not None, f"publish still waiting on a wedged index after {BOUND} s"
+    assert result.exit_code == ExitCode.INDEX, result.output
+
+
+def test_postgresql_connections_carry_keepalives_unless_the_url_sets_them(pg_database):
+    from kcache.index.db import make_engine
+
+    for url, idle in ((pg_database, "30"), (f"{pg_database}?keepalives_idle=7", "7")):
+        engine = make_engine(url)
+        try:
+            with engine.connect() as conn:
+                params = conn.connection.driver_connection.info.get_parameters()
+        finally:
+            engine.dispose()
+        assert params["keepalives_idle"] == idle and params["tcp_user_timeout"] == "60000"
