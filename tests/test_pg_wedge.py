@@ -7,10 +7,14 @@ command must then end with the index's error exit (restore: cold, inside its bud
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
 from click.testing import CliRunner
+from test_fail_open import MODEL, assert_cold_but_ready_to_start
 from trees import write_tree
 from wedging_forwarder import WedgingForwarder
 
@@ -28,6 +32,16 @@ def run_bounded(args: list[str]):
     worker.start()
     worker.join(BOUND)
     return done[0] if done else None
+
+
+@pytest.fixture(scope="module")
+def facts_file(tmp_path_factory):
+    """This machine's own facts, as the model container would hand them to the init container."""
+    path = tmp_path_factory.mktemp("facts") / "facts.json"
+    done = subprocess.run([sys.executable, "-m", "kcache", "fingerprint", "--json", "--model", MODEL],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    path.write_text(done.stdout)
+    return path
 
 
 @pytest.fixture
@@ -76,3 +90,23 @@ def test_postgresql_connections_carry_keepalives_unless_the_url_sets_them(pg_dat
         finally:
             engine.dispose()
         assert params["keepalives_idle"] == idle and params["tcp_user_timeout"] == "60000"
+
+
+def test_restore_on_an_index_that_stops_answering_after_login_ends_cold_inside_its_budget(tmp_path, facts_file,
+                                                                                           wedge_at):  # fmt: skip
+    """A real init container process, with the default (longer) round-trip bound: its budget ends it."""
+    (tmp_path / "store").mkdir()
+    forwarder, url = wedge_at(b"alembic_version")
+    env = {k: v for k, v in os.environ.items() if k != "KCACHE_INDEX_READ_TIMEOUT"}
+    child = subprocess.Popen([sys.executable, "-m", "kcache", "restore", "--into", str(tmp_path / "root"), "--model",
+                              MODEL, "--facts-file", str(facts_file), "--timeout", "3", "--store",
+                              f"file://{tmp_path / 'store'}", "--index", url],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        _out, err = child.communicate(timeout=BOUND)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        pytest.fail("restore hung on a wedged index")
+    assert forwarder.wedged.is_set()
+    assert child.returncode == 0, err
+    assert "did not finish within 3 s" in assert_cold_but_ready_to_start(tmp_path / "root")["reason"]
