@@ -3,9 +3,9 @@
 SQLite (the embedded default) upgrades itself on first use; any other database must be upgraded
 on purpose with `kcache db upgrade`, so a fleet of pods never races to migrate production.
 
-PostgreSQL connections get a connect timeout, a statement timeout and TCP keepalives, and (with
-psycopg 3) a bound on every round trip, so an index that accepts TCP but never answers fails
-instead of holding a command forever. The statement timeout is the server's and keepalives end
+PostgreSQL connections get a connect timeout, a statement timeout, an idle-in-transaction timeout
+and TCP keepalives, and (with psycopg 3) a bound on every round trip, so an index that accepts TCP
+but never answers fails instead of holding a command forever. The statement timeout is the server's and keepalives end
 only a wait on a peer that is gone: a proxy that stops forwarding once the client has logged in
 (pgbouncer, a cloud SQL proxy) keeps its socket open and ACKs every byte and every probe, and the
 client waited on it until the kernel gave up (hours). KCACHE_INDEX_READ_TIMEOUT is that bound:
@@ -42,6 +42,11 @@ PG_CONNECT_TIMEOUT = 10  # seconds, for connecting and logging in
 SQLITE_MAX_VALUE = 8 * 1024 * 1024
 UPGRADE_LOCK_WAIT = 60.0  # seconds another process may take upgrading a SQLite index before we give up
 PG_STATEMENT_TIMEOUT_MS = 120_000  # no single kcache statement should run longer, GC's included
+# No kcache transaction waits on anything but the database between its statements (milliseconds), yet
+# one may hold a key's commit lock (Index.lock_key): a kcache process stopped mid-transaction (frozen,
+# its network gone while the server's side stays open) held every publish of that key, each failing on
+# the statement timeout. The server ends such a session after this long, and its locks with it.
+PG_IDLE_IN_TRANSACTION_TIMEOUT_MS = 30_000
 # The longest a PostgreSQL round trip may go without its answer: the statement timeout, and time for
 # the server's error to come back. KCACHE_INDEX_READ_TIMEOUT overrides it.
 PG_READ_TIMEOUT = "150"
@@ -91,7 +96,8 @@ def _pg_connect_args(url: str) -> dict:
     if "connect_timeout" not in parsed.query:
         args["connect_timeout"] = PG_CONNECT_TIMEOUT
     if "options" not in parsed.query:
-        args["options"] = f"-c statement_timeout={PG_STATEMENT_TIMEOUT_MS}"
+        args["options"] = (f"-c statement_timeout={PG_STATEMENT_TIMEOUT_MS} "
+                           f"-c idle_in_transaction_session_timeout={PG_IDLE_IN_TRANSACTION_TIMEOUT_MS}")
     args.update({name: value for name, value in PG_KEEPALIVES.items() if name not in parsed.query})
     return args
 

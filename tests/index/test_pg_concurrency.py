@@ -103,3 +103,32 @@ def test_conflict_past_the_retries_has_its_own_hint():
 
     message, hint, code = describe(IndexConflict("postgresql://db/k", "deadlock detected", 5))
     assert "5 attempts" in message and "again" in hint and "db upgrade" not in hint and code == 5
+
+
+def test_a_kcache_session_wedged_inside_a_transaction_frees_its_key_for_the_next_publish(pg_index):
+    """A kcache process that stops mid-transaction (SIGSTOPped, its network gone) while it holds a
+    key's commit lock: the server ends that session, and a publish of the key commits. It had
+    waited out the statement timeout (120 s) and failed, and every later one too while it held."""
+    from sqlalchemy.exc import DBAPIError
+    from sqlalchemy.orm import Session
+    from test_repo import bundle
+
+    from kcache.index import Index
+    from kcache.index.db import make_engine
+
+    wedged_engine = make_engine(pg_index.url)  # the options every kcache session connects with
+    wedged = Session(wedged_engine)
+    wedged.begin()
+    Index(wedged_engine, pg_index.url).lock_key(wedged, "k1")  # then nothing: wedged
+    box: dict = {}
+    worker = threading.Thread(target=lambda: box.setdefault("added", pg_index.add_bundle(bundle("b" * 64))),
+                              daemon=True)  # fmt: skip
+    try:
+        worker.start()
+        worker.join(100)  # generous, under the statement timeout the publish would otherwise fail on
+        assert box.get("added") is True, "the publish waited on a wedged session's lock"
+        with pytest.raises(DBAPIError, match="idle-in-transaction timeout"):  # the server ended it
+            wedged.rollback()
+    finally:
+        wedged.close()
+        wedged_engine.dispose()
