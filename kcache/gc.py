@@ -6,7 +6,8 @@
              only if the rule still dooms it when it is deleted: a yank since the plan keeps the
              bundle it falls back to, and then this run condemns and sweeps nothing (its pack
              lists assumed that bundle gone); a publish that commits the bundle again while its
-             objects go gets them back (see _delete_objects)
+             objects go gets them back (see _delete_objects). An active bundle with a yank marker
+             (a yank cut off before its row) is kept and counts for none of --keep-last
     mark     the packs that retained bundles' manifests name; a retained active bundle whose manifest
              is missing or does not verify is reported as broken, and while one is, nothing is
              swept (which packs it names is unknown); a yanked one is not: nothing can restore it
@@ -132,11 +133,12 @@ def plan(store: Store, index: Index, policy: Policy, now: datetime | None = None
     bundles = lifecycle.bundle_heads(index)
     stored = _stored_manifests(store)
     listed_yanked = _check_covers(store, index, {b.id for b in bundles}, stored)
-    doomed = _expired(bundles, policy, now)
+    markers = {info.key[len("yanks/"):] for info in store.list("yanks/")}
+    doomed = _expired(bundles, policy, now, _half_yanked(bundles, markers))
     doomed_ids = {d.id for d in doomed}  # once: built per bundle, it took ~10 s at 20k bundles
     retained = [b for b in bundles if b.id not in doomed_ids]
     referenced, broken = _mark(store, retained)
-    lost, lost_packs = _yanked_without_rows(store, index, {b.id for b in bundles}, listed_yanked, stored)
+    lost, lost_packs = _yanked_without_rows(store, index, {b.id for b in bundles}, markers | listed_yanked, stored)
     referenced |= lost_packs
     unreferenced = [p for p in lifecycle.packs(index) if p.id not in referenced]
     cutoff = now - policy.grace
@@ -216,11 +218,11 @@ def _check_covers(store: Store, index: Index, rows: set[str], stored: set[str]) 
     return yanked
 
 
-def _yanked_without_rows(store: Store, index: Index, rows: set[str], listed: set[str],
+def _yanked_without_rows(store: Store, index: Index, rows: set[str], named: set[str],
                          stored: set[str]) -> tuple[tuple[str, ...], set[str]]:  # fmt: skip
     """Yanked bundles the index has no row for whose manifest the store still holds, and their packs.
 
-    A yank marker or a ref's yank list names them, yet no ref does (a signed ref never names a
+    A yank marker or a ref's yank list (`named`) names them, yet no ref does (a signed ref never names a
     yanked bundle; a key whose only bundle is yanked has no ref), so `_check_covers` cannot tell
     that this index lags the publishers'. gc keeps them, manifest, signatures and packs, or
     `yank --undo` on the publishers' index would bring back a bundle with nothing left. (They are
@@ -228,7 +230,6 @@ def _yanked_without_rows(store: Store, index: Index, rows: set[str], listed: set
     """
     from kcache.index import lifecycle
 
-    named = {info.key[len("yanks/"):] for info in store.list("yanks/")} | listed
     kept, packs = [], set()
     for bundle_id in sorted((named & stored) - rows):  # without a manifest there is nothing to keep
         try:
@@ -253,14 +254,30 @@ def _stored_manifests(store: Store) -> set[str]:
     return {owner for owner, key in owners if _ID.match(owner) and key == manifest_key(owner)}
 
 
-def _expired(bundles: list[BundleHead], policy: Policy, now: datetime) -> list[BundleHead]:
-    """Bundles neither among their key's newest `keep_last` active ones nor younger than `older_than`."""
+def _half_yanked(bundles: list[BundleHead], markers: set[str]) -> frozenset[str]:
+    """Active bundles whose yank marker the store holds: a yank cut off after its marker (which alone
+    stops pods taking the bundle) and before its row; or an un-yank cut off after its row."""
+    half = frozenset(b.id for b in bundles if b.status == "active" and b.id in markers)
+    if half:
+        log.warning("%d bundles are active in the index yet yanked in the store (e.g. %s): a yank was cut off? "
+                    "They and the bundles a yank falls back to are kept; run `kcache yank` (or `yank --undo`) "
+                    "on them again", len(half), min(half)[:12])  # fmt: skip
+    return half
+
+
+def _expired(bundles: list[BundleHead], policy: Policy, now: datetime,
+             half_yanked: frozenset[str] = frozenset()) -> list[BundleHead]:  # fmt: skip
+    """Bundles neither among their key's newest `keep_last` active ones nor younger than `older_than`.
+
+    A `half_yanked` bundle is kept and takes none of those places: its yank, run again, falls back
+    to the ones after it, which a --keep-last 1 counting it had deleted."""
     by_key: dict[str, list[BundleHead]] = defaultdict(list)
     for bundle in bundles:  # newest first
         by_key[bundle.bundle_key].append(bundle)
     doomed = []
     for group in by_key.values():
-        kept = {b.id for b in [b for b in group if b.status == "active"][: policy.keep_last]}
+        active = [b for b in group if b.status == "active" and b.id not in half_yanked]
+        kept = {b.id for b in active[: policy.keep_last]} | {b.id for b in group if b.id in half_yanked}
         doomed += [b for b in group if b.id not in kept and _utc(b.created_at) < now - policy.older_than]
     return doomed
 

@@ -255,3 +255,20 @@ def test_a_keys_yank_list_stays_within_what_pods_read_of_a_ref(tmp_path, store, 
     assert store.size(ref_key(fp.bundle_key)) <= limits.REF_BYTES
     ref = refs.read(store, fp.bundle_key)
     assert bad.bundle_id in ref.yanked and len(ref.yanked) > 10_000
+
+
+def test_gc_keeps_what_a_yank_cut_off_before_its_row_falls_back_to(tmp_path, store, sqlite_index, fp):
+    """A yank wrote its marker (pods stop taking the bundle) and was killed before the index row: the
+    row still says active. gc took it for the key's newest and deleted the bundle before it under
+    --keep-last 1, so the yank, run again, fell back to nothing."""
+    good = publish_tree(tmp_path, store, sqlite_index, fp, b"good kernel" * 100, "v1")
+    bad = publish_tree(tmp_path, store, sqlite_index, fp, b"bad kernel" * 100, "v2")
+    store.put_bytes(refs.yank_key(bad.bundle_id), b"NaNs")  # the yank's first step, and no more
+    assert sqlite_index.get_bundle(bad.bundle_id).status == "active"
+    plan = gc.plan(store, sqlite_index, POLICY, now=datetime.now(timezone.utc) + timedelta(days=8))
+    assert good.bundle_id not in {b.id for b in plan.delete_bundles}
+    _gc_twice(store, sqlite_index)
+
+    yank(store, sqlite_index, bad.bundle_id, "NaNs")  # the operator runs it again
+    pod = restore(store, sqlite_index, fp, tmp_path / "dst")
+    assert (pod.status, pod.bundle_id) == ("hit", good.bundle_id), pod.reason
