@@ -174,6 +174,13 @@ def test_a_bad_s3_setting_is_a_usage_error_not_a_bug(tmp_path, monkeypatch):
     assert result.exit_code == ExitCode.USAGE and "KCACHE_S3_CONNECT_TIMEOUT" in result.stderr
 
 
+def test_a_bad_index_read_timeout_is_a_usage_error_not_a_bug(tmp_path, monkeypatch, pg_database):
+    (tmp_path / "store").mkdir()
+    monkeypatch.setenv("KCACHE_INDEX_READ_TIMEOUT", "soon")
+    result = run("verify", "--store", f"file://{tmp_path / 'store'}", "--index", pg_database)
+    assert result.exit_code == ExitCode.USAGE and "KCACHE_INDEX_READ_TIMEOUT" in result.stderr
+
+
 # ---- publish: a cache file that changes under it, a temp dir it cannot stage packs in ------------
 
 
