@@ -103,6 +103,7 @@ class Plan:
     broken: tuple[BundleHead, ...] = ()  # retained bundles whose manifest is missing or does not verify
     leftovers: tuple[Leftover, ...] = ()  # killed writes begun before the grace period
     yanked_without_rows: tuple[str, ...] = ()  # yanked in the store, unknown to the index: kept, packs and all
+    half_yanked: tuple[tuple[str, str], ...] = ()  # (bundle key, id) of active rows with a yank marker: _half_yanked
 
     @property
     def bytes_freed(self) -> int:
@@ -134,7 +135,8 @@ def plan(store: Store, index: Index, policy: Policy, now: datetime | None = None
     stored = _stored_manifests(store)
     listed_yanked = _check_covers(store, index, {b.id for b in bundles}, stored)
     markers = {info.key[len("yanks/"):] for info in store.list("yanks/")}
-    doomed = _expired(bundles, policy, now, _half_yanked(bundles, markers))
+    half_yanked = _half_yanked(bundles, markers)
+    doomed = _expired(bundles, policy, now, frozenset(bundle_id for _key, bundle_id in half_yanked))
     doomed_ids = {d.id for d in doomed}  # once: built per bundle, it took ~10 s at 20k bundles
     retained = [b for b in bundles if b.id not in doomed_ids]
     referenced, broken = _mark(store, retained)
@@ -153,7 +155,8 @@ def plan(store: Store, index: Index, policy: Policy, now: datetime | None = None
     adopt = tuple(o for o in found if o.key.startswith("packs/") and _ID.match(_owner(o.key)))
     orphans = tuple(o for o in found if o not in adopt)
     leftovers = tuple(left for left in store.leftovers() if _utc(left.modified) < store_cutoff)
-    return Plan(now, policy, tuple(doomed), condemn, sweep, waiting, orphans, adopt, broken, leftovers, lost)
+    return Plan(now, policy, tuple(doomed), condemn, sweep, waiting, orphans, adopt, broken, leftovers, lost,
+                half_yanked)
 
 
 def execute(store: Store, index: Index, gc_plan: Plan, *, signer: signing.SigningKey | None = None) -> Result:
@@ -254,14 +257,14 @@ def _stored_manifests(store: Store) -> set[str]:
     return {owner for owner, key in owners if _ID.match(owner) and key == manifest_key(owner)}
 
 
-def _half_yanked(bundles: list[BundleHead], markers: set[str]) -> frozenset[str]:
+def _half_yanked(bundles: list[BundleHead], markers: set[str]) -> tuple[tuple[str, str], ...]:
     """Active bundles whose yank marker the store holds: a yank cut off after its marker (which alone
     stops pods taking the bundle) and before its row; or an un-yank cut off after its row."""
-    half = frozenset(b.id for b in bundles if b.status == "active" and b.id in markers)
+    half = tuple((b.bundle_key, b.id) for b in bundles if b.status == "active" and b.id in markers)
     if half:
         log.warning("%d bundles are active in the index yet yanked in the store (e.g. %s): a yank was cut off? "
                     "They and the bundles a yank falls back to are kept; run `kcache yank` (or `yank --undo`) "
-                    "on them again", len(half), min(half)[:12])  # fmt: skip
+                    "on them again", len(half), half[0][1][:12])  # fmt: skip
     return half
 
 
@@ -302,7 +305,9 @@ def _delete_bundle(store: Store, index: Index, gc_plan: Plan, head: BundleHead,
     away = _ref_without(index, bundle)
     moved = refs.repoint(store, bundle.bundle_key, bundle.id, away, signer=signer, index=index)
     layerkeys.move_off(store, index, bundle, signer=signer)
-    if not lifecycle.delete_expired_bundle(index, bundle, policy.keep_last, gc_plan.now - policy.older_than):
+    spare = [bundle_id for key, bundle_id in gc_plan.half_yanked if key == bundle.bundle_key]
+    if not lifecycle.delete_expired_bundle(index, bundle, policy.keep_last, gc_plan.now - policy.older_than,
+                                           spare=spare):  # fmt: skip
         if moved:  # it stays (a yank since the plan): its key's ref is what the index says again
             refs.refresh(store, index, bundle.bundle_key, signer=signer)
         layerkeys.catch_up(store, index, bundle, signer=signer)

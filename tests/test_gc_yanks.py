@@ -272,3 +272,21 @@ def test_gc_keeps_what_a_yank_cut_off_before_its_row_falls_back_to(tmp_path, sto
     yank(store, sqlite_index, bad.bundle_id, "NaNs")  # the operator runs it again
     pod = restore(store, sqlite_index, fp, tmp_path / "dst")
     assert (pod.status, pod.bundle_id) == ("hit", good.bundle_id), pod.reason
+
+
+def test_a_yank_after_the_plan_keeps_its_fallback_past_a_half_yanked_newer_bundle(tmp_path, store, sqlite_index, fp):
+    """The key's newest bundle is half yanked (marker, active row); gc plans to delete the oldest
+    under --keep-last 1; the one between is yanked before gc deletes. The oldest is all that is left
+    to fall back to: the delete's own check counted the half-yanked bundle as the one kept."""
+    oldest = publish_tree(tmp_path, store, sqlite_index, fp, b"oldest kernel" * 100, "v1")
+    middle = publish_tree(tmp_path, store, sqlite_index, fp, b"middle kernel" * 100, "v2")
+    newest = publish_tree(tmp_path, store, sqlite_index, fp, b"newest kernel" * 100, "v3")
+    store.put_bytes(refs.yank_key(newest.bundle_id), b"NaNs")  # a yank cut off after its marker
+    plan = gc.plan(store, sqlite_index, POLICY, now=datetime.now(timezone.utc) + timedelta(days=8))
+    assert [b.id for b in plan.delete_bundles] == [oldest.bundle_id]
+    yank(store, sqlite_index, middle.bundle_id, "broke pods")
+    gc.execute(store, sqlite_index, plan)
+
+    yank(store, sqlite_index, newest.bundle_id, "NaNs")  # the cut-off one, run again
+    pod = restore(store, sqlite_index, fp, tmp_path / "dst")
+    assert (pod.status, pod.bundle_id) == ("hit", oldest.bundle_id), pod.reason

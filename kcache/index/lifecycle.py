@@ -146,11 +146,13 @@ def has_bundle(index: Index, bundle_id: str) -> bool:
     return index.read(lambda s: s.get(BundleRow, bundle_id) is not None)
 
 
-def delete_expired_bundle(index: Index, bundle: Bundle, keep_last: int, cutoff: datetime) -> bool:
+def delete_expired_bundle(index: Index, bundle: Bundle, keep_last: int, cutoff: datetime, *,
+                          spare: Iterable[str] = ()) -> bool:  # fmt: skip
     """Delete `bundle`'s row if it is still expired by gc's rule; True if it was deleted.
 
     One statement re-checks the rule against the rows as they are now: not among its key's newest
-    `keep_last` active bundles (the order of `bundle_heads`), created before `cutoff`. A yank that
+    `keep_last` active bundles (the order of `bundle_heads`) but those in `spare` (which hold no
+    place: half-yanked ones, see kcache.gc._half_yanked), created before `cutoff`. A yank that
     committed before the statement is seen, so the bundle it falls back to stays; one that commits
     after it is ordered after this GC (a ref it points at the deleted bundle meanwhile, gc re-points).
     """
@@ -160,6 +162,9 @@ def delete_expired_bundle(index: Index, bundle: Bundle, keep_last: int, cutoff: 
         .order_by(BundleRow.created_at.desc(), BundleRow.id)
         .limit(keep_last)
     )
+    spared = sorted(set(spare))
+    if spared:  # bundles gc itself never dooms (the caller passes only this key's)
+        kept = kept.where(BundleRow.id.not_in(spared))
     doomed = (BundleRow.id == bundle.id, BundleRow.created_at < cutoff, BundleRow.id.not_in(kept))
     stmt = delete(BundleRow).where(*doomed).returning(BundleRow.id, BundleRow.bundle_key, BundleRow.status)
 

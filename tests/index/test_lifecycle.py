@@ -82,3 +82,15 @@ def test_gc_plan_and_verify_load_no_bundle_facts(sqlite_index, store, loaded):
     result = verify.verify(store, sqlite_index)
     assert result.bundles == 30
     assert loaded == []
+
+
+def test_a_spared_bundle_holds_no_keep_last_place_in_the_delete_check(index):
+    """gc's delete re-checks its rule in one statement; a half-yanked bundle (kcache.gc._half_yanked)
+    must not count there as the one active bundle kept."""
+    old = add(index, 1, "A", 1)
+    half = add(index, 2, "A", 2)
+    cutoff = T0 + timedelta(days=1)
+    old_bundle = index.get_bundle(old)
+    assert not lifecycle.delete_expired_bundle(index, old_bundle, 1, cutoff, spare=[half])
+    assert lifecycle.has_bundle(index, old)
+    assert lifecycle.delete_expired_bundle(index, old_bundle, 1, cutoff)
