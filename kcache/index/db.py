@@ -10,8 +10,8 @@ only a wait on a peer that is gone: a proxy that stops forwarding once the clien
 (pgbouncer, a cloud SQL proxy) keeps its socket open and ACKs every byte and every probe, and the
 client waited on it until the kernel gave up (hours). KCACHE_INDEX_READ_TIMEOUT is that bound:
 longer than the statement timeout, since a statement may rightly run (or wait for a lock) that
-long with nothing on the wire. A URL that sets `connect_timeout`, `options` or a keepalive
-parameter itself keeps its own values.
+long with nothing on the wire (a URL whose `options` raise statement_timeout needs it raised too).
+A URL that sets `connect_timeout`, `options` or a keepalive parameter itself keeps its own values.
 """
 
 from __future__ import annotations
