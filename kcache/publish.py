@@ -548,6 +548,7 @@ def publish(
 
     if root is not None:
         sources = _made_here(Path(root), fingerprint, sources, env)
+    sources = [source.for_facts(fingerprint.facts) for source in sources]  # the keyed torch's build folder
     found = collect(sources, root=root, env=env)
     if not found and not config.allow_empty:
         where = str(root) if root is not None else "the live cache directories"

@@ -41,7 +41,7 @@ CASES = [
      ["kc/lock"], {"TORCH_EXTENSIONS_DIR": "torch_extensions"}),
     ("torch_extensions", {"HOME": "home"}, f"home/.cache/torch_extensions/{PY}_cpu", ["kc/kc.so"], [],
      {"TORCH_EXTENSIONS_DIR": "torch_extensions"}),
-    ("torch_extensions", {"XDG_CACHE_HOME": "xdg"}, f"xdg/torch_extensions/{PY}_cu128", ["kc/kc.so"], [],
+    ("torch_extensions", {"XDG_CACHE_HOME": "xdg"}, f"xdg/torch_extensions/{PY}_cpu", ["kc/kc.so"], [],
      {"TORCH_EXTENSIONS_DIR": "torch_extensions"}),
 ]  # fmt: skip
 
@@ -128,3 +128,35 @@ def test_cute_dsl_is_read_for_the_run_as_user(tmp_path, monkeypatch):
     monkeypatch.setenv("USER", "sidecar")
     (source,) = sources.select(["cute_dsl"])
     assert source.live_dirs({"TMPDIR": str(tmp_path), "USER": "sidecar"}) == [tmp_path / "model/cutlass_python_cache"]
+
+
+# torch 2.13's cpp_extension._get_build_directory: py<MM><abiflags>_<rocm<hip>|cu<cuda>|cpu> under the default root
+STALE_BUILDS = [
+    ({"torch.version": "2.13.0+cu128", "torch.cuda": "12.8"}, f"{PY}_cu128", [f"{PY}_cu121", f"{PY}_cpu"]),
+    ({"torch.version": "2.13.0+rocm6.4", "torch.hip": "6.4.43482"}, f"{PY}_rocm6443482", [f"{PY}_cu128"]),
+    ({"torch.version": "2.13.0+cpu"}, f"{PY}_cpu", [f"{PY}_cu128"]),
+    ({"torch.version": "2.13.0+cu128", "torch.cuda": "12.8"}, f"{PY}_cu128", ["py310_cu128", "py311t_cu128"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("torch_facts, current, stale", STALE_BUILDS, ids=[c[1] for c in STALE_BUILDS])
+def test_live_publish_takes_only_the_build_folder_of_the_keyed_torch(tmp_path, store, sqlite_index, torch_facts,
+                                                                     current, stale):  # fmt: skip
+    """Builds of another CUDA, ROCm or Python in the default root (a kept HOME, an image upgrade) named the
+    same extension: merged first-wins, a stale one could win and every restored pod rebuilt (or loaded it)."""
+    from fixed_facts import FACTS
+
+    from kcache import fingerprint
+
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    fp = fingerprint.compute({**FACTS, "python": py, **torch_facts})
+    base = tmp_path / "home/.cache/torch_extensions"
+    for folder in stale:
+        write_tree(base / folder, {"kc/kc.so": b"stale " + folder.encode(), "old/old.so": b"other build"})
+    write_tree(base / current, {"kc/kc.so": b"current", "kc/.ninja_log": b"# ninja log v5\n"})
+    (source,) = sources.select(["torch_extensions"])
+    publish(store, sqlite_index, fp, [source], env={"HOME": str(tmp_path / "home")})
+    root = tmp_path / "root"
+    restore(store, sqlite_index, fp, root)
+    assert {rel: data for rel, (data, _) in read_tree(source.restore_dir(root)).items()} == {
+        "kc/kc.so": b"current", "kc/.ninja_log": b"# ninja log v5\n"}  # fmt: skip

@@ -58,6 +58,11 @@ class Source:
         """Directories this layer is read from on a running machine, most specific first."""
         raise NotImplementedError
 
+    def for_facts(self, facts: Mapping[str, str]) -> Source:
+        """This layer as the bundle's facts place it; publish asks before reading live directories.
+        Most layers are placed by the environment alone."""
+        return self
+
     def restore_dir(self, root: Path) -> Path:
         """Where this layer's files go under the restore root (and are read from by --from ROOT)."""
         return root / self.subdir
