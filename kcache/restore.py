@@ -689,6 +689,7 @@ def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jo
     """Fetch and verify everything into staging, then swap the layers in (unless time ran out) and
     record what was laid down; `chunks` are the manifest's chunk digests (large blobs are then
     verified part by part)."""
+    entries = _taken(entries, sources)
     staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=root))
     with budget.lock:
         budget.staging = staging
@@ -705,6 +706,25 @@ def _lay_out(store: Store, root: Path, entries, sources: list[layers.Source], jo
         _record_laid(root, entries)
     finally:  # the previous layers are in staging now: as much of them as the budget allows
         rootdir.delete_until(staging, budget.deadline)
+
+
+def _taken(entries, sources: list[layers.Source]) -> tuple:
+    """The entries a publish would take from their layer: no junk. A lock file is left out above all:
+    torch's FileBaton waits without limit for <build dir>/lock to go, so one laid down (a bundle of an
+    older or careless publisher) kept every pod of the bundle from loading the extension. Only what
+    this restore lays is judged; a lock in a layer kept in ROOT may be a live build's (see design.md)."""
+    prefixes = [(source.subdir + "/", source) for source in sources]
+    kept, left = [], []
+    for entry in entries:
+        source = next((s for prefix, s in prefixes if entry.path.startswith(prefix)), None)
+        if source is None or source.takes(entry.path[len(source.subdir) + 1 :]):
+            kept.append(entry)
+        else:
+            left.append(entry.path)
+    if left:
+        log.warning("not laying down %d file(s) no publish takes (lock files, temporaries), e.g. %s", len(left),
+                    one_line(left[0], 200))  # fmt: skip
+    return tuple(kept)
 
 
 _FUTURE_SKEW_NS = 24 * 3600 * 10**9  # a publisher's clock further ahead than this is no clock

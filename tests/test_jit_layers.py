@@ -160,3 +160,30 @@ def test_live_publish_takes_only_the_build_folder_of_the_keyed_torch(tmp_path, s
     restore(store, sqlite_index, fp, root)
     assert {rel: data for rel, (data, _) in read_tree(source.restore_dir(root)).items()} == {
         "kc/kc.so": b"current", "kc/.ninja_log": b"# ninja log v5\n"}  # fmt: skip
+
+
+class CarelessExtensions(sources.TorchExtensionsSource):
+    """The layer as a kcache that did not know torch's lock file published it (or any signer's mistake)."""
+
+    junk = sources.base.COMMON_JUNK
+
+
+def test_restore_never_lays_a_build_lock_and_publish_never_carries_one(tmp_path, store, sqlite_index, fp):
+    """torch's FileBaton waits, with no limit, for <build dir>/lock to go: one laid down by a restore
+    kept every pod of the bundle from ever loading the extension (never ready)."""
+    built = {"kc/kc.so": b"\x7fELF", "kc/build.ninja": b"rule", "kc/lock": b""}
+    write_tree(tmp_path / "ext", built)
+    env = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    carried = publish(store, sqlite_index, fp, [CarelessExtensions()], env=env)
+    assert carried.files == 3  # the bundle holds a lock
+    root = tmp_path / "root"
+    result = restore(store, sqlite_index, fp, root)
+    assert result.status == "hit"
+    (source,) = sources.select(["torch_extensions"])
+    assert sorted(read_tree(source.restore_dir(root))) == ["kc/build.ninja", "kc/kc.so"]
+    # A build killed in the pod leaves its lock in ROOT; publish --from ROOT leaves it out.
+    (source.restore_dir(root) / "kc/lock").write_bytes(b"")
+    again = publish(store, sqlite_index, fp, [source], root=root, env={})
+    assert again.files == 2
+    restore(store, sqlite_index, fp, tmp_path / "root2")
+    assert not (source.restore_dir(tmp_path / "root2") / "kc/lock").exists()
