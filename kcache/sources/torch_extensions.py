@@ -14,9 +14,12 @@ CUDA or Python): merged first-wins, a stale one won and every restored pod rebui
 
 ninja decides "up to date" from .ninja_log (the command's hash and the output's recorded mtime)
 against the inputs' mtimes, so restore keeps every file's published mtime. build.ninja names the
-sources and torch's include directories by absolute path but no path inside the build directory:
-a build restored under another ROOT is current as long as torch and the sources sit where they did;
-if they moved, torch rewrites build.ninja and ninja rebuilds, rightly. torch's path is a toolchain
+sources and torch's include directories by absolute path: for load() (sources in the image) no path
+inside the build directory, so a build restored under another ROOT is current as long as torch and
+the sources sit where they did; if they moved, torch rewrites build.ninja and ninja rebuilds,
+rightly. load_inline() (and hipify) writes its sources into the build directory itself, so its
+commands (hashed in .ninja_log) and .ninja_deps name the build directory: restored under another
+directory than it was built in, it is rebuilt (docs/design.md, Known limits). torch's path is a toolchain
 fact, the sources are in no fact: sources changed but older than the build are not rebuilt
 (docs/design.md, Known limits).
 """
