@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -110,3 +111,26 @@ def test_restore_on_an_index_that_stops_answering_after_login_ends_cold_inside_i
     assert forwarder.wedged.is_set()
     assert child.returncode == 0, err
     assert "did not finish within 3 s" in assert_cold_but_ready_to_start(tmp_path / "root")["reason"]
+
+
+def test_a_psycopg_whose_wait_takes_other_arguments_gets_keepalives_only(pg_database):
+    """The bound overrides psycopg 3.3's Connection.wait(gen, interval, timeout), which is not its public
+    API: a release that changed it must leave connections as psycopg makes them, not break every statement."""
+    import psycopg
+    from sqlalchemy import make_url
+
+    from kcache.index import db
+
+    class Changed(psycopg.Connection):
+        def wait(self, gen, *, deadline=None):  # a release that reshaped the method
+            return super().wait(gen)
+
+    dsn = make_url(pg_database).set(drivername="postgresql").render_as_string(hide_password=False)
+    for connection_class, bounded in ((psycopg.Connection, True), (Changed, False)):
+        release = SimpleNamespace(errors=psycopg.errors, Connection=connection_class, connect=connection_class.connect)
+        conn = db._bounded_connect(release, 1.0)(None, None, [dsn], {})
+        try:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+            assert (type(conn).__name__ == "BoundedConnection") is bounded
+        finally:
+            conn.close()

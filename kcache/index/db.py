@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import resources
+from inspect import signature
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event, inspect, make_url, text
@@ -112,7 +113,7 @@ def _bounded_connect(psycopg, read_timeout: float):
     rollback) ends within `read_timeout` s. One that does not is closed (what it was in the middle
     of is unknown) and fails as OperationalError, which SQLAlchemy takes for a lost connection."""
     wait_timeout = getattr(psycopg.errors, "_WaitTimeout", None)
-    if wait_timeout is None:  # an older psycopg than pyproject asks for: keepalives only
+    if wait_timeout is None or not _waits_with_timeout(psycopg.Connection):  # keepalives only
         return lambda _dialect, _record, cargs, cparams: psycopg.connect(*cargs, **cparams)
 
     class BoundedConnection(psycopg.Connection):
@@ -125,6 +126,17 @@ def _bounded_connect(psycopg, read_timeout: float):
                                                "the server or a proxy in front of it is stuck") from None  # fmt: skip
 
     return lambda _dialect, _record, cargs, cparams: BoundedConnection.connect(*cargs, **cparams)
+
+
+def _waits_with_timeout(connection_class) -> bool:
+    """Whether `Connection.wait` is psycopg 3.3's `(gen, interval, timeout)`, the method the bound
+    overrides. It is not psycopg's public API: another release that changed it gets keepalives only,
+    not every statement failing on a signature that no longer fits."""
+    try:
+        names = list(signature(connection_class.wait).parameters)
+    except (TypeError, ValueError):
+        return False
+    return names[:4] == ["self", "gen", "interval", "timeout"]
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
