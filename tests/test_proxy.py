@@ -38,6 +38,7 @@ FP = "0123456789abcdef0123456789abcdef"
 CHAT = "/v1/chat/completions"
 ASK = {"model": "tiny-test-model", "temperature": 0, "max_tokens": 3,
        "messages": [{"role": "user", "content": "hello"}]}  # fmt: skip
+SENT_AS_JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture
@@ -140,6 +141,27 @@ def test_non_deterministic_requests_bypass_the_cache(proxy, engine, change, reas
     assert [r.headers["x-kcache-cache"] for r in replies] == ["bypass", "bypass"]
     assert len(engine.completions) == 2 and replies[0].body != replies[1].body
     assert proxy.metric("kcache_proxy_bypasses_total", reason=reason) == 2
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_not_sent_as_json_never_gets_the_json_requests_answer(proxy, engine, content_type):
+    """vLLM answers 400 to a body that is not sent as application/json (FastAPI alone: 422 to text/plain); the
+    key did not hold the Content-Type, so the same bytes sent as text/plain got the cached 200."""
+    assert proxy.post(CHAT, ASK).headers["x-kcache-cache"] == "miss"
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
+    try:
+        conn.putrequest("POST", CHAT)
+        body = json.dumps(ASK).encode()
+        if content_type is not None:
+            conn.putheader("Content-Type", content_type)
+        conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        reply = conn.getresponse()
+        reply.read()
+    finally:
+        conn.close()
+    assert reply.getheader("x-kcache-cache") == "bypass" and len(engine.completions) == 2
+    assert proxy.metric("kcache_proxy_bypasses_total", reason="content_type") == 1
 
 
 def test_a_fixed_seed_makes_sampling_cacheable(proxy, engine):
@@ -275,7 +297,7 @@ def _tagged(signed: bytes, name: str) -> bytes:
 
 
 ANSWER = json.dumps({"choices": [{"message": {"content": "cached"}}]}).encode()
-ASK_KEY = key.decide(CHAT, [], {}, json.dumps(ASK).encode(), FP).key
+ASK_KEY = key.decide(CHAT, [], SENT_AS_JSON, json.dumps(ASK).encode(), FP).key
 
 
 @pytest.mark.parametrize("value", [
@@ -637,7 +659,7 @@ def test_a_streamed_miss_reaches_the_client_while_the_engine_is_still_generating
     with EngineServer(gate=gate) as slow, RunningProxy(config(slow.url, prefix)) as proxy:
         conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=20)
         try:
-            conn.request("POST", CHAT, body=json.dumps({**ASK, "stream": True}), headers={"Content-Type": "x"})
+            conn.request("POST", CHAT, body=json.dumps({**ASK, "stream": True}), headers=SENT_AS_JSON)
             resp = conn.getresponse()
             first = resp.readline()  # arrives although the engine has not finished: nothing is buffered
             assert first.startswith(b"data: {") and b'"content": " t0"' in first
@@ -765,7 +787,7 @@ def test_redis_killed_while_a_miss_streams_still_delivers_the_whole_stream(prefi
         with EngineServer(gate=gate) as slow, RunningProxy(replace(cfg, upstream=slow.url)) as proxy:
             conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=20)
             try:
-                conn.request("POST", CHAT, body=json.dumps({**ASK, "stream": True}), headers={"Content-Type": "x"})
+                conn.request("POST", CHAT, body=json.dumps({**ASK, "stream": True}), headers=SENT_AS_JSON)
                 resp = conn.getresponse()
                 first = resp.readline()  # the lookup is done and the miss is streaming
                 private.kill()
@@ -799,7 +821,7 @@ def test_a_stream_the_engine_cuts_short_is_cut_short_for_the_client_and_not_cach
         for _ in range(2):
             conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=20)
             try:
-                conn.request("POST", CHAT, body=json.dumps({**ASK, "stream": True}), headers={"Content-Type": "x"})
+                conn.request("POST", CHAT, body=json.dumps({**ASK, "stream": True}), headers=SENT_AS_JSON)
                 resp = conn.getresponse()
                 with pytest.raises(http.client.IncompleteRead):  # not a clean end the client could trust
                     resp.read()

@@ -75,7 +75,8 @@ def stored_value(client, name: str, timeout: float = 30) -> bytes:
 
 
 def stored_key(body: dict, headers: dict | None = None) -> str:
-    return key.decide(CHAT, [], headers or {}, json.dumps(body).encode(), FP).key
+    return key.decide(CHAT, [], {"Content-Type": "application/json", **(headers or {})}, json.dumps(body).encode(),
+                      FP).key  # fmt: skip
 
 
 # --- clients ---------------------------------------------------------------------------------------------------
@@ -338,7 +339,7 @@ def test_an_entry_written_for_another_fingerprint_is_not_served(engine, prefix):
     client = redis.Redis.from_url(REDIS_URL)
     forged = sealed(
         entry.Entry(200, (("Content-Type", "application/json"),), json.dumps(COMPLETION).encode(), False),
-        prefix + key.decide(CHAT, [], {}, json.dumps(ASK).encode(), "f" * 32).key,
+        prefix + key.decide(CHAT, [], {"Content-Type": "application/json"}, json.dumps(ASK).encode(), "f" * 32).key,
     )
     client.set(prefix + stored_key(ASK), forged, px=60_000)
     with RunningProxy(config(engine.url, prefix)) as proxy:

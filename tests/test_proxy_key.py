@@ -19,8 +19,13 @@ CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
 
 
+SENT_AS_JSON = {"Content-Type": "application/json"}
+
+
 def decide(body, headers=None, **kw):
-    return key.decide(CHAT, [], headers or {}, json.dumps(body).encode(), FP, **kw)
+    sent = CIMultiDict(SENT_AS_JSON)
+    sent.extend(headers or {})  # repeats kept
+    return key.decide(CHAT, [], sent, json.dumps(body).encode(), FP, **kw)
 
 
 # The tenant of `Authorization: Bearer t`: SHA-256 of the canonical list of [lower-case name, SHA-256 of the value].
@@ -171,9 +176,31 @@ def test_a_repeated_credential_header_is_not_cached(pairs):
 def test_a_body_with_a_repeated_name_at_any_depth_is_not_json(raw):
     # Python keeps the last of two, other parsers the first: an engine may read another request than the key.
     for kw in ({}, {"cache_sampled": True}):
-        decision = key.decide(CHAT, [], {}, raw, FP, **kw)
+        decision = key.decide(CHAT, [], SENT_AS_JSON, raw, FP, **kw)
         assert (decision.key, decision.reason, decision.body) == (None, "not_json", None)
-    assert key.decide(CHAT, [], {}, b'{"temperature": 0, "a": {"x": 1}, "b": {"x": 2}}', FP).key is not None
+    assert key.decide(CHAT, [], SENT_AS_JSON, b'{"temperature": 0, "a": {"x": 1}, "b": {"x": 2}}', FP).key is not None
+
+
+@pytest.mark.parametrize("headers", [
+    {},  # vLLM refuses a body without one (validate_json_request); FastAPI alone, as SGLang runs it, reads it as JSON
+    {"Content-Type": "text/plain"},  # FastAPI hands the raw bytes to the model: 422; vLLM: 400
+    {"Content-Type": "application/x-www-form-urlencoded"},  # what `curl -d` sends unless told otherwise
+    {"Content-Type": "application/vnd.api+json"},  # FastAPI reads it as JSON, vLLM refuses it
+    {"Content-Type": "multipart/form-data; boundary=x"},
+    CIMultiDict([("Content-Type", "application/json"), ("Content-Type", "text/plain")]),  # which one is read?
+])  # fmt: skip
+def test_a_body_the_engine_may_not_read_as_json_is_not_cached(headers):
+    """Only a body sent as application/json is one the engines all read as JSON: a hit had answered 200 to a
+    text/plain body the engine would have refused, with the answer to the JSON request of the same bytes."""
+    decision = key.decide(CHAT, [], headers, json.dumps(BODY).encode(), FP)
+    assert (decision.key, decision.reason) == (None, "content_type")
+
+
+@pytest.mark.parametrize("value", ["application/json", "Application/JSON", "application/json; charset=utf-8",
+                                   " application/json ;charset=UTF-8"])  # fmt: skip
+def test_application_json_is_one_key_however_spelled(value):
+    # vLLM compares the media type alone, lower-cased; json.loads reads the bytes' encoding itself.
+    assert key.decide(CHAT, [], {"Content-Type": value}, json.dumps(BODY).encode(), FP).key == decide(BODY).key
 
 
 def test_zero_point_zero_is_zero():
@@ -204,7 +231,7 @@ def test_bypass_headers(headers):
 
 @pytest.mark.parametrize("raw", [b"[1]", b"{", b'{"temperature": NaN}', b"\xff"])
 def test_bodies_that_are_not_json_objects_bypass(raw):
-    assert key.decide(CHAT, [], {}, raw, FP).reason == "not_json"
+    assert key.decide(CHAT, [], SENT_AS_JSON, raw, FP).reason == "not_json"
 
 
 # JSON that parses to something canonical JSON cannot write: no key, no prefix measurement.
@@ -224,9 +251,9 @@ NO_CANONICAL_FORM = [
     ({}, {"off": "disabled"}, "disabled"),
 ])  # fmt: skip
 def test_bodies_without_a_canonical_form_are_neither_keyed_nor_measured(raw, headers, kw, reason):
-    decision = key.decide(CHAT, [], headers, raw, FP, **kw)
+    decision = key.decide(CHAT, [], {**SENT_AS_JSON, **headers}, raw, FP, **kw)
     assert (decision.key, decision.reason, decision.body) == (None, reason, None)
-    sampled = key.decide(CHAT, [], {}, raw.replace(b'"temperature": 0', b'"temperature": 0.7'), FP)
+    sampled = key.decide(CHAT, [], SENT_AS_JSON, raw.replace(b'"temperature": 0', b'"temperature": 0.7'), FP)
     assert (sampled.reason, sampled.body) == ("not_json", None)
 
 
@@ -235,11 +262,12 @@ def test_no_nesting_depth_makes_the_key_or_the_prefix_measurement_raise():
     for depth in range(1, sys.getrecursionlimit() + 10):  # from fine, past where the parser gives up
         nested = "[" * depth + "]" * depth
         raw = f'{{"temperature": 0, "messages": [{{"role": "user", "content": {nested}}}]}}'.encode()
-        decision = key.decide(CHAT, [], {}, raw, FP)
+        decision = key.decide(CHAT, [], SENT_AS_JSON, raw, FP)
         assert (decision.key is None) == (decision.body is None), depth
         if decision.body is not None:
             memory.observe(FP, CHAT, decision.body)
-        completion = key.decide("/v1/completions", [], {}, f'{{"temperature": 0, "prompt": {nested}}}'.encode(), FP)
+        raw = f'{{"temperature": 0, "prompt": {nested}}}'.encode()
+        completion = key.decide("/v1/completions", [], SENT_AS_JSON, raw, FP)
         assert (completion.key is None) == (completion.body is None), depth
 
 

@@ -21,6 +21,9 @@ A key is SHA-256 over canonical JSON of named parts (pip's cache key, in spirit)
                  any depth is not cached (Python keeps the last, other parsers the first: the engine may
                  read another request than the key)
 
+Only a body sent as application/json is cached (sent_as_json): the engine refuses others, or reads them
+otherwise, so their answer is not the JSON request's.
+
 Deterministic by default means: `n` is absent or 1, and `temperature` is 0 or `seed` is an integer
 other than -1 (vLLM's "no seed"). A missing temperature is not 0: OpenAI defaults to 1 and vLLM to
 the model's generation config, so such a request samples. `--cache-sampled` caches sampling requests
@@ -74,7 +77,8 @@ class Decision:
     """A request's fate: `key` when the cache may answer it, else the bypass `reason`."""
 
     key: str | None
-    reason: str  # "" when cacheable; else the `off` reason | bypass_header | not_json | ambiguous_auth | sampling | n
+    reason: str  # "" when cacheable; else the `off` reason | bypass_header | content_type | not_json | ambiguous_auth
+    # | sampling | n
     body: dict | None  # the parsed request, for prefix measurement; None when it is not a JSON object
     # (name, value) of each tenant header the request carries, as sent: what tags the tenant's entries
     # (kcache.proxy.entry.tenant_key). Never stored, never shown.
@@ -106,6 +110,8 @@ def decide(
         return Decision(None, off, body)
     if wants_bypass(headers):
         return Decision(None, "bypass_header", body)
+    if not sent_as_json(headers):
+        return Decision(None, "content_type", body)
     if body is None:
         return Decision(None, "not_json", None)
     given = [(name, values(headers, name)) for name in tenant_headers]
@@ -171,6 +177,18 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict:
     if len(doc) != len(pairs):
         raise ValueError("a name appears twice in one object")  # parse_body: not_json
     return doc
+
+
+def sent_as_json(headers: Mapping[str, str]) -> bool:
+    """Whether the body comes as `application/json` (any case, any parameters), in one Content-Type header.
+
+    The media type is part of the request: vLLM refuses a body sent as anything else (400), FastAPI alone
+    hands a text/plain body to the model as bytes (422), and without a Content-Type at all the engines
+    differ. So the cache answers only what every engine reads as JSON, and keys it as before; the rest
+    reaches the engine, which decides. Parameters change nothing: json.loads reads the bytes' encoding itself.
+    """
+    found = values(headers, "Content-Type")
+    return len(found) == 1 and found[0].split(";", 1)[0].strip().lower() == "application/json"
 
 
 def wants_bypass(headers: Mapping[str, str]) -> bool:
