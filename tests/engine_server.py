@@ -6,7 +6,8 @@ answer is told from a regenerated one), and `error_mid_stream`: a 200 stream tha
 as an event, as vLLM does when generation fails after the headers went out, and `gate`, which holds a stream
 after its first event until the test sets it; `cut_mid_stream` drops the connection there; `abort` ends every answer
 with finish_reason "abort", as SGLang ends one aborted gracefully (its /abort_request): a 200, its tokens so far, and
-for a stream `data: [DONE]`. `sent` holds the exact
+for a stream `data: [DONE]`. A `priority` other than 0 is refused (400), as vLLM refuses it unless started with
+`--scheduling-policy priority`. `sent` holds the exact
 body bytes of every answer, `headers` the request headers of every POST (`header_lists` with repeated names kept).
 """
 
@@ -47,6 +48,10 @@ class EngineServer(OpenAIServer):
                     n = next(owner._ids)
                 if owner.fail_status:
                     self._send(owner.fail_status, {"error": {"message": "engine exploded", "code": owner.fail_status}})
+                    return
+                if body.get("priority", 0) != 0:  # vLLM without --scheduling-policy priority (its default)
+                    self._send(400, {"error": {"message": f"Got priority {body['priority']} but Priority scheduling "
+                                                          "is not enabled.", "code": 400}})  # fmt: skip
                     return
                 chat = self.path.startswith("/v1/chat/")
                 tokens = [f" t{i}" for i in range(int(body.get("max_tokens") or 4))]

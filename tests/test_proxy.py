@@ -164,6 +164,15 @@ def test_a_body_not_sent_as_json_never_gets_the_json_requests_answer(proxy, engi
     assert proxy.metric("kcache_proxy_bypasses_total", reason="content_type") == 1
 
 
+def test_a_priority_the_engine_refuses_never_gets_the_answer_without_it(proxy, engine):
+    """vLLM answers 400 to `priority: 5` unless started with --scheduling-policy priority; the key left priority
+    out, so such a request got the 200 answered to the same request without it."""
+    assert proxy.post(CHAT, ASK).headers["x-kcache-cache"] == "miss"
+    refused = proxy.post(CHAT, {**ASK, "priority": 5})
+    assert (refused.status, refused.headers["x-kcache-cache"]) == (400, "miss") and len(engine.completions) == 2
+    assert proxy.post(CHAT, {**ASK, "priority": 0}).headers["x-kcache-cache"] == "hit"
+
+
 def test_a_fixed_seed_makes_sampling_cacheable(proxy, engine):
     body = {**ASK, "temperature": 0.8, "seed": 42}
     assert [proxy.post(CHAT, body).headers["x-kcache-cache"] for _ in range(2)] == ["miss", "hit"]

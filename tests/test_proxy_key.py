@@ -97,9 +97,37 @@ json_values = st.recursive(
 def test_key_ignores_top_level_order_and_non_semantic_fields(body, rnd):
     items = list(body.items())
     rnd.shuffle(items)
-    noisy = dict(items, user="someone", request_id="r-1", priority=5)
+    noisy = dict(items, user="someone", request_id="r-1", priority=0, metadata={"team": "a"}, store=False)
     clean = {k: v for k, v in body.items() if k not in key.NON_SEMANTIC}
     assert key.request_key(CHAT, [], [], noisy, FP) == key.request_key(CHAT, [], [], clean, FP)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("priority", 5),  # vLLM refuses it (400) unless started with --scheduling-policy priority
+    ("priority", -1),
+    ("priority", "high"),  # not an integer: refused (400, or 422)
+    ("priority", True),
+    ("user", 5),  # vLLM: user is a string or null
+    ("user", ["a"]),
+    ("request_id", None),  # vLLM: a string
+    ("request_id", 7),
+    ("metadata", ["a"]),  # OpenAI: an object of strings
+    ("metadata", {"a": 1}),
+    ("store", "yes"),  # OpenAI: a boolean
+])  # fmt: skip
+def test_a_field_left_out_of_the_key_is_keyed_in_a_form_an_engine_may_refuse(field, value):
+    """The key left out `priority`, `user`, `request_id`, `metadata` and `store` whatever their value, so a request
+    the engine refuses (priority 5 on an engine without priority scheduling, a user that is no string) got the
+    200 answered to the same request without them. Left out now only in the forms every engine takes."""
+    assert decide({**BODY, field: value}).key != decide(BODY).key
+
+
+@pytest.mark.parametrize("field, value", [
+    ("priority", 0), ("priority", 0.0), ("user", "u-1"), ("user", None), ("request_id", "r-1"),
+    ("metadata", {"team": "a"}), ("metadata", None), ("store", True), ("store", False),
+])  # fmt: skip
+def test_a_field_left_out_of_the_key_in_a_form_every_engine_takes_is_still_left_out(field, value):
+    assert decide({**BODY, field: value}).key == decide(BODY).key  # the keys of such requests did not change
 
 
 @pytest.mark.parametrize("part", ["fingerprint", "tenant", "path", "query", "body"])

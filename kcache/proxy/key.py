@@ -13,13 +13,13 @@ A key is SHA-256 over canonical JSON of named parts (pip's cache key, in spirit)
                  sorted by name, repeated names kept in their order (an engine reads the first or the
                  last), escapes decoded to bytes read as Latin-1 (one character a byte: no two raw
                  queries share a key, where UTF-8 decoding turns every invalid escape into U+FFFD)
-    body         the request's JSON with NON_SEMANTIC fields removed, its top-level members in any order
-                 and a top-level number integral when it can be (`temperature: 0.0` is `0`); a list or
-                 object as the text of its JSON, in the order and spelling it came in: an engine reads
-                 parameters by name, but structured output follows a schema's property order and chat
-                 templates render `tools` unsorted, `1.0` as `1.0`. A body that names a field twice at
-                 any depth is not cached (Python keeps the last, other parsers the first: the engine may
-                 read another request than the key)
+    body         the request's JSON with NON_SEMANTIC fields removed (in the forms every engine takes),
+                 its top-level members in any order and a top-level number integral when it can be
+                 (`temperature: 0.0` is `0`); a list or object as the text of its JSON, in the order
+                 and spelling it came in: an engine reads parameters by name, but structured output
+                 follows a schema's property order and chat templates render `tools` unsorted, `1.0`
+                 as `1.0`. A body that names a field twice at any depth is not cached (Python keeps
+                 the last, other parsers the first: the engine may read another request than the key)
 
 Only a body sent as application/json is cached (sent_as_json): the engine refuses others, or reads them
 otherwise, so their answer is not the JSON request's.
@@ -62,7 +62,10 @@ TENANT_HEADERS = (
     "Cookie",  # a browser session a gateway authenticated
 )
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 5.1: what a header name may be
-# Fields that change who asked or how the engine schedules the request, never the tokens it returns.
+# Fields that change who asked or how the engine schedules the request, never the tokens it returns. Each is
+# left out of the key only in a form every engine takes (NON_SEMANTIC_FORMS): in another, the engine may refuse
+# the request (vLLM refuses a priority other than 0 unless started with --scheduling-policy priority, and a user
+# that is no string), and the answer to the request without the field is not its answer.
 NON_SEMANTIC = (
     "user",  # an end-user id for abuse monitoring
     "request_id",  # vLLM: a tracing id
@@ -70,6 +73,19 @@ NON_SEMANTIC = (
     "metadata",  # OpenAI stored completions: tags for the dashboard
     "store",  # OpenAI stored completions: whether to keep a copy
 )
+
+
+def _is_str_map(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+
+
+NON_SEMANTIC_FORMS = {
+    "user": lambda v: v is None or isinstance(v, str),
+    "request_id": lambda v: isinstance(v, str),
+    "priority": lambda v: _is_number(v, 0),  # 0 is every engine's default; any other needs priority scheduling
+    "metadata": lambda v: v is None or _is_str_map(v),
+    "store": lambda v: v is None or isinstance(v, bool),
+}
 
 
 @dataclass(frozen=True)
@@ -232,9 +248,15 @@ def request_key(path: str, query, credentials: Sequence[tuple[str, str]], body: 
         "tenant": tenant(credentials),
         "path": path,
         "query": sorted(([str(k), str(v)] for k, v in items), key=lambda pair: pair[0]),  # stable: repeats in order
-        "body": {name: _member(value) for name, value in body.items() if name not in NON_SEMANTIC},
+        "body": {name: _member(value) for name, value in body.items() if not _left_out(name, value)},
     }
     return canonical.sha256(canonical.dumps(parts))
+
+
+def _left_out(name: str, value: Any) -> bool:
+    """Whether a top-level member stays out of the key: a NON_SEMANTIC field in a form every engine takes."""
+    form = NON_SEMANTIC_FORMS.get(name)
+    return form is not None and form(value)
 
 
 def tenant(credentials: Sequence[tuple[str, str]]) -> str:
