@@ -173,6 +173,15 @@ def test_a_priority_the_engine_refuses_never_gets_the_answer_without_it(proxy, e
     assert proxy.post(CHAT, {**ASK, "priority": 0}).headers["x-kcache-cache"] == "hit"
 
 
+def test_an_image_the_engine_fetches_is_fetched_for_every_request(proxy, engine):
+    """The image behind a URL may change, and the cached answer described the old one."""
+    part = {"type": "image_url", "image_url": {"url": "https://example.com/cam/latest.jpg"}}
+    ask = {**ASK, "messages": [{"role": "user", "content": [{"type": "text", "text": "what now?"}, part]}]}
+    replies = [proxy.post(CHAT, ask) for _ in range(2)]
+    assert [r.headers["x-kcache-cache"] for r in replies] == ["bypass", "bypass"] and len(engine.completions) == 2
+    assert proxy.metric("kcache_proxy_bypasses_total", reason="remote_input") == 2
+
+
 def test_a_fixed_seed_makes_sampling_cacheable(proxy, engine):
     body = {**ASK, "temperature": 0.8, "seed": 42}
     assert [proxy.post(CHAT, body).headers["x-kcache-cache"] for _ in range(2)] == ["miss", "hit"]

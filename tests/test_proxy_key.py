@@ -130,6 +130,48 @@ def test_a_field_left_out_of_the_key_in_a_form_every_engine_takes_is_still_left_
     assert decide({**BODY, field: value}).key == decide(BODY).key  # the keys of such requests did not change
 
 
+def said(*parts):
+    return {**BODY, "messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, *parts]}]}
+
+
+PIXEL = "data:image/png;base64,iVBORw0KGgo="
+
+
+@pytest.mark.parametrize("body", [
+    said({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}),
+    said({"type": "image_url", "image_url": {"url": "HTTP://example.com/cat.png"}}),
+    said({"type": "audio_url", "audio_url": {"url": "http://example.com/a.wav"}}),
+    said({"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}),
+    said({"type": "image_url", "image_url": {"url": "file:///srv/media/cat.png"}}),  # --allowed-local-media-path
+    said({"image_url": "https://example.com/cat.png"}),  # vLLM reads a part without a type by its keys
+    said({"type": "input_image", "image_url": "https://example.com/cat.png"}),  # the Responses API's shape
+    said({"type": "image_url", "image_url": {"url": PIXEL}}, {"type": "image_url", "image_url": {"url": " x"}}),
+    said({"type": "image_url", "image_url": None, "uuid": "cat-1"}),  # the engine's media cache answers for it
+    said({"type": "image_url", "image_url": {"url": PIXEL}, "uuid": "cat-1"}),
+    said({"type": "file", "file": {"file_id": "file-1"}}),  # an upload the server holds
+    {**BODY, "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [1, 2]}},  # vLLM P/D
+    {**BODY, "bootstrap_host": "10.0.0.7", "bootstrap_room": 12345},  # SGLang P/D
+])  # fmt: skip
+def test_a_request_whose_input_lies_elsewhere_is_not_cached(body):
+    """What lies behind a URL may change behind a cached answer: an image at https:// was cached as if the URL
+    were the image. So are media the engine looks up (a uuid, a file id) and KV blocks another engine transfers
+    (disaggregated prefill, where a replayed answer would also name blocks freed long since)."""
+    decision = decide(body)
+    assert (decision.key, decision.reason) == (None, "remote_input")
+    assert decide(body, cache_sampled=True).reason == "remote_input"
+
+
+@pytest.mark.parametrize("body", [
+    said({"type": "image_url", "image_url": {"url": PIXEL}}),  # the image itself: content, keyed
+    said({"type": "image_url", "image_url": {"url": "DATA:image/png;base64,iVBORw0KGgo="}}),
+    said({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}),
+    said({"type": "text", "text": "see https://example.com/cat.png"}),  # text, never fetched
+    {**BODY, "kv_transfer_params": None},
+])  # fmt: skip
+def test_a_request_that_carries_its_inputs_is_cached(body):
+    assert decide(body).key is not None
+
+
 @pytest.mark.parametrize("part", ["fingerprint", "tenant", "path", "query", "body"])
 def test_every_part_changes_the_key(part):
     args = {"path": CHAT, "query": [], "credentials": [("Authorization", "Bearer a")], "body": BODY, "fingerprint": FP}

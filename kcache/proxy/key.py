@@ -22,7 +22,9 @@ A key is SHA-256 over canonical JSON of named parts (pip's cache key, in spirit)
                  the last, other parsers the first: the engine may read another request than the key)
 
 Only a body sent as application/json is cached (sent_as_json): the engine refuses others, or reads them
-otherwise, so their answer is not the JSON request's.
+otherwise, so their answer is not the JSON request's. Nor is a request whose answer depends on more than
+its bytes (remote_input): a medium at a URL other than data:, one the engine looks up, KV blocks another
+engine transfers.
 
 Deterministic by default means: `n` is absent or 1, and `temperature` is 0 or `seed` is an integer
 other than -1 (vLLM's "no seed"). A missing temperature is not 0: OpenAI defaults to 1 and vLLM to
@@ -94,7 +96,7 @@ class Decision:
 
     key: str | None
     reason: str  # "" when cacheable; else the `off` reason | bypass_header | content_type | not_json | ambiguous_auth
-    # | sampling | n
+    # | remote_input | sampling | n
     body: dict | None  # the parsed request, for prefix measurement; None when it is not a JSON object
     # (name, value) of each tenant header the request carries, as sent: what tags the tenant's entries
     # (kcache.proxy.entry.tenant_key). Never stored, never shown.
@@ -133,6 +135,8 @@ def decide(
     given = [(name, values(headers, name)) for name in tenant_headers]
     if any(len(found) > 1 for _, found in given):
         return Decision(None, "ambiguous_auth", body)
+    if remote_input(body):
+        return Decision(None, "remote_input", body)
     reason = "" if cache_sampled else nondeterminism(body)
     if reason:
         return Decision(None, reason, body)
@@ -214,6 +218,46 @@ def wants_bypass(headers: Mapping[str, str]) -> bool:
     # Repeated Cache-Control headers are one comma-separated list (RFC 9110 5.3).
     directives = {d.strip().lower() for v in values(headers, "Cache-Control") for d in v.split(",")}
     return bool(directives & {"no-cache", "no-store"})
+
+
+# Members of a chat message's content part that name a medium by URL (vLLM, SGLang: http(s):, file:, data:).
+MEDIA_URLS = ("image_url", "audio_url", "video_url")
+# Top-level fields that bring KV blocks from another engine (disaggregated prefill): vLLM's, SGLang's.
+TRANSFERS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
+def remote_input(body: Mapping[str, Any]) -> bool:
+    """Whether the answer depends on more than the request: an input the engine fetches or looks up.
+
+    A medium at a URL other than data: (what lies there may change behind a cached answer; a data: URL is the
+    medium itself, keyed like any text), one named by a `uuid` (the engine's media cache answers for it) or a
+    file id (an upload the server holds), and KV blocks another engine transfers: their block ids are reused,
+    and a replayed prefill answer would send its decode peer to blocks freed long since.
+    """
+    if any(body.get(name) is not None for name in TRANSFERS):
+        return True
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and _looked_up(part):
+                return True
+    return False
+
+
+def _looked_up(part: Mapping[str, Any]) -> bool:
+    if part.get("uuid") is not None or part.get("file_id") is not None:
+        return True
+    file = part.get("file")
+    if isinstance(file, dict) and file.get("file_id") is not None:
+        return True
+    for name in MEDIA_URLS:
+        if name in part:
+            medium = part[name]
+            url = medium.get("url") if isinstance(medium, dict) else medium
+            if not (isinstance(url, str) and url[:5].lower() == "data:"):  # " data:" too: a URL parser strips it
+                return True
+    return False
 
 
 def nondeterminism(body: Mapping[str, Any]) -> str:

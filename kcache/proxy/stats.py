@@ -3,7 +3,8 @@
     kcache_proxy_info{fingerprint}                1; the bundle key answers are filed under ("" when none)
     kcache_proxy_requests_total{outcome}          hit | miss | bypass | pass (a path the cache never answers)
     kcache_proxy_bypasses_total{reason}           bypass_header | disabled | no_fingerprint | content_type |
-                                                  not_json | ambiguous_auth | too_large | sampling | n | redis
+                                                  not_json | ambiguous_auth | remote_input | too_large |
+                                                  sampling | n | redis
     kcache_proxy_not_stored_total{reason}         upstream_error | headers | too_large | redis | client_gone | error
     kcache_proxy_redis_errors_total{kind}         timeout | error | bad_entry | busy (no connection free in time)
     kcache_proxy_redis_up                         0 while Redis is skipped after a failure
