@@ -27,6 +27,7 @@ from served import kcache_server
 
 from kcache import fingerprint
 from kcache.cli import main
+from kcache.errors import CacheUnavailable
 from kcache.proxy import entry, key, sse
 from kcache.proxy.cache import FAILURES_TO_SKIP, ResultCache
 from kcache.proxy.server import ProxyConfig
@@ -882,3 +883,31 @@ def test_a_lookup_cancelled_while_it_waits_for_a_connection_leaves_no_coroutine_
         asyncio.run(cancel_a_waiter())
         gc.collect()
     assert not [w for w in caught if "never awaited" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_a_turn_granted_too_late_to_ask_redis_is_not_counted_as_redis_failing():
+    """A call that got its connection at the end of its --redis-timeout (the connections busy, then the proxy's
+    loop busy too: a starved CPU) had no time left to ask Redis, and counted the timeout as Redis failing: three
+    such calls turned the cache off for --redis-retry-after while Redis answered every command it was sent."""
+    async def late_turns() -> tuple[Stats, bool]:
+        stats, timeout = Stats(), 0.3
+        cache = ResultCache(REDIS_URL, stats, prefix=f"kcache:test:{uuid.uuid4().hex}:", ttl=60, timeout=timeout,
+                            retry_after=3600, max_bytes=1 << 20, connections=1)  # fmt: skip
+        try:
+            for _ in range(FAILURES_TO_SKIP):
+                await cache._turn(time.monotonic() + 60)  # the one connection, taken by another call
+                waiter = asyncio.create_task(cache.get("k", b"m" * 32))
+                while stats.redis_waiting == 0:
+                    await asyncio.sleep(0)  # a turn of the loop, not a wait for time
+                cache._turns.release()  # the connection comes free, and the loop is busy past the waiter's deadline
+                busy_until = time.monotonic() + timeout
+                while time.monotonic() < busy_until:
+                    pass
+                with pytest.raises(CacheUnavailable):
+                    await waiter
+            return stats, cache.up
+        finally:
+            await cache.close()
+
+    stats, up = asyncio.run(late_turns())
+    assert (stats.redis_errors["timeout"], stats.redis_errors["busy"], up) == (0, FAILURES_TO_SKIP, True)

@@ -31,7 +31,12 @@ At most `connections` calls run at once, each on a connection of its own, so the
 more (a pool's own bound, a max_connections in the URL, lowers it): a slow Redis with many clients
 would otherwise get one connection per request in flight. A call waits for its turn within the same
 `timeout` as the rest of it; when none comes in time (kind "busy", no Redis failure: the turns are
-this proxy's own limit) or Redis was skipped meanwhile, the request goes to the engine uncached.
+this proxy's own limit) or Redis was skipped meanwhile, the request goes to the engine uncached. A turn
+that comes with less than FAIR_SHARE of the timeout left is busy too, and Redis is not asked: the wait was
+the proxy's (its connections, its loop), and a turn granted at the deadline had timed out without sending
+Redis a byte, counted as Redis failing: three turned the cache off while Redis answered all it was sent.
+So every timeout that counts gave Redis at least that share, and a stopped Redis is still skipped after
+FAILURES_TO_SKIP of them, before those waiting open connections of their own.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ from kcache.proxy.stats import Stats
 log = logging.getLogger(__name__)
 
 FAILURES_TO_SKIP = 3
+# The share of the timeout a call must still have once its turn comes for a timeout to count as Redis failing.
+FAIR_SHARE = 0.5
 
 
 class ResultCache:
@@ -161,6 +168,10 @@ class ResultCache:
         if not self.up:  # skipped while it waited: what Redis cost the calls before it is spent once
             self._turns.release()
             raise CacheUnavailable("skipped")
+        if deadline - time.monotonic() < self.timeout * FAIR_SHARE:  # too late to judge Redis by (the docstring)
+            self._turns.release()
+            self.stats.redis_errors["busy"] += 1
+            raise CacheUnavailable("busy")
 
     def _fail(self, kind: str):
         self.stats.redis_errors[kind] += 1
