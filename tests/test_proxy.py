@@ -183,6 +183,22 @@ def test_an_image_the_engine_fetches_is_fetched_for_every_request(proxy, engine)
     assert proxy.metric("kcache_proxy_bypasses_total", reason="remote_input") == 2
 
 
+@pytest.mark.parametrize("path", [CHAT, "/v1/other"])
+def test_a_body_without_a_content_type_reaches_the_engine_without_one(proxy, engine, path):
+    """The proxy's HTTP client labelled such a body application/octet-stream, which FastAPI (SGLang) refuses
+    (422) where it reads a body without a Content-Type as JSON: the engine judged another request."""
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
+    try:
+        body = json.dumps(ASK).encode()
+        conn.putrequest("POST", path)
+        conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        conn.getresponse().read()
+    finally:
+        conn.close()
+    assert "Content-Type" not in engine.headers[-1]
+
+
 def test_a_fixed_seed_makes_sampling_cacheable(proxy, engine):
     body = {**ASK, "temperature": 0.8, "seed": 42}
     assert [proxy.post(CHAT, body).headers["x-kcache-cache"] for _ in range(2)] == ["miss", "hit"]

@@ -290,10 +290,14 @@ class Proxy:
             headers.popall("Accept-Encoding", None)
             headers["Accept-Encoding"] = "identity"  # what is recorded must be replayable to any client
         clock = _Clock()
+        # aiohttp labels a body without a Content-Type application/octet-stream, which FastAPI refuses where it
+        # reads an unlabelled body as JSON: the engine must judge the request the client sent.
+        unlabelled = () if "Content-Type" in headers else ("Content-Type",)
 
         def send():
             return clock.wait(self.session.request(request.method, self.upstream + request.rel_url.raw_path_qs,
-                                                   headers=headers, data=body, allow_redirects=False))  # fmt: skip
+                                                   headers=headers, data=body, allow_redirects=False,
+                                                   skip_auto_headers=unlabelled))  # fmt: skip
 
         try:
             try:
