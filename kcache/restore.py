@@ -477,8 +477,8 @@ def _root_error(root: Path, exc: OSError) -> RootError:
 
 def _within(timeout: float | None, deadline: float | None, work) -> RestoreResult:
     budget = _Budget(deadline=deadline)
-    if deadline is None:
-        return work(budget)
+    # A worker even without a deadline (prebake's restore): the main thread is where SIGTERM's
+    # exception lands, and one landing between the swap's renames left ROOT half swapped.
     box: dict = {}
     # An event rather than Thread.join: a join that a signal's exception interrupts can leave the
     # thread marked stopped while it runs (CPython 3.11), and later joins then return at once.
@@ -505,7 +505,7 @@ def _within(timeout: float | None, deadline: float | None, work) -> RestoreResul
     worker = threading.Thread(target=run, name="kcache-restore", daemon=True)
     try:
         worker.start()  # inside: start() waits for the thread, which may already be reading when a signal lands
-        done.wait(max(0.0, deadline - time.monotonic()))
+        done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
     except BaseException:  # SIGTERM (Terminated): the worker must not swap the bundle in after it
         if give_up():
             raise

@@ -370,6 +370,32 @@ def test_a_signal_while_the_worker_starts_still_stops_it_before_its_swap(tmp_pat
     assert read_state(tmp_path / "dst")["status"] == "error"
 
 
+
+def test_a_signal_during_the_swap_of_a_restore_without_a_budget_lets_the_swap_finish(tmp_path, store, sqlite_index,
+                                                                                   fp, monkeypatch):  # fmt: skip
+    """Without --timeout (prebake's restore) the work ran on the main thread, where SIGTERM's exception
+    lands: one between the swap's renames left ROOT with some layers new and some gone. The swap is a
+    few renames; begun, it finishes whatever signal comes, as under a budget."""
+    import os
+    import signal
+
+    from kcache import restore as restoring
+
+    _published(tmp_path, store, sqlite_index, fp)
+    write_tree(tmp_path / "dst", {"inductor/old": b"previous"})
+    real_swap, swapped = restoring._swap, threading.Event()
+
+    def signalled_swap(*args, **kwargs):  # the handler runs where the signal lands: here, or the main thread
+        os.kill(os.getpid(), signal.SIGTERM)
+        real_swap(*args, **kwargs)
+        swapped.set()
+
+    monkeypatch.setattr(restoring, "_swap", signalled_swap)
+    result = restore(store, sqlite_index, fp, tmp_path / "dst", timeout=None)
+    assert swapped.is_set() and result.status == "hit"
+    assert read_tree(tmp_path / "dst/inductor") == {"a": (b"A" * 1000, 0o644), "b": (b"B" * 1000, 0o644)}
+    assert read_state(tmp_path / "dst")["status"] == "hit"
+
 class HangingEvents:
     """A catalog that answers, but whose event recording hangs until released (a wedged index)."""
 
