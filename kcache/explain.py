@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from kcache import fingerprint, layerkeys
+from kcache import probes as probing
 from kcache.records import Bundle
 
 TOOLCHAIN, WORKLOAD = "toolchain", "workload"
@@ -50,6 +51,8 @@ _REASONS: tuple[tuple[str, str], ...] = (
         "Inductor bakes the thread count into CPU kernels (TORCHINDUCTOR_CPP_DYNAMIC_THREADS=1 takes it out)",
     ),  # fmt: skip
     ("cpu.", "kernels were built for another CPU"),
+    *((f"env.{name}", "g++ reads it: the same command line builds from other headers, libraries or programs")
+      for name in probing.COMPILER_ENV),  # fmt: skip
     ("env.", "this setting changes the code torch generates"),
     ("model.", "a different model compiles different kernels"),
     ("workload.", "different compile options compile different kernels"),

@@ -102,6 +102,13 @@ _KEYED_ENV = (
     "AMDGCN_ANALYZE_SMALL_TENSOR_RANGE",
     "AMDGCN_SCALARIZE_PACKED_FOPS",
 )
+# What g++ reads besides its command line: where it finds headers (CPATH, CPLUS_INCLUDE_PATH,
+# C_INCLUDE_PATH), libraries (LIBRARY_PATH) and its own programs (GCC_EXEC_PREFIX, COMPILER_PATH).
+# torch keys a C++ build (Inductor's kernels, torch extensions) by its source and command line only,
+# so two pods differing in these shared torch's keys and ours while g++ built other code. Keyed
+# whenever set, empty included: gcc 12 reads an empty LIBRARY_PATH or COMPILER_PATH as ./ and an empty
+# GCC_EXEC_PREFIX as a relative prefix. Unset adds no fact, so no other machine's key changes.
+COMPILER_ENV = ("CPATH", "CPLUS_INCLUDE_PATH", "C_INCLUDE_PATH", "LIBRARY_PATH", "GCC_EXEC_PREFIX", "COMPILER_PATH")
 # Triton switches that an empty value does not leave at their default: its knobs read "" as false,
 # and unset as true (FP fusion, buffer ops) or as the backend's choice (the HIP ones). Measured in
 # triton 3.9 (tests/test_probes.py); older releases read TRITON_DEFAULT_FP_FUSION="" as off too.
@@ -287,8 +294,8 @@ def native_isa(driver_text: str) -> str:
 
 
 def probe_settings(env: Mapping[str, str]) -> dict[str, str]:
-    """Every Inductor / torch.compile setting and Triton compiler setting from the environment (they
-    change torch's keys or the code built)."""
+    """Every Inductor / torch.compile setting, Triton compiler setting and g++ search path from the
+    environment (they change torch's keys or the code built)."""
     facts = {
         f"env.{name}": value
         for name, value in env.items()
@@ -302,6 +309,7 @@ def probe_settings(env: Mapping[str, str]) -> dict[str, str]:
             raise ConfigError(name, "", "is set but empty, which Triton reads as false (0), not as unset (its "
                               "default); set it to 0 or 1, or unset it")  # fmt: skip
     facts.update({f"env.{name}": env[name] for name in _KEYED_ENV if env.get(name)})
+    facts.update({f"env.{name}": env[name] for name in COMPILER_ENV if name in env})
     return facts
 
 

@@ -313,3 +313,11 @@ def test_cli_explain_a_bundle_the_store_marks_yanked_is_a_miss_as_in_restore(tmp
     assert doc["status"] == "miss" and doc["hit"] is None and doc["yanked_in_store"] == published.bundle_id
     text = run("explain", *where)
     assert "hit:" not in text and "miss:" in text and refs.yank_key(published.bundle_id) in text
+
+
+def test_a_gcc_search_path_set_on_one_side_is_named():
+    (cand,) = explain({**FACTS, "env.CPATH": "/opt/inc"}, [bundle(FACTS)]).nearest
+    assert cand.verdict.startswith("differs in env.CPATH (/opt/inc here, absent in bundle): ")
+    assert "g++ reads it" in cand.verdict
+    (cand,) = explain(FACTS, [bundle({**FACTS, "env.LIBRARY_PATH": ""})]).nearest
+    assert cand.verdict.startswith("differs in env.LIBRARY_PATH (absent here,  in bundle): ")

@@ -139,6 +139,39 @@ def test_asking_torch_to_install_gxx_is_a_setting():
     assert p.probe_settings({"TORCH_INDUCTOR_INSTALL_GXX": ""}) == {}  # torch tests it for truth
 
 
+GCC_SEARCH_ENV = ("CPATH", "CPLUS_INCLUDE_PATH", "C_INCLUDE_PATH", "LIBRARY_PATH", "GCC_EXEC_PREFIX", "COMPILER_PATH")
+
+
+@pytest.mark.parametrize("name", GCC_SEARCH_ENV)
+def test_where_gcc_looks_for_headers_and_libraries_is_a_fact_when_set(name):
+    # torch keys a C++ build by its source and command line; g++ also reads these, so the same
+    # command line builds another .so. Set but empty counts: gcc then searches ./ (LIBRARY_PATH,
+    # COMPILER_PATH) or a relative exec prefix.
+    assert p.probe_settings({name: "/opt/x"}) == {f"env.{name}": "/opt/x"}
+    assert p.probe_settings({name: ""}) == {f"env.{name}": ""}
+    assert p.probe_settings({}) == {}  # unset: no fact, so keys of machines without them stay as they were
+
+
+def test_cpath_changes_what_the_same_gxx_command_builds_and_the_key(tmp_path):
+    """Measured with this machine's g++: one command line, two CPATHs, two programs."""
+    from kcache import fingerprint
+
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("no g++")
+    (tmp_path / "k.cpp").write_text('#include "kernel_width.h"\nint width() { return WIDTH; }\n')
+    built = {}
+    for width in ("8", "16"):
+        inc = tmp_path / f"inc{width}"
+        inc.mkdir()
+        (inc / "kernel_width.h").write_text(f"#define WIDTH {width}\n")
+        env = {**os.environ, "CPATH": str(inc)}
+        subprocess.run([gxx, "-E", "-P", "k.cpp", "-o", f"k{width}.i"], cwd=tmp_path, env=env, check=True)
+        built[width] = ((tmp_path / f"k{width}.i").read_text(), fingerprint.compute(p.probe_settings(env)).bundle_key)
+    assert built["8"][0] != built["16"][0]
+    assert built["8"][1] != built["16"][1]
+
+
 @pytest.mark.parametrize(
     "env, expected",
     [
