@@ -199,7 +199,10 @@ def probe_torch(env: Mapping[str, str]) -> dict[str, str]:
         "torch.cuda": str(v.get("cuda") or NONE),
         "torch.hip": str(v.get("hip") or NONE),
         # Compiled kernels link with absolute -I/-L paths into the install: a different path rebuilds them.
-        "torch.path": str(pkg.resolve().parent),
+        # As torch spells it (cpp_extension._TORCH_PATH, cpp_builder's: os.path.abspath of its own file,
+        # symlinks kept): resolved, a pod importing torch through a symlinked site-packages shared the
+        # key of one that did not, and every C++ kernel of its hit rebuilt.
+        "torch.path": os.path.dirname(os.path.abspath(pkg)),
     }
 
 

@@ -221,6 +221,30 @@ def test_torch_facts_are_read_without_importing_it():
     assert facts["torch.version"] == version and facts["torch.git"] == git
 
 
+def test_torch_path_is_the_path_torch_compiles_with_through_a_symlinked_site_packages(tmp_path):
+    """torch puts -I<torch>/include and -L<torch>/lib on every C++ build (cpp_extension._TORCH_PATH:
+    os.path.abspath of its own file, symlinks kept). Keyed through resolve(), a pod importing torch
+    through a symlinked site-packages shared the key of one that did not, and its hit rebuilt every kernel."""
+    torch_dir = p.engines.package_dir("torch")
+    if torch_dir is None:
+        pytest.skip("no torch")
+    link = tmp_path / "site"
+    link.symlink_to(torch_dir.resolve().parent, target_is_directory=True)
+    code = """import json, os
+from kcache import probes
+import torch.utils.cpp_extension as ce
+print(json.dumps([probes.probe_torch(os.environ)["torch.path"], ce.include_paths()[0], ce.TORCH_LIB_PATH]))"""
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(link)])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    fact, include, lib = json.loads(out.stdout)
+    assert include == os.path.join(str(link), "torch", "include")  # torch compiles with the link's path
+    assert fact == str(link)
+    assert (include, lib) == (os.path.join(fact, "torch", "include"), os.path.join(fact, "torch", "lib"))
+    # without a symlink the fact is what it always was: the resolved install's parent
+    assert p.probe_torch(os.environ)["torch.path"] == str(torch_dir.resolve().parent)
+
+
 # ---- CPU features ------------------------------------------------------------------------------
 
 # Two CPUs with the model string and the twelve flags the first schema keyed, but not the same
