@@ -471,51 +471,109 @@ def _x86_candidates(flags: set[str]) -> list[str]:
 # Thread settings read by torch's OpenMP/MKL start-up; kept raw as well, in case the rule below
 # misses a combination.
 _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_DYNAMIC", "MKL_DOMAIN_NUM_THREADS")
+_C_SPACE = " \t\n\v\f\r"  # isspace() in the C locale, which strtoul and std::stoi skip
+_STOI = re.compile(rf"[{_C_SPACE}]*([+-]?)([0-9]+)")
+_GOMP_ITEM = re.compile(rf"[{_C_SPACE}]*([+-]?)([0-9]+)[{_C_SPACE}]*")
+_U32, _U64 = 1 << 32, 1 << 64
 
 
-def probe_threads(env: Mapping[str, str]) -> dict[str, str]:
-    """The intra-op thread count that Inductor bakes into its CPU graph keys."""
+def probe_threads(env: Mapping[str, str], mkl: bool | None = None) -> dict[str, str]:
+    """The intra-op thread count that Inductor bakes into its CPU graph keys (`mkl`: see default_threads)."""
+    mkl = torch_uses_mkl() if mkl is None else mkl
     facts = {f"env.{name}": env[name] for name in _THREAD_ENV if name in env}
     if env.get("TORCHINDUCTOR_CPP_DYNAMIC_THREADS") == "1":
         facts["cpu.threads"] = "dynamic"
-    elif env.get("MKL_DOMAIN_NUM_THREADS", "").strip():
+    elif mkl and env.get("MKL_DOMAIN_NUM_THREADS", "").strip():
         # MKL reads it before the rest (ALL=1 on 2 CPUs gave torch 1 thread; with OMP_NUM_THREADS=1,
         # ALL=2 gave 2). Not worked out here: the raw setting is keyed above, with the cores it is
         # read against, so only the same setting on the same machine shape shares a key.
         usable, machine = physical_cores()
         facts["cpu.threads"] = f"mkl-domain cores={usable}/{machine}"
     else:
-        facts["cpu.threads"] = str(default_threads(env))
+        facts["cpu.threads"] = str(default_threads(env, mkl=mkl))
     return facts
 
 
-def default_threads(env: Mapping[str, str], cores: int | None = None) -> int:
+def torch_uses_mkl(pkg: Path | None = None) -> bool:
+    """Whether ATen sizes its OpenMP pool by MKL: the torch install's ATen/Config.h says it was built
+    with MKL, threaded, on OpenMP (x86 wheels; aarch64 wheels have no MKL). Without the header (no
+    torch here, an install without headers): by architecture, as the wheels are built."""
+    pkg = _package_dir("torch") if pkg is None else pkg
+    try:
+        text = (pkg / "include" / "ATen" / "Config.h").read_text() if pkg is not None else None
+    except (OSError, UnicodeDecodeError):
+        text = None
+    if text is None:
+        return platform.machine() in X86
+    macros = dict(re.findall(r"^#define (AT_\w+?)(?:\(\))? (\d+)$", text, re.M))
+    return (macros.get("AT_MKL_ENABLED"), macros.get("AT_MKL_SEQUENTIAL"), macros.get("AT_PARALLEL_OPENMP")) == (
+        "1", "0", "1")  # fmt: skip
+
+
+def default_threads(env: Mapping[str, str], cores: int | None = None, mkl: bool | None = None) -> int:
     """torch.get_num_threads() of a fresh process started with `env`, without importing torch.
 
-    ATen asks MKL, which takes MKL_NUM_THREADS, then OMP_NUM_THREADS's first item, else the
-    physical cores this process may run on; requests are capped at the machine's physical
-    cores unless MKL_DYNAMIC is false. Measured against torch 2.13 in 13 configurations.
+    ATen's init_num_threads (torch 2.13): built with MKL (`mkl`, default `torch_uses_mkl()`), the
+    count is mkl_get_max_threads(), else intraop_default_num_threads(). Measured against torch's own
+    library for every case in tests/test_probes.py (THREAD_CASES); `cores` stands for both core counts.
     """
     usable, machine = physical_cores() if cores is None else (cores, cores)
-    requested: int | None = None
-    mkl = env.get("MKL_NUM_THREADS", "").strip()
-    if mkl and mkl != "0":
-        requested = _count(mkl) or 1
-    elif "OMP_NUM_THREADS" in env:
-        requested = _count(env["OMP_NUM_THREADS"].split(",")[0].strip())
-    if requested is None:
-        return usable
-    if env.get("MKL_DYNAMIC", "").strip().lower() == "false":
-        return requested
-    return min(requested, machine)
+    if not (torch_uses_mkl() if mkl is None else mkl):
+        # std::stoi of each, MKL_NUM_THREADS winning when positive; else cpuinfo's physical cores of
+        # the machine (not the affinity mask), and nothing caps a request.
+        return _stoi_count(env.get("MKL_NUM_THREADS")) or _stoi_count(env.get("OMP_NUM_THREADS")) or machine
+    dynamic = env.get("MKL_DYNAMIC", "").strip().lower() != "false"
+    text = env.get("MKL_NUM_THREADS", "")
+    if text and not (text.isascii() and text.isdigit()):
+        return 1  # MKL runs one thread for anything but digits: " 2", "+2", "2,4", "abc"
+    requested = _wrap32(text)  # MKL's count is a 32-bit int: "4294967299" is 3
+    if not 0 < requested < _U32 // 2:  # "", "00", or negative as an int: as if unset
+        omp = _gomp_count(env.get("OMP_NUM_THREADS"))  # MKL then asks libgomp, which parsed it
+        if omp is None:
+            return usable
+        if omp == 0:
+            return 1
+        if not dynamic and omp >= _U32 // 2:
+            return 1  # negative as an int
+        requested = omp
+    return min(requested, machine) if dynamic else requested
 
 
-def _count(text: str) -> int | None:
-    """A positive count in `text`, else None. isascii: "²".isdigit() is true and int() refuses it;
-    at most 9 digits: int() refuses more than 4300, and MKL's own parse stops at an int's range."""
-    if text.isascii() and text.isdigit() and len(text) <= 9 and int(text) > 0:
-        return int(text)
-    return None
+def _wrap32(digits: str) -> int:
+    value = 0
+    for digit in digits:
+        value = (value * 10 + ord(digit) - 48) % _U32
+    return value
+
+
+def _gomp_count(text: str | None) -> int | None:
+    """libgomp's OMP_NUM_THREADS as omp_get_max_threads() gives it, 32-bit unsigned; None when libgomp
+    refuses it: every comma-separated item an strtoul number in 1..LONG_MAX, blanks around it only."""
+    if text is None:
+        return None
+    values = []
+    for item in text.split(","):
+        match = _GOMP_ITEM.fullmatch(item)
+        digits = match.group(2).lstrip("0") if match else ""
+        if not digits or len(digits) > 20 or int(digits) >= _U64:
+            return None  # no number, 0, or past ULONG_MAX (strtoul's ERANGE)
+        value = (-int(digits) if match.group(1) == "-" else int(digits)) % _U64
+        if not 0 < value < _U64 // 2:
+            return None  # (long) value <= 0
+        values.append(value)
+    return values[0] % _U32
+
+
+def _stoi_count(text: str | None) -> int | None:
+    """A count as ATen's get_env_num_threads reads it (std::stoi, then > 0), else None."""
+    match = _STOI.match(text or "")
+    if not match:
+        return None
+    digits = match.group(2).lstrip("0")
+    if match.group(1) == "-" or not digits or len(digits) > 10:
+        return None  # not positive, or past an int (std::out_of_range)
+    value = int(digits)
+    return value if value < _U32 // 2 else None
 
 
 def physical_cores() -> tuple[int, int]:

@@ -189,11 +189,14 @@ def test_cpath_changes_what_the_same_gxx_command_builds_and_the_key(tmp_path):
         ({"OMP_NUM_THREADS": "\u00b2"}, 4),
         ({"OMP_NUM_THREADS": "9" * 4400}, 4),
         ({"MKL_NUM_THREADS": "\u00b2"}, 1),
-        ({"MKL_NUM_THREADS": "9" * 4400}, 1),
+        # MKL reads digits as a 32-bit int, however many (THREAD_CASES measures it): not as junk
+        ({"MKL_NUM_THREADS": "9" * 4400}, 4),
+        ({"MKL_NUM_THREADS": "00", "OMP_NUM_THREADS": "3"}, 3),  # zero is unset to MKL
+        ({"MKL_NUM_THREADS": " 2"}, 1),  # a blank is junk to MKL: one thread
     ],
 )
 def test_thread_count_rule(env, expected):
-    assert p.default_threads(env, cores=4) == expected
+    assert p.default_threads(env, cores=4, mkl=True) == expected  # a torch built with MKL (x86 wheels)
 
 
 def test_dynamic_threads_leave_the_count_out():
@@ -210,6 +213,93 @@ def test_thread_count_matches_torch(env):
     code = "import torch; print(torch.get_num_threads())"
     out = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, check=True)
     assert int(out.stdout) == p.default_threads(full)
+
+
+# Odd values of the thread settings, each measured against torch's own library below. Under MKL (x86
+# wheels) MKL parses MKL_NUM_THREADS (digits only, else one thread; 0 as unset) and libgomp
+# OMP_NUM_THREADS (strtoul items); without MKL (aarch64 wheels) ATen's std::stoi parses both.
+_ODD = ["1", "3", " 3", "3 ", "\t3", "+3", "03", "3abc", "3,5", "3,", "3, 5", " 3 ,5", "3,0", "-3", "-0", "0", "00",
+        "", "abc", ",3", "3.5", "0x3", "\u00b2", "99999999999", "2147483647", "2147483648", "4294967296",
+        "4294967299", "18446744073709551615", "18446744073709551616", "9" * 4400]  # fmt: skip
+THREAD_CASES = (
+    [{}]
+    + [{"OMP_NUM_THREADS": v} for v in _ODD if v != "\u00b2"]
+    + [{"MKL_NUM_THREADS": v} for v in _ODD]
+    + [{"MKL_NUM_THREADS": m, "OMP_NUM_THREADS": o} for m, o in
+       [(" 2", "1"), ("00", "1"), ("0", "3"), ("abc", "3"), ("2147483648", "3"), ("", "3"), ("1", "3")]]
+    + [{"MKL_DYNAMIC": d, **s} for d in ("false", " FALSE", "0", "no") for s in
+       ({"MKL_NUM_THREADS": "3"}, {"OMP_NUM_THREADS": "3"}, {"MKL_NUM_THREADS": "99999999999"},
+        {"OMP_NUM_THREADS": "2147483648"}, {"OMP_NUM_THREADS": "6442450944"})]
+)  # fmt: skip
+
+
+def test_thread_count_agrees_with_torch_for_odd_values():
+    """MKL_NUM_THREADS=00 gave torch the core count where kcache keyed 1, and " 2" gave torch 1 where
+    kcache keyed 2: each a key shared by pods whose kernels differ. Every case is run in a fresh process
+    of torch's own library: at::get_num_threads() (what Inductor keys) and at::intraop_default_num_threads(),
+    which a torch without MKL (aarch64 wheels) sizes its pool by."""
+    torch_dir = p.engines.package_dir("torch")
+    lib = None if torch_dir is None else torch_dir / "lib" / "libtorch_cpu.so"
+    if lib is None or not lib.is_file():
+        pytest.skip("no torch CPU library")
+    from concurrent.futures import ThreadPoolExecutor
+
+    code = ("import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); "
+            "print(lib._ZN2at15get_num_threadsEv(), lib._ZN2at27intraop_default_num_threadsEv())")  # fmt: skip
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_DYNAMIC")}
+
+    def measure(env):
+        run = subprocess.run([sys.executable, "-c", code, str(lib)], env={**base, **env}, capture_output=True,
+                             text=True, check=True)  # fmt: skip
+        return tuple(map(int, run.stdout.split()))
+
+    with ThreadPoolExecutor(2) as pool:
+        measured = list(pool.map(measure, THREAD_CASES))
+    with_mkl = p.torch_uses_mkl(torch_dir)
+    ours = [(p.default_threads({**base, **env}, mkl=with_mkl), p.default_threads({**base, **env}, mkl=False))
+            for env in THREAD_CASES]  # fmt: skip
+    assert [(env, m) for env, m in zip(THREAD_CASES, measured)] == [(env, o) for env, o in zip(THREAD_CASES, ours)]
+
+
+def test_thread_count_under_an_affinity_mask_agrees_with_torch():
+    """MKL counts the cores this process may run on; ATen without MKL asks cpuinfo, which counts the
+    machine's (a pod pinned to some cores of a bigger node). Measured with torch's library in one process."""
+    torch_dir = p.engines.package_dir("torch")
+    lib = None if torch_dir is None else torch_dir / "lib" / "libtorch_cpu.so"
+    if lib is None or not lib.is_file() or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("no torch CPU library, or one CPU only")
+    code = """import ctypes, json, os, sys
+from kcache import probes
+env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_DYNAMIC")}
+ours = [probes.default_threads(env, mkl=probes.torch_uses_mkl()), probes.default_threads(env, mkl=False)]
+lib = ctypes.CDLL(sys.argv[1])
+print(json.dumps([ours, [lib._ZN2at15get_num_threadsEv(), lib._ZN2at27intraop_default_num_threadsEv()]]))"""
+    one = {min(os.sched_getaffinity(0))}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_DYNAMIC")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", code, str(lib)], env=env, capture_output=True, text=True,
+                         check=True, preexec_fn=lambda: os.sched_setaffinity(0, one))  # fmt: skip
+    ours, torch_says = json.loads(out.stdout)
+    assert ours == torch_says
+
+
+def test_which_thread_rule_follows_how_torch_was_built(tmp_path):
+    config = tmp_path / "include" / "ATen" / "Config.h"
+    config.parent.mkdir(parents=True)
+    mkl = "#define AT_MKL_ENABLED() 1\n#define AT_MKL_SEQUENTIAL() 0\n#define AT_PARALLEL_OPENMP 1\n"
+    config.write_text(mkl)
+    assert p.torch_uses_mkl(tmp_path)
+    config.write_text(mkl.replace("AT_MKL_ENABLED() 1", "AT_MKL_ENABLED() 0"))  # aarch64 wheels: no MKL
+    assert not p.torch_uses_mkl(tmp_path)
+    config.write_text(mkl.replace("SEQUENTIAL() 0", "SEQUENTIAL() 1"))  # ATen then sizes its pool itself
+    assert not p.torch_uses_mkl(tmp_path)
+    # the same setting, two counts: MKL reads " 2" as one thread, std::stoi as two
+    assert p.default_threads({"MKL_NUM_THREADS": " 2"}, cores=4, mkl=True) == 1
+    assert p.default_threads({"MKL_NUM_THREADS": " 2"}, cores=4, mkl=False) == 2
+    # without MKL, MKL_DYNAMIC caps nothing and MKL_DOMAIN_NUM_THREADS is no one's setting
+    assert p.default_threads({"OMP_NUM_THREADS": "16"}, cores=4, mkl=False) == 16
+    assert p.probe_threads({"MKL_DOMAIN_NUM_THREADS": "MKL_DOMAIN_ALL=1", "OMP_NUM_THREADS": "3"}, mkl=False) == {
+        "cpu.threads": "3", "env.MKL_DOMAIN_NUM_THREADS": "MKL_DOMAIN_ALL=1", "env.OMP_NUM_THREADS": "3"}
 
 
 def test_torch_facts_are_read_without_importing_it():
