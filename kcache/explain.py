@@ -38,7 +38,7 @@ _REASONS: tuple[tuple[str, str], ...] = (
     ("arch", "kernels are machine code for one CPU architecture"),
     ("os", "kernels are built for one operating system"),
     ("libc", "kernels link against one C library"),
-    ("python", "caches are keyed by the Python version"),
+    ("python", "caches are keyed by the Python version and ABI (a debug build's extension modules are another's)"),
     ("torch.path", "compiled kernels link with absolute paths into the torch install"),
     ("torch.", "torch's cache keys contain its version and build"),
     ("triton.", "Triton's cache keys contain its version"),

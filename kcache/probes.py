@@ -18,6 +18,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -163,8 +164,15 @@ def probe_platform(env: Mapping[str, str]) -> dict[str, str]:
         "os": platform.system().lower(),
         "arch": platform.machine(),
         "libc": f"{libc} {libc_version}".strip() or NONE,
-        "python": "{}.{}".format(*platform.python_version_tuple()[:2]),
+        "python": python_fact("{}.{}".format(*platform.python_version_tuple()[:2]), getattr(sys, "abiflags", "")),
     }
+
+
+def python_fact(major_minor: str, abiflags: str) -> str:
+    """`3.11`, or `3.11d` for a debug build (`t` free-threaded): another ABI, whose extension modules
+    (Triton's launchers, torch extensions, which torch builds under py311d_...) a normal build's are not.
+    A normal build's abiflags are empty, so its fact, and every key, is what it always was."""
+    return major_minor + abiflags
 
 
 def _package_dir(name: str) -> Path | None:

@@ -321,3 +321,9 @@ def test_a_gcc_search_path_set_on_one_side_is_named():
     assert "g++ reads it" in cand.verdict
     (cand,) = explain(FACTS, [bundle({**FACTS, "env.LIBRARY_PATH": ""})]).nearest
     assert cand.verdict.startswith("differs in env.LIBRARY_PATH (absent here,  in bundle): ")
+
+
+def test_a_debug_python_is_named_with_its_abi():
+    (cand,) = explain({**FACTS, "python": "3.11d"}, [bundle(FACTS)]).nearest
+    assert cand.verdict.startswith("differs in python (3.11d here, 3.11 in bundle): ")
+    assert "ABI" in cand.verdict

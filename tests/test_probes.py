@@ -335,6 +335,25 @@ print(json.dumps([probes.probe_torch(os.environ)["torch.path"], ce.include_paths
     assert p.probe_torch(os.environ)["torch.path"] == str(torch_dir.resolve().parent)
 
 
+def test_a_debug_python_is_another_python():
+    """A debug build (sys.abiflags "d") lays objects out differently: extension modules, Triton's
+    launchers and torch's extension builds (named py311d_...) of a normal build do not load in it."""
+    debug = next(filter(None, map(shutil.which, ("python3.11d", "python3-dbg", "python3d"))), None)
+    if debug is None:
+        pytest.skip("no debug build of Python here (apt-get install python3.11-dbg)")
+    code = "import json, platform, sys; print(json.dumps([platform.python_version_tuple()[:2], sys.abiflags]))"
+    (major, minor), abiflags = json.loads(subprocess.run([debug, "-c", code], capture_output=True, text=True,
+                                                         check=True).stdout)  # fmt: skip
+    assert "d" in abiflags
+    assert p.python_fact(f"{major}.{minor}", abiflags) == f"{major}.{minor}{abiflags}"
+    assert p.python_fact(f"{major}.{minor}", abiflags) != p.python_fact(f"{major}.{minor}", "")
+
+
+def test_a_normal_python_keeps_its_fact():
+    assert sys.abiflags == ""  # the venv's Python is a normal build
+    assert p.probe_platform({})["python"] == "{}.{}".format(*sys.version_info[:2])
+
+
 # ---- CPU features ------------------------------------------------------------------------------
 
 # Two CPUs with the model string and the twelve flags the first schema keyed, but not the same
