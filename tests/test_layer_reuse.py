@@ -47,6 +47,20 @@ def restored_layers(store, index, facts, root, **kw):
     return result, {layer for layer, _ in result.donors}
 
 
+@pytest.mark.parametrize("fact, value, split", [
+    # g++'s search paths change the C++ Inductor builds: its layers split; Triton's launchers are
+    # built with Triton's own -I/-L first and keyed by Triton, DeepGEMM's kernels by their compiler.
+    ("env.CPATH", "/opt/inc", {"inductor", "inductor-pch"}),
+    ("env.LIBRARY_PATH", "", {"inductor", "inductor-pch"}),
+    # a debug Python is another ABI for every layer that holds Python-built code
+    ("python", GPU["python"] + "d", {"inductor", "inductor-pch", "triton", "cute_dsl"}),
+])  # fmt: skip
+def test_which_layer_keys_the_new_facts_split(fact, value, split):
+    other, key = {**GPU, fact: value}, layerkeys.layer_key
+    changed = {layer for layer in layerkeys.FACTS if key(layer, GPU) != key(layer, other)}
+    assert changed == split
+
+
 def test_a_driver_upgrade_keeps_the_kernel_layers_but_not_the_jit_cache(tmp_path, store, sqlite_index):
     pub = published(tmp_path, store, sqlite_index, GPU)
     upgraded = {**GPU, "gpu.driver": "560.28"}
