@@ -206,8 +206,9 @@ def test_dynamic_threads_leave_the_count_out():
     }
 
 
-@pytest.mark.parametrize("env", [{}, {"OMP_NUM_THREADS": "1"}, {"MKL_NUM_THREADS": "1"}])
-def test_thread_count_matches_torch(env):
+@pytest.mark.parametrize("env", [{}, {"OMP_NUM_THREADS": "1"}, {"MKL_NUM_THREADS": "1"}, {"MKL_NUM_THREADS": "00"},
+                                 {"MKL_NUM_THREADS": " 2"}, {"OMP_NUM_THREADS": "+1"}])  # fmt: skip
+def test_thread_count_matches_torch(env):  # through `import torch`, as Inductor asks it
     pytest.importorskip("torch")
     full = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")} | env
     code = "import torch; print(torch.get_num_threads())"
