@@ -57,7 +57,7 @@ from kcache.errors import (
     Terminated,
     UnsafePath,
 )
-from kcache.fingerprint import Fingerprint, is_workload_fact
+from kcache.fingerprint import Fingerprint, is_bundle_key, is_workload_fact
 from kcache.packs import CHUNK_BYTES, unpack_bytes, unpack_frame
 from kcache.readiness import (
     RESTORE_MARKER,
@@ -104,6 +104,8 @@ class RestoreResult:
     reason: str = ""
     signed_by: str | None = None
     donors: tuple[tuple[str, str], ...] = ()  # (layer, bundle id) of a --fallback layers restore
+    # (bundle id, bundle key) of each bundle laid that another key built: a donor, a --fallback toolchain partial's
+    donor_keys: tuple[tuple[str, str], ...] = ()
     user: str | None = None  # the user the precompiled header was laid out for (None: this process's)
 
 
@@ -133,6 +135,9 @@ class _KeptLayers:
     # The bundle whose files each layer that stays holds, by place under ROOT (the marker's `layers_from`):
     # a kept ROOT's next start sets aside the layers of a bundle yanked since.
     came_from: dict[str, str] = field(default_factory=dict)
+    # The bundle key of each bundle in `came_from` that another key built (the marker's `bundle_keys`): a donor
+    # is checked for yanks against its own key's ref, as the restore that took it checked it.
+    owners: dict[str, str] = field(default_factory=dict)
 
 
 class Catalog(Protocol):
@@ -238,7 +243,7 @@ def _open_and_restore(open_inputs, opened: list, kept: _KeptLayers, root: Path, 
     opened.append(inputs)
     policy = choice.Policy(inputs.trusted, require_signature)
     _compare_layers(root, inputs.fingerprint.bundle_key, kept,
-                    yanked=lambda ids: _yanked(inputs.store, inputs.index, inputs.fingerprint.bundle_key, ids, policy))
+                    yanked=lambda owned: _yanked(inputs.store, inputs.index, owned, policy))
     if require_signature and not inputs.trusted:
         raise ConfigError("--require-signature", "on", "needs at least one --trusted-key (or KCACHE_TRUSTED_KEYS)")
     return _restore(inputs.store, inputs.index, inputs.fingerprint, root, jobs, budget, pinned, policy, fallback,
@@ -246,7 +251,7 @@ def _open_and_restore(open_inputs, opened: list, kept: _KeptLayers, root: Path, 
 
 
 def _compare_layers(root: Path, bundle_key: str, kept: _KeptLayers, *, wait: bool = True,
-                    yanked: Callable[[set[str]], set[str]] | None = None) -> None:  # fmt: skip
+                    yanked: Callable[[Mapping[str, str]], set[str]] | None = None) -> None:  # fmt: skip
     """Empty layers made under another bundle key, or holding a bundle that `yanked` names
     (`_set_aside_other_keys_layers`), once per restore: `kept` then says they are `bundle_key`'s.
     Without `wait`, nothing is done while the worker compares.
@@ -256,7 +261,8 @@ def _compare_layers(root: Path, bundle_key: str, kept: _KeptLayers, *, wait: boo
         return
     try:
         if not kept.compared:
-            kept.retired, kept.kept_back, kept.came_from = _set_aside_other_keys_layers(root, bundle_key, yanked)
+            kept.retired, kept.kept_back, kept.came_from, kept.owners = _set_aside_other_keys_layers(
+                root, bundle_key, yanked)
             kept.compared, kept.key = True, bundle_key
     finally:
         kept.lock.release()
@@ -275,17 +281,25 @@ def _delete_retired(kept: _KeptLayers, deadline: float | None) -> None:
         rootdir.delete_until(retired, deadline)
 
 
-def _yanked(store: Store, index: Catalog, bundle_key: str, ids: set[str], policy: choice.Policy) -> set[str]:
-    """`choice.yanked_among`, or none when the store or the index cannot say (the restore meets that again)."""
-    try:
-        return choice.yanked_among(store, index, bundle_key, ids, policy)
-    except KcacheError as exc:
-        log.warning("cannot tell whether the bundles in the kept layers were yanked: %s", one_line(exc))
-        return set()
+def _yanked(store: Store, index: Catalog, owned: Mapping[str, str], policy: choice.Policy) -> set[str]:
+    """Which of the bundles `owned` names (bundle id: the key that built it) are yanked: `choice.yanked_among`
+    for each key, each against its own ref; none of a key whose store or index cannot say (the restore meets
+    that again)."""
+    by_key: dict[str, set[str]] = {}
+    for bundle_id, bundle_key in owned.items():
+        by_key.setdefault(bundle_key, set()).add(bundle_id)
+    bad: set[str] = set()
+    for bundle_key, ids in sorted(by_key.items()):
+        try:
+            bad |= choice.yanked_among(store, index, bundle_key, ids, policy)
+        except KcacheError as exc:
+            log.warning("cannot tell whether the bundles in the kept layers were yanked: %s", one_line(exc))
+    return bad
 
 
-def _set_aside_other_keys_layers(root: Path, bundle_key: str, yanked: Callable[[set[str]], set[str]] | None = None
-                                 ) -> tuple[Path | None, dict[str, str], dict[str, str]]:  # fmt: skip
+def _set_aside_other_keys_layers(root: Path, bundle_key: str,
+                                 yanked: Callable[[Mapping[str, str]], set[str]] | None = None
+                                 ) -> tuple[Path | None, dict[str, str], dict[str, str], dict[str, str]]:  # fmt: skip
     """Empty layers when the last restore into ROOT (its marker says) was under another bundle key, and
     layers that hold a bundle yanked since (`yanked` says which of the ids it is given are).
 
@@ -294,18 +308,22 @@ def _set_aside_other_keys_layers(root: Path, bundle_key: str, yanked: Callable[[
     that one (torch's own keys do not see -march=native), and a miss left them in place, exported by
     kcache.env and published by `publish --from ROOT` under the new key. They are moved into a
     staging directory, returned to be deleted (within the budget, or by the next restore), with the
-    layers that could not be moved and the key each was made under, and the bundle each layer left in
-    place holds. A ROOT without a marker names no key, and is left as it is.
+    layers that could not be moved and the key each was made under, the bundle each layer left in
+    place holds, and the key of each such bundle another key built. A ROOT without a marker names no
+    key, and is left as it is.
 
     A yanked bundle's layers go too: a miss keeps the key's layers (the pod's own compiles), and a kept
     ROOT whose last start restored the bundle had its kernels loaded again on every restart after the
-    yank. The pod's compiles beside them go with them: they were made on top of the yanked kernels."""
+    yank. The pod's compiles beside them go with them: they were made on top of the yanked kernels. A
+    bundle another key built (a donor) is looked up under that key (`bundle_keys`): this key's ref knows
+    nothing of it, and often there is none (a fallback's usual case)."""
     previous = read_state(root) or {}
     made_under = _layers_key(previous)
     kept_back = _kept_back(previous)
     came_from = _came_from(previous)
+    owners = _owners(previous)
     if made_under is None:
-        return None, {}, {}
+        return None, {}, {}, {}
     other_key = made_under != bundle_key or not set(kept_back.values()) <= {bundle_key}
     users: set[str | None] = {None}
     try:  # the last restore's model user, whose header directory that restore laid out
@@ -322,11 +340,12 @@ def _set_aside_other_keys_layers(root: Path, bundle_key: str, yanked: Callable[[
     # could not be set aside is kept back under this key, and must not come back when a start under this
     # key follows one under another); another key's layers go first, whatever bundle they hold: a store
     # or an index that hangs on the look-up must not keep them past the budget.
-    staying = {came_from[p] for _place, _rel, key, under in places if key == bundle_key for p in under}
+    staying = {came_from[p]: owners.get(came_from[p], bundle_key)
+               for _place, _rel, key, under in places if key == bundle_key for p in under}  # fmt: skip
     if not other_key:
         bad = yanked(staying) if yanked is not None and staying else set()
         if not bad:
-            return None, {}, came_from
+            return None, {}, came_from, owners
     retired = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=root))
     stuck: dict[str, str] = {}
 
@@ -359,7 +378,7 @@ def _set_aside_other_keys_layers(root: Path, bundle_key: str, yanked: Callable[[
     if other_key:  # what stays is this key's from now on: the layers kept back, and this key's left in place
         came_from = {place: bundle for place, bundle in came_from.items()
                      if any(place in under for _place, _rel, _key, under in places)}  # fmt: skip
-    return retired, stuck, came_from
+    return retired, stuck, came_from, owners
 
 
 def _fail(root: Path, opened: list[Opened], kept: _KeptLayers, computed: Callable[[], Fingerprint | None],
@@ -381,10 +400,10 @@ def _fail(root: Path, opened: list[Opened], kept: _KeptLayers, computed: Callabl
     # The key ROOT's layers were made under: this restore's once it compared them, else (the fingerprint
     # failed, or the layers could not be set aside) the last one's, carried over for the next start.
     if kept.compared:
-        layers_key, kept_back, came_from = kept.key, kept.kept_back, kept.came_from
+        layers_key, kept_back, came_from, owners = kept.key, kept.kept_back, kept.came_from, kept.owners
     else:
         last = read_state(root) or {}
-        layers_key, kept_back, came_from = _layers_key(last), _kept_back(last), _came_from(last)
+        layers_key, kept_back, came_from, owners = _layers_key(last), _kept_back(last), _came_from(last), _owners(last)
     failed = RestoreResult("error", bundle_key, None, root, root / envfile.NAME, seconds=seconds, reason=reason)
     # Each on its own (the marker still goes where the env file cannot); a layer whose place a link
     # carries out of ROOT, or that a file blocks (ROOT/tmp), is left out of the env file, not the whole
@@ -392,7 +411,7 @@ def _fail(root: Path, opened: list[Opened], kept: _KeptLayers, computed: Callabl
     for what, write in (("kcache.env", lambda: _write_env(root, (), _env_comment(failed), _safe_user(failed.user),
                                                           deadline, leave_out_unsafe=True, kept_back=kept_back)),
                         ("the restore marker", lambda: _write_state(failed, fp, layers_key, kept_back, came_from,
-                                                                    deadline))):  # fmt: skip
+                                                                    owners, deadline))):  # fmt: skip
         try:
             write()
         except (OSError, KcacheError) as write_error:
@@ -574,7 +593,8 @@ def _restore(
     )
     return RestoreResult("partial" if partial else "hit", fp.bundle_key, manifest.id, root, root / envfile.NAME,
                          layer_names, len(entries), sum(e.size for e in entries), time.perf_counter() - started,
-                         reason, signer, user=user)  # fmt: skip
+                         reason, signer, user=user,
+                         donor_keys=((manifest.id, manifest.bundle_key),) if partial else ())  # fmt: skip
 
 
 def _compiled_here(root: Path, bundle_key: str, names: Iterable[str], user: str) -> set[str]:
@@ -651,7 +671,8 @@ def _from_layers(store: Store, fp: Fingerprint, root: Path, jobs: int, budget: _
     return RestoreResult("partial", fp.bundle_key, None, root, root / envfile.NAME, tuple(names), len(entries),
                          sum(e.size for e in entries), time.perf_counter() - started,
                          one_line(f"layers whose own keys match, from other bundles: {origin}"),
-                         donors=tuple((d.layer, d.manifest.id) for d in donors), user=user)  # fmt: skip
+                         donors=tuple((d.layer, d.manifest.id) for d in donors), user=user,
+                         donor_keys=tuple({d.manifest.id: d.manifest.bundle_key for d in donors}.items()))  # fmt: skip
 
 
 def _agreed_chunks(donated: Iterable[manifests.Manifest]) -> dict[str, tuple[str, ...]]:
@@ -900,7 +921,7 @@ def _finish(root: Path, result: RestoreResult, fp: Fingerprint, kept: _KeptLayer
     kept_back = {place: key for place, key in kept.kept_back.items() if place not in laid}  # the swap replaced those
     came_from = {**kept.came_from, **{place: bundle for place, bundle in laid.items() if bundle}}
     _write_env(root, result.layers, _env_comment(result), result.user, kept_back=kept_back)
-    _write_state(result, fp, kept.key, kept_back, came_from)
+    _write_state(result, fp, kept.key, kept_back, came_from, {**kept.owners, **dict(result.donor_keys)})
 
 
 def _env_comment(result: RestoreResult) -> str:
@@ -949,15 +970,18 @@ def _write_env(root: Path, layer_names, comment: str, run_as: str | None = None,
 
 
 def _write_state(result: RestoreResult, fp: Fingerprint | None, layers_key: str | None,
-                 kept_back: Mapping[str, str], came_from: Mapping[str, str],
+                 kept_back: Mapping[str, str], came_from: Mapping[str, str], owners: Mapping[str, str],
                  deadline: float | None = None) -> None:  # fmt: skip
     """The restore marker: restore has finished, with what outcome (readiness and /metrics read it),
     the workload it computed ("inputs": what `publish --from ROOT` publishes under), the bundle
     key ROOT's layers were made under (`_compare_layers`), but for those kept back under another,
-    and the bundle each layer holds ("layers_from": the next start checks them for yanks)."""
+    the bundle each layer holds ("layers_from": the next start checks them for yanks), and the key
+    of each of those bundles that another key built ("bundle_keys": whose ref the check reads).
+    Local state only: nothing in it is hashed or signed."""
     rootdir.clear(result.root / RESTORE_MARKER, stat.S_ISDIR, deadline)
     write_marker(result.root, RESTORE_MARKER, {
         "layers_key": layers_key, "kept_back": dict(kept_back), "layers_from": dict(came_from),
+        "bundle_keys": {bundle: key for bundle, key in owners.items() if bundle in came_from.values()},
         "toolchain_key": fp.toolchain_key if fp else None,  # what `publish --from ROOT` compares with its own
         "status": result.status, "bundle_key": result.bundle_key, "bundle_id": result.bundle_id,
         "files": result.files, "bytes": result.bytes, "seconds": round(result.seconds, 4),
@@ -990,6 +1014,17 @@ def _came_from(state: dict) -> dict[str, str]:
     valid = ((place, bundle) for place, bundle in found.items()
              if isinstance(place, str) and len(place) <= 4096 and manifests.is_sha256(bundle))
     # No more than a bundle lays down: each start writes it back, and the marker has a reserve to fit in.
+    return dict(itertools.islice(valid, manifests.MAX_LAYERS + len(layers.BUILTIN)))
+
+
+def _owners(state: dict) -> dict[str, str]:
+    """The bundle key a marker says built each bundle it names under `layers_from`, for those another key
+    built (bundle ids and keys of their own shapes only: every container of the pod may write the marker)."""
+    found = state.get("bundle_keys")
+    if not isinstance(found, dict):
+        return {}
+    valid = ((bundle, key) for bundle, key in found.items()
+             if manifests.is_sha256(bundle) and isinstance(key, str) and is_bundle_key(key))
     return dict(itertools.islice(valid, manifests.MAX_LAYERS + len(layers.BUILTIN)))
 
 

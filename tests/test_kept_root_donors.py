@@ -1,0 +1,59 @@
+"""A kept ROOT whose last start took layers from other bundle keys (`--fallback layers`): each such layer
+is judged at the next start by its donor's own key (its signed ref, its yanks), as the restore that laid
+it judged it, not by this pod's key, whose ref may not exist (the usual case with a fallback) or may
+know nothing of the donor."""
+
+from test_layer_reuse import GPU, TREE, _signed, published
+from trees import read_tree, write_tree
+
+from kcache import fingerprint, layerkeys, refs
+from kcache.publish import PublishConfig, publish
+from kcache.restore import read_state, restore
+from kcache.sources import select
+from kcache.store import ref_key
+from kcache.yank import yank
+
+DONOR, MINE = {**GPU, "model.id": "donor"}, {**GPU, "model.id": "mine"}
+OWN = {"triton/k9/own.cubin": b"compiled by the pod on top of the donor's kernels"}
+
+
+def signed_pod(store, trusted, root, **kw):
+    """A pod requiring signatures through refs (no SQL index), with --fallback layers."""
+    return restore(store, refs.RefCatalog(store), fingerprint.compute(MINE), root, trusted=trusted,
+                   require_signature=True, **{"fallback": "layers", **kw})  # fmt: skip
+
+
+def test_a_vouched_donors_layers_stay_when_this_key_has_no_ref(tmp_path, store, sqlite_index):
+    """This key has no bundle, so no ref: the donor's layers were set aside at every start as if nothing
+    vouched for them, though the donor's own signed ref does. Here the layer refs have moved on meanwhile
+    (gc, another publish), so the start takes no donor: the pod lost its warm layers for nothing."""
+    config, trusted = _signed(tmp_path)
+    donor = published(tmp_path, store, sqlite_index, DONOR, config=config)
+    root = tmp_path / "kept"
+    assert dict(signed_pod(store, trusted, root).donors)["triton"] == donor.bundle_id
+    write_tree(root, OWN)
+    for layer in layerkeys.FACTS:
+        store.delete(ref_key(layerkeys.ref_name(layer, layerkeys.layer_key(layer, MINE))))
+    assert signed_pod(store, trusted, root).status == "miss"
+    assert (root / "triton/k1/add.cubin").read_bytes() == b"triton kernel"
+    assert (root / "triton/k9/own.cubin").is_file()
+
+
+def test_a_donor_its_own_key_yanked_is_set_aside_though_its_yank_marker_is_gone(tmp_path, store, sqlite_index):
+    """The pod's key has a signed ref of its own now (it published what it compiled), which says nothing
+    of the donor; the donor's key yanked the donor (its signed ref lists it), and a store writer deleted the
+    yank marker. Judged by this key's ref alone, the yanked kernels stayed in ROOT and were loaded."""
+    config, trusted = _signed(tmp_path)
+    published(tmp_path, store, sqlite_index, DONOR, {"triton/k1/add.cubin": b"older, good"}, "older", config=config)
+    bad = published(tmp_path, store, sqlite_index, DONOR, {**TREE, "triton/k1/add.cubin": b"NaN"}, config=config)
+    root = tmp_path / "kept"
+    assert dict(signed_pod(store, trusted, root).donors)["triton"] == bad.bundle_id
+    write_tree(tmp_path / "mine", {"vllm/torch_compile_cache/x.py": b"the pod's own graph"})
+    publish(store, sqlite_index, fingerprint.compute(MINE), select(["vllm"]), root=tmp_path / "mine", env={},
+            config=PublishConfig(signing_key=config.signing_key))  # fmt: skip
+    yank(store, sqlite_index, bad.bundle_id, "NaNs", signer=config.signing_key)
+    assert bad.bundle_id in refs.read(store, fingerprint.compute(DONOR).bundle_key).yanked
+    store.delete(refs.yank_key(bad.bundle_id))
+    assert signed_pod(store, trusted, root, fallback=None).status == "hit"
+    assert read_tree(root / "triton") == {}
+    assert bad.bundle_id not in read_state(root)["layers_from"].values()
