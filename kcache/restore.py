@@ -246,8 +246,10 @@ def _open_and_restore(open_inputs, opened: list, kept: _KeptLayers, root: Path, 
                     yanked=lambda owned: _yanked(inputs.store, inputs.index, owned, policy))
     if require_signature and not inputs.trusted:
         raise ConfigError("--require-signature", "on", "needs at least one --trusted-key (or KCACHE_TRUSTED_KEYS)")
+    # What earlier restores laid and this one's comparison left in place (checked for yanks just now).
+    in_place = {place: bundle for place, bundle in kept.came_from.items() if place not in kept.kept_back}
     return _restore(inputs.store, inputs.index, inputs.fingerprint, root, jobs, budget, pinned, policy, fallback,
-                    run_as, report)
+                    run_as, report, in_place)
 
 
 def _compare_layers(root: Path, bundle_key: str, kept: _KeptLayers, *, wait: bool = True,
@@ -549,7 +551,9 @@ def _restore(
     fallback: str | None = None,
     run_as: str | None = None,
     report: progress.Report | None = None,
+    in_place: Mapping[str, str] = {},
 ) -> RestoreResult:
+    """`in_place`: the bundle each layer place of ROOT holds from an earlier restore (checked for yanks)."""
     started = time.perf_counter()
     if fp.mismatches:  # the facts file (or a --fact) describes another machine: its bundle would be a wrong hit
         chosen = fp.mismatch_reason()
@@ -562,7 +566,7 @@ def _restore(
             own = _compiled_here(root, fp.bundle_key, [d.layer for d in donors], layers.run_as_user(run_as, pch))
             donors = [d for d in donors if d.layer not in own]
             if donors:
-                return _from_layers(store, fp, root, jobs, budget, donors, run_as, started, report)
+                return _from_layers(store, fp, root, jobs, budget, donors, run_as, started, report, in_place)
             chosen = f"{one_line(chosen)}; ROOT keeps the layers it compiled under this key"
     if not isinstance(chosen, str) and chosen.partial:
         manifest, signer, _size = choice.read_manifest(store, chosen, fp, policy)
@@ -656,18 +660,33 @@ def _donors(store: Store, index: Catalog, fp: Fingerprint, policy: choice.Policy
 
 def _from_layers(store: Store, fp: Fingerprint, root: Path, jobs: int, budget: _Budget,
                  donors: list[layerkeys.Donor], run_as: str | None, started: float,
-                 report: progress.Report | None = None) -> RestoreResult:  # fmt: skip
-    """Lay out each donor's layer: a partial restore assembled layer by layer (--fallback layers)."""
-    entries, names = [], []
-    for donor in donors:
-        prefix = layers.for_manifest([donor.layer])[0].subdir + "/"
-        entries += [e for e in donor.manifest.entries if e.path.startswith(prefix)]
-        names.append(donor.layer)
+                 report: progress.Report | None = None, in_place: Mapping[str, str] = {}) -> RestoreResult:  # fmt: skip
+    """Lay out each donor's layer: a partial restore assembled layer by layer (--fallback layers).
+
+    A layer whose place already holds that very donor (`in_place`: an earlier start laid it, and this
+    one found it unyanked) is kept as it is, with what the pod compiled on top of it: fetched and swapped
+    in again, it cost a kept ROOT the fetch and those compiles on every start."""
     pch = next((d.manifest.layer_info for d in donors if d.layer == "inductor-pch"), {})
     user = layers.run_as_user(run_as, pch)
-    chunks = _agreed_chunks(d.manifest for d in donors)
-    _lay_out(store, root, tuple(entries), layers.for_manifest(names, user), jobs, budget, report, chunks)
-    origin = ", ".join(f"{d.layer} from {d.manifest.id[:12]}" for d in donors)
+    entries, names, kept, fetched = [], [], [], []
+    for donor in donors:
+        source = layers.for_manifest([donor.layer], user)[0]
+        mine = [e for e in donor.manifest.entries if e.path.startswith(source.subdir + "/")]
+        place = source.restore_dir(root)
+        there = in_place.get(place.relative_to(root).as_posix()) == donor.manifest.id
+        if there and not place.is_symlink() and place.is_dir():
+            kept += mine
+        else:
+            entries += mine
+            fetched.append(donor.layer)
+        names.append(donor.layer)
+    if entries:
+        chunks = _agreed_chunks(d.manifest for d in donors if d.layer in fetched)
+        _lay_out(store, root, tuple(entries), layers.for_manifest(fetched, user), jobs, budget, report, chunks)
+    if kept:
+        _record_laid(root, kept + entries)
+    origin = ", ".join(f"{d.layer} from {d.manifest.id[:12]}{'' if d.layer in fetched else ' (in place)'}"
+                       for d in donors)  # fmt: skip
     return RestoreResult("partial", fp.bundle_key, None, root, root / envfile.NAME, tuple(names), len(entries),
                          sum(e.size for e in entries), time.perf_counter() - started,
                          one_line(f"layers whose own keys match, from other bundles: {origin}"),

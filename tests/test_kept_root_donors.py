@@ -3,6 +3,8 @@ is judged at the next start by its donor's own key (its signed ref, its yanks), 
 it judged it, not by this pod's key, whose ref may not exist (the usual case with a fallback) or may
 know nothing of the donor."""
 
+import pytest
+from faulty import CountingStore
 from test_layer_reuse import GPU, TREE, _signed, published
 from trees import read_tree, write_tree
 
@@ -57,3 +59,24 @@ def test_a_donor_its_own_key_yanked_is_set_aside_though_its_yank_marker_is_gone(
     assert signed_pod(store, trusted, root, fallback=None).status == "hit"
     assert read_tree(root / "triton") == {}
     assert bad.bundle_id not in read_state(root)["layers_from"].values()
+@pytest.mark.parametrize("mode", ["index", "refs"])
+def test_a_donor_already_in_its_place_is_not_laid_again(tmp_path, store, sqlite_index, mode):
+    """Each start of a kept ROOT fetched the same donor's layer again and swapped it in over the one in
+    place, and what the pod had compiled on top of it went with the old one: compiled again, every start."""
+    config, trusted = _signed(tmp_path)
+    donor = published(tmp_path, store, sqlite_index, DONOR, config=config)
+    root = tmp_path / "kept"
+
+    def pod(store):
+        if mode == "refs":
+            return signed_pod(store, trusted, root)
+        return restore(store, sqlite_index, fingerprint.compute(MINE), root, fallback="layers")
+
+    assert pod(store).status == "partial"
+    write_tree(root, OWN)
+    counting = CountingStore(store)
+    again = pod(counting)
+    assert again.status == "partial" and dict(again.donors)["triton"] == donor.bundle_id
+    assert counting.read.get("packs", 0) == 0
+    assert (root / "triton/k1/add.cubin").read_bytes() == b"triton kernel"
+    assert (root / "triton/k9/own.cubin").is_file()  # what the pod compiled on top of it stays
