@@ -1025,13 +1025,14 @@ def _kept_back(state: dict) -> dict[str, str]:
 
 
 def _came_from(state: dict) -> dict[str, str]:
-    """The bundle a marker says each layer holds, by place under ROOT (ids of 64 hex digits only: every
-    container of the pod may write the marker)."""
+    """The bundle a marker says each layer holds, by place under ROOT (places restore lays layers at and ids
+    of 64 hex digits only: every container of the pod may write the marker, and each start writes it back
+    into the room set aside for it)."""
     found = state.get("layers_from")
     if not isinstance(found, dict):
         return {}
     valid = ((place, bundle) for place, bundle in found.items()
-             if isinstance(place, str) and len(place) <= 4096 and manifests.is_sha256(bundle))
+             if isinstance(place, str) and layers.is_place(place) and manifests.is_sha256(bundle))
     # No more than a bundle lays down: each start writes it back, and the marker has a reserve to fit in.
     return dict(itertools.islice(valid, manifests.MAX_LAYERS + len(layers.BUILTIN)))
 

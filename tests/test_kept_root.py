@@ -20,7 +20,7 @@ from kcache.errors import ConfigError, RestoreTimeout, StoreError
 from kcache.manifest import MAX_LAYERS
 from kcache.publish import PublishConfig, publish
 from kcache.refs import RefCatalog
-from kcache.restore import Opened, read_state, restore, restore_opening
+from kcache.restore import MARKER_RESERVE, Opened, read_state, restore, restore_opening
 from kcache.yank import yank
 
 
@@ -412,3 +412,25 @@ def test_a_kept_back_layer_that_stays_under_its_key_is_still_checked_for_yanks(s
     yank(store, sqlite_index, bad.bundle_id, "NaNs")
     assert restore(store, sqlite_index, fp, root).status == "miss"
     assert "TORCHINDUCTOR_CACHE_DIR" not in envfile.read(root / envfile.NAME)
+
+
+def marker_written_over(root: Path, fp, **fields) -> int:
+    """The size of the marker the next (failed) start writes once a container of the pod rewrote `fields`."""
+    marker = root / ".kcache-state.json"
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), **fields}))
+    restore_whose_store_is_out_of_reach(root, fp)
+    return marker.stat().st_size
+
+
+def test_a_marker_names_no_place_restore_does_not_lay_a_layer_at(store, sqlite_index, fp, tmp_path):
+    """layers_from was bounded in count, not in what it names: ~300 places of 4 KB each that no layer
+    has, written back by every start, made the marker ~1 MB, past the room set aside for it on a full
+    volume (then no marker, and readiness waits for ever). Only places restore lays are read."""
+    write_tree(tmp_path / "src", {"inductor/fx/a": b"kernel"})
+    published = publish_tree(store, sqlite_index, fp, tmp_path / "src")
+    root = tmp_path / "root"
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    junk = {f"junk/{i:03d}/{'a' * 4000}": published.bundle_id for i in range(300)}
+    size = marker_written_over(root, fp, layers_from={**junk, "inductor": published.bundle_id, "extra/..": "x"})
+    assert size <= MARKER_RESERVE
+    assert read_state(root)["layers_from"] == {"inductor": published.bundle_id}

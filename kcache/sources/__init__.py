@@ -14,7 +14,7 @@ from kcache.sources.cute_dsl import CuteDslSource
 from kcache.sources.deep_gemm import DeepGemmSource, TrtllmDeepGemmSource
 from kcache.sources.extra import ExtraSource, is_extra_name, parse_extra_dir
 from kcache.sources.flashinfer import FlashInferCubinSource, FlashInferSource
-from kcache.sources.inductor import InductorSource, PrecompiledHeaderSource, run_as_user
+from kcache.sources.inductor import InductorSource, PrecompiledHeaderSource, run_as_user, torch_user_name
 from kcache.sources.megacache import MegacacheSource
 from kcache.sources.torch_extensions import TorchExtensionsSource
 from kcache.sources.triton import TritonSource
@@ -148,6 +148,31 @@ def builtin(run_as: str | None = None) -> list[Source]:
     """The built-in layers, with the precompiled header laid out for the user `run_as` (when given)."""
     return [PrecompiledHeaderSource(run_as) if isinstance(s, PrecompiledHeaderSource) and run_as else s
             for s in BUILTIN]  # fmt: skip
+
+
+_ROOT = Path("/")
+# Where under ROOT restore lays each built-in layer but the header, whose place names its user.
+_FIXED_PLACES = frozenset(s.restore_dir(_ROOT).relative_to(_ROOT).as_posix() for s in BUILTIN
+                          if not isinstance(s, PrecompiledHeaderSource))  # fmt: skip
+_HEADER_PLACE = ("tmp/torchinductor_", "/precompiled_headers")
+
+
+def is_place(rel: str) -> bool:
+    """Whether the POSIX path `rel` is where restore lays a layer under ROOT: a built-in's place, the
+    precompiled header's for a user torch could name, or extra/NAME. What a file in ROOT names as a
+    layer's place (the restore marker, which every container of the pod may write) must be one."""
+    if rel in _FIXED_PLACES:
+        return True
+    if rel.startswith("extra/"):
+        return is_extra_name(rel.removeprefix("extra/"))
+    head, tail = _HEADER_PLACE
+    if not (rel.startswith(head) and rel.endswith(tail)):
+        return False
+    user = rel[len(head) : -len(tail)]
+    try:
+        return torch_user_name(user) == user
+    except ConfigError:
+        return False
 
 
 def for_manifest(layers: Iterable[str], run_as: str | None = None) -> list[Source]:
