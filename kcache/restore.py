@@ -1010,18 +1010,33 @@ def _write_state(result: RestoreResult, fp: Fingerprint | None, layers_key: str 
     })  # fmt: skip
 
 
+# What a marker's key that is no bundle key is read as: a key, never this pod's, that a marker can hold.
+# Every container of the pod may write the marker, and a failed start writes that key back.
+_NOT_A_KEY = "not-a-bundle-key"
+# No more entries than restore itself writes: each start writes them back into the room set aside.
+_MAX_PLACES = manifests.MAX_LAYERS + len(layers.BUILTIN)
+
+
+def _key_read(key: object) -> str | None:
+    if not isinstance(key, str):
+        return None
+    return key if is_bundle_key(key) else _NOT_A_KEY
+
+
 def _layers_key(state: dict) -> str | None:
     """The bundle key a marker says ROOT's layers were made under (a marker from before layers_key: its bundle_key)."""
-    key = state.get("layers_key", state.get("bundle_key"))
-    return key if isinstance(key, str) else None
+    return _key_read(state.get("layers_key", state.get("bundle_key")))
 
 
 def _kept_back(state: dict) -> dict[str, str]:
-    """The layers a marker says were left in place under another key, by place under ROOT."""
+    """The layers a marker says were left in place under another key, by place under ROOT (places restore
+    lays layers at, and "extra", which it sets aside whole)."""
     kept = state.get("kept_back")
     if not isinstance(kept, dict):
         return {}
-    return {place: key for place, key in kept.items() if isinstance(place, str) and isinstance(key, str)}
+    valid = ((place, _key_read(key)) for place, key in kept.items()
+             if isinstance(place, str) and (place == "extra" or layers.is_place(place)) and isinstance(key, str))
+    return dict(itertools.islice(valid, _MAX_PLACES))
 
 
 def _came_from(state: dict) -> dict[str, str]:
@@ -1034,18 +1049,20 @@ def _came_from(state: dict) -> dict[str, str]:
     valid = ((place, bundle) for place, bundle in found.items()
              if isinstance(place, str) and layers.is_place(place) and manifests.is_sha256(bundle))
     # No more than a bundle lays down: each start writes it back, and the marker has a reserve to fit in.
-    return dict(itertools.islice(valid, manifests.MAX_LAYERS + len(layers.BUILTIN)))
+    return dict(itertools.islice(valid, _MAX_PLACES))
 
 
 def _owners(state: dict) -> dict[str, str]:
     """The bundle key a marker says built each bundle it names under `layers_from`, for those another key
-    built (bundle ids and keys of their own shapes only: every container of the pod may write the marker)."""
+    built (bundle keys of their shape only: every container of the pod may write the marker). No more
+    than there are built-in layers for donors to lay; a bundle past them is looked up under this key."""
     found = state.get("bundle_keys")
     if not isinstance(found, dict):
         return {}
+    named = set(_came_from(state).values())
     valid = ((bundle, key) for bundle, key in found.items()
-             if manifests.is_sha256(bundle) and isinstance(key, str) and is_bundle_key(key))
-    return dict(itertools.islice(valid, manifests.MAX_LAYERS + len(layers.BUILTIN)))
+             if bundle in named and isinstance(key, str) and is_bundle_key(key))
+    return dict(itertools.islice(valid, len(layers.BUILTIN)))
 
 
 def read_state(root: Path) -> dict | None:

@@ -434,3 +434,50 @@ def test_a_marker_names_no_place_restore_does_not_lay_a_layer_at(store, sqlite_i
     size = marker_written_over(root, fp, layers_from={**junk, "inductor": published.bundle_id, "extra/..": "x"})
     assert size <= MARKER_RESERVE
     assert read_state(root)["layers_from"] == {"inductor": published.bundle_id}
+
+
+@pytest.mark.parametrize("fingerprinted", [True, False], ids=["store-out-of-reach", "no-fingerprint"])
+def test_what_a_failed_start_carries_over_from_a_marker_fits_the_room_set_aside(store, sqlite_index, fp, tmp_path,
+                                                                                 fingerprinted):  # fmt: skip
+    """A failed start carries the last marker's layers_key, kept_back and bundle_keys over: read as they
+    were (any string, any count), a container's 3 MB of them were written back every start, past the
+    64 KiB set aside for the marker. The key stays one that is not this pod's: the layers still go."""
+    write_tree(tmp_path / "src", {"inductor/fx/a": b"kernel"})
+    published = publish_tree(store, sqlite_index, fp, tmp_path / "src")
+    root = tmp_path / "root"
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    ids = [f"{i:064x}" for i in range(MAX_LAYERS + 20)]
+    places = {f"extra/{i:03d}{'n' * 60}": bundle for i, bundle in enumerate(ids)}
+    marker = root / ".kcache-state.json"
+    state = {**json.loads(marker.read_text()), "layers_from": {**places, "inductor": published.bundle_id},
+             "bundle_keys": {bundle: "a" * 32 for bundle in ids}}  # fmt: skip
+    if not fingerprinted:  # carried over as they are (with the fingerprint, the layers are compared)
+        state.update({"layers_key": "k" * 1_000_000, "kept_back": {f"p{i}" * 100: "k" * 1000 for i in range(1000)}})
+    marker.write_text(json.dumps(state))
+    if fingerprinted:
+        restore_whose_store_is_out_of_reach(root, fp)
+    else:
+        with pytest.raises(ConfigError):
+            restore_opening(no_fingerprint, root)
+    assert marker.stat().st_size <= MARKER_RESERVE
+    if not fingerprinted:
+        assert read_state(root)["layers_key"] not in (fp.bundle_key, None)
+        write_tree(root, {"inductor/fx/own": b"compiled after"})
+        restore(store, sqlite_index, fp, root, bundle_id="f" * 64)  # pinned to nothing: a miss
+        assert read_tree(root / "inductor") == {}  # made under a key that is not this one: set aside
+
+
+def test_extra_layers_that_cannot_be_set_aside_stay_kept_back_at_the_next_start(store, sqlite_index, fp, tmp_path,
+                                                                                tmpfs):  # fmt: skip
+    """ROOT/extra is set aside as a whole, and kept back as "extra" when a volume is mounted there: the
+    marker's reader must take that name too, or the next start under the new key takes the last key's
+    extra layers for its own (`publish --from ROOT` files them under it)."""
+    root = tmp_path / "root"
+    tmpfs(root / "extra")
+    assert restore(store, sqlite_index, fp, root).status == "miss"
+    write_tree(root, {"extra/trt/plan": b"built for the first key's GPU"})
+    avx2 = fingerprint.compute({**fp.facts, "cpu.isa": "avx2"})
+    assert restore(store, sqlite_index, avx2, root).status == "miss"
+    assert read_state(root)["kept_back"] == {"extra": fp.bundle_key}
+    assert restore(store, sqlite_index, avx2, root).status == "miss"
+    assert read_state(root)["kept_back"] == {"extra": fp.bundle_key}
