@@ -665,7 +665,8 @@ def _from_layers(store: Store, fp: Fingerprint, root: Path, jobs: int, budget: _
 
     A layer whose place already holds that very donor (`in_place`: an earlier start laid it, and this
     one found it unyanked) is kept as it is, with what the pod compiled on top of it: fetched and swapped
-    in again, it cost a kept ROOT the fetch and those compiles on every start."""
+    in again, it cost a kept ROOT the fetch and those compiles on every start. Only while every file of the
+    donor's layer is still there: a cache cleared by hand, or a marker a container wrote wrong, is laid again."""
     pch = next((d.manifest.layer_info for d in donors if d.layer == "inductor-pch"), {})
     user = layers.run_as_user(run_as, pch)
     entries, names, kept, fetched = [], [], [], []
@@ -674,7 +675,7 @@ def _from_layers(store: Store, fp: Fingerprint, root: Path, jobs: int, budget: _
         mine = [e for e in donor.manifest.entries if e.path.startswith(source.subdir + "/")]
         place = source.restore_dir(root)
         there = in_place.get(place.relative_to(root).as_posix()) == donor.manifest.id
-        if there and not place.is_symlink() and place.is_dir():
+        if there and not place.is_symlink() and _all_there(place, source.subdir, mine):
             kept += mine
         else:
             entries += mine
@@ -692,6 +693,19 @@ def _from_layers(store: Store, fp: Fingerprint, root: Path, jobs: int, budget: _
                          one_line(f"layers whose own keys match, from other bundles: {origin}"),
                          donors=tuple((d.layer, d.manifest.id) for d in donors), user=user,
                          donor_keys=tuple({d.manifest.id: d.manifest.bundle_key for d in donors}.items()))  # fmt: skip
+
+
+def _all_there(place: Path, subdir: str, entries: Iterable[manifests.Entry]) -> bool:
+    """Whether each of a layer's `entries` is a file at its place under `place` (not its content: relocation
+    rewrote some, and the pod's own containers, who write ROOT, could rewrite any)."""
+    cut = len(subdir) + 1
+    for entry in entries:
+        try:
+            if not stat.S_ISREG(os.lstat(place / entry.path[cut:]).st_mode):
+                return False
+        except OSError:
+            return False
+    return True
 
 
 def _agreed_chunks(donated: Iterable[manifests.Manifest]) -> dict[str, tuple[str, ...]]:

@@ -80,3 +80,19 @@ def test_a_donor_already_in_its_place_is_not_laid_again(tmp_path, store, sqlite_
     assert counting.read.get("packs", 0) == 0
     assert (root / "triton/k1/add.cubin").read_bytes() == b"triton kernel"
     assert (root / "triton/k9/own.cubin").is_file()  # what the pod compiled on top of it stays
+
+
+def test_a_donors_layer_missing_files_in_its_place_is_laid_again(tmp_path, store, sqlite_index):
+    """The marker says the donor lies there, but someone cleared the cache (rm -rf triton/*), or a container
+    of the pod wrote the marker wrong: kept as it was, the layer stayed cold on every start after."""
+    published(tmp_path, store, sqlite_index, DONOR)
+    root = tmp_path / "kept"
+
+    def pod():
+        return restore(store, sqlite_index, fingerprint.compute(MINE), root, fallback="layers")
+
+    assert pod().status == "partial"
+    (root / "triton/k1/add.cubin").unlink()
+    write_tree(root, OWN)
+    assert "triton" in dict(pod().donors)
+    assert (root / "triton/k1/add.cubin").read_bytes() == b"triton kernel"
