@@ -591,12 +591,18 @@ def _restore(
     layer_names = tuple(n for n in manifest.layers if n in taken) if partial else manifest.layers
     entries = tuple(e for e in manifest.entries if not partial or e.path.split("/", 1)[0] in taken)
     user = layers.run_as_user(run_as, manifest.layer_info)
-    _lay_out(store, root, entries, layers.for_manifest(layer_names, user), jobs, budget, report, manifest.chunks)
+    there = _in_place(root, manifest, layer_names, user, in_place) if partial else set()  # as for donors
+    fetched = tuple(e for e in entries if e.path.split("/", 1)[0] not in there)
+    if fetched or not there:
+        _lay_out(store, root, fetched, layers.for_manifest([n for n in layer_names if n not in there], user), jobs,
+                 budget, report, manifest.chunks)  # fmt: skip
+    if there:
+        _record_laid(root, entries)
     reason = (
         f"kernel layers of bundle {manifest.id[:12]}, built on this toolchain for another workload" if partial else ""
-    )
+    ) + (f" ({', '.join(sorted(there))} in place)" if there else "")
     return RestoreResult("partial" if partial else "hit", fp.bundle_key, manifest.id, root, root / envfile.NAME,
-                         layer_names, len(entries), sum(e.size for e in entries), time.perf_counter() - started,
+                         layer_names, len(fetched), sum(e.size for e in fetched), time.perf_counter() - started,
                          reason, signer, user=user,
                          donor_keys=((manifest.id, manifest.bundle_key),) if partial else ())  # fmt: skip
 
@@ -671,11 +677,9 @@ def _from_layers(store: Store, fp: Fingerprint, root: Path, jobs: int, budget: _
     user = layers.run_as_user(run_as, pch)
     entries, names, kept, fetched = [], [], [], []
     for donor in donors:
-        source = layers.for_manifest([donor.layer], user)[0]
-        mine = [e for e in donor.manifest.entries if e.path.startswith(source.subdir + "/")]
-        place = source.restore_dir(root)
-        there = in_place.get(place.relative_to(root).as_posix()) == donor.manifest.id
-        if there and not place.is_symlink() and _all_there(place, source.subdir, mine):
+        prefix = layers.for_manifest([donor.layer])[0].subdir + "/"
+        mine = [e for e in donor.manifest.entries if e.path.startswith(prefix)]
+        if _in_place(root, donor.manifest, [donor.layer], user, in_place):
             kept += mine
         else:
             entries += mine
@@ -695,17 +699,27 @@ def _from_layers(store: Store, fp: Fingerprint, root: Path, jobs: int, budget: _
                          donor_keys=tuple({d.manifest.id: d.manifest.bundle_key for d in donors}.items()))  # fmt: skip
 
 
-def _all_there(place: Path, subdir: str, entries: Iterable[manifests.Entry]) -> bool:
-    """Whether each of a layer's `entries` is a file at its place under `place` (not its content: relocation
-    rewrote some, and the pod's own containers, who write ROOT, could rewrite any)."""
-    cut = len(subdir) + 1
-    for entry in entries:
-        try:
-            if not stat.S_ISREG(os.lstat(place / entry.path[cut:]).st_mode):
-                return False
-        except OSError:
-            return False
-    return True
+def _in_place(root: Path, manifest: manifests.Manifest, names: Iterable[str], user: str,
+              in_place: Mapping[str, str]) -> set[str]:  # fmt: skip
+    """The layers among `names` whose place in ROOT holds `manifest`'s layer from an earlier start
+    (`in_place`, by place: found unyanked by this start) with each of its files still there, a file
+    (not its content: relocation rewrote some, and the pod's own containers, who write ROOT, may have)."""
+    there = set()
+    for source in layers.for_manifest(names, user):
+        place = source.restore_dir(root)
+        if in_place.get(place.relative_to(root).as_posix()) != manifest.id or place.is_symlink():
+            continue
+        prefix = source.subdir + "/"
+        if all(_is_file(place / e.path[len(prefix):]) for e in manifest.entries if e.path.startswith(prefix)):
+            there.add(source.name)
+    return there
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _agreed_chunks(donated: Iterable[manifests.Manifest]) -> dict[str, tuple[str, ...]]:

@@ -96,3 +96,21 @@ def test_a_donors_layer_missing_files_in_its_place_is_laid_again(tmp_path, store
     write_tree(root, OWN)
     assert "triton" in dict(pod().donors)
     assert (root / "triton/k1/add.cubin").read_bytes() == b"triton kernel"
+
+
+def test_a_toolchain_partials_layers_already_in_place_are_not_laid_again(tmp_path, store, sqlite_index):
+    """--fallback toolchain, as --fallback layers: the same bundle of another workload was fetched again at
+    every start of a kept ROOT and swapped in over its own layers, with what the pod compiled on top."""
+    donor = published(tmp_path, store, sqlite_index, DONOR)
+    root = tmp_path / "kept"
+
+    def pod(store):
+        return restore(store, sqlite_index, fingerprint.compute(MINE), root, fallback="toolchain")
+
+    assert pod(store).bundle_id == donor.bundle_id
+    write_tree(root, OWN)
+    counting = CountingStore(store)
+    again = pod(counting)
+    assert again.status == "partial" and again.bundle_id == donor.bundle_id
+    assert counting.read.get("packs", 0) == 0
+    assert (root / "triton/k9/own.cubin").is_file() and (root / "triton/k1/add.cubin").is_file()
