@@ -332,6 +332,7 @@ def _set_aside_other_keys_layers(root: Path, bundle_key: str,
         users.add(torch_user_name(previous["run_as"]) if isinstance(previous.get("run_as"), str) else None)
     except ConfigError:  # ROOT is written by every container of the pod: a name that is none is skipped
         pass
+    users |= _header_users(root)
     places = []
     for place in sorted({source.restore_dir(root) for user in users for source in layers.builtin(user)}
                         | {root / "extra"}):  # fmt: skip
@@ -381,6 +382,27 @@ def _set_aside_other_keys_layers(root: Path, bundle_key: str,
         came_from = {place: bundle for place, bundle in came_from.items()
                      if any(place in under for _place, _rel, _key, under in places)}  # fmt: skip
     return retired, stuck, came_from, owners
+
+
+def _header_users(root: Path) -> set[str]:
+    """Every user whose precompiled header directory ROOT/tmp holds (at most _MAX_PLACES of them). Not only
+    this process's and the last start's: a start as alice, one as bob, then one under another key as alice
+    left alice's header of the first key in place, for torch running as her to load."""
+    tmp = root / "tmp"
+    if tmp.is_symlink():  # what a link leads to is not ROOT's; its header place is kept back as before
+        return set()
+    found: set[str] = set()
+    try:
+        with os.scandir(tmp) as entries:
+            for entry in entries:
+                user = entry.name.removeprefix("torchinductor_")
+                if user != entry.name and layers.is_place(f"tmp/{entry.name}/precompiled_headers"):
+                    found.add(user)
+                    if len(found) >= _MAX_PLACES:
+                        break
+    except OSError:  # none, or not a directory
+        pass
+    return found
 
 
 def _fail(root: Path, opened: list[Opened], kept: _KeptLayers, computed: Callable[[], Fingerprint | None],

@@ -481,3 +481,18 @@ def test_extra_layers_that_cannot_be_set_aside_stay_kept_back_at_the_next_start(
     assert read_state(root)["kept_back"] == {"extra": fp.bundle_key}
     assert restore(store, sqlite_index, avx2, root).status == "miss"
     assert read_state(root)["kept_back"] == {"extra": fp.bundle_key}
+
+
+def test_another_keys_header_is_set_aside_whichever_user_made_it(store, sqlite_index, fp, tmp_path):
+    """Only the headers of this process's user and of the last start's were set aside under another key:
+    alice compiled one under the first key, a start as bob followed, and then a start under another key
+    as alice left hers in place, for torch (running as alice) to load on another machine."""
+    root = tmp_path / "root"
+    header = "tmp/torchinductor_alice/precompiled_headers/h.gch"
+    assert restore(store, sqlite_index, fp, root, run_as="alice").status == "miss"
+    write_tree(root, {header: b"compiled for the first key's CPU"})
+    assert restore(store, sqlite_index, fp, root, run_as="bob").status == "miss"
+    assert (root / header).is_file()  # the same key keeps it
+    avx2 = fingerprint.compute({**fp.facts, "cpu.isa": "avx2"})
+    assert restore(store, sqlite_index, avx2, root, run_as="alice").status == "miss"
+    assert not (root / header).exists()
