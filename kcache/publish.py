@@ -69,7 +69,7 @@ from kcache.packs import (
     digests_chunks,
 )
 from kcache.records import BlobLocation, Bundle, Event
-from kcache.sources import ExtraSource, FileInfo, Source
+from kcache.sources import ExtraSource, FileInfo, Source, is_kept_back_place
 from kcache.sources import for_manifest as sources_for_manifest
 from kcache.store import Store, manifest_key, pack_key
 from kcache.untrusted import one_line
@@ -604,7 +604,7 @@ def _made_here(root: Path, fingerprint: Fingerprint, sources: list[Source],
     kept_back = state.get("kept_back")
     if not isinstance(kept_back, dict) or not kept_back:
         return sources
-    places = [root / place for place in kept_back if isinstance(place, str)]
+    places = [root / place for place in kept_back if isinstance(place, str) and is_kept_back_place(place)]
     made_here = []
     for source in sources:
         place = source.restore_dir(root)

@@ -1085,7 +1085,7 @@ def _kept_back(state: dict) -> dict[str, str]:
     if not isinstance(kept, dict):
         return {}
     valid = ((place, _key_read(key)) for place, key in kept.items()
-             if isinstance(place, str) and (place == "extra" or layers.is_place(place)) and isinstance(key, str))
+             if isinstance(place, str) and layers.is_kept_back_place(place) and isinstance(key, str))
     return dict(itertools.islice(valid, _MAX_PLACES))
 
 

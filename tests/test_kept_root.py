@@ -496,3 +496,18 @@ def test_another_keys_header_is_set_aside_whichever_user_made_it(store, sqlite_i
     avx2 = fingerprint.compute({**fp.facts, "cpu.isa": "avx2"})
     assert restore(store, sqlite_index, avx2, root, run_as="alice").status == "miss"
     assert not (root / header).exists()
+
+
+@pytest.mark.parametrize("place", ["", "/", ".", "inductor/../.."])
+def test_publish_from_root_leaves_out_only_places_a_restore_keeps_back(store, sqlite_index, fp, tmp_path, place):
+    """`kept_back` names the places restore could not set aside; a container of the pod may write the marker
+    too, and a place that is none ("" is ROOT itself) made publish --from ROOT leave out every layer."""
+    root = tmp_path / "root"
+    assert restore(store, sqlite_index, fp, root).status == "miss"
+    write_tree(root, {"inductor/fx/own": b"kernel", "triton/k/k.cubin": b"sm_90"})
+    marker = root / ".kcache-state.json"
+    state = json.loads(marker.read_text())
+    state["kept_back"] = {place: fp.bundle_key, "triton": fp.bundle_key}
+    marker.write_text(json.dumps(state))
+    published = publish_tree(store, sqlite_index, fp, root)
+    assert published.layers == ("inductor",) and published.files == 1

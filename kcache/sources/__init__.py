@@ -157,6 +157,12 @@ _FIXED_PLACES = frozenset(s.restore_dir(_ROOT).relative_to(_ROOT).as_posix() for
 _HEADER_PLACE = ("tmp/torchinductor_", "/precompiled_headers")
 
 
+def is_kept_back_place(rel: str) -> bool:
+    """Whether a restore marker's `kept_back` may name `rel`: a layer's place, or "extra", which restore
+    keeps back whole. Restore writes no other; a container of the pod may (`""` named all of ROOT)."""
+    return rel == "extra" or is_place(rel)
+
+
 def is_place(rel: str) -> bool:
     """Whether the POSIX path `rel` is where restore lays a layer under ROOT: a built-in's place, the
     precompiled header's for a user torch could name, or extra/NAME. What a file in ROOT names as a
