@@ -10,6 +10,9 @@ path they had on the publishing machine. Restored under ROOT, those paths point 
     vllm      .../rank_<i>_<j>/[<prefix>/]vllm_compile_cache.py   a Python literal whose handles
               hold "/pub/.../torch_compile_cache/.../artifact_..." (the standalone adaptor loads it)
 
+A torch extension's ninja build folder (`load_inline()` writes its sources into it) is moved whole,
+build.ninja, .ninja_log and .ninja_deps together, by kcache.ninjabuild (NINJA_BUILDS).
+
 Restore calls `relocate` after every blob is verified in staging and before the swap. A path is
 rewritten only onto a file or directory the bundle itself restores in the same layer (its
 longest suffix that names one), so the rewrite is a function of verified bytes and the restore
@@ -35,7 +38,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from kcache import atomic
+from kcache import atomic, ninjabuild
 from kcache import manifest as manifests
 from kcache.untrusted import one_line
 
@@ -153,6 +156,8 @@ REWRITERS: dict[str, Rewriter] = {
     ),
     "vllm-handles": Rewriter("vllm-handles", lambda n: n == "vllm_compile_cache.py", _vllm_handles),
 }
+# A whole folder rather than one file: build.ninja, .ninja_log and .ninja_deps together (kcache.ninjabuild).
+NINJA_BUILDS = "ninja-builds"
 
 
 class Tree:
@@ -189,19 +194,23 @@ def relocate_staged(files: Path, root: Path, paths: Iterable[str], sources: Iter
     paths = list(paths)
     dropped: list[str] = []
     for source in sources:
-        chosen = [REWRITERS[name] for name in source.rewriters]
+        chosen = [REWRITERS[name] for name in source.rewriters if name in REWRITERS]
+        ninja = NINJA_BUILDS in source.rewriters
         prefix = source.subdir + "/"
         rels = [p.removeprefix(prefix) for p in paths if p.startswith(prefix)]
-        if not any(r.matches(rel.rsplit("/", 1)[-1]) for rel in rels for r in chosen):
+        builds = ninja and any(rel.rsplit("/", 1)[-1] == "build.ninja" for rel in rels)
+        if not builds and not any(r.matches(rel.rsplit("/", 1)[-1]) for rel in rels for r in chosen):
             continue  # the common case: nothing to rewrite, so no path set to build
         layer = Layer(files / source.subdir, source.restore_dir(root), known_paths(rels), frozenset(rels))
         dropped += [prefix + rel for rel in relocate(layer, rels, source.rewriters)]
+        if builds:
+            ninjabuild.relocate_folders(layer.staged, layer.target, rels)
     return dropped
 
 
 def relocate(layer: Layer, rels: Iterable[str], rewriters: Iterable[str]) -> list[str]:
     """Rewrite the index files among `rels` (paths relative to the layer); returns those dropped."""
-    chosen = [REWRITERS[name] for name in rewriters]
+    chosen = [REWRITERS[name] for name in rewriters if name in REWRITERS]
     dropped: list[str] = []
     for rel in rels:
         base = rel.rsplit("/", 1)[-1]

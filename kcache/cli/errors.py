@@ -154,6 +154,12 @@ ROWS: tuple[tuple[str, str, ExitCode, str], ...] = (
         ExitCode.CORRUPT,
         "a cache file names paths the bundle does not restore; re-publish it",
     ),
+    (
+        "kcache.ninjabuild",
+        "Unrelocatable",
+        ExitCode.CORRUPT,
+        "a ninja build folder is not one restore can move; ninja rebuilds it, or serve from the ROOT it was built in",
+    ),
     (_E, "BadEntry", ExitCode.CORRUPT, "a cached answer in Redis is damaged; the proxy overwrites it"),
     (_E, "CacheUnavailable", ExitCode.STORE, "check --redis; meanwhile the proxy passes requests to the engine"),
     (_E, "Terminated", ExitCode.TERMINATED, "the pod is being stopped; the next start restores again"),

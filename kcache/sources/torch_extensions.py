@@ -68,6 +68,8 @@ class TorchExtensionsSource(Source):
     subdir = "torch_extensions"
     env_var = "TORCH_EXTENSIONS_DIR"
     junk = COMMON_JUNK + ("lock",)  # torch's FileBaton while a build runs
+    # load_inline's folders name themselves in build.ninja, .ninja_log's hashes and .ninja_deps.
+    rewriters = ("triton-groups", "ninja-builds")
 
     def __init__(self, facts: Mapping[str, str] | None = None):
         self.facts = facts
