@@ -258,6 +258,9 @@ def test_a_body_with_a_repeated_name_at_any_depth_is_not_json(raw):
     {"Content-Type": "application/vnd.api+json"},  # FastAPI reads it as JSON, vLLM refuses it
     {"Content-Type": "multipart/form-data; boundary=x"},
     CIMultiDict([("Content-Type", "application/json"), ("Content-Type", "text/plain")]),  # which one is read?
+    # vLLM compares what comes before the ';' unstripped: "application/json " is not its media type (400)
+    {"Content-Type": "application/json ;charset=utf-8"},
+    {"Content-Type": "application/json\t; charset=utf-8"},
 ])  # fmt: skip
 def test_a_body_the_engine_may_not_read_as_json_is_not_cached(headers):
     """Only a body sent as application/json is one the engines all read as JSON: a hit had answered 200 to a
@@ -267,7 +270,7 @@ def test_a_body_the_engine_may_not_read_as_json_is_not_cached(headers):
 
 
 @pytest.mark.parametrize("value", ["application/json", "Application/JSON", "application/json; charset=utf-8",
-                                   " application/json ;charset=UTF-8"])  # fmt: skip
+                                   " application/json;charset=UTF-8 "])  # fmt: skip
 def test_application_json_is_one_key_however_spelled(value):
     # vLLM compares the media type alone, lower-cased; json.loads reads the bytes' encoding itself.
     assert key.decide(CHAT, [], {"Content-Type": value}, json.dumps(BODY).encode(), FP).key == decide(BODY).key

@@ -206,9 +206,11 @@ def sent_as_json(headers: Mapping[str, str]) -> bool:
     hands a text/plain body to the model as bytes (422), and without a Content-Type at all the engines
     differ. So the cache answers only what every engine reads as JSON, and keys it as before; the rest
     reaches the engine, which decides. Parameters change nothing: json.loads reads the bytes' encoding itself.
+    Only the value's ends are stripped (as every HTTP parser does): vLLM compares what precedes the ';' as it
+    stands, so `application/json ;charset=utf-8` is refused there (400) and must not hit here.
     """
     found = values(headers, "Content-Type")
-    return len(found) == 1 and found[0].split(";", 1)[0].strip().lower() == "application/json"
+    return len(found) == 1 and found[0].strip().split(";", 1)[0].lower() == "application/json"
 
 
 def wants_bypass(headers: Mapping[str, str]) -> bool:
