@@ -290,3 +290,21 @@ def test_a_yank_after_the_plan_keeps_its_fallback_past_a_half_yanked_newer_bundl
     yank(store, sqlite_index, newest.bundle_id, "NaNs")  # the cut-off one, run again
     pod = restore(store, sqlite_index, fp, tmp_path / "dst")
     assert (pod.status, pod.bundle_id) == ("hit", oldest.bundle_id), pod.reason
+
+
+def test_cli_gc_reports_the_half_yanked_bundles_it_keeps(tmp_path, isolated_home):
+    """A bundle active in the index yet yanked in the store is kept and its yank should be run again: the
+    plan knows them, but --json left them out (only a log line said so), unlike every other kept bundle."""
+    runner = CliRunner()
+    (tmp_path / "src" / "inductor").mkdir(parents=True)
+    (tmp_path / "src" / "inductor/k.so").write_bytes(b"kernel" * 100)
+    out = runner.invoke(main, ["publish", "--from", str(tmp_path / "src"), "--model", "m", "--json"])
+    assert out.exit_code == 0, out.output
+    half = json.loads(out.stdout)["bundle_id"]
+    (isolated_home / "store" / refs.yank_key(half)).parent.mkdir(parents=True, exist_ok=True)
+    (isolated_home / "store" / refs.yank_key(half)).write_bytes(b"NaNs")  # a yank cut off after its marker
+    planned = runner.invoke(main, ["gc", "--dry-run", "--json"])
+    assert planned.exit_code == 0, planned.output
+    assert json.loads(planned.stdout)["half_yanked"] == [half]
+    text = runner.invoke(main, ["gc", "--dry-run"])
+    assert text.exit_code == 0 and f"bundle {half[:12]} is active in the index but yanked in the store" in text.stdout

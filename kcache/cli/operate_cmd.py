@@ -178,6 +178,7 @@ def gc_cmd(keep_last, older_than, grace, allow_short_grace, dry_run, signing_key
         "orphan_packs_to_condemn": [o.key for o in plan.adopt],
         "broken_bundles": [b.id for b in plan.broken], "leftovers": [left.key for left in plan.leftovers],
         "yanked_without_rows": list(plan.yanked_without_rows),
+        "half_yanked": [bundle_id for _key, bundle_id in plan.half_yanked],
         "bytes_to_free": plan.bytes_freed, "result": asdict(result) if result else None,
     }  # fmt: skip
     if as_json:
@@ -199,6 +200,9 @@ def gc_cmd(keep_last, older_than, grace, allow_short_grace, dry_run, signing_key
     for bundle_id in plan.yanked_without_rows:
         click.echo(f"  yanked bundle {bundle_id[:12]} has no row in this index: kept with its packs; is the index "
                    "behind the publishers'? `kcache reindex` brings its row back (yanked)")  # fmt: skip
+    for _key, bundle_id in plan.half_yanked:
+        click.echo(f"  bundle {bundle_id[:12]} is active in the index but yanked in the store (a yank or "
+                   "`yank --undo` cut off?): kept, with what it falls back to; run that yank again")  # fmt: skip
     if result:
         click.echo(f"kcache gc: deleted {result.bundles_deleted} bundles, {result.packs_deleted} packs, "
                    f"{result.orphans_deleted} orphans, {result.leftovers_removed} unfinished writes; "
