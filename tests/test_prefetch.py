@@ -18,15 +18,14 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 from hanging_server import S3FaultProxy
 from outcome import outcome_within
+from test_node_cache import cli
 from trees import write_tree
 from unprivileged import without_root_powers
 
 from kcache import choice, filelock, publish
 from kcache import prefetch as prefetching
-from kcache.cli import main
 from kcache.cli.errors import ExitCode
 from kcache.errors import LookupTimeout, StoreError
 from kcache.refs import RefCatalog
@@ -36,13 +35,6 @@ from kcache.store.nodecache import NodeCacheStore
 
 KiB = 1024
 MODEL = "prefetch-model"
-
-
-def cli(*args, ok=True):
-    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-    if ok:
-        assert result.exit_code == 0, result.output + result.stderr
-    return result
 
 
 @pytest.fixture

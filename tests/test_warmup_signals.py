@@ -51,6 +51,16 @@ def stop(process: subprocess.Popen, signum: int = signal.SIGTERM) -> tuple[int, 
     return process.returncode, out, err
 
 
+def stop_when(process: subprocess.Popen, reached, what: str, signum: int = signal.SIGTERM) -> tuple[int, str, str]:
+    """Once `reached` is set (the child got that far: `what`), `stop` it; the child never outlives the test."""
+    try:
+        assert reached.wait(60), what
+        return stop(process, signum)
+    finally:
+        process.kill()
+        process.wait()
+
+
 def laid_out(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     readiness.write_marker(root, readiness.RESTORE_MARKER, {"status": "miss"})
@@ -69,12 +79,7 @@ def test_a_signal_during_url_warmup_ends_it_with_a_failed_marker(tmp_path, batch
     with OpenAIServer(hold=True) as server:
         warmup = start("warmup", "--url", server.url, "--root", str(root), "--profiles",
                        str(profiles(tmp_path, batch_size)), "--on-failure", "ready-cold", "--json")  # fmt: skip
-        try:
-            assert server.arrived.wait(60), "warmup never sent a request"
-            rc, out, _ = stop(warmup, signum)
-        finally:
-            warmup.kill()
-            warmup.wait()
+        rc, out, _ = stop_when(warmup, server.arrived, "warmup never sent a request", signum)
     assert rc == code
     assert json.loads(out)["exit_code"] == code
     marker = readiness.read_marker(root, readiness.WARMUP_MARKER)
@@ -93,12 +98,7 @@ def test_sigterm_during_a_parallel_warmup_does_not_wait_for_the_profiles_under_w
     with OpenAIServer(hold=True) as server:
         warmup = start("warmup", "--url", server.url, "--root", str(root), "--profiles", str(chosen),
                        "--parallel", "2")  # fmt: skip
-        try:
-            assert server.arrived.wait(60), "warmup never sent a request"
-            rc, _, _ = stop(warmup)
-        finally:
-            warmup.kill()
-            warmup.wait()
+        rc, _, _ = stop_when(warmup, server.arrived, "warmup never sent a request")
     assert rc == ExitCode.TERMINATED
     assert readiness.read_marker(root, readiness.WARMUP_MARKER)["status"] == "failed"
 
@@ -108,12 +108,7 @@ def test_sigterm_while_waiting_for_the_server_leaves_a_failed_marker(tmp_path):
     root = laid_out(tmp_path / "root")
     with OpenAIServer(unhealthy=-1) as server:
         warmup = start("warmup", "--url", server.url, "--root", str(root))
-        try:
-            assert server.checked.wait(60), "warmup never asked the server's health"
-            rc, _, _ = stop(warmup)
-        finally:
-            warmup.kill()
-            warmup.wait()
+        rc, _, _ = stop_when(warmup, server.checked, "warmup never asked the server's health")
     assert rc == ExitCode.TERMINATED
     marker = readiness.read_marker(root, readiness.WARMUP_MARKER)
     assert marker["status"] == "failed" and marker["signals"]["weights"] is False
@@ -158,12 +153,7 @@ def test_sigterm_during_prebake_url_warmup_publishes_nothing(tmp_path, batch_siz
     with OpenAIServer(hold=True) as server:
         prebake = start("prebake", "--url", server.url, "--root", str(root), "--profiles",
                         str(profiles(tmp_path, batch_size)), "--model", "m", "--allow-empty", "--json")  # fmt: skip
-        try:
-            assert server.arrived.wait(60), "prebake never sent a request"
-            rc, out, _ = stop(prebake)
-        finally:
-            prebake.kill()
-            prebake.wait()
+        rc, out, _ = stop_when(prebake, server.arrived, "prebake never sent a request")
     assert rc == ExitCode.TERMINATED
     assert json.loads(out)["exit_code"] == ExitCode.TERMINATED
     listed = CliRunner().invoke(main, ["ls", "--model", "m", "--json"], catch_exceptions=False)
