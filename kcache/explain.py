@@ -46,6 +46,7 @@ _REASONS: tuple[tuple[str, str], ...] = (
     ("gpu.driver", "the CUDA JIT cache is valid for one driver version"),
     ("gpu.count", "the bundle was built for another GPU count"),
     ("cxx.", "the C++ compiler is part of Inductor's keys"),
+    ("cuda.nvcc", "nvcc builds CUTLASS kernels and torch extensions, and torch's keys hold its path, not its version"),
     (
         "cpu.threads",
         "Inductor bakes the thread count into CPU kernels (TORCHINDUCTOR_CPP_DYNAMIC_THREADS=1 takes it out)",

@@ -258,6 +258,61 @@ def probe_compiler(env: Mapping[str, str], arch: str | None = None) -> dict[str,
     return facts
 
 
+def probe_nvcc(env: Mapping[str, str], cuda: str | None = None) -> dict[str, str]:
+    """`cuda.nvcc`: the version of every nvcc a CUDA torch would build with here, only where there is one.
+
+    torch keys Inductor's CUTLASS kernels by nvcc's path, and a torch extension (FlashInfer's JIT ops
+    among them) by its sources and flags, never by nvcc's version: two images with one CUDA torch wheel
+    and toolkits 12.4 and 12.8 at /usr/local/cuda shared every key, and one loaded the other's kernels,
+    built and linked against another toolkit. `cuda` is torch's CUDA version (read from torch when None):
+    a CPU or ROCm torch builds nothing with nvcc, and a machine without a toolkit has no fact, so their
+    keys are what they were. A found nvcc that cannot say its version is a config error, as g++ is.
+    """
+    if (probe_torch(env).get("torch.cuda", NONE) if cuda is None else cuda) == NONE:
+        return {}
+    run_env = {**os.environ, **env}
+    texts = {_nvcc_version(command, run_env) for command in nvcc_commands(run_env)}
+    return {"cuda.nvcc": " | ".join(sorted(texts))} if texts else {}
+
+
+def nvcc_commands(env: Mapping[str, str]) -> list[list[str]]:
+    """Each nvcc torch 2.13 may run, once per file: PYTORCH_NVCC and CUDA_HOME's (cpp_extension, whose
+    CUDA_HOME is CUDA_HOME, CUDA_PATH, the folder above nvcc on PATH or /usr/local/cuda), CUDACXX and
+    nvcc on PATH (Inductor's CUTLASS compiler, cuda/compile_utils._cuda_compiler)."""
+    search = env.get("PATH", os.defpath)
+    on_path = shutil.which("nvcc", path=search)
+    home = env.get("CUDA_HOME") or env.get("CUDA_PATH")
+    if not home:
+        home = os.path.dirname(os.path.dirname(on_path)) if on_path else "/usr/local/cuda"
+    found = [os.path.join(home, "bin", "nvcc"), shutil.which(env.get("CUDACXX") or "", path=search), on_path]
+    commands, seen = [], set()
+    if env.get("PYTORCH_NVCC"):
+        commands.append(shlex.split(env["PYTORCH_NVCC"]))
+    for path in found:
+        if path and os.path.isfile(path) and os.path.realpath(path) not in seen:
+            seen.add(os.path.realpath(path))
+            commands.append([path])
+    return commands
+
+
+def _nvcc_version(command: list[str], env: Mapping[str, str]) -> str:
+    """nvcc's own version lines (`release 12.8, V12.8.93`, `Build cuda_12.8.r12.8/compiler...`), joined."""
+    why = "printed no version"
+    try:
+        out = subprocess.run([*command, "--version"], capture_output=True, text=True,
+                             timeout=COMPILER_PROBE_TIMEOUT_S, env=env).stdout  # fmt: skip
+    except subprocess.TimeoutExpired:
+        why = f"did not finish within {COMPILER_PROBE_TIMEOUT_S:g} s"
+    except (OSError, subprocess.SubprocessError) as exc:
+        why = f"could not be run ({getattr(exc, 'strerror', None) or type(exc).__name__})"
+    else:
+        lines = [line.strip() for line in out.splitlines() if line.startswith(("Cuda compilation tools", "Build "))]
+        if any(line.startswith("Cuda compilation tools") for line in lines):
+            return "; ".join(lines)
+    raise ConfigError("nvcc", " ".join(command), f"`nvcc --version` {why}, so the CUDA compiler a CUDA torch builds "
+                      "with cannot be keyed; fix it or point CUDA_HOME, CUDACXX or PATH at a working nvcc")  # fmt: skip
+
+
 # How long one compiler probe may take (torch waits for `g++ -v` as long as it takes; a restore has a budget).
 COMPILER_PROBE_TIMEOUT_S = 10.0
 
@@ -613,6 +668,7 @@ PROBES: tuple[Probe, ...] = (
     probe_gpu,
     probe_cpu,
     probe_compiler,
+    probe_nvcc,
     probe_threads,
     probe_settings,
 )

@@ -327,3 +327,9 @@ def test_a_debug_python_is_named_with_its_abi():
     (cand,) = explain({**FACTS, "python": "3.11d"}, [bundle(FACTS)]).nearest
     assert cand.verdict.startswith("differs in python (3.11d here, 3.11 in bundle): ")
     assert "ABI" in cand.verdict
+
+
+def test_explain_says_why_the_cuda_compiler_is_keyed():
+    from kcache.explain import reason
+
+    assert "nvcc" in reason("cuda.nvcc") and reason("cuda.nvcc") != reason("cuda.other")

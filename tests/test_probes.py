@@ -657,3 +657,68 @@ def test_the_compiler_fact_changes_when_torchs_compiler_key_does(tmp_path, monke
     assert plain[1] != wrapped[1]  # so must the bundle key
     monkeypatch.setenv("LC_ALL", "de_DE.UTF-8")  # torch runs it under LC_ALL=C whatever the locale
     assert p.probe_compiler({})["cxx.v_hash"] == wrapped[1]
+
+
+def _toolkit(folder: Path, version: str) -> Path:
+    """A CUDA toolkit folder whose bin/nvcc answers `--version` as nvcc does."""
+    (folder / "bin").mkdir(parents=True)
+    nvcc = folder / "bin" / "nvcc"
+    release = ".".join(version.split(".")[:2])
+    lines = ["nvcc: NVIDIA (R) Cuda compiler driver", "Copyright (c) 2005-2025",
+             f"Cuda compilation tools, release {release}, V{version}", f"Build cuda_{release}.r{release}/compiler.1_0"]
+    nvcc.write_text("#!/bin/sh\n" + "".join(f"echo '{line}'\n" for line in lines))
+    nvcc.chmod(0o755)
+    return folder
+
+
+def _cuda_torch(monkeypatch) -> None:
+    real = p.probe_torch
+    monkeypatch.setattr(p, "probe_torch", lambda env: {**real(env), "torch.cuda": "12.8"})
+
+
+def test_two_cuda_toolkits_under_one_torch_wheel_do_not_share_a_key(tmp_path, monkeypatch):
+    """torch keys Inductor's CUTLASS kernels by nvcc's path and a torch extension by its sources and flags,
+    never by nvcc's version: two images with one CUDA torch wheel and toolkits 12.4 and 12.8 at one
+    path shared every key, and one ran the other's nvcc-built kernels (linked against its runtime)."""
+    from kcache import fingerprint
+
+    _cuda_torch(monkeypatch)
+    keys = []
+    for version in ("12.4.131", "12.8.93"):
+        home = _toolkit(tmp_path / version / "cuda", version)
+        env = {"CUDA_HOME": str(home)}
+        assert version in p.probe_nvcc(env)["cuda.nvcc"]
+        keys.append(fingerprint.collect(env=env, probes=p.PROBES).toolchain_key)
+    assert keys[0] != keys[1]
+
+
+def test_nvcc_is_found_where_torch_and_inductor_look(tmp_path, monkeypatch):
+    _cuda_torch(monkeypatch)
+    on_path, home, cxx = (_toolkit(tmp_path / v, v) for v in ("12.1.105", "12.4.131", "12.6.77"))
+    path = {"PATH": str(on_path / "bin")}
+    assert "V12.1.105" in p.probe_nvcc(path)["cuda.nvcc"]  # cpp_extension's CUDA_HOME guess and Inductor's "nvcc"
+    both = p.probe_nvcc({**path, "CUDA_PATH": str(home)})["cuda.nvcc"]  # extensions from CUDA_PATH, CUTLASS from PATH
+    assert "V12.1.105" in both and "V12.4.131" in both
+    assert "V12.6.77" in p.probe_nvcc({**path, "CUDACXX": str(cxx / "bin" / "nvcc")})["cuda.nvcc"]
+    wrapped = f"{shutil.which('env')} {cxx / 'bin' / 'nvcc'}"  # as with ccache in front
+    assert "V12.6.77" in p.probe_nvcc({**path, "PYTORCH_NVCC": wrapped})["cuda.nvcc"]
+    # one toolkit reached two ways is one text: the fact does not depend on how many ways lead to it
+    assert p.probe_nvcc({**path, "CUDA_HOME": str(on_path)}) == p.probe_nvcc(path)
+
+
+def test_no_nvcc_or_no_cuda_torch_adds_no_fact(tmp_path, monkeypatch):
+    """Only where a CUDA torch could build with a toolkit: every other machine keeps its key."""
+    home = _toolkit(tmp_path / "cuda", "12.8.93")
+    assert p.probe_nvcc({"CUDA_HOME": str(home), "PATH": str(home / "bin")}, cuda=p.NONE) == {}
+    _cuda_torch(monkeypatch)
+    assert p.probe_nvcc({"CUDA_HOME": str(tmp_path / "absent"), "PATH": str(tmp_path)}) == {}
+
+
+def test_an_nvcc_that_cannot_say_its_version_is_a_config_error(tmp_path, monkeypatch):
+    _cuda_torch(monkeypatch)
+    home = tmp_path / "cuda"
+    (home / "bin").mkdir(parents=True)
+    (home / "bin" / "nvcc").write_text("#!/bin/sh\nexit 1\n")
+    (home / "bin" / "nvcc").chmod(0o755)
+    with pytest.raises(ConfigError, match="nvcc"):
+        p.probe_nvcc({"CUDA_HOME": str(home), "PATH": str(tmp_path)})
