@@ -287,7 +287,10 @@ def nvcc_commands(env: Mapping[str, str]) -> list[list[str]]:
     found = [os.path.join(home, "bin", "nvcc"), shutil.which(env.get("CUDACXX") or "", path=search), on_path]
     commands, seen = [], set()
     if env.get("PYTORCH_NVCC"):
-        commands.append(shlex.split(env["PYTORCH_NVCC"]))
+        try:
+            commands.append(shlex.split(env["PYTORCH_NVCC"]))
+        except ValueError as exc:
+            raise ConfigError("PYTORCH_NVCC", env["PYTORCH_NVCC"], f"is not a command line ({exc})") from None
     for path in found:
         if path and os.path.isfile(path) and os.path.realpath(path) not in seen:
             seen.add(os.path.realpath(path))

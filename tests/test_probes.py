@@ -722,3 +722,9 @@ def test_an_nvcc_that_cannot_say_its_version_is_a_config_error(tmp_path, monkeyp
     (home / "bin" / "nvcc").chmod(0o755)
     with pytest.raises(ConfigError, match="nvcc"):
         p.probe_nvcc({"CUDA_HOME": str(home), "PATH": str(tmp_path)})
+
+
+def test_a_pytorch_nvcc_that_is_no_command_line_is_a_config_error(monkeypatch):
+    _cuda_torch(monkeypatch)
+    with pytest.raises(ConfigError, match="PYTORCH_NVCC"):
+        p.probe_nvcc({"PYTORCH_NVCC": 'ccache "nvcc'})
