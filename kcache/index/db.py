@@ -232,6 +232,14 @@ def _upgrade_lock(engine: Engine, url: str) -> Iterator[None]:
         yield
 
 
+def _revision_or_none(engine: Engine) -> str | None:
+    """The recorded revision, or None where even that cannot be read (the error at hand says more)."""
+    try:
+        return current_revision(engine)
+    except SQLAlchemyError:
+        return None
+
+
 def _known(revision: str | None) -> bool:
     """Whether this kcache has a migration named `revision`."""
     from alembic.config import Config
@@ -320,7 +328,13 @@ def upgrade_url(url: str, target: str = "head") -> tuple[str | None, str]:
         return upgrade(engine, target)
     except OperationalError as exc:
         raise IndexDbError(url, f"cannot connect: {describe_error(exc)}") from None
-    except (SQLAlchemyError, CommandError) as exc:
+    except CommandError as exc:
+        revision = _revision_or_none(engine)
+        if revision is not None and not _known(revision):  # an older kcache's `db upgrade` after a rollback
+            raise IndexDbError(url, f"schema is at {revision}, which this kcache (schema {HEAD}) does "
+                                    "not know: use a newer kcache") from None  # fmt: skip
+        raise IndexDbError(url, describe_error(exc)) from None
+    except SQLAlchemyError as exc:
         raise IndexDbError(url, describe_error(exc)) from None
     finally:
         engine.dispose()

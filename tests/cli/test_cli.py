@@ -104,6 +104,21 @@ def test_db_upgrade_is_idempotent(tmp_path):
     assert "up to date" in run("db", "upgrade", "--index", url).output
 
 
+def test_db_upgrade_of_an_index_a_newer_kcache_migrated_says_so(tmp_path):
+    """An operator rolling kcache back runs the old one's `db upgrade`: it must say the schema is a
+    newer kcache's, not alembic's "Can't locate revision" (which reads like a broken index)."""
+    import sqlite3
+
+    url = f"sqlite:///{tmp_path / 'i.db'}"
+    run("db", "upgrade", "--index", url)
+    with sqlite3.connect(tmp_path / "i.db") as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '9999_from_the_future'")
+    result = run("db", "upgrade", "--index", url, "--json", ok=False)
+    assert result.exit_code == ExitCode.INDEX
+    doc = json.loads(result.output.splitlines()[0])
+    assert "9999_from_the_future" in doc["error"] and "use a newer kcache" in doc["error"], doc
+
+
 # ---- --json, env vars in --help, README tables ---------------------------------------------------
 
 README = Path(__file__).resolve().parents[2] / "README.md"
