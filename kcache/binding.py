@@ -120,8 +120,8 @@ def open_index(settings: Settings, store: Store | None, *, write: bool, create: 
     create = write if create is None else create
     missing = missing_sqlite_file(settings.index_url)
     if missing and settings.index_explicit and not create:
-        raise IndexDbError(settings.index_url, f"{sqlite_path(settings.index_url)} does not exist (only publish "
-                                               "and reindex create an index file)")  # fmt: skip
+        raise IndexDbError(settings.index_url, f"{sqlite_path(settings.index_url)} does not exist (only publish, "
+                                               "reindex and db upgrade create an index file)")  # fmt: skip
     empty = not write and missing
     index = Index.in_memory(settings.index_url) if empty else Index.open(settings.index_url)
     if store is None:

@@ -334,6 +334,7 @@ def test_a_named_index_file_that_does_not_exist_is_an_index_error(tmp_path, case
     result = run(*args, "--index", f"sqlite:///{typo}", "--json", code=ExitCode.INDEX)
     doc = json.loads(result.stdout)
     assert doc["exit_code"] == 5 and "does not exist" in doc["error"] and str(typo) in doc["error"]
+    assert "db upgrade" in doc["error"]  # it creates one too: the message must not send a user elsewhere
     assert not typo.exists()
     env = run(*args, code=ExitCode.INDEX, env={"KCACHE_INDEX": f"sqlite:///{typo}"})
     assert "does not exist" in env.stderr and not typo.exists()
