@@ -725,14 +725,16 @@ def _in_place(root: Path, manifest: manifests.Manifest, names: Iterable[str], us
               in_place: Mapping[str, str]) -> set[str]:  # fmt: skip
     """The layers among `names` whose place in ROOT holds `manifest`'s layer from an earlier start
     (`in_place`, by place: found unyanked by this start) with each of its files still there, a file
-    (not its content: relocation rewrote some, and the pod's own containers, who write ROOT, may have)."""
+    (not its content: relocation rewrote some, and the pod's own containers, who write ROOT, may have).
+    Junk the bundle holds is not asked for: restore never lays it down (`_taken`)."""
     there = set()
     for source in layers.for_manifest(names, user):
         place = source.restore_dir(root)
         if in_place.get(place.relative_to(root).as_posix()) != manifest.id or place.is_symlink():
             continue
         prefix = source.subdir + "/"
-        if all(_is_file(place / e.path[len(prefix):]) for e in manifest.entries if e.path.startswith(prefix)):
+        rels = (e.path[len(prefix):] for e in manifest.entries if e.path.startswith(prefix))
+        if all(_is_file(place / rel) for rel in rels if source.takes(rel)):
             there.add(source.name)
     return there
 

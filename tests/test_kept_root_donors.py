@@ -8,7 +8,7 @@ from faulty import CountingStore
 from test_layer_reuse import GPU, TREE, _signed, published
 from trees import read_tree, write_tree
 
-from kcache import fingerprint, layerkeys, refs
+from kcache import fingerprint, layerkeys, refs, sources
 from kcache.publish import PublishConfig, publish
 from kcache.restore import read_state, restore
 from kcache.sources import select
@@ -114,3 +114,35 @@ def test_a_toolchain_partials_layers_already_in_place_are_not_laid_again(tmp_pat
     assert again.status == "partial" and again.bundle_id == donor.bundle_id
     assert counting.read.get("packs", 0) == 0
     assert (root / "triton/k9/own.cubin").is_file() and (root / "triton/k1/add.cubin").is_file()
+
+
+class OlderTriton(sources.TritonSource):
+    """The triton layer as a kcache that did not yet know Triton's temporary directories published it."""
+
+    junk = sources.base.COMMON_JUNK
+
+
+@pytest.mark.parametrize("fallback", ["layers", "toolchain"])
+def test_a_layer_in_place_is_kept_though_its_bundle_holds_junk_restore_never_laid(tmp_path, store, sqlite_index,
+                                                                                  fallback):  # fmt: skip
+    """Restore leaves a bundle's junk out (a half-written Triton temporary, a lock); the check that a donor's
+    layer is still in place asked for those files too, found them missing, and laid the layer again at every
+    start, with what the pod had compiled on top of it gone."""
+    tree = {**TREE, "triton/k1/tmp.pid_7_0f/add.cubin": b"half written"}
+    write_tree(tmp_path / "src", tree)
+    donor = publish(store, sqlite_index, fingerprint.compute(DONOR), [OlderTriton(), *select(["inductor", "cuda"])],
+                    root=tmp_path / "src", env={})  # fmt: skip
+    root = tmp_path / "kept"
+
+    def pod(store):
+        return restore(store, sqlite_index, fingerprint.compute(MINE), root, fallback=fallback)
+
+    first = pod(store)
+    assert first.status == "partial"
+    assert not (root / "triton/k1/tmp.pid_7_0f").exists()
+    write_tree(root, OWN)
+    counting = CountingStore(store)
+    again = pod(counting)
+    assert again.status == "partial" and donor.bundle_id in (again.bundle_id, *dict(again.donors).values())
+    assert counting.read.get("packs", 0) == 0
+    assert (root / "triton/k9/own.cubin").is_file()
