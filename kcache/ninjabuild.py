@@ -46,7 +46,9 @@ MAX_DEPS_BYTES = 16 * 1024 * 1024  # a path record a header: thousands of header
 MAX_VALUE_CHARS = 1024 * 1024  # one evaluated variable, path or command
 # All a folder's evaluation together (paths, variables, commands; nested ones count again): a token
 # of `$big` repeated would otherwise hold a MiB for every 5 bytes of manifest. Hashing takes ~50 ms/MiB.
-MAX_EVALUATED_CHARS = 32 * 1024 * 1024
+# Held at once (both parses live until the folder is written) and up to 4 bytes a character in memory
+# (one emoji makes a str 4 bytes wide): 8 Mi characters is at most 32 MiB of restore's 256 MiB.
+MAX_EVALUATED_CHARS = 8 * 1024 * 1024
 _MAX_DEPTH = 64  # nested variable lookups
 _MAX_RECORD = (1 << 19) - 1  # ninja's own bound on a deps record
 _MAX_TRIES = 4  # `/<folder name>/` looked for in a path, from its end
@@ -285,11 +287,14 @@ def rehash_log(data: bytes, moved: dict[str, tuple[str, str]]) -> bytes:
     if hasher is None:
         raise Unrelocatable(f"build log version {int(m.group(1))} is not one this relocation knows")
     hashes: dict[tuple[str, str], tuple[int, int]] = {}  # by command pair: an edge's outputs share one
-    lines = data[m.end() :].split(b"\n")
-    if lines[-1]:
+    if not data.endswith(b"\n"):
         raise Unrelocatable("the build log ends inside an entry")
-    out = [data[: m.end()]]
-    for line in lines[:-1]:
+    # One buffer, entry by entry: a list of the log's lines (and one of the entries written) held an
+    # object of ~40 bytes for each entry of ~10, 80 MiB for a log at its cap.
+    out, at = bytearray(data[: m.end()]), m.end()
+    while at < len(data):
+        end = data.index(b"\n", at)
+        line, at = data[at:end], end + 1
         fields = line.split(b"\t")
         if len(fields) != 5 or not re.fullmatch(rb"[0-9a-f]{1,16}", fields[4]):
             raise Unrelocatable("a build log entry that does not parse")
@@ -301,15 +306,20 @@ def rehash_log(data: bytes, moved: dict[str, tuple[str, str]]) -> bytes:
             old_hash, new_hash = hashes[pair]
             if int(fields[4], 16) == old_hash:  # else the entry is stale here as it was there
                 fields[4] = b"%x" % new_hash
-        out.append(b"\t".join(fields) + b"\n")
-    return b"".join(out)
+        out += b"\t".join(fields) + b"\n"
+        if len(out) > MAX_LOG_BYTES:  # new hashes may be longer: no more than a log restore would read
+            raise Unrelocatable(f"the rewritten build log is over {MAX_LOG_BYTES} bytes")
+    return bytes(out)
 
 
 def move_deps(data: bytes, old: bytes, new: bytes) -> bytes:
     """The deps log with path records under `old` moved under `new`; refuses what ninja would not load."""
     if not data.startswith(_DEPS_HEADER):
         raise Unrelocatable("the deps log has no `# ninjadeps` v4 header")
-    out, at, paths = [_DEPS_HEADER], len(_DEPS_HEADER), 0
+    # One buffer, record by record: a list of records held an object of ~45 bytes for each of 12, and
+    # a deps log at its cap took ~200 MiB.
+    out, at, paths = bytearray(_DEPS_HEADER), len(_DEPS_HEADER), 0
+    view = memoryview(data)
     while at < len(data):
         if at + 4 > len(data):
             raise Unrelocatable("the deps log ends inside a record size")
@@ -323,7 +333,7 @@ def move_deps(data: bytes, old: bytes, new: bytes) -> bytes:
             ids = struct.unpack(f"<{size // 4}i", body) if size % 4 == 0 and size >= 12 else None
             if ids is None or not all(0 <= i < paths for i in (ids[0], *ids[3:])):
                 raise Unrelocatable("a deps record that does not parse")
-            out.append(data[at - 4 - size : at])
+            out += view[at - 4 - size : at]
             continue
         if size < 8 or size % 4 or struct.unpack_from("<I", body, size - 4)[0] != ~paths & 0xFFFFFFFF:
             raise Unrelocatable("a path record that does not parse")
@@ -335,9 +345,13 @@ def move_deps(data: bytes, old: bytes, new: bytes) -> bytes:
         padded = path + b"\0" * (-len(path) % 4)
         if len(padded) + 4 > _MAX_RECORD:
             raise Unrelocatable("a moved path is too long for a deps record")
-        out.append(struct.pack("<I", len(padded) + 4) + padded + body[size - 4 :])
+        out += struct.pack("<I", len(padded) + 4)
+        out += padded
+        out += body[size - 4 :]
         paths += 1
-    return b"".join(out)
+        if len(out) > MAX_DEPS_BYTES:  # a longer folder path: no more than a deps log restore would read
+            raise Unrelocatable(f"the moved deps log is over {MAX_DEPS_BYTES} bytes")
+    return bytes(out)
 
 
 # --- a folder --------------------------------------------------------------------------------------
@@ -411,6 +425,8 @@ def relocate_folder(staged: Path, target: Path, files: frozenset[str]) -> bool:
             raise Unrelocatable(f"a folder path this relocation does not rewrite: {place!r}")
     moved_text = re.sub(_AFTER + re.escape(old) + rf"(?!{_PATH_CHAR})", lambda m: m.group(1) + new, text,
                         flags=re.MULTILINE)
+    if len(moved_text) > MAX_MANIFEST_BYTES:  # a short folder path named often, moved under a long one
+        raise Unrelocatable(f"the moved build.ninja is over {MAX_MANIFEST_BYTES} characters")
     moved = parse(moved_text, budget)
     if [e.outs for e in moved.edges] != [e.outs for e in manifest.edges]:
         raise Unrelocatable("the rewrite changed an output's name")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import subprocess
 import sys
 from datetime import datetime, timedelta, timezone
@@ -167,3 +168,33 @@ def test_a_vllm_index_of_tiny_literals_stays_within_the_restore_bound(tmp_path, 
     assert (dest / rank / "vllm_compile_cache.py").exists() == (case == "at-the-token-cap")
     assert (dest / rank / "artifact").read_bytes() == b"kept"
     assert peak < PEAK_RSS_LIMIT, f"restore peaked at {peak / MiB:.0f} MiB"
+
+
+def _ninja_folder_at_the_caps() -> dict[str, bytes]:
+    """A load_inline build folder whose three files sit at relocation's caps, each shaped for the most
+    memory per byte: values of 4-byte characters evaluated up to the folder's budget, a log of the
+    shortest entries and a deps log of the shortest path records. They compress to almost nothing."""
+    from kcache import ninjabuild
+
+    wide = "\U0001f600" * 200_000
+    # as many copies of b (1M characters) as leave both parses (as published, as moved) inside the budget
+    copies = (ninjabuild.MAX_EVALUATED_CHARS // 2 - 1_300_000) // 1_000_001
+    rule = ["rule cc", "  command = g++ $in -o $out", "build main.o: cc /pub/ext/main.cpp", ""]
+    manifest = "\n".join(["a = " + wide, "b = $a$a$a$a$a", *(f"c{i} = $b." for i in range(copies)), *rule])
+    entry = b"0\t0\t0\tx\t0\n"
+    log = b"# ninja log v5\n" + entry * ((ninjabuild.MAX_LOG_BYTES - 16) // len(entry))
+    head = b"# ninjadeps\n" + struct.pack("<i", 4)
+    count = (ninjabuild.MAX_DEPS_BYTES - len(head)) // 12
+    records = b"".join(struct.pack("<I4sI", 8, b"/p", ~i & 0xFFFFFFFF) for i in range(count))
+    return {"torch_extensions/ext/build.ninja": manifest.encode(), "torch_extensions/ext/main.cpp": b"int x;",
+            "torch_extensions/ext/.ninja_log": log, "torch_extensions/ext/.ninja_deps": head + records}  # fmt: skip
+
+
+def test_a_ninja_build_folder_at_relocations_caps_stays_within_the_restore_bound(tmp_path):
+    """Restore rewrites a load_inline build folder for its new ROOT: a 16 MiB deps log of 12-byte records
+    and a 4 MiB log held as one Python object per record and line, with a build.ninja evaluated to 32 Mi
+    characters of 4 bytes each, took restore to ~360 MiB from a bundle of a few KiB."""
+    write_tree(tmp_path / "src", _ninja_folder_at_the_caps())
+    dest, peak = published_then_restored(tmp_path, tmp_path / "src")
+    assert str(dest / "torch_extensions/ext/main.cpp") in (dest / "torch_extensions/ext/build.ninja").read_text()
+    assert peak < RESTORE_RSS_BOUND, f"restore peaked at {peak / MiB:.0f} MiB"
