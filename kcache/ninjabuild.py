@@ -50,6 +50,10 @@ MAX_VALUE_CHARS = 1024 * 1024  # one evaluated variable, path or command
 # (one emoji makes a str 4 bytes wide): 8 Mi characters is at most 32 MiB of restore's 256 MiB.
 MAX_EVALUATED_CHARS = 8 * 1024 * 1024
 _MAX_DEPTH = 64  # nested variable lookups
+# Variable look-ups a folder's evaluation may make: a rule's variables are evaluated at each use, and
+# an empty one costs no characters, so fan-out alone (128 `$v` in each of a few levels) ran for hours.
+# torch's manifest makes a few for each source file; a million take ~2 s.
+MAX_LOOKUPS = 1024 * 1024
 _MAX_RECORD = (1 << 19) - 1  # ninja's own bound on a deps record
 _MAX_TRIES = 4  # `/<folder name>/` looked for in a path, from its end
 
@@ -85,10 +89,16 @@ class Manifest:
 
 
 class _Budget:
-    """Characters a folder's evaluation may still produce."""
+    """Characters a folder's evaluation may still produce, and variable look-ups it may still make."""
 
-    def __init__(self, chars: int = MAX_EVALUATED_CHARS):
+    def __init__(self, chars: int = MAX_EVALUATED_CHARS, lookups: int = MAX_LOOKUPS):
         self.left = chars
+        self.lookups = lookups
+
+    def look_up(self) -> None:
+        self.lookups -= 1
+        if self.lookups < 0:
+            raise Unrelocatable(f"evaluates past {MAX_LOOKUPS} variable look-ups")
 
     def take(self, chars: int) -> None:
         self.left -= chars
@@ -112,11 +122,13 @@ def _expand(raw: str, lookup, budget: _Budget, depth: int = 0) -> str:
             m = _BRACED.match(raw, j + 2)
             if not m or raw[m.end() : m.end() + 1] != "}":
                 raise Unrelocatable("a bad ${...} reference")
+            budget.look_up()
             piece, i = raw[i:j] + lookup(m.group(), depth + 1), m.end() + 1
         else:
             m = _NAME.match(raw, j + 1)
             if not m:
                 raise Unrelocatable("a bad $ escape")
+            budget.look_up()
             piece, i = raw[i:j] + lookup(m.group(), depth + 1), m.end()
         size += len(piece)
         budget.take(len(piece))
