@@ -30,6 +30,7 @@ import logging
 import os
 import posixpath
 import re
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -385,8 +386,12 @@ def _read(path: Path, bound: int) -> bytes | None:
         if exc.errno != errno.ELOOP:
             raise  # the disk's: the restore reports it
         raise Unrelocatable(f"{path.name} is a symbolic link") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # a directory the bundle made of the name (a file under it)
+        os.close(fd)
+        raise Unrelocatable(f"{path.name} is not a file")
     with os.fdopen(fd, "rb") as f:
-        size = os.fstat(fd).st_size
+        size = st.st_size
         data = f.read(bound + 1) if size <= bound else b""
     if size > bound or len(data) > bound:
         raise Unrelocatable(f"{path.name} is over {bound} bytes")

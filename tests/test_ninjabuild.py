@@ -144,6 +144,25 @@ def test_restore_of_a_malformed_deps_log_hits_and_leaves_it(tmp_path, store, sql
     assert "leaving ninja build kc_inline as published" in caplog.text
 
 
+@pytest.mark.parametrize("name", [".ninja_log", ".ninja_deps"])
+def test_restore_of_a_folder_whose_log_is_a_directory_hits_and_leaves_it(tmp_path, store, sqlite_index, fp, caplog,
+                                                                          name):  # fmt: skip
+    """A bundle whose build folder holds a directory where a log belongs (a file under `.ninja_log/`):
+    opened as the log and read, it failed the whole restore with EISDIR (the pod started cold) where a
+    folder relocation does not understand is left as published."""
+    folder = built(tmp_path / "src", NINJAS[0])
+    (folder / name).unlink()
+    (folder / name).mkdir()
+    (folder / name / "x").write_bytes(b"x")
+    publish(store, sqlite_index, fp, sources.select(["torch_extensions"]), root=tmp_path / "src", env={})
+    with caplog.at_level(logging.WARNING, logger="kcache.ninjabuild"):
+        assert restore(store, sqlite_index, fp, tmp_path / "dst").status == "hit"
+    restored = tmp_path / "dst/torch_extensions/kc_inline"
+    assert (restored / "build.ninja").read_bytes() == (folder / "build.ninja").read_bytes()
+    assert (restored / name / "x").read_bytes() == b"x"
+    assert "leaving ninja build kc_inline as published" in caplog.text
+
+
 def test_a_stale_log_entry_keeps_its_hash():
     """An entry whose hash is not its edge's command was stale where it was built: ninja reruns it anyway."""
     old, new = "cp /pub/main.cpp main.o", "cp /pod/main.cpp main.o"
