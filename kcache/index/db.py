@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError, S
 
 from kcache import durations
 from kcache.errors import ConfigError, IndexDbError
+from kcache.untrusted import one_line
 
 log = logging.getLogger(__name__)
 
@@ -181,11 +183,13 @@ def ensure_schema(engine: Engine, url: str) -> None:
         revision = current_revision(engine)
         if revision == HEAD:
             return
+        _check_known(url, revision)
         if engine.dialect.name == "sqlite":
             with _upgrade_lock(engine, url):
                 revision = current_revision(engine)  # another process may have upgraded it meanwhile
                 if revision == HEAD or (revision is None and _create_fresh(engine)):
                     return
+                _check_known(url, revision)
                 from alembic.util import CommandError
 
                 log.info("upgrading index %s from %s to %s", url, revision, HEAD)
@@ -241,17 +245,32 @@ def _revision_or_none(engine: Engine) -> str | None:
 
 
 def _known(revision: str | None) -> bool:
-    """Whether this kcache has a migration named `revision`."""
+    """Whether this kcache has a migration whose id is `revision`: its own ids only, not what alembic
+    resolves besides them ("heads", "0001@head", a prefix), nor what it fails on unchecked ("@")."""
     from alembic.config import Config
     from alembic.script import ScriptDirectory
-    from alembic.util import CommandError
 
     cfg = Config()
     cfg.set_main_option("script_location", str(resources.files("kcache._migrations")))
-    try:
-        return revision is not None and ScriptDirectory.from_config(cfg).get_revision(revision) is not None
-    except CommandError:
-        return False
+    return revision is not None and revision in {r.revision for r in ScriptDirectory.from_config(cfg).walk_revisions()}
+
+
+# What a migration id of a newer kcache could be: ours are `0102_yanks`. alembic's symbols are not.
+_REVISION_ID = re.compile(r"[0-9A-Za-z_]{1,64}")
+
+
+def _check_known(url: str, revision: str | None) -> None:
+    """IndexDbError for a recorded revision that is none of this kcache's migrations, before alembic is
+    given it: a newer kcache's (an older one's `db upgrade` after a rollback), or what no migration is
+    named (alembic_version written by hand, or by whoever can write the index), on which alembic failed
+    with a bare AssertionError or took a symbol ("heads") for this kcache's head."""
+    if revision is None or _known(revision):
+        return
+    if _REVISION_ID.fullmatch(revision) and revision not in ("base", "head", "heads"):
+        raise IndexDbError(url, f"schema is at {revision}, which this kcache (schema {HEAD}) does not know: "
+                                "use a newer kcache")  # fmt: skip
+    raise IndexDbError(url, f"schema is at {one_line(revision, 80)!r}, which names no migration (alembic_version "
+                            "changed by hand?); restore the index from a backup, or `kcache reindex` into a new one")
 
 
 def _create_fresh(engine: Engine) -> bool:
@@ -325,6 +344,7 @@ def upgrade_url(url: str, target: str = "head") -> tuple[str | None, str]:
 
     engine = make_engine(url)
     try:
+        _check_known(url, current_revision(engine))
         return upgrade(engine, target)
     except OperationalError as exc:
         raise IndexDbError(url, f"cannot connect: {describe_error(exc)}") from None

@@ -119,6 +119,24 @@ def test_db_upgrade_of_an_index_a_newer_kcache_migrated_says_so(tmp_path):
     assert "9999_from_the_future" in doc["error"] and "use a newer kcache" in doc["error"], doc
 
 
+@pytest.mark.parametrize("revision", ["@", "heads", "0001@head"])
+def test_an_index_at_a_revision_no_migration_names_is_an_index_error(tmp_path, revision):
+    """alembic_version holding what is no migration's id (written by hand, or by an index writer): alembic
+    itself failed on it with a bare AssertionError, a bug exit (70) from `db upgrade` and from every command
+    on that SQLite index; "heads" read as up to date for `db upgrade` while every other command refused it."""
+    import sqlite3
+
+    url = f"sqlite:///{tmp_path / 'i.db'}"
+    run("db", "upgrade", "--index", url)
+    with sqlite3.connect(tmp_path / "i.db") as conn:
+        conn.execute("UPDATE alembic_version SET version_num = ?", (revision,))
+    for argv in (["db", "upgrade"], ["ls", "--store", str(tmp_path / "store")]):
+        result = run(*argv, "--index", url, "--json", ok=False)
+        assert result.exit_code == ExitCode.INDEX, result.output
+        doc = json.loads(result.output.splitlines()[0])
+        assert "names no migration" in doc["error"], doc
+
+
 # ---- --json, env vars in --help, README tables ---------------------------------------------------
 
 README = Path(__file__).resolve().parents[2] / "README.md"
