@@ -187,3 +187,35 @@ def test_restore_never_lays_a_build_lock_and_publish_never_carries_one(tmp_path,
     assert again.files == 2
     restore(store, sqlite_index, fp, tmp_path / "root2")
     assert not (source.restore_dir(tmp_path / "root2") / "kc/lock").exists()
+
+
+def test_flashinfer_torch_build_lock_is_neither_published_nor_restored(tmp_path, store, sqlite_index, fp):
+    """FlashInfer up to 0.2.5 (flashinfer/jit/core.py) built each op with torch's cpp_extension.load() into
+    <workspace>/cached_ops/<op>/, so torch's FileBaton sits at cached_ops/<op>/lock while a build runs (one
+    killed mid-way leaves it). Carried and laid down, every pod's FlashInfer waited for it with no limit."""
+    built = {"90/cached_ops/norm/norm.so": b"\x7fELF", "90/cached_ops/norm/build.ninja": b"rule",
+             "90/cached_ops/norm/lock": b""}  # fmt: skip
+    write_tree(tmp_path / "ws/.cache/flashinfer", built)
+    (source,) = sources.select(["flashinfer"])
+    env = {"FLASHINFER_WORKSPACE_BASE": str(tmp_path / "ws")}
+    assert publish(store, sqlite_index, fp, [source], env=env).files == 2
+    root = tmp_path / "root"
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    assert sorted(read_tree(source.restore_dir(root))) == ["90/cached_ops/norm/build.ninja",
+                                                           "90/cached_ops/norm/norm.so"]  # fmt: skip
+
+
+class CarelessFlashInfer(sources.FlashInferSource):
+    junk = sources.base.COMMON_JUNK
+
+
+def test_restore_never_lays_a_flashinfer_build_lock(tmp_path, store, sqlite_index, fp):
+    """A bundle that holds the lock anyway (an older kcache published it) is restored without it."""
+    write_tree(tmp_path / "ws/.cache/flashinfer", {"90/cached_ops/norm/norm.so": b"\x7fELF",
+                                                   "90/cached_ops/norm/lock": b""})  # fmt: skip
+    env = {"FLASHINFER_WORKSPACE_BASE": str(tmp_path / "ws")}
+    assert publish(store, sqlite_index, fp, [CarelessFlashInfer()], env=env).files == 2
+    root = tmp_path / "root"
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    (source,) = sources.select(["flashinfer"])
+    assert sorted(read_tree(source.restore_dir(root))) == ["90/cached_ops/norm/norm.so"]

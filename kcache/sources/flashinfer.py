@@ -4,6 +4,7 @@
         [<version>/]<archs>/cached_ops/<op>/{build.ninja,.ninja_log,*.o,*.so}   JIT-built ops (ninja)
         [<version>/]<archs>/generated/                                            generated sources
         cubins/                                                                   downloaded cubins
+        [<archs>/]cached_ops/<op>/lock                                            not carried
     $FLASHINFER_CUBIN_DIR, when set                                 -> ROOT/flashinfer_cubin/
 
 Read in FlashInfer's flashinfer/jit/env.py (main of 2025; the 0.6 line adds the <version> level):
@@ -16,6 +17,8 @@ FlashInfer decides staleness with ninja (mtimes, kept by restore) and writes bui
 absolute paths into its own workspace: a bundle hits only when FLASHINFER_WORKSPACE_BASE is the same
 absolute path when compiling and when serving (kcache.env and examples/k8s set ROOT/flashinfer on
 both). Under another path FlashInfer regenerates build.ninja and ninja rebuilds: slow, never wrong.
+Up to 0.2.5 FlashInfer built each op with torch's cpp_extension.load() into cached_ops/<op>/, so torch's
+FileBaton (cached_ops/<op>/lock, which torch waits on with no limit) is there while a build runs.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from kcache.sources.base import Source, home_dir
+from kcache.sources.base import COMMON_JUNK, Source, home_dir
 
 
 class FlashInferSource(Source):
@@ -31,6 +34,7 @@ class FlashInferSource(Source):
     needs_torch = True
     subdir = "flashinfer"
     env_var = "FLASHINFER_WORKSPACE_BASE"
+    junk = COMMON_JUNK + ("lock",)  # torch's FileBaton in a 0.2 build folder: laid down, no pod loads the op
 
     def live_dirs(self, env: Mapping[str, str]) -> list[Path]:
         base = Path(env["FLASHINFER_WORKSPACE_BASE"]) if env.get("FLASHINFER_WORKSPACE_BASE") else home_dir(env)
