@@ -169,7 +169,8 @@ def collect(sources: Iterable[Source], *, root: Path | None, env: Mapping[str, s
         seen: set[str] = set()
         above: set[str] = set()  # the directories of what is in `seen`
         for top in dirs:
-            if not (top.is_dir() or top.is_file()):  # a file: a one-file layer (the TRT-LLM autotuner's)
+            # a file: a one-file layer (the TRT-LLM autotuner's), whose rank files may be there without it
+            if not (top.is_dir() or top.is_file() or (source.one_file and top.parent.is_dir())):
                 continue
             home = top if top.is_dir() else top.parent
             real = _resolved(home, None if named else root)

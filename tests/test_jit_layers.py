@@ -219,3 +219,26 @@ def test_restore_never_lays_a_flashinfer_build_lock(tmp_path, store, sqlite_inde
     assert restore(store, sqlite_index, fp, root).status == "hit"
     (source,) = sources.select(["flashinfer"])
     assert sorted(read_tree(source.restore_dir(root))) == ["90/cached_ops/norm/norm.so"]
+
+
+def test_trtllm_autotuner_per_rank_files_travel_beside_the_file(tmp_path, store, sqlite_index, fp):
+    """TensorRT-LLM from its PR #7738 (September 2025) until ranks were merged into one file (#10336, December
+    2025) loads and saves <path without extension>.rank<r>.json for TLLM_AUTOTUNER_CACHE_PATH and never
+    writes the path itself: the layer carried nothing and every pod profiled every op again."""
+    write_tree(tmp_path / "tune", {"deadbeef.rank0.json": b'{"r": 0}', "deadbeef.rank1.json": b'{"r": 1}',
+                                   "other.rank0.json": b"not ours", "deadbeef.rank1.json.tmp": b"half",
+                                   "deadbeef.rankx.json": b"no rank"})  # fmt: skip
+    (source,) = sources.select(["trtllm_autotuner"])
+    env = {"TLLM_AUTOTUNER_CACHE_PATH": str(tmp_path / "tune/deadbeef.cache")}
+    assert publish(store, sqlite_index, fp, [source], env=env).files == 2
+    root = tmp_path / "root"
+    restore(store, sqlite_index, fp, root)
+    path = Path(envfile.read(root / envfile.NAME)["TLLM_AUTOTUNER_CACHE_PATH"])
+    # where that TensorRT-LLM looks for them under the exported path: os.path.splitext(path)[0] + ".rank<r>.json"
+    stem = str(path.with_suffix(""))
+    assert Path(stem + ".rank0.json").read_bytes() == b'{"r": 0}'
+    assert Path(stem + ".rank1.json").read_bytes() == b'{"r": 1}'
+    assert sorted(read_tree(source.restore_dir(root))) == ["cache.rank0.json", "cache.rank1.json"]
+    # publish --from ROOT reads them back from the layout restore wrote
+    again = publish(store, sqlite_index, fp, [source], root=root, env={})
+    assert again.files == 2 and not again.created

@@ -53,6 +53,9 @@ class Source:
     # Kernels built against the torch install (its headers, ABI, Inductor) and not keyed by its version
     # alone: publish refuses them under facts that name no torch (a kcache that could not see it).
     needs_torch: bool = False
+    # Live, the layer is one file (and files named after it beside it): read while its directory is there,
+    # whether the file itself is or not.
+    one_file: bool = False
 
     def live_dirs(self, env: Mapping[str, str]) -> list[Path]:
         """Directories this layer is read from on a running machine, most specific first."""

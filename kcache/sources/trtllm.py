@@ -8,11 +8,15 @@ and saves it after; one file holds shared and per-rank entries. Its bootstrap se
 $TRTLLM_CACHE_DIR/autotuner/cache.json. The file records the library version and device, but the
 loader does not refuse a mismatch, so the facts it depends on (engine.tensorrt_llm, GPU name and
 SM, TP size via --extra) must be in the bundle key; the layer is all-or-nothing under it.
+Releases between PR #7738 (September 2025) and #10336 (December 2025, ranks merged into one file) never
+write the path itself: each rank loads and saves `os.path.splitext(path)[0] + ".rank<r>.json"`. Those
+files travel beside it, renamed for the fixed name (cache.rank<r>.json), where such a release looks.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -20,6 +24,7 @@ from pathlib import Path
 from kcache.sources.base import FileInfo, Source
 
 FILE = "cache.json"
+FILE_STEM = os.path.splitext(FILE)[0]
 
 
 class TrtllmAutotunerSource(Source):
@@ -28,20 +33,34 @@ class TrtllmAutotunerSource(Source):
     name = "trtllm_autotuner"
     subdir = "trtllm_autotuner"
     env_var = "TLLM_AUTOTUNER_CACHE_PATH"
+    one_file = True
 
     def live_dirs(self, env: Mapping[str, str]) -> list[Path]:
         configured = env.get("TLLM_AUTOTUNER_CACHE_PATH")
         return [Path(configured)] if configured else []  # the file itself; walk() takes either form
 
     def walk(self, top: Path) -> Iterator[FileInfo]:
-        path = top if not top.is_dir() else top / FILE  # live: the file; ROOT's layout: its directory
+        # live: the file (which may not exist, its rank files beside it); ROOT's layout: its directory
+        folder, name = (top, FILE) if top.is_dir() else (top.parent, top.name)
+        yield from _regular(FILE, folder / name)
+        ranks = re.compile(re.escape(os.path.splitext(name)[0]) + r"\.rank(0|[1-9][0-9]{0,5})\.json")
         try:
-            st = os.lstat(path)
-        except (FileNotFoundError, NotADirectoryError):
+            names = sorted(n for n in os.listdir(folder) if ranks.fullmatch(n))
+        except OSError:  # absent, not a directory, unreadable: no rank files
             return
-        if stat.S_ISREG(st.st_mode):
-            yield FileInfo(FILE, path, stat.S_IMODE(st.st_mode) & 0o777, st.st_size, st.st_mtime_ns,
-                           st.st_ctime_ns, st.st_ino)  # fmt: skip
+        for found in names:
+            yield from _regular(f"{FILE_STEM}.rank{ranks.fullmatch(found).group(1)}.json", folder / found)
 
     def exports(self, root: Path) -> dict[str, str]:
         return {"TLLM_AUTOTUNER_CACHE_PATH": str(self.restore_dir(root) / FILE)}
+
+
+def _regular(rel: str, path: Path) -> Iterator[FileInfo]:
+    """`path` as the layer's `rel` if it is a regular file (a link could point anywhere)."""
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if stat.S_ISREG(st.st_mode):
+        yield FileInfo(rel, path, stat.S_IMODE(st.st_mode) & 0o777, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                       st.st_ino)  # fmt: skip
