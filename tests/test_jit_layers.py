@@ -5,6 +5,7 @@ what restore exports, what is junk, and a publish from the live directory restor
 where the exported variable points.
 """
 
+import json
 import sys
 from pathlib import Path
 
@@ -242,3 +243,23 @@ def test_trtllm_autotuner_per_rank_files_travel_beside_the_file(tmp_path, store,
     # publish --from ROOT reads them back from the layout restore wrote
     again = publish(store, sqlite_index, fp, [source], root=root, env={})
     assert again.files == 2 and not again.created
+
+
+def test_triton_temporaries_inside_vllms_cache_are_neither_published_nor_restored(tmp_path, store, sqlite_index,
+                                                                                   fp):  # fmt: skip
+    """vLLM points Triton at torch_compile_cache/<hash>/rank_<i>_<j>/triton_cache, where Triton writes each file
+    through <kernel>/tmp.pid_<pid>_<uuid>/ and torch's TritonBundler a kernel through tmp.<uuid4>/: what a
+    killed compile left there (half-written files) was carried in the vllm layer and laid down in every pod."""
+    rank = "torch_compile_cache/0123456789/rank_0_0/triton_cache"
+    kernel = f"{rank}/{'ab' * 32}"
+    group = json.dumps({"child_paths": {"add.cubin": str(tmp_path / "vllm" / kernel / "add.cubin")}}).encode()
+    kept = {f"{kernel}/add.cubin": b"\x7fELF", f"{kernel}/__grp__add.json": group,
+            "torch_compile_cache/0123456789/rank_0_0/vllm_compile_cache.py": b"{}"}  # fmt: skip
+    temporaries = {f"{rank}/{'ab' * 32}/tmp.pid_41_5b0e7a52-6f5c-4c7e-9d2b-0c3e8f1a2b3c/add.ptx": b"// half",
+                   f"{rank}/tmp.0f8e2a4c-1b3d-4e5f-8a9b-7c6d5e4f3a2b/add.cubin": b"\x7fEL"}  # fmt: skip
+    write_tree(tmp_path / "vllm", {**kept, **temporaries})
+    (source,) = sources.select(["vllm"])
+    assert publish(store, sqlite_index, fp, [source], env={"VLLM_CACHE_ROOT": str(tmp_path / "vllm")}).files == 3
+    root = tmp_path / "root"
+    assert restore(store, sqlite_index, fp, root).status == "hit"
+    assert sorted(read_tree(source.restore_dir(root))) == sorted(kept)

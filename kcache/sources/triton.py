@@ -20,16 +20,20 @@ from kcache.sources.inductor import inductor_dir
 log = logging.getLogger(__name__)
 
 
+# Triton (runtime/cache.py, FileCacheManager.put, read in 3.9) writes each file into
+# <kernel dir>/tmp.pid_<pid>_<uuid>/ and then renames it into place: what is left in such a
+# directory is half written, or orphaned by a killed compile.
+# torch's TritonBundler (_inductor/triton_bundler.py) writes a kernel from a Mega-Cache or FX
+# graph bundle into <cache dir>/tmp.<uuid4>/ and renames it; one that lost the race stays.
+# Junk wherever a Triton cache sits (vLLM keeps one in its own tree).
+TRITON_TEMPORARIES = ("tmp.pid_*", "tmp.????????-????-????-????-????????????")
+
+
 class TritonSource(Source):
     name = "triton"
     subdir = "triton"
     env_var = "TRITON_CACHE_DIR"
-    # Triton (runtime/cache.py, FileCacheManager.put, read in 3.9) writes each file into
-    # <kernel dir>/tmp.pid_<pid>_<uuid>/ and then renames it into place: what is left in such a
-    # directory is half written, or orphaned by a killed compile.
-    # torch's TritonBundler (_inductor/triton_bundler.py) writes a kernel from a Mega-Cache or FX
-    # graph bundle into <cache dir>/tmp.<uuid4>/ and renames it; one that lost the race stays.
-    junk = COMMON_JUNK + ("tmp.pid_*", "tmp.????????-????-????-????-????????????")
+    junk = COMMON_JUNK + TRITON_TEMPORARIES
 
     def live_dirs(self, env: Mapping[str, str]) -> list[Path]:
         if env.get("TRITON_CACHE_DIR"):

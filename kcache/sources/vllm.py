@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from kcache.sources.base import Source, home_dir
+from kcache.sources.base import COMMON_JUNK, Source, home_dir
+from kcache.sources.triton import TRITON_TEMPORARIES
 
 
 class VllmSource(Source):
@@ -24,6 +25,7 @@ class VllmSource(Source):
     subdir = "vllm"
     env_var = "VLLM_CACHE_ROOT"
     rewriters = ("triton-groups", "vllm-handles")
+    junk = COMMON_JUNK + TRITON_TEMPORARIES  # vLLM points Triton at <rank dir>/triton_cache
 
     def live_dirs(self, env: Mapping[str, str]) -> list[Path]:
         if env.get("VLLM_CACHE_ROOT"):
