@@ -263,3 +263,16 @@ def test_triton_temporaries_inside_vllms_cache_are_neither_published_nor_restore
     root = tmp_path / "root"
     assert restore(store, sqlite_index, fp, root).status == "hit"
     assert sorted(read_tree(source.restore_dir(root))) == sorted(kept)
+
+
+@pytest.mark.parametrize("env, live", [({"VLLM_CACHE_ROOT": "~/vc"}, "home/vc"),
+                                       ({"VLLM_CACHE_ROOT": "~"}, "home"),
+                                       ({"XDG_CACHE_HOME": "~/xdg"}, "home/xdg/vllm")])  # fmt: skip
+def test_vllm_cache_root_is_read_where_vllm_expands_a_tilde(tmp_path, store, sqlite_index, fp, env, live):
+    """vLLM (envs.py) reads VLLM_CACHE_ROOT, and its default under XDG_CACHE_HOME, through os.path.expanduser:
+    a pod spec's `~/...` (no shell expands it) had publish read ./~/... and carry nothing vLLM compiled."""
+    write_tree(tmp_path / live, {"torch_compile_cache/0123456789/rank_0_0/computation_graph.py": b"# graph"})
+    (source,) = sources.select(["vllm"])
+    env = {**env, "HOME": str(tmp_path / "home")}
+    assert source.live_dirs(env) == [tmp_path / live]
+    assert publish(store, sqlite_index, fp, [source], env=env).files == 1

@@ -12,6 +12,7 @@ so restore rewrites both index kinds (kcache.relocate).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -28,7 +29,15 @@ class VllmSource(Source):
     junk = COMMON_JUNK + TRITON_TEMPORARIES  # vLLM points Triton at <rank dir>/triton_cache
 
     def live_dirs(self, env: Mapping[str, str]) -> list[Path]:
+        # vLLM's envs.py: os.path.expanduser(VLLM_CACHE_ROOT, else <XDG_CACHE_HOME or ~/.cache>/vllm)
         if env.get("VLLM_CACHE_ROOT"):
-            return [Path(env["VLLM_CACHE_ROOT"])]
+            return [_expanded(env["VLLM_CACHE_ROOT"], env)]
         xdg = env.get("XDG_CACHE_HOME")
-        return [(Path(xdg) if xdg else home_dir(env) / ".cache") / "vllm"]
+        return [_expanded(str(Path(xdg) / "vllm"), env) if xdg else home_dir(env) / ".cache" / "vllm"]
+
+
+def _expanded(path: str, env: Mapping[str, str]) -> Path:
+    """`path` as os.path.expanduser gives it in a process started with `env`: a leading `~` is its HOME."""
+    if path == "~" or path.startswith("~/"):
+        return home_dir(env) / path[1:].lstrip("/")
+    return Path(os.path.expanduser(path))  # ~user: the passwd entry's home; anything else as it is
