@@ -276,3 +276,25 @@ def test_vllm_cache_root_is_read_where_vllm_expands_a_tilde(tmp_path, store, sql
     env = {**env, "HOME": str(tmp_path / "home")}
     assert source.live_dirs(env) == [tmp_path / live]
     assert publish(store, sqlite_index, fp, [source], env=env).files == 1
+
+
+def test_deep_gemm_is_exported_under_every_name_its_readers_take(tmp_path):
+    """SGLang until its rename (2025-10) set DG_JIT_CACHE_DIR from SGL_DG_CACHE_DIR, else ~/.cache/deep_gemm,
+    whatever DG_JIT_CACHE_DIR said (and later SGLang still takes SGL_DG_CACHE_DIR over SGLANG_DG_CACHE_DIR);
+    DeepGEMM until 2025-05-07 read DG_CACHE_DIR. Under those, a restored pod's DeepGEMM looked in the model's
+    HOME and compiled every kernel again."""
+    (source,) = sources.select(["deep_gemm"])
+    place = str(source.restore_dir(tmp_path))
+    exported = source.exports(tmp_path)
+    for var in ("DG_JIT_CACHE_DIR", "SGLANG_DG_CACHE_DIR", "SGL_DG_CACHE_DIR", "DG_CACHE_DIR"):
+        assert exported[var] == place, var
+
+
+@pytest.mark.parametrize("env, live", [({"SGL_DG_CACHE_DIR": "sgl", "SGLANG_DG_CACHE_DIR": "sg"}, "sgl"),
+                                       ({"SGLANG_DG_CACHE_DIR": "sg", "DG_JIT_CACHE_DIR": "dg"}, "sg"),
+                                       ({"DG_CACHE_DIR": "old"}, "old"),
+                                       ({"DG_JIT_CACHE_DIR": "dg", "DG_CACHE_DIR": "old"}, "dg")])  # fmt: skip
+def test_deep_gemm_is_read_where_its_reader_put_it(tmp_path, env, live):
+    """SGLang sets DeepGEMM's variable from its own (SGL_ over SGLANG_) at import, overriding DG_JIT_CACHE_DIR."""
+    (source,) = sources.select(["deep_gemm"])
+    assert source.live_dirs(absolute(tmp_path, env)) == [tmp_path / live]

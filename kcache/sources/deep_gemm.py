@@ -1,6 +1,7 @@
 """DeepGEMM's JIT kernels, and TensorRT-LLM's DeepGEMM fork.
 
-    $DG_JIT_CACHE_DIR, else $SGLANG_DG_CACHE_DIR, else ~/.cache/deep_gemm (SGLang) and ~/.deep_gemm
+    SGLang's $SGL_DG_CACHE_DIR, else its $SGLANG_DG_CACHE_DIR, else $DG_JIT_CACHE_DIR, else DeepGEMM's
+    older $DG_CACHE_DIR, else ~/.cache/deep_gemm (SGLang) and ~/.deep_gemm
         cache/kernel.<name>.<hash>/{kernel.cu,kernel.cubin}     -> ROOT/deep_gemm/cache/...
         tmp/                                                     not carried (compiles in flight)
     $TRTLLM_DG_CACHE_DIR                                         -> ROOT/trtllm_deep_gemm/
@@ -8,9 +9,11 @@
 Read in DeepGEMM's csrc/jit/compiler.hpp (main of 2025): the cache is $DG_JIT_CACHE_DIR, else
 $HOME/.deep_gemm; a kernel's directory hashes its name, the library's headers, the compiler and
 its flags (which hold the GPU arch and the include path), so a stale entry is never picked up.
-SGLang (python/sglang/srt/environ.py) defaults SGLANG_DG_CACHE_DIR to ~/.cache/deep_gemm and copies
-it into DG_JIT_CACHE_DIR at import, so both variables are exported. TensorRT-LLM's bootstrap
-(TRTLLM_CACHE_DIR) sets TRTLLM_DG_CACHE_DIR for its own fork and may append
+DeepGEMM before 2025-05-07 (deep_gemm/jit/compiler.py) read $DG_CACHE_DIR instead, same layout.
+SGLang sets DeepGEMM's variable at import, whatever it held, from its own: SGL_DG_CACHE_DIR until
+its rename (2025-10), SGLANG_DG_CACHE_DIR since (python/sglang/srt/environ.py, which still copies a
+set SGL_DG_CACHE_DIR over it), default ~/.cache/deep_gemm. So every one of these names is exported.
+TensorRT-LLM's bootstrap (TRTLLM_CACHE_DIR) sets TRTLLM_DG_CACHE_DIR for its own fork and may append
 deep_gemm_rank<r>_gpu<g> to DG_JIT_CACHE_DIR: a subdirectory, carried with the rest.
 Facts it depends on: DeepGEMM version and install path, CUDA (nvcc/NVRTC) version, GPU SM.
 """
@@ -22,6 +25,9 @@ from pathlib import Path
 
 from kcache.sources.base import COMMON_JUNK, Source, home_dir
 
+# The variables naming the cache, the one that wins first: SGLang overrides DeepGEMM's at import.
+_READ_FROM = ("SGL_DG_CACHE_DIR", "SGLANG_DG_CACHE_DIR", "DG_JIT_CACHE_DIR", "DG_CACHE_DIR")
+
 
 class DeepGemmSource(Source):
     name = "deep_gemm"
@@ -30,7 +36,7 @@ class DeepGemmSource(Source):
     junk = COMMON_JUNK + ("tmp",)  # DeepGEMM's own staging directory for cubins being written
 
     def live_dirs(self, env: Mapping[str, str]) -> list[Path]:
-        for var in ("DG_JIT_CACHE_DIR", "SGLANG_DG_CACHE_DIR"):
+        for var in _READ_FROM:
             if env.get(var):
                 return [Path(env[var])]
         home = home_dir(env)
@@ -38,7 +44,7 @@ class DeepGemmSource(Source):
 
     def exports(self, root: Path) -> dict[str, str]:
         place = str(self.restore_dir(root))
-        return {"DG_JIT_CACHE_DIR": place, "SGLANG_DG_CACHE_DIR": place}
+        return dict.fromkeys(_READ_FROM, place)
 
 
 class TrtllmDeepGemmSource(Source):
