@@ -182,6 +182,25 @@ def test_a_root_whose_tmp_is_unusable_still_gets_kcache_env(tmp_path, facts_file
     assert check(root).reason != "restore has not finished"
 
 
+def test_a_cubin_place_restore_cannot_list_still_gets_kcache_env(tmp_path, facts_file):
+    """ROOT/flashinfer_cubin left on a kept volume as a directory restore's user cannot list (a container
+    of the pod made it, mode 000): whether to export FLASHINFER_CUBIN_DIR asked for its entries, and the
+    PermissionError left no kcache.env at all, where any other unusable place is only left out of it."""
+    from unprivileged import run_kcache
+
+    root = tmp_path / "root"
+    (root / "flashinfer_cubin").mkdir(parents=True)
+    (root / "flashinfer_cubin").chmod(0)
+    args = ["restore", "--into", root, "--model", MODEL, "--facts-file", facts_file, "--store",
+            f"file://{tmp_path / 'store'}", "--index", "none"]  # fmt: skip
+    done = run_kcache(args)
+    assert done.returncode == 0, done.stderr
+    assert b"Traceback" not in done.stderr
+    exports = envfile.read(root / envfile.NAME)
+    assert exports == {k: v for k, v in sources.all_exports(root).items() if k != "FLASHINFER_CUBIN_DIR"}
+    assert check(root).reason != "restore has not finished"
+
+
 @pytest.mark.parametrize("long", [True, False], ids=["past-name-max", "thousands-deep-near-path-max"])
 def test_a_root_path_the_kernel_cannot_take_fails_open(tmp_path, facts_file, long):
     """--into with a component past NAME_MAX made exists() raise ENAMETOOLONG before restore's fail-open

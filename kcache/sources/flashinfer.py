@@ -63,4 +63,8 @@ class FlashInferCubinSource(Source):
 
     def exports(self, root: Path) -> dict[str, str]:
         place = self.restore_dir(root)
-        return {"FLASHINFER_CUBIN_DIR": str(place)} if place.is_dir() and any(place.iterdir()) else {}
+        try:
+            laid = place.is_dir() and any(place.iterdir())
+        except OSError:  # not listable (a container of the pod may write ROOT): nothing there FlashInfer could use
+            laid = False
+        return {"FLASHINFER_CUBIN_DIR": str(place)} if laid else {}
