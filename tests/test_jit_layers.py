@@ -6,6 +6,7 @@ where the exported variable points.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -298,3 +299,30 @@ def test_deep_gemm_is_read_where_its_reader_put_it(tmp_path, env, live):
     """SGLang sets DeepGEMM's variable from its own (SGL_ over SGLANG_) at import, overriding DG_JIT_CACHE_DIR."""
     (source,) = sources.select(["deep_gemm"])
     assert source.live_dirs(absolute(tmp_path, env)) == [tmp_path / live]
+
+
+def test_cute_dsl_is_read_where_a_user_without_a_name_keeps_it(tmp_path, monkeypatch):
+    """A uid with no passwd entry and no USER (an OpenShift pod, a bare `runAsUser`): CuTe DSL 4.3 to 4.7
+    (cutlass/base_dsl/cache_helpers.py) cannot name the user and falls back to <TMPDIR>/cutlass_python_cache;
+    a live publish read <TMPDIR>/uid_<uid>/cutlass_python_cache, torch's fallback name, and carried nothing."""
+    import pwd
+
+    for var in ("USER", "USERNAME", "LOGNAME", "LNAME", "KCACHE_RUN_AS"):
+        monkeypatch.delenv(var, raising=False)
+    uid = 54321
+    with pytest.raises(KeyError):
+        pwd.getpwuid(uid)
+    (source,) = sources.select(["cute_dsl"])
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the uid the model runs as; the answer goes back through the pipe
+        try:
+            os.setuid(uid)
+            os.write(write, str(source.live_dirs({"TMPDIR": str(tmp_path)})[0]).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as answer:
+        found = answer.read().decode()
+    os.waitpid(child, 0)
+    assert found == str(tmp_path / "cutlass_python_cache")
