@@ -35,6 +35,9 @@ CASES = [
      {"DG_JIT_CACHE_DIR": "deep_gemm"}),
     ("trtllm_deep_gemm", {"TRTLLM_DG_CACHE_DIR": "tdg"}, "tdg", ["cache/kernel.x.01/kernel.cubin"], [],
      {"TRTLLM_DG_CACHE_DIR": "trtllm_deep_gemm"}),
+    # The fork's compiler.cuh (TensorRT-LLM's, and FlashInfer's copy): $HOME/.tensorrt_llm when the variable is unset
+    ("trtllm_deep_gemm", {"HOME": "home"}, "home/.tensorrt_llm", ["cache/kernel.x.01/kernel.cubin"],
+     ["tmp/kernel.x.01_5f1e"], {"TRTLLM_DG_CACHE_DIR": "trtllm_deep_gemm"}),
     ("cute_dsl", {"CUTE_DSL_CACHE_DIR": "cute"}, "cute", ["0a1b2c.mlir"], ["tmp.pid_7_abc/0a1b2c.mlir"],
      {"CUTE_DSL_CACHE_DIR": "cute_dsl"}),
     ("cute_dsl", {"TMPDIR": "t", "USER": "svc"}, "t/svc/cutlass_python_cache", ["ff.mlir"], [],
@@ -110,7 +113,7 @@ def test_trtllm_autotuner_file_travels_under_a_fixed_name(tmp_path, store, sqlit
 
 
 def test_unset_variables_without_defaults_carry_nothing():
-    for name in ("trtllm_deep_gemm", "trtllm_autotuner", "flashinfer_cubin"):
+    for name in ("trtllm_autotuner", "flashinfer_cubin"):
         (source,) = sources.select([name])
         assert source.live_dirs({}) == []
 
