@@ -138,7 +138,18 @@ def _vllm_handles(text: str, layer: Layer) -> str | None:
         return value
 
     moved = {key: move(value) for key, value in table.items()}
-    return pprint.pformat(moved) if changed else None
+    if not changed:
+        return None
+    text = pprint.pformat(moved)
+    # vLLM reads it back with literal_eval; repr does not always write a literal (a float past the range,
+    # 1e999, is written `inf`), and a table vLLM cannot read fails every start instead of compiling.
+    try:
+        readable = ast.literal_eval(text) == moved
+    except (ValueError, SyntaxError, TypeError):
+        readable = False
+    if not readable:
+        raise Unmappable("holds a value that does not read back as a Python literal once written")
+    return text
 
 
 @dataclass(frozen=True)

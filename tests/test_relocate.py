@@ -186,6 +186,23 @@ def test_vllm_table_literal_python_cannot_build_is_dropped(tmp_path, caplog, tex
     assert "unhashable" in caplog.text
 
 
+@pytest.mark.parametrize("value", ["1e999", "-1e999", "(1e999, 2)"])
+def test_vllm_table_the_rewrite_could_not_write_back_as_a_literal_is_dropped(tmp_path, value):
+    """A float past the range literal_eval builds as inf: written back by repr it is `inf`, which vLLM's
+    literal_eval refuses at start-up, every start. A rewritten table must read back as what was meant."""
+    (tmp_path / "x").mkdir()
+    text = "{(None, 0, 'inductor_standalone'): ('a', '/pub/x/a'), ('other', 1): " + value + "}"
+    (tmp_path / "x/vllm_compile_cache.py").write_text(text)
+    rels = ["x/a", "x/vllm_compile_cache.py"]
+    layer = Layer(tmp_path, tmp_path / "t", known_paths(rels), frozenset(rels))
+    dropped = relocate(layer, ["x/vllm_compile_cache.py"], ["vllm-handles"])
+    path = tmp_path / "x/vllm_compile_cache.py"
+    if not dropped:  # vLLM reads it back with literal_eval
+        ast.literal_eval(path.read_text())
+    else:
+        assert dropped == ["x/vllm_compile_cache.py"] and not path.exists()
+
+
 @pytest.mark.parametrize("extra, kept", [(0, True), (2, False)])
 def test_vllm_table_past_the_token_cap_is_dropped_unparsed(tmp_path, monkeypatch, caplog, extra, kept):
     """literal_eval builds the whole AST first (~470 bytes a token): the tokens are counted before."""

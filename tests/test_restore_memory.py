@@ -148,7 +148,7 @@ def _zeros_table(tokens: int) -> bytes:
     return b'{"k": [' + b"0," * ((tokens - 8) // 2) + b"]}"  # 8: { "k" : [ ] } NEWLINE ENDMARKER
 
 
-@pytest.mark.parametrize("case", ["at-the-byte-cap", "at-the-token-cap"])
+@pytest.mark.parametrize("case", ["at-the-byte-cap", "at-the-token-cap", "at-the-token-cap-moved"])
 def test_a_vllm_index_of_tiny_literals_stays_within_the_restore_bound(tmp_path, case):
     """A vllm_compile_cache.py just under relocate's byte cap holding millions of `0,` compresses to
     a few KiB; parsed into an AST it took restore to ~2 GiB. It is dropped unparsed instead, and the
@@ -158,14 +158,22 @@ def test_a_vllm_index_of_tiny_literals_stays_within_the_restore_bound(tmp_path, 
     rank = "vllm/torch_compile_cache/h/rank_0_0"
     if case == "at-the-byte-cap":
         table = b'{"k": [' + b"0," * (relocate._MAX_INDEX_BYTES // 2 - 8) + b"]}"
-    else:
+    elif case == "at-the-token-cap":
         table = _zeros_table(relocate._MAX_TABLE_TOKENS)
+    else:  # a handle to move as well: the rewritten table is parsed again, to know vLLM can read it
+        handle = f'"h": ("a", "/pub/{rank.removeprefix("vllm/")}/artifact"), '.encode()
+        table = b"{" + handle + b'"k": [' + b"0," * ((relocate._MAX_TABLE_TOKENS - 16) // 2) + b"]}"
     assert len(table) <= relocate._MAX_INDEX_BYTES
     src = tmp_path / "src"
     write_tree(src, {f"{rank}/vllm_compile_cache.py": table, f"{rank}/artifact": b"kept"})
     dest, peak = published_then_restored(tmp_path, src)
     # Refused: the engine rebuilds it. At the cap: parsed, nothing to move, kept as published.
-    assert (dest / rank / "vllm_compile_cache.py").exists() == (case == "at-the-token-cap")
+    assert (dest / rank / "vllm_compile_cache.py").exists() == case.startswith("at-the-token-cap")
+    if case == "at-the-token-cap-moved":
+        import ast
+
+        moved = ast.literal_eval((dest / rank / "vllm_compile_cache.py").read_text())
+        assert moved["h"][1] == str(dest / rank / "artifact")
     assert (dest / rank / "artifact").read_bytes() == b"kept"
     assert peak < PEAK_RSS_LIMIT, f"restore peaked at {peak / MiB:.0f} MiB"
 
