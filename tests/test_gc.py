@@ -116,6 +116,49 @@ def test_gc_sweeping_under_a_running_publish_never_breaks_its_bundle(tmp_path, s
     assert read_tree(tmp_path / "dst/inductor") == {"kernel.so": (b"shared kernel" * 100, 0o644)}
 
 
+class PausingBeforeLocate(PausingIndex):
+    """An index that stops a publish after it looked for missing blobs and uploaded the rest, before it
+    locates them: a long upload, during which a GC may sweep the pack holding the blobs it found."""
+
+    def locate(self, blob_ids):
+        if not self.located.is_set():
+            self.located.set()
+            assert self.go_on.wait(60)
+        return self.inner.locate(blob_ids)
+
+
+def test_gc_sweeping_while_a_publish_uploads_never_fails_it(tmp_path, store, index, fp):
+    _publish(tmp_path, store, index, fp, b"shared kernel" * 100, "v1")
+    _publish(tmp_path, store, index, fp, b"other kernel" * 100, "v2")
+    later = datetime.now(timezone.utc) + timedelta(days=8)
+    gc.execute(store, index, gc.plan(store, index, POLICY, now=later))
+
+    other_model = fingerprint.compute({**fp.facts, "model.id": "racer"})
+    write_tree(tmp_path / "v3", {"inductor/kernel.so": b"shared kernel" * 100, "inductor/new.py": b"new"})
+    pausing = PausingBeforeLocate(index)
+    box = {}
+
+    def run():
+        try:
+            box["r"] = publish(store, pausing, other_model, LAYERS, root=tmp_path / "v3", env={})
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            box["e"] = exc
+
+    publisher = threading.Thread(target=run)
+    publisher.start()
+    assert pausing.located.wait(60)
+    # The publisher found the kernel in a condemned pack and uploaded its new file; GC now sweeps that pack.
+    swept = gc.execute(store, index, gc.plan(store, index, POLICY, now=later + timedelta(hours=7)))
+    assert swept.packs_deleted >= 1
+    pausing.go_on.set()
+    publisher.join(60)
+    assert "e" not in box, box.get("e")
+    result = box["r"]
+    assert all(store.exists(pack_key(p)) for p in _packs_of(store, result.bundle_id))
+    restore(store, index, other_model, tmp_path / "dst")
+    assert read_tree(tmp_path / "dst/inductor")["kernel.so"][0] == b"shared kernel" * 100
+
+
 def test_orphan_packs_are_condemned_after_grace_and_deleted_a_grace_later(tmp_path, store, sqlite_index, fp):
     store.put_bytes(pack_key("e" * 64), b"a pack whose publisher crashed before its row")
     store.put_bytes(manifest_key("d" * 64), b"a manifest whose publisher crashed before its row")
