@@ -25,7 +25,11 @@ just because the index was lost).
 
 Every write is insert-or-ignore by id, so reindex can run again after an interruption, into an
 index that has rows, and while publishes commit to it: a pack published after the listing is
-asked for by its key before a manifest naming it is left out.
+asked for by its key before a manifest naming it is left out. A manifest without a row whose
+bundle key a publish holds the lease of is left to that publish (listed in `publishing`): it
+may be the one it wrote just before its commit point, and a row reindex put in first, dated
+before the key's ref, made its commit find the bundle there already, older than the key's newest:
+published, and restored by no pod.
 """
 
 from __future__ import annotations
@@ -68,6 +72,8 @@ class ReindexResult:
     bundles: int
     new_bundles: int
     skipped: tuple[str, ...]  # objects that failed verification, with the reason
+    # Manifests without a row whose bundle key a publish holds the lease of: left to that publish's commit
+    publishing: tuple[str, ...] = ()
 
 
 class TrailerBudget:
@@ -220,6 +226,7 @@ def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool 
         blob_count = sum(pool.map(one_pack, pack_infos))
 
     bundles = new = 0
+    publishing: list[str] = []
     yanked = _yanked(store, skipped)
     now = datetime.now(timezone.utc)
     key_refs: dict[str, refs.Ref | None] = {}
@@ -250,14 +257,17 @@ def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool 
         if unfit:
             skipped.append(f"{info.key}: {unfit}")
             continue
+        if not lifecycle.has_bundle(index, manifest_id):
+            if index.lease_held(manifest.bundle_key):  # a publish between its manifest and its row: see above
+                publishing.append(manifest_id)
+                continue
+            lifecycle.revive(index, {entry.pack for entry in manifest.entries})  # as a publish does before its commit
         bundles += 1
-        if not lifecycle.has_bundle(index, manifest_id):  # as a publish does before its commit: no gc sweeps them now
-            lifecycle.revive(index, {entry.pack for entry in manifest.entries})
         added = index.add_bundle(bundle, keep_time=True)
         new += added
         if not added and status == "yanked":  # a row that outlived its yank: the store's word wins
             lifecycle.set_status(index, manifest_id, "yanked")
-    return ReindexResult(len(pack_infos), blob_count, bundles, new, tuple(skipped))
+    return ReindexResult(len(pack_infos), blob_count, bundles, new, tuple(skipped), tuple(publishing))
 
 
 def _restorable(store: Store, info: ObjectInfo, manifest_id: str, trusted: tuple,

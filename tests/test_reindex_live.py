@@ -3,6 +3,8 @@ being cut off. On SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import threading
+
 from trees import write_tree
 
 from kcache import sources
@@ -124,3 +126,36 @@ def test_into_an_index_with_rows_packs_gc_condemned_stay_condemned(tmp_path, sto
     assert {p.id: p.condemned_at for p in lifecycle.packs(index) if p.condemned_at} == condemned
     later = gc.plan(store, index, policy, now=index.now() + timedelta(hours=7))
     assert {p.id for p in later.sweep} == set(condemned)
+
+
+class PausedAtCommit:
+    """Wraps an index: a publish's first commit waits, its manifest already in the store, until `go_on`."""
+
+    def __init__(self, inner):
+        self.inner, self.at_commit, self.go_on = inner, threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def add_bundle(self, *args, **kwargs):
+        if not self.at_commit.is_set():
+            self.at_commit.set()
+            assert self.go_on.wait(60)
+        return self.inner.add_bundle(*args, **kwargs)
+
+
+def test_a_publish_committing_while_reindex_runs_is_its_keys_newest(tmp_path, store, index, fp):
+    _publish(tmp_path, store, index, fp, b"first", "v1")
+    paused, box = PausedAtCommit(index), {}
+    publisher = threading.Thread(target=lambda: box.update(r=_publish(tmp_path, store, paused, fp, b"second", "v2")))
+    publisher.start()
+    assert paused.at_commit.wait(60)
+    rebuilt = reindex(store, index)  # its manifest is in the store, its row not yet in the index
+    paused.go_on.set()
+    publisher.join(60)
+    second = box["r"]
+    assert rebuilt.publishing == (second.bundle_id,) and rebuilt.skipped == ()
+    assert second.created
+    assert index.newest_bundle(fp.bundle_key).id == second.bundle_id
+    assert restore(store, index, fp, tmp_path / "dst").bundle_id == second.bundle_id
+    assert reindex(store, index).publishing == ()  # once the publish let go of its lease

@@ -449,6 +449,14 @@ class Index:
 
         return self.transaction(work)
 
+    def lease_held(self, bundle_key: str) -> bool:
+        """Whether a publish holds `bundle_key`'s lease now (by the index's clock): one is between
+        hashing and its last ref write, its manifest perhaps written and its row not yet."""
+        now = self.now()
+        held = select(PublishLeaseRow.holder).where(PublishLeaseRow.bundle_key == bundle_key,
+                                                    PublishLeaseRow.expires_at >= now)  # fmt: skip
+        return self.read(lambda s: s.execute(held.limit(1)).first() is not None)
+
     def release_lease(self, bundle_key: str, holder: str) -> None:
         """Give up our lease of `bundle_key`; one another publish took over is left to it."""
         self.transaction(lambda s: s.query(PublishLeaseRow).filter(
