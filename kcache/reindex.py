@@ -265,8 +265,8 @@ def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool 
         bundles += 1
         added = index.add_bundle(bundle, keep_time=True)
         new += added
-        if not added and status == "yanked":  # a row that outlived its yank: the store's word wins
-            lifecycle.set_status(index, manifest_id, "yanked")
+        if not added and status == "yanked" and _yanked_now(store, index, manifest):  # a row that outlived its
+            lifecycle.set_status(index, manifest_id, "yanked")  # yank: the store's word wins
     return ReindexResult(len(pack_infos), blob_count, bundles, new, tuple(skipped), tuple(publishing))
 
 
@@ -370,6 +370,20 @@ def _date(manifest: manifests.Manifest, modified: datetime, ref: refs.Ref | None
     except OverflowError:  # a ref dated on a datetime's first day (a forger's): nothing is older
         before = ref.created_at
     return min(modified, before)
+
+
+def _yanked_now(store: Store, index: Index, manifest: manifests.Manifest) -> bool:
+    """Whether the store still says this bundle is yanked, asked again before an active row is made
+    yanked: the listing of yanks/ and the key's ref were read when reindex began or reached the key,
+    which may be hours ago on a large store, and a `yank --undo` since (its row active, its marker
+    deleted, its ref rewritten) was yanked again by their stale word."""
+    if store.exists(refs.yank_key(manifest.id)) or index.was_yanked(manifest.id):
+        return True
+    try:
+        ref = refs.read(store, manifest.bundle_key)
+    except (IntegrityError, ObjectTooLarge):  # damaged: no evidence (as _ref dates nothing by it)
+        return False
+    return ref is not None and manifest.id in ref.yanked
 
 
 def _yanked(store: Store, skipped: list[str]) -> set[str]:

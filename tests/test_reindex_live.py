@@ -12,7 +12,7 @@ from kcache.index import Index
 from kcache.publish import publish
 from kcache.reindex import reindex
 from kcache.restore import restore
-from kcache.yank import yank
+from kcache.yank import unyank, yank
 
 LAYERS = sources.select()
 
@@ -159,3 +159,15 @@ def test_a_publish_committing_while_reindex_runs_is_its_keys_newest(tmp_path, st
     assert index.newest_bundle(fp.bundle_key).id == second.bundle_id
     assert restore(store, index, fp, tmp_path / "dst").bundle_id == second.bundle_id
     assert reindex(store, index).publishing == ()  # once the publish let go of its lease
+
+
+def test_a_yank_undone_while_reindex_runs_stays_undone(tmp_path, store, index, fp):
+    _publish(tmp_path, store, index, fp, b"first", "v1")
+    second = _publish(tmp_path, store, index, fp, b"second", "v2")
+    yank(store, index, second.bundle_id, "a false alarm")
+    # The undo lands after reindex listed yanks/, before it reaches the manifests.
+    undoing = PublishDuringListing(store, lambda: unyank(store, index, second.bundle_id))
+    rebuilt = reindex(undoing, index)
+    assert undoing.published.status == "active" and rebuilt.skipped == ()
+    assert index.get_bundle(second.bundle_id).status == "active"
+    assert restore(store, index, fp, tmp_path / "dst").bundle_id == second.bundle_id
