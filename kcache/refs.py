@@ -41,7 +41,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING
 
 from kcache import canonical, durations, limits, signing
-from kcache.errors import IntegrityError, NotFound, ObjectTooLarge
+from kcache.errors import IntegrityError, KcacheError, NotFound, ObjectTooLarge
 from kcache.store import Store, ref_key
 
 if TYPE_CHECKING:
@@ -383,13 +383,26 @@ def _stamp(draft: Ref, current: Ref | None, signer, ttl: timedelta) -> Ref:
 
 
 def refresh_all(store: Store, index: Index, *, bundle_keys=(), model: str | None = None,
-                signer: signing.SigningKey | None = None, ttl: timedelta | None = None) -> dict:  # fmt: skip
-    """{bundle key: `refresh`} for the named keys, else for every key the index holds (of `model`, if given)."""
+                signer: signing.SigningKey | None = None, ttl: timedelta | None = None,
+                failed: dict[str, KcacheError] | None = None) -> dict:  # fmt: skip
+    """{bundle key: `refresh`} for the named keys, else for every key the index holds (of `model`, if given).
+
+    With `failed`, a key whose refresh raises is recorded there and the rest are refreshed: one key's
+    damaged row (or a ref the store will not take) must not leave every key after it to expire."""
     from kcache.index import lifecycle
 
     if not bundle_keys:
         bundle_keys = lifecycle.bundle_keys(index, model)
-    return {key: refresh(store, index, key, signer=signer, ttl=ttl) for key in bundle_keys}
+    done = {}
+    for key in bundle_keys:
+        try:
+            done[key] = refresh(store, index, key, signer=signer, ttl=ttl)
+        except KcacheError as exc:
+            if failed is None:
+                raise
+            log.warning("cannot refresh refs/%s: %s", key, exc)
+            failed[key] = exc
+    return done
 
 
 class RefCatalog:

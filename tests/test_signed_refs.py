@@ -417,3 +417,32 @@ def test_a_bad_ref_ttl_setting_stops_yank_and_undo_before_they_change_anything(t
         (unyank if undo else yank)(store, sqlite_index, published.bundle_id)
     assert sqlite_index.get_bundle(published.bundle_id).status == ("yanked" if undo else "active")
     assert store.exists(refs.yank_key(published.bundle_id)) == undo
+
+
+def test_cli_refresh_re_signs_every_other_key_past_one_it_cannot_refresh(tmp_path, store, sqlite_index, fp, keys):
+    """One key whose rows do not load (a damaged row, an index writer's) stopped the refresh CronJob at
+    that key on every run: every key sorted after it kept its old ref until it expired, and the pods
+    requiring signatures started cold on all of them."""
+    import sqlite3
+
+    from kcache import fingerprint
+
+    key = keys["prod"][0]
+    other = fingerprint.compute({**fp.facts, "model.id": "another-model"})
+    published = {f.bundle_key: (f, _publish(tmp_path, store, sqlite_index, f, f.bundle_key.encode(), key, name))
+                 for f, name in ((fp, "mine"), (other, "theirs"))}  # fmt: skip
+    broken, fine = sorted(published)  # the key refreshed first is the one that fails
+    broken_id, fine_fp = published[broken][1].bundle_id, published[fine][0]
+    refs.refresh(store, sqlite_index, fine, signer=key, ttl=EXPIRED)
+    assert _pod(store, fine_fp, tmp_path / "before", keys).status == "miss"
+    with sqlite3.connect(tmp_path / "index.db") as db:
+        db.execute("UPDATE bundles SET facts = '{' WHERE bundle_key = ?", (broken,))
+    args = ["--store", f"file://{store.root}", "--index", f"sqlite:///{tmp_path / 'index.db'}"]
+    out = CliRunner().invoke(main, ["refresh", "--signing-key", str(tmp_path / "keys/prod.key"), *args])
+    assert _pod(store, fine_fp, tmp_path / "after", keys).status == "hit"
+    assert out.exit_code == 5, out.output  # the index error, once every other key is done
+    assert broken in out.output and broken_id[:12] in out.output and fine in out.output
+    doc = json.loads(CliRunner().invoke(main, ["refresh", "--signing-key", str(tmp_path / "keys/prod.key"), "--json",
+                                               *args]).stdout)  # fmt: skip
+    assert (doc["status"], doc["exit_code"], [r["bundle_key"] for r in doc["refs"]]) == ("error", 5, [fine])
+    assert [r["bundle_key"] for r in doc["failed"]] == [broken]

@@ -6,8 +6,9 @@ import click
 
 from kcache import durations, fingerprint
 from kcache.cli import format as fmt
+from kcache.cli.errors import describe
 from kcache.cli.options import NonEmptyPath, json_option, load_signing_key, opened, settings, store_options
-from kcache.errors import ConfigError, NotFound
+from kcache.errors import ConfigError, KcacheError, NotFound
 
 
 @click.command("refresh")
@@ -27,6 +28,8 @@ def refresh_cmd(bundle_keys, model, signing_key, ttl, store_url, index_url, s3_e
     repairing the index; signed publishes refresh a ref only once it is past half its lifetime.
     Without BUNDLE_KEY (or --model), every bundle key in the index is refreshed; a BUNDLE_KEY the
     index has never seen is an error (exit 3), not a ref removed, and so is a --model it has no bundle of.
+    A key that cannot be refreshed (a damaged row) is named and the others are still re-signed; the
+    command then exits with that error's code.
 
     \b
     Examples:
@@ -44,20 +47,33 @@ def refresh_cmd(bundle_keys, model, signing_key, ttl, store_url, index_url, s3_e
         unknown = [k for k in keys if not index.knows_key(k)]
         if unknown:  # refreshing it would remove a ref that someone else's index may have written
             raise NotFound("bundle key in the index", unknown[0])
-        done = refs.refresh_all(store, index, bundle_keys=keys, model=model, signer=key, ttl=lifetime)
-    if model is not None and not done:  # a typo in a CronJob would re-sign nothing, daily, until the refs expire
+        failed: dict[str, KcacheError] = {}  # one key that fails must not leave the others to expire
+        done = refs.refresh_all(store, index, bundle_keys=keys, model=model, signer=key, ttl=lifetime, failed=failed)
+    if model is not None and not done and not failed:  # a typo in a CronJob would re-sign nothing, daily
         raise NotFound("model in the index", model)
     rows = [{"bundle_key": k, "bundle_id": r.manifest if r else None, "generation": r.generation if r else None,
              "expires": r.expires.isoformat() if r and r.expires else None} for k, r in done.items()]  # fmt: skip
+    errors = [{"bundle_key": k, "error": describe(exc)[0]} for k, exc in failed.items()]
+    first = next(iter(failed.values()), None)
     if as_json:
-        click.echo(fmt.to_json({"refs": rows}))
-        return
-    click.echo(f"kcache: re-signed {sum(1 for r in done.values() if r)} refs with key {key.name!r}")
-    for row in rows:
-        what = "removed (no active bundle)"
-        if row["bundle_id"]:  # a key whose every bundle is yanked has no ref left, so no id to show
-            what = f"-> {row['bundle_id'][:12]}, generation {row['generation']}, expires {row['expires']}"
-        click.echo(f"  {fmt.text(row['bundle_key'])} {what}")
+        message, hint, code = describe(first) if first is not None else ("", "", 0)
+        error = {"error": f"{len(failed)} refs not refreshed, e.g. {next(iter(failed))}: {message}", "hint": hint,
+                 "exit_code": int(code)} if first is not None else {}  # fmt: skip
+        click.echo(fmt.to_json({"status": "error" if first is not None else "ok", **error, "refs": rows,
+                                "failed": errors}))  # fmt: skip
+    else:
+        click.echo(f"kcache: re-signed {sum(1 for r in done.values() if r)} refs with key {key.name!r}")
+        for row in rows:
+            what = "removed (no active bundle)"
+            if row["bundle_id"]:  # a key whose every bundle is yanked has no ref left, so no id to show
+                what = f"-> {row['bundle_id'][:12]}, generation {row['generation']}, expires {row['expires']}"
+            click.echo(f"  {fmt.text(row['bundle_key'])} {what}")
+        for row in errors:
+            click.echo(f"  {fmt.text(row['bundle_key'])} not refreshed: {fmt.text(row['error'])}", err=True)
+    if first is not None:  # after every other key: exit with the first failure's code (stderr says it)
+        if as_json:
+            raise click.exceptions.Exit(describe(first)[2])
+        raise first
 
 
 def _bundle_keys(given: tuple[str, ...], model: str | None) -> tuple[str, ...]:
