@@ -228,7 +228,6 @@ def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool 
     bundles = new = 0
     publishing: list[str] = []
     yanked = _yanked(store, skipped)
-    now = datetime.now(timezone.utc)
     key_refs: dict[str, refs.Ref | None] = {}
     for info in store.list("manifests/"):
         manifest_id = info.key.rsplit("/", 1)[-1]
@@ -245,7 +244,10 @@ def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool 
         except KcacheError as exc:
             skipped.append(f"{info.key}: {exc}")
             continue
-        created = _date(manifest, info.modified, ref, now, signed=bool(trusted))
+        # By the index's clock, which stamped the refs' times and stamps every later commit, read as each
+        # bundle is dated (a reindex may take hours): on a host behind it, this host's clock took the newest
+        # ref for one from the future and clamped every recent bundle to one time.
+        created = _date(manifest, info.modified, ref, index.now(), signed=bool(trusted))
         evidence = manifest_id in yanked or (ref and manifest_id in ref.yanked) or index.was_yanked(manifest_id)
         status = "yanked" if evidence else "active"
         bundle = Bundle(
@@ -341,7 +343,7 @@ def _ref(store: Store, bundle_key: str, trusted: tuple, skipped: list[str]) -> r
 
 def _date(manifest: manifests.Manifest, modified: datetime, ref: refs.Ref | None, now: datetime,
           signed: bool = False) -> datetime:  # fmt: skip
-    """When a bundle was published, as far as the store can tell.
+    """When a bundle was published, as far as the store can tell; `now` is the index's clock.
 
     The ref's time for the bundle it names (unless from the future: else newest for good). Any
     other bundle of the key is older than that one, whatever its object's time says: a store
@@ -361,7 +363,7 @@ def _date(manifest: manifests.Manifest, modified: datetime, ref: refs.Ref | None
                 modified = min(modified, datetime.fromtimestamp(newest_file / 1e9, timezone.utc))
             except (OverflowError, OSError, ValueError):  # past a datetime's range: says nothing
                 pass
-    if ref is None or refs.from_the_future(ref):
+    if ref is None or refs.from_the_future(ref, lambda: now):
         return modified
     if ref.manifest == manifest_id:
         return ref.created_at

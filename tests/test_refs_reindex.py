@@ -240,3 +240,32 @@ def test_reindex_with_trusted_keys_indexes_only_bundles_they_signed(tmp_path, st
     assert fresh.newest_bundle(fp.bundle_key).id == good.bundle_id
     assert rebuilt.bundles == 1 and any(planted.bundle_id[:12] in s and "signed" in s for s in rebuilt.skipped)
     fresh.close()
+
+
+def test_reindex_on_a_host_whose_clock_is_behind_keeps_the_bundles_in_their_order(tmp_path, store, index, fp,
+                                                                                   monkeypatch):  # fmt: skip
+    """A reindex run on a node 7 h behind the index and the store took the ref (stamped by the index's clock)
+    for one from the future and clamped every manifest's time to its own "now": the last 7 h of bundles
+    all got one time, and the key's newest became whichever id sorts first (a rollback for index pods,
+    and gc's --keep-last kept the wrong ones). Times are judged by the index's clock, not the host's."""
+    import kcache.reindex
+
+    behind = timedelta(hours=7)
+
+    class HostClock(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.now(tz) - behind
+
+    publishers = Index.open(f"sqlite:///{tmp_path / 'publishers.db'}")
+    published = []
+    for name in ("v1", "v2", "v3"):
+        write_tree(tmp_path / name, {"inductor/k": name.encode()})
+        published.append(publish(store, publishers, fp, sources.select(), root=tmp_path / name, env={}).bundle_id)
+    publishers.close()
+    monkeypatch.setattr(kcache.reindex, "datetime", HostClock)
+    monkeypatch.setattr(refs, "_host_now", lambda: datetime.now(timezone.utc) - behind)
+    reindex(store, index)
+    rows = sorted(index.list_bundles(bundle_key=fp.bundle_key), key=lambda b: b.created_at)
+    assert [b.id for b in rows] == published and len({b.created_at for b in rows}) == 3
+    assert index.newest_bundle(fp.bundle_key).id == published[-1]
