@@ -25,11 +25,11 @@ just because the index was lost).
 
 Every write is insert-or-ignore by id, so reindex can run again after an interruption, into an
 index that has rows, and while publishes commit to it: a pack published after the listing is
-asked for by its key before a manifest naming it is left out. A manifest without a row whose
-bundle key a publish holds the lease of is left to that publish (listed in `publishing`): it
-may be the one it wrote just before its commit point, and a row reindex put in first, dated
-before the key's ref, made its commit find the bundle there already, older than the key's newest:
-published, and restored by no pod.
+asked for by its key before a manifest naming it is left out. A manifest without a row, written
+in the last minutes, whose bundle key a publish holds the lease of is left to that publish (listed
+in `publishing`): it may be the one it wrote just before its commit point, and a row reindex put
+in first, dated before the key's ref, made its commit find the bundle there already, older than
+the key's newest: published, and restored by no pod.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from kcache.streams import Discard
 
 if TYPE_CHECKING:  # the SQL layer loads only when a caller opens an index
     from kcache.index import Index
-from kcache.store.base import ObjectInfo, listed_size
+from kcache.store.base import ObjectInfo, listed_size, store_now
 
 _TAIL = 256 * 1024  # most trailers fit; longer ones get a second read
 _MAX_TRAILER = 64 * 1024 * 1024  # ~700k blobs: more than a 32 MiB pack of real files holds
@@ -63,6 +63,9 @@ _FAILURES_SHOWN = 3  # of one pack's blobs that failed, the rest counted
 # trailers are never parsed at once (16 of them held 2.9 GB before entries were counted).
 _PARSED_PER_BYTE = 4
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+# How recent a manifest without a row must be for a held lease to leave it to its publish: a publish
+# commits within seconds of writing it (a carrying one retries for a minute, kcache.publish._CARRY_SECONDS).
+_PUBLISHING = timedelta(minutes=10)
 
 
 @dataclass(frozen=True)
@@ -260,7 +263,7 @@ def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool 
             skipped.append(f"{info.key}: {unfit}")
             continue
         if not lifecycle.has_bundle(index, manifest_id):
-            if index.lease_held(manifest.bundle_key):  # a publish between its manifest and its row: see above
+            if _being_published(store, index, manifest.bundle_key, info):  # see the module docstring
                 publishing.append(manifest_id)
                 continue
             lifecycle.revive(index, {entry.pack for entry in manifest.entries})  # as a publish does before its commit
@@ -372,6 +375,13 @@ def _date(manifest: manifests.Manifest, modified: datetime, ref: refs.Ref | None
     except OverflowError:  # a ref dated on a datetime's first day (a forger's): nothing is older
         before = ref.created_at
     return min(modified, before)
+
+
+def _being_published(store: Store, index: Index, bundle_key: str, info: ObjectInfo) -> bool:
+    """Whether the manifest at `info` (no row yet) may be one a publish of its key is about to commit:
+    the key's lease is held and the manifest was written moments ago (by the store's clock). A fleet
+    publishing a key holds its lease most of the time; its older manifests are reindexed as ever."""
+    return index.lease_held(bundle_key) and info.modified > store_now(store) - _PUBLISHING
 
 
 def _yanked_now(store: Store, index: Index, manifest: manifests.Manifest) -> bool:

@@ -171,3 +171,24 @@ def test_a_yank_undone_while_reindex_runs_stays_undone(tmp_path, store, index, f
     assert undoing.published.status == "active" and rebuilt.skipped == ()
     assert index.get_bundle(second.bundle_id).status == "active"
     assert restore(store, index, fp, tmp_path / "dst").bundle_id == second.bundle_id
+
+
+def test_a_held_lease_leaves_only_a_manifest_written_moments_ago_to_its_publish(tmp_path, store, index, fp):
+    """A fleet that publishes a key all the time holds its lease most of the time: reindex rebuilding a lost
+    index meanwhile must still index the key's older manifests (to gc, a manifest without a row is an
+    orphan), leaving only one its publish may be about to commit."""
+    import os
+    from datetime import datetime, timedelta, timezone
+
+    from kcache.store import manifest_key
+
+    lost = Index.open(f"sqlite:///{tmp_path / 'lost.db'}")  # the index the rows were in
+    old = _publish(tmp_path, store, lost, fp, b"old", "v1")
+    fresh = _publish(tmp_path, store, lost, fp, b"fresh", "v2")
+    lost.close()
+    an_hour_ago = (datetime.now(timezone.utc) - timedelta(hours=1)).timestamp()
+    os.utime(store.root / manifest_key(old.bundle_id), (an_hour_ago, an_hour_ago))
+    assert index.take_lease(fp.bundle_key, "a publish of this key", 60) is None
+    rebuilt = reindex(store, index)
+    assert rebuilt.publishing == (fresh.bundle_id,)
+    assert index.get_bundle(old.bundle_id).status == "active"

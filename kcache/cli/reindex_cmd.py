@@ -40,8 +40,8 @@ def reindex_cmd(jobs, trust_trailers, trusted_keys, store_url, index_url, s3_end
     A manifest restore could not lay out (a pack it names is missing or short, it is not where
     restore reads it, its keys are not its facts') or whose row the index cannot hold is skipped.
     Safe to run on a live index, while publishes commit, and again after it was cut off: rows that
-    exist are kept as they are (a yank in the store still wins), and a manifest of a key a publish
-    holds the lease of is left to that publish's commit (listed). Run it to the end before `kcache
+    exist are kept as they are (a yank in the store still wins), and a manifest written moments ago
+    for a key a publish holds the lease of is left to that publish's commit (listed). Run it to the end before `kcache
     gc`: to gc, a manifest without a row is an orphan. Exits 12 when objects had to be skipped,
     listing each.
 
