@@ -53,6 +53,7 @@ TYPE = "kcache-ref"  # in the signed bytes: a ref signature can never pass for a
 DEFAULT_TTL = timedelta(days=1)  # the replay window; signed publishes and `kcache refresh` renew it
 TTL_ENV = "KCACHE_REF_TTL"
 _CAS_ATTEMPTS = 20
+_FAILED_IN_A_ROW = 3  # refresh_all: keys failing one after another that end it (see there)
 _YANK_SCAN = 10_000  # bundles of one key looked at for its yank list; gc keeps far fewer
 # Ids in a ref's yank list, ~67 bytes each: the ref stays well inside the limits.REF_BYTES pods read.
 _YANK_LIST = 12_000
@@ -388,18 +389,22 @@ def refresh_all(store: Store, index: Index, *, bundle_keys=(), model: str | None
     """{bundle key: `refresh`} for the named keys, else for every key the index holds (of `model`, if given).
 
     With `failed`, a key whose refresh raises is recorded there and the rest are refreshed: one key's
-    damaged row (or a ref the store will not take) must not leave every key after it to expire."""
+    damaged row (or a ref the store will not take) must not leave every key after it to expire. Keys
+    failing _FAILED_IN_A_ROW times in a row end it with the first of those errors: an index or store
+    gone away fails every key, each after its own timeouts."""
     from kcache.index import lifecycle
 
     if not bundle_keys:
         bundle_keys = lifecycle.bundle_keys(index, model)
-    done = {}
+    done, in_a_row = {}, []
     for key in bundle_keys:
         try:
             done[key] = refresh(store, index, key, signer=signer, ttl=ttl)
+            in_a_row = []
         except KcacheError as exc:
-            if failed is None:
-                raise
+            in_a_row.append(exc)
+            if failed is None or len(in_a_row) >= _FAILED_IN_A_ROW:
+                raise in_a_row[0] from None
             log.warning("cannot refresh refs/%s: %s", key, exc)
             failed[key] = exc
     return done

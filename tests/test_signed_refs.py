@@ -446,3 +446,30 @@ def test_cli_refresh_re_signs_every_other_key_past_one_it_cannot_refresh(tmp_pat
                                                *args]).stdout)  # fmt: skip
     assert (doc["status"], doc["exit_code"], [r["bundle_key"] for r in doc["refs"]]) == ("error", 5, [fine])
     assert [r["bundle_key"] for r in doc["failed"]] == [broken]
+
+
+def test_refresh_all_stops_once_keys_keep_failing_one_after_another(tmp_path, store, sqlite_index, fp, keys):
+    """Going on past a key that fails must not try every key of a fleet against an index that has gone
+    away, each after its own timeouts: keys failing one after another end it, with the first error."""
+    from kcache import fingerprint
+    from kcache.errors import IndexDbError
+
+    for n in range(5):
+        model = fingerprint.compute({**fp.facts, "model.id": f"model-{n}"})
+        _publish(tmp_path, store, sqlite_index, model, str(n).encode(), name=f"m{n}")
+
+    class GoneAway:
+        def __init__(self, inner):
+            self.inner, self.asked = inner, 0
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def newest_bundle(self, bundle_key):
+            self.asked += 1
+            raise IndexDbError(self.inner.url, "connection refused")
+
+    gone, failed = GoneAway(sqlite_index), {}
+    with pytest.raises(IndexDbError, match="connection refused"):
+        refs.refresh_all(store, gone, signer=keys["prod"][0], failed=failed)
+    assert gone.asked == 3 and len(failed) == 2
