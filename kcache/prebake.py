@@ -44,8 +44,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from kcache import envfile, readiness, sources, warmup
-from kcache.errors import ConfigError, KcacheError
+from kcache import envfile, readiness, signing, sources, warmup
+from kcache.errors import ConfigError, KcacheError, SignatureError
 from kcache.fingerprint import Fingerprint
 from kcache.profiles import Profile
 from kcache.publish import PublishConfig, PublishResult, publish
@@ -271,7 +271,18 @@ def _prebake(store: Store, index: Index, fingerprint: Fingerprint, root: Path, w
     note = progress or (lambda _msg: None)
     restored = None
     if warmer.needs_restore:
-        restored = restore(store, index, fingerprint, root, jobs=config.jobs)
+        # Publish signs all of ROOT: with a signing key, only a bundle that key signed may be laid into it
+        # (as publish carries no other). A bundle a store writer planted was restored, warmed over and
+        # published signed, and every pod requiring signatures then took the planted files.
+        trusted = (signing.public_of(config.signing_key),) if config.signing_key is not None else ()
+        # One it did not sign is what it is to a pod requiring signatures: the warmup starts cold (restore
+        # left kcache.env and an error marker), and this publish becomes the key's newest, signed.
+        try:
+            restored = restore(store, index, fingerprint, root, jobs=config.jobs, trusted=trusted,
+                               require_signature=bool(trusted))  # fmt: skip
+        except SignatureError as exc:
+            log.warning("not restoring into %s: %s; warming up cold", root, exc)
+            restored = RestoreResult("error", fingerprint.bundle_key, None, root, root / envfile.NAME, reason=str(exc))
         note(f"restore: {restored.status} ({restored.files} files)")
     elif not (root / envfile.NAME).is_file():
         raise ConfigError("--root", str(root), "has no kcache.env: run `kcache restore --into ROOT` and start "

