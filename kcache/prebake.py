@@ -243,9 +243,10 @@ class ServerWarmup:
 
 
 def _check_signed_by(store: Store, root: Path, fingerprint: Fingerprint, key: signing.SigningKey) -> None:
-    """SignatureError unless `key` signed every bundle whose files the restore into ROOT laid down. With
-    --url, ROOT was restored beforehand, perhaps checking no signature; publish signs all of ROOT, and
-    must not sign what a store writer planted (it carries no bundle `key` did not sign either)."""
+    """SignatureError unless `key` signed every bundle whose files ROOT's layers hold (the restore marker's
+    record). With --url, or in a kept ROOT, a restore beforehand may have checked no signature; publish
+    signs all of ROOT, and must not sign what a store writer planted (it carries no bundle `key` did not
+    sign either)."""
     trusted = (signing.public_of(key),)
     for bundle, owner in sorted(laid_bundles(root).items()):
         built_under = owner or fingerprint.bundle_key
@@ -306,7 +307,7 @@ def _prebake(store: Store, index: Index, fingerprint: Fingerprint, root: Path, w
     elif not (root / envfile.NAME).is_file():
         raise ConfigError("--root", str(root), "has no kcache.env: run `kcache restore --into ROOT` and start "
                                                "the server after `. ROOT/kcache.env` first")  # fmt: skip
-    elif config.signing_key is not None:
+    if config.signing_key is not None:  # a refused restore keeps the layers of its key that ROOT held
         _check_signed_by(store, root, fingerprint, config.signing_key)
     report = warmer.warm(root, note)
     if report.status != "ok":

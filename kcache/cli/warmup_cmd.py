@@ -283,8 +283,8 @@ def prebake_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_
     process with ROOT/kcache.env applied, then publish ROOT. With --url: the server must already
     run with ROOT's environment (`kcache restore --into ROOT`, then `. ROOT/kcache.env` before
     starting it); prebake warms it up and publishes ROOT. Nothing is published if a profile fails.
-    With --signing-key, only a bundle that key signed is restored (another warms up cold), and with
-    --url a ROOT that holds another's files is refused (exit 9): publish would sign them.
+    With --signing-key, only a bundle that key signed is restored (another warms up cold), and a ROOT
+    that holds another bundle's files (--url, or a kept ROOT) is refused (exit 9): publish would sign them.
     Use --fact to publish from a CPU-only builder under the production machine's fingerprint.
 
     \b
