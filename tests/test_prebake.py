@@ -4,6 +4,7 @@ message) or succeed, never hang and never lose the child's report."""
 import atexit
 import json
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -55,6 +56,20 @@ def hang_after_saying_so(batch_size, input_tokens, output_tokens):
     with open(os.environ["KCACHE_TEST_FIFO"], "w") as fifo:
         fifo.write(str(os.getpid()))
     threading.Event().wait()
+
+
+def dots_on_stdout(batch_size, input_tokens, output_tokens):
+    """Compiles, and leaves a thread that draws progress dots on stdout, no line break, for as long as
+    the process lives (a progress indicator the user's library runs)."""
+    compiles(batch_size, input_tokens, output_tokens)
+
+    def draw():
+        while True:
+            if sys.stdout is sys.__stdout__:  # kcache sends stdout to stderr while the warmup runs
+                sys.stdout.write(".")
+                sys.stdout.flush()
+
+    threading.Thread(target=draw, name="user-dots", daemon=True).start()
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -260,3 +275,12 @@ def test_a_signing_prebake_into_a_root_restored_from_a_planted_bundle_signs_none
                                str(tmp_path / "k" / "ci.pub"), "--require-signature", "--json"],
                         catch_exceptions=False)  # fmt: skip
     assert not (tmp_path / "pod" / "inductor" / "fxgraph" / "evil.py").exists(), pod.output
+
+
+def test_a_report_that_follows_text_without_a_line_break_is_still_read(tmp_path, child_path):
+    """The child's report is one line, but stdout text of the user's code (a thread drawing dots, no line
+    break) may come right before it on that line: prebake read no report, failed a warmup that succeeded
+    and published nothing."""
+    out = prebake(tmp_path, child_path, "test_prebake:dots_on_stdout", "--json")
+    doc = json.loads(out.stdout)
+    assert doc["warmup"]["status"] == "ok" and doc["publish"]["files"] == 1

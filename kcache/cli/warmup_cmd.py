@@ -181,7 +181,11 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
     marker = warmup.write_marker(root, report, on_failure, after_restore=after) if root else None
     if as_json:
         failure = _failure(report) if report.status != "ok" else {}
-        click.echo(fmt.to_json({**_report_json(report), "marker": str(marker) if marker else None, **failure}))
+        doc = fmt.to_json({**_report_json(report), "marker": str(marker) if marker else None, **failure})
+        # On a line of its own, in one write: the entrypoint's threads may still write to stdout, and text
+        # without a line break (progress dots) made the report's line no JSON, and `kcache prebake`, which
+        # reads it, called a warmup that succeeded failed. A leading line break is blank space to JSON.
+        click.echo(f"\n{doc}" if entrypoint else doc)
     else:
         _print_report(report)
         click.echo(f"kcache: marker {marker}" if marker else "kcache: no readiness marker (no --root)")
