@@ -110,8 +110,9 @@ class ChildWarmup:
         after = readiness.restore_stamp(root)  # what the child reads at its start: no restore comes between
         try:
             return self._warm(root, env)
-        except (KeyboardInterrupt, WarmupChildTimedOut) as exc:
-            # The child was killed (SIGKILL): its last marker says "running", with no expiry, for ever.
+        except (KeyboardInterrupt, WarmupChildTimedOut, WarmupChildFailed) as exc:
+            # The child was killed (SIGKILL), or died of its own (a segfault, the OOM killer): its last
+            # marker says "running", with no expiry, for ever.
             _mark_killed(root, self.entrypoint, exc, after)
             raise
 

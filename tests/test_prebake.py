@@ -4,6 +4,7 @@ message) or succeed, never hang and never lose the child's report."""
 import atexit
 import json
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -72,6 +73,11 @@ def dots_on_stdout(batch_size, input_tokens, output_tokens):
     threading.Thread(target=draw, name="user-dots", daemon=True).start()
 
 
+def crashes(batch_size, input_tokens, output_tokens):
+    """Dies mid-warmup without a word, as a segfault in a CUDA extension or the OOM killer ends it."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 # ---- helpers ------------------------------------------------------------------------------------
 
 
@@ -137,7 +143,6 @@ def test_a_thread_the_entrypoint_leaves_running_does_not_lose_the_report(tmp_pat
 def test_a_daemonized_helper_holding_stdout_does_not_hold_prebake(tmp_path, child_waits):
     """A helper that left the child's session (setsid) keeps the pipe open: closing it waited for
     the reader thread, which waited for the helper, so prebake outlived --budget by the helper's life."""
-    import signal
     import sys
 
     from kcache.prebake import ChildWarmup, WarmupChildFailed, WarmupChildTimedOut
@@ -179,7 +184,6 @@ def test_sigterm_to_prebake_kills_its_warmup_child_too(tmp_path, child_path, mon
     """The child runs in a session of its own, so the signal that stops prebake (`timeout`, a CI job
     cancelled, a Job past its deadline) never reaches it: SIGTERM ended prebake on the spot and left
     the warmup running, on the GPU, for ever. Now the child's group is killed and --json says why."""
-    import signal
     import subprocess
     import sys
 
@@ -284,3 +288,14 @@ def test_a_report_that_follows_text_without_a_line_break_is_still_read(tmp_path,
     out = prebake(tmp_path, child_path, "test_prebake:dots_on_stdout", "--json")
     doc = json.loads(out.stdout)
     assert doc["warmup"]["status"] == "ok" and doc["publish"]["files"] == 1
+
+
+def test_a_warmup_child_that_dies_without_a_report_leaves_a_failed_marker(tmp_path, child_path):
+    """The child's last marker said "running", with no expiry: a killed child (SIGTERM to prebake, --budget)
+    got a failed one in its place, but one that died of its own (a segfault, the OOM killer) kept it, and
+    readiness on ROOT said "warmup running" for ever."""
+    out = prebake(tmp_path, child_path, "test_prebake:crashes", "--json", code=ExitCode.WARMUP)
+    assert "no report" in json.loads(out.stdout)["error"]
+    marker = readiness.read_marker(tmp_path / "A", readiness.WARMUP_MARKER)
+    assert marker["status"] == "failed" and "no report" in marker["error"]
+    assert readiness.check(tmp_path / "A").reason.startswith("warmup failed")
