@@ -166,7 +166,9 @@ def _run_profile(target: Target, profile: Profile, note, probe) -> ProfileResult
         t0 = time.perf_counter()
         try:
             target(profile)
-        except Exception as exc:  # the target is user code or a server: any failure fails the profile
+        # The target is user code or a server: any failure fails the profile. sys.exit() too (argparse in
+        # the user's code reading kcache's arguments): it left warmup without a report and the marker "running".
+        except (Exception, SystemExit) as exc:
             error = describe(exc)
             break
         latencies.append(time.perf_counter() - t0)
@@ -208,7 +210,8 @@ def load_entrypoint(spec: str) -> CallableTarget:
         module = importlib.import_module(module_name)
     except (ImportError, ValueError) as exc:  # ValueError: an empty part ("a..b")
         raise ConfigError("--entrypoint", spec, f"cannot import {module_name}: {exc}") from None
-    except Exception as exc:  # the user's module failed while importing (no GPU, a syntax error): not a kcache bug
+    except (Exception, SystemExit) as exc:  # the user's module failed while importing (no GPU, a syntax error,
+        # sys.exit()): not a kcache bug
         raise ConfigError("--entrypoint", spec, f"cannot import {module_name}: {describe(exc)}") from None
     fn: Any = module
     for part in attr.split("."):

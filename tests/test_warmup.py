@@ -42,6 +42,12 @@ def fail_on_batches(batch_size, input_tokens, output_tokens):
         raise RuntimeError(f"out of memory at batch {batch_size}")
 
 
+def exit_on_batches(batch_size, input_tokens, output_tokens):
+    """Ends the process from inside a run, as user code parsing a command line it was not given does."""
+    if batch_size > 1:
+        sys.exit(2)
+
+
 def write_kernel(batch_size, input_tokens, output_tokens):
     """Stands in for a compile: writes into the Inductor cache dir this process was started with."""
     cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
@@ -137,7 +143,8 @@ def test_bad_entrypoints_are_config_errors():
 @pytest.mark.parametrize("source, says", [
     ("raise RuntimeError('no CUDA driver found')\n", "RuntimeError: no CUDA driver found"),
     ("def run(:\n", "SyntaxError"),
-], ids=["raises", "syntax-error"])  # fmt: skip
+    ("import argparse\nargparse.ArgumentParser().parse_args(['--port'])\n", "SystemExit: 2"),
+], ids=["raises", "syntax-error", "exits"])  # fmt: skip
 def test_an_entrypoint_module_that_fails_to_import_is_the_users_error_not_a_kcache_bug(tmp_path, monkeypatch,
                                                                                        source, says):  # fmt: skip
     """Only ImportError and ValueError were caught: a module that raised anything else while being
@@ -149,6 +156,20 @@ def test_an_entrypoint_module_that_fails_to_import_is_the_users_error_not_a_kcac
     out = cli("warmup", "--entrypoint", f"{name}:run", "--json", code=ExitCode.USAGE)
     doc = json.loads(out.stdout)
     assert says in doc["error"] and f"cannot import {name}" in doc["error"] and "bug in kcache" not in doc["hint"]
+
+
+def test_an_entrypoint_that_exits_mid_run_fails_its_profile_with_a_report_and_a_marker(profiles_file, tmp_path):
+    """sys.exit() in the user's code (argparse reading kcache's own arguments) is no Exception: it left
+    warmup with the exit code the user's code chose (0 read as success), no --json report and the marker
+    saying "running" for ever, so the pod never became ready."""
+    out = cli("warmup", "--entrypoint", "test_warmup:exit_on_batches", "--profiles", str(profiles_file),
+              "--root", str(tmp_path / "root"), "--json", code=ExitCode.WARMUP)  # fmt: skip
+    doc = json.loads(out.stdout)
+    assert doc["status"] == "failed" and "SystemExit: 2" in doc["error"]
+    marker = readiness.read_marker(tmp_path / "root", readiness.WARMUP_MARKER)
+    assert marker["status"] == "failed"
+    assert [(p["name"], p["ok"]) for p in marker["profiles"]] == [
+        ("one-a", True), ("one-b", True), ("batch-2", False), ("batch-8", False)]  # fmt: skip
 
 
 # ---- HTTP target ---------------------------------------------------------------------------------
