@@ -54,6 +54,8 @@ _REASONS: tuple[tuple[str, str], ...] = (
     ("cpu.", "kernels were built for another CPU"),
     *((f"env.{name}", "g++ reads it: the same command line builds from other headers, libraries or programs")
       for name in probing.COMPILER_ENV),  # fmt: skip
+    *((f"env.{name}", "nvcc reads it: the same command line builds with other flags, headers or host compiler")
+      for name in probing.NVCC_ENV),  # fmt: skip
     ("env.", "this setting changes the code torch generates"),
     ("model.", "a different model compiles different kernels"),
     ("workload.", "different compile options compile different kernels"),

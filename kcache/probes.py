@@ -110,6 +110,16 @@ _KEYED_ENV = (
 # whenever set, empty included: gcc 12 reads an empty LIBRARY_PATH or COMPILER_PATH as ./ and an empty
 # GCC_EXEC_PREFIX as a relative prefix. Unset adds no fact, so no other machine's key changes.
 COMPILER_ENV = ("CPATH", "CPLUS_INCLUDE_PATH", "C_INCLUDE_PATH", "LIBRARY_PATH", "GCC_EXEC_PREFIX", "COMPILER_PATH")
+# What nvcc reads besides its command line: flags it puts before and after every command line it is
+# given, and the host compiler it runs (nvcc's documented environment); and the variables its
+# bin/nvcc.profile extends (`INCLUDES += ...`), whose values from the environment it passes on to the
+# preprocessor, cudafe++, ptxas and the linker (measured with nvcc 13.0: `INCLUDES=-DWIDTH=5` and
+# `PTXAS_FLAGS=-O0` each built another cubin from one command line). torch keys a CUTLASS kernel and a
+# torch extension by the command line it passes, and ninja judges a restored build by that command, so a
+# pod building with NVCC_APPEND_FLAGS=--use_fast_math shared both with one building without. Keyed only
+# where `cuda.nvcc` is (a CUDA torch, an nvcc found) and non-blank: nvcc adds nothing for a blank value.
+NVCC_ENV = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN",
+            "INCLUDES", "SYSTEM_INCLUDES", "LIBRARIES", "CUDAFE_FLAGS", "PTXAS_FLAGS")  # fmt: skip
 # Triton switches that an empty value does not leave at their default: its knobs read "" as false,
 # and unset as true (FP fusion, buffer ops) or as the backend's choice (the HIP ones). Measured in
 # triton 3.9 (tests/test_probes.py); older releases read TRITON_DEFAULT_FP_FUSION="" as off too.
@@ -267,12 +277,16 @@ def probe_nvcc(env: Mapping[str, str], cuda: str | None = None) -> dict[str, str
     built and linked against another toolkit. `cuda` is torch's CUDA version (read from torch when None):
     a CPU or ROCm torch builds nothing with nvcc, and a machine without a toolkit has no fact, so their
     keys are what they were. A found nvcc that cannot say its version is a config error, as g++ is.
+    With it, the NVCC_ENV settings that are set (`env.NVCC_APPEND_FLAGS`...): nvcc reads them too.
     """
     if (probe_torch(env).get("torch.cuda", NONE) if cuda is None else cuda) == NONE:
         return {}
     run_env = {**os.environ, **env}
     texts = {_nvcc_version(command, run_env) for command in nvcc_commands(run_env)}
-    return {"cuda.nvcc": " | ".join(sorted(texts))} if texts else {}
+    if not texts:
+        return {}
+    settings = {f"env.{name}": env[name] for name in NVCC_ENV if env.get(name, "").strip()}
+    return {"cuda.nvcc": " | ".join(sorted(texts)), **settings}
 
 
 def nvcc_commands(env: Mapping[str, str]) -> list[list[str]]:

@@ -323,6 +323,12 @@ def test_a_gcc_search_path_set_on_one_side_is_named():
     assert cand.verdict.startswith("differs in env.LIBRARY_PATH (absent here,  in bundle): ")
 
 
+def test_an_nvcc_setting_is_named_as_nvcc_s():
+    (cand,) = explain({**FACTS, "env.NVCC_APPEND_FLAGS": "--use_fast_math"}, [bundle(FACTS)]).nearest
+    assert cand.verdict.startswith("differs in env.NVCC_APPEND_FLAGS (--use_fast_math here, absent in bundle): ")
+    assert "nvcc reads it" in cand.verdict
+
+
 def test_a_debug_python_is_named_with_its_abi():
     (cand,) = explain({**FACTS, "python": "3.11d"}, [bundle(FACTS)]).nearest
     assert cand.verdict.startswith("differs in python (3.11d here, 3.11 in bundle): ")

@@ -714,6 +714,58 @@ def test_no_nvcc_or_no_cuda_torch_adds_no_fact(tmp_path, monkeypatch):
     assert p.probe_nvcc({"CUDA_HOME": str(tmp_path / "absent"), "PATH": str(tmp_path)}) == {}
 
 
+NVCC_ENV = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN",
+            "INCLUDES", "SYSTEM_INCLUDES", "LIBRARIES", "CUDAFE_FLAGS", "PTXAS_FLAGS")  # fmt: skip
+
+
+@pytest.mark.parametrize("name, value", [("NVCC_PREPEND_FLAGS", "-ccbin=/opt/conda/bin/x86_64-conda-linux-gnu-c++"),
+                                         ("NVCC_APPEND_FLAGS", "--use_fast_math"), ("NVCC_CCBIN", "g++-11")])
+def test_what_nvcc_reads_from_the_environment_splits_the_key(tmp_path, monkeypatch, name, value):
+    """nvcc adds NVCC_PREPEND_FLAGS and NVCC_APPEND_FLAGS to every command line it is given, and runs
+    the host compiler NVCC_CCBIN names: torch keys a CUTLASS kernel or a torch extension (FlashInfer's
+    JIT ops) by the command line it passes, and ninja judges a restored build by it, so one built with
+    --use_fast_math, or with another host compiler, was a hit for a pod that builds without."""
+    from kcache import fingerprint
+
+    _cuda_torch(monkeypatch)
+    env = {"CUDA_HOME": str(_toolkit(tmp_path / "cuda", "12.8.93"))}
+    plain, flagged = (fingerprint.collect(env=e, probes=p.PROBES) for e in (env, {**env, name: value}))
+    assert flagged.facts[f"env.{name}"] == value
+    assert plain.toolchain_key != flagged.toolchain_key
+    assert p.probe_nvcc({**env, name: " "}) == p.probe_nvcc(env)  # no flag, no compiler named: nvcc as unset
+
+
+@pytest.mark.parametrize("name, value", [("NVCC_APPEND_FLAGS", "-DWIDTH=5"), ("NVCC_PREPEND_FLAGS", "-DWIDTH=5"),
+                                         ("INCLUDES", "-DWIDTH=5"), ("SYSTEM_INCLUDES", "-DWIDTH=5"),
+                                         ("PTXAS_FLAGS", "-O0")])
+def test_what_nvcc_reads_changes_what_the_same_nvcc_command_builds_and_the_key(tmp_path, monkeypatch, name, value):
+    """Measured with this machine's nvcc: one command line, with and without the setting, two cubins."""
+    from kcache import fingerprint
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc")
+    _cuda_torch(monkeypatch)
+    (tmp_path / "k.cu").write_text("#ifndef WIDTH\n#define WIDTH 1\n#endif\n"
+                                   "__global__ void k(int* x) { x[threadIdx.x] = WIDTH; }\n")  # fmt: skip
+    built = []
+    for env in ({**os.environ}, {**os.environ, name: value}):
+        out = tmp_path / f"k{len(built)}.cubin"
+        subprocess.run([nvcc, "-cubin", "-arch=sm_90", "k.cu", "-o", str(out)], cwd=tmp_path, env=env, check=True)
+        built.append((out.read_bytes(), fingerprint.compute(p.probe_nvcc(env)).toolchain_key))
+    assert built[0][0] != built[1][0]
+    assert built[0][1] != built[1][1]
+
+
+def test_nvcc_settings_add_no_fact_where_nothing_builds_with_nvcc(tmp_path, monkeypatch):
+    """A CPU torch, or no toolkit: no nvcc runs, so those machines keep their keys whatever is set."""
+    flags = {name: "--use_fast_math" for name in NVCC_ENV}
+    home = _toolkit(tmp_path / "cuda", "12.8.93")
+    assert p.probe_nvcc({"CUDA_HOME": str(home), **flags}, cuda=p.NONE) == {}
+    _cuda_torch(monkeypatch)
+    assert p.probe_nvcc({"CUDA_HOME": str(tmp_path / "absent"), "PATH": str(tmp_path), **flags}) == {}
+
+
 def test_an_nvcc_that_cannot_say_its_version_is_a_config_error(tmp_path, monkeypatch):
     _cuda_torch(monkeypatch)
     home = tmp_path / "cuda"
