@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
-from kcache import canonical, fingerprint, refs
+from kcache import canonical, fingerprint, probes, refs
 from kcache import manifest as manifests
 from kcache.errors import KcacheError
 from kcache.records import Bundle
@@ -63,7 +63,7 @@ FACTS: dict[str, tuple[str, ...] | str] = {
     # host launchers it caches are compiled against Python and the C library.
     "triton": ("triton.version", "gpu.sm", "os", "arch", "python", "libc"),
     # DeepGEMM names each kernel by its name, a hash of its headers, the compiler and the flags
-    # (GPU arch, include path): only what it runs on is left.
+    # (GPU arch, include path): only what it runs on is left, and what nvcc reads besides (WHERE_SET).
     "deep_gemm": ("gpu.sm", "os", "arch"),
     # CuTe DSL hashes the generated IR with its Python sources, shared libraries and CUTE_DSL_*
     # settings; the cached bytecode is loaded by this Python.
@@ -72,6 +72,13 @@ FACTS: dict[str, tuple[str, ...] | str] = {
     # kernels it does not key on (TORCH_FACTS.md): reusable across workloads, never across toolchains.
     "inductor": TOOLCHAIN,
     "inductor-pch": TOOLCHAIN,
+}
+# Facts a layer's key hashes too, but only where a machine has them: a fact keyed only where some
+# setting is made, so that every other machine's layer key is what it was. DeepGEMM runs nvcc, which
+# reads these settings, and keys its kernels by its own flags and nvcc's major.minor only: two pods
+# differing in NVCC_APPEND_FLAGS (--use_fast_math) had shared the layer.
+WHERE_SET: dict[str, tuple[str, ...]] = {
+    "deep_gemm": tuple(f"env.{name}" for name in probes.NVCC_ENV),
 }
 # Layers whose own engine keys guard every entry: a foreign entry is a miss, never a wrong hit.
 SAFE_BY_CONSTRUCTION = ("cuda", "triton", "deep_gemm", "cute_dsl")
@@ -85,7 +92,8 @@ def layer_facts(layer: str, facts: Mapping[str, str]) -> dict[str, str] | None:
         return None
     if chosen == TOOLCHAIN:
         return {k: v for k, v in facts.items() if not fingerprint.is_workload_fact(k)}
-    return {name: facts.get(name, fingerprint.NONE) for name in chosen}
+    extra = {name: facts[name] for name in WHERE_SET.get(layer, ()) if name in facts}
+    return {**{name: facts.get(name, fingerprint.NONE) for name in chosen}, **extra}
 
 
 def layer_key(layer: str, facts: Mapping[str, str]) -> str | None:

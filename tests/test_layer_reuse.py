@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from fixed_facts import FACTS
 from trees import write_tree
 
-from kcache import fingerprint, layerkeys, probes, refs, signing, sources
+from kcache import canonical, fingerprint, layerkeys, probes, refs, signing, sources
 from kcache import manifest as manifests
 from kcache.cli import main
 from kcache.publish import PublishConfig, publish
@@ -54,11 +54,23 @@ def restored_layers(store, index, facts, root, **kw):
     ("env.LIBRARY_PATH", "", {"inductor", "inductor-pch"}),
     # a debug Python is another ABI for every layer that holds Python-built code
     ("python", GPU["python"] + "d", {"inductor", "inductor-pch", "triton", "cute_dsl"}),
+    # nvcc adds these flags to every command line, and runs that host compiler: DeepGEMM keys its
+    # kernels by its own flags and nvcc's major.minor only, so they must split its layer too
+    ("env.NVCC_APPEND_FLAGS", "--use_fast_math", {"inductor", "inductor-pch", "deep_gemm"}),
+    ("env.NVCC_PREPEND_FLAGS", "-DNDEBUG", {"inductor", "inductor-pch", "deep_gemm"}),
+    ("env.NVCC_CCBIN", "g++-11", {"inductor", "inductor-pch", "deep_gemm"}),
+    ("env.PTXAS_FLAGS", "-O0", {"inductor", "inductor-pch", "deep_gemm"}),  # nvcc.profile passes it to ptxas
 ])  # fmt: skip
 def test_which_layer_keys_the_new_facts_split(fact, value, split):
     other, key = {**GPU, fact: value}, layerkeys.layer_key
     changed = {layer for layer in layerkeys.FACTS if key(layer, GPU) != key(layer, other)}
     assert changed == split
+
+
+def test_a_layer_key_without_the_facts_only_some_machines_have_is_what_it_was():
+    """Facts keyed only where set (nvcc's settings) leave every other machine's layer keys as they were."""
+    chosen = {"gpu.sm": GPU["gpu.sm"], "os": GPU["os"], "arch": GPU["arch"]}
+    assert layerkeys.layer_key("deep_gemm", GPU) == canonical.xxh3({"schema": 1, "layer": "deep_gemm", "facts": chosen})
 
 
 def test_a_driver_upgrade_keeps_the_kernel_layers_but_not_the_jit_cache(tmp_path, store, sqlite_index):
@@ -164,6 +176,18 @@ def test_explain_gives_a_verdict_per_layer(tmp_path, store, sqlite_index):
     assert verdicts["triton"].donor == pub.bundle_id and "reusable" in verdicts["triton"].verdict
     assert verdicts["cuda"].donor is None and verdicts["cuda"].differing == ("gpu.driver",)
     assert "gpu.driver" in verdicts["cuda"].verdict
+
+
+def test_deep_gemm_kernels_built_under_other_nvcc_flags_are_not_reused(tmp_path, store, sqlite_index):
+    """DeepGEMM's own key holds its flags and nvcc's major.minor, not what nvcc reads from the
+    environment: a --use_fast_math build must not be laid down for a pod that builds without."""
+    pub = published(tmp_path, store, sqlite_index, GPU)
+    flagged = {**GPU, "env.NVCC_APPEND_FLAGS": "--use_fast_math"}
+    _, donors = restored_layers(store, sqlite_index, flagged, tmp_path / "r")
+    assert "triton" in donors and "deep_gemm" not in donors
+    verdicts = {v.layer: v for v in layerkeys.verdicts(flagged, sqlite_index.list_bundles())}
+    assert verdicts["triton"].donor == pub.bundle_id
+    assert verdicts["deep_gemm"].donor is None and verdicts["deep_gemm"].differing == ("env.NVCC_APPEND_FLAGS",)
 
 
 def test_explain_names_the_donor_restore_would_take_not_an_older_bundle(tmp_path, store, sqlite_index):
