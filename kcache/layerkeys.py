@@ -59,8 +59,9 @@ FACTS: dict[str, tuple[str, ...] | str] = {
     # an entry of another driver is dead weight (the driver ignores and evicts it).
     "cuda": ("gpu.name", "gpu.sm", "gpu.driver", "os", "arch"),
     # Triton names each kernel directory by a hash of the source, its own version key (its sources
-    # and libtriton), the target (backend, arch, warp size), the options and TRITON_* settings; the
-    # host launchers it caches are compiled against Python and the C library.
+    # and libtriton), the target (backend, arch, warp size), the options and TRITON_* settings (not
+    # its kernel overrides: WHERE_SET); the host launchers it caches are compiled against Python and
+    # the C library.
     "triton": ("triton.version", "gpu.sm", "os", "arch", "python", "libc"),
     # DeepGEMM names each kernel by its name, a hash of its headers, the compiler and the flags
     # (GPU arch, include path): only what it runs on is left, and what nvcc reads besides (WHERE_SET).
@@ -76,11 +77,16 @@ FACTS: dict[str, tuple[str, ...] | str] = {
 # Facts a layer's key hashes too, but only where a machine has them: a fact keyed only where some
 # setting is made, so that every other machine's layer key is what it was. DeepGEMM runs nvcc, which
 # reads these settings, and keys its kernels by its own flags and nvcc's major.minor only: two pods
-# differing in NVCC_APPEND_FLAGS (--use_fast_math) had shared the layer.
+# differing in NVCC_APPEND_FLAGS (--use_fast_math) had shared the layer. Triton builds a kernel from
+# the files of TRITON_OVERRIDE_DIR (TRITON_KERNEL_OVERRIDE) or TRITON_SWAP_MIR in place of its own
+# code, and files it under the key its own build has (neither is in that key): with the installed
+# triton 3.9 an overridden x * 5.0 landed in x * 3.0's folder (tests/test_layer_reuse.py).
 WHERE_SET: dict[str, tuple[str, ...]] = {
     "deep_gemm": tuple(f"env.{name}" for name in probes.NVCC_ENV),
+    "triton": ("env.TRITON_KERNEL_OVERRIDE", "env.TRITON_SWAP_MIR"),
 }
-# Layers whose own engine keys guard every entry: a foreign entry is a miss, never a wrong hit.
+# Layers whose own engine keys guard every entry (with WHERE_SET's facts): a foreign entry is a miss,
+# never a wrong hit.
 SAFE_BY_CONSTRUCTION = ("cuda", "triton", "deep_gemm", "cute_dsl")
 _DONOR_READS = 20  # donor manifests read for one layer ref before it is removed instead
 

@@ -5,6 +5,7 @@ not reused; the right-hit tests change facts outside it and check that it is.
 """
 
 import json
+import os
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -60,6 +61,9 @@ def restored_layers(store, index, facts, root, **kw):
     ("env.NVCC_PREPEND_FLAGS", "-DNDEBUG", {"inductor", "inductor-pch", "deep_gemm"}),
     ("env.NVCC_CCBIN", "g++-11", {"inductor", "inductor-pch", "deep_gemm"}),
     ("env.PTXAS_FLAGS", "-O0", {"inductor", "inductor-pch", "deep_gemm"}),  # nvcc.profile passes it to ptxas
+    # Triton builds from the override files but files the kernel under its usual key
+    ("env.TRITON_KERNEL_OVERRIDE", "1", {"inductor", "inductor-pch", "triton"}),
+    ("env.TRITON_SWAP_MIR", "/mir", {"inductor", "inductor-pch", "triton"}),
 ])  # fmt: skip
 def test_which_layer_keys_the_new_facts_split(fact, value, split):
     other, key = {**GPU, fact: value}, layerkeys.layer_key
@@ -67,10 +71,58 @@ def test_which_layer_keys_the_new_facts_split(fact, value, split):
     assert changed == split
 
 
+TRITON_KERNEL = """
+import sys
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+@triton.jit
+def scale(x, o, n, B: tl.constexpr):
+    i = tl.program_id(0) * B + tl.arange(0, B)
+    tl.store(o + i, tl.load(x + i, mask=i < n) * 3.0, mask=i < n)
+
+src = ASTSource(fn=scale, signature={"x": "*fp32", "o": "*fp32", "n": "i32", "B": "constexpr"}, constexprs={"B": 64})
+triton.compile(src, target=GPUTarget("cuda", 90, 32))  # no GPU needed: Triton's own ptxas builds the cubin
+"""
+
+
+def test_triton_files_an_overridden_kernel_under_its_usual_key_so_the_layer_key_holds_the_switch(tmp_path):
+    """Measured with the installed triton (no GPU: it compiles for sm_90 with its own ptxas): with
+    TRITON_KERNEL_OVERRIDE=1 it builds a kernel from the override folder's PTX (x * 5.0, not x * 3.0)
+    and files it in the cache folder the kernel's own build uses. A Triton layer from such a pod,
+    laid down by --fallback layers where no override is set, ran the other kernel."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    (tmp_path / "k.py").write_text(TRITON_KERNEL)
+    base = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "1"}
+
+    def build(cache, **env):
+        subprocess.run([sys.executable, "k.py"], cwd=tmp_path, env={**base, "TRITON_CACHE_DIR": str(tmp_path / cache),
+                       **env}, check=True, capture_output=True)  # fmt: skip
+        (folder,) = (tmp_path / cache).iterdir()
+        return folder.name, (folder / "scale.cubin").read_bytes()
+
+    own = build("own", TRITON_KERNEL_DUMP="1", TRITON_DUMP_DIR=str(tmp_path / "dump"))
+    (dumped,) = (tmp_path / "dump").iterdir()
+    ptx = (dumped / "scale.ptx").read_text()
+    assert "0f40400000" in ptx  # 3.0
+    (tmp_path / "override" / dumped.name).mkdir(parents=True)
+    (tmp_path / "override" / dumped.name / "scale.ptx").write_text(ptx.replace("0f40400000", "0f40A00000"))  # 5.0
+    overridden = build("overridden", TRITON_KERNEL_OVERRIDE="1", TRITON_OVERRIDE_DIR=str(tmp_path / "override"))
+    assert own[0] == overridden[0] and own[1] != overridden[1]
+    overriding = {**GPU, "env.TRITON_KERNEL_OVERRIDE": "1"}
+    assert layerkeys.layer_key("triton", GPU) != layerkeys.layer_key("triton", overriding)
+
+
 def test_a_layer_key_without_the_facts_only_some_machines_have_is_what_it_was():
     """Facts keyed only where set (nvcc's settings) leave every other machine's layer keys as they were."""
     chosen = {"gpu.sm": GPU["gpu.sm"], "os": GPU["os"], "arch": GPU["arch"]}
     assert layerkeys.layer_key("deep_gemm", GPU) == canonical.xxh3({"schema": 1, "layer": "deep_gemm", "facts": chosen})
+    chosen = {name: GPU[name] for name in ("triton.version", "gpu.sm", "os", "arch", "python", "libc")}
+    assert layerkeys.layer_key("triton", GPU) == canonical.xxh3({"schema": 1, "layer": "triton", "facts": chosen})
 
 
 def test_a_driver_upgrade_keeps_the_kernel_layers_but_not_the_jit_cache(tmp_path, store, sqlite_index):
@@ -178,16 +230,22 @@ def test_explain_gives_a_verdict_per_layer(tmp_path, store, sqlite_index):
     assert "gpu.driver" in verdicts["cuda"].verdict
 
 
-def test_deep_gemm_kernels_built_under_other_nvcc_flags_are_not_reused(tmp_path, store, sqlite_index):
-    """DeepGEMM's own key holds its flags and nvcc's major.minor, not what nvcc reads from the
-    environment: a --use_fast_math build must not be laid down for a pod that builds without."""
+@pytest.mark.parametrize("fact, value, kept, split", [
+    # DeepGEMM's own key holds its flags and nvcc's major.minor, not what nvcc reads from the environment
+    ("env.NVCC_APPEND_FLAGS", "--use_fast_math", "triton", "deep_gemm"),
+    # Triton files a kernel built from override files under its own build's key
+    ("env.TRITON_KERNEL_OVERRIDE", "1", "deep_gemm", "triton"),
+])  # fmt: skip
+def test_a_layer_built_under_a_setting_its_engine_does_not_key_is_not_reused(tmp_path, store, sqlite_index, fact,
+                                                                            value, kept, split):  # fmt: skip
+    """A kernel built under the setting must not be laid down for a pod without it, nor the reverse."""
     pub = published(tmp_path, store, sqlite_index, GPU)
-    flagged = {**GPU, "env.NVCC_APPEND_FLAGS": "--use_fast_math"}
+    flagged = {**GPU, fact: value}
     _, donors = restored_layers(store, sqlite_index, flagged, tmp_path / "r")
-    assert "triton" in donors and "deep_gemm" not in donors
+    assert kept in donors and split not in donors
     verdicts = {v.layer: v for v in layerkeys.verdicts(flagged, sqlite_index.list_bundles())}
-    assert verdicts["triton"].donor == pub.bundle_id
-    assert verdicts["deep_gemm"].donor is None and verdicts["deep_gemm"].differing == ("env.NVCC_APPEND_FLAGS",)
+    assert verdicts[kept].donor == pub.bundle_id
+    assert verdicts[split].donor is None and verdicts[split].differing == (fact,)
 
 
 def test_explain_names_the_donor_restore_would_take_not_an_older_bundle(tmp_path, store, sqlite_index):
