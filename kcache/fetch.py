@@ -150,14 +150,14 @@ def fetch_blobs(
     tables = run_all([_telling(failed, e.pack, partial(read_seek_table, store, e, halt)) for e in split], jobs, stop)
     assemblies = [_Assembly(e, chunks, tuple(digests[e.blob]), jobs, open_blob, closed, meter)
                   for e, chunks in zip(split, tables) if _framed_by_chunk(chunks, e, digests[e.blob])]  # fmt: skip
-    parts: list[Range | tuple[_Assembly, tuple[int, ...]]] = [(a, part) for a in assemblies for part in a.parts]
+    parts: list[Range | tuple[_Assembly, range]] = [(a, part) for a in assemblies for part in a.parts]
     whole = {a.entry.blob for a in assemblies}
     # Longest reads first: a big blob started last would finish alone.
     ranges = sorted(plan_ranges(e for e in blobs if e.blob not in whole), key=lambda r: r.start - r.end)
     counted = _counting(place, meter)
     placing = threading.Lock()
 
-    def read(item: Range | tuple[_Assembly, tuple[int, ...]]) -> None:
+    def read(item: Range | tuple[_Assembly, range]) -> None:
         if isinstance(item, Range):
             task, pack = partial(read_range, store, item, counted, halt, placing), item.pack
         else:
@@ -285,7 +285,7 @@ def open_pack(store: Store, pack: str, offset: int, length: int, cancelled: Call
     return Resumable(open_at(offset, length), open_at, offset, length, cancelled=cancelled, name=key)
 
 
-def read_seek_table(store: Store, entry: Entry, cancelled: Callable[[], bool]) -> tuple[packs.Chunk, ...] | None:
+def read_seek_table(store: Store, entry: Entry, cancelled: Callable[[], bool]) -> packs.SeekTable | None:
     """The chunks of a large blob from its last bytes, or None when it is one frame."""
     if cancelled():
         raise Cancelled()
@@ -302,7 +302,7 @@ def _read_tail(store: Store, entry: Entry, n: int, cancelled: Callable[[], bool]
         return read_exact(stream, n, "pack", entry.pack)
 
 
-def _framed_by_chunk(chunks: tuple[packs.Chunk, ...] | None, entry: Entry, digests: Sequence[str]) -> bool:
+def _framed_by_chunk(chunks: packs.SeekTable | None, entry: Entry, digests: Sequence[str]) -> bool:
     """Whether each frame of the blob holds the CHUNK_BYTES of content that a digest covers."""
     if not chunks or len(chunks) != len(digests):
         return False
@@ -310,7 +310,7 @@ def _framed_by_chunk(chunks: tuple[packs.Chunk, ...] | None, entry: Entry, diges
                for i, c in enumerate(chunks))  # fmt: skip
 
 
-def read_part(store: Store, assembly: _Assembly, part: tuple[int, ...], cancelled: Callable[[], bool]) -> None:
+def read_part(store: Store, assembly: _Assembly, part: range, cancelled: Callable[[], bool]) -> None:
     """Fetch one run of a split blob's frames with one read; decompress, verify and write each."""
     entry, chunks = assembly.entry, assembly.chunks
     first, last = chunks[part[0]], chunks[part[-1]]
@@ -337,25 +337,31 @@ def read_part(store: Store, assembly: _Assembly, part: tuple[int, ...], cancelle
             assembly.verified(index)
 
 
-def _parts(chunks: tuple[packs.Chunk, ...], jobs: int) -> tuple[tuple[int, ...], ...]:
+def _parts(chunks: Sequence[packs.Chunk], jobs: int) -> tuple[range, ...]:
     """Consecutive chunks in as many runs as PART_BYTES of stored bytes each makes, `jobs` at most,
     as even as whole frames allow: 21 MiB in two reads is 10.5 + 10.5, not 16 + 5, which on two
-    cores left one thread decompressing alone for most of the blob's time."""
-    total = sum(c.length for c in chunks)
+    cores left one thread decompressing alone for most of the blob's time. Each run is a range of
+    chunk indices: a list of them had cost ~36 bytes a frame, and a table may hold ~500k frames."""
+    lengths = chunks.lengths() if isinstance(chunks, packs.SeekTable) else [c.length for c in chunks]
+    total = sum(lengths)
     count = max(1, min(jobs, -(-total // PART_BYTES)))
-    parts: list[list[int]] = [[] for _ in range(count)]
+    firsts = [0] * count  # the first chunk of each part; a part no frame falls in is empty
+    seen = [False] * count
     done = 0
-    for i, chunk in enumerate(chunks):  # a frame goes to the part its middle byte falls in
-        parts[min(count - 1, (2 * done + chunk.length) * count // (2 * max(1, total)))].append(i)
-        done += chunk.length
-    return tuple(tuple(part) for part in parts if part)
+    for i, length in enumerate(lengths):  # a frame goes to the part its middle byte falls in
+        part = min(count - 1, (2 * done + length) * count // (2 * max(1, total)))
+        if not seen[part]:
+            firsts[part], seen[part] = i, True
+        done += length
+    starts = [firsts[p] for p in range(count) if seen[p]]
+    return tuple(range(a, b) for a, b in zip(starts, [*starts[1:], len(lengths)]))
 
 
 class _Assembly:
     """One split blob: written at offsets by many threads, each chunk verified by the thread that
     wrote it, closed once all of them are."""
 
-    def __init__(self, entry: Entry, chunks: tuple[packs.Chunk, ...], digests: tuple[str, ...], jobs: int,
+    def __init__(self, entry: Entry, chunks: Sequence[packs.Chunk], digests: tuple[str, ...], jobs: int,
                  open_blob: OpenBlob, closed: Callable[[Entry], None], meter: Meter):  # fmt: skip
         self.entry, self.chunks, self.digests, self.parts = entry, chunks, digests, _parts(chunks, jobs)
         self._open, self._closed, self._meter = open_blob, closed, meter

@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import os
 import stat
 import struct
+import sys
 import tempfile
 import threading
+from array import array
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +70,7 @@ SEEKABLE_MAGIC = 0x8F92EAB1
 _SKIP_HEADER = struct.Struct("<II")
 _SEEK_ENTRY = struct.Struct("<II")
 _SEEK_FOOTER = struct.Struct("<IBI")
+_U32 = next(code for code in "IL" if array(code).itemsize == 4)  # a seek table's entries, as array holds them
 # Content of small files compressed in one batch call: what a pack build holds in memory at most.
 SMALL_BATCH_BYTES = 4 * 1024 * 1024
 _COMPRESS_AHEAD = 4  # chunks of one file in flight in the pool: ~32 MiB of raw and compressed bytes
@@ -398,7 +402,7 @@ def seek_table_limit(size: int) -> int:
     return _SKIP_HEADER.size + frames * _SEEK_ENTRY.size + _SEEK_FOOTER.size
 
 
-def parse_seek_table(tail: bytes, length: int, size: int) -> tuple[Chunk, ...] | None:
+def parse_seek_table(tail: bytes, length: int, size: int) -> SeekTable | None:
     """The frames of a chunked blob of `length` stored bytes and `size` content bytes, from its last bytes.
 
     None when the blob has no seek table (a single frame, or a schema 1 pack), or one that does
@@ -412,16 +416,44 @@ def parse_seek_table(tail: bytes, length: int, size: int) -> tuple[Chunk, ...] |
     magic, body = _SKIP_HEADER.unpack(tail[-span : -span + _SKIP_HEADER.size])
     if magic != SKIPPABLE_MAGIC or body != span - _SKIP_HEADER.size:
         return None
-    table = tail[-span + _SKIP_HEADER.size : -_SEEK_FOOTER.size]
-    chunks, offset, start = [], 0, 0
-    for compressed, content in _SEEK_ENTRY.iter_unpack(table):
-        if not (0 < compressed <= MAX_CHUNK_FRAME and 0 < content <= MAX_CHUNK_BYTES):
-            return None
-        chunks.append(Chunk(offset, compressed, start, content))
-        offset, start = offset + compressed, start + content
-    if offset + span != length or start != size:
+    entries = array(_U32, tail[-span + _SKIP_HEADER.size : -_SEEK_FOOTER.size])  # [compressed, content] a frame
+    if sys.byteorder != "little":
+        entries.byteswap()
+    lengths, sizes = entries[0::2], entries[1::2]
+    del entries
+    if not all(0 < n <= MAX_CHUNK_FRAME for n in lengths) or not all(0 < n <= MAX_CHUNK_BYTES for n in sizes):
         return None
-    return tuple(chunks)
+    offsets = array("Q", itertools.accumulate(lengths, initial=0))  # one more than frames: the last is the end
+    starts = array("Q", itertools.accumulate(sizes, initial=0))
+    if offsets[-1] + span != length or starts[-1] != size:
+        return None
+    return SeekTable(offsets, lengths, starts, sizes)
+
+
+class SeekTable(Sequence[Chunk]):
+    """The frames of a chunked blob, as `parse_seek_table` found them: a Chunk for each index, made when
+    asked for. Kept as arrays (24 bytes a frame): a manifest at the cap may hold the digests of ~500k
+    chunks of one blob, and a store writer's table as many frames; a Chunk object each had cost a
+    restore ~100 MiB more, past its bound."""
+
+    def __init__(self, offsets: array, lengths: array, starts: array, sizes: array):
+        self._offsets, self._lengths, self._starts, self._sizes = offsets, lengths, starts, sizes
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(len(self))))
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return Chunk(self._offsets[index], self._lengths[index], self._starts[index], self._sizes[index])
+
+    def lengths(self) -> Sequence[int]:
+        """Every frame's compressed length, in order, without a Chunk each."""
+        return self._lengths
 
 
 def trailer(blobs) -> bytes:

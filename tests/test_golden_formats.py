@@ -108,4 +108,4 @@ def test_a_schema_1_trailer_still_parses():
 def test_the_pinned_seek_table_parses_back():
     table = packs.seek_table([(1000, packs.CHUNK_BYTES), (17, 5)])
     chunks = packs.parse_seek_table(table, 1017 + len(table), packs.CHUNK_BYTES + 5)
-    assert chunks == (packs.Chunk(0, 1000, 0, packs.CHUNK_BYTES), packs.Chunk(1000, 17, packs.CHUNK_BYTES, 5))
+    assert tuple(chunks) == (packs.Chunk(0, 1000, 0, packs.CHUNK_BYTES), packs.Chunk(1000, 17, packs.CHUNK_BYTES, 5))

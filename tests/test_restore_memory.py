@@ -20,10 +20,10 @@ import pytest
 from click.testing import CliRunner
 from trees import write_tree
 
-from kcache import limits, refs
+from kcache import limits, packs, refs
 from kcache import manifest as manifests
 from kcache.cli import main
-from kcache.store import manifest_key, open_store
+from kcache.store import manifest_key, open_store, pack_key
 
 MiB = 1024 * 1024
 ZEROS = 300 * MiB  # zstd turns this into a few KiB: one small range read, one huge blob
@@ -141,6 +141,42 @@ def test_a_manifest_at_the_default_cap_is_parsed_within_the_restore_bound(tmp_pa
     assert "pack" in stderr and "too large" not in stderr, stderr  # parsed and planned; it stopped at the pack
     assert peak < RESTORE_RSS_BOUND, f"restore peaked at {peak / MiB:.0f} MiB"
 
+
+def test_a_seek_table_as_long_as_the_manifest_cap_allows_stays_within_the_restore_bound(tmp_path):
+    """A store writer's manifest at the cap that is one blob's chunk digests (~500k, one per 4 MiB of a
+    2 TB file), and a pack whose seek table names as many one-byte frames: the table adds up, so the
+    blob is split. An object per frame had taken restore to ~300 MiB; the table is kept as arrays."""
+    src = tmp_path / "src"
+    write_tree(src, {"inductor/fx/a.py": b"a"})
+    store_url = f"file://{tmp_path / 'store'}"
+    published = CliRunner().invoke(main, ["publish", "--from", str(src), "--model", "m", "--store", store_url,
+                                          "--json"], catch_exceptions=False)  # fmt: skip
+    assert published.exit_code == 0, published.output
+    store = open_store(store_url)
+    small = manifests.fetch(store, json.loads(published.output.splitlines()[-1])["bundle_id"])
+    count = (limits.max_manifest_bytes() - 4096 - len(small.to_bytes())) // 67  # a digest: 64 hex, quotes, comma
+    table = packs.seek_table([(1, packs.CHUNK_BYTES)] * count)
+    body = bytes(count) + table  # frames of one byte each: no zstd frame, but only the read finds that
+    size = count * packs.CHUNK_BYTES
+    pack = body + packs.trailer([packs.PackedBlob("0" * 64, 0, len(body), size)])
+    pack_id = hashlib.sha256(pack).hexdigest()
+    store.put_bytes(pack_key(pack_id), pack)
+    blob = hashlib.sha256(b"a file of 2 TB").hexdigest()
+    digests = [hashlib.sha256(i.to_bytes(4, "big")).hexdigest() for i in range(count)]
+    entry = manifests.Entry("inductor/fx/huge.bin", 0o644, size, blob, pack_id, 0, len(body), 0)
+    big = manifests.build(small.bundle_key, small.toolchain_key, small.workload_key, small.facts, small.layers,
+                          [entry], small.layer_info, {blob: digests})  # fmt: skip
+    data = big.to_bytes()
+    assert 0.95 * limits.max_manifest_bytes() < len(data) <= limits.max_manifest_bytes()
+    store.put_bytes(manifest_key(big.id), data)
+    refs.advance(store, refs.Ref(small.bundle_key, big.id, datetime.now(timezone.utc) + timedelta(hours=1)))
+    del big, data, digests, small, pack, body, table
+
+    code, peak, stderr = restore_peak_rss("--into", str(tmp_path / "dest"), "--model", "m", "--store", store_url,
+                                          "--index", "none", "--strict")  # fmt: skip
+    assert code != 0
+    assert "not a valid zstd frame" in stderr, stderr  # the table was taken and the parts read
+    assert peak < RESTORE_RSS_BOUND, f"restore peaked at {peak / MiB:.0f} MiB"
 
 
 def _zeros_table(tokens: int) -> bytes:
