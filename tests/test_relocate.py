@@ -12,11 +12,13 @@ import pprint
 import shutil
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
 import pytest
 from trees import write_tree
 
+from kcache import relocate as relocation
 from kcache import sources
 from kcache.publish import publish
 from kcache.relocate import Layer, known_paths, relocate
@@ -257,6 +259,25 @@ def test_a_path_of_many_components_is_judged_by_its_last_ones_and_logged_clipped
     with caplog.at_level(logging.WARNING, logger="kcache.relocate"):
         assert relocate(layer, ["k/__grp__add.json"], ["triton-groups"]) == ["k/__grp__add.json"]
     assert max(len(r.getMessage()) for r in caplog.records) < 1000
+
+
+def test_a_handle_of_a_million_components_is_judged_in_bounded_memory(tmp_path):
+    """A vLLM table at its 4 MiB cap whose one handle is `/ab` 1.4M times: mapping it built every
+    component as a string (~99 MiB, on top of a restore at ~200 MiB with a manifest at the cap from S3:
+    301 MiB, past its 256 MiB bound); only the last MAX_PATH_COMPONENTS can match."""
+    index = f"{RANK}/vllm_compile_cache.py"
+    handle = "/ab" * ((relocation._MAX_INDEX_BYTES - 128) // 3) + f"/{RANK}/artifact"
+    write_tree(tmp_path, {index: repr({"k": ("artifact", handle)}).encode()})
+    rels = [f"{RANK}/artifact", index]
+    layer = Layer(tmp_path, Path("/restored/vllm"), known_paths(rels), frozenset(rels))
+    tracemalloc.start()
+    try:
+        assert relocate(layer, [index], ["vllm-handles"]) == []
+        _now, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert ast.literal_eval((tmp_path / index).read_text())["k"][1] == f"/restored/vllm/{RANK}/artifact"
+    assert peak < 40 * 1024 * 1024, f"relocation peaked at {peak / 2**20:.0f} MiB"
 
 
 def test_a_group_file_whose_temp_name_is_too_long_is_dropped_not_the_restore(tmp_path, store, sqlite_index, fp):
