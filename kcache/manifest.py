@@ -179,6 +179,10 @@ def parse(data: bytes, expected_id: str) -> Manifest:
     if (pairs := data.count(b":")) > len(data) // _BYTES_PER_PAIR + _VALUE_SLACK:
         raise IntegrityError("manifest", expected_id, f"holds more JSON values than its {len(data)} bytes can in a "
                              f"manifest ({pairs} object members; {_BYTES_PER_PAIR} bytes one at least)")  # fmt: skip
+    if (weight := _text_weight(data)) > (cap := limits.max_manifest_bytes()):
+        raise IntegrityError("manifest", expected_id, f"decodes to {_text_bytes(data)} bytes of text ({len(data)} "
+                             f"bytes, characters of up to 4 bytes in one string): counted as {weight} bytes, over the "
+                             f"{cap}-byte cap")  # fmt: skip
     try:
         doc = json.loads(data)
         if type(doc) is not dict:
@@ -237,6 +241,30 @@ _BYTES_PER_VALUE = 10
 # least two digests (~200 bytes); a colon inside text counts too (a path with one is still ~150).
 _BYTES_PER_PAIR = 128
 _VALUE_SLACK = 4096  # facts, layers and their info: a few hundred values, some of them short
+
+
+# json.loads decodes the bytes into one string before it parses: CPython keeps a string at 1, 2 or 4 bytes a
+# character, whichever its widest character needs, so one emoji in a path made the 32 MiB of an ASCII manifest
+# at the cap 128 MiB of text (a restore at ~316 MiB, past its 256 MiB bound). What the text takes beyond a byte
+# a byte counts against the cap at a quarter (parsing peaks near 5x the bytes, of which the text is one):
+# a manifest may hold ~25 MiB of rows with a character of up to U+FFFF in it, ~18 MiB with one beyond it,
+# and either peaks below an ASCII manifest at the cap.
+_NOT_CONTINUATION = bytes(b for b in range(256) if not 0x80 <= b < 0xC0)
+_FOUR_BYTES = re.compile(rb"[\xf0-\xff]")  # the lead of a character past U+FFFF (or no UTF-8 at all)
+_TWO_BYTES = re.compile(rb"[\xc4-\xef]")  # the lead of a character past U+00FF
+
+
+def _text_bytes(data: bytes) -> int:
+    """The bytes of the string json.loads decodes `data` into."""
+    if data.isascii():
+        return len(data)
+    characters = len(data) - len(data.translate(None, _NOT_CONTINUATION))  # each but a lead byte's
+    width = 4 if _FOUR_BYTES.search(data) else 2 if _TWO_BYTES.search(data) else 1
+    return characters * width
+
+
+def _text_weight(data: bytes) -> int:
+    return len(data) + max(0, _text_bytes(data) - len(data)) // 4
 
 
 def _values_in(data: bytes) -> int:

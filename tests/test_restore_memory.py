@@ -142,6 +142,35 @@ def test_a_manifest_at_the_default_cap_is_parsed_within_the_restore_bound(tmp_pa
     assert peak < RESTORE_RSS_BOUND, f"restore peaked at {peak / MiB:.0f} MiB"
 
 
+def test_a_manifest_at_the_cap_with_one_wide_character_is_refused_before_it_is_decoded(tmp_path):
+    """One emoji in one path of a manifest just under the cap: json.loads decodes the whole document
+    into one string, 4 bytes a character once any character needs them (128 MiB for 32 MiB of bytes):
+    restore peaked at ~316 MiB from a file:// store. The decoded text counts against the cap."""
+    write_tree(tmp_path / "src", {"inductor/fx/a.py": b"a"})
+    store_url = f"file://{tmp_path / 'store'}"
+    published = CliRunner().invoke(main, ["publish", "--from", str(tmp_path / "src"), "--model", "m", "--store",
+                                          store_url, "--json"], catch_exceptions=False)  # fmt: skip
+    assert published.exit_code == 0, published.output
+    store = open_store(store_url)
+    small = manifests.fetch(store, json.loads(published.output.splitlines()[-1])["bundle_id"])
+    big = _manifest_at_the_cap(small, limits.max_manifest_bytes())
+    wide = manifests.Entry("inductor/fx/\U0001f600.py", 0o644, 1, hashlib.sha256(b"wide").hexdigest(),
+                           big.entries[0].pack, 0, 1, 0)  # fmt: skip
+    big = manifests.build(big.bundle_key, big.toolchain_key, big.workload_key, big.facts, big.layers,
+                          [wide, *big.entries[1:]])  # fmt: skip
+    data = big.to_bytes()
+    assert 0.95 * limits.max_manifest_bytes() < len(data) <= limits.max_manifest_bytes()
+    store.put_bytes(manifest_key(big.id), data)
+    refs.advance(store, refs.Ref(small.bundle_key, big.id, datetime.now(timezone.utc) + timedelta(hours=1)))
+    del big, data, small
+
+    code, peak, stderr = restore_peak_rss("--into", str(tmp_path / "dest"), "--model", "m", "--store", store_url,
+                                          "--index", "none", "--strict")  # fmt: skip
+    assert code != 0
+    assert "bytes of text" in stderr, stderr
+    assert peak < RESTORE_RSS_BOUND, f"restore peaked at {peak / MiB:.0f} MiB"
+
+
 def test_a_seek_table_as_long_as_the_manifest_cap_allows_stays_within_the_restore_bound(tmp_path):
     """A store writer's manifest at the cap that is one blob's chunk digests (~500k, one per 4 MiB of a
     2 TB file), and a pack whose seek table names as many one-byte frames: the table adds up, so the
