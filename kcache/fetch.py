@@ -35,7 +35,8 @@ import hashlib
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, BinaryIO
@@ -56,6 +57,11 @@ IN_MEMORY_BLOB = 4 * 1024 * 1024
 PART_BYTES = 16 * 1024 * 1024
 # Stored bytes of small blobs read in one piece and placed together (see read_range).
 PLACE_BATCH = 2 * 1024 * 1024
+# What the fetch threads together hold in read and decoder buffers (see _Memory). Each thread had held its
+# own: 4 MiB read whole (twice, while its pieces were joined) or a decoder window of up to 8 MiB and two
+# MiB of buffers, so 16 threads beside a manifest at the cap took restore to 315-381 MiB.
+FETCH_BUFFER_BYTES = 48 * 1024 * 1024
+_READ_PIECE = 1024 * 1024  # a stream's read into memory at a time, and the decoder's read and output buffers
 
 Place = Callable[[Entry, "bytes | BinaryIO"], None]
 OpenBlob = Callable[[Entry], "BinaryIO | None"]
@@ -156,12 +162,14 @@ def fetch_blobs(
     ranges = sorted(plan_ranges(e for e in blobs if e.blob not in whole), key=lambda r: r.start - r.end)
     counted = _counting(place, meter)
     placing = threading.Lock()
+    memory = _Memory(FETCH_BUFFER_BYTES)
 
     def read(item: Range | tuple[_Assembly, range]) -> None:
         if isinstance(item, Range):
-            task, pack = partial(read_range, store, item, counted, halt, placing), item.pack
+            task, pack = partial(read_range, store, item, counted, halt, placing, memory), item.pack
         else:
-            task, pack = partial(read_part, store, item[0], item[1], halt), item[0].entry.pack
+            task, pack = partial(_holding, memory, _part_cost(*item), halt, partial(read_part, store, *item, halt)), \
+                item[0].entry.pack
         _telling(failed, pack, task)()
 
     try:
@@ -337,6 +345,51 @@ def read_part(store: Store, assembly: _Assembly, part: range, cancelled: Callabl
             assembly.verified(index)
 
 
+def _part_cost(assembly: _Assembly, part: range) -> int:
+    """What reading `part` of a split blob holds: one frame decoded at a time."""
+    return _decoding(min(packs.CHUNK_BYTES, assembly.entry.size))  # split only where each frame holds CHUNK_BYTES
+
+
+def _holding(memory: _Memory, size: int, cancelled: Callable[[], bool], task: Callable[[], object]) -> object:
+    with memory.hold(size, cancelled):
+        return task()
+
+
+def _decoding(size: int) -> int:
+    """What decompressing a frame of `size` content bytes holds: its window (the decoder takes no more than
+    the content, nor than packs.MAX_WINDOW) and a read and an output buffer."""
+    return min(size, packs.MAX_WINDOW) + 2 * _READ_PIECE
+
+
+class _Memory:
+    """Bytes of buffers the fetch threads may hold together; a thread waits for its share before a read.
+    One that asks for more than all of it runs alone."""
+
+    def __init__(self, limit: int):
+        self._limit, self._used = limit, 0
+        self._changed = threading.Condition()
+
+    @classmethod
+    def unbounded(cls) -> _Memory:
+        return cls(2**62)
+
+    @contextmanager
+    def hold(self, size: int, cancelled: Callable[[], bool]) -> Iterator[None]:
+        size = min(size, self._limit)
+        with self._changed:
+            while self._used and self._used + size > self._limit:
+                if cancelled():
+                    raise Cancelled()
+                self._changed.wait(0.05)  # and look at `cancelled` again: nobody notifies a budget's end
+            self._used += size
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._used -= size
+                self._changed.notify_all()
+
+
 def _parts(chunks: Sequence[packs.Chunk], jobs: int) -> tuple[range, ...]:
     """Consecutive chunks in as many runs as PART_BYTES of stored bytes each makes, `jobs` at most,
     as even as whole frames allow: 21 MiB in two reads is 10.5 + 10.5, not 16 + 5, which on two
@@ -399,7 +452,7 @@ class _Assembly:
 
 
 def read_range(store: Store, rng: Range, place: Place, cancelled: Callable[[], bool],
-               placing: threading.Lock | None = None) -> None:  # fmt: skip
+               placing: threading.Lock | None = None, memory: _Memory | None = None) -> None:  # fmt: skip
     """Hand each blob of one coalesced range to `place`, in pack order.
 
     Small blobs go in runs: one read of up to PLACE_BATCH bytes, then every blob of the run placed
@@ -408,6 +461,7 @@ def read_range(store: Store, rng: Range, place: Place, cancelled: Callable[[], b
     (20k files restored in 5.5 s on 16 threads, 2.5 s on one), while those waiting keep reading.
     """
     placing = placing or threading.Lock()
+    memory = memory or _Memory.unbounded()
     entries = rng.entries
     with open_pack(store, rng.pack, rng.start, rng.end - rng.start, cancelled) as stream:
         position, i = rng.start, 0
@@ -420,19 +474,35 @@ def read_range(store: Store, rng: Range, place: Place, cancelled: Callable[[], b
             if not _in_memory(entry):
                 skip(stream, entry.offset - position, "pack", rng.pack)
                 window = Window(stream, entry.length)
-                place(entry, window)
+                with memory.hold(_decoding(entry.size), cancelled):
+                    place(entry, window)
                 skip(window, window.remaining, "pack", rng.pack)
                 position, i = entry.offset + entry.length, i + 1
                 continue
             run = _small_run(entries, i, position)
             end = max(e.offset + e.length for e in run)
-            data = memoryview(read_exact(stream, end - position, "pack", rng.pack))
-            with placing:
-                for item in run:
-                    if cancelled():
-                        raise Cancelled()
-                    place(item, bytes(data[item.offset - position : item.offset - position + item.length]))
+            with memory.hold(end - position + _READ_PIECE, cancelled):
+                _place_run(stream, rng.pack, run, position, end, place, cancelled, placing)
             position, i = end, i + len(run)
+
+
+def _place_run(stream, pack: str, run: Sequence[Entry], position: int, end: int, place: Place,
+               cancelled: Callable[[], bool], placing: threading.Lock) -> None:  # fmt: skip
+    """Read a run's bytes into one buffer (a piece at a time: pieces joined had held them twice), then place
+    each of its blobs while holding `placing`."""
+    data = bytearray(end - position)
+    view, got = memoryview(data), 0
+    while got < len(data):
+        piece = stream.read(min(len(data) - got, _READ_PIECE))
+        if not piece:
+            raise IntegrityError("pack", pack, f"is truncated ({got} of {len(data)} bytes readable)")
+        view[got : got + len(piece)] = piece
+        got += len(piece)
+    with placing:
+        for item in run:
+            if cancelled():
+                raise Cancelled()
+            place(item, bytes(data[item.offset - position : item.offset - position + item.length]))
 
 
 def _in_memory(entry: Entry) -> bool:

@@ -142,6 +142,44 @@ def test_a_manifest_at_the_default_cap_is_parsed_within_the_restore_bound(tmp_pa
     assert peak < RESTORE_RSS_BOUND, f"restore peaked at {peak / MiB:.0f} MiB"
 
 
+@pytest.mark.parametrize(("content", "window_log"), [(4 * MiB - 4096, 21), (9 * MiB, 23)],
+                         ids=["in-memory", "streamed"])  # fmt: skip
+def test_sixteen_fetch_threads_beside_a_manifest_at_the_cap_stay_within_the_restore_bound(tmp_path, content,
+                                                                                          window_log):  # fmt: skip
+    """A manifest at the cap whose first reads are 16 blobs of 4 MiB (read and decompressed in memory) or of
+    9 MiB framed with an 8 MiB window (streamed), on 16 fetch threads: each thread's glibc arena kept the
+    largest buffers it had held and each decoder its window, ~300 MiB (in-memory) and ~360 MiB (streamed)."""
+    import zstandard
+
+    write_tree(tmp_path / "src", {"inductor/fx/a.py": b"a"})
+    store_url = f"file://{tmp_path / 'store'}"
+    published = CliRunner().invoke(main, ["publish", "--from", str(tmp_path / "src"), "--model", "m", "--store",
+                                          store_url, "--json"], catch_exceptions=False)  # fmt: skip
+    assert published.exit_code == 0, published.output
+    store = open_store(store_url)
+    small = manifests.fetch(store, json.loads(published.output.splitlines()[-1])["bundle_id"])
+    params = zstandard.ZstdCompressionParameters.from_level(3, window_log=window_log, write_content_size=True)
+    big = []
+    for k in range(16):
+        data = os.urandom(content)
+        frame = zstandard.ZstdCompressor(compression_params=params).compress(data)
+        pack = frame + packs.trailer([packs.PackedBlob(hashlib.sha256(data).hexdigest(), 0, len(frame), len(data))])
+        store.put_bytes(pack_key(hashlib.sha256(pack).hexdigest()), pack)
+        big.append(manifests.Entry(f"inductor/big/{k:02d}", 0o644, len(data), hashlib.sha256(data).hexdigest(),
+                                   hashlib.sha256(pack).hexdigest(), 0, len(frame), 0))  # fmt: skip
+    capped = _manifest_at_the_cap(small, limits.max_manifest_bytes() - 16 * 300, "each")  # packs no store holds
+    manifest = manifests.build(small.bundle_key, small.toolchain_key, small.workload_key, small.facts, small.layers,
+                               [*capped.entries, *big])  # fmt: skip
+    store.put_bytes(manifest_key(manifest.id), manifest.to_bytes())
+    refs.advance(store, refs.Ref(small.bundle_key, manifest.id, datetime.now(timezone.utc) + timedelta(hours=1)))
+    del manifest, capped, small, big, data, frame, pack
+
+    code, peak, stderr = restore_peak_rss("--into", str(tmp_path / "dest"), "--model", "m", "--store", store_url,
+                                          "--index", "none", "--strict", "--jobs", "16")  # fmt: skip
+    assert code != 0 and "pack" in stderr, stderr  # the big blobs were read first, then a missing pack stopped it
+    assert peak < RESTORE_RSS_BOUND, f"restore peaked at {peak / MiB:.0f} MiB"
+
+
 def test_a_manifest_at_the_cap_with_one_wide_character_is_refused_before_it_is_decoded(tmp_path):
     """One emoji in one path of a manifest just under the cap: json.loads decodes the whole document
     into one string, 4 bytes a character once any character needs them (128 MiB for 32 MiB of bytes):
