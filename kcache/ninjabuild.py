@@ -270,18 +270,28 @@ def command(manifest: Manifest, edge: Edge, budget: _Budget) -> str:
         if not _SHELL_SAFE.fullmatch(path):
             raise Unrelocatable(f"a path ninja would quote: {path!r}")
 
-    def lookup(name: str, depth: int) -> str:
+    return _CommandScope(manifest, edge, rule, budget)("command", 0)
+
+
+class _CommandScope:
+    """ninja's variable lookup for one edge's command. An object, not a closure that hands itself to
+    `_expand`: that closure's reference to itself was a cycle holding both manifests, every value they
+    evaluated (up to the folder's budget), until a garbage collection ran, so through the logs' rewrite."""
+
+    def __init__(self, manifest: Manifest, edge: Edge, rule: dict[str, str], budget: _Budget):
+        self.manifest, self.edge, self.rule, self.budget = manifest, edge, rule, budget
+
+    def __call__(self, name: str, depth: int) -> str:
+        edge = self.edge
         if name in ("in", "in_newline"):
             return (" " if name == "in" else "\n").join(edge.ins[: edge.explicit_ins])
         if name == "out":
             return " ".join(edge.outs[: edge.explicit_outs])
         if name in edge.scope:
             return edge.scope[name]
-        if name in rule:
-            return _expand(rule[name], lookup, budget, depth)
-        return manifest.scope.get(name, "")
-
-    return lookup("command", 0)
+        if name in self.rule:
+            return _expand(self.rule[name], self, self.budget, depth)
+        return self.manifest.scope.get(name, "")
 
 
 # --- .ninja_log and .ninja_deps ---------------------------------------------------------------------
@@ -290,7 +300,7 @@ _LOG_HEADER = re.compile(rb"# ninja log v([0-9]{1,3})\n")
 _DEPS_HEADER = b"# ninjadeps\n" + struct.pack("<i", 4)
 
 
-def rehash_log(data: bytes, moved: dict[str, tuple[str, str]]) -> bytes:
+def rehash_log(data: bytes, moved: dict[str, tuple[str, str]]) -> bytearray:
     """The log with each entry of an output in `moved` (output -> (old command, new command)) whose
     hash is the old command's given the new command's hash; other entries are kept as they are."""
     m = _LOG_HEADER.match(data)
@@ -322,10 +332,10 @@ def rehash_log(data: bytes, moved: dict[str, tuple[str, str]]) -> bytes:
         out += b"\t".join(fields) + b"\n"
         if len(out) > MAX_LOG_BYTES:  # new hashes may be longer: no more than a log restore would read
             raise Unrelocatable(f"the rewritten build log is over {MAX_LOG_BYTES} bytes")
-    return bytes(out)
+    return out  # not copied into bytes: written as it is
 
 
-def move_deps(data: bytes, old: bytes, new: bytes) -> bytes:
+def move_deps(data: bytes, old: bytes, new: bytes) -> bytearray:
     """The deps log with path records under `old` moved under `new`; refuses what ninja would not load."""
     if not data.startswith(_DEPS_HEADER):
         raise Unrelocatable("the deps log has no `# ninjadeps` v4 header")
@@ -364,7 +374,7 @@ def move_deps(data: bytes, old: bytes, new: bytes) -> bytes:
         paths += 1
         if len(out) > MAX_DEPS_BYTES:  # a longer folder path: no more than a deps log restore would read
             raise Unrelocatable(f"the moved deps log is over {MAX_DEPS_BYTES} bytes")
-    return bytes(out)
+    return out  # not copied into bytes: written as it is
 
 
 # --- a folder --------------------------------------------------------------------------------------
@@ -465,7 +475,7 @@ def relocate_folder(staged: Path, target: Path, files: frozenset[str]) -> bool:
     return True
 
 
-def _write_back(path: Path, data: bytes) -> None:
+def _write_back(path: Path, data: bytes | bytearray) -> None:
     st = path.stat()
     atomic.write_bytes(path, data, mode=st.st_mode & 0o777)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # ninja compares the log's mtimes with the files'

@@ -10,6 +10,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -294,3 +295,26 @@ def test_manifests_it_does_not_know_leave_the_folder(tmp_path, caplog, text):
     folder = hostile(tmp_path, "build.ninja")
     (folder / "build.ninja").write_text(BUILD.format(folder=tmp_path / "pub/torch_extensions/kc_inline") + text)
     relocated_or_left(folder, caplog)
+
+
+def test_a_folder_at_its_caps_is_relocated_in_bounded_memory(tmp_path):
+    """build.ninja's values near the folder's evaluation budget and .ninja_deps at its cap: relocated in
+    ~41 MiB. The manifests stayed alive in a reference cycle (command()'s lookup handed itself to
+    _expand) while the logs were rewritten, and each rewritten log was copied once more into bytes:
+    56 MiB, on top of a restore whose manifest at the cap already holds most of its 256 MiB bound."""
+    pub, folder = tmp_path / "pub/torch_extensions/kc_inline", tmp_path / "pod/torch_extensions/kc_inline"
+    folder.mkdir(parents=True)
+    (folder / "main.cpp").write_bytes(b"int x;\n")
+    values = "a = " + "x" * 65536 + "\n" + "".join(f"v{i} = " + "$a" * 16 + "\n" for i in range(3))
+    (folder / "build.ninja").write_text(BUILD.format(folder=pub) + values)  # ~6.5M characters over both parses
+    record = 512 * 1024 - 8  # ninja's bound on a record, less its size and id
+    records = (ninjabuild.MAX_DEPS_BYTES - 16) // (record + 8)
+    (folder / ".ninja_deps").write_bytes(deps(*(path_record(b"%07d" % i * (record // 7), i) for i in range(records))))
+    tracemalloc.start()
+    try:
+        assert ninjabuild.relocate_folder(folder, folder, files_of(folder))
+        _now, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert str(folder) in (folder / "build.ninja").read_text()
+    assert peak < 48 * 1024 * 1024, f"relocation peaked at {peak / 2**20:.0f} MiB"
