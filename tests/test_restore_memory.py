@@ -96,6 +96,16 @@ def test_a_large_random_file_fetched_in_parallel_parts_stays_within_the_restore_
     assert peak < RESTORE_RSS_BOUND, f"restore peaked at {peak / MiB:.0f} MiB"
 
 
+def _published_small(tmp_path, url: str, *s3: str):
+    """(store, manifest) of a one-file bundle published to `url` (`*s3`: --s3-endpoint-url and its value)."""
+    write_tree(tmp_path / "src", {"inductor/fx/a.py": b"a"})
+    argv = ["publish", "--from", str(tmp_path / "src"), "--model", "m", "--store", url, *s3, "--json"]
+    published = CliRunner().invoke(main, argv, catch_exceptions=False)
+    assert published.exit_code == 0, published.output
+    store = open_store(url, endpoint_url=s3[1]) if s3 else open_store(url)
+    return store, manifests.fetch(store, json.loads(published.output.splitlines()[-1])["bundle_id"])
+
+
 def _manifest_at_the_cap(published: manifests.Manifest, cap: int, packs: str = "one") -> manifests.Manifest:
     """As many compact entries as fit under `cap` bytes, in one pack no store holds, or (packs="each")
     each in a pack of its own."""
@@ -120,13 +130,7 @@ def test_a_manifest_at_the_default_cap_is_parsed_within_the_restore_bound(tmp_pa
     process stays under the bound. Also when every file names a pack of its own (~160k reads to
     plan): a closure per read had taken restore to ~340 MiB."""
     url, endpoint = s3_bucket
-    write_tree(tmp_path / "src", {"inductor/fx/a.py": b"a"})
-    argv = ["publish", "--from", str(tmp_path / "src"), "--model", "m", "--store", url, "--s3-endpoint-url", endpoint,
-            "--json"]  # fmt: skip
-    published = CliRunner().invoke(main, argv, catch_exceptions=False)
-    assert published.exit_code == 0, published.output
-    store = open_store(url, endpoint_url=endpoint)
-    small = manifests.fetch(store, json.loads(published.output.splitlines()[-1])["bundle_id"])
+    store, small = _published_small(tmp_path, url, "--s3-endpoint-url", endpoint)
     big = _manifest_at_the_cap(small, limits.max_manifest_bytes(), packs)
     data = big.to_bytes()
     assert 0.95 * limits.max_manifest_bytes() < len(data) <= limits.max_manifest_bytes()
@@ -151,13 +155,8 @@ def test_sixteen_fetch_threads_beside_a_manifest_at_the_cap_stay_within_the_rest
     largest buffers it had held and each decoder its window, ~300 MiB (in-memory) and ~360 MiB (streamed)."""
     import zstandard
 
-    write_tree(tmp_path / "src", {"inductor/fx/a.py": b"a"})
     store_url = f"file://{tmp_path / 'store'}"
-    published = CliRunner().invoke(main, ["publish", "--from", str(tmp_path / "src"), "--model", "m", "--store",
-                                          store_url, "--json"], catch_exceptions=False)  # fmt: skip
-    assert published.exit_code == 0, published.output
-    store = open_store(store_url)
-    small = manifests.fetch(store, json.loads(published.output.splitlines()[-1])["bundle_id"])
+    store, small = _published_small(tmp_path, store_url)
     params = zstandard.ZstdCompressionParameters.from_level(3, window_log=window_log, write_content_size=True)
     big = []
     for k in range(16):
@@ -184,13 +183,8 @@ def test_a_manifest_at_the_cap_with_one_wide_character_is_refused_before_it_is_d
     """One emoji in one path of a manifest just under the cap: json.loads decodes the whole document
     into one string, 4 bytes a character once any character needs them (128 MiB for 32 MiB of bytes):
     restore peaked at ~316 MiB from a file:// store. The decoded text counts against the cap."""
-    write_tree(tmp_path / "src", {"inductor/fx/a.py": b"a"})
     store_url = f"file://{tmp_path / 'store'}"
-    published = CliRunner().invoke(main, ["publish", "--from", str(tmp_path / "src"), "--model", "m", "--store",
-                                          store_url, "--json"], catch_exceptions=False)  # fmt: skip
-    assert published.exit_code == 0, published.output
-    store = open_store(store_url)
-    small = manifests.fetch(store, json.loads(published.output.splitlines()[-1])["bundle_id"])
+    store, small = _published_small(tmp_path, store_url)
     big = _manifest_at_the_cap(small, limits.max_manifest_bytes())
     wide = manifests.Entry("inductor/fx/\U0001f600.py", 0o644, 1, hashlib.sha256(b"wide").hexdigest(),
                            big.entries[0].pack, 0, 1, 0)  # fmt: skip
@@ -213,14 +207,8 @@ def test_a_seek_table_as_long_as_the_manifest_cap_allows_stays_within_the_restor
     """A store writer's manifest at the cap that is one blob's chunk digests (~500k, one per 4 MiB of a
     2 TB file), and a pack whose seek table names as many one-byte frames: the table adds up, so the
     blob is split. An object per frame had taken restore to ~300 MiB; the table is kept as arrays."""
-    src = tmp_path / "src"
-    write_tree(src, {"inductor/fx/a.py": b"a"})
     store_url = f"file://{tmp_path / 'store'}"
-    published = CliRunner().invoke(main, ["publish", "--from", str(src), "--model", "m", "--store", store_url,
-                                          "--json"], catch_exceptions=False)  # fmt: skip
-    assert published.exit_code == 0, published.output
-    store = open_store(store_url)
-    small = manifests.fetch(store, json.loads(published.output.splitlines()[-1])["bundle_id"])
+    store, small = _published_small(tmp_path, store_url)
     count = (limits.max_manifest_bytes() - 4096 - len(small.to_bytes())) // 67  # a digest: 64 hex, quotes, comma
     table = packs.seek_table([(1, packs.CHUNK_BYTES)] * count)
     body = bytes(count) + table  # frames of one byte each: no zstd frame, but only the read finds that
