@@ -45,12 +45,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from kcache import envfile, readiness, signing, sources, warmup
-from kcache.errors import ConfigError, KcacheError, ObjectMissing, SignatureError
+from kcache.errors import ConfigError, KcacheError, SignatureError
 from kcache.fingerprint import Fingerprint
 from kcache.profiles import Profile
-from kcache.publish import PublishConfig, PublishResult, publish
-from kcache.restore import RestoreResult, laid_bundles, restore, sigterm_interrupts
-from kcache.store import Store, manifest_key
+from kcache.publish import PublishConfig, PublishResult, check_signed_by, publish
+from kcache.restore import RestoreResult, restore, sigterm_interrupts
+from kcache.store import Store
 
 if TYPE_CHECKING:
     from kcache.index import Index
@@ -243,26 +243,6 @@ class ServerWarmup:
         return report
 
 
-def _check_signed_by(store: Store, root: Path, fingerprint: Fingerprint, key: signing.SigningKey) -> None:
-    """SignatureError unless `key` signed every bundle whose files ROOT's layers hold (the restore marker's
-    record). With --url, or in a kept ROOT, a restore beforehand may have checked no signature; publish
-    signs all of ROOT, and must not sign what a store writer planted (it carries no bundle `key` did not
-    sign either)."""
-    trusted = (signing.public_of(key),)
-    for bundle, owner in sorted(laid_bundles(root).items()):
-        built_under = owner or fingerprint.bundle_key
-        try:
-            signed = signing.verify(store, trusted, built_under, bundle, store.size(manifest_key(bundle)))
-        except ObjectMissing:
-            signed = None
-        if signed is None:
-            why = (
-                f"the restore into {root} laid its files down and {key.name!r} did not sign it: publishing ROOT "
-                f"would sign them; restore into ROOT with --trusted-key for {key.name!r} and --require-signature"
-            )
-            raise SignatureError(bundle, why)
-
-
 @dataclass(frozen=True)
 class PrebakeResult:
     restore: RestoreResult | None  # None when ROOT was laid out beforehand (server mode)
@@ -309,7 +289,7 @@ def _prebake(store: Store, index: Index, fingerprint: Fingerprint, root: Path, w
         raise ConfigError("--root", str(root), "has no kcache.env: run `kcache restore --into ROOT` and start "
                                                "the server after `. ROOT/kcache.env` first")  # fmt: skip
     if config.signing_key is not None:  # a refused restore keeps the layers of its key that ROOT held
-        _check_signed_by(store, root, fingerprint, config.signing_key)
+        check_signed_by(store, root, fingerprint, config.signing_key)  # before the warmup runs over ROOT
     report = warmer.warm(root, note)
     if report.status != "ok":
         return PrebakeResult(restored, report, None)

@@ -69,6 +69,7 @@ from kcache.packs import (
     digests_chunks,
 )
 from kcache.records import BlobLocation, Bundle, Event
+from kcache.restore import laid_bundles
 from kcache.sources import ExtraSource, FileInfo, Source, is_kept_back_place
 from kcache.sources import for_manifest as sources_for_manifest
 from kcache.store import Store, manifest_key, pack_key
@@ -548,6 +549,8 @@ def publish(
     note = progress or (lambda _msg: None)
 
     if root is not None:
+        if config.signing_key is not None:  # before any upload: nothing of ROOT is signed unless all of it may be
+            check_signed_by(store, Path(root), fingerprint, config.signing_key)
         sources = _made_here(Path(root), fingerprint, sources, env)
     sources = [source.for_facts(fingerprint.facts) for source in sources]  # the keyed torch's build folder
     found = collect(sources, root=root, env=env)
@@ -569,6 +572,26 @@ def publish(
     with _Lease(index, fingerprint.bundle_key, config, note) as lease:
         return _publish_leased(store, index, fingerprint, found, layers, info, config, note, compile_seconds, report,
                                started, lease)  # fmt: skip
+
+
+def check_signed_by(store: Store, root: Path, fingerprint: Fingerprint, key: signing.SigningKey) -> None:
+    """SignatureError unless `key` signed every bundle whose files ROOT's layers hold (the restore marker's
+    record). A restore into ROOT without --require-signature (with --url, or in a kept ROOT) checked no
+    signature; publishing ROOT signs all of it, and must not sign what a store writer planted: every pod
+    requiring `key`'s signature would take it (a carrying publish carries no bundle `key` did not sign
+    either, see _newest_to_carry)."""
+    trusted = (signing.public_of(key),)
+    for bundle, owner in sorted(laid_bundles(root).items()):
+        try:
+            signed = signing.verify(store, trusted, owner or fingerprint.bundle_key, bundle,
+                                    store.size(manifest_key(bundle)))  # fmt: skip
+        except ObjectMissing:
+            signed = None
+        if signed is None:
+            why = (f"the restore into {root} laid its files down and {key.name!r} did not sign it: publishing ROOT "
+                   f"would sign them; publish from a ROOT restored with --trusted-key for {key.name!r} and "
+                   "--require-signature (a refused restore keeps the layers it found: start from an empty ROOT)")
+            raise SignatureError(bundle, why)
 
 
 def _check_vouched(facts: Mapping[str, str], sources: list[Source]) -> None:

