@@ -549,10 +549,11 @@ def publish(
     note = progress or (lambda _msg: None)
 
     if root is not None:
-        if config.signing_key is not None:  # before any upload: nothing of ROOT is signed unless all of it may be
-            check_signed_by(store, Path(root), fingerprint, config.signing_key)
         sources = _made_here(Path(root), fingerprint, sources, env)
     sources = [source.for_facts(fingerprint.facts) for source in sources]  # the keyed torch's build folder
+    if config.signing_key is not None:  # before any upload: nothing read is signed unless all of it may be
+        for laid_into in _restore_roots(sources, root, env):
+            check_signed_by(store, laid_into, fingerprint, config.signing_key)
     found = collect(sources, root=root, env=env)
     if not found and not config.allow_empty:
         where = str(root) if root is not None else "the live cache directories"
@@ -572,6 +573,19 @@ def publish(
     with _Lease(index, fingerprint.bundle_key, config, note) as lease:
         return _publish_leased(store, index, fingerprint, found, layers, info, config, note, compile_seconds, report,
                                started, lease)  # fmt: skip
+
+
+def _restore_roots(sources: list[Source], root: Path | None, env: Mapping[str, str]) -> list[Path]:
+    """ROOT, and every directory holding a restore marker that a directory publish reads lies in: the live
+    cache directories of a pod that sourced ROOT/kcache.env are ROOT's layers, and so may be an --extra-dir.
+    Every one, not the nearest: a bundle may have laid a marker of its own inside a layer."""
+    found = {Path(root).absolute()} if root is not None else set()
+    for source in sources:
+        named = source.live_dirs(env) if isinstance(source, ExtraSource) else []
+        for top in named or source.read_dirs(root, env):
+            real = Path(os.path.realpath(top))  # exists() is False where it cannot look, as read_marker reads nothing
+            found.update(d for d in (real, *real.parents) if os.path.exists(d / readiness.RESTORE_MARKER))
+    return sorted(found)
 
 
 def check_signed_by(store: Store, root: Path, fingerprint: Fingerprint, key: signing.SigningKey) -> None:

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from planted import PLANTED, publish_planted
 from trees import write_tree
 
+from kcache import envfile
 from kcache.cli import main
 from kcache.cli.errors import ExitCode
 from kcache.readiness import WARMUP_MARKER, write_marker
@@ -49,6 +50,19 @@ def test_a_signing_publish_from_a_root_restored_from_a_planted_bundle_refuses(tm
     assert signed_pod(tmp_path) == ("error", False)  # the newest bundle is unsigned: refused
     # Without a key nothing is vouched for: publish is as before.
     assert run("publish", "--from", str(root), "--model", "m").exit_code == 0
+
+
+def test_a_signing_publish_of_the_live_directories_a_planted_restore_filled_refuses(tmp_path, monkeypatch):
+    """`kcache publish` with no --from, in a pod that sourced ROOT/kcache.env: its live cache directories are
+    ROOT's layers, and it signed the planted file as `publish --from ROOT` did."""
+    root = planted_root(tmp_path)
+    for name, value in envfile.read(root / envfile.NAME).items():
+        monkeypatch.setenv(name, value)
+    write_tree(root, {"inductor/kernel.so": b"\x7fELF"})
+    out = run("publish", "--model", "m", "--signing-key", str(tmp_path / "k" / "ci.key"))
+    assert out.exit_code == ExitCode.SIGNATURE, out.output
+    assert "'ci' did not sign it" in out.output
+    assert signed_pod(tmp_path) == ("error", False)  # the newest bundle is unsigned: refused
 
 
 def test_a_signing_watch_over_a_root_restored_from_a_planted_bundle_signs_none_of_it(tmp_path):
