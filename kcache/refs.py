@@ -175,12 +175,18 @@ def advance(store: Store, ref: Ref, *, signer: signing.SigningKey | None = None,
     With a signer, a ref that already names this bundle is re-signed when it is unsigned by this
     key or past half its lifetime, so a fleet that keeps publishing keeps its ref fresh. With
     `index`, the bundle and the key's yank list are read from it again on every attempt: a yank
-    that landed since `ref` was made must not be overwritten by a ref naming the yanked bundle.
+    that landed since `ref` was made must not be overwritten by a ref naming the yanked bundle;
+    nor is a bundle that is not the key's newest written: a ref a store writer removed, or made
+    unreadable or dated ahead of every clock, holds nothing off, and a re-publish of an older
+    bundle's files signed a fresh ref to it (a rollback past the TTL). `refresh` writes the newest.
     `now` (default: `index`'s clock, else this host's) judges whether the current ref is from the future.
     """
 
     def wanted() -> Ref | None:
-        return _unyanked(for_bundle(index, ref.manifest) if index is not None else ref)
+        if index is None:
+            return _unyanked(ref)
+        newest = index.newest_bundle(ref.bundle_key)
+        return _unyanked(for_bundle(index, ref.manifest)) if newest is not None and newest.id == ref.manifest else None
 
     clock = now or (index.now if index is not None else None)
     return advance_chosen(store, ref.bundle_key, wanted, signer=signer, ttl=ttl, now=clock)

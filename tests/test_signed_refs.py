@@ -15,7 +15,7 @@ from trees import write_tree
 
 from kcache import refs, signing, sources
 from kcache.cli import main
-from kcache.errors import ConfigError
+from kcache.errors import ConfigError, IntegrityError
 from kcache.index import Index
 from kcache.publish import PublishConfig, publish
 from kcache.reindex import reindex
@@ -473,3 +473,29 @@ def test_refresh_all_stops_once_keys_keep_failing_one_after_another(tmp_path, st
     with pytest.raises(IndexDbError, match="connection refused"):
         refs.refresh_all(store, gone, signer=keys["prod"][0], failed=failed)
     assert gone.asked == 3 and len(failed) == 2
+
+
+@pytest.mark.parametrize("broken", ["deleted", "garbage", "from the future"])
+def test_a_signed_re_publish_of_an_older_bundle_does_not_roll_a_broken_ref_back_to_it(tmp_path, store, sqlite_index,
+                                                                                      fp, keys, broken):  # fmt: skip
+    """A store writer removed the ref, or wrote one that cannot be read or is dated ahead of every clock: the
+    next signed publish took it for no ref at all, and one that re-published an older bundle's files (a kept
+    ROOT, a rebuild that came out the same) signed a fresh ref to that bundle. Pods requiring signatures then
+    restored it past the newest, for a whole TTL and with no replay needed."""
+    key = keys["prod"][0]
+    v1 = _publish(tmp_path, store, sqlite_index, fp, b"old", key, "v1")
+    v2 = _publish(tmp_path, store, sqlite_index, fp, b"new", key, "v2")
+    store.delete(ref_key(fp.bundle_key))
+    if broken == "garbage":
+        store.put_if(ref_key(fp.bundle_key), b"{not a ref", None)
+    elif broken == "from the future":
+        ahead = refs.Ref(fp.bundle_key, v2.bundle_id, datetime.now(timezone.utc) + timedelta(days=30))
+        store.put_if(ref_key(fp.bundle_key), ahead.to_bytes(), None)
+    again = _publish(tmp_path, store, sqlite_index, fp, b"old", key, "v1")
+    assert (again.bundle_id, again.created) == (v1.bundle_id, False)
+    try:
+        assert _pod(store, fp, tmp_path / "dst", keys).bundle_id != v1.bundle_id
+    except IntegrityError:  # the garbage ref, left as it was: the pod starts cold
+        assert broken == "garbage"
+    refs.refresh(store, sqlite_index, fp.bundle_key, signer=key)  # what the key's refresh CronJob writes
+    assert _pod(store, fp, tmp_path / "dst2", keys).bundle_id == v2.bundle_id
