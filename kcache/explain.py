@@ -41,6 +41,8 @@ _REASONS: tuple[tuple[str, str], ...] = (
     ("python", "caches are keyed by the Python version and ABI (a debug build's extension modules are another's)"),
     ("torch.path", "compiled kernels link with absolute paths into the torch install"),
     ("torch.", "torch's cache keys contain its version and build"),
+    ("triton.override_files", "Triton builds kernels from other override files and files them under its own keys"),
+    ("triton.swap_mir_files", "Triton assembles kernels from other MIR files and files them under its own keys"),
     ("triton.", "Triton's cache keys contain its version"),
     ("engine.", "not every engine refuses cache entries of another version (TensorRT-LLM's autotuner loads any)"),
     ("gpu.driver", "the CUDA JIT cache is valid for one driver version"),

@@ -80,10 +80,11 @@ FACTS: dict[str, tuple[str, ...] | str] = {
 # differing in NVCC_APPEND_FLAGS (--use_fast_math) had shared the layer. Triton builds a kernel from
 # the files of TRITON_OVERRIDE_DIR (TRITON_KERNEL_OVERRIDE) or TRITON_SWAP_MIR in place of its own
 # code, and files it under the key its own build has (neither is in that key): with the installed
-# triton 3.9 an overridden x * 5.0 landed in x * 3.0's folder (tests/test_layer_reuse.py).
+# triton 3.9 an overridden x * 5.0 landed in x * 3.0's folder (tests/test_layer_reuse.py); so did x * 7.0 from
+# another pod's override files, whose digest (probes.probe_triton_files) is keyed beside the switch.
 WHERE_SET: dict[str, tuple[str, ...]] = {
     "deep_gemm": tuple(f"env.{name}" for name in probes.NVCC_ENV),
-    "triton": ("env.TRITON_KERNEL_OVERRIDE", "env.TRITON_SWAP_MIR"),
+    "triton": ("env.TRITON_KERNEL_OVERRIDE", "env.TRITON_SWAP_MIR", "triton.override_files", "triton.swap_mir_files"),
 }
 # Layers whose own engine keys guard every entry (with WHERE_SET's facts): a foreign entry is a miss,
 # never a wrong hit.

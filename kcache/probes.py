@@ -396,6 +396,71 @@ def probe_settings(env: Mapping[str, str]) -> dict[str, str]:
     return facts
 
 
+
+# Triton's switches that build kernels from files the user supplies. With TRITON_KERNEL_OVERRIDE on, it
+# builds each kernel from the IR it finds under TRITON_OVERRIDE_DIR (default TRITON_HOME or ~, then
+# .triton/override) and files the result under the key of its own build; TRITON_SWAP_MIR (AMD) names a
+# folder of MIR it assembles instead of its own. The switches are facts (env.*), the files were not: two
+# pods with TRITON_KERNEL_OVERRIDE=1 and different override files shared every key, and one ran the
+# other's kernels. So where a switch is on, what the folder holds is a fact (a digest of each file's
+# path and content); a machine without the switch keeps its keys.
+_OFF = ("", "0", "false", "off", "no", "n")  # triton 3.9 reads 1/true/on/yes/y as on: anything else is hashed
+MAX_IR_FILES = 10_000  # override folders hold a few IR files per kernel; a folder past these is refused
+MAX_IR_BYTES = 256 * 1024 * 1024
+
+
+def probe_triton_files(env: Mapping[str, str]) -> dict[str, str]:
+    """`triton.override_files` where TRITON_KERNEL_OVERRIDE is on, `triton.swap_mir_files` where
+    TRITON_SWAP_MIR is set: a digest of the folder Triton reads ("absent" when it has none). ConfigError
+    where that folder cannot be told (a relative path: the model's working directory) or read."""
+    facts = {}
+    if env.get("TRITON_KERNEL_OVERRIDE", "").strip().lower() not in _OFF:
+        facts["triton.override_files"] = _ir_folder_digest("TRITON_OVERRIDE_DIR", _override_dir(env))
+    if env.get("TRITON_SWAP_MIR"):
+        facts["triton.swap_mir_files"] = _ir_folder_digest("TRITON_SWAP_MIR", env["TRITON_SWAP_MIR"])
+    return facts
+
+
+def _override_dir(env: Mapping[str, str]) -> str:
+    """The folder Triton's override manager reads, as triton 3.9's knobs spell it."""
+    if "TRITON_OVERRIDE_DIR" in env:
+        return env["TRITON_OVERRIDE_DIR"]
+    home = env["TRITON_HOME"] if "TRITON_HOME" in env else (env.get("HOME") or os.path.expanduser("~"))
+    return os.path.join(home, ".triton", "override")
+
+
+def _ir_folder_digest(name: str, folder: str) -> str:
+    if not os.path.isabs(folder):
+        raise ConfigError(name, folder, "is not an absolute path: Triton reads it from the model's working "
+                                        "directory, which kcache cannot see; set an absolute path")  # fmt: skip
+    if not os.path.isdir(folder):
+        return "absent"  # Triton finds no file there
+    entries, total, folders = [], 0, 0
+    try:
+        for top, dirs, files in os.walk(folder, followlinks=True, onerror=_raise):
+            dirs.sort()
+            folders += 1  # a link to a folder above is walked again: bounded by the count, or by ELOOP
+            if folders > MAX_IR_FILES:
+                raise ConfigError(name, folder, f"holds more than {MAX_IR_FILES} folders: not an IR folder to key")
+            for file in sorted(files):
+                path = os.path.join(top, file)
+                with open(path, "rb") as f:  # Triton opens what a link names
+                    data = f.read(MAX_IR_BYTES + 1 - total)
+                total += len(data)
+                entries.append([os.path.relpath(path, folder), canonical.sha256(data)])
+                if len(entries) > MAX_IR_FILES or total > MAX_IR_BYTES:
+                    why = f"holds more than {MAX_IR_FILES} files or {MAX_IR_BYTES >> 20} MiB: not an IR folder to key"
+                    raise ConfigError(name, folder, why)
+    except OSError as exc:
+        raise ConfigError(name, folder, f"cannot be read ({exc.strerror or type(exc).__name__}), so which "
+                                        "kernels Triton builds from it cannot be keyed") from None  # fmt: skip
+    return canonical.sha256(canonical.dumps(entries))
+
+
+def _raise(exc: OSError) -> None:
+    raise exc
+
+
 # ---- CPU -------------------------------------------------------------------------------------------
 
 
@@ -688,6 +753,7 @@ PROBES: tuple[Probe, ...] = (
     probe_nvcc,
     probe_threads,
     probe_settings,
+    probe_triton_files,
 )
 
 

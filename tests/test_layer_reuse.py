@@ -13,9 +13,10 @@ from click.testing import CliRunner
 from fixed_facts import FACTS
 from trees import write_tree
 
-from kcache import canonical, fingerprint, layerkeys, probes, refs, signing, sources
+from kcache import canonical, explain, fingerprint, layerkeys, probes, refs, signing, sources
 from kcache import manifest as manifests
 from kcache.cli import main
+from kcache.errors import ConfigError
 from kcache.publish import PublishConfig, publish
 from kcache.restore import restore
 from kcache.sources.base import torch_user
@@ -116,6 +117,65 @@ def test_triton_files_an_overridden_kernel_under_its_usual_key_so_the_layer_key_
     overriding = {**GPU, "env.TRITON_KERNEL_OVERRIDE": "1"}
     assert layerkeys.layer_key("triton", GPU) != layerkeys.layer_key("triton", overriding)
 
+
+
+def test_two_pods_overriding_triton_kernels_with_other_files_share_no_key(tmp_path):
+    """Both pods set TRITON_KERNEL_OVERRIDE=1; their override folders hold other PTX (x * 5.0 and x * 7.0).
+    The installed triton builds two cubins and files both under the kernel's own folder name, and the
+    switch alone was keyed: the pods shared their bundle key and the Triton layer's, and one ran the
+    other's kernels. The folder's content is a fact now, its place is not (replicas mount it anywhere)."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    (tmp_path / "k.py").write_text(TRITON_KERNEL)
+    base = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "1"}
+
+    def build(cache, **env):
+        subprocess.run([sys.executable, "k.py"], cwd=tmp_path, env={**base, "TRITON_CACHE_DIR": str(tmp_path / cache),
+                       **env}, check=True, capture_output=True)  # fmt: skip
+        (folder,) = (tmp_path / cache).iterdir()
+        return folder.name, (folder / "scale.cubin").read_bytes()
+
+    build("own", TRITON_KERNEL_DUMP="1", TRITON_DUMP_DIR=str(tmp_path / "dump"))
+    (dumped,) = (tmp_path / "dump").iterdir()
+    ptx = (dumped / "scale.ptx").read_text()
+    pods = {}
+    for pod, constant in (("five", "0f40A00000"), ("seven", "0f40E00000"), ("five-again", "0f40A00000")):
+        (tmp_path / pod / dumped.name).mkdir(parents=True)
+        (tmp_path / pod / dumped.name / "scale.ptx").write_text(ptx.replace("0f40400000", constant))
+        env = {"TRITON_KERNEL_OVERRIDE": "1", "TRITON_OVERRIDE_DIR": str(tmp_path / pod)}
+        facts = {**GPU, **probes.probe_settings(env), **probes.probe_triton_files(env)}
+        pods[pod] = (build(f"cache-{pod}", **env), facts)
+    (five_folder, five_cubin), five = pods["five"]
+    (seven_folder, seven_cubin), seven = pods["seven"]
+    assert five_folder == seven_folder and five_cubin != seven_cubin  # what triton does
+    assert fingerprint.compute(five).bundle_key != fingerprint.compute(seven).bundle_key
+    assert layerkeys.layer_key("triton", five) != layerkeys.layer_key("triton", seven)
+    (_, again_cubin), again = pods["five-again"]
+    assert again_cubin == five_cubin and fingerprint.compute(again).bundle_key == fingerprint.compute(five).bundle_key
+
+
+def test_triton_override_files_are_keyed_only_where_the_switch_is_on(tmp_path):
+    (tmp_path / ".triton/override/k").mkdir(parents=True)
+    (tmp_path / ".triton/override/k/scale.ptx").write_text("ptx")
+    assert probes.probe_triton_files({"HOME": str(tmp_path)}) == {}
+    assert probes.probe_triton_files({"HOME": str(tmp_path), "TRITON_KERNEL_OVERRIDE": "0"}) == {}
+    on = probes.probe_triton_files({"HOME": str(tmp_path), "TRITON_KERNEL_OVERRIDE": "yes"})
+    assert on["triton.override_files"] not in ("", "absent")  # the default folder, under HOME
+    elsewhere = probes.probe_triton_files({"TRITON_HOME": str(tmp_path / "none"), "TRITON_KERNEL_OVERRIDE": "1"})
+    assert elsewhere == {"triton.override_files": "absent"}
+    (tmp_path / ".triton/override/k/scale.ptx").write_text("other ptx")
+    assert probes.probe_triton_files({"HOME": str(tmp_path), "TRITON_KERNEL_OVERRIDE": "1"}) != on
+    for relative in ("", "override"):  # read from the model's working directory, which kcache cannot see
+        with pytest.raises(ConfigError, match="TRITON_OVERRIDE_DIR"):
+            probes.probe_triton_files({"TRITON_OVERRIDE_DIR": relative, "TRITON_KERNEL_OVERRIDE": "1"})
+    (tmp_path / "mir").mkdir()
+    (tmp_path / "mir/k.txt").write_text("mir")
+    swapped = probes.probe_triton_files({"TRITON_SWAP_MIR": str(tmp_path / "mir")})
+    (tmp_path / "mir/k.txt").write_text("other mir")
+    assert probes.probe_triton_files({"TRITON_SWAP_MIR": str(tmp_path / "mir")}) != swapped
+    assert "override files" in explain.reason("triton.override_files")  # not "its version"
 
 def test_a_layer_key_without_the_facts_only_some_machines_have_is_what_it_was():
     """Facts keyed only where set (nvcc's settings) leave every other machine's layer keys as they were."""
