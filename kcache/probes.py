@@ -63,6 +63,9 @@ _KEYED_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_")
 # dump, timing and debug-output switches, plus the compiler paths and knobs its compiler key covers.
 _KEYED_ENV = (
     "TORCH_INDUCTOR_INSTALL_GXX",
+    # clang's driver edits every command line it is given by this list ("+-ffast-math", "x-O2"...): where
+    # CXX is clang++ (torch picks it by CXX), the same command line torch keys on builds other code.
+    "CCC_OVERRIDE_OPTIONS",
     "TRITON_DEFAULT_FP_FUSION",
     "TRITON_FORCE_DISABLE_FP_FUSION",
     "TRITON_F32_DEFAULT",

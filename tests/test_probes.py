@@ -152,6 +152,14 @@ def test_where_gcc_looks_for_headers_and_libraries_is_a_fact_when_set(name):
     assert p.probe_settings({}) == {}  # unset: no fact, so keys of machines without them stay as they were
 
 
+
+def test_the_edits_clang_makes_to_every_command_line_are_a_fact_when_set():
+    # CCC_OVERRIDE_OPTIONS="+-ffast-math" adds the flag to every clang command: torch's key (the
+    # command line it passes) stays, the kernels change. No clang here to measure: clang's driver
+    # documents it (Driver.cpp applyOverrideOptions).
+    assert p.probe_settings({"CCC_OVERRIDE_OPTIONS": "+-ffast-math"}) == {"env.CCC_OVERRIDE_OPTIONS": "+-ffast-math"}
+    assert p.probe_settings({"CCC_OVERRIDE_OPTIONS": ""}) == {}  # nothing to apply: keys stay
+
 def test_cpath_changes_what_the_same_gxx_command_builds_and_the_key(tmp_path):
     """Measured with this machine's g++: one command line, two CPATHs, two programs."""
     from kcache import fingerprint
