@@ -67,6 +67,7 @@ class WarmupChildFailed(KcacheError):
 
 
 _PIECE = 64 * 1024
+_MAX_LINE = 16 * 1024 * 1024  # a report is a few KiB per profile; a longer line is none
 _DRAIN_SECONDS = 5.0  # for the rest of the child's stdout once its session is killed
 # How long the child may take to exit once its report came (atexit hooks): a thread the user's code
 # left running, not a daemon, holds Python's exit for ever, and the warmup is over by then.
@@ -128,11 +129,11 @@ class ChildWarmup:
         # running would otherwise hold it past --budget (the report lost) or for ever.
         with sigterm_interrupts(), subprocess.Popen(self.command(root), env=env, stdout=subprocess.PIPE,
                                                     start_new_session=True) as child:  # fmt: skip
-            chunks: list[bytes] = []
+            found: list[warmup.WarmupReport] = []  # the last report line of the child's stdout
             settled = threading.Event()  # the child exited, or printed its report
             # On a descriptor of its own: closing child.stdout (leaving this block) takes the
             # buffered reader's lock, which a read blocked on a helper that left the session holds.
-            reader = threading.Thread(target=_drain, args=(os.dup(child.stdout.fileno()), chunks, settled),
+            reader = threading.Thread(target=_drain, args=(os.dup(child.stdout.fileno()), found, settled),
                                       name="kcache-child-out", daemon=True)  # fmt: skip
             reader.start()
             threading.Thread(target=lambda: (child.wait(), settled.set()), name="kcache-child-exit",
@@ -142,10 +143,9 @@ class ChildWarmup:
             finally:
                 _kill_group(child)
             reader.join(_DRAIN_SECONDS)  # a helper that left the session may hold the pipe still
-        report = _last_report(b"".join(chunks).decode(errors="replace"))
-        if report is None:
+        if not found:
             raise WarmupChildFailed(child.returncode)
-        return report
+        return found[-1]
 
     def _wait(self, child: subprocess.Popen, settled: threading.Event) -> None:
         """Until the child exits, or at most `exit_grace` after its report; WarmupChildTimedOut when
@@ -180,15 +180,16 @@ def _mark_killed(root: Path, target: str, exc: BaseException, after: str | None)
         log.warning("cannot write the warmup marker: %s", write_error)
 
 
-def _last_report(stdout: str) -> warmup.WarmupReport | None:
-    """The child's report: its last line that is one. The user's code may still print after it
-    (an atexit hook, a thread), past the redirect `kcache warmup` keeps around the entrypoint."""
-    for line in reversed(stdout.splitlines()):
-        try:
-            return warmup.from_dict(json.loads(line))
-        except (ValueError, RecursionError, KeyError, TypeError, AttributeError):
-            continue
-    return None
+def _report_in(line: bytes) -> warmup.WarmupReport | None:
+    """The report one line of the child's stdout is, or None. The user's code may still print after the
+    report (an atexit hook, a thread), past the redirect `kcache warmup` keeps around the entrypoint:
+    the last line that is a report is the child's."""
+    if not line.lstrip().startswith(b"{"):  # most lines, and cheap: a thread may print millions
+        return None
+    try:
+        return warmup.from_dict(json.loads(line.decode(errors="replace")))
+    except (ValueError, RecursionError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def _kill_group(child: subprocess.Popen) -> None:
@@ -201,19 +202,39 @@ def _kill_group(child: subprocess.Popen) -> None:
     child.wait()
 
 
-def _drain(fd: int, chunks: list[bytes], reported: threading.Event) -> None:
-    """Read `fd` into `chunks` until its end, a piece at a time (what came is kept if it never
-    ends), then close it. `reported` is set once a whole line of it is a report."""
+def _drain(fd: int, found: list[warmup.WarmupReport], reported: threading.Event) -> None:
+    """Read `fd` to its end, a piece at a time, then close it. Each line is read as a report as it
+    completes (the last, unterminated one at the end): `found` holds the last report, and `reported`
+    is set at the first. Nothing else is kept: the user's code may print without end after the report
+    (an atexit hook, a thread, for the whole grace), and prebake kept all of it, 2.3 GiB for 768 MiB
+    printed. A line longer than _MAX_LINE is no report of kcache warmup's and is skipped."""
+    line = bytearray()
+    skipping = False  # inside a line past _MAX_LINE, until its end
+
+    def ended() -> None:
+        report = None if skipping else _report_in(bytes(line))
+        if report is not None:
+            found[:] = [report]
+            reported.set()
+
     try:
         while piece := os.read(fd, _PIECE):
-            chunks.append(piece)
-            if b"\n" in piece and not reported.is_set():
-                complete = b"".join(chunks).rpartition(b"\n")[0]
-                if _last_report(complete.decode(errors="replace")) is not None:
-                    reported.set()
+            start = 0
+            while (end := piece.find(b"\n", start)) >= 0:
+                if not skipping:
+                    line += piece[start:end]
+                ended()
+                line.clear()
+                skipping, start = False, end + 1
+            if not skipping:
+                line += piece[start:]
+                if len(line) > _MAX_LINE:
+                    line.clear()
+                    skipping = True
     except OSError:  # the pipe's end is all this reader needs to know
         pass
     finally:
+        ended()
         os.close(fd)
 
 

@@ -5,6 +5,7 @@ import atexit
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -77,6 +78,23 @@ def dots_on_stdout(batch_size, input_tokens, output_tokens):
 def crashes(batch_size, input_tokens, output_tokens):
     """Dies mid-warmup without a word, as a segfault in a CUDA extension or the OOM killer ends it."""
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+
+FLOOD_LINES = 768  # lines of 1 MiB the next entrypoint prints after its report
+
+
+def floods_stdout_at_exit(batch_size, input_tokens, output_tokens):
+    """Compiles, then prints 768 MiB to stdout once the warmup is over (a library's atexit hook dumping
+    its state, a thread logging in a loop): after the report, inside prebake's grace for the exit."""
+    compiles(batch_size, input_tokens, output_tokens)
+
+    def flood():
+        line = b"x" * (1024 * 1024 - 1) + b"\n"
+        for _ in range(FLOOD_LINES):
+            os.write(1, line)
+
+    atexit.register(flood)
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -185,9 +203,6 @@ def test_sigterm_to_prebake_kills_its_warmup_child_too(tmp_path, child_path, mon
     """The child runs in a session of its own, so the signal that stops prebake (`timeout`, a CI job
     cancelled, a Job past its deadline) never reaches it: SIGTERM ended prebake on the spot and left
     the warmup running, on the GPU, for ever. Now the child's group is killed and --json says why."""
-    import subprocess
-    import sys
-
     fifo = tmp_path / "pid.fifo"
     os.mkfifo(fifo)
     monkeypatch.setenv("KCACHE_TEST_FIFO", str(fifo))
@@ -292,3 +307,22 @@ def test_a_warmup_child_that_dies_without_a_report_leaves_a_failed_marker(tmp_pa
     marker = readiness.read_marker(tmp_path / "A", readiness.WARMUP_MARKER)
     assert marker["status"] == "failed" and "no report" in marker["error"]
     assert readiness.check(tmp_path / "A").reason.startswith("warmup failed")
+
+
+def test_what_the_entrypoint_prints_after_its_report_is_not_kept_in_memory(tmp_path, child_path):
+    """prebake kept all of the child's stdout to find the report in it at the end: 768 MiB printed by an
+    atexit hook after the report grew prebake by that much, and the joined, decoded and split copies by
+    three times more; a thread printing for the whole grace could take the builder's memory. prebake
+    keeps the report line alone now."""
+    launcher = ("import resource, subprocess, sys\n"
+                "code = subprocess.call(sys.argv[1:], stdout=subprocess.DEVNULL)\n"
+                "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+                "sys.exit(code)\n")  # the peak RSS of prebake and its warmup child, not pytest's own pages
+    env = {**os.environ, "KCACHE_HOME": str(tmp_path / "home")}
+    proc = subprocess.run([sys.executable, "-c", launcher, sys.executable, "-m", "kcache", "prebake", "--root",
+                           str(tmp_path / "A"), "--entrypoint", "test_prebake:floods_stdout_at_exit", "--profiles",
+                           str(child_path), "--model", "m", "--json"],
+                          capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    peak = int(proc.stdout.split()[-1]) * 1024  # ru_maxrss is in KiB on Linux
+    assert peak < 256 * 1024 * 1024, f"peak RSS {peak >> 20} MiB"
