@@ -54,6 +54,18 @@ def write_kernel(batch_size, input_tokens, output_tokens):
     (cache / f"kernel-{batch_size}x{input_tokens}.so").write_text(os.environ["TMPDIR"])
 
 
+
+def marker_unwritable(batch_size, input_tokens, output_tokens):
+    """Compiles, then leaves ROOT where no warmup marker can be written any more (a full or read-only
+    volume; here a directory where the marker goes, which stops root too)."""
+    write_kernel(batch_size, input_tokens, output_tokens)
+    marker = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).parent / readiness.WARMUP_MARKER
+    if not marker.is_dir():
+        marker.unlink(missing_ok=True)
+        marker.mkdir()
+        (marker / "in-the-way").write_bytes(b"")
+
+
 # ---- helpers ------------------------------------------------------------------------------------
 
 
@@ -461,3 +473,24 @@ def test_a_warmup_that_cannot_start_still_writes_a_failed_marker(tmp_path, what)
     marker = readiness.read_marker(tmp_path / "root", readiness.WARMUP_MARKER)
     assert marker is not None and marker["status"] == "failed" and marker["on_failure"] == "ready-cold"
     assert marker["error"] and json.loads(result.stdout)["exit_code"] == result.exit_code
+
+
+def test_a_marker_that_cannot_be_written_loses_neither_the_warmup_nor_its_report(tmp_path, profiles_file, monkeypatch):
+    """The marker is readiness's signal, not the warmup's result: a marker write that failed after the first
+    profile (ROOT full or read-only) ended the warmup there with no report, and prebake, which reads the
+    report, published nothing of what it had compiled. Now the warmup runs on, the report comes whole,
+    and the exit code says the marker failed."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    out = cli("prebake", "--root", str(tmp_path / "A"), "--entrypoint", "test_warmup:marker_unwritable", "--profiles",
+              str(profiles_file), "--model", "m", "--json")  # fmt: skip
+    doc = json.loads(out.output)
+    assert doc["warmup"]["status"] == "ok" and doc["publish"]["files"] == 4
+    root = tmp_path / "B"
+    cli("restore", "--into", str(root), "--model", "other")  # a miss: lays out ROOT and its kcache.env
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    monkeypatch.setenv("TMPDIR", str(root / "tmp"))
+    out = cli("warmup", "--entrypoint", "test_warmup:marker_unwritable", "--profiles", str(profiles_file), "--root",
+              str(root), "--json", code=ExitCode.ROOT)  # fmt: skip
+    report = json.loads(out.stdout)
+    assert report["status"] == "ok" and len(report["profiles"]) == 4 and report["marker"] is None
+    assert readiness.WARMUP_MARKER in report["marker_error"] and report["exit_code"] == ExitCode.ROOT

@@ -127,7 +127,9 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
     which readiness signals (weights loaded, graphs compiled) hold already. SIGTERM or SIGINT stops
     it at once (exit 143 or 130, also as a container's PID 1) with a failed marker. With
     --entrypoint, a process that imported torch also saves torch's Mega-Cache to
-    $KCACHE_MEGACACHE when that is set (ROOT/kcache.env sets it).
+    $KCACHE_MEGACACHE when that is set (ROOT/kcache.env sets it). A marker that cannot be written
+    (ROOT full or read-only) does not stop the warmup: the report still comes, and the exit code is
+    the root error's.
 
     \b
     Examples:
@@ -145,10 +147,12 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
     lingering.bound(before, EXIT_GRACE)
     last: list[warmup.WarmupReport] = []  # the last "running" report: what held when a signal came
 
+    unwritable: list[KcacheError] = []  # the marker's last failure: readiness's signal, not the warmup's result
+
     def checkpoint(partial: warmup.WarmupReport) -> None:
         last[:] = [partial]
         if root:
-            warmup.write_marker(root, partial, on_failure, expires_at=expires, after_restore=after)
+            _write_marker(root, partial, on_failure, unwritable, expires_at=expires, after_restore=after)
 
     try:
         # kcache may be the container's PID 1, which the kernel sends no signal it has no handler for:
@@ -178,9 +182,11 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
                                          error=one_line(str(exc)) or type(exc).__name__)  # fmt: skip
             _mark_failed(root, failed, on_failure, after)
         raise
-    marker = warmup.write_marker(root, report, on_failure, after_restore=after) if root else None
+    unwritable.clear()  # the last word on the marker is this one's
+    marker = _write_marker(root, report, on_failure, unwritable, after_restore=after) if root else None
     if as_json:
         failure = _failure(report) if report.status != "ok" else {}
+        failure.update({"marker_error": str(unwritable[-1]), "exit_code": int(ExitCode.ROOT)} if unwritable else {})
         doc = fmt.to_json({**_report_json(report), "marker": str(marker) if marker else None, **failure})
         # On a line of its own, in one write: the entrypoint's threads may still write to stdout, and text
         # without a line break (progress dots) made the report's line no JSON, and `kcache prebake`, which
@@ -189,8 +195,25 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
     else:
         _print_report(report)
         click.echo(f"kcache: marker {marker}" if marker else "kcache: no readiness marker (no --root)")
+    if unwritable:  # after the report (`kcache prebake` reads it, and publishes what the warmup compiled),
+        if not as_json:  # which holds the error under --json: one document on stdout
+            click.echo(f"kcache: error: {fmt.text(str(unwritable[-1]))}", err=True)
+        raise click.exceptions.Exit(ExitCode.ROOT)
     if report.status != "ok":
         raise click.exceptions.Exit(ExitCode.WARMUP)
+
+
+def _write_marker(root: Path, report: warmup.WarmupReport, on_failure: str, failures: list[KcacheError],
+                  **kwargs) -> Path | None:  # fmt: skip
+    """The marker written, or None with its error in `failures` (warned once): a full or read-only ROOT
+    ended the warmup at its first checkpoint, with no report, and prebake published nothing it compiled."""
+    try:
+        return warmup.write_marker(root, report, on_failure, **kwargs)
+    except KcacheError as exc:
+        if not failures:
+            log.warning("%s; the warmup goes on, readiness cannot follow it", exc)
+        failures[:] = [exc]
+        return None
 
 
 def _mark_failed(root: Path, failed: warmup.WarmupReport, on_failure: str, after) -> None:
