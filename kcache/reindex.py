@@ -24,7 +24,8 @@ is yanked when `yanks/<id>` exists or its key's ref lists it (a yank never comes
 just because the index was lost).
 
 Every write is insert-or-ignore by id, so reindex can run again after an interruption, into an
-index that has rows, and while publishes commit to it: a pack published after the listing is
+index that has rows, and while publishes commit to it; only a row that does not read back (every
+other read of the index refuses it, naming reindex as the repair) is rewritten from its manifest: a pack published after the listing is
 asked for by its key before a manifest naming it is left out. A manifest without a row, written
 in the last minutes, whose bundle key a publish holds the lease of is left to that publish (listed
 in `publishing`): it may be the one it wrote just before its commit point, and a row reindex put
@@ -77,6 +78,8 @@ class ReindexResult:
     skipped: tuple[str, ...]  # objects that failed verification, with the reason
     # Manifests without a row whose bundle key a publish holds the lease of: left to that publish's commit
     publishing: tuple[str, ...] = ()
+    # Bundles whose row did not read back (every read of the index refuses it), rewritten from their manifest
+    repaired: tuple[str, ...] = ()
 
 
 class TrailerBudget:
@@ -230,6 +233,7 @@ def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool 
 
     bundles = new = 0
     publishing: list[str] = []
+    repaired: list[str] = []
     yanked = _yanked(store, skipped)
     key_refs: dict[str, refs.Ref | None] = {}
     for info in store.list("manifests/"):
@@ -270,9 +274,13 @@ def reindex(store: Store, index: Index, *, jobs: int = 16, trust_trailers: bool 
         bundles += 1
         added = index.add_bundle(bundle, keep_time=True)
         new += added
+        if not added and index.repair_bundle(bundle):
+            repaired.append(manifest_id)
+            continue
         if not added and status == "yanked" and _yanked_now(store, index, manifest):  # a row that outlived its
             lifecycle.set_status(index, manifest_id, "yanked")  # yank: the store's word wins
-    return ReindexResult(len(pack_infos), blob_count, bundles, new, tuple(skipped), tuple(publishing))
+    return ReindexResult(len(pack_infos), blob_count, bundles, new, tuple(skipped), tuple(publishing),
+                         tuple(repaired))  # fmt: skip
 
 
 def _restorable(store: Store, info: ObjectInfo, manifest_id: str, trusted: tuple,

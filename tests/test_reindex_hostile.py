@@ -4,6 +4,7 @@ may make restore take a bundle it cannot lay out, nor make restore or `kcache ls
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 
 import pytest
 from click.testing import CliRunner
@@ -12,6 +13,7 @@ from trees import read_tree, write_tree
 from kcache import fingerprint, sources
 from kcache import manifest as manifests
 from kcache.cli import main
+from kcache.errors import KcacheError
 from kcache.index import Index
 from kcache.publish import publish
 from kcache.reindex import reindex
@@ -195,3 +197,48 @@ def test_a_store_writer_cannot_make_an_older_signed_bundle_the_newest_by_reindex
         assert rebuilt.newest_bundle(fp.bundle_key).id == new.bundle_id
     finally:
         rebuilt.close()
+
+
+DAMAGE = {  # what a hand edit, a bad migration or a writer of the index leaves in one bundle row
+    "facts": "UPDATE bundles SET facts = '{bad'",
+    "created_at": "UPDATE bundles SET created_at = 'garbage'",
+    "status": "UPDATE bundles SET status = x'41'",  # a blob, not text
+    "oversized": f"UPDATE bundles SET created_by = '{'x' * 5000}'",
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_reindex_rewrites_a_bundle_row_that_does_not_read_back_from_its_manifest(tmp_path, store, fp, damage):
+    """Every read of the index refuses a row that does not read back (ls, gc, verify stop at it; restores of
+    its key start cold) and names `kcache reindex` as the repair; but reindex inserts only missing rows: it
+    said ok and left the row as it was. It now puts the manifest's row in its place."""
+    import sqlite3
+
+    index = Index.open(f"sqlite:///{tmp_path / 'index.db'}")
+    published = _publish(tmp_path, store, index, fp, {"inductor/a": b"a"})
+    created = index.get_bundle(published.bundle_id).created_at
+    raw = sqlite3.connect(tmp_path / "index.db")  # a writer of the index, without kcache's checks
+    raw.execute(DAMAGE[damage])
+    raw.commit()
+    raw.close()
+    with pytest.raises(KcacheError, match="reindex|does not read back"):
+        index.get_bundle(published.bundle_id)
+    rebuilt = reindex(store, index)
+    assert rebuilt.repaired == (published.bundle_id,) and not rebuilt.skipped
+    (row,) = index.list_bundles()
+    assert (row.id, row.status, row.created_by.startswith("reindex@")) == (published.bundle_id, "active", True)
+    assert row.created_at <= created + timedelta(seconds=1)  # dated by its ref, as reindex dates any bundle
+    assert restore(store, index, fp, tmp_path / "dst").status == "hit"
+    assert reindex(store, index).repaired == ()  # a row that reads back is left as it is
+    index.close()
+
+
+def test_reindex_repairs_a_damaged_row_on_either_index(tmp_path, index, store, fp):
+    from sqlalchemy import update
+
+    from kcache.index.models import BundleRow
+
+    published = _publish(tmp_path, store, index, fp, {"inductor/a": b"a"})
+    index.transaction(lambda s: s.execute(update(BundleRow).values(facts="{bad")))
+    assert reindex(store, index).repaired == (published.bundle_id,)
+    assert index.get_bundle(published.bundle_id).facts == dict(fp.facts)

@@ -40,7 +40,8 @@ def reindex_cmd(jobs, trust_trailers, trusted_keys, store_url, index_url, s3_end
     A manifest restore could not lay out (a pack it names is missing or short, it is not where
     restore reads it, its keys are not its facts') or whose row the index cannot hold is skipped.
     Safe to run on a live index, while publishes commit, and again after it was cut off: rows that
-    exist are kept as they are (a yank in the store still wins), and a manifest written moments ago
+    exist are kept as they are (a yank in the store still wins; a row that does not read back, which
+    every other command refuses, is rewritten from its manifest and listed), and a manifest written moments ago
     for a key a publish holds the lease of is left to that publish's commit (listed). Run it to the end before `kcache
     gc`: to gc, a manifest without a row is an orphan. Exits 12 when objects had to be skipped,
     listing each.
@@ -61,6 +62,8 @@ def reindex_cmd(jobs, trust_trailers, trusted_keys, store_url, index_url, s3_end
     else:
         click.echo(f"kcache: indexed {result.packs} packs ({result.blobs} blobs) and {result.bundles} bundles "
                    f"({result.new_bundles} new)")  # fmt: skip
+        for bundle_id in result.repaired:
+            click.echo(f"  rewrote the row of bundle {bundle_id[:12]} from its manifest: it did not read back")
         for bundle_id in result.publishing:
             click.echo(f"  left bundle {bundle_id[:12]} to the publish of its key that is running (its lease is "
                        "held); run reindex again if that publish never commits it", err=True)  # fmt: skip

@@ -143,7 +143,8 @@ def newest_holders(index: Index, layer: str, gives: Callable[[Bundle], bool], li
 
 
 def has_bundle(index: Index, bundle_id: str) -> bool:
-    return index.read(lambda s: s.get(BundleRow, bundle_id) is not None)
+    """Whether a row has this id; only the id is read, so a row that does not read back has one too."""
+    return index.read(lambda s: s.scalar(select(BundleRow.id).where(BundleRow.id == bundle_id)) is not None)
 
 
 def delete_expired_bundle(index: Index, bundle: Bundle, keep_last: int, cutoff: datetime, *,

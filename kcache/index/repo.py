@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import TypeVar
 
-from sqlalchemy import Engine, String, and_, any_, func, literal, select, update
+from sqlalchemy import Engine, String, and_, any_, delete, func, insert, literal, select, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -106,6 +106,17 @@ def bundle_of(row: BundleRow) -> Bundle:
         row.id, row.bundle_key, row.toolchain_key, row.workload_key, row.model,
         facts, tuple(filter(None, row.layers.split(","))),
         row.files, row.bytes, created, row.created_by, row.status, row.compile_seconds,
+    )  # fmt: skip
+
+
+def _row_of(bundle: Bundle, created: datetime) -> dict:
+    """`bundle` as the columns of its row, stamped `created`."""
+    return dict(
+        id=bundle.id, bundle_key=bundle.bundle_key, toolchain_key=bundle.toolchain_key,
+        workload_key=bundle.workload_key, model=bundle.model,
+        facts=json.dumps(bundle.facts, sort_keys=True), layers=",".join(bundle.layers),
+        files=bundle.files, bytes=bundle.bytes, created_at=created,
+        created_by=bundle.created_by, status=bundle.status, compile_seconds=bundle.compile_seconds,
     )  # fmt: skip
 
 
@@ -289,17 +300,33 @@ class Index:
                 if newest not in (if_newest, bundle.id):
                     raise NewestChanged(self.url, bundle.bundle_key, if_newest, newest)  # type: ignore[arg-type]
             # Stamped once the lock is held: a commit that waited for another is newer than it.
-            created = bundle.created_at if keep_time else self._stamp()
-            row = dict(
-                id=bundle.id, bundle_key=bundle.bundle_key, toolchain_key=bundle.toolchain_key,
-                workload_key=bundle.workload_key, model=bundle.model,
-                facts=json.dumps(bundle.facts, sort_keys=True), layers=",".join(bundle.layers),
-                files=bundle.files, bytes=bundle.bytes, created_at=created,
-                created_by=bundle.created_by, status=bundle.status, compile_seconds=bundle.compile_seconds,
-            )  # fmt: skip
+            row = _row_of(bundle, bundle.created_at if keep_time else self._stamp())
             # RETURNING, not rowcount: psycopg reports -1 for ON CONFLICT inserts.
             stmt = self.insert_ignore(BundleRow, [row]).returning(BundleRow.id)
             return s.connection().execute(stmt).first() is not None
+
+        return self.transaction(work)
+
+    def repair_bundle(self, bundle: Bundle) -> bool:
+        """Put `bundle` (with its own time) in place of the row of its id when that row does not read
+        back: a hand edit, a bad migration or a writer of the index left it so, and every read refuses
+        it (ls, gc and verify stop there; restores of its key start cold). False when the row reads
+        back, or is gone. `kcache reindex` repairs so, from the bundle's manifest."""
+
+        def work(s: Session) -> bool:
+            self.lock_key(s, bundle.bundle_key)
+            if s.scalar(select(BundleRow.id).where(BundleRow.id == bundle.id)) is None:
+                return False
+            try:
+                row = s.scalars(select(BundleRow).where(BundleRow.id == bundle.id, _small_row())).first()
+                if row is not None:
+                    bundle_of(row)
+                    return False
+            except (BadRow, ValueError, TypeError):  # what _guard reports as a row that does not read back
+                s.expunge_all()
+            s.execute(delete(BundleRow).where(BundleRow.id == bundle.id))
+            s.execute(insert(BundleRow).values(_row_of(bundle, bundle.created_at)))
+            return True
 
         return self.transaction(work)
 
@@ -485,6 +512,7 @@ class Index:
             raise IndexDbError(self.url, one_line(describe_error(exc), _QUOTED)) from None
         except BadRow as exc:
             raise IndexDbError(self.url, f"{one_line(exc, _QUOTED)}; repair or delete that row (`kcache reindex` "
-                                         "rebuilds rows)") from None  # fmt: skip
+                                         "rewrites it from its manifest)") from None  # fmt: skip
         except (ValueError, TypeError) as exc:  # a column the driver cannot read back (a date that is no date)
-            raise IndexDbError(self.url, f"a row does not read back: {one_line(exc, _QUOTED)}") from None
+            raise IndexDbError(self.url, f"a row does not read back: {one_line(exc, _QUOTED)}; repair or delete it "
+                                         "(`kcache reindex` rewrites a bundle's row from its manifest)") from None
