@@ -25,12 +25,12 @@ just because the index was lost).
 
 Every write is insert-or-ignore by id, so reindex can run again after an interruption, into an
 index that has rows, and while publishes commit to it; only a row that does not read back (every
-other read of the index refuses it, naming reindex as the repair) is rewritten from its manifest: a pack published after the listing is
-asked for by its key before a manifest naming it is left out. A manifest without a row, written
-in the last minutes, whose bundle key a publish holds the lease of is left to that publish (listed
-in `publishing`): it may be the one it wrote just before its commit point, and a row reindex put
-in first, dated before the key's ref, made its commit find the bundle there already, older than
-the key's newest: published, and restored by no pod.
+other read of the index refuses it, naming reindex as the repair) is rewritten from its manifest.
+A pack published after the listing is asked for by its key before a manifest naming it is left
+out. A manifest without a row, written in the last minutes, whose bundle key a publish holds the
+lease of is left to that publish (listed in `publishing`): it may be the one it wrote just before
+its commit point, and a row reindex put in first, dated before the key's ref, made its commit find
+the bundle there already, older than the key's newest: published, and restored by no pod.
 """
 
 from __future__ import annotations
