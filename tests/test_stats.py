@@ -10,6 +10,7 @@ from trees import write_tree
 
 from kcache import durations, fingerprint, sources, stats
 from kcache.cli import main
+from kcache.cli.errors import ExitCode
 from kcache.errors import ConfigError
 from kcache.index import Event
 from kcache.index.models import EventRow
@@ -152,3 +153,14 @@ def test_a_wrong_typed_event_value_is_an_index_error_not_a_bug(sqlite_index, col
         conn.exec_driver_sql(f"UPDATE events SET {column} = {value}")
     result = run("stats", "--index", sqlite_index.url, code=ExitCode.INDEX)
     assert "Traceback" not in result.output and column in result.stderr
+
+
+def test_a_model_the_index_has_no_bundle_of_is_named_not_counted_as_zeros(index, history):
+    """`stats --model` with a misspelt model printed a report of zeros, as for a model nobody restored, and
+    `ls --model` said "no bundles yet": a typo read as a fleet that never restores. Both say it now."""
+    result = run("stats", "--index", index.url, "--model", "test-modle", code=ExitCode.NOT_FOUND)
+    assert "test-modle" in result.output and "kcache ls" in result.output
+    assert json.loads(run("stats", "--index", index.url, "--model", "test-model", "--json").output)["restores"] == 5
+    listed = run("ls", "--index", index.url, "--model", "test-modle")
+    assert "no bundles of model 'test-modle'" in listed.output and "yet" not in listed.output
+    assert json.loads(run("ls", "--index", index.url, "--model", "test-modle", "--json").output) == []

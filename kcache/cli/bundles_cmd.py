@@ -39,7 +39,10 @@ def ls_cmd(key, model, limit, store_url, index_url, s3_endpoint_url, as_json):
     if as_json:
         click.echo(fmt.to_json([fmt.bundle_json(b) for b in bundles]))
         return
-    if not bundles:
+    if not bundles and (model or key):
+        named = " and ".join(([f"model {model!r}"] if model else []) + ([f"bundle key {key}..."] if key else []))
+        click.echo(f"no bundles of {named}: `kcache ls` lists every model's")
+    elif not bundles:
         click.echo("no bundles yet: run `kcache publish` after a warmup")
         return
     rows = [(b.id[:12], b.bundle_key, b.model or "-", b.files, fmt.size(b.bytes), fmt.when(b.created_at), b.status)

@@ -9,6 +9,8 @@ import click
 from kcache import durations, stats
 from kcache.cli import format as fmt
 from kcache.cli.options import json_option, opened, settings, store_options
+from kcache.errors import NotFound
+from kcache.index import lifecycle
 
 
 @click.command("stats")
@@ -37,6 +39,10 @@ def stats_cmd(since, model, store_url, index_url, s3_endpoint_url, as_json):
     """
     window = durations.parse(since, "--since") if since else None
     with opened(settings(store_url, index_url, s3_endpoint_url), store=False, write=False) as (_, index):
+        if model is not None and not lifecycle.bundle_keys(index, model):
+            # Events count for a model through its bundles' keys: none, and the report would be zeros, as
+            # for a model nobody restores (a misspelt --model read so).
+            raise NotFound("bundle of model", model)
         result = stats.summarize(index, window=window, model=model)
     if as_json:
         doc = {**asdict(result), "since": result.since.isoformat() if result.since else None,
