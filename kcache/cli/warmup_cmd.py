@@ -34,7 +34,7 @@ from kcache.cli.options import (
 )
 from kcache.cli.publish_cmd import allow_empty_option, publish_config
 from kcache.config import redact_doc, redact_text
-from kcache.errors import ConfigError, KcacheError
+from kcache.errors import ConfigError, KcacheError, RootError
 from kcache.prebake import EXIT_GRACE, ChildWarmup, ServerWarmup, prebake
 from kcache.restore import sigterm_interrupts
 from kcache.untrusted import one_line
@@ -147,7 +147,7 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
     lingering.bound(before, EXIT_GRACE)
     last: list[warmup.WarmupReport] = []  # the last "running" report: what held when a signal came
 
-    unwritable: list[KcacheError] = []  # the marker's last failure: readiness's signal, not the warmup's result
+    unwritable: list[RootError] = []  # the marker's last failure: readiness's signal, not the warmup's result
 
     def checkpoint(partial: warmup.WarmupReport) -> None:
         last[:] = [partial]
@@ -203,13 +203,13 @@ def warmup_cmd(entrypoint, url, profiles_file, parallel, request_timeout, wait_t
         raise click.exceptions.Exit(ExitCode.WARMUP)
 
 
-def _write_marker(root: Path, report: warmup.WarmupReport, on_failure: str, failures: list[KcacheError],
+def _write_marker(root: Path, report: warmup.WarmupReport, on_failure: str, failures: list[RootError],
                   **kwargs) -> Path | None:  # fmt: skip
     """The marker written, or None with its error in `failures` (warned once): a full or read-only ROOT
     ended the warmup at its first checkpoint, with no report, and prebake published nothing it compiled."""
     try:
         return warmup.write_marker(root, report, on_failure, **kwargs)
-    except KcacheError as exc:
+    except RootError as exc:  # where the marker goes cannot be written
         if not failures:
             log.warning("%s; the warmup goes on, readiness cannot follow it", exc)
         failures[:] = [exc]
