@@ -88,11 +88,9 @@ triton.compile(src, target=GPUTarget("cuda", 90, 32))  # no GPU needed: Triton's
 """
 
 
-def test_triton_files_an_overridden_kernel_under_its_usual_key_so_the_layer_key_holds_the_switch(tmp_path):
-    """Measured with the installed triton (no GPU: it compiles for sm_90 with its own ptxas): with
-    TRITON_KERNEL_OVERRIDE=1 it builds a kernel from the override folder's PTX (x * 5.0, not x * 3.0)
-    and files it in the cache folder the kernel's own build uses. A Triton layer from such a pod,
-    laid down by --fallback layers where no override is set, ran the other kernel."""
+def _triton_kernel_built(tmp_path):
+    """(build, its own build, the folder of its dumped IR): `build(cache, **env)` compiles TRITON_KERNEL with
+    the installed triton in a child process, into cache dir `cache`, and gives (its folder's name, cubin)."""
     pytest.importorskip("triton")
     import subprocess
     import sys
@@ -108,6 +106,15 @@ def test_triton_files_an_overridden_kernel_under_its_usual_key_so_the_layer_key_
 
     own = build("own", TRITON_KERNEL_DUMP="1", TRITON_DUMP_DIR=str(tmp_path / "dump"))
     (dumped,) = (tmp_path / "dump").iterdir()
+    return build, own, dumped
+
+
+def test_triton_files_an_overridden_kernel_under_its_usual_key_so_the_layer_key_holds_the_switch(tmp_path):
+    """Measured with the installed triton (no GPU: it compiles for sm_90 with its own ptxas): with
+    TRITON_KERNEL_OVERRIDE=1 it builds a kernel from the override folder's PTX (x * 5.0, not x * 3.0)
+    and files it in the cache folder the kernel's own build uses. A Triton layer from such a pod,
+    laid down by --fallback layers where no override is set, ran the other kernel."""
+    build, own, dumped = _triton_kernel_built(tmp_path)
     ptx = (dumped / "scale.ptx").read_text()
     assert "0f40400000" in ptx  # 3.0
     (tmp_path / "override" / dumped.name).mkdir(parents=True)
@@ -118,27 +125,12 @@ def test_triton_files_an_overridden_kernel_under_its_usual_key_so_the_layer_key_
     assert layerkeys.layer_key("triton", GPU) != layerkeys.layer_key("triton", overriding)
 
 
-
 def test_two_pods_overriding_triton_kernels_with_other_files_share_no_key(tmp_path):
     """Both pods set TRITON_KERNEL_OVERRIDE=1; their override folders hold other PTX (x * 5.0 and x * 7.0).
     The installed triton builds two cubins and files both under the kernel's own folder name, and the
     switch alone was keyed: the pods shared their bundle key and the Triton layer's, and one ran the
     other's kernels. The folder's content is a fact now, its place is not (replicas mount it anywhere)."""
-    pytest.importorskip("triton")
-    import subprocess
-    import sys
-
-    (tmp_path / "k.py").write_text(TRITON_KERNEL)
-    base = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "1"}
-
-    def build(cache, **env):
-        subprocess.run([sys.executable, "k.py"], cwd=tmp_path, env={**base, "TRITON_CACHE_DIR": str(tmp_path / cache),
-                       **env}, check=True, capture_output=True)  # fmt: skip
-        (folder,) = (tmp_path / cache).iterdir()
-        return folder.name, (folder / "scale.cubin").read_bytes()
-
-    build("own", TRITON_KERNEL_DUMP="1", TRITON_DUMP_DIR=str(tmp_path / "dump"))
-    (dumped,) = (tmp_path / "dump").iterdir()
+    build, _own, dumped = _triton_kernel_built(tmp_path)
     ptx = (dumped / "scale.ptx").read_text()
     pods = {}
     for pod, constant in (("five", "0f40A00000"), ("seven", "0f40E00000"), ("five-again", "0f40A00000")):
