@@ -90,13 +90,18 @@ class PausingIndex:
         return where
 
 
-def test_gc_sweeping_under_a_running_publish_never_breaks_its_bundle(tmp_path, store, sqlite_index, fp):
-    _publish(tmp_path, store, sqlite_index, fp, b"shared kernel" * 100, "v1")
-    _publish(tmp_path, store, sqlite_index, fp, b"other kernel" * 100, "v2")
+def _shared_kernel_condemned(tmp_path, store, index, fp):
+    """v1's kernel left only in a pack gc condemned (v2 replaced v1, gc ran 8 days on); (that gc's time, a
+    fingerprint of another model whose publish will find the kernel there)."""
+    _publish(tmp_path, store, index, fp, b"shared kernel" * 100, "v1")
+    _publish(tmp_path, store, index, fp, b"other kernel" * 100, "v2")
     later = datetime.now(timezone.utc) + timedelta(days=8)
-    gc.execute(store, sqlite_index, gc.plan(store, sqlite_index, POLICY, now=later))
+    gc.execute(store, index, gc.plan(store, index, POLICY, now=later))
+    return later, fingerprint.compute({**fp.facts, "model.id": "racer"})
 
-    other_model = fingerprint.compute({**fp.facts, "model.id": "racer"})
+
+def test_gc_sweeping_under_a_running_publish_never_breaks_its_bundle(tmp_path, store, sqlite_index, fp):
+    later, other_model = _shared_kernel_condemned(tmp_path, store, sqlite_index, fp)
     write_tree(tmp_path / "v3", {"inductor/kernel.so": b"shared kernel" * 100})
     pausing = PausingIndex(sqlite_index)
     box = {}
@@ -128,12 +133,7 @@ class PausingBeforeLocate(PausingIndex):
 
 
 def test_gc_sweeping_while_a_publish_uploads_never_fails_it(tmp_path, store, index, fp):
-    _publish(tmp_path, store, index, fp, b"shared kernel" * 100, "v1")
-    _publish(tmp_path, store, index, fp, b"other kernel" * 100, "v2")
-    later = datetime.now(timezone.utc) + timedelta(days=8)
-    gc.execute(store, index, gc.plan(store, index, POLICY, now=later))
-
-    other_model = fingerprint.compute({**fp.facts, "model.id": "racer"})
+    later, other_model = _shared_kernel_condemned(tmp_path, store, index, fp)
     write_tree(tmp_path / "v3", {"inductor/kernel.so": b"shared kernel" * 100, "inductor/new.py": b"new"})
     pausing = PausingBeforeLocate(index)
     box = {}
